@@ -1,0 +1,123 @@
+// Storage types and float32 conversions, usable from host C++ and CUDA device code alike, so the
+// CPU path and the kernels share one definition of every dtype.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#define ATTNMERGE_HD __host__ __device__ __forceinline__
+#define ATTNMERGE_UNROLL _Pragma("unroll")
+#else
+#define ATTNMERGE_HD inline
+#define ATTNMERGE_UNROLL _Pragma("GCC unroll 8")
+#endif
+
+namespace attnmerge {
+
+// 16-bit storage types are plain bit containers: host code needs no CUDA headers, and device
+// code converts through the hardware instructions.
+struct half_t { uint16_t bits; };
+struct bfloat16_t { uint16_t bits; };
+
+namespace detail {
+
+ATTNMERGE_HD float bits_to_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+ATTNMERGE_HD uint32_t float_to_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+// IEEE binary16 from float32, round to nearest even, overflow to inf, NaN kept quiet.
+inline uint16_t host_float_to_half(float f) {
+  const uint32_t x = float_to_bits(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return static_cast<uint16_t>(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds past 65504
+  if (ax < 0x38800000u) {                                                 // subnormal or zero half
+    // Scale into the half subnormal range; the float adder rounds to nearest even for us.
+    const float scaled = bits_to_float(ax) * 16777216.0f;                  // 2^24: one unit = 2^-24
+    const uint32_t r = static_cast<uint32_t>(scaled);
+    const float rem = scaled - static_cast<float>(r);
+    uint32_t q = r + ((rem > 0.5f || (rem == 0.5f && (r & 1u))) ? 1u : 0u);
+    return static_cast<uint16_t>(sign | q);
+  }
+  const uint32_t mant_odd = (ax >> 13) & 1u;
+  const uint32_t rounded = ax + 0xfffu + mant_odd;
+  return static_cast<uint16_t>(sign | ((rounded - 0x38000000u) >> 13));
+}
+
+inline float host_half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  if (exp == 0) {
+    const float v = static_cast<float>(mant) * 5.9604644775390625e-08f;  // mant * 2^-24
+    return sign ? -v : v;
+  }
+  if (exp == 31) return bits_to_float(sign | 0x7f800000u | (mant << 13));
+  return bits_to_float(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+inline uint16_t host_float_to_bfloat16(float f) {
+  const uint32_t x = float_to_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet NaN
+  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+}  // namespace detail
+
+// load<T>(p) -> float and store<T>(p, float): the only places a storage type is interpreted.
+template <typename T> struct Convert;
+
+template <> struct Convert<float> {
+  static ATTNMERGE_HD float load(float v) { return v; }
+  static ATTNMERGE_HD float store(float f) { return f; }
+};
+
+template <> struct Convert<half_t> {
+  static ATTNMERGE_HD float load(half_t v) {
+#if defined(__CUDA_ARCH__)
+    return __half2float(__ushort_as_half(v.bits));
+#else
+    return detail::host_half_to_float(v.bits);
+#endif
+  }
+  static ATTNMERGE_HD half_t store(float f) {
+#if defined(__CUDA_ARCH__)
+    return half_t{__half_as_ushort(__float2half_rn(f))};
+#else
+    return half_t{detail::host_float_to_half(f)};
+#endif
+  }
+};
+
+template <> struct Convert<bfloat16_t> {
+  static ATTNMERGE_HD float load(bfloat16_t v) { return detail::bits_to_float(static_cast<uint32_t>(v.bits) << 16); }
+  static ATTNMERGE_HD bfloat16_t store(float f) {
+#if defined(__CUDA_ARCH__)
+    return bfloat16_t{__bfloat16_as_ushort(__float2bfloat16_rn(f))};
+#else
+    return bfloat16_t{detail::host_float_to_bfloat16(f)};
+#endif
+  }
+};
+
+}  // namespace attnmerge

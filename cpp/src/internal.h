@@ -1,0 +1,55 @@
+// Internals of libattnmerge shared by its translation units; nothing here is exported.
+#pragma once
+
+#include <cstddef>
+#include <type_traits>
+
+#include "attnmerge/attnmerge.h"
+#include "attnmerge/merge_params.h"
+
+namespace attnmerge {
+namespace detail {
+
+// Records the calling thread's error message (printf-style) and returns `status`.
+attnmerge_status fail(attnmerge_status status, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+
+inline std::size_t dtype_size(int dtype) { return dtype == ATTNMERGE_FLOAT32 ? 4 : 2; }
+const char* dtype_name(int dtype);
+
+// The one dispatch idiom: calls f with a value of the storage type of `dtype` (a validated
+// attnmerge_dtype), so that `using T = decltype(tag)` names it.
+template <typename F>
+void dispatch_dtype(int dtype, F&& f) {
+  switch (dtype) {
+    case ATTNMERGE_FLOAT32: f(float{}); break;
+    case ATTNMERGE_FLOAT16: f(half_t{}); break;
+    default: f(bfloat16_t{}); break;
+  }
+}
+
+// Calls f with std::integral_constant<int, vec> for vec in {1, 2, 4, 8}.
+template <typename F>
+void dispatch_vec(int vec, F&& f) {
+  switch (vec) {
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// CPU path: runs the merge on the calling thread (and helpers for large inputs); cannot fail.
+void cpu_merge2(const MergeParams& p, int in_dtype, int out_dtype);
+
+// GPU path (merge_gpu.cu).  Every function restores the caller's current device.
+int gpu_build_version();  // CUDART_VERSION of the toolkit that compiled the library
+int gpu_device_count();
+int gpu_driver_version();
+int gpu_pointer_device(const void* ptr);  // ATTNMERGE_HOST unless device memory
+// Checks that `ptr` is memory the GPU `device` can address; names `arg` in the error.
+attnmerge_status gpu_check_pointer(const void* ptr, int device, const char* arg);
+attnmerge_status gpu_merge2(const MergeParams& p, int in_dtype, int out_dtype, int vec, int device, void* stream);
+attnmerge_status gpu_stream_synchronize(int device, void* stream);
+
+}  // namespace detail
+}  // namespace attnmerge

@@ -1,0 +1,120 @@
+// The GPU path: device selection, pointer checks and the dispatch of the header-only kernels over
+// (input dtype, output dtype, vector width).
+#include <cuda_runtime.h>
+
+#include "attnmerge/merge_kernels.cuh"
+#include "internal.h"
+
+namespace attnmerge {
+namespace detail {
+namespace {
+
+attnmerge_status cuda_fail(cudaError_t err, const char* what) {
+  return fail(ATTNMERGE_ERROR_CUDA, "CUDA error %s (%s) %s", cudaGetErrorName(err), cudaGetErrorString(err), what);
+}
+
+// Makes `device` current for its lifetime and restores the caller's device after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    err_ = cudaGetDevice(&previous_);
+    if (err_ == cudaSuccess && previous_ != device) {
+      err_ = cudaSetDevice(device);
+      switched_ = err_ == cudaSuccess;
+    }
+  }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+  cudaError_t error() const { return err_; }
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+  cudaError_t err_;
+};
+
+}  // namespace
+
+int gpu_build_version() { return CUDART_VERSION; }
+
+int gpu_device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // no driver or device: not an error of anyone's launch
+    return 0;
+  }
+  return count;
+}
+
+int gpu_driver_version() {
+  int version = 0;
+  if (cudaDriverGetVersion(&version) != cudaSuccess) return 0;
+  return version;
+}
+
+int gpu_pointer_device(const void* ptr) {
+  cudaPointerAttributes attr;
+  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+    cudaGetLastError();
+    return ATTNMERGE_HOST;
+  }
+  return attr.type == cudaMemoryTypeDevice ? attr.device : ATTNMERGE_HOST;
+}
+
+attnmerge_status gpu_check_pointer(const void* ptr, int device, const char* arg) {
+  cudaPointerAttributes attr;
+  const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+  if (err != cudaSuccess) {
+    if (err == cudaErrorInvalidValue) {
+      cudaGetLastError();
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory of CUDA device %d, got a pointer CUDA does not know", arg,
+                  device);
+    }
+    return cuda_fail(err, "while checking a pointer (an earlier error, not one of this call's arguments)");
+  }
+  switch (attr.type) {
+    case cudaMemoryTypeDevice:
+      if (attr.device != device)
+        return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory of CUDA device %d, got memory of device %d", arg, device,
+                    attr.device);
+      return ATTNMERGE_SUCCESS;
+    case cudaMemoryTypeManaged:
+    case cudaMemoryTypeHost:  // pinned or registered host memory is addressable from the device
+      return ATTNMERGE_SUCCESS;
+    default:
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory of CUDA device %d, got ordinary host memory", arg, device);
+  }
+}
+
+attnmerge_status gpu_merge2(const MergeParams& p, int in_dtype, int out_dtype, int vec, int device, void* stream) {
+  DeviceGuard guard(device);
+  if (guard.error() != cudaSuccess)
+    return cuda_fail(guard.error(), "while selecting the device (an earlier error, not one of this call's arguments)");
+  cudaError_t err = cudaSuccess;
+  dispatch_dtype(in_dtype, [&](auto in_tag) {
+    dispatch_dtype(out_dtype, [&](auto out_tag) {
+      dispatch_vec(vec, [&](auto vec_tag) {
+        using TIn = decltype(in_tag);
+        using TOut = decltype(out_tag);
+        constexpr int kVec = decltype(vec_tag)::value;
+        // Wider than 16 bytes per access is never chosen; do not instantiate it.
+        if constexpr (kVec * sizeof(TIn) <= 16 && kVec * sizeof(TOut) <= 16)
+          err = launch_merge2<TIn, TOut, kVec>(p, static_cast<cudaStream_t>(stream));
+      });
+    });
+  });
+  if (err != cudaSuccess) return cuda_fail(err, "launching the merge kernel");
+  return ATTNMERGE_SUCCESS;
+}
+
+attnmerge_status gpu_stream_synchronize(int device, void* stream) {
+  DeviceGuard guard(device);
+  if (guard.error() != cudaSuccess) return cuda_fail(guard.error(), "while selecting the device");
+  const cudaError_t err = cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+  if (err != cudaSuccess) return cuda_fail(err, "while synchronizing the stream");
+  return ATTNMERGE_SUCCESS;
+}
+
+}  // namespace detail
+}  // namespace attnmerge
