@@ -1,0 +1,49 @@
+"""attnmerge: merge partial attention states (O, LSE) on CUDA GPUs and CPUs.
+
+A partial state is an output O, shape [tokens, heads, head_size], and its log-sum-exp LSE, float32
+[tokens, heads], over one part of the keys.  Merging gives the attention over all of them:
+per (token, head) row, m = max lse_i, w_i = exp(lse_i - m), W = sum w_i,
+O = sum (w_i / W) O_i, LSE = m + log W.  +inf LSE marks an empty part; all parts empty give
+O = 0 and LSE = -inf; a part of weight zero is never read; a NaN LSE makes its row NaN.
+
+Arrays come from PyTorch, CuPy, JAX, Numba or NumPy (or as raw pointers: `attnmerge.raw`); the
+vLLM and FlashInfer conventions live in `attnmerge.compat`.
+"""
+import os as _os
+
+from . import _C
+from ._merge import merge
+
+__version__ = _C.version_string()
+__all__ = ["merge", "build_info", "cmake_dir", "include_dir", "library_path", "__version__"]
+
+# Where the compiled part lives: beside _C (in an editable install, not beside this file).
+_HERE = _os.path.dirname(_os.path.abspath(_C.__file__))
+
+
+def build_info():
+    """The library's version, the CUDA toolkit it was built with, its compiled GPU architectures,
+    the driver's CUDA version (0 without a driver) and the number of usable GPUs."""
+    return {
+        "version": __version__,
+        "cuda_build_version": _C.cuda_build_version(),
+        "cuda_architectures": _C.cuda_architectures().split(";"),
+        "driver_version": _C.cuda_driver_version(),
+        "device_count": _C.device_count(),
+        "library": _C.library_path(),
+    }
+
+
+def cmake_dir():
+    """The folder holding attnmergeConfig.cmake: pass it as attnmerge_DIR to find_package(attnmerge)."""
+    return _os.path.join(_HERE, "lib", "cmake", "attnmerge")
+
+
+def include_dir():
+    """The folder that holds attnmerge/attnmerge.h and the header-only kernels."""
+    return _os.path.join(_HERE, "include")
+
+
+def library_path():
+    """The path of the libattnmerge shared library this package loaded."""
+    return _C.library_path()

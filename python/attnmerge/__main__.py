@@ -1,0 +1,134 @@
+"""python -m attnmerge: build and device information, then a self-test against the float64
+reference on the CPU and every visible GPU, with a bandwidth figure for each.  Exit status 1 on
+any failure.  --cmake-dir / --include-dir print where the C package lives."""
+import argparse
+import sys
+import time
+
+import numpy as np
+
+import attnmerge
+from attnmerge._reference import merge_reference
+
+TOLERANCE = {"float32": 1e-6, "float16": 1e-3}
+
+
+def _inputs(rng, tokens, heads, dim):
+    o_a, o_b = (rng.standard_normal((tokens, heads, dim)).astype(np.float32) for _ in range(2))
+    lse_a, lse_b = (3 * rng.standard_normal((tokens, heads)).astype(np.float32) for _ in range(2))
+    lse_a[0, 0] = np.inf  # one empty part, one NaN-free but empty row
+    lse_a[-1, -1] = lse_b[-1, -1] = -np.inf
+    return o_a, lse_a, o_b, lse_b
+
+
+def _error(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def check(to_device, from_device, timer, label):
+    """Runs the small correctness cases and one bandwidth case through `to_device` arrays."""
+    rng = np.random.default_rng(0)
+    ok = True
+    for dtype, tol in TOLERANCE.items():
+        o_a, lse_a, o_b, lse_b = _inputs(rng, 67, 5, 80)
+        o_a, o_b = o_a.astype(dtype), o_b.astype(dtype)
+        want_o, want_lse = merge_reference(o_a, lse_a, o_b, lse_b)
+        out, out_lse = attnmerge.merge(*(to_device(x) for x in (o_a, lse_a, o_b, lse_b)))
+        out, out_lse = from_device(out), from_device(out_lse)
+        err = _error(out, want_o)
+        lse_ok = np.allclose(out_lse, want_lse, rtol=1e-5, atol=1e-5, equal_nan=True)
+        good = err <= tol and lse_ok and np.isfinite(np.asarray(out, np.float64)).all()
+        ok &= bool(good)
+        print(f"  {label:<8} {dtype:<8} rel err {err:.1e}  lse {'ok' if lse_ok else 'WRONG'}  {'pass' if good else 'FAIL'}")
+    tokens, heads, dim = 2048, 32, 128
+    o_a, lse_a, o_b, lse_b = (to_device(x) for x in _inputs(rng, tokens, heads, dim))
+    out, out_lse = attnmerge.merge(o_a, lse_a, o_b, lse_b)
+    seconds = timer(lambda: attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse))
+    nbytes = 3 * tokens * heads * dim * 4 + 3 * tokens * heads * 4
+    print(f"  {label:<8} bandwidth {nbytes / seconds / 1e9:.1f} GB/s ({tokens}x{heads}x{dim} float32, median)")
+    return ok
+
+
+def _cpu_timer(fn, reps=5):
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def _gpu_check(device):
+    """The GPU self-test through whichever array library can allocate on the device."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        dev = torch.device("cuda", device)
+
+        def timer(fn, reps=20):
+            fn()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(reps):
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            return float(np.median(times))
+
+        return check(lambda x: torch.from_numpy(x).to(dev), lambda x: x.cpu().numpy(), timer, f"cuda:{device}")
+    try:
+        import cupy
+    except ImportError:
+        print(f"  cuda:{device}  skipped: neither PyTorch nor CuPy is installed to allocate GPU arrays")
+        return True
+    with cupy.cuda.Device(device):
+
+        def timer(fn, reps=20):
+            fn()
+            times = []
+            for _ in range(reps):
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+            return float(np.median(times))
+
+        return check(cupy.asarray, cupy.asnumpy, timer, f"cuda:{device}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m attnmerge", description=__doc__.split("\n")[0])
+    parser.add_argument("--cmake-dir", action="store_true", help="print the CMake package folder and exit")
+    parser.add_argument("--include-dir", action="store_true", help="print the C header folder and exit")
+    args = parser.parse_args(argv)
+    if args.cmake_dir:
+        print(attnmerge.cmake_dir())
+        return 0
+    if args.include_dir:
+        print(attnmerge.include_dir())
+        return 0
+    info = attnmerge.build_info()
+    cuda = info["cuda_build_version"]
+    print(f"attnmerge {info['version']}  ({info['library']})")
+    print(f"build: CUDA {cuda // 1000}.{cuda % 1000 // 10}, SM {' '.join(info['cuda_architectures'])} "
+          f"(SASS each, PTX for the last)")
+    driver = info["driver_version"]
+    print(f"driver: {'CUDA %d.%d' % (driver // 1000, driver % 1000 // 10) if driver else 'none'}")
+    print(f"GPUs: {info['device_count'] or 'none visible'}")
+    print("self-test against the float64 reference:")
+    ok = check(lambda x: x, lambda x: x, _cpu_timer, "cpu")
+    for device in range(info["device_count"]):
+        ok &= _gpu_check(device)
+    print("self-test: pass" if ok else "self-test: FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Which array library an argument belongs to: where new outputs are allocated, and which stream
+`stream=None` means.  Nothing here checks arguments; libattnmerge does."""
+import sys
+
+_DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+
+def family(x):
+    """'torch', 'cupy', 'jax', 'numba', 'numpy' or None, from the array's type alone."""
+    module = type(x).__module__
+    root = module.partition(".")[0]
+    if root in ("torch", "cupy", "numpy"):
+        return root
+    if root in ("jax", "jaxlib"):
+        return "jax"
+    if root in ("numba", "numba_cuda"):
+        return "numba"
+    if hasattr(x, "__array_interface__"):
+        return "numpy"
+    return None
+
+
+def dtype_name(dtype, arg):
+    """'float32' | 'float16' | 'bfloat16' from a string or any framework's dtype object."""
+    name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None) or str(dtype).rpartition(".")[2]
+    if not isinstance(name, str) or name not in _DTYPE_NAMES:
+        if isinstance(dtype, type):  # NumPy scalar types such as numpy.float16
+            name = getattr(dtype, "__name__", "")
+        if name not in _DTYPE_NAMES:
+            raise TypeError(f"{arg}: expected dtype float32, float16 or bfloat16, got {dtype!r}")
+    return name
+
+
+def _numpy_dtype(name):
+    import numpy as np
+
+    if name != "bfloat16":
+        return np.dtype(name)
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError("bfloat16 NumPy arrays need the ml_dtypes package (pip install ml_dtypes)") from None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+class _DeviceBuffer:
+    """A bare __cuda_array_interface__ over a buffer the caller's library allocated (JAX arrays are
+    immutable to DLPack consumers, so their fresh outputs are written through this)."""
+
+    def __init__(self, ptr, shape, name):
+        self.dtype = name
+        typestr = {"float32": "<f4", "float16": "<f2", "bfloat16": "<V2"}[name]
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, False),
+                                         "strides": None, "version": 3}
+
+
+def empty(like, shape, name):
+    """A new array of `shape` and dtype `name` in the library and on the device of `like`.
+    Returns (array, writable view to hand to the library)."""
+    kind = family(like)
+    if kind == "torch":
+        import torch
+
+        x = torch.empty(shape, dtype=getattr(torch, name), device=like.device)
+        return x, x
+    if kind == "cupy":
+        import cupy
+
+        with like.device:
+            x = cupy.empty(shape, dtype=_numpy_dtype(name))
+        return x, x
+    if kind == "jax":
+        import jax.numpy as jnp
+
+        x = jnp.empty(shape, dtype=getattr(jnp, name), device=like.device)
+        x.block_until_ready()  # the buffer must exist before the merge writes it
+        return x, _DeviceBuffer(x.unsafe_buffer_pointer(), shape, name)
+    if kind == "numba":
+        from numba import cuda
+
+        from . import _C
+
+        with cuda.gpus[_C.pointer_device(like.__cuda_array_interface__["data"][0])]:
+            x = cuda.device_array(shape, dtype=_numpy_dtype(name))
+        return x, x
+    if kind == "numpy":
+        import numpy as np
+
+        x = np.empty(shape, dtype=_numpy_dtype(name))
+        return x, x
+    raise TypeError(f"o_b: expected an array of NumPy, PyTorch, CuPy, JAX or Numba to allocate outputs like, "
+                    f"got {type(like).__qualname__} (pass out= and out_lse=)")
+
+
+def default_stream(like):
+    """The stream `stream=None` means for arrays like `like`, as a handle; None lets the binding ask
+    the array's DLPack exchange API (PyTorch >= 2.10), which costs no Python call."""
+    kind = family(like)
+    if kind == "torch":
+        if hasattr(type(like), "__dlpack_c_exchange_api__") or not like.is_cuda:
+            return None
+        import torch
+
+        return torch.cuda.current_stream(like.device).cuda_stream
+    if kind == "cupy":
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+    if kind == "numba":
+        # __cuda_array_interface__ v3: the stream the producer works on (1: legacy default, 2: per-thread).
+        stream = like.__cuda_array_interface__.get("stream")
+        return 0 if stream in (None, 1) else stream
+    return 0
+
+
+def is_jax(x):
+    return "jax" in sys.modules and family(x) == "jax"

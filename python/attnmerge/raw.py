@@ -1,0 +1,28 @@
+"""The raw layer: merge buffers given as integer pointers, strides and dtype names, for callers
+that manage memory themselves (C extensions, custom allocators, CUDA Python)."""
+from . import _C
+from ._merge import a_tokens_arg, lse_flags
+
+
+def merge(*, tokens, heads, head_size, out, o_a, lse_a, o_b, lse_b, out_lse=None, device, stream=0, base="e",
+          a_tokens=None, lse_heads_first=False):
+    """Two-way merge over raw pointers.
+
+    out, o_a, o_b: (ptr, dtype, stride_token, stride_head) with dtype "float32", "float16" or
+        "bfloat16", strides in elements; head_size is contiguous.  o_a has a_tokens tokens when
+        a_tokens is given (see attnmerge.merge), else `tokens`.
+    lse_a, lse_b, out_lse: (ptr, stride_0, stride_1), float32, laid out [tokens, heads], or
+        [heads, tokens] with lse_heads_first=True; out_lse may be None.
+    device: "cpu" for host memory, else the CUDA device ordinal that owns every pointer.
+    stream: a cudaStream_t as an int (0: the legacy default stream); ignored on the CPU.
+    base: "e" or 2.
+    """
+    flags = lse_flags(base) | (_C.LSE_HEADS_FIRST if lse_heads_first else 0)
+    if device == "cpu":
+        dev = -1
+    elif isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        dev = device
+    else:
+        raise ValueError(f"device: expected 'cpu' or a CUDA device ordinal >= 0, got {device!r}")
+    _C.merge_raw(tokens, heads, head_size, out, out_lse, o_a, lse_a, o_b, lse_b, flags, a_tokens_arg(a_tokens), dev,
+                 stream)
