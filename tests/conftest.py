@@ -1,0 +1,60 @@
+"""pytest setup: the `gpu` marker, and fixtures shared by the suite.
+
+Tests marked `gpu` need a CUDA GPU and are skipped cleanly without one (CI has none); they run on the
+accelerator machine through scripts/gpu-test.sh.  Framework-specific GPU tests also skip when their
+framework is missing or sees no GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # `import oracle` from every test module
+
+# JAX grabs 75% of GPU memory at its first use unless told not to; the GPU suite shares the device
+# between torch, CuPy, JAX and Numba in one process.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped when none is visible")
+
+
+def gpu_count() -> int:
+    """Number of CUDA devices attnmerge can use (0 without a driver, a device, or the package)."""
+    try:
+        import attnmerge
+
+        return int(attnmerge.build_info()["device_count"])
+    except Exception:
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    if gpu_count() > 0:
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU visible to attnmerge")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+    """A NumPy Generator seeded from the test's id: fresh, reproducible inputs per test."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="session")
+def am():
+    """The attnmerge package."""
+    import attnmerge
+
+    return attnmerge

@@ -1,0 +1,300 @@
+"""The reference every test compares against, and the helpers that make inputs.
+
+The oracle is written from the formula of DESIGN.md ("Semantics"), in float64 NumPy, for the states
+i of one (token, head) row:
+
+    m = max_i lse_i,  w_i = exp(lse_i - m),  W = sum_i w_i,
+    O = sum_i (w_i / W) * O_i,  LSE = m + log W
+
+    - an LSE of +inf marks an empty part and counts as -inf;
+    - all parts empty: O = 0 and LSE = -inf (never NaN);
+    - a part whose weight is exactly zero is not read (NaN in its O cannot leak);
+    - a NaN LSE makes its row NaN (O and LSE).
+
+It knows nothing of any kernel.  Tolerances (relative L2, of the OUTPUT dtype) are those of DESIGN.md
+"Testing": float32 1e-6, float16 1e-3, bfloat16 8e-3.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+try:  # NumPy has no bfloat16 of its own; ml_dtypes gives one.
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - depends on the machine
+    ml_dtypes = None
+    BFLOAT16 = None
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+#: relative L2 tolerance against the oracle, by the dtype of the array compared
+RTOL = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}
+
+#: the LSE is float32 whatever the O dtypes: |lse - ref| <= LSE_ATOL * max(1, |ref|)
+LSE_ATOL = 1e-5
+
+
+# --------------------------------------------------------------------------------------------------
+# dtypes
+
+
+def np_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a dtype name ("float32", "float16", "bfloat16")."""
+    if name == "bfloat16":
+        if BFLOAT16 is None:
+            import pytest
+
+            pytest.skip("bfloat16 on NumPy needs ml_dtypes")
+        return BFLOAT16
+    return np.dtype(name)
+
+
+def dtype_name(x) -> str:
+    """The dtype name of a NumPy array or dtype ("bfloat16" for ml_dtypes' bfloat16)."""
+    dt = x.dtype if hasattr(x, "dtype") else x
+    return np.dtype(dt).name
+
+
+def to_f64(x) -> np.ndarray:
+    """A float64 copy of a NumPy array of any float dtype (bfloat16 included)."""
+    x = np.asarray(x)
+    if x.dtype == BFLOAT16 and BFLOAT16 is not None:
+        return x.astype(np.float32).astype(np.float64)
+    return x.astype(np.float64)
+
+
+# --------------------------------------------------------------------------------------------------
+# the oracle
+
+
+def reference_merge(o_a, lse_a, o_b, lse_b, *, base="e", a_tokens=None):
+    """float64 (O [T, H, D], LSE [T, H]) of the two-way merge, from the formula.
+
+    a_tokens=k: only the first k tokens merge a with b; later rows take b alone (a is treated as an
+    empty part there and is never read), so o_a / lse_a need only k tokens.
+    LSE arrays are logical [tokens, heads] (pass a transposed view for a heads-first layout).
+    """
+    ob = to_f64(o_b)
+    lb = to_f64(lse_b)
+    tokens, heads, head_size = ob.shape
+    k = tokens if a_tokens is None else int(a_tokens)
+    oa = np.zeros_like(ob)
+    la = np.full((tokens, heads), -np.inf)
+    oa[:k] = to_f64(o_a)[:k]
+    la[:k] = to_f64(lse_a)[:k]
+    return reference_merge_states([oa, ob], [la, lb], base=base)
+
+
+def reference_merge_states(os, lses, *, base="e"):
+    """float64 merge of S states: os[i] is [T, H, D], lses[i] is [T, H]."""
+    o = np.stack([to_f64(x) for x in os])  # [S, T, H, D]
+    lse = np.stack([to_f64(x) for x in lses])  # [S, T, H]
+    if base == "e":
+        exp, log = np.exp, np.log
+    elif base in (2, "2"):
+        exp, log = np.exp2, np.log2
+    else:
+        raise ValueError(f"base {base!r}")
+
+    lse = np.where(lse == np.inf, -np.inf, lse)  # +inf: an empty part
+    nan_row = np.isnan(lse).any(axis=0)  # [T, H]
+    with np.errstate(invalid="ignore"):
+        m = np.max(np.where(np.isnan(lse), -np.inf, lse), axis=0)
+    empty_row = (m == -np.inf) & ~nan_row
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        w = exp(np.where(np.isnan(lse), -np.inf, lse) - m_safe)  # [S, T, H]; -inf -> 0
+        W = w.sum(axis=0)
+        # a part of weight exactly zero is not read: its O may hold NaN or garbage
+        contrib = np.where(w[..., None] > 0, w[..., None] * np.where(w[..., None] > 0, o, 0.0), 0.0)
+        out = contrib.sum(axis=0) / np.where(W > 0, W, 1.0)[..., None]
+        out_lse = m_safe + log(np.where(W > 0, W, 1.0))
+    out[empty_row] = 0.0
+    out_lse[empty_row] = -np.inf
+    out[nan_row] = np.nan
+    out_lse[nan_row] = np.nan
+    return out, out_lse
+
+
+# --------------------------------------------------------------------------------------------------
+# inputs
+
+
+def random_o(rng, shape, dtype="float32") -> np.ndarray:
+    """Random O of a dtype name, standard normal, with no zeros (after rounding)."""
+    x = rng.standard_normal(shape)
+    x = np.where(np.abs(x) < 1e-2, 0.5, x)
+    return x.astype(np.float32).astype(np_dtype(dtype))
+
+
+def random_lse(rng, shape, scale=3.0) -> np.ndarray:
+    """Random float32 LSE, scale * standard normal, with no zeros."""
+    x = scale * rng.standard_normal(shape)
+    x = np.where(x == 0, 0.25, x)
+    return x.astype(np.float32)
+
+
+def random_state(rng, tokens, heads, head_size, dtype="float32", lse_scale=3.0):
+    """(o [T, H, D] of dtype, lse [T, H] float32), contiguous."""
+    return random_o(rng, (tokens, heads, head_size), dtype), random_lse(rng, (tokens, heads), lse_scale)
+
+
+def nan_array(shape, dtype="float32") -> np.ndarray:
+    """An output buffer poisoned with NaN."""
+    return np.full(shape, np.nan, dtype=np.float32).astype(np_dtype(dtype) if isinstance(dtype, str) else dtype)
+
+
+def poison(x: np.ndarray) -> np.ndarray:
+    """Fill an existing (writable) array with NaN, in place; returns it."""
+    x[...] = np.nan
+    return x
+
+
+def all_nan(x) -> bool:
+    return bool(np.all(np.isnan(to_f64(x))))
+
+
+# Strided views.  Each builder copies `x` into a fresh buffer of another layout and returns a view
+# with the same logical shape and values; `fill` is what the rest of the buffer holds (NaN: any read
+# outside the view poisons the result; any write outside it is caught by `outside_view_is_nan`).
+
+O_LAYOUTS = ("contiguous", "padded", "offset", "heads_first", "token_step", "head_step")
+LSE_LAYOUTS = ("contiguous", "transposed", "padded", "token_step")
+
+
+def o_view(x: np.ndarray, layout: str, fill=np.nan):
+    """A [T, H, D] view of `layout` holding the values of x; returns (view, buffer)."""
+    t, h, d = x.shape
+    if layout == "contiguous":
+        buf = x.copy()
+        return buf, buf
+    if layout == "padded":  # a slice of a larger last axis: head_size stride 1, head stride D + 5
+        buf = np.full((t, h, d + 5), fill, dtype=np.float32).astype(x.dtype)
+        view = buf[:, :, :d]
+    elif layout == "offset":  # not 16-byte aligned: starts one element in, odd row pitch
+        buf = np.full((t, h, d + 3), fill, dtype=np.float32).astype(x.dtype)
+        view = buf[:, :, 1 : d + 1]
+    elif layout == "heads_first":  # stored [H, T, D], viewed as [T, H, D]
+        buf = np.full((h, t, d), fill, dtype=np.float32).astype(x.dtype)
+        view = buf.transpose(1, 0, 2)
+    elif layout == "token_step":  # every other token of a larger buffer
+        buf = np.full((2 * t, h, d), fill, dtype=np.float32).astype(x.dtype)
+        view = buf[::2]
+    elif layout == "head_step":  # every third head of a larger buffer
+        buf = np.full((t, 3 * h, d), fill, dtype=np.float32).astype(x.dtype)
+        view = buf[:, ::3]
+    else:
+        raise ValueError(layout)
+    view[...] = x
+    return view, buf
+
+
+def lse_view(x: np.ndarray, layout: str, fill=np.nan):
+    """A [T, H] float32 view of `layout` holding the values of x; returns (view, buffer)."""
+    t, h = x.shape
+    if layout == "contiguous":
+        buf = x.copy()
+        return buf, buf
+    if layout == "transposed":  # stored [H, T] (vLLM), viewed as [T, H]
+        buf = np.full((h, t), fill, dtype=np.float32)
+        view = buf.T
+    elif layout == "padded":
+        buf = np.full((t, h + 3), fill, dtype=np.float32)
+        view = buf[:, :h]
+    elif layout == "token_step":
+        buf = np.full((3 * t, h), fill, dtype=np.float32)
+        view = buf[::3]
+    else:
+        raise ValueError(layout)
+    view[...] = x
+    return view, buf
+
+
+def outside_view_is_nan(view: np.ndarray, buf: np.ndarray) -> bool:
+    """True when every element of buf outside the view is still NaN."""
+    if view is buf:
+        return True
+    mask = np.ones(buf.shape, dtype=bool)
+    # mark the view's elements through a view of the mask with the same strides/offset
+    offset = view.__array_interface__["data"][0] - buf.__array_interface__["data"][0]
+    mview = np.lib.stride_tricks.as_strided(
+        mask.reshape(-1)[offset // view.itemsize :],
+        shape=view.shape,
+        strides=tuple(s // view.itemsize * mask.itemsize for s in view.strides),
+    )
+    mview[...] = False
+    return bool(np.all(np.isnan(to_f64(buf)[mask])))
+
+
+# --------------------------------------------------------------------------------------------------
+# comparison
+
+
+def rel_l2(actual, expected) -> float:
+    a = to_f64(actual)
+    e = to_f64(expected)
+    num = float(np.linalg.norm((a - e).ravel()))
+    den = float(np.linalg.norm(e.ravel()))
+    if den == 0.0:
+        return num
+    return num / den
+
+
+def assert_o_close(actual, expected, dtype, what="out"):
+    """O against the oracle: the same NaN and inf pattern, rel-L2 of the rest within RTOL[dtype].
+
+    dtype: the dtype name of `actual` (the output dtype).
+    """
+    a = to_f64(np.asarray(actual))
+    e = np.asarray(expected, dtype=np.float64)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != expected {e.shape}"
+    nan_a, nan_e = np.isnan(a), np.isnan(e)
+    assert np.array_equal(nan_a, nan_e), (
+        f"{what}: NaN at {np.argwhere(nan_a != nan_e)[:5].tolist()} differs from the reference "
+        f"({int(nan_a.sum())} NaN, expected {int(nan_e.sum())})"
+    )
+    ok = ~nan_e
+    inf_e = np.isinf(e) & ok
+    assert np.array_equal(a[inf_e], e[inf_e]) and not np.isinf(a[ok & ~inf_e]).any(), f"{what}: inf differs"
+    fin = ok & ~inf_e
+    err = rel_l2(a[fin], e[fin])
+    assert err <= RTOL[dtype], f"{what}: rel L2 error {err:.3g} > {RTOL[dtype]:g} ({dtype})"
+
+
+def assert_lse_close(actual, expected, what="out_lse"):
+    """LSE against the oracle: NaN and +-inf exactly, finite |d| <= 1e-5 * max(1, |ref|)."""
+    a = to_f64(np.asarray(actual))
+    e = np.asarray(expected, dtype=np.float64)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != expected {e.shape}"
+    nan_a, nan_e = np.isnan(a), np.isnan(e)
+    assert np.array_equal(nan_a, nan_e), (
+        f"{what}: NaN at {np.argwhere(nan_a != nan_e)[:5].tolist()} differs from the reference"
+    )
+    fin = np.isfinite(e)
+    inf = np.isinf(e)
+    assert np.array_equal(a[inf], e[inf]), f"{what}: +-inf differs: got {a[inf][:5]}, expected {e[inf][:5]}"
+    assert np.all(np.isfinite(a[fin])), f"{what}: non-finite where the reference is finite"
+    d = np.abs(a[fin] - e[fin])
+    lim = LSE_ATOL * np.maximum(1.0, np.abs(e[fin]))
+    if d.size:
+        i = int(np.argmax(d / lim))
+        assert np.all(d <= lim), f"{what}: |error| {d[i]:.3g} > {lim[i]:.3g} at reference {e[fin][i]:.6g}"
+
+
+def assert_merge_matches(out, out_lse, ref, out_dtype, what="out"):
+    ref_o, ref_lse = ref
+    assert_o_close(out, ref_o, out_dtype, what)
+    if out_lse is not None:
+        assert_lse_close(out_lse, ref_lse, what + "_lse")
+
+
+def rounded(x, dtype) -> np.ndarray:
+    """float64 values of x after rounding once to the dtype name `dtype`."""
+    return to_f64(np.asarray(x, dtype=np.float64).astype(np.float32).astype(np_dtype(dtype)))
+
+
+LN2 = math.log(2.0)

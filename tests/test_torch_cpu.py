@@ -1,0 +1,93 @@
+"""PyTorch CPU tensors: the CPU path through the DLPack exchange API (no GPU needed; skipped
+without torch).  Outputs are allocated as torch CPU tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnmerge
+from oracle import DTYPES, assert_merge_matches, assert_o_close, nan_array, random_lse, random_state, reference_merge
+
+torch = pytest.importorskip("torch")
+
+
+def put(x: np.ndarray):
+    if x.dtype.name == "bfloat16":
+        return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
+def get(t) -> np.ndarray:
+    return t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def host_inputs(rng, tokens=29, heads=4, head_size=72, dtype="float32"):
+    o_a, lse_a = random_state(rng, tokens, heads, head_size, dtype)
+    o_b, lse_b = random_state(rng, tokens, heads, head_size, dtype)
+    return o_a, lse_a, o_b, lse_b
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_every_dtype_pair_allocated_as_torch_cpu_tensors(rng, in_dtype, out_dtype):
+    h = host_inputs(rng, dtype=in_dtype)
+    out, out_lse = attnmerge.merge(*[put(x) for x in h], out_dtype=out_dtype)
+    assert isinstance(out, torch.Tensor) and out.device.type == "cpu"
+    assert out.dtype == getattr(torch, out_dtype) and out_lse.dtype == torch.float32
+    assert_merge_matches(get(out), get(out_lse), reference_merge(*h), out_dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_into_given_strided_outputs(rng, dtype):
+    h = host_inputs(rng, head_size=100, dtype=dtype)
+    out_buf = put(nan_array((29, 4, 128), dtype))
+    out = out_buf[:, :, 8:108]
+    out_lse_ht = put(nan_array((4, 29)))
+    lse_a_ht = put(np.ascontiguousarray(h[1].T))
+    res, res_lse = attnmerge.merge(put(h[0]), lse_a_ht.T, put(h[2]), put(h[3]), out=out, out_lse=out_lse_ht.T)
+    assert res is out
+    assert_merge_matches(get(out), get(out_lse_ht).T, reference_merge(*h), dtype)
+    assert torch.isnan(out_buf[:, :, :8].float()).all() and torch.isnan(out_buf[:, :, 108:].float()).all()
+
+
+def test_torch_dtype_as_out_dtype(rng):
+    h = host_inputs(rng)
+    out, _ = attnmerge.merge(*[put(x) for x in h], out_dtype=torch.float16)
+    assert out.dtype == torch.float16
+    assert_o_close(get(out), reference_merge(*h)[0], "float16")
+
+
+def test_semantics_rows(rng):
+    o_a, lse_a, o_b, lse_b = host_inputs(rng, tokens=12)
+    lse_a[0] = np.inf
+    o_a[0] = np.nan
+    lse_a[1] = lse_b[1] = -np.inf
+    lse_b[2, 1] = np.nan
+    out, out_lse = attnmerge.merge(put(o_a), put(lse_a), put(o_b), put(lse_b), base=2, a_tokens=10)
+    assert_merge_matches(get(out), get(out_lse), reference_merge(o_a, lse_a, o_b, lse_b, base=2, a_tokens=10),
+                         "float32")
+
+
+def test_vllm_compat_on_torch_cpu(rng):
+    from attnmerge.compat.vllm import merge_attn_states
+
+    t, h, d = 21, 4, 64
+    po, pl = put(random_state(rng, t, h, d, "bfloat16")[0]), put(random_lse(rng, (h, t)))
+    so, sl = put(random_state(rng, t, h, d, "bfloat16")[0]), put(random_lse(rng, (h, t)))
+    output = put(nan_array((t, h, d), "bfloat16"))
+    output_lse = put(nan_array((h, t)))
+    merge_attn_states(output, output_lse, po, pl, so, sl, prefill_tokens_with_context=15)
+    ref = reference_merge(get(po), get(pl).T, get(so), get(sl).T, a_tokens=15)
+    assert_merge_matches(get(output), get(output_lse).T, ref, "bfloat16", "output")
+
+
+def test_torch_and_numpy_may_mix_on_the_cpu(rng):
+    """Host arrays of two libraries are all on one device, the host."""
+    h = host_inputs(rng)
+    out, out_lse = attnmerge.merge(put(h[0]), h[1], put(h[2]), h[3])
+
+    def anyget(x):
+        return get(x) if isinstance(x, torch.Tensor) else np.asarray(x)
+
+    assert_merge_matches(anyget(out), anyget(out_lse), reference_merge(*h), "float32")
