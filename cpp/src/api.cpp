@@ -1,7 +1,9 @@
 // The C ABI of libattnmerge: every argument is validated here, once, before anything is written;
-// then the call goes to the CPU path or the GPU launchers.
+// then the call goes to the CPU path or the GPU launchers with one of the sources of
+// merge_params.h.
 #include <algorithm>
 #include <cinttypes>
+#include <cmath>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -32,19 +34,38 @@ const char* dtype_name(int dtype) {
     case ATTNMERGE_FLOAT32: return "float32";
     case ATTNMERGE_FLOAT16: return "float16";
     case ATTNMERGE_BFLOAT16: return "bfloat16";
+    case ATTNMERGE_FLOAT8_E4M3: return "float8_e4m3";
+    case ATTNMERGE_UINT8: return "uint8";
+    case ATTNMERGE_BOOL: return "bool";
+    case ATTNMERGE_INT32: return "int32";
+    case ATTNMERGE_INT64: return "int64";
     default: return "unknown";
   }
 }
 
 namespace {
 
-bool is_float_dtype(int dtype) {
-  return dtype == ATTNMERGE_FLOAT32 || dtype == ATTNMERGE_FLOAT16 || dtype == ATTNMERGE_BFLOAT16;
+// Sets of dtypes an argument may have, and how a message names them.
+constexpr uint32_t bit(int dtype) { return 1u << dtype; }
+constexpr uint32_t kInputs = bit(ATTNMERGE_FLOAT32) | bit(ATTNMERGE_FLOAT16) | bit(ATTNMERGE_BFLOAT16);
+constexpr uint32_t kOutputs = kInputs | bit(ATTNMERGE_FLOAT8_E4M3);
+constexpr uint32_t kLse = bit(ATTNMERGE_FLOAT32);
+constexpr uint32_t kMask = bit(ATTNMERGE_UINT8) | bit(ATTNMERGE_BOOL);
+constexpr uint32_t kIndex = bit(ATTNMERGE_INT32) | bit(ATTNMERGE_INT64);
+
+const char* dtypes_text(uint32_t set) {
+  switch (set) {
+    case kInputs: return "float32, float16 or bfloat16";
+    case kOutputs: return "float32, float16, bfloat16 or float8_e4m3";
+    case kLse: return "float32";
+    case kMask: return "uint8 or bool";
+    default: return "int32 or int64";
+  }
 }
 
 // "[4, 8, 128]" for error messages.
 struct ShapeText {
-  char text[96];
+  char text[128];
   ShapeText(const int64_t* shape, int ndim) {
     int n = std::snprintf(text, sizeof text, "[");
     for (int i = 0; i < ndim && n < static_cast<int>(sizeof text); ++i)
@@ -53,96 +74,97 @@ struct ShapeText {
   }
 };
 
-// A tensor as the merge reads it: logical [tokens, heads(, head_size)] order, strides in elements.
+// A tensor as an op reads it: shape and strides in the op's logical axis order.
 struct View {
-  const attnmerge_tensor* t;
-  const char* name;
-  int64_t shape[ATTNMERGE_MAX_NDIM];
-  int64_t strides[ATTNMERGE_MAX_NDIM];
-  int ndim;
+  const attnmerge_tensor* t = nullptr;
+  const char* name = "";
+  int64_t shape[ATTNMERGE_MAX_NDIM] = {};
+  int64_t strides[ATTNMERGE_MAX_NDIM] = {};
+  int ndim = 0;
+  bool transposed = false;  // an LSE given [heads, tokens]
+
   bool present() const { return t != nullptr; }
   int64_t numel() const {
     int64_t n = 1;
     for (int i = 0; i < ndim; ++i) n *= shape[i];
     return n;
   }
-  // [first byte, one past the last byte] touched by the view; numel() > 0.
+  // [first byte, one past the last byte] the view spans; numel() > 0.
   void byte_range(uintptr_t& lo, uintptr_t& hi) const {
     int64_t last = 0;
     for (int i = 0; i < ndim; ++i) last += (shape[i] - 1) * strides[i];
     lo = reinterpret_cast<uintptr_t>(t->data);
     hi = lo + static_cast<uintptr_t>(last + 1) * dtype_size(t->dtype);
   }
+  StateView state(const View& lse) const {
+    return StateView{t->data, strides[0], strides[1], static_cast<const float*>(lse.t->data), lse.strides[0],
+                     lse.strides[1]};
+  }
 };
 
-attnmerge_status check_descriptor(const attnmerge_tensor* t, const char* name, int ndim, bool heads_first, View& v) {
-  v.t = t;
+// Checks what one tensor can be checked for alone and fills `v` (swapping the two axes of an LSE
+// given [heads, tokens]).  A NULL descriptor is an error unless the argument is optional.
+attnmerge_status describe(const attnmerge_tensor* t, const char* name, int ndim, uint32_t dtypes, bool transpose,
+                          bool optional, View& v) {
+  v = View{};
   v.name = name;
+  if (t == nullptr) {
+    if (optional) return ATTNMERGE_SUCCESS;
+    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected a tensor, got NULL", name);
+  }
+  v.t = t;
   v.ndim = ndim;
+  v.transposed = transpose;
   if (t->ndim != ndim) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected %d dimensions, got %d", name, ndim, t->ndim);
+  if (t->dtype < 0 || t->dtype >= 32 || !(dtypes & bit(t->dtype)))
+    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected dtype %s, got %s", name, dtypes_text(dtypes), dtype_name(t->dtype));
+  if (t->device < ATTNMERGE_HOST)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a device >= -1 (the host), got %d", name, t->device);
   for (int i = 0; i < ndim; ++i) {
-    // LSE laid out [heads, tokens]: read it as its transpose.
-    const int src = (heads_first && ndim == 2) ? 1 - i : i;
+    const int src = transpose ? 1 - i : i;
     v.shape[i] = t->shape[src];
     v.strides[i] = t->strides[src];
     if (t->shape[i] < 0)
       return fail(ATTNMERGE_ERROR_VALUE, "%s: expected sizes >= 0, got shape %s", name, ShapeText(t->shape, ndim).text);
   }
-  if (v.numel() == 0) {  // an empty tensor is never addressed: its strides and pointer do not matter
-    if (ndim == 2 && t->dtype != ATTNMERGE_FLOAT32)
-      return fail(ATTNMERGE_ERROR_TYPE, "%s: expected dtype float32, got %s", name, dtype_name(t->dtype));
-    if (ndim == 3 && !is_float_dtype(t->dtype))
-      return fail(ATTNMERGE_ERROR_TYPE, "%s: expected dtype float32, float16 or bfloat16, got dtype code %d", name,
-                  t->dtype);
-    return ATTNMERGE_SUCCESS;
-  }
+  if (v.numel() == 0) return ATTNMERGE_SUCCESS;  // never addressed: its strides and pointer do not matter
   for (int i = 0; i < ndim; ++i)
     if (t->strides[i] < 0)
       return fail(ATTNMERGE_ERROR_VALUE, "%s: expected strides >= 0, got %" PRId64 " on axis %d", name, t->strides[i], i);
-  if (ndim == 3) {
-    if (!is_float_dtype(t->dtype))
-      return fail(ATTNMERGE_ERROR_TYPE, "%s: expected dtype float32, float16 or bfloat16, got dtype code %d", name, t->dtype);
-    if (t->strides[2] != 1 && t->shape[2] > 1)
-      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a unit stride on the head_size axis, got stride %" PRId64, name,
-                  t->strides[2]);
-  } else if (t->dtype != ATTNMERGE_FLOAT32) {
-    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected dtype float32, got %s", name, dtype_name(t->dtype));
-  }
-  if (t->device < ATTNMERGE_HOST)
-    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a device >= -1 (host), got %d", name, t->device);
+  const bool is_o = dtypes == kInputs || dtypes == kOutputs;  // head_size is the last axis
+  if (is_o && t->strides[ndim - 1] != 1 && t->shape[ndim - 1] > 1)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a unit stride on the head_size axis, got stride %" PRId64, name,
+                t->strides[ndim - 1]);
   if (t->data == nullptr) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a data pointer, got NULL", name);
   const std::size_t size = dtype_size(t->dtype);
   if (reinterpret_cast<uintptr_t>(t->data) % size != 0)
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a data pointer aligned to %zu bytes, got %p", name, size, t->data);
-  // The largest element offset must fit in 63 bits, in bytes.
-  int64_t last = 0;
-  for (int i = 0; i < ndim; ++i) {
-    int64_t term;
+  int64_t last = 0, term;  // the largest byte offset must fit in 63 bits
+  for (int i = 0; i < ndim; ++i)
     if (__builtin_mul_overflow(v.shape[i] - 1, v.strides[i], &term) || __builtin_add_overflow(last, term, &last) ||
         __builtin_mul_overflow(last + 1, static_cast<int64_t>(size), &term))
       return fail(ATTNMERGE_ERROR_VALUE, "%s: shape %s with these strides spans more than 2^63 bytes", name,
                   ShapeText(t->shape, ndim).text);
-  }
   return ATTNMERGE_SUCCESS;
 }
 
-attnmerge_status check_shape(const View& v, const int64_t* expected, int ndim, const View* source) {
-  if (std::equal(expected, expected + ndim, v.shape)) return ATTNMERGE_SUCCESS;
-  const bool transposed = v.t->ndim == 2 && v.shape[0] != v.t->shape[0];
+// v's logical shape must be `expected`, the sizes taken from `source`.
+attnmerge_status check_shape(const View& v, const int64_t* expected, const View& source) {
+  if (!v.present() || std::equal(expected, expected + v.ndim, v.shape)) return ATTNMERGE_SUCCESS;
   int64_t want[ATTNMERGE_MAX_NDIM] = {};
-  std::copy(expected, expected + ndim, want);
-  if (transposed) std::swap(want[0], want[1]);  // speak in the caller's layout
+  std::copy(expected, expected + v.ndim, want);
+  if (v.transposed) std::swap(want[0], want[1]);  // speak in the caller's layout
   return fail(ATTNMERGE_ERROR_VALUE, "%s: expected shape %s (the sizes of %s, shape %s), got %s", v.name,
-              ShapeText(want, ndim).text, source->name, ShapeText(source->t->shape, source->ndim).text,
-              ShapeText(v.t->shape, ndim).text);
+              ShapeText(want, v.ndim).text, source.name, ShapeText(source.t->shape, source.ndim).text,
+              ShapeText(v.t->shape, v.ndim).text);
 }
 
 // An output must not write one element twice: after sorting its axes by stride, each stride must
 // clear the extent of the axes inside it.
 attnmerge_status check_no_self_overlap(const View& v) {
-  if (v.numel() == 0) return ATTNMERGE_SUCCESS;
+  if (!v.present() || v.numel() == 0) return ATTNMERGE_SUCCESS;
   int order[ATTNMERGE_MAX_NDIM] = {0, 1, 2, 3};
-  for (int i = 1; i < v.ndim; ++i)  // insertion sort of at most 3 axes by stride
+  for (int i = 1; i < v.ndim; ++i)  // insertion sort of at most 4 axes by stride
     for (int j = i; j > 0 && v.strides[order[j]] < v.strides[order[j - 1]]; --j) std::swap(order[j], order[j - 1]);
   int64_t extent = 1;
   for (int k = 0; k < v.ndim; ++k) {
@@ -150,22 +172,23 @@ attnmerge_status check_no_self_overlap(const View& v) {
     if (v.shape[i] <= 1) continue;
     if (v.strides[i] < extent)
       return fail(ATTNMERGE_ERROR_VALUE,
-                  "%s: expected an output whose elements do not overlap, got stride %" PRId64 " on axis %d of shape %s",
-                  v.name, v.t->strides[i], i, ShapeText(v.t->shape, v.ndim).text);
+                  "%s: expected an output whose elements do not overlap, got stride %" PRId64 " on an axis of size %" PRId64
+                  " (shape %s)",
+                  v.name, v.strides[i], v.shape[i], ShapeText(v.t->shape, v.ndim).text);
     extent = v.strides[i] * (v.shape[i] - 1) + extent;
   }
   return ATTNMERGE_SUCCESS;
 }
 
 bool same_view(const View& x, const View& y) {
-  return x.t->data == y.t->data && x.t->dtype == y.t->dtype && std::equal(x.shape, x.shape + x.ndim, y.shape) &&
-         std::equal(x.strides, x.strides + x.ndim, y.strides);
+  return x.t->data == y.t->data && x.t->dtype == y.t->dtype && x.ndim == y.ndim &&
+         std::equal(x.shape, x.shape + x.ndim, y.shape) && std::equal(x.strides, x.strides + x.ndim, y.strides);
 }
 
-// An output may be an input itself (element i written after element i was read), never a part
-// overlap of one, nor overlap another output.
+// An output may be an input itself where `may_alias` (element i is written after element i was
+// read), never a partial overlap of one, nor overlap another output.
 attnmerge_status check_disjoint(const View& out, const View& other, bool may_alias) {
-  if (!other.present() || out.numel() == 0 || other.numel() == 0) return ATTNMERGE_SUCCESS;
+  if (!out.present() || !other.present() || out.numel() == 0 || other.numel() == 0) return ATTNMERGE_SUCCESS;
   if (may_alias && same_view(out, other)) return ATTNMERGE_SUCCESS;
   uintptr_t lo1, hi1, lo2, hi2;
   out.byte_range(lo1, hi1);
@@ -178,25 +201,174 @@ attnmerge_status check_disjoint(const View& out, const View& other, bool may_ali
 
 // The widest vector (elements) that every O tensor's pointer, strides and head_size allow,
 // within 16 bytes per access.
-int choose_vec(const View* os, int n, int64_t head_size) {
+int choose_vec(std::initializer_list<const View*> os, int64_t head_size) {
   std::size_t widest = 0;
-  for (int i = 0; i < n; ++i) widest = std::max(widest, dtype_size(os[i].t->dtype));
+  for (const View* v : os) widest = std::max(widest, dtype_size(v->t->dtype));
   for (int vec = static_cast<int>(16 / widest); vec > 1; vec /= 2) {
     bool ok = head_size % vec == 0;
-    for (int i = 0; ok && i < n; ++i) {
-      const View& v = os[i];
-      if (v.numel() == 0) continue;
-      ok = reinterpret_cast<uintptr_t>(v.t->data) % (vec * dtype_size(v.t->dtype)) == 0;
-      for (int axis = 0; ok && axis < 2; ++axis) ok = v.shape[axis] <= 1 || v.strides[axis] % vec == 0;
+    for (const View* v : os) {
+      if (!ok || v->numel() == 0) continue;
+      ok = reinterpret_cast<uintptr_t>(v->t->data) % (vec * dtype_size(v->t->dtype)) == 0;
+      for (int axis = 0; ok && axis < v->ndim - 1; ++axis) ok = v->shape[axis] <= 1 || v->strides[axis] % vec == 0;
     }
     if (ok) return vec;
   }
   return 1;
 }
 
-StateView state_view(const View& o, const View& lse) {
-  return StateView{o.t->data, o.strides[0], o.strides[1], static_cast<const float*>(lse.t->data), lse.strides[0],
-                   lse.strides[1]};
+// Options every op shares, validated.  `allowed` are the flags the op understands.
+attnmerge_status read_options(const attnmerge_options* options, uint32_t allowed, const View& out,
+                              attnmerge_options& opt, float& inv_scale) {
+  opt = options ? *options : attnmerge_options{};
+  if (opt.flags & ~allowed)
+    return fail(ATTNMERGE_ERROR_VALUE, "options.flags: expected flags within 0x%x for this op, got 0x%x", allowed,
+                opt.flags);
+  const float scale = opt.output_scale;
+  const bool fp8 = out.t->dtype == ATTNMERGE_FLOAT8_E4M3;
+  if (scale != 0.0f && scale != 1.0f && !fp8)
+    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected none (0 or 1) for a %s output, got %g",
+                dtype_name(out.t->dtype), scale);
+  if (opt.output_scale_ptr != nullptr && !fp8)
+    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected none for a %s output, got a scale in memory",
+                dtype_name(out.t->dtype));
+  if (opt.output_scale_ptr != nullptr && scale != 0.0f)
+    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected a value or a pointer, got both");
+  if (reinterpret_cast<uintptr_t>(opt.output_scale_ptr) % alignof(float) != 0)
+    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected a pointer aligned to 4 bytes, got %p",
+                static_cast<const void*>(opt.output_scale_ptr));
+  if (!(scale >= 0.0f) || std::isinf(scale))
+    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected a finite scale > 0 (or 0: none), got %g", scale);
+  inv_scale = scale == 0.0f ? 1.0f : 1.0f / scale;
+  return ATTNMERGE_SUCCESS;
+}
+
+// Outputs: writable, no element written twice, out and out_lse apart.
+attnmerge_status check_outputs(const View& out, const View& out_lse) {
+  for (const View* v : {&out, &out_lse})
+    if (v->present() && (v->t->flags & ATTNMERGE_READ_ONLY))
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a writable tensor, got a read-only one", v->name);
+  attnmerge_status s;
+  if ((s = check_no_self_overlap(out)) || (s = check_no_self_overlap(out_lse)) || (s = check_disjoint(out_lse, out, false)))
+    return s;
+  return ATTNMERGE_SUCCESS;
+}
+
+// One device for every non-empty tensor, memory it can address, then the CPU path or a launch.
+template <typename Source>
+attnmerge_status run(std::initializer_list<const View*> views, const MergeShape& shape, const Source& src,
+                     const OutView& out, int in_dtype, int out_dtype, int vec, void* stream) {
+  int device = ATTNMERGE_HOST;
+  const View* first = nullptr;
+  for (const View* v : views) {
+    if (!v->present() || v->numel() == 0) continue;  // an empty tensor is never touched, wherever it lives
+    if (first == nullptr) {
+      first = v;
+      device = v->t->device;
+    } else if (v->t->device != device) {
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected the device of %s (%d), got device %d (-1 is the host)", v->name,
+                  first->name, device, v->t->device);
+    }
+  }
+  if (first == nullptr || shape.tokens * shape.heads == 0) return ATTNMERGE_SUCCESS;
+  if (device == ATTNMERGE_HOST) {
+    // Device memory handed to the CPU path would crash the process: refuse it where CUDA can tell.
+    if (gpu_device_count() > 0)
+      for (const View* v : views)
+        if (v->present() && v->numel() > 0 && gpu_pointer_device(v->t->data) != ATTNMERGE_HOST)
+          return fail(ATTNMERGE_ERROR_VALUE, "%s: expected host memory (device -1), got memory of CUDA device %d",
+                      v->name, gpu_pointer_device(v->t->data));
+    if (out.scale != nullptr && gpu_device_count() > 0 && gpu_pointer_device(out.scale) != ATTNMERGE_HOST)
+      return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected host memory (device -1), got memory of CUDA device %d",
+                  gpu_pointer_device(out.scale));
+    cpu_merge(shape, src, out, in_dtype, out_dtype);
+    return ATTNMERGE_SUCCESS;
+  }
+  const int count = gpu_device_count();
+  if (count == 0)
+    return fail(ATTNMERGE_ERROR_NO_DEVICE, "%s: lives on CUDA device %d, but no CUDA driver or device is available",
+                first->name, device);
+  if (device >= count)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a CUDA device below %d, got device %d", first->name, count, device);
+  attnmerge_status s;
+  for (const View* v : views)
+    if (v->present() && v->numel() > 0 && (s = gpu_check_pointer(v->t->data, device, v->name))) return s;
+  if (out.scale != nullptr && (s = gpu_check_pointer(out.scale, device, "output_scale"))) return s;
+  return gpu_merge(shape, src, out, in_dtype, out_dtype, vec, device, stream);
+}
+
+OutView out_view(const View& out, const View& out_lse, float inv_scale, const attnmerge_options& opt) {
+  return OutView{out.t->data,
+                 out.strides[0],
+                 out.strides[1],
+                 out_lse.present() ? static_cast<float*>(out_lse.t->data) : nullptr,
+                 out_lse.present() ? out_lse.strides[0] : 0,
+                 out_lse.present() ? out_lse.strides[1] : 0,
+                 inv_scale,
+                 opt.output_scale_ptr};
+}
+
+// Argument names of the two ops built on PairSource.
+struct PairNames {
+  const char *out, *out_lse, *o_a, *lse_a, *o_b, *lse_b, *mask;
+};
+
+// The two-way and in-place merges: (out, out_lse) = merge(a, b), rows optionally masked.
+attnmerge_status merge_pair(const PairNames& n, const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                            const attnmerge_tensor* o_a, const attnmerge_tensor* lse_a, const attnmerge_tensor* o_b,
+                            const attnmerge_tensor* lse_b, const attnmerge_tensor* mask,
+                            const attnmerge_options* options, uint32_t allowed_flags, void* stream) {
+  g_error[0] = '\0';
+  const bool heads_first = options && (options->flags & ATTNMERGE_LSE_HEADS_FIRST);
+  View vout, vout_lse, va, vla, vb, vlb, vmask;
+  attnmerge_status s;
+  if ((s = describe(out, n.out, 3, kOutputs, false, false, vout)) ||
+      (s = describe(out_lse, n.out_lse, 2, kLse, heads_first, true, vout_lse)) ||
+      (s = describe(o_a, n.o_a, 3, kInputs, false, false, va)) ||
+      (s = describe(lse_a, n.lse_a, 2, kLse, heads_first, false, vla)) ||
+      (s = describe(o_b, n.o_b, 3, kInputs, false, false, vb)) ||
+      (s = describe(lse_b, n.lse_b, 2, kLse, heads_first, false, vlb)) ||
+      (s = describe(mask, n.mask, 1, kMask, false, true, vmask)))
+    return s;
+  attnmerge_options opt;
+  float inv_scale;
+  if ((s = read_options(options, allowed_flags, vout, opt, inv_scale))) return s;
+  if (o_a->dtype != o_b->dtype)
+    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected the dtype of %s (%s), got %s", n.o_b, n.o_a, dtype_name(o_a->dtype),
+                dtype_name(o_b->dtype));
+
+  // Sizes come from o_b, the one input that always covers every token; the rest must agree.
+  const int64_t tokens = vb.shape[0], heads = vb.shape[1], head_size = vb.shape[2];
+  if (head_size < 1) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected head_size >= 1, got 0", n.o_b);
+  const int64_t o_shape[3] = {tokens, heads, head_size};
+  if ((s = check_shape(vlb, o_shape, vb)) || (s = check_shape(vout, o_shape, vb)) ||
+      (s = check_shape(vout_lse, o_shape, vb)) || (s = check_shape(vmask, o_shape, vb)))
+    return s;
+  int64_t a_tokens = tokens;
+  if (opt.flags & ATTNMERGE_A_TOKENS) {
+    if (opt.a_tokens < 0 || opt.a_tokens > tokens)
+      return fail(ATTNMERGE_ERROR_VALUE, "a_tokens: expected 0 to the %" PRId64 " tokens of %s, got %" PRId64, tokens,
+                  n.o_b, opt.a_tokens);
+    a_tokens = opt.a_tokens;
+    for (View* v : {&va, &vla})  // a needs only its first a_tokens tokens
+      if (v->shape[0] < a_tokens || v->shape[1] != heads || (v->ndim == 3 && v->shape[2] != head_size))
+        return fail(ATTNMERGE_ERROR_VALUE, "%s: expected at least %" PRId64 " tokens (a_tokens), %" PRId64 " heads%s, got shape %s",
+                    v->name, a_tokens, heads, v->ndim == 3 ? " and the head_size of o_b" : "",
+                    ShapeText(v->t->shape, v->ndim).text);
+  } else if ((s = check_shape(va, o_shape, vb)) || (s = check_shape(vla, o_shape, vb))) {
+    return s;
+  }
+  if ((s = check_outputs(vout, vout_lse)) || (s = check_disjoint(vout, va, true)) || (s = check_disjoint(vout, vb, true)) ||
+      (s = check_disjoint(vout_lse, vla, true)) || (s = check_disjoint(vout_lse, vlb, true)))
+    return s;
+
+  const MergeShape shape{tokens, heads, head_size, (opt.flags & ATTNMERGE_LSE_BASE2) != 0};
+  PairSource src{va.state(vla), vb.state(vlb), a_tokens, nullptr, 0};
+  if (vmask.present() && vmask.numel() > 0) {
+    src.mask = static_cast<const uint8_t*>(mask->data);
+    src.mask_stride = vmask.strides[0];
+  }
+  return run({&vout, &vout_lse, &va, &vla, &vb, &vlb, &vmask}, shape, src, out_view(vout, vout_lse, inv_scale, opt),
+             o_a->dtype, out->dtype, choose_vec({&vout, &va, &vb}, head_size), stream);
 }
 
 }  // namespace
@@ -212,112 +384,100 @@ attnmerge_status attnmerge_merge(const attnmerge_tensor* out, const attnmerge_te
                                  const attnmerge_tensor* o_a, const attnmerge_tensor* lse_a,
                                  const attnmerge_tensor* o_b, const attnmerge_tensor* lse_b,
                                  const attnmerge_options* options, void* stream) {
+  static const PairNames names = {"out", "out_lse", "o_a", "lse_a", "o_b", "lse_b", "mask"};
+  return merge_pair(names, out, out_lse, o_a, lse_a, o_b, lse_b, nullptr, options,
+                    ATTNMERGE_LSE_BASE2 | ATTNMERGE_LSE_HEADS_FIRST | ATTNMERGE_A_TOKENS, stream);
+}
+
+attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnmerge_tensor* lse,
+                                         const attnmerge_tensor* o_other, const attnmerge_tensor* lse_other,
+                                         const attnmerge_tensor* mask, const attnmerge_options* options, void* stream) {
+  static const PairNames names = {"o", "lse", "o", "lse", "o_other", "lse_other", "mask"};
+  if (o != nullptr && lse == nullptr) {
+    g_error[0] = '\0';
+    return fail(ATTNMERGE_ERROR_TYPE, "lse: expected a tensor, got NULL");
+  }
+  return merge_pair(names, o, lse, o, lse, o_other, lse_other, mask, options,
+                    ATTNMERGE_LSE_BASE2 | ATTNMERGE_LSE_HEADS_FIRST, stream);
+}
+
+attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                        const attnmerge_tensor* o, const attnmerge_tensor* lse,
+                                        const attnmerge_options* options, void* stream) {
   g_error[0] = '\0';
-  const attnmerge_tensor* given[] = {out, o_a, lse_a, o_b, lse_b};
-  const char* names[] = {"out", "o_a", "lse_a", "o_b", "lse_b"};
-  for (int i = 0; i < 5; ++i)
-    if (given[i] == nullptr) return fail(ATTNMERGE_ERROR_TYPE, "%s: expected a tensor, got NULL", names[i]);
-  const attnmerge_options defaults = {0u, -1};
-  const attnmerge_options& opt = options ? *options : defaults;
-  constexpr uint32_t known = ATTNMERGE_LSE_BASE2 | ATTNMERGE_LSE_HEADS_FIRST;
-  if (opt.flags & ~known)
-    return fail(ATTNMERGE_ERROR_VALUE, "options: expected flags within 0x%x, got 0x%x", known, opt.flags);
-  const bool heads_first = opt.flags & ATTNMERGE_LSE_HEADS_FIRST;
-
-  View vout, vout_lse{}, va, vla, vb, vlb;
+  View vout, vout_lse, vo, vl;
   attnmerge_status s;
-  if ((s = check_descriptor(out, "out", 3, false, vout)) || (s = check_descriptor(o_a, "o_a", 3, false, va)) ||
-      (s = check_descriptor(lse_a, "lse_a", 2, heads_first, vla)) || (s = check_descriptor(o_b, "o_b", 3, false, vb)) ||
-      (s = check_descriptor(lse_b, "lse_b", 2, heads_first, vlb)))
+  if ((s = describe(out, "out", 3, kOutputs, false, false, vout)) ||
+      (s = describe(out_lse, "out_lse", 2, kLse, false, true, vout_lse)) ||
+      (s = describe(o, "o", 4, kInputs, false, false, vo)) || (s = describe(lse, "lse", 3, kLse, false, false, vl)))
     return s;
-  if (out_lse && (s = check_descriptor(out_lse, "out_lse", 2, heads_first, vout_lse))) return s;
-  if (out->flags & ATTNMERGE_READ_ONLY) return fail(ATTNMERGE_ERROR_VALUE, "out: expected a writable tensor, got a read-only one");
-  if (out_lse && (out_lse->flags & ATTNMERGE_READ_ONLY))
-    return fail(ATTNMERGE_ERROR_VALUE, "out_lse: expected a writable tensor, got a read-only one");
-  if (o_a->dtype != o_b->dtype)
-    return fail(ATTNMERGE_ERROR_TYPE, "o_b: expected the dtype of o_a (%s), got %s", dtype_name(o_a->dtype),
-                dtype_name(o_b->dtype));
+  attnmerge_options opt;
+  float inv_scale;
+  if ((s = read_options(options, ATTNMERGE_LSE_BASE2, vout, opt, inv_scale))) return s;
+  const int64_t tokens = vo.shape[0], states = vo.shape[1], heads = vo.shape[2], head_size = vo.shape[3];
+  if (head_size < 1) return fail(ATTNMERGE_ERROR_VALUE, "o: expected head_size >= 1, got 0");
+  if (states > INT32_MAX) return fail(ATTNMERGE_ERROR_VALUE, "o: expected at most 2^31 - 1 states, got %" PRId64, states);
+  const int64_t lse_shape[3] = {tokens, states, heads};
+  const int64_t out_shape[3] = {tokens, heads, head_size};
+  if ((s = check_shape(vl, lse_shape, vo)) || (s = check_shape(vout, out_shape, vo)) ||
+      (s = check_shape(vout_lse, out_shape, vo)) || (s = check_outputs(vout, vout_lse)))
+    return s;
+  for (const View* v : {&vo, &vl})
+    for (const View* w : {&vout, &vout_lse})
+      if ((s = check_disjoint(*w, *v, false))) return s;
+  const MergeShape shape{tokens, heads, head_size, (opt.flags & ATTNMERGE_LSE_BASE2) != 0};
+  const StackSource src{o->data,  vo.strides[0], vo.strides[1], vo.strides[2], static_cast<const float*>(lse->data),
+                        vl.strides[0], vl.strides[1], vl.strides[2], states};
+  return run({&vout, &vout_lse, &vo, &vl}, shape, src, out_view(vout, vout_lse, inv_scale, opt), o->dtype, out->dtype,
+             choose_vec({&vout, &vo}, head_size), stream);
+}
 
-  // Sizes come from o_b, the one input that always covers every token; the rest must agree.
-  const int64_t tokens = vb.shape[0], heads = vb.shape[1], head_size = vb.shape[2];
-  if (head_size < 1) return fail(ATTNMERGE_ERROR_VALUE, "o_b: expected head_size >= 1, got 0");
-  const int64_t rows_shape[2] = {tokens, heads};
-  const int64_t o_shape[3] = {tokens, heads, head_size};
-  if ((s = check_shape(vlb, rows_shape, 2, &vb)) || (s = check_shape(vout, o_shape, 3, &vb))) return s;
-  if (out_lse && (s = check_shape(vout_lse, rows_shape, 2, &vb))) return s;
-  if (opt.a_tokens > tokens)
-    return fail(ATTNMERGE_ERROR_VALUE, "a_tokens: expected at most the %" PRId64 " tokens of o_b, got %" PRId64, tokens,
-                opt.a_tokens);
-  const int64_t a_tokens = opt.a_tokens < 0 ? tokens : opt.a_tokens;
-  if (opt.a_tokens < 0) {
-    if ((s = check_shape(va, o_shape, 3, &vb)) || (s = check_shape(vla, rows_shape, 2, &vb))) return s;
-  } else {
-    // o_a and lse_a need only the first a_tokens tokens.
-    const View* parts[] = {&va, &vla};
-    for (const View* v : parts) {
-      if (v->shape[0] < a_tokens || v->shape[1] != heads || (v->ndim == 3 && v->shape[2] != head_size))
+attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                        const attnmerge_tensor* o, const attnmerge_tensor* lse,
+                                        const attnmerge_tensor* indptr, const attnmerge_options* options, void* stream) {
+  g_error[0] = '\0';
+  View vout, vout_lse, vo, vl, vi;
+  attnmerge_status s;
+  if ((s = describe(out, "out", 3, kOutputs, false, false, vout)) ||
+      (s = describe(out_lse, "out_lse", 2, kLse, false, true, vout_lse)) ||
+      (s = describe(o, "o", 3, kInputs, false, false, vo)) || (s = describe(lse, "lse", 2, kLse, false, false, vl)) ||
+      (s = describe(indptr, "indptr", 1, kIndex, false, false, vi)))
+    return s;
+  attnmerge_options opt;
+  float inv_scale;
+  if ((s = read_options(options, ATTNMERGE_LSE_BASE2, vout, opt, inv_scale))) return s;
+  const int64_t total = vo.shape[0], heads = vo.shape[1], head_size = vo.shape[2];
+  if (head_size < 1) return fail(ATTNMERGE_ERROR_VALUE, "o: expected head_size >= 1, got 0");
+  if (vi.shape[0] < 1) return fail(ATTNMERGE_ERROR_VALUE, "indptr: expected rows + 1 >= 1 entries, got 0");
+  const int64_t rows = vi.shape[0] - 1;
+  const int64_t lse_shape[2] = {total, heads};
+  const int64_t out_shape[3] = {rows, heads, head_size};
+  if ((s = check_shape(vl, lse_shape, vo)) || (s = check_shape(vout, out_shape, vo)) ||
+      (s = check_shape(vout_lse, out_shape, vo)) || (s = check_outputs(vout, vout_lse)))
+    return s;
+  for (const View* v : {&vo, &vl, &vi})
+    for (const View* w : {&vout, &vout_lse})
+      if ((s = check_disjoint(*w, *v, false))) return s;
+  const bool wide = indptr->dtype == ATTNMERGE_INT64;
+  if (indptr->device == ATTNMERGE_HOST && out->device == ATTNMERGE_HOST && gpu_pointer_device(indptr->data) == ATTNMERGE_HOST) {
+    // On the host the offsets can be checked before anything is written.
+    int64_t previous = 0;
+    for (int64_t r = 0; r <= rows; ++r) {
+      const int64_t v = wide ? static_cast<const int64_t*>(indptr->data)[r * vi.strides[0]]
+                             : static_cast<const int32_t*>(indptr->data)[r * vi.strides[0]];
+      if (v < previous || v > total)
         return fail(ATTNMERGE_ERROR_VALUE,
-                    "%s: expected at least %" PRId64 " tokens (a_tokens), %" PRId64 " heads%s, got shape %s", v->name,
-                    a_tokens, heads, v->ndim == 3 ? " and out's head_size" : "", ShapeText(v->t->shape, v->ndim).text);
+                    "indptr: expected non-decreasing offsets from 0 or more up to the %" PRId64
+                    " states of o, got indptr[%" PRId64 "] = %" PRId64 "%s",
+                    total, r, v, v > total ? " (past the end)" : r == 0 ? " (below 0)" : " (decreasing)");
+      previous = v;
     }
   }
-  if ((s = check_no_self_overlap(vout))) return s;
-  if (out_lse && (s = check_no_self_overlap(vout_lse))) return s;
-  if ((s = check_disjoint(vout, va, true)) || (s = check_disjoint(vout, vb, true))) return s;
-  if (out_lse && ((s = check_disjoint(vout_lse, vla, true)) || (s = check_disjoint(vout_lse, vlb, true)) ||
-                  (s = check_disjoint(vout_lse, vout, false))))
-    return s;
-
-  // One device for all: that of the first non-empty tensor.
-  int device = out->device;
-  for (const View* v : {&vout, &vb, &va})
-    if (v->numel() > 0) {
-      device = v->t->device;
-      break;
-    }
-  const View* all[] = {&vout, &va, &vla, &vb, &vlb, &vout_lse};
-  for (const View* v : all)  // an empty tensor is never touched, wherever it lives
-    if (v->present() && v->numel() > 0 && v->t->device != device)
-      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected the device of the other tensors (%d), got device %d (-1 is the host)",
-                  v->name, device, v->t->device);
-
-  MergeParams p{};
-  p.tokens = tokens;
-  p.heads = heads;
-  p.head_size = head_size;
-  p.a_tokens = a_tokens;
-  p.out = out->data;
-  p.out_st = vout.strides[0];
-  p.out_sh = vout.strides[1];
-  p.out_lse = out_lse ? static_cast<float*>(out_lse->data) : nullptr;
-  p.out_lse_st = out_lse ? vout_lse.strides[0] : 0;
-  p.out_lse_sh = out_lse ? vout_lse.strides[1] : 0;
-  p.a = state_view(va, vla);
-  p.b = state_view(vb, vlb);
-  p.base2 = opt.flags & ATTNMERGE_LSE_BASE2;
-  if (tokens * heads == 0) return ATTNMERGE_SUCCESS;
-
-  const View* touched[] = {&vout, &va, &vla, &vb, &vlb, &vout_lse};
-  if (device == ATTNMERGE_HOST) {
-    // Device memory handed to the CPU path would crash the process: refuse it where CUDA can tell.
-    if (gpu_device_count() > 0)
-      for (const View* v : touched)
-        if (v->present() && v->numel() > 0 && gpu_pointer_device(v->t->data) != ATTNMERGE_HOST)
-          return fail(ATTNMERGE_ERROR_VALUE, "%s: expected host memory (device -1), got memory of CUDA device %d", v->name,
-                      gpu_pointer_device(v->t->data));
-    cpu_merge2(p, o_a->dtype, out->dtype);
-    return ATTNMERGE_SUCCESS;
-  }
-  const int count = gpu_device_count();
-  if (count == 0)
-    return fail(ATTNMERGE_ERROR_NO_DEVICE, "out: lives on CUDA device %d, but no CUDA driver or device is available", device);
-  if (device >= count)
-    return fail(ATTNMERGE_ERROR_VALUE, "out: expected a CUDA device below %d, got device %d", count, device);
-  for (const View* v : touched)
-    if (v->present() && v->numel() > 0 && (s = gpu_check_pointer(v->t->data, device, v->name)))
-      return s;
-  const View os[] = {vout, va, vb};
-  return gpu_merge2(p, o_a->dtype, out->dtype, choose_vec(os, 3, head_size), device, stream);
+  const MergeShape shape{rows, heads, head_size, (opt.flags & ATTNMERGE_LSE_BASE2) != 0};
+  const RangeSource src{o->data,      vo.strides[0], vo.strides[1], static_cast<const float*>(lse->data),
+                        vl.strides[0], vl.strides[1], indptr->data, vi.strides[0], wide, total};
+  return run({&vout, &vout_lse, &vo, &vl, &vi}, shape, src, out_view(vout, vout_lse, inv_scale, opt), o->dtype,
+             out->dtype, choose_vec({&vout, &vo}, head_size), stream);
 }
 
 const char* attnmerge_last_error(void) { return g_error; }

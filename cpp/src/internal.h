@@ -13,18 +13,33 @@ namespace detail {
 // Records the calling thread's error message (printf-style) and returns `status`.
 attnmerge_status fail(attnmerge_status status, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
 
-inline std::size_t dtype_size(int dtype) { return dtype == ATTNMERGE_FLOAT32 ? 4 : 2; }
+inline std::size_t dtype_size(int dtype) {
+  switch (dtype) {
+    case ATTNMERGE_FLOAT32:
+    case ATTNMERGE_INT32: return 4;
+    case ATTNMERGE_FLOAT16:
+    case ATTNMERGE_BFLOAT16: return 2;
+    case ATTNMERGE_INT64: return 8;
+    default: return 1;
+  }
+}
 const char* dtype_name(int dtype);
 
-// The one dispatch idiom: calls f with a value of the storage type of `dtype` (a validated
-// attnmerge_dtype), so that `using T = decltype(tag)` names it.
+// The one dispatch idiom: calls f with a value of the storage type of `dtype` (validated), so that
+// `using T = decltype(tag)` names it.  Inputs are float32, float16 or bfloat16; outputs also FP8.
 template <typename F>
-void dispatch_dtype(int dtype, F&& f) {
+void dispatch_in_dtype(int dtype, F&& f) {
   switch (dtype) {
     case ATTNMERGE_FLOAT32: f(float{}); break;
     case ATTNMERGE_FLOAT16: f(half_t{}); break;
     default: f(bfloat16_t{}); break;
   }
+}
+
+template <typename F>
+void dispatch_out_dtype(int dtype, F&& f) {
+  if (dtype == ATTNMERGE_FLOAT8_E4M3) return f(float8_e4m3_t{});
+  dispatch_in_dtype(dtype, f);
 }
 
 // Calls f with std::integral_constant<int, vec> for vec in {1, 2, 4, 8}.
@@ -38,8 +53,9 @@ void dispatch_vec(int vec, F&& f) {
   }
 }
 
-// CPU path: runs the merge on the calling thread (and helpers for large inputs); cannot fail.
-void cpu_merge2(const MergeParams& p, int in_dtype, int out_dtype);
+// CPU path (merge_cpu.cpp): runs on the calling thread, and helpers for large inputs; cannot fail.
+template <typename Source>
+void cpu_merge(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype, int out_dtype);
 
 // GPU path (merge_gpu.cu).  Every function restores the caller's current device.
 int gpu_build_version();  // CUDART_VERSION of the toolkit that compiled the library
@@ -48,7 +64,9 @@ int gpu_driver_version();
 int gpu_pointer_device(const void* ptr);  // ATTNMERGE_HOST unless device memory
 // Checks that `ptr` is memory the GPU `device` can address; names `arg` in the error.
 attnmerge_status gpu_check_pointer(const void* ptr, int device, const char* arg);
-attnmerge_status gpu_merge2(const MergeParams& p, int in_dtype, int out_dtype, int vec, int device, void* stream);
+template <typename Source>
+attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype,
+                           int out_dtype, int vec, int device, void* stream);
 attnmerge_status gpu_stream_synchronize(int device, void* stream);
 
 }  // namespace detail

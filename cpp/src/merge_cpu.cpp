@@ -1,5 +1,6 @@
-// The CPU path: the same row math and element steps as the kernels, over host memory, split into
-// contiguous row ranges across threads when the input is large enough to pay for them.
+// The CPU path: the same sources, row math and conversions as the kernels, over host memory, split
+// into contiguous row ranges across threads when the input is large enough to pay for them.  Unlike
+// the kernels it reads no O of zero weight at all: on the CPU nothing is gained by fetching early.
 #include <algorithm>
 #include <cstdlib>
 #include <thread>
@@ -11,26 +12,32 @@ namespace attnmerge {
 namespace detail {
 namespace {
 
-template <typename TIn, typename TOut>
-void merge2_rows(const MergeParams& p, int64_t row_begin, int64_t row_end) {
+constexpr int64_t kChunk = 256;  // head_size elements accumulated at a time, on the stack
+
+template <typename Source, typename TIn, typename TOut>
+void merge_rows(const MergeShape& shape, const Source& src, const OutView& out, int64_t row_begin, int64_t row_end) {
+  const float inv_scale = out.inverse_scale();
   for (int64_t row = row_begin; row < row_end; ++row) {
     int64_t token, head;
-    p.split_row(row, token, head);
-    float la, lb;
-    const RowMerge r = p.row(token, head, la, lb);
-    const float sa = r.scale(la), sb = r.scale(lb);
-    const TIn* a = p.a.o_at<TIn>(token, head);
-    const TIn* b = p.b.o_at<TIn>(token, head);
-    TOut* out = p.out_at<TOut>(token, head);
-    for (int64_t d = 0; d < p.head_size; ++d) {
-      const Pack<TIn, 1> pa = load_if<TIn, 1>(a + d, sa);
-      const Pack<TIn, 1> pb = load_if<TIn, 1>(b + d, sb);
-      float acc[1] = {};
-      accumulate(acc, pa, sa);
-      accumulate(acc, pb, sb);
-      store_pack<TOut, 1>(out + d, acc, r.nan);
+    shape.split_row(row, token, head);
+    const typename Source::Row states = src.template row<TIn>(token, head);
+    if (states.skip()) continue;
+    const int n = states.count();
+    RowMerge r(shape.base2);
+    for (int s = 0; s < n; ++s) r.add(states.lse(s));
+    TOut* dst = out.o_at<TOut>(token, head);
+    for (int64_t d0 = 0; d0 < shape.head_size; d0 += kChunk) {
+      const int64_t len = std::min(kChunk, shape.head_size - d0);
+      float acc[kChunk] = {};
+      for (int s = 0; s < n; ++s) {
+        const float scale = r.scale(states.lse(s));
+        if (scale == 0.0f) continue;  // a part of zero weight is never read
+        const TIn* o = states.template o_at<TIn>(s) + d0;
+        for (int64_t d = 0; d < len; ++d) acc[d] += scale * Convert<TIn>::load(o[d]);
+      }
+      for (int64_t d = 0; d < len; ++d) dst[d0 + d] = Convert<TOut>::store(r.nan ? NAN : acc[d] * inv_scale);
     }
-    p.store_lse(token, head, r.lse());
+    out.store_lse(token, head, r.lse());
   }
 }
 
@@ -64,20 +71,33 @@ void parallel_rows(int64_t rows, int64_t threads, Body body) {
   for (std::thread& t : helpers) t.join();
 }
 
+// Bytes one row of the op moves, for the thread count: each input state read once, one write.
+template <typename Source>
+int64_t states_per_row(const Source&) { return 2; }
+template <>
+int64_t states_per_row(const StackSource& src) { return src.states; }
+
 }  // namespace
 
-void cpu_merge2(const MergeParams& p, int in_dtype, int out_dtype) {
-  const int64_t rows = p.tokens * p.heads;
-  const int64_t bytes = rows * p.head_size * static_cast<int64_t>(2 * dtype_size(in_dtype) + dtype_size(out_dtype));
-  dispatch_dtype(in_dtype, [&](auto in_tag) {
-    dispatch_dtype(out_dtype, [&](auto out_tag) {
+template <typename Source>
+void cpu_merge(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype, int out_dtype) {
+  const int64_t rows = shape.tokens * shape.heads;
+  const int64_t bytes =
+      rows * shape.head_size * (states_per_row(src) * static_cast<int64_t>(dtype_size(in_dtype)) + 1);
+  dispatch_in_dtype(in_dtype, [&](auto in_tag) {
+    dispatch_out_dtype(out_dtype, [&](auto out_tag) {
       using TIn = decltype(in_tag);
       using TOut = decltype(out_tag);
-      parallel_rows(rows, cpu_threads(bytes),
-                    [&p](int64_t begin, int64_t end) { merge2_rows<TIn, TOut>(p, begin, end); });
+      parallel_rows(rows, cpu_threads(bytes), [&](int64_t begin, int64_t end) {
+        merge_rows<Source, TIn, TOut>(shape, src, out, begin, end);
+      });
     });
   });
 }
+
+template void cpu_merge<PairSource>(const MergeShape&, const PairSource&, const OutView&, int, int);
+template void cpu_merge<StackSource>(const MergeShape&, const StackSource&, const OutView&, int, int);
+template void cpu_merge<RangeSource>(const MergeShape&, const RangeSource&, const OutView&, int, int);
 
 }  // namespace detail
 }  // namespace attnmerge

@@ -87,26 +87,36 @@ attnmerge_status gpu_check_pointer(const void* ptr, int device, const char* arg)
   }
 }
 
-attnmerge_status gpu_merge2(const MergeParams& p, int in_dtype, int out_dtype, int vec, int device, void* stream) {
+template <typename Source>
+attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype,
+                           int out_dtype, int vec, int device, void* stream) {
   DeviceGuard guard(device);
   if (guard.error() != cudaSuccess)
     return cuda_fail(guard.error(), "while selecting the device (an earlier error, not one of this call's arguments)");
   cudaError_t err = cudaSuccess;
-  dispatch_dtype(in_dtype, [&](auto in_tag) {
-    dispatch_dtype(out_dtype, [&](auto out_tag) {
+  dispatch_in_dtype(in_dtype, [&](auto in_tag) {
+    dispatch_out_dtype(out_dtype, [&](auto out_tag) {
       dispatch_vec(vec, [&](auto vec_tag) {
         using TIn = decltype(in_tag);
         using TOut = decltype(out_tag);
         constexpr int kVec = decltype(vec_tag)::value;
         // Wider than 16 bytes per access is never chosen; do not instantiate it.
         if constexpr (kVec * sizeof(TIn) <= 16 && kVec * sizeof(TOut) <= 16)
-          err = launch_merge2<TIn, TOut, kVec>(p, static_cast<cudaStream_t>(stream));
+          err = launch_merge<Source, TIn, TOut, kVec>(shape, src, out, static_cast<cudaStream_t>(stream));
       });
     });
   });
-  if (err != cudaSuccess) return cuda_fail(err, "launching the merge kernel");
+  if (err != cudaSuccess)
+    return cuda_fail(err, "launching the merge kernel (possibly an earlier, sticky error of other work)");
   return ATTNMERGE_SUCCESS;
 }
+
+template attnmerge_status gpu_merge<PairSource>(const MergeShape&, const PairSource&, const OutView&, int, int, int,
+                                                int, void*);
+template attnmerge_status gpu_merge<StackSource>(const MergeShape&, const StackSource&, const OutView&, int, int, int,
+                                                 int, void*);
+template attnmerge_status gpu_merge<RangeSource>(const MergeShape&, const RangeSource&, const OutView&, int, int, int,
+                                                 int, void*);
 
 attnmerge_status gpu_stream_synchronize(int device, void* stream) {
   DeviceGuard guard(device);

@@ -6,16 +6,18 @@ per (token, head) row, m = max lse_i, w_i = exp(lse_i - m), W = sum w_i,
 O = sum (w_i / W) O_i, LSE = m + log W.  +inf LSE marks an empty part; all parts empty give
 O = 0 and LSE = -inf; a part of weight zero is never read; a NaN LSE makes its row NaN.
 
-Arrays come from PyTorch, CuPy, JAX, Numba or NumPy (or as raw pointers: `attnmerge.raw`); the
-vLLM and FlashInfer conventions live in `attnmerge.compat`.
+Ops: merge (two states), merge_inplace (into the first, optionally masked), merge_states (S
+stacked states in one pass) and merge_varlen (a per-row number of states given by indptr).  Arrays
+come from PyTorch, CuPy, JAX, Numba or NumPy (or as raw pointers: `attnmerge.raw`); the vLLM and
+FlashInfer conventions live in `attnmerge.compat`.
 """
 import os as _os
 
 from . import _C
-from ._merge import merge
+from ._merge import merge, merge_inplace, merge_states, merge_varlen
 
 __version__ = _C.version_string()
-__all__ = ["merge", "build_info", "cmake_dir", "include_dir", "library_path", "__version__"]
+__all__ = ["merge", "merge_inplace", "merge_states", "merge_varlen", "build_info", "cmake_dir", "include_dir", "library_path", "__version__"]
 
 # Where the compiled part lives: beside _C (in an editable install, not beside this file).
 _HERE = _os.path.dirname(_os.path.abspath(_C.__file__))

@@ -2,7 +2,8 @@
 `stream=None` means.  Nothing here checks arguments; libattnmerge does."""
 import sys
 
-_DTYPE_NAMES = ("float32", "float16", "bfloat16")
+_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
+_ALIASES = {"float8_e4m3": "float8_e4m3fn"}
 
 
 def family(x):
@@ -21,26 +22,26 @@ def family(x):
 
 
 def dtype_name(dtype, arg):
-    """'float32' | 'float16' | 'bfloat16' from a string or any framework's dtype object."""
+    """'float32' | 'float16' | 'bfloat16' | 'float8_e4m3fn' from a string or any framework's dtype."""
     name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None) or str(dtype).rpartition(".")[2]
-    if not isinstance(name, str) or name not in _DTYPE_NAMES:
-        if isinstance(dtype, type):  # NumPy scalar types such as numpy.float16
-            name = getattr(dtype, "__name__", "")
-        if name not in _DTYPE_NAMES:
-            raise TypeError(f"{arg}: expected dtype float32, float16 or bfloat16, got {dtype!r}")
+    if isinstance(dtype, type):  # NumPy scalar types such as numpy.float16
+        name = getattr(dtype, "__name__", name)
+    name = _ALIASES.get(name, name)
+    if name not in _DTYPE_NAMES:
+        raise TypeError(f"{arg}: expected dtype float32, float16, bfloat16 or float8_e4m3fn, got {dtype!r}")
     return name
 
 
 def _numpy_dtype(name):
     import numpy as np
 
-    if name != "bfloat16":
+    if name in ("float32", "float16"):
         return np.dtype(name)
     try:
         import ml_dtypes
     except ImportError:
-        raise TypeError("bfloat16 NumPy arrays need the ml_dtypes package (pip install ml_dtypes)") from None
-    return np.dtype(ml_dtypes.bfloat16)
+        raise TypeError(f"{name} NumPy arrays need the ml_dtypes package (pip install ml_dtypes)") from None
+    return np.dtype(getattr(ml_dtypes, name))
 
 
 class _DeviceBuffer:
@@ -49,14 +50,14 @@ class _DeviceBuffer:
 
     def __init__(self, ptr, shape, name):
         self.dtype = name
-        typestr = {"float32": "<f4", "float16": "<f2", "bfloat16": "<V2"}[name]
+        typestr = {"float32": "<f4", "float16": "<f2", "bfloat16": "<V2", "float8_e4m3fn": "|V1"}[name]
         self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, False),
                                          "strides": None, "version": 3}
 
 
-def empty(like, shape, name):
-    """A new array of `shape` and dtype `name` in the library and on the device of `like`.
-    Returns (array, writable view to hand to the library)."""
+def empty(like, shape, name, like_name):
+    """A new array of `shape` and dtype `name` in the library and on the device of `like` (the
+    argument `like_name`).  Returns (array, writable view to hand to the library)."""
     kind = family(like)
     if kind == "torch":
         import torch
@@ -88,7 +89,7 @@ def empty(like, shape, name):
 
         x = np.empty(shape, dtype=_numpy_dtype(name))
         return x, x
-    raise TypeError(f"o_b: expected an array of NumPy, PyTorch, CuPy, JAX or Numba to allocate outputs like, "
+    raise TypeError(f"{like_name}: expected an array of NumPy, PyTorch, CuPy, JAX or Numba to allocate outputs like, "
                     f"got {type(like).__qualname__} (pass out= and out_lse=)")
 
 

@@ -1,4 +1,4 @@
-"""The native API."""
+"""The native API: merge, merge_inplace, merge_states, merge_varlen."""
 from . import _C
 from ._arrays import default_stream, dtype_name, empty, family
 
@@ -33,16 +33,46 @@ def _refuse_jax_output(x, arg):
                          f"to get a new JAX array")
 
 
-def merge(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None, return_lse=True, out_dtype=None, base="e",
-          a_tokens=None, stream=None):
+def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like_name="o_b", src_name="o_a"):
+    """(out, out_lse, the views handed to the library): given outputs as they are, missing ones
+    allocated in the library of `like` with `shape` ([tokens, heads, head_size])."""
+    _refuse_jax_output(out, "out")
+    _refuse_jax_output(out_lse, "out_lse")
+    if out is not None and out_dtype is not None:
+        want, got = dtype_name(out_dtype, "out_dtype"), dtype_name(getattr(out, "dtype", None), "out")
+        if want != got:
+            raise ValueError(f"out_dtype: expected None or the dtype of out ({got}), got {want}")
+    out_view, lse_view = out, out_lse
+    if out is None:
+        source = "out_dtype"
+        if out_dtype is None:
+            source, out_dtype = src_name, getattr(in_dtype_of, "dtype", None)
+            if out_dtype is None:
+                raise TypeError(f"{src_name}: expected an array, got {type(in_dtype_of).__qualname__}")
+        out, out_view = empty(like, shape, dtype_name(out_dtype, source), like_name)
+    if out_lse is None and return_lse:
+        out_lse, lse_view = empty(like, shape[:2], "float32", like_name)
+    return out, out_lse, out_view, lse_view
+
+
+def _finish_jax(out, out_view, stream):
+    """JAX cannot wait on our stream: results it gets back are complete first."""
+    if family(out) == "jax" and out is not out_view:
+        _C.stream_synchronize(_C.pointer_device(out.unsafe_buffer_pointer()), stream or 0)
+
+
+def merge(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None, return_lse=True, out_dtype=None, output_scale=None,
+          base="e", a_tokens=None, stream=None):
     """Merge two attention states: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
 
     o_a, o_b: [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype for both).
     lse_a, lse_b: float32 [tokens, heads], natural log (base="e") or base 2 (base=2); any strides,
         so a [heads, tokens] buffer is passed as its transpose (`lse.T`).
-    out: [tokens, heads, head_size] in any of the three dtypes; allocated in the caller's array
-        library when None, with dtype `out_dtype` (default: that of o_a).
+    out: [tokens, heads, head_size] in any of the three dtypes or float8_e4m3fn; allocated in the
+        caller's array library when None, with dtype `out_dtype` (default: that of o_a).
     out_lse: float32 [tokens, heads], in the input's base; allocated when None and return_lse.
+    output_scale: FP8 outputs store value / output_scale (saturating to +-448): a number, or a
+        one-element float32 array on the arrays' device, read by the kernel (no host round trip).
     a_tokens: only the first a_tokens tokens merge a with b; later rows take b alone and a needs
         only a_tokens tokens (vLLM's prefill_tokens_with_context).
     stream: None (the current stream of the arrays' framework, else the legacy default stream), an
@@ -55,28 +85,83 @@ def merge(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None, return_lse=True, ou
     """
     flags = lse_flags(base)
     a_tok = a_tokens_arg(a_tokens)
-    _refuse_jax_output(out, "out")
-    _refuse_jax_output(out_lse, "out_lse")
-    if out is not None and out_dtype is not None:
-        want, got = dtype_name(out_dtype, "out_dtype"), dtype_name(getattr(out, "dtype", None), "out")
-        if want != got:
-            raise ValueError(f"out_dtype: expected None or the dtype of out ({got}), got {want}")
-    out_view, lse_view = out, out_lse
     if out is None or (out_lse is None and return_lse):
-        shape = _shape(o_b, "o_b")
-        if out is None:
-            source = "out_dtype"
-            if out_dtype is None:
-                source, out_dtype = "o_a", getattr(o_a, "dtype", None)
-                if out_dtype is None:
-                    raise TypeError(f"o_a: expected an array, got {type(o_a).__qualname__}")
-            name = dtype_name(out_dtype, source)
-            out, out_view = empty(o_b, shape, name)
-        if out_lse is None and return_lse:
-            out_lse, lse_view = empty(o_b, shape[:2], "float32")
+        out, out_lse, out_view, lse_view = _outputs(o_b, o_a, _shape(o_b, "o_b"), out, out_lse, return_lse, out_dtype)
+    else:
+        out, out_lse, out_view, lse_view = _outputs(o_b, o_a, None, out, out_lse, return_lse, out_dtype)
     if stream is None:
         stream = default_stream(o_b)
-    _C.merge(out_view, lse_view, o_a, lse_a, o_b, lse_b, flags, a_tok, stream)
-    if family(out) == "jax" and out is not out_view:
-        _C.stream_synchronize(_C.pointer_device(out.unsafe_buffer_pointer()), stream or 0)
+    _C.merge(out_view, lse_view, o_a, lse_a, o_b, lse_b, flags, a_tok, output_scale, stream)
+    _finish_jax(out, out_view, stream)
+    return out, out_lse
+
+
+def merge_inplace(o, lse, o_other, lse_other, *, mask=None, base="e", stream=None):
+    """(o, lse) <- merge((o, lse), (o_other, lse_other)), in place.
+
+    o, o_other: [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype).
+    lse, lse_other: float32 [tokens, heads] in base e (or base=2).
+    mask: None, or uint8 / bool [tokens]: rows of tokens whose mask is 0 are left untouched.
+    Returns (o, lse).
+    """
+    _refuse_jax_output(o, "o")
+    _refuse_jax_output(lse, "lse")
+    if stream is None:
+        stream = default_stream(o)
+    _C.merge_inplace(o, lse, o_other, lse_other, mask, lse_flags(base), stream)
+    return o, lse
+
+
+def merge_states(o, lse, *, out=None, out_lse=None, return_lse=True, out_dtype=None, output_scale=None, base="e",
+                 states_axis=1, stream=None):
+    """Merge S states in one pass, each input read once.
+
+    states_axis=1: o [tokens, S, heads, head_size], lse float32 [tokens, S, heads] (FlashInfer's).
+    states_axis=0: o [S, tokens, heads, head_size], lse [S, tokens, heads] (what an all-gather of
+        per-rank states produces), read through its strides: no copy.
+    out [tokens, heads, head_size], out_lse [tokens, heads]: as for merge().  S = 0 gives O = 0 and
+    LSE = -inf.  Returns (out, out_lse).
+    """
+    if states_axis not in (0, 1) or isinstance(states_axis, bool):
+        raise ValueError(f"states_axis: expected 0 or 1, got {states_axis!r}")
+    flags = lse_flags(base)
+    shape = None
+    if out is None or (out_lse is None and return_lse):
+        s = _shape(o, "o")
+        if len(s) != 4:
+            raise ValueError(f"o: expected 4 dimensions, got {len(s)} (shape {list(s)})")
+        shape = (s[1 - states_axis], s[2], s[3])
+    out, out_lse, out_view, lse_view = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o")
+    if stream is None:
+        stream = default_stream(o)
+    _C.merge_states(out_view, lse_view, o, lse, flags, states_axis == 0, output_scale, stream)
+    _finish_jax(out, out_view, stream)
+    return out, out_lse
+
+
+def merge_varlen(o, lse, indptr, *, out=None, out_lse=None, return_lse=True, out_dtype=None, output_scale=None,
+                 base="e", stream=None):
+    """Row r of the result merges states indptr[r] .. indptr[r+1]-1 of o.
+
+    o: [total, heads, head_size], lse: float32 [total, heads]; indptr: int32 or int64 [rows + 1].
+    out [rows, heads, head_size], out_lse [rows, heads]: as for merge().  A row with no states gets
+    O = 0 and LSE = -inf.  On the CPU a bad indptr raises ValueError; on the GPU it is never read
+    back to the host, and each row takes states [clamp(indptr[r], 0, total),
+    clamp(indptr[r+1], that, total)): no out-of-bounds access, and a row whose bounds cross is empty.
+    Returns (out, out_lse).
+    """
+    flags = lse_flags(base)
+    shape = None
+    if out is None or (out_lse is None and return_lse):
+        s, n = _shape(o, "o"), _shape(indptr, "indptr")
+        if len(s) != 3:
+            raise ValueError(f"o: expected 3 dimensions, got {len(s)} (shape {list(s)})")
+        if len(n) != 1 or n[0] < 1:
+            raise ValueError(f"indptr: expected shape [rows + 1] with rows >= 0, got {list(n)}")
+        shape = (n[0] - 1, s[1], s[2])
+    out, out_lse, out_view, lse_view = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o")
+    if stream is None:
+        stream = default_stream(o)
+    _C.merge_varlen(out_view, lse_view, o, lse, indptr, flags, output_scale, stream)
+    _finish_jax(out, out_view, stream)
     return out, out_lse

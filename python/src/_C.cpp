@@ -16,7 +16,7 @@ namespace {
 
 // ---- DLPack, as the DLPack specification lays it out (ABI v1) -------------------------------
 enum DLDeviceType : int32_t { kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13 };
-enum DLTypeCode : uint8_t { kDLFloat = 2, kDLBfloat = 4 };
+enum DLTypeCode : uint8_t { kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLBool = 6, kDLFloat8_e4m3fn = 10 };
 struct DLDevice { int32_t device_type; int32_t device_id; };
 struct DLDataType { uint8_t code; uint8_t bits; uint16_t lanes; };
 struct DLTensor {
@@ -89,24 +89,42 @@ std::string dl_dtype_name(DLDataType dt) {
   return s;
 }
 
-int dtype_from_dl(DLDataType dt, bool lse, const char* name) {
-  if (lse) {
-    if (dt.code == kDLFloat && dt.bits == 32 && dt.lanes == 1) return ATTNMERGE_FLOAT32;
-    type_error(name, "expected dtype float32, got " + dl_dtype_name(dt));
-  }
+// The library's code for a DLPack dtype; dtypes it has no code for fail here, naming what the
+// argument expects (`expected`), and every other check is the C ABI's.
+int dtype_from_dl(DLDataType dt, const char* expected, const char* name) {
   if (dt.lanes == 1) {
-    if (dt.code == kDLFloat && dt.bits == 32) return ATTNMERGE_FLOAT32;
-    if (dt.code == kDLFloat && dt.bits == 16) return ATTNMERGE_FLOAT16;
-    if (dt.code == kDLBfloat && dt.bits == 16) return ATTNMERGE_BFLOAT16;
+    switch (dt.code) {
+      case kDLFloat:
+        if (dt.bits == 32) return ATTNMERGE_FLOAT32;
+        if (dt.bits == 16) return ATTNMERGE_FLOAT16;
+        break;
+      case kDLBfloat:
+        if (dt.bits == 16) return ATTNMERGE_BFLOAT16;
+        break;
+      case kDLFloat8_e4m3fn:
+        if (dt.bits == 8) return ATTNMERGE_FLOAT8_E4M3;
+        break;
+      case kDLUInt:
+        if (dt.bits == 8) return ATTNMERGE_UINT8;
+        break;
+      case kDLBool:
+        if (dt.bits == 8) return ATTNMERGE_BOOL;
+        break;
+      case kDLInt:
+        if (dt.bits == 32) return ATTNMERGE_INT32;
+        if (dt.bits == 64) return ATTNMERGE_INT64;
+        break;
+    }
   }
-  type_error(name, "expected dtype float32, float16 or bfloat16, got " + dl_dtype_name(dt));
+  type_error(name, std::string("expected dtype ") + expected + ", got " + dl_dtype_name(dt));
 }
 
 int dtype_from_name(const std::string& s, const char* name) {
   if (s == "float32") return ATTNMERGE_FLOAT32;
   if (s == "float16") return ATTNMERGE_FLOAT16;
   if (s == "bfloat16") return ATTNMERGE_BFLOAT16;
-  type_error(name, "expected dtype float32, float16 or bfloat16, got " + s);
+  if (s == "float8_e4m3fn" || s == "float8_e4m3") return ATTNMERGE_FLOAT8_E4M3;
+  type_error(name, "expected dtype float32, float16, bfloat16 or float8_e4m3fn, got " + s);
 }
 
 void set_ndim(Arg& a, int64_t ndim, const char* name) {
@@ -115,7 +133,7 @@ void set_ndim(Arg& a, int64_t ndim, const char* name) {
   a.t.ndim = static_cast<int32_t>(ndim);
 }
 
-void from_dltensor(Arg& a, const DLTensor& d, bool read_only, bool lse, const char* name) {
+void from_dltensor(Arg& a, const DLTensor& d, bool read_only, const char* expected, const char* name) {
   switch (d.device.device_type) {
     case kDLCPU:
     case kDLCUDAHost: a.t.device = ATTNMERGE_HOST; break;
@@ -123,7 +141,7 @@ void from_dltensor(Arg& a, const DLTensor& d, bool read_only, bool lse, const ch
     case kDLCUDAManaged: a.t.device = d.device.device_id; break;
     default: value_error(name, "expected a CPU or CUDA array, got DLPack device type " + std::to_string(d.device.device_type));
   }
-  a.t.dtype = dtype_from_dl(d.dtype, lse, name);
+  a.t.dtype = dtype_from_dl(d.dtype, expected, name);
   set_ndim(a, d.ndim, name);
   a.t.data = static_cast<char*>(d.data) + d.byte_offset;
   int64_t compact = 1;  // legacy producers may leave strides NULL: row-major
@@ -157,24 +175,32 @@ const DLPackExchangeAPI* exchange_api(PyTypeObject* type) {
 }
 
 // Dict-based interfaces (__cuda_array_interface__, __array_interface__): strides in bytes or None.
-void from_interface(Arg& a, py::handle obj, const py::dict& iface, bool cuda, bool lse, const char* name) {
+// Dict-based interfaces (__cuda_array_interface__, __array_interface__): strides in bytes or None.
+void from_interface(Arg& a, py::handle obj, const py::dict& iface, bool cuda, const char* expected, const char* name) {
   const std::string typestr = py::str(iface["typestr"]);
   const std::string kind = typestr.size() > 1 ? typestr.substr(1) : typestr;
-  if (kind == "f4") a.t.dtype = ATTNMERGE_FLOAT32;
-  else if (kind == "f2") a.t.dtype = ATTNMERGE_FLOAT16;
-  else if (kind == "V2" && py::hasattr(obj, "dtype") && std::string(py::str(obj.attr("dtype"))) == "bfloat16")
-    a.t.dtype = ATTNMERGE_BFLOAT16;  // ml_dtypes' bfloat16 has no typestr of its own
-  else
-    type_error(name, std::string(lse ? "expected dtype float32" : "expected dtype float32, float16 or bfloat16") + ", got " +
-                         std::string(py::str(py::hasattr(obj, "dtype") ? py::object(obj.attr("dtype")) : py::object(iface["typestr"]))));
+  // ml_dtypes' bfloat16 and float8_e4m3fn have no typestr of their own: ask the array's dtype.
+  const std::string dtype = py::hasattr(obj, "dtype") ? std::string(py::str(obj.attr("dtype"))) : kind;
+  static const std::pair<const char*, int> kinds[] = {{"f4", ATTNMERGE_FLOAT32}, {"f2", ATTNMERGE_FLOAT16},
+                                                      {"u1", ATTNMERGE_UINT8},   {"b1", ATTNMERGE_BOOL},
+                                                      {"i4", ATTNMERGE_INT32},   {"i8", ATTNMERGE_INT64}};
+  a.t.dtype = -1;
+  for (const auto& k : kinds)
+    if (kind == k.first) a.t.dtype = k.second;
+  if (kind == "V2" && dtype == "bfloat16") a.t.dtype = ATTNMERGE_BFLOAT16;
+  if (kind == "V1" && dtype == "float8_e4m3fn") a.t.dtype = ATTNMERGE_FLOAT8_E4M3;
+  if (a.t.dtype < 0) type_error(name, std::string("expected dtype ") + expected + ", got " + dtype);
+  const int64_t itemsize = a.t.dtype == ATTNMERGE_FLOAT32 || a.t.dtype == ATTNMERGE_INT32 ? 4
+                           : a.t.dtype == ATTNMERGE_INT64                                 ? 8
+                           : a.t.dtype == ATTNMERGE_FLOAT16 || a.t.dtype == ATTNMERGE_BFLOAT16 ? 2
+                                                                                           : 1;
   const py::tuple data = iface["data"];
   a.t.data = reinterpret_cast<void*>(data[0].cast<uintptr_t>());
   a.t.flags = data[1].cast<bool>() ? ATTNMERGE_READ_ONLY : 0u;
   if (iface.contains("offset") && !iface["offset"].is_none())
-    a.t.data = static_cast<char*>(a.t.data) + iface["offset"].cast<int64_t>() * (a.t.dtype == ATTNMERGE_FLOAT32 ? 4 : 2);
+    a.t.data = static_cast<char*>(a.t.data) + iface["offset"].cast<int64_t>() * itemsize;
   const py::tuple shape = iface["shape"];
   set_ndim(a, static_cast<int64_t>(shape.size()), name);
-  const int64_t itemsize = a.t.dtype == ATTNMERGE_FLOAT32 ? 4 : 2;
   const bool has_strides = iface.contains("strides") && !iface["strides"].is_none();
   int64_t compact = 1;
   for (int i = a.t.ndim - 1; i >= 0; --i) {
@@ -190,7 +216,6 @@ void from_interface(Arg& a, py::handle obj, const py::dict& iface, bool cuda, bo
     }
     compact *= a.t.shape[i];
   }
-  if (lse && a.t.dtype != ATTNMERGE_FLOAT32) type_error(name, "expected dtype float32, got " + kind);
   a.t.device = cuda ? attnmerge_pointer_device(a.t.data) : ATTNMERGE_HOST;
 }
 
@@ -200,17 +225,17 @@ py::object dlpack_stream_arg(void* stream) {
 }
 
 // Describes `obj` (any supported array) in `a`; `stream` is the consumer stream for __dlpack__.
-void describe(Arg& a, py::handle obj, void* stream, bool lse, const char* name) {
+void describe(Arg& a, py::handle obj, void* stream, const char* expected, const char* name) {
   PyObject* o = obj.ptr();
   if (const DLPackExchangeAPI* api = exchange_api(Py_TYPE(o))) {
     a.api = api;
     if (api->dltensor_from_py_object_no_sync) {
       DLTensor d;
       if (api->dltensor_from_py_object_no_sync(o, &d) != 0) throw py::error_already_set();
-      return from_dltensor(a, d, false, lse, name);
+      return from_dltensor(a, d, false, expected, name);
     }
     if (api->managed_tensor_from_py_object_no_sync(o, &a.versioned) != 0) throw py::error_already_set();
-    return from_dltensor(a, a.versioned->dl_tensor, a.versioned->flags & kDLReadOnly, lse, name);
+    return from_dltensor(a, a.versioned->dl_tensor, a.versioned->flags & kDLReadOnly, expected, name);
   }
   if (py::hasattr(obj, "__dlpack__")) {
     try {
@@ -230,12 +255,12 @@ void describe(Arg& a, py::handle obj, void* stream, bool lse, const char* name) 
         a.versioned = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(c, "dltensor_versioned"));
         PyCapsule_SetName(c, "used_dltensor_versioned");
         if (a.versioned->version.major != 1) value_error(name, "expected DLPack major version 1");
-        return from_dltensor(a, a.versioned->dl_tensor, a.versioned->flags & kDLReadOnly, lse, name);
+        return from_dltensor(a, a.versioned->dl_tensor, a.versioned->flags & kDLReadOnly, expected, name);
       }
       if (PyCapsule_IsValid(c, "dltensor")) {
         a.legacy = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(c, "dltensor"));
         PyCapsule_SetName(c, "used_dltensor");
-        return from_dltensor(a, a.legacy->dl_tensor, false, lse, name);
+        return from_dltensor(a, a.legacy->dl_tensor, false, expected, name);
       }
       value_error(name, "__dlpack__ returned no DLPack capsule");
     } catch (py::error_already_set& e) {
@@ -247,9 +272,9 @@ void describe(Arg& a, py::handle obj, void* stream, bool lse, const char* name) 
     }
   }
   if (py::hasattr(obj, "__cuda_array_interface__"))
-    return from_interface(a, obj, obj.attr("__cuda_array_interface__"), true, lse, name);
+    return from_interface(a, obj, obj.attr("__cuda_array_interface__"), true, expected, name);
   if (py::hasattr(obj, "__array_interface__"))
-    return from_interface(a, obj, obj.attr("__array_interface__"), false, lse, name);
+    return from_interface(a, obj, obj.attr("__array_interface__"), false, expected, name);
   type_error(name, "expected an array (DLPack, __cuda_array_interface__ or NumPy), got " + type_name(obj));
 }
 
@@ -271,37 +296,123 @@ void check(attnmerge_status status) {
   }
 }
 
-// Builds the descriptors of the merge's arguments; resolves stream None to the current stream of
-// a framework that offers one through the exchange API, else the legacy default stream.
-py::object merge(py::handle out, py::handle out_lse, py::handle o_a, py::handle lse_a, py::handle o_b,
-                 py::handle lse_b, uint32_t flags, int64_t a_tokens, py::handle stream) {
-  const bool explicit_stream = !stream.is_none();
-  void* s = explicit_stream ? stream_handle(stream) : nullptr;
-  Arg args[6];
-  const py::handle objs[6] = {out, out_lse, o_a, lse_a, o_b, lse_b};
-  const char* names[6] = {"out", "out_lse", "o_a", "lse_a", "o_b", "lse_b"};
-  const attnmerge_tensor* t[6] = {};  // None stays NULL: the C ABI names what is missing
-  for (int i = 0; i < 6; ++i) {
-    if (objs[i].is_none()) continue;
-    describe(args[i], objs[i], s, i % 2 == 1, names[i]);
-    t[i] = &args[i].t;
-  }
-  if (!explicit_stream) {
-    for (const Arg& a : args) {
-      if (a.api && a.t.device >= 0) {
-        if (a.api->current_work_stream(kDLCUDA, a.t.device, &s) != 0) throw py::error_already_set();
-        break;
-      }
+// What an argument may be, for messages about dtypes the library has no code for.
+constexpr const char* kO = "float32, float16 or bfloat16";
+constexpr const char* kOut = "float32, float16, bfloat16 or float8_e4m3fn";
+constexpr const char* kF32 = "float32";
+constexpr const char* kMaskDtypes = "uint8 or bool";
+constexpr const char* kIndexDtypes = "int32 or int64";
+
+struct Param {
+  py::handle obj;
+  const char* name;
+  const char* expected;
+};
+
+// The arguments of one call as descriptors, with the stream resolved: an explicit one as given;
+// None as the current stream of a framework that offers one through the DLPack exchange API, else
+// the legacy default stream.  A None argument stays a NULL descriptor (the C ABI names it).
+template <int N>
+struct Call {
+  Arg args[N];
+  const attnmerge_tensor* t[N] = {};
+  void* stream = nullptr;
+
+  Call(const Param (&params)[N], py::handle stream_obj) {
+    const bool explicit_stream = !stream_obj.is_none();
+    if (explicit_stream) stream = stream_handle(stream_obj);
+    for (int i = 0; i < N; ++i) {
+      if (params[i].obj.is_none()) continue;
+      describe(args[i], params[i].obj, stream, params[i].expected, params[i].name);
+      t[i] = &args[i].t;
     }
+    if (explicit_stream) return;
+    for (const Arg& a : args)
+      if (a.api && a.t.device >= 0) {
+        if (a.api->current_work_stream(kDLCUDA, a.t.device, &stream) != 0) throw py::error_already_set();
+        return;
+      }
   }
-  const attnmerge_options options = {flags, a_tokens};
+};
+
+// output_scale: None, a number, or a one-element float32 array on the op's device (read by the
+// kernel, so no host synchronization).  `holder` keeps the array's descriptor alive.
+void set_output_scale(attnmerge_options& options, py::handle scale, Arg& holder, void* stream) {
+  if (scale.is_none()) return;
+  if (PyFloat_Check(scale.ptr()) || PyLong_Check(scale.ptr())) {
+    options.output_scale = scale.cast<float>();
+    if (options.output_scale == 0.0f) value_error("output_scale", "expected a finite scale > 0, got 0");
+    return;
+  }
+  describe(holder, scale, stream, kF32, "output_scale");
+  int64_t n = 1;
+  for (int i = 0; i < holder.t.ndim; ++i) n *= holder.t.shape[i];
+  if (n != 1 || holder.t.dtype != ATTNMERGE_FLOAT32)
+    value_error("output_scale", "expected a number or a one-element float32 array, got " + std::to_string(n) +
+                                    " elements of dtype code " + std::to_string(holder.t.dtype));
+  options.output_scale_ptr = static_cast<const float*>(holder.t.data);
+}
+
+// The C call without the GIL (the CPU path may run long), then its status as an exception.
+template <typename F>
+void call_library(F&& f) {
   attnmerge_status status;
   {
     py::gil_scoped_release release;
-    status = attnmerge_merge(t[0], t[1], t[2], t[3], t[4], t[5], &options, s);
+    status = f();
   }
   check(status);
-  return py::none();
+}
+
+// Swaps the first two axes of a descriptor: [S, tokens, ...] read as [tokens, S, ...].
+void swap_leading_axes(Arg& a) {
+  if (a.t.ndim < 2) return;
+  std::swap(a.t.shape[0], a.t.shape[1]);
+  std::swap(a.t.strides[0], a.t.strides[1]);
+}
+
+void merge(py::handle out, py::handle out_lse, py::handle o_a, py::handle lse_a, py::handle o_b, py::handle lse_b,
+           uint32_t flags, int64_t a_tokens, py::handle output_scale, py::handle stream) {
+  Call<6> c({{out, "out", kOut}, {out_lse, "out_lse", kF32}, {o_a, "o_a", kO}, {lse_a, "lse_a", kF32},
+             {o_b, "o_b", kO}, {lse_b, "lse_b", kF32}},
+            stream);
+  attnmerge_options options = {flags | (a_tokens >= 0 ? ATTNMERGE_A_TOKENS : 0u), a_tokens, 0.0f, nullptr};
+  Arg scale;
+  set_output_scale(options, output_scale, scale, c.stream);
+  call_library([&] { return attnmerge_merge(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], &options, c.stream); });
+}
+
+void merge_inplace(py::handle o, py::handle lse, py::handle o_other, py::handle lse_other, py::handle mask,
+                   uint32_t flags, py::handle stream) {
+  Call<5> c({{o, "o", kO}, {lse, "lse", kF32}, {o_other, "o_other", kO}, {lse_other, "lse_other", kF32},
+             {mask, "mask", kMaskDtypes}},
+            stream);
+  const attnmerge_options options = {flags, 0, 0.0f, nullptr};
+  call_library([&] { return attnmerge_merge_inplace(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream); });
+}
+
+void merge_states(py::handle out, py::handle out_lse, py::handle o, py::handle lse, uint32_t flags, bool states_first,
+                  py::handle output_scale, py::handle stream) {
+  Call<4> c({{out, "out", kOut}, {out_lse, "out_lse", kF32}, {o, "o", kO}, {lse, "lse", kF32}}, stream);
+  if (states_first) {  // an all-gather's [S, tokens, ...], read through its strides
+    swap_leading_axes(c.args[2]);
+    swap_leading_axes(c.args[3]);
+  }
+  attnmerge_options options = {flags, 0, 0.0f, nullptr};
+  Arg scale;
+  set_output_scale(options, output_scale, scale, c.stream);
+  call_library([&] { return attnmerge_merge_states(c.t[0], c.t[1], c.t[2], c.t[3], &options, c.stream); });
+}
+
+void merge_varlen(py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle indptr, uint32_t flags,
+                  py::handle output_scale, py::handle stream) {
+  Call<5> c({{out, "out", kOut}, {out_lse, "out_lse", kF32}, {o, "o", kO}, {lse, "lse", kF32},
+             {indptr, "indptr", kIndexDtypes}},
+            stream);
+  attnmerge_options options = {flags, 0, 0.0f, nullptr};
+  Arg scale;
+  set_output_scale(options, output_scale, scale, c.stream);
+  call_library([&] { return attnmerge_merge_varlen(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream); });
 }
 
 // Raw layer: O as (ptr, dtype, stride_token, stride_head), LSE as (ptr, stride_0, stride_1) in the
@@ -341,14 +452,12 @@ void merge_raw(int64_t tokens, int64_t heads, int64_t head_size, py::handle out,
   raw_tensor(args[3], lse_a, false, heads_first ? heads : a_rows, heads_first ? a_rows : heads, 0, device, "lse_a");
   raw_tensor(args[4], o_b, true, tokens, heads, head_size, device, "o_b");
   raw_tensor(args[5], lse_b, false, heads_first ? heads : tokens, heads_first ? tokens : heads, 0, device, "lse_b");
-  const attnmerge_options options = {flags, a_tokens};
-  attnmerge_status status;
-  {
-    py::gil_scoped_release release;
-    status = attnmerge_merge(&args[0].t, out_lse.is_none() ? nullptr : &args[1].t, &args[2].t, &args[3].t, &args[4].t,
-                             &args[5].t, &options, reinterpret_cast<void*>(stream));
-  }
-  check(status);
+  const attnmerge_options options = {flags | (a_tokens >= 0 ? ATTNMERGE_A_TOKENS : 0u), a_tokens, 0.0f, nullptr};
+  const attnmerge_tensor* lse_out = out_lse.is_none() ? nullptr : &args[1].t;
+  call_library([&] {
+    return attnmerge_merge(&args[0].t, lse_out, &args[2].t, &args[3].t, &args[4].t, &args[5].t, &options,
+                           reinterpret_cast<void*>(stream));
+  });
 }
 
 std::string library_path() {
@@ -362,17 +471,18 @@ std::string library_path() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "attnmerge's binding of libattnmerge (internal; use the attnmerge package)";
   m.def("merge", &merge, py::arg("out"), py::arg("out_lse"), py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"),
-        py::arg("lse_b"), py::arg("flags"), py::arg("a_tokens"), py::arg("stream"));
+        py::arg("lse_b"), py::arg("flags"), py::arg("a_tokens"), py::arg("output_scale"), py::arg("stream"));
+  m.def("merge_inplace", &merge_inplace, py::arg("o"), py::arg("lse"), py::arg("o_other"), py::arg("lse_other"),
+        py::arg("mask"), py::arg("flags"), py::arg("stream"));
+  m.def("merge_states", &merge_states, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
+        py::arg("flags"), py::arg("states_first"), py::arg("output_scale"), py::arg("stream"));
+  m.def("merge_varlen", &merge_varlen, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
+        py::arg("indptr"), py::arg("flags"), py::arg("output_scale"), py::arg("stream"));
   m.def("merge_raw", &merge_raw, py::arg("tokens"), py::arg("heads"), py::arg("head_size"), py::arg("out"),
         py::arg("out_lse"), py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"), py::arg("lse_b"), py::arg("flags"),
         py::arg("a_tokens"), py::arg("device"), py::arg("stream"));
   m.def("stream_synchronize", [](int device, uintptr_t stream) {
-    attnmerge_status status;
-    {
-      py::gil_scoped_release release;
-      status = attnmerge_stream_synchronize(device, reinterpret_cast<void*>(stream));
-    }
-    check(status);
+    call_library([&] { return attnmerge_stream_synchronize(device, reinterpret_cast<void*>(stream)); });
   });
   m.def("version_string", &attnmerge_version_string);
   m.def("version", &attnmerge_version);

@@ -57,7 +57,12 @@ typedef enum attnmerge_status {
 typedef enum attnmerge_dtype {
   ATTNMERGE_FLOAT32 = 0,
   ATTNMERGE_FLOAT16 = 1,
-  ATTNMERGE_BFLOAT16 = 2
+  ATTNMERGE_BFLOAT16 = 2,
+  ATTNMERGE_FLOAT8_E4M3 = 3, /* OCP E4M3 ("e4m3fn"), outputs only: stored = value / output_scale, saturating */
+  ATTNMERGE_UINT8 = 4,       /* masks */
+  ATTNMERGE_BOOL = 5,        /* masks, one byte each */
+  ATTNMERGE_INT32 = 6,       /* indptr */
+  ATTNMERGE_INT64 = 7        /* indptr */
 } attnmerge_dtype;
 
 /* The device of host memory. */
@@ -66,10 +71,10 @@ typedef enum attnmerge_dtype {
 /* attnmerge_tensor.flags */
 #define ATTNMERGE_READ_ONLY 1u /* refused where the tensor is an output */
 
-/* A strided view of up to ATTNMERGE_MAX_NDIM dimensions.  In the two-way merge O tensors have
- * ndim 3 ([tokens, heads, head_size], head_size unit-stride), LSE tensors ndim 2 ([tokens, heads],
- * float32; [heads, tokens] with ATTNMERGE_LSE_HEADS_FIRST).  Strides count elements, not bytes,
- * and must be >= 0. */
+/* A strided view of up to ATTNMERGE_MAX_NDIM dimensions, in the logical axis order each op names
+ * (O [tokens, heads, head_size] with head_size unit-stride, LSE [tokens, heads] float32, or
+ * [heads, tokens] with ATTNMERGE_LSE_HEADS_FIRST).  Strides count elements, not bytes, and must be
+ * >= 0; any other layout is a permutation of the strides, not a copy. */
 #define ATTNMERGE_MAX_NDIM 4
 typedef struct attnmerge_tensor {
   void* data;
@@ -83,26 +88,60 @@ typedef struct attnmerge_tensor {
 
 /* attnmerge_options.flags */
 #define ATTNMERGE_LSE_BASE2 1u        /* LSEs are log2-sum-exp2 (FlashInfer); default base e */
-#define ATTNMERGE_LSE_HEADS_FIRST 2u  /* every LSE tensor is laid out [heads, tokens] (vLLM) */
+#define ATTNMERGE_LSE_HEADS_FIRST 2u  /* two-way and in-place merges: LSEs laid out [heads, tokens] (vLLM) */
+#define ATTNMERGE_A_TOKENS 4u         /* two-way merge: options.a_tokens applies */
 
+/* Zero-initialized options are the defaults: base e, LSE [tokens, heads], no limit, no scale. */
 typedef struct attnmerge_options {
   uint32_t flags;
-  /* Two-way merge: only rows of the first a_tokens tokens merge a with b; the others take b alone
-   * (its state unchanged; an empty b gives O = 0, LSE = -inf) and never read a.  a then needs only
-   * a_tokens tokens.  Negative: all tokens (vLLM's prefill_tokens_with_context). */
+  /* With ATTNMERGE_A_TOKENS (two-way merge only): only rows of the first a_tokens tokens merge a
+   * with b; the others take b alone (its state unchanged; an empty b gives O = 0, LSE = -inf) and
+   * never read a, which then needs only a_tokens tokens (vLLM's prefill_tokens_with_context). */
   int64_t a_tokens;
+  /* FP8 outputs store value / output_scale (vLLM's output_scale).  0 or 1: no scale.  Must be 0
+   * or 1 for other output dtypes. */
+  float output_scale;
+  /* Or the scale as one float32 in the memory of the op's device (host memory for host tensors),
+   * read by the kernel itself, so that no host synchronization is needed.  NULL: unused. */
+  const float* output_scale_ptr;
 } attnmerge_options;
 
 /* Two-way merge: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
- * out_lse may be NULL (or have a NULL data pointer): no LSE is written.  options may be NULL
- * (base e, [tokens, heads] LSE, all tokens).  stream is a cudaStream_t (NULL: the legacy default
- * stream), ignored for host tensors.  out may be o_a or o_b itself (the same view), never a
+ * out_lse may be NULL: no LSE is written.  options may be NULL (the defaults).  stream is a
+ * cudaStream_t (NULL: the legacy default stream), ignored for host tensors.  out may be o_a or o_b itself (the same view), never a
  * partial overlap of them.  dtypes: o_a and o_b share one of float32, float16 or bfloat16; out
- * has any of them. */
+ * has any of them or FP8 E4M3.  The other ops follow the same conventions. */
 ATTNMERGE_API attnmerge_status attnmerge_merge(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
                                                const attnmerge_tensor* o_a, const attnmerge_tensor* lse_a,
                                                const attnmerge_tensor* o_b, const attnmerge_tensor* lse_b,
                                                const attnmerge_options* options, void* stream);
+
+/* In-place merge: (o, lse) <- merge((o, lse), (o_other, lse_other)).  mask (may be NULL): uint8 or
+ * bool [tokens]; rows of tokens whose mask is 0 are left untouched. */
+ATTNMERGE_API attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnmerge_tensor* lse,
+                                                       const attnmerge_tensor* o_other,
+                                                       const attnmerge_tensor* lse_other,
+                                                       const attnmerge_tensor* mask,
+                                                       const attnmerge_options* options, void* stream);
+
+/* N-way merge in one pass (each input read once): o [tokens, S, heads, head_size], lse
+ * [tokens, S, heads], any strides (FlashInfer's [tokens, S, ...] layout, or an all-gather's
+ * [S, tokens, ...] passed as its permutation); out [tokens, heads, head_size], out_lse [tokens, heads]
+ * (may be NULL).  S >= 0; S = 0 gives O = 0 and LSE = -inf. */
+ATTNMERGE_API attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                                      const attnmerge_tensor* o, const attnmerge_tensor* lse,
+                                                      const attnmerge_options* options, void* stream);
+
+/* Variable-length merge: row r of out [rows, heads, head_size] merges states indptr[r] to
+ * indptr[r + 1] - 1 of o [total, heads, head_size], lse [total, heads]; indptr is int32 or int64
+ * [rows + 1].  A row with no states gets O = 0, LSE = -inf.  On host tensors a bad indptr (below 0,
+ * decreasing, past total) is refused; on the GPU it is not read back to the host (that would
+ * synchronize), so each row takes states [clamp(indptr[r], 0, total), clamp(indptr[r+1], that, total)):
+ * never a read or write out of bounds, and a row whose bounds cross is empty. */
+ATTNMERGE_API attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                                      const attnmerge_tensor* o, const attnmerge_tensor* lse,
+                                                      const attnmerge_tensor* indptr,
+                                                      const attnmerge_options* options, void* stream);
 
 /* The error message of the calling thread's last call ("" after a success), valid until its next call. */
 ATTNMERGE_API const char* attnmerge_last_error(void);

@@ -8,6 +8,7 @@
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #define ATTNMERGE_HD __host__ __device__ __forceinline__
 #define ATTNMERGE_UNROLL _Pragma("unroll")
 #else
@@ -21,6 +22,7 @@ namespace attnmerge {
 // code converts through the hardware instructions.
 struct half_t { uint16_t bits; };
 struct bfloat16_t { uint16_t bits; };
+struct float8_e4m3_t { uint8_t bits; };  // OCP E4M3 ("e4m3fn"): max 448, no infinities
 
 namespace detail {
 
@@ -82,6 +84,36 @@ inline uint16_t host_float_to_bfloat16(float f) {
   return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
+// FP8 E4M3 from float32, round to nearest even, saturating to +-448; NaN stays NaN.
+inline uint8_t host_float_to_e4m3(float f) {
+  const uint32_t x = float_to_bits(f);
+  const uint8_t sign = static_cast<uint8_t>((x >> 24) & 0x80u);
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return sign | 0x7fu;
+  if (ax >= 0x43e00000u) return sign | 0x7eu;  // |f| >= 448
+  if (ax < 0x3c800000u) {                        // below 2^-6: a subnormal step of 2^-9
+    const float scaled = bits_to_float(ax) * 512.0f;
+    const uint32_t r = static_cast<uint32_t>(scaled);
+    const float rem = scaled - static_cast<float>(r);
+    return static_cast<uint8_t>(sign | (r + ((rem > 0.5f || (rem == 0.5f && (r & 1u))) ? 1u : 0u)));
+  }
+  const uint32_t rounded = ax + 0x7ffffu + ((ax >> 20) & 1u);
+  const uint32_t q = (rounded >> 20) - (120u << 3);
+  return static_cast<uint8_t>(sign | (q > 0x7eu ? 0x7eu : q));
+}
+
+inline float host_e4m3_to_float(uint8_t v) {
+  const uint32_t sign = static_cast<uint32_t>(v & 0x80u) << 24;
+  const uint32_t exp = (v >> 3) & 0xfu;
+  const uint32_t mant = v & 0x7u;
+  if (exp == 0xfu && mant == 0x7u) return bits_to_float(sign | 0x7fc00000u);
+  if (exp == 0) {
+    const float m = static_cast<float>(mant) * 0.001953125f;  // mant * 2^-9
+    return sign ? -m : m;
+  }
+  return bits_to_float(sign | ((exp + 120u) << 23) | (mant << 20));
+}
+
 }  // namespace detail
 
 // load<T>(p) -> float and store<T>(p, float): the only places a storage type is interpreted.
@@ -116,6 +148,23 @@ template <> struct Convert<bfloat16_t> {
     return bfloat16_t{__bfloat16_as_ushort(__float2bfloat16_rn(f))};
 #else
     return bfloat16_t{detail::host_float_to_bfloat16(f)};
+#endif
+  }
+};
+
+template <> struct Convert<float8_e4m3_t> {
+  static ATTNMERGE_HD float load(float8_e4m3_t v) {
+#if defined(__CUDA_ARCH__)
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw(v.bits, __NV_E4M3)));
+#else
+    return detail::host_e4m3_to_float(v.bits);
+#endif
+  }
+  static ATTNMERGE_HD float8_e4m3_t store(float f) {
+#if defined(__CUDA_ARCH__)
+    return float8_e4m3_t{static_cast<uint8_t>(__nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3))};
+#else
+    return float8_e4m3_t{detail::host_float_to_e4m3(f)};
 #endif
   }
 };
