@@ -148,6 +148,15 @@ attnmerge_status describe(const attnmerge_tensor* t, const char* name, int ndim,
   return ATTNMERGE_SUCCESS;
 }
 
+// The largest head_size: a row's packs span at most 65535 blocks of 256 threads.
+constexpr int64_t kMaxHeadSize = int64_t{65535} * 256;
+
+attnmerge_status check_head_size(const char* name, int64_t head_size) {
+  if (head_size >= 1 && head_size <= kMaxHeadSize) return ATTNMERGE_SUCCESS;
+  return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a head_size from 1 to %" PRId64 ", got %" PRId64, name, kMaxHeadSize,
+              head_size);
+}
+
 // v's logical shape must be `expected`, the sizes taken from `source`.
 attnmerge_status check_shape(const View& v, const int64_t* expected, const View& source) {
   if (!v.present() || std::equal(expected, expected + v.ndim, v.shape)) return ATTNMERGE_SUCCESS;
@@ -338,7 +347,7 @@ attnmerge_status merge_pair(const PairNames& n, const attnmerge_tensor* out, con
 
   // Sizes come from o_b, the one input that always covers every token; the rest must agree.
   const int64_t tokens = vb.shape[0], heads = vb.shape[1], head_size = vb.shape[2];
-  if (head_size < 1) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected head_size >= 1, got 0", n.o_b);
+  if ((s = check_head_size(n.o_b, head_size))) return s;
   const int64_t o_shape[3] = {tokens, heads, head_size};
   if ((s = check_shape(vlb, o_shape, vb)) || (s = check_shape(vout, o_shape, vb)) ||
       (s = check_shape(vout_lse, o_shape, vb)) || (s = check_shape(vmask, o_shape, vb)))
@@ -415,7 +424,7 @@ attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnm
   float inv_scale;
   if ((s = read_options(options, ATTNMERGE_LSE_BASE2, vout, opt, inv_scale))) return s;
   const int64_t tokens = vo.shape[0], states = vo.shape[1], heads = vo.shape[2], head_size = vo.shape[3];
-  if (head_size < 1) return fail(ATTNMERGE_ERROR_VALUE, "o: expected head_size >= 1, got 0");
+  if ((s = check_head_size("o", head_size))) return s;
   if (states > INT32_MAX) return fail(ATTNMERGE_ERROR_VALUE, "o: expected at most 2^31 - 1 states, got %" PRId64, states);
   const int64_t lse_shape[3] = {tokens, states, heads};
   const int64_t out_shape[3] = {tokens, heads, head_size};
@@ -447,7 +456,7 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
   float inv_scale;
   if ((s = read_options(options, ATTNMERGE_LSE_BASE2, vout, opt, inv_scale))) return s;
   const int64_t total = vo.shape[0], heads = vo.shape[1], head_size = vo.shape[2];
-  if (head_size < 1) return fail(ATTNMERGE_ERROR_VALUE, "o: expected head_size >= 1, got 0");
+  if ((s = check_head_size("o", head_size))) return s;
   if (vi.shape[0] < 1) return fail(ATTNMERGE_ERROR_VALUE, "indptr: expected rows + 1 >= 1 entries, got 0");
   const int64_t rows = vi.shape[0] - 1;
   const int64_t lse_shape[2] = {total, heads};
