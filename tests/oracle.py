@@ -298,3 +298,161 @@ def rounded(x, dtype) -> np.ndarray:
 
 
 LN2 = math.log(2.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# the merge family (issue 3): stacked states, variable length, FP8 outputs
+
+
+def reference_merge_stacked(o, lse, *, states_axis=1, base="e"):
+    """float64 N-way merge of stacked states, from the formula (any S, S = 0 included).
+
+    states_axis=1: o [T, S, H, D], lse [T, S, H] (FlashInfer's layout);
+    states_axis=0: o [S, T, H, D], lse [S, T, H] (what an all-gather produces).
+    S = 0 gives O = 0 and LSE = -inf on every row.
+    """
+    o = to_f64(o)
+    lse = to_f64(lse)
+    if states_axis == 1:
+        o = np.moveaxis(o, 1, 0)
+        lse = np.moveaxis(lse, 1, 0)
+    elif states_axis != 0:
+        raise ValueError(f"states_axis {states_axis!r}")
+    s, t, h, d = o.shape
+    if s == 0:
+        return np.zeros((t, h, d)), np.full((t, h), -np.inf)
+    return reference_merge_states(list(o), list(lse), base=base)
+
+
+def reference_merge_varlen(o, lse, indptr, *, base="e"):
+    """float64 variable-length merge: row r merges states indptr[r] .. indptr[r+1]-1 of o [N, H, D],
+    lse [N, H]; a row with no states is O = 0, LSE = -inf.  indptr must be valid here (the GPU's
+    clamping of a bad indptr is modelled by `clamp_indptr`)."""
+    o = to_f64(o)
+    lse = to_f64(lse)
+    indptr = np.asarray(indptr, dtype=np.int64)
+    rows = indptr.shape[0] - 1
+    _, h, d = o.shape
+    out = np.zeros((rows, h, d))
+    out_lse = np.full((rows, h), -np.inf)
+    for r in range(rows):
+        lo, hi = int(indptr[r]), int(indptr[r + 1])
+        assert 0 <= lo <= hi <= o.shape[0], f"invalid indptr at row {r}: [{lo}, {hi})"
+        if hi > lo:
+            ro, rl = reference_merge_states(list(o[lo:hi, None]), list(lse[lo:hi, None]), base=base)
+            out[r], out_lse[r] = ro[0], rl[0]
+    return out, out_lse
+
+
+def clamp_indptr(indptr, total):
+    """The (begin, end) pairs the GPU uses for a possibly bad indptr, as an int64 [rows, 2] array:
+    begin = clamp(indptr[r], 0, total), end = clamp(indptr[r+1], begin, total); a row whose bounds
+    cross (indptr[r+1] < indptr[r] after clamping) is therefore empty."""
+    p = np.asarray(indptr, dtype=np.int64)
+    begin = np.clip(p[:-1], 0, total)
+    end = np.clip(np.maximum(p[1:], begin), 0, total)
+    return np.stack([begin, end], axis=1)
+
+
+def reference_merge_ranges(o, lse, ranges, *, base="e"):
+    """float64 merge of explicit [begin, end) state ranges per row (see clamp_indptr)."""
+    o = to_f64(o)
+    lse = to_f64(lse)
+    rows = len(ranges)
+    _, h, d = o.shape
+    out = np.zeros((rows, h, d))
+    out_lse = np.full((rows, h), -np.inf)
+    for r, (lo, hi) in enumerate(ranges):
+        if hi > lo:
+            ro, rl = reference_merge_states(list(o[lo:hi, None]), list(lse[lo:hi, None]), base=base)
+            out[r], out_lse[r] = ro[0], rl[0]
+    return out, out_lse
+
+
+try:
+    FLOAT8_E4M3FN = np.dtype(ml_dtypes.float8_e4m3fn) if ml_dtypes is not None else None
+except AttributeError:  # pragma: no cover - an ml_dtypes without float8
+    FLOAT8_E4M3FN = None
+
+FP8_MAX = 448.0
+
+
+def fp8_dtype() -> np.dtype:
+    if FLOAT8_E4M3FN is None:
+        import pytest
+
+        pytest.skip("float8_e4m3fn on NumPy needs ml_dtypes")
+    return FLOAT8_E4M3FN
+
+
+def fp8_reference(x, scale=1.0) -> np.ndarray:
+    """What an FP8 e4m3fn output must hold for the float64 value x: x / scale, saturated to +-448,
+    rounded once to nearest-even; NaN stays NaN.  Returned as a float8_e4m3fn array."""
+    v = np.asarray(x, dtype=np.float64) / float(scale)
+    with np.errstate(invalid="ignore"):
+        v = np.where(np.isnan(v), np.nan, np.clip(v, -FP8_MAX, FP8_MAX))
+    return v.astype(fp8_dtype())
+
+
+def _fp8_ordinal(x) -> np.ndarray:
+    """The position of each float8_e4m3fn value on the number line, as int (-0 and +0 both 0)."""
+    b = np.asarray(x).view(np.uint8).astype(np.int64)
+    mag = b & 0x7F
+    return np.where(b & 0x80, -mag, mag)
+
+
+def assert_fp8_close(actual, expected_f64, scale=1.0, what="out", ulps=1):
+    """An FP8 e4m3fn output against the oracle: same NaN pattern, and within `ulps` FP8 steps of
+    the float64 reference rounded once (the kernel rounds a float32 value, the oracle a float64
+    one: they may land on different sides of a tie)."""
+    a = np.asarray(actual)
+    assert a.dtype == fp8_dtype(), f"{what}: dtype {a.dtype}, expected float8_e4m3fn"
+    e = fp8_reference(expected_f64, scale)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != expected {e.shape}"
+    nan_a = np.isnan(a.astype(np.float32))
+    nan_e = np.isnan(e.astype(np.float32))
+    assert np.array_equal(nan_a, nan_e), (
+        f"{what}: NaN at {np.argwhere(nan_a != nan_e)[:5].tolist()} differs from the reference "
+        f"({int(nan_a.sum())} NaN, expected {int(nan_e.sum())})"
+    )
+    ok = ~nan_e
+    d = np.abs(_fp8_ordinal(a) - _fp8_ordinal(e))[ok]
+    if d.size:
+        i = int(np.argmax(d))
+        assert d[i] <= ulps, (
+            f"{what}: {int(d[i])} FP8 steps off at {np.argwhere(ok)[i].tolist()}: got "
+            f"{float(a[ok][i])}, expected {float(e[ok][i])} (float64 {float(np.asarray(expected_f64)[ok][i] / scale)})"
+        )
+
+
+def random_stacked(rng, tokens, s, heads, head_size, dtype="float32", states_axis=1, lse_scale=3.0):
+    """(o, lse) of S stacked states, contiguous in the layout of states_axis."""
+    if states_axis == 1:
+        return random_o(rng, (tokens, s, heads, head_size), dtype), random_lse(rng, (tokens, s, heads), lse_scale)
+    return random_o(rng, (s, tokens, heads, head_size), dtype), random_lse(rng, (s, tokens, heads), lse_scale)
+
+
+def strided_view(x: np.ndarray, order=None, pad=0, offset=0, steps=None, fill=np.nan):
+    """A view of a fresh buffer holding x, of any logical rank; returns (view, buffer).
+
+    order: the storage order of x's axes, outermost first (default: as x); the innermost stored axis
+    is padded by `pad` elements after and `offset` before the view (so the view need not be
+    aligned); steps: {logical axis: step}, an axis stored every step-th slot (a step on the innermost
+    stored axis makes it non-unit-stride: fine for an LSE, not for the head_size axis of an O).
+    The rest of the buffer holds `fill` (NaN: a read outside the view poisons the result, a write
+    outside it is caught by `outside_view_is_nan`).
+    """
+    nd = x.ndim
+    order = tuple(range(nd)) if order is None else tuple(order)
+    steps = dict(steps or {})
+    assert sorted(order) == list(range(nd))
+    shape = [x.shape[a] * steps.get(a, 1) for a in order]
+    shape[-1] += pad + offset
+    buf = np.full(shape, fill, dtype=np.float32).astype(x.dtype)
+    sl = [slice(0, None, steps.get(a, 1)) for a in order]
+    last = order[-1]
+    sl[-1] = slice(offset, offset + x.shape[last] * steps.get(last, 1), steps.get(last, 1))
+    view = buf[tuple(sl)].transpose(np.argsort(order))
+    assert view.shape == x.shape
+    view[...] = x
+    return view, buf

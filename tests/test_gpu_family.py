@@ -1,0 +1,556 @@
+"""The merge family on the GPU with PyTorch CUDA tensors: merge_inplace, merge_states, merge_varlen,
+FP8 output, the FlashInfer and vLLM layers, CUDA graphs.
+
+Every test carries the `gpu` marker (skipped without a CUDA GPU) and skips without torch CUDA.
+Inputs are made with NumPy (seeded), moved to the device, and the results compared with the float64
+oracle.  (For checking the tests themselves on a machine without a GPU,
+ATTNMERGE_GPU_FAMILY_DEVICE=cpu runs them on torch CPU tensors, skipping the GPU-only behaviour.)
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import attnmerge
+from oracle import (
+    DTYPES,
+    assert_fp8_close,
+    assert_lse_close,
+    assert_merge_matches,
+    assert_o_close,
+    clamp_indptr,
+    fp8_dtype,
+    nan_array,
+    outside_view_is_nan,
+    random_lse,
+    random_o,
+    random_stacked,
+    random_state,
+    reference_merge,
+    reference_merge_ranges,
+    reference_merge_stacked,
+    reference_merge_varlen,
+    strided_view,
+    to_f64,
+)
+
+DEVICE = os.environ.get("ATTNMERGE_GPU_FAMILY_DEVICE", "cuda")
+ON_GPU = DEVICE.startswith("cuda")
+if ON_GPU:
+    pytestmark = pytest.mark.gpu
+
+S_VALUES = (1, 2, 3, 8, 64, 256)
+
+
+@pytest.fixture(scope="module")
+def torch():
+    torch = pytest.importorskip("torch")
+    if ON_GPU and not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA GPU")
+    return torch
+
+
+def gpu_only():
+    if not ON_GPU:
+        pytest.skip("GPU-only behaviour")
+
+
+def put(x: np.ndarray):
+    import torch
+
+    if x.dtype.name == "bfloat16":
+        return torch.from_numpy(x.astype(np.float32)).to(DEVICE).to(torch.bfloat16)
+    return torch.from_numpy(np.array(x, copy=True, order="C")).to(DEVICE)  # never shares x's memory
+
+
+def get(t) -> np.ndarray:
+    import torch
+
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+    if t.dtype == torch.bfloat16:
+        return t.float().cpu().numpy()
+    if t.dtype == getattr(torch, "float8_e4m3fn", None):
+        return t.cpu().view(torch.uint8).numpy().view(fp8_dtype())
+    return t.cpu().numpy()
+
+
+def strided(view: np.ndarray, buf: np.ndarray):
+    """The torch tensor on DEVICE with the layout of a NumPy view of a C-contiguous buffer; and the buffer."""
+    import torch
+
+    off = (view.__array_interface__["data"][0] - buf.__array_interface__["data"][0]) // view.itemsize
+    strides = tuple(s // view.itemsize for s in view.strides)
+    tbuf = put(buf)
+    return torch.as_strided(tbuf, view.shape, strides, off), tbuf
+
+
+def nan_tensor(shape, dtype="float32"):
+    return put(nan_array(shape, dtype))
+
+
+def fp8_nan_tensor(torch, shape):
+    return torch.full(shape, float("nan"), device=DEVICE).to(torch.float8_e4m3fn)
+
+
+def buffer_outside_is_nan(view_t, buf_t, np_view, np_buf):
+    """Every element of the torch buffer outside the view is NaN (the NumPy twin gives the geometry)."""
+    host = get(buf_t)
+    twin = np.lib.stride_tricks.as_strided(
+        host.reshape(-1)[(np_view.__array_interface__["data"][0] - np_buf.__array_interface__["data"][0]) // np_view.itemsize:],
+        shape=np_view.shape, strides=tuple(s // np_view.itemsize * host.itemsize for s in np_view.strides),
+    )
+    return outside_view_is_nan(twin, host)
+
+
+# --------------------------------------------------------------------------------------------------
+# merge_states
+
+
+@pytest.mark.parametrize("states_axis", (0, 1))
+@pytest.mark.parametrize("s", S_VALUES)
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_merge_states_every_dtype_pair_and_s(rng, torch, in_dtype, out_dtype, s, states_axis):
+    o, lse = random_stacked(rng, 37, s, 5, 72, in_dtype, states_axis)
+    out, out_lse = nan_tensor((37, 5, 72), out_dtype), nan_tensor((37, 5))
+    res, res_lse = attnmerge.merge_states(put(o), put(lse), out=out, out_lse=out_lse, states_axis=states_axis)
+    assert res is out and res_lse is out_lse
+    assert_merge_matches(get(out), get(out_lse), reference_merge_stacked(o, lse, states_axis=states_axis), out_dtype)
+
+
+@pytest.mark.parametrize("s", S_VALUES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_states_allocates_cuda_tensors(rng, torch, dtype, s):
+    o, lse = random_stacked(rng, 19, s, 4, 64, dtype)
+    out, out_lse = attnmerge.merge_states(put(o), put(lse))
+    assert isinstance(out, torch.Tensor) and out.device == put(lse).device and out.dtype == getattr(torch, dtype)
+    assert tuple(out.shape) == (19, 4, 64) and tuple(out_lse.shape) == (19, 4) and out_lse.dtype == torch.float32
+    assert_merge_matches(get(out), get(out_lse), reference_merge_stacked(o, lse), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", (1, 3, 100, 128, 256))
+@pytest.mark.parametrize("s", (2, 3, 8, 64))
+def test_merge_states_odd_head_sizes(rng, torch, s, head_size, dtype):
+    o, lse = random_stacked(rng, 41, s, 3, head_size, dtype)
+    out, out_lse = attnmerge.merge_states(put(o), put(lse))
+    assert_merge_matches(get(out), get(out_lse), reference_merge_stacked(o, lse), dtype)
+
+
+def test_merge_states_no_states(rng, torch):
+    for states_axis in (0, 1):
+        o, lse = random_stacked(rng, 9, 0, 4, 16, "float32", states_axis)
+        out, out_lse = nan_tensor((9, 4, 16)), nan_tensor((9, 4))
+        attnmerge.merge_states(put(o), put(lse), out=out, out_lse=out_lse, states_axis=states_axis)
+        assert np.all(get(out) == 0) and np.all(get(out_lse) == -np.inf)
+
+
+from test_merge_states import VIEW_CASES  # noqa: E402
+
+
+@pytest.mark.parametrize("head_size", (3, 72, 128))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(VIEW_CASES))
+def test_merge_states_strided_views(rng, torch, case, dtype, head_size):
+    states_axis, ov, lv, outv, outlv = VIEW_CASES[case]
+    o0, lse0 = random_stacked(rng, 45, 6, 4, head_size, dtype, states_axis)
+    o, _ = strided(*strided_view(o0, **ov))
+    lse, _ = strided(*strided_view(lse0, **lv))
+    np_out = strided_view(nan_array((45, 4, head_size), dtype), **outv)
+    np_out_lse = strided_view(nan_array((45, 4)), **outlv)
+    out, out_buf = strided(*np_out)
+    out_lse, out_lse_buf = strided(*np_out_lse)
+    attnmerge.merge_states(o, lse, out=out, out_lse=out_lse, states_axis=states_axis)
+    ref = reference_merge_stacked(o0, lse0, states_axis=states_axis)
+    assert_merge_matches(get(out), get(out_lse), ref, dtype)
+    assert buffer_outside_is_nan(out, out_buf, *np_out), "wrote outside the out view"
+    assert buffer_outside_is_nan(out_lse, out_lse_buf, *np_out_lse), "wrote outside the out_lse view"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s", S_VALUES)
+def test_merge_states_empty_and_nan_rows(rng, torch, s, dtype):
+    t, h, d = 64, 4, 80
+    o, lse = random_stacked(rng, t, s, h, d, dtype)
+    empty = rng.random((t, s, h)) < 0.4
+    lse[empty] = np.where(rng.random(int(empty.sum())) < 0.5, np.inf, -np.inf)
+    o[empty] = np.nan
+    lse[:4] = np.inf  # every part empty: 0, -inf
+    lse[2:4, ::2] = -np.inf
+    o[:4] = np.nan
+    lse[10, s - 1, 1] = np.nan  # NaN rows
+    lse[11, 0, :] = np.nan
+    lse[12, :, 2] = -np.inf
+    lse[12, s // 2, 2] = np.nan  # NaN beats empty
+    if s >= 2:  # a part of weight 0 after underflow: not read
+        lse[20:24, 1] = lse[20:24, 0] - 1000.0
+        o[20:24, 1] = np.nan
+    out, out_lse = attnmerge.merge_states(put(o), put(lse))
+    out, out_lse = get(out), get(out_lse)
+    assert_merge_matches(out, out_lse, reference_merge_stacked(o, lse), dtype)
+    assert np.all(to_f64(out[:4]) == 0) and np.all(out_lse[:4] == -np.inf)
+
+
+def test_merge_states_the_all_gather_layout(rng, torch):
+    """What an all-gather produces: a flat [P * T, H, D] buffer viewed as [P, T, H, D], merged with
+    states_axis=0; the same buffer viewed as [T, P, H, D] (a transpose) with states_axis=1."""
+    p, t, h, d = 8, 33, 8, 128
+    o, lse = random_stacked(rng, t, p, h, d, "bfloat16", states_axis=0)
+    flat_o = put(o.reshape(p * t, h, d))
+    flat_lse = put(lse.reshape(p * t, h))
+    ref = reference_merge_stacked(o, lse, states_axis=0)
+    out, out_lse = attnmerge.merge_states(flat_o.view(p, t, h, d), flat_lse.view(p, t, h), states_axis=0)
+    assert_merge_matches(get(out), get(out_lse), ref, "bfloat16")
+    out2, out2_lse = attnmerge.merge_states(flat_o.view(p, t, h, d).transpose(0, 1), flat_lse.view(p, t, h).transpose(0, 1))
+    assert torch.equal(out2, out) and torch.equal(out2_lse, out_lse)
+    out3, _ = attnmerge.merge_states(torch.stack(list(flat_o.view(p, t, h, d))), flat_lse.view(p, t, h), states_axis=0)
+    assert torch.equal(out3, out)
+
+
+@pytest.mark.parametrize("s", (3, 8))
+def test_merge_states_base_2_and_return_lse_false(rng, torch, s):
+    o, lse = random_stacked(rng, 30, s, 4, 64, "float16", states_axis=0)
+    out, out_lse = attnmerge.merge_states(put(o), put(lse), states_axis=0, base=2)
+    assert_merge_matches(get(out), get(out_lse), reference_merge_stacked(o, lse, states_axis=0, base=2), "float16")
+    out, none = attnmerge.merge_states(put(o), put(lse), states_axis=0, return_lse=False)
+    assert none is None
+    assert_o_close(get(out), reference_merge_stacked(o, lse, states_axis=0)[0], "float16")
+
+
+def test_merge_states_a_large_input(rng, torch):
+    """8192 tokens x 8 states x 32 heads x 128, bfloat16: the benchmark's shape."""
+    o, lse = random_stacked(rng, 8192, 8, 32, 128, "bfloat16", states_axis=0)
+    out, out_lse = attnmerge.merge_states(put(o), put(lse), states_axis=0)
+    assert_merge_matches(get(out), get(out_lse), reference_merge_stacked(o, lse, states_axis=0), "bfloat16")
+
+
+def test_merge_states_zero_tokens(rng, torch):
+    o, lse = random_stacked(rng, 0, 4, 4, 64, "float16")
+    out, out_lse = attnmerge.merge_states(put(o), put(lse))
+    assert tuple(out.shape) == (0, 4, 64) and tuple(out_lse.shape) == (0, 4)
+
+
+# --------------------------------------------------------------------------------------------------
+# merge_inplace
+
+
+@pytest.mark.parametrize("head_size", (1, 3, 100, 128))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inplace(rng, torch, dtype, head_size):
+    o, lse = random_state(rng, 53, 6, head_size, dtype)
+    o2, lse2 = random_state(rng, 53, 6, head_size, dtype)
+    to, tl = put(o), put(lse)
+    res, res_lse = attnmerge.merge_inplace(to, tl, put(o2), put(lse2))
+    assert res is to and res_lse is tl
+    assert_merge_matches(get(to), get(tl), reference_merge(o, lse, o2, lse2), dtype, "o")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask_dtype", ["uint8", "bool"])
+def test_inplace_with_a_mask(rng, torch, mask_dtype, dtype):
+    t = 77
+    o, lse = random_state(rng, t, 4, 128, dtype)
+    o2, lse2 = random_state(rng, t, 4, 128, dtype)
+    mask = (rng.random(t) < 0.5).astype(mask_dtype)
+    off = mask == 0
+    o2[off] = np.nan  # not read where the mask is 0
+    lse2[off] = np.nan
+    ref = reference_merge(o, lse, o2, lse2)
+    to, tl = put(o), put(lse)
+    before_o, before_l = to.clone(), tl.clone()
+    attnmerge.merge_inplace(to, tl, put(o2), put(lse2), mask=put(mask))
+    toff = torch.from_numpy(off).to(DEVICE)
+    assert torch.equal(to[toff].view(torch.uint8), before_o[toff].view(torch.uint8)), "a masked-out row of o changed"
+    assert torch.equal(tl[toff].view(torch.uint8), before_l[toff].view(torch.uint8)), "a masked-out row of lse changed"
+    assert_o_close(get(to)[~off], ref[0][~off], dtype, "o")
+    assert_lse_close(get(tl)[~off], ref[1][~off], "lse")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inplace_strided_and_empty_and_nan_rows(rng, torch, dtype):
+    o0, lse0 = random_state(rng, 40, 4, 72, dtype)
+    o20, lse20 = random_state(rng, 40, 4, 72, dtype)
+    lse0[0:4] = np.inf
+    o0[0:4] = np.nan
+    lse20[4:8] = -np.inf
+    o20[4:8] = np.nan
+    lse0[8:10] = -np.inf
+    lse20[8:10] = np.inf
+    o0[8:10] = np.nan
+    o20[8:10] = np.nan
+    lse0[12, 1] = np.nan
+    lse20[13, 3] = np.nan
+    ref = reference_merge(o0, lse0, o20, lse20)
+    np_o = strided_view(o0, order=(1, 0, 2), offset=1, pad=2)
+    np_l = strided_view(lse0, order=(1, 0))
+    o, o_buf = strided(*np_o)
+    lse, lse_buf = strided(*np_l)
+    o2, _ = strided(*strided_view(o20, steps={0: 2}))
+    lse2, _ = strided(*strided_view(lse20, pad=3))
+    attnmerge.merge_inplace(o, lse, o2, lse2)
+    assert_merge_matches(get(o), get(lse), ref, dtype, "o")
+    assert buffer_outside_is_nan(o, o_buf, *np_o) and buffer_outside_is_nan(lse, lse_buf, *np_l)
+
+
+# --------------------------------------------------------------------------------------------------
+# merge_varlen
+
+
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_varlen(rng, torch, in_dtype, out_dtype, index_dtype):
+    counts = [1, 2, 3, 8, 0, 64, 0, 256, 5, 1]
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(index_dtype)
+    o, lse = random_state(rng, int(indptr[-1]), 4, 72, in_dtype)
+    lse[3] = np.inf
+    o[3] = np.nan
+    lse[20, 2] = np.nan
+    out, out_lse = nan_tensor((10, 4, 72), out_dtype), nan_tensor((10, 4))
+    attnmerge.merge_varlen(put(o), put(lse), put(indptr), out=out, out_lse=out_lse)
+    out, out_lse = get(out), get(out_lse)
+    assert_merge_matches(out, out_lse, reference_merge_varlen(o, lse, indptr), out_dtype)
+    assert np.all(to_f64(out[4]) == 0) and np.all(out_lse[6] == -np.inf)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", (1, 3, 100, 128))
+def test_varlen_odd_head_sizes_and_allocated_outputs(rng, torch, head_size, dtype):
+    counts = rng.integers(0, 9, size=300)
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    o, lse = random_state(rng, int(indptr[-1]), 3, head_size, dtype)
+    out, out_lse = attnmerge.merge_varlen(put(o), put(lse), put(indptr))
+    assert isinstance(out, torch.Tensor) and tuple(out.shape) == (300, 3, head_size)
+    assert_merge_matches(get(out), get(out_lse), reference_merge_varlen(o, lse, indptr), dtype)
+
+
+def test_varlen_strided(rng, torch):
+    counts = [2, 0, 5, 1, 3]
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    o0, lse0 = random_state(rng, 11, 4, 40, "float16")
+    o, _ = strided(*strided_view(o0, order=(1, 0, 2), offset=1, pad=2))
+    lse, _ = strided(*strided_view(lse0, order=(1, 0)))
+    np_out = strided_view(nan_array((5, 4, 40), "float16"), steps={0: 2}, pad=3)
+    out, out_buf = strided(*np_out)
+    attnmerge.merge_varlen(o, lse, put(indptr), out=out)
+    assert_o_close(get(out), reference_merge_varlen(o0, lse0, indptr)[0], "float16")
+    assert buffer_outside_is_nan(out, out_buf, *np_out)
+
+
+BAD_INDPTR = {
+    "negative_first": [-3, 2, 5, 10],
+    "decreasing": [0, 5, 2, 10],
+    "past_total": [0, 3, 100, 7],
+    "all_past_total": [50, 60, 70],
+    "very_negative": [-(2**31), 4, -(2**31), 10],
+    "huge": [0, 2**31 - 1, 5, 2**31 - 1],
+}
+
+
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("case", list(BAD_INDPTR))
+def test_varlen_bad_indptr_on_the_gpu_is_clamped(rng, torch, case, index_dtype):
+    """No error and no out-of-bounds access: row r takes states
+    [clamp(indptr[r], 0, total), clamp(indptr[r+1], that, total)); crossed bounds give an empty row.
+    The states are a view into a NaN-filled buffer, so a read outside them would show as NaN, and the
+    output is a view into a NaN-filled buffer, so a write outside it would too."""
+    gpu_only()
+    total, h, d = 10, 3, 64
+    o0, lse0 = random_state(rng, total, h, d)
+    o_buf = put(np.full((total + 40, h, d), np.nan, np.float32))
+    lse_buf = put(np.full((total + 40, h), np.nan, np.float32))
+    o, lse = o_buf[20 : 20 + total], lse_buf[20 : 20 + total]
+    o.copy_(put(o0))
+    lse.copy_(put(lse0))
+    indptr = np.array(BAD_INDPTR[case], np.int64).astype(index_dtype)
+    rows = len(indptr) - 1
+    out_buf = nan_tensor((rows + 8, h, d))
+    out_lse_buf = nan_tensor((rows + 8, h))
+    out, out_lse = out_buf[4 : 4 + rows], out_lse_buf[4 : 4 + rows]
+    attnmerge.merge_varlen(o, lse, put(indptr), out=out, out_lse=out_lse)
+    torch.cuda.synchronize()
+    ref = reference_merge_ranges(o0, lse0, clamp_indptr(indptr, total))
+    assert_merge_matches(get(out), get(out_lse), ref, "float32")
+    assert torch.isnan(out_buf[:4]).all() and torch.isnan(out_buf[4 + rows :]).all()
+    assert torch.isnan(out_lse_buf[:4]).all() and torch.isnan(out_lse_buf[4 + rows :]).all()
+    # the device is still healthy
+    assert float(torch.ones(4, device=DEVICE).sum()) == 4.0
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_fp8_merge_with_a_device_scale(rng, torch, in_dtype):
+    o_a, lse_a = random_state(rng, 65, 8, 128, in_dtype)
+    o_b, lse_b = random_state(rng, 65, 8, 128, in_dtype)
+    o_a[:3] *= 3000  # saturates
+    lse_a[5, 2] = np.nan
+    scale = torch.tensor([0.375], device=DEVICE)
+    out, out_lse = attnmerge.merge(put(o_a), put(lse_a), put(o_b), put(lse_b), out_dtype=torch.float8_e4m3fn,
+                                   output_scale=scale)
+    assert out.dtype == torch.float8_e4m3fn
+    ref_o, ref_lse = reference_merge(o_a, lse_a, o_b, lse_b)
+    assert_fp8_close(get(out), ref_o, 0.375)
+    assert_lse_close(get(out_lse), ref_lse)
+
+
+@pytest.mark.parametrize("scale", [None, 2.0, "tensor"])
+@pytest.mark.parametrize("s", (1, 3, 8, 64))
+def test_fp8_merge_states_into_a_given_output(rng, torch, s, scale):
+    o, lse = random_stacked(rng, 37, s, 4, 100, "bfloat16", states_axis=0)
+    out = fp8_nan_tensor(torch, (37, 4, 100))
+    arg = torch.tensor([0.5], device=DEVICE) if scale == "tensor" else scale
+    sv = 0.5 if scale == "tensor" else (scale or 1.0)
+    out_lse = nan_tensor((37, 4))
+    attnmerge.merge_states(put(o), put(lse), out=out, out_lse=out_lse, states_axis=0, output_scale=arg)
+    ref_o, ref_lse = reference_merge_stacked(o, lse, states_axis=0)
+    assert_fp8_close(get(out), ref_o, sv)
+    assert_lse_close(get(out_lse), ref_lse)
+
+
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+def test_fp8_merge_varlen(rng, torch, index_dtype):
+    indptr = np.array([0, 3, 3, 4, 12], index_dtype)
+    o, lse = random_state(rng, 12, 4, 64, "float16")
+    scale = torch.tensor([4.0], device=DEVICE)
+    out, out_lse = attnmerge.merge_varlen(put(o), put(lse), put(indptr), out_dtype="float8_e4m3fn", output_scale=scale)
+    ref_o, ref_lse = reference_merge_varlen(o, lse, indptr)
+    assert_fp8_close(get(out), ref_o, 4.0)
+    assert_lse_close(get(out_lse), ref_lse)
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_fp8_vllm_merge_attn_states(rng, torch, in_dtype):
+    from attnmerge.compat.vllm import merge_attn_states
+
+    t, h, d = 77, 8, 128
+    po, so = put(random_o(rng, (t, h, d), in_dtype)), put(random_o(rng, (t, h, d), in_dtype))
+    pl, sl = put(random_lse(rng, (h, t))), put(random_lse(rng, (h, t)))
+    output = fp8_nan_tensor(torch, (t, h, d))
+    output_lse = nan_tensor((h, t))
+    merge_attn_states(output, output_lse, po, pl, so, sl, prefill_tokens_with_context=40,
+                      output_scale=torch.tensor([0.25], device=DEVICE))
+    ref = reference_merge(get(po), get(pl).T, get(so), get(sl).T, a_tokens=40)
+    assert_fp8_close(get(output), ref[0], 0.25, "output")
+    assert_lse_close(get(output_lse).T, ref[1], "output_lse")
+
+
+# --------------------------------------------------------------------------------------------------
+# the FlashInfer layer on torch
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flashinfer_layer_on_torch(rng, torch, dtype):
+    from attnmerge.compat import flashinfer as fi
+
+    t, h, d = 33, 4, 128
+    v_a, s_a = random_state(rng, t, h, d, dtype)
+    v_b, s_b = random_state(rng, t, h, d, dtype)
+    v, s = fi.merge_state(put(v_a), put(s_a), put(v_b), put(s_b))
+    assert isinstance(v, torch.Tensor) and v.device == put(s_a).device and v.dtype == getattr(torch, dtype)
+    assert_merge_matches(get(v), get(s), reference_merge(v_a, s_a, v_b, s_b, base=2), dtype, "v")
+
+    tv, ts = put(v_a), put(s_a)
+    mask = torch.from_numpy(np.arange(t) % 2 == 0).to(DEVICE)
+    before = get(tv).copy()
+    assert fi.merge_state_in_place(tv, ts, put(v_b), put(s_b), mask=mask) is None
+    ref = reference_merge(v_a, s_a, v_b, s_b, base=2)
+    on = np.arange(t) % 2 == 0
+    assert_o_close(get(tv)[on], ref[0][on], dtype, "v")
+    assert np.array_equal(get(tv)[~on], before[~on])
+
+    vs, ss = random_stacked(rng, t, 8, h, d, dtype)
+    v, s = fi.merge_states(put(vs), put(ss))
+    assert_merge_matches(get(v), get(s), reference_merge_stacked(vs, ss, base=2), dtype, "v")
+
+    indptr = np.array([0, 4, 4, 9, 12], np.int32)
+    vv, sv = random_state(rng, 12, h, d, dtype)
+    v, s = fi.variable_length_merge_states(put(vv), put(sv), put(indptr))
+    assert_merge_matches(get(v), get(s), reference_merge_varlen(vv, sv, indptr, base=2), dtype, "v")
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA graphs
+
+
+def _capture(torch, fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up off the default stream, as torch recommends
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+@pytest.mark.parametrize("states_axis", (0, 1))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_capture_of_merge_states(rng, torch, dtype, states_axis):
+    gpu_only()
+    t, s, h, d = 100, 8, 8, 128
+    o0, lse0 = random_stacked(rng, t, s, h, d, dtype, states_axis)
+    o, lse = put(o0), put(lse0)
+    out, out_lse = nan_tensor((t, h, d), dtype), nan_tensor((t, h))
+    g = _capture(torch, lambda: attnmerge.merge_states(o, lse, out=out, out_lse=out_lse, states_axis=states_axis))
+    for step in range(3):
+        o1, lse1 = random_stacked(rng, t, s, h, d, dtype, states_axis)
+        lse1[(slice(None),) * states_axis + (step,)] = np.inf  # an empty part
+        lse1.reshape(-1)[step * 7] = np.nan  # a NaN row
+        o.copy_(put(o1))
+        lse.copy_(put(lse1))
+        out.fill_(float("nan"))
+        out_lse.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert_merge_matches(get(out), get(out_lse), reference_merge_stacked(o1, lse1, states_axis=states_axis), dtype)
+
+
+def test_cuda_graph_capture_of_fp8_merge_states_reads_the_scale_at_replay(rng, torch):
+    gpu_only()
+    o0, lse0 = random_stacked(rng, 64, 4, 4, 128, "float16")
+    o, lse = put(o0), put(lse0)
+    out = fp8_nan_tensor(torch, (64, 4, 128))
+    scale = torch.tensor([1.0], device=DEVICE)
+    g = _capture(torch, lambda: attnmerge.merge_states(o, lse, out=out, output_scale=scale))
+    ref_o = reference_merge_stacked(o0, lse0)[0]
+    for sv in (0.5, 3.0):
+        scale.fill_(sv)
+        g.replay()
+        torch.cuda.synchronize()
+        assert_fp8_close(get(out), ref_o, sv)
+
+
+def test_cuda_graph_capture_of_varlen_and_inplace(rng, torch):
+    gpu_only()
+    indptr = put(np.array([0, 2, 2, 7, 8], np.int32))
+    o0, lse0 = random_state(rng, 8, 4, 64)
+    o, lse = put(o0), put(lse0)
+    out, out_lse = nan_tensor((4, 4, 64)), nan_tensor((4, 4))
+    acc0, acc_lse0 = random_state(rng, 8, 4, 64)
+    acc, acc_lse = put(acc0), put(acc_lse0)
+    mask = put(np.array([1, 0, 1, 1, 0, 1, 1, 1], np.uint8))
+
+    def step():
+        attnmerge.merge_varlen(o, lse, indptr, out=out, out_lse=out_lse)
+        attnmerge.merge_inplace(acc, acc_lse, o, lse, mask=mask)
+
+    g = _capture(torch, step)  # the warm-up ran the in-place merge once already
+    acc.copy_(put(acc0))
+    acc_lse.copy_(put(acc_lse0))
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_merge_matches(get(out), get(out_lse), reference_merge_varlen(o0, lse0, np.array([0, 2, 2, 7, 8])), "float32")
+    on = get(mask) != 0
+    ref = reference_merge(acc0, acc_lse0, o0, lse0)
+    assert_o_close(get(acc)[on], ref[0][on], "float32", "o")
+    assert np.array_equal(get(acc)[~on], acc0[~on])
