@@ -1,6 +1,5 @@
 """Which array library an argument belongs to: where new outputs are allocated, and which stream
 `stream=None` means.  Nothing here checks arguments; libattnmerge does."""
-import sys
 
 _DTYPE_NAMES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 _ALIASES = {"float8_e4m3": "float8_e4m3fn"}
@@ -113,6 +112,3 @@ def default_stream(like):
         return 0 if stream in (None, 1) else stream
     return 0
 
-
-def is_jax(x):
-    return "jax" in sys.modules and family(x) == "jax"

@@ -46,6 +46,13 @@ ATTNMERGE_HD uint32_t float_to_bits(float f) {
 #endif
 }
 
+// round(x) to nearest, ties to even, for 0 <= x < 2^23 (the float adder's own rounding mode).
+inline uint32_t round_half_even(float x) {
+  const uint32_t r = static_cast<uint32_t>(x);
+  const float rem = x - static_cast<float>(r);
+  return r + ((rem > 0.5f || (rem == 0.5f && (r & 1u))) ? 1u : 0u);
+}
+
 // IEEE binary16 from float32, round to nearest even, overflow to inf, NaN kept quiet.
 inline uint16_t host_float_to_half(float f) {
   const uint32_t x = float_to_bits(f);
@@ -54,12 +61,8 @@ inline uint16_t host_float_to_half(float f) {
   if (ax >= 0x7f800000u) return static_cast<uint16_t>(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
   if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds past 65504
   if (ax < 0x38800000u) {                                                 // subnormal or zero half
-    // Scale into the half subnormal range; the float adder rounds to nearest even for us.
-    const float scaled = bits_to_float(ax) * 16777216.0f;                  // 2^24: one unit = 2^-24
-    const uint32_t r = static_cast<uint32_t>(scaled);
-    const float rem = scaled - static_cast<float>(r);
-    uint32_t q = r + ((rem > 0.5f || (rem == 0.5f && (r & 1u))) ? 1u : 0u);
-    return static_cast<uint16_t>(sign | q);
+    // In units of the smallest subnormal, 2^-24 (a carry into the exponent comes out right).
+    return static_cast<uint16_t>(sign | round_half_even(bits_to_float(ax) * 16777216.0f));
   }
   const uint32_t mant_odd = (ax >> 13) & 1u;
   const uint32_t rounded = ax + 0xfffu + mant_odd;
@@ -91,12 +94,8 @@ inline uint8_t host_float_to_e4m3(float f) {
   const uint32_t ax = x & 0x7fffffffu;
   if (ax > 0x7f800000u) return sign | 0x7fu;
   if (ax >= 0x43e00000u) return sign | 0x7eu;  // |f| >= 448
-  if (ax < 0x3c800000u) {                        // below 2^-6: a subnormal step of 2^-9
-    const float scaled = bits_to_float(ax) * 512.0f;
-    const uint32_t r = static_cast<uint32_t>(scaled);
-    const float rem = scaled - static_cast<float>(r);
-    return static_cast<uint8_t>(sign | (r + ((rem > 0.5f || (rem == 0.5f && (r & 1u))) ? 1u : 0u)));
-  }
+  if (ax < 0x3c800000u)  // below 2^-6: in units of the smallest subnormal, 2^-9
+    return static_cast<uint8_t>(sign | round_half_even(bits_to_float(ax) * 512.0f));
   const uint32_t rounded = ax + 0x7ffffu + ((ax >> 20) & 1u);
   const uint32_t q = (rounded >> 20) - (120u << 3);
   return static_cast<uint8_t>(sign | (q > 0x7eu ? 0x7eu : q));
