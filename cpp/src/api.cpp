@@ -84,12 +84,8 @@ struct View {
   bool transposed = false;  // an LSE given [heads, tokens]
 
   bool present() const { return t != nullptr; }
-  int64_t numel() const {
-    int64_t n = 1;
-    for (int i = 0; i < ndim; ++i) n *= shape[i];
-    return n;
-  }
-  // [first byte, one past the last byte] the view spans; numel() > 0.
+  bool empty = true;  // some size is 0 (set by describe, which also bounds the element count)
+  // [first byte, one past the last byte] the view spans; not empty.
   void byte_range(uintptr_t& lo, uintptr_t& hi) const {
     int64_t last = 0;
     for (int i = 0; i < ndim; ++i) last += (shape[i] - 1) * strides[i];
@@ -118,6 +114,8 @@ attnmerge_status describe(const attnmerge_tensor* t, const char* name, int ndim,
   if (t->ndim != ndim) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected %d dimensions, got %d", name, ndim, t->ndim);
   if (t->dtype < 0 || t->dtype >= 32 || !(dtypes & bit(t->dtype)))
     return fail(ATTNMERGE_ERROR_TYPE, "%s: expected dtype %s, got %s", name, dtypes_text(dtypes), dtype_name(t->dtype));
+  if (t->flags & ~ATTNMERGE_READ_ONLY)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected flags within 0x%x, got 0x%x", name, ATTNMERGE_READ_ONLY, t->flags);
   if (t->device < ATTNMERGE_HOST)
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a device >= -1 (the host), got %d", name, t->device);
   for (int i = 0; i < ndim; ++i) {
@@ -127,7 +125,13 @@ attnmerge_status describe(const attnmerge_tensor* t, const char* name, int ndim,
     if (t->shape[i] < 0)
       return fail(ATTNMERGE_ERROR_VALUE, "%s: expected sizes >= 0, got shape %s", name, ShapeText(t->shape, ndim).text);
   }
-  if (v.numel() == 0) return ATTNMERGE_SUCCESS;  // never addressed: its strides and pointer do not matter
+  v.empty = std::find(v.shape, v.shape + ndim, 0) != v.shape + ndim;
+  if (v.empty) return ATTNMERGE_SUCCESS;  // never addressed: its strides and pointer do not matter
+  int64_t count = 1;
+  for (int i = 0; i < ndim; ++i)
+    if (__builtin_mul_overflow(count, v.shape[i], &count))
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected fewer than 2^63 elements, got shape %s", name,
+                  ShapeText(t->shape, ndim).text);
   for (int i = 0; i < ndim; ++i)
     if (t->strides[i] < 0)
       return fail(ATTNMERGE_ERROR_VALUE, "%s: expected strides >= 0, got %" PRId64 " on axis %d", name, t->strides[i], i);
@@ -142,7 +146,7 @@ attnmerge_status describe(const attnmerge_tensor* t, const char* name, int ndim,
   int64_t last = 0, term;  // the largest byte offset must fit in 63 bits
   for (int i = 0; i < ndim; ++i)
     if (__builtin_mul_overflow(v.shape[i] - 1, v.strides[i], &term) || __builtin_add_overflow(last, term, &last) ||
-        __builtin_mul_overflow(last + 1, static_cast<int64_t>(size), &term))
+        __builtin_add_overflow(last, 1, &term) || __builtin_mul_overflow(term, static_cast<int64_t>(size), &term))
       return fail(ATTNMERGE_ERROR_VALUE, "%s: shape %s with these strides spans more than 2^63 bytes", name,
                   ShapeText(t->shape, ndim).text);
   return ATTNMERGE_SUCCESS;
@@ -171,7 +175,7 @@ attnmerge_status check_shape(const View& v, const int64_t* expected, const View&
 // An output must not write one element twice: after sorting its axes by stride, each stride must
 // clear the extent of the axes inside it.
 attnmerge_status check_no_self_overlap(const View& v) {
-  if (!v.present() || v.numel() == 0) return ATTNMERGE_SUCCESS;
+  if (!v.present() || v.empty) return ATTNMERGE_SUCCESS;
   int order[ATTNMERGE_MAX_NDIM] = {0, 1, 2, 3};
   for (int i = 1; i < v.ndim; ++i)  // insertion sort of at most 4 axes by stride
     for (int j = i; j > 0 && v.strides[order[j]] < v.strides[order[j - 1]]; --j) std::swap(order[j], order[j - 1]);
@@ -197,7 +201,7 @@ bool same_view(const View& x, const View& y) {
 // An output may be an input itself where `may_alias` (element i is written after element i was
 // read), never a partial overlap of one, nor overlap another output.
 attnmerge_status check_disjoint(const View& out, const View& other, bool may_alias) {
-  if (!out.present() || !other.present() || out.numel() == 0 || other.numel() == 0) return ATTNMERGE_SUCCESS;
+  if (!out.present() || !other.present() || out.empty || other.empty) return ATTNMERGE_SUCCESS;
   if (may_alias && same_view(out, other)) return ATTNMERGE_SUCCESS;
   uintptr_t lo1, hi1, lo2, hi2;
   out.byte_range(lo1, hi1);
@@ -216,7 +220,7 @@ int choose_vec(std::initializer_list<const View*> os, int64_t head_size) {
   for (int vec = static_cast<int>(16 / widest); vec > 1; vec /= 2) {
     bool ok = head_size % vec == 0;
     for (const View* v : os) {
-      if (!ok || v->numel() == 0) continue;
+      if (!ok || v->empty) continue;
       ok = reinterpret_cast<uintptr_t>(v->t->data) % (vec * dtype_size(v->t->dtype)) == 0;
       for (int axis = 0; ok && axis < v->ndim - 1; ++axis) ok = v->shape[axis] <= 1 || v->strides[axis] % vec == 0;
     }
@@ -269,7 +273,7 @@ attnmerge_status run(std::initializer_list<const View*> views, const MergeShape&
   int device = ATTNMERGE_HOST;
   const View* first = nullptr;
   for (const View* v : views) {
-    if (!v->present() || v->numel() == 0) continue;  // an empty tensor is never touched, wherever it lives
+    if (!v->present() || v->empty) continue;  // an empty tensor is never touched, wherever it lives
     if (first == nullptr) {
       first = v;
       device = v->t->device;
@@ -283,7 +287,7 @@ attnmerge_status run(std::initializer_list<const View*> views, const MergeShape&
     // Device memory handed to the CPU path would crash the process: refuse it where CUDA can tell.
     if (gpu_device_count() > 0)
       for (const View* v : views)
-        if (v->present() && v->numel() > 0 && gpu_pointer_device(v->t->data) != ATTNMERGE_HOST)
+        if (v->present() && !v->empty && gpu_pointer_device(v->t->data) != ATTNMERGE_HOST)
           return fail(ATTNMERGE_ERROR_VALUE, "%s: expected host memory (device -1), got memory of CUDA device %d",
                       v->name, gpu_pointer_device(v->t->data));
     if (out.scale != nullptr && gpu_device_count() > 0 && gpu_pointer_device(out.scale) != ATTNMERGE_HOST)
@@ -300,7 +304,7 @@ attnmerge_status run(std::initializer_list<const View*> views, const MergeShape&
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a CUDA device below %d, got device %d", first->name, count, device);
   attnmerge_status s;
   for (const View* v : views)
-    if (v->present() && v->numel() > 0 && (s = gpu_check_pointer(v->t->data, device, v->name))) return s;
+    if (v->present() && !v->empty && (s = gpu_check_pointer(v->t->data, device, v->name))) return s;
   if (out.scale != nullptr && (s = gpu_check_pointer(out.scale, device, "output_scale"))) return s;
   return gpu_merge(shape, src, out, in_dtype, out_dtype, vec, device, stream);
 }
@@ -366,13 +370,16 @@ attnmerge_status merge_pair(const PairNames& n, const attnmerge_tensor* out, con
   } else if ((s = check_shape(va, o_shape, vb)) || (s = check_shape(vla, o_shape, vb))) {
     return s;
   }
-  if ((s = check_outputs(vout, vout_lse)) || (s = check_disjoint(vout, va, true)) || (s = check_disjoint(vout, vb, true)) ||
-      (s = check_disjoint(vout_lse, vla, true)) || (s = check_disjoint(vout_lse, vlb, true)))
-    return s;
+  if ((s = check_outputs(vout, vout_lse))) return s;
+  // out may be o_a or o_b itself and out_lse lse_a or lse_b; nothing else may touch the outputs.
+  for (const View* in : {&va, &vla, &vb, &vlb, &vmask})
+    if ((s = check_disjoint(vout, *in, in == &va || in == &vb)) ||
+        (s = check_disjoint(vout_lse, *in, in == &vla || in == &vlb)))
+      return s;
 
   const MergeShape shape{tokens, heads, head_size, (opt.flags & ATTNMERGE_LSE_BASE2) != 0};
   PairSource src{va.state(vla), vb.state(vlb), a_tokens, nullptr, 0};
-  if (vmask.present() && vmask.numel() > 0) {
+  if (vmask.present() && !vmask.empty) {
     src.mask = static_cast<const uint8_t*>(mask->data);
     src.mask_stride = vmask.strides[0];
   }

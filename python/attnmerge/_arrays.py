@@ -20,15 +20,19 @@ def family(x):
     return None
 
 
-def dtype_name(dtype, arg):
-    """'float32' | 'float16' | 'bfloat16' | 'float8_e4m3fn' from a string or any framework's dtype."""
+def dtype_name(dtype, arg, names=_DTYPE_NAMES):
+    """One of `names` ('float32', 'float16', 'bfloat16', 'float8_e4m3fn') from a string or any
+    framework's dtype."""
     name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None) or str(dtype).rpartition(".")[2]
     if isinstance(dtype, type):  # NumPy scalar types such as numpy.float16
         name = getattr(dtype, "__name__", name)
     name = _ALIASES.get(name, name)
-    if name not in _DTYPE_NAMES:
-        raise TypeError(f"{arg}: expected dtype float32, float16, bfloat16 or float8_e4m3fn, got {dtype!r}")
+    if name not in names:
+        raise TypeError(f"{arg}: expected dtype {', '.join(names[:-1])} or {names[-1]}, got {dtype!r}")
     return name
+
+
+INPUT_DTYPES = _DTYPE_NAMES[:3]
 
 
 def _numpy_dtype(name):

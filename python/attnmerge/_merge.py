@@ -1,6 +1,6 @@
 """The native API: merge, merge_inplace, merge_states, merge_varlen."""
 from . import _C
-from ._arrays import default_stream, dtype_name, empty, family
+from ._arrays import INPUT_DTYPES, default_stream, dtype_name, empty, family
 
 
 def lse_flags(base):
@@ -44,12 +44,14 @@ def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like
             raise ValueError(f"out_dtype: expected None or the dtype of out ({got}), got {want}")
     out_view, lse_view = out, out_lse
     if out is None:
-        source = "out_dtype"
-        if out_dtype is None:
-            source, out_dtype = src_name, getattr(in_dtype_of, "dtype", None)
-            if out_dtype is None:
+        if out_dtype is None:  # that of the inputs
+            dtype = getattr(in_dtype_of, "dtype", None)
+            if dtype is None:
                 raise TypeError(f"{src_name}: expected an array, got {type(in_dtype_of).__qualname__}")
-        out, out_view = empty(like, shape, dtype_name(out_dtype, source), like_name)
+            name = dtype_name(dtype, src_name, INPUT_DTYPES)
+        else:
+            name = dtype_name(out_dtype, "out_dtype")
+        out, out_view = empty(like, shape, name, like_name)
     if out_lse is None and return_lse:
         out_lse, lse_view = empty(like, shape[:2], "float32", like_name)
     return out, out_lse, out_view, lse_view

@@ -229,12 +229,17 @@ void describe(Arg& a, py::handle obj, void* stream, const char* expected, const 
   PyObject* o = obj.ptr();
   if (const DLPackExchangeAPI* api = exchange_api(Py_TYPE(o))) {
     a.api = api;
+    const auto refused = [&] {  // a tensor its framework cannot export (a meta tensor, say)
+      py::error_already_set e;
+      value_error(name, std::string("expected a tensor with data, got one ") + type_name(obj) +
+                            " cannot export through DLPack (" + py::str(e.value()).cast<std::string>() + ")");
+    };
     if (api->dltensor_from_py_object_no_sync) {
       DLTensor d;
-      if (api->dltensor_from_py_object_no_sync(o, &d) != 0) throw py::error_already_set();
+      if (api->dltensor_from_py_object_no_sync(o, &d) != 0) refused();
       return from_dltensor(a, d, false, expected, name);
     }
-    if (api->managed_tensor_from_py_object_no_sync(o, &a.versioned) != 0) throw py::error_already_set();
+    if (api->managed_tensor_from_py_object_no_sync(o, &a.versioned) != 0) refused();
     return from_dltensor(a, a.versioned->dl_tensor, a.versioned->flags & kDLReadOnly, expected, name);
   }
   if (py::hasattr(obj, "__dlpack__")) {
@@ -347,9 +352,9 @@ void set_output_scale(attnmerge_options& options, py::handle scale, Arg& holder,
   describe(holder, scale, stream, kF32, "output_scale");
   int64_t n = 1;
   for (int i = 0; i < holder.t.ndim; ++i) n *= holder.t.shape[i];
-  if (n != 1 || holder.t.dtype != ATTNMERGE_FLOAT32)
-    value_error("output_scale", "expected a number or a one-element float32 array, got " + std::to_string(n) +
-                                    " elements of dtype code " + std::to_string(holder.t.dtype));
+  if (holder.t.dtype != ATTNMERGE_FLOAT32) type_error("output_scale", "expected a float32 array, got another dtype");
+  if (n != 1)
+    value_error("output_scale", "expected a number or a one-element float32 array, got " + std::to_string(n) + " elements");
   options.output_scale_ptr = static_cast<const float*>(holder.t.data);
 }
 

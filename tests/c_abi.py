@@ -1,0 +1,186 @@
+"""A ctypes binding of libattnmerge's C ABI (cpp/include/attnmerge/attnmerge.h), for tests that call
+the library as a C program would: hand-built descriptors, NULL pointers, codes no Python layer can
+produce.  Not a public API.
+
+    lib = c_abi.load()                        # the libattnmerge that `attnmerge` loaded
+    t = c_abi.tensor_from(np_array)           # a descriptor over a NumPy array (strides in elements)
+    status = lib.attnmerge_merge(byref(out), None, byref(o_a), ...)
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, Structure, c_char_p, c_float, c_int, c_int32, c_int64, c_uint32, c_void_p
+
+import numpy as np
+
+# attnmerge_status
+SUCCESS, ERROR_VALUE, ERROR_TYPE, ERROR_NO_DEVICE, ERROR_CUDA = 0, 1, 2, 3, 4
+STATUSES = (SUCCESS, ERROR_VALUE, ERROR_TYPE, ERROR_NO_DEVICE, ERROR_CUDA)
+
+# attnmerge_dtype
+FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3, UINT8, BOOL, INT32, INT64 = range(8)
+DTYPE_SIZE = {FLOAT32: 4, FLOAT16: 2, BFLOAT16: 2, FLOAT8_E4M3: 1, UINT8: 1, BOOL: 1, INT32: 4, INT64: 8}
+
+HOST = -1
+MAX_NDIM = 4
+READ_ONLY = 1  # attnmerge_tensor.flags
+
+# attnmerge_options.flags
+LSE_BASE2, LSE_HEADS_FIRST, A_TOKENS = 1, 2, 4
+
+
+class Tensor(Structure):
+    """attnmerge_tensor."""
+
+    _fields_ = [
+        ("data", c_void_p),
+        ("shape", c_int64 * MAX_NDIM),
+        ("strides", c_int64 * MAX_NDIM),
+        ("ndim", c_int32),
+        ("dtype", c_int32),
+        ("device", c_int32),
+        ("flags", c_uint32),
+    ]
+
+    def __repr__(self):
+        n = max(0, min(self.ndim, MAX_NDIM))
+        return (f"Tensor(data={self.data and hex(self.data)}, shape={list(self.shape)[:n]}, "
+                f"strides={list(self.strides)[:n]}, ndim={self.ndim}, dtype={self.dtype}, device={self.device}, "
+                f"flags={self.flags})")
+
+
+class Options(Structure):
+    """attnmerge_options."""
+
+    _fields_ = [
+        ("flags", c_uint32),
+        ("a_tokens", c_int64),
+        ("output_scale", c_float),
+        ("output_scale_ptr", POINTER(c_float)),
+    ]
+
+
+TensorP = POINTER(Tensor)
+OptionsP = POINTER(Options)
+
+_SIGNATURES = {
+    "attnmerge_merge": (c_int, [TensorP, TensorP, TensorP, TensorP, TensorP, TensorP, OptionsP, c_void_p]),
+    "attnmerge_merge_inplace": (c_int, [TensorP, TensorP, TensorP, TensorP, TensorP, OptionsP, c_void_p]),
+    "attnmerge_merge_states": (c_int, [TensorP, TensorP, TensorP, TensorP, OptionsP, c_void_p]),
+    "attnmerge_merge_varlen": (c_int, [TensorP, TensorP, TensorP, TensorP, TensorP, OptionsP, c_void_p]),
+    "attnmerge_last_error": (c_char_p, []),
+    "attnmerge_status_string": (c_char_p, [c_int]),
+    "attnmerge_version": (c_int, []),
+    "attnmerge_version_string": (c_char_p, []),
+    "attnmerge_cuda_architectures": (c_char_p, []),
+    "attnmerge_cuda_build_version": (c_int, []),
+    "attnmerge_cuda_driver_version": (c_int, []),
+    "attnmerge_device_count": (c_int, []),
+    "attnmerge_pointer_device": (c_int, [c_void_p]),
+    "attnmerge_stream_synchronize": (c_int, [c_int32, c_void_p]),
+}
+FUNCTIONS = tuple(_SIGNATURES)
+
+_lib = None
+
+
+def library_path() -> str:
+    import attnmerge
+
+    return attnmerge.library_path()
+
+
+def load():
+    """The libattnmerge the `attnmerge` package loaded, with every function's signature declared."""
+    global _lib
+    if _lib is None:
+        lib = ctypes.CDLL(library_path())
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        _lib = lib
+    return _lib
+
+
+def last_error() -> str:
+    return load().attnmerge_last_error().decode("utf-8", "replace")
+
+
+_NP_DTYPES = {
+    np.dtype(np.float32): FLOAT32,
+    np.dtype(np.float16): FLOAT16,
+    np.dtype(np.uint8): UINT8,
+    np.dtype(np.bool_): BOOL,
+    np.dtype(np.int32): INT32,
+    np.dtype(np.int64): INT64,
+}
+
+
+def dtype_code(dtype) -> int:
+    """The attnmerge_dtype of a NumPy dtype (ml_dtypes' bfloat16 and float8_e4m3fn included)."""
+    dtype = np.dtype(dtype)
+    if dtype in _NP_DTYPES:
+        return _NP_DTYPES[dtype]
+    if dtype.name == "bfloat16":
+        return BFLOAT16
+    if dtype.name == "float8_e4m3fn":
+        return FLOAT8_E4M3
+    raise TypeError(f"no attnmerge dtype for {dtype}")
+
+
+def tensor(data, shape, strides, dtype, *, device=HOST, flags=0, ndim=None) -> Tensor:
+    """A descriptor from its fields; data an int address (or None), strides in elements."""
+    t = Tensor()
+    t.data = data or None
+    shape, strides = list(shape), list(strides)
+    for i, (s, st) in enumerate(zip(shape[:MAX_NDIM], strides[:MAX_NDIM])):
+        t.shape[i] = s
+        t.strides[i] = st
+    t.ndim = len(shape) if ndim is None else ndim
+    t.dtype = dtype
+    t.device = device
+    t.flags = flags
+    return t
+
+
+def tensor_from(x: np.ndarray, *, device=HOST, flags=None, dtype=None) -> Tensor:
+    """A descriptor over NumPy array x (strides in elements); read-only unless x is writable."""
+    itemsize = x.dtype.itemsize
+    assert all(s % itemsize == 0 for s in x.strides), "strides must be whole elements"
+    if flags is None:
+        flags = 0 if x.flags.writeable else READ_ONLY
+    return tensor(x.ctypes.data, x.shape, [s // itemsize for s in x.strides],
+                  dtype_code(x.dtype) if dtype is None else dtype, device=device, flags=flags)
+
+
+def ref(t):
+    """A pointer argument: None stays NULL, a Tensor / Options becomes byref()."""
+    return None if t is None else ctypes.byref(t)
+
+
+def options(flags=0, a_tokens=0, output_scale=0.0, output_scale_ptr=None) -> Options:
+    o = Options()
+    o.flags = flags
+    o.a_tokens = a_tokens
+    o.output_scale = output_scale
+    if output_scale_ptr is not None:
+        o.output_scale_ptr = ctypes.cast(ctypes.c_void_p(output_scale_ptr), POINTER(c_float))
+    return o
+
+
+def merge(out, out_lse, o_a, lse_a, o_b, lse_b, opts=None, stream=None) -> int:
+    return load().attnmerge_merge(ref(out), ref(out_lse), ref(o_a), ref(lse_a), ref(o_b), ref(lse_b), ref(opts), stream)
+
+
+def merge_inplace(o, lse, o_other, lse_other, mask=None, opts=None, stream=None) -> int:
+    return load().attnmerge_merge_inplace(ref(o), ref(lse), ref(o_other), ref(lse_other), ref(mask), ref(opts), stream)
+
+
+def merge_states(out, out_lse, o, lse, opts=None, stream=None) -> int:
+    return load().attnmerge_merge_states(ref(out), ref(out_lse), ref(o), ref(lse), ref(opts), stream)
+
+
+def merge_varlen(out, out_lse, o, lse, indptr, opts=None, stream=None) -> int:
+    return load().attnmerge_merge_varlen(ref(out), ref(out_lse), ref(o), ref(lse), ref(indptr), ref(opts), stream)

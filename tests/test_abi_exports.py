@@ -1,0 +1,101 @@
+"""libattnmerge exports exactly the C API attnmerge.h documents, nothing of C++, and the version it
+reports agrees with the installed header, the Python package and its distribution metadata."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+import attnmerge
+import c_abi
+
+# Symbols every ELF shared library may define besides its own.
+_LINKER_SYMBOLS = {"_init", "_fini", "_edata", "_end", "__bss_start"}
+
+
+def installed_header() -> str:
+    path = os.path.join(attnmerge.include_dir(), "attnmerge", "attnmerge.h")
+    assert os.path.isfile(path), f"the package ships no C header at {path}"
+    with open(path) as f:
+        return f.read()
+
+
+def documented_functions(header: str) -> set[str]:
+    """The names of the functions declared ATTNMERGE_API (a declaration may span lines)."""
+    code = re.sub(r"/\*.*?\*/", " ", header, flags=re.S)
+    code = re.sub(r"#define[^\n]*(\\\n[^\n]*)*", " ", code)  # not the macro's own definition
+    return set(re.findall(r"\bATTNMERGE_API\b[^;{]*?\b(attnmerge_\w+)\s*\(", code, flags=re.S))
+
+
+def macro(header: str, name: str) -> str:
+    m = re.search(rf"^#define\s+{name}\s+(.+?)\s*$", header, flags=re.M)
+    assert m, f"{name} is not defined in attnmerge.h"
+    return m.group(1)
+
+
+def exported_symbols() -> set[str]:
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not installed")
+    out = subprocess.run([nm, "-D", "--defined-only", attnmerge.library_path()], capture_output=True, text=True,
+                         check=True).stdout
+    names = set()
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 2:
+            names.add(parts[-1].split("@")[0])
+    return names - _LINKER_SYMBOLS
+
+
+def test_the_header_declares_the_api_the_ctypes_binding_covers():
+    assert documented_functions(installed_header()) == set(c_abi.FUNCTIONS)
+
+
+def test_the_library_exports_exactly_the_documented_functions():
+    documented = documented_functions(installed_header())
+    exported = exported_symbols()
+    assert exported - documented == set(), f"exported but not in attnmerge.h: {sorted(exported - documented)}"
+    assert documented - exported == set(), f"documented but not exported: {sorted(documented - exported)}"
+
+
+def test_no_cpp_symbols_are_exported():
+    mangled = sorted(s for s in exported_symbols() if s.startswith("_Z"))
+    assert not mangled, f"C++ symbols leak from libattnmerge: {mangled[:20]}"
+
+
+def test_the_installed_header_is_the_source_header():
+    source = os.path.join(os.path.dirname(__file__), os.pardir, "cpp", "include", "attnmerge", "attnmerge.h")
+    if not os.path.isfile(source):
+        pytest.skip("not run from a source checkout")
+    with open(source) as f:
+        assert f.read() == installed_header(), "the installed attnmerge.h differs from cpp/include/attnmerge/attnmerge.h"
+
+
+def test_versions_agree():
+    header = installed_header()
+    major, minor, patch = (int(macro(header, f"ATTNMERGE_VERSION_{p}")) for p in ("MAJOR", "MINOR", "PATCH"))
+    string = macro(header, "ATTNMERGE_VERSION_STRING").strip('"')
+    lib = c_abi.load()
+    assert string == f"{major}.{minor}.{patch}"
+    assert lib.attnmerge_version() == major * 10000 + minor * 100 + patch
+    assert lib.attnmerge_version_string().decode() == string
+    assert attnmerge.__version__ == string
+    assert importlib.metadata.version("attnmerge") == string
+
+
+def test_the_info_queries_answer_without_a_gpu():
+    lib = c_abi.load()
+    archs = lib.attnmerge_cuda_architectures().decode()
+    assert archs and all(a.isdigit() for a in archs.split(";")), archs
+    assert lib.attnmerge_cuda_build_version() >= 12000
+    assert lib.attnmerge_cuda_driver_version() >= 0
+    assert lib.attnmerge_device_count() >= 0
+    assert lib.attnmerge_pointer_device(None) == c_abi.HOST
+    assert {s: lib.attnmerge_status_string(s).decode() for s in c_abi.STATUSES} == {
+        0: "success", 1: "invalid value", 2: "invalid type", 3: "no CUDA device", 4: "CUDA runtime error"}
+    assert lib.attnmerge_status_string(99).decode() == "unknown status"
