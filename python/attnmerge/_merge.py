@@ -43,6 +43,8 @@ def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like
         if want != got:
             raise ValueError(f"out_dtype: expected None or the dtype of out ({got}), got {want}")
     out_view, lse_view = out, out_lse
+    if out is not None:  # a missing out_lse goes where out is, not where an odd input may be
+        like, like_name = out, "out"
     if out is None:
         if out_dtype is None:  # that of the inputs
             dtype = getattr(in_dtype_of, "dtype", None)
@@ -58,9 +60,11 @@ def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like
 
 
 def _finish_jax(out, out_view, stream):
-    """JAX cannot wait on our stream: results it gets back are complete first."""
+    """JAX cannot wait on our stream: results it gets back on a GPU are complete first."""
     if family(out) == "jax" and out is not out_view:
-        _C.stream_synchronize(_C.pointer_device(out.unsafe_buffer_pointer()), stream or 0)
+        device = next(iter(out.devices()))
+        if device.platform in ("gpu", "cuda"):
+            _C.stream_synchronize(device.id, stream or 0)
 
 
 def merge(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None, return_lse=True, out_dtype=None, output_scale=None,
