@@ -91,10 +91,8 @@ def merge(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None, return_lse=True, ou
     """
     flags = lse_flags(base)
     a_tok = a_tokens_arg(a_tokens)
-    if out is None or (out_lse is None and return_lse):
-        out, out_lse, out_view, lse_view = _outputs(o_b, o_a, _shape(o_b, "o_b"), out, out_lse, return_lse, out_dtype)
-    else:
-        out, out_lse, out_view, lse_view = _outputs(o_b, o_a, None, out, out_lse, return_lse, out_dtype)
+    shape = _shape(o_b, "o_b") if out is None or (out_lse is None and return_lse) else None
+    out, out_lse, out_view, lse_view = _outputs(o_b, o_a, shape, out, out_lse, return_lse, out_dtype)
     if stream is None:
         stream = default_stream(o_b)
     _C.merge(out_view, lse_view, o_a, lse_a, o_b, lse_b, flags, a_tok, output_scale, stream)

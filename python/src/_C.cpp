@@ -190,10 +190,7 @@ void from_interface(Arg& a, py::handle obj, const py::dict& iface, bool cuda, co
   if (kind == "V2" && dtype == "bfloat16") a.t.dtype = ATTNMERGE_BFLOAT16;
   if (kind == "V1" && dtype == "float8_e4m3fn") a.t.dtype = ATTNMERGE_FLOAT8_E4M3;
   if (a.t.dtype < 0) type_error(name, std::string("expected dtype ") + expected + ", got " + dtype);
-  const int64_t itemsize = a.t.dtype == ATTNMERGE_FLOAT32 || a.t.dtype == ATTNMERGE_INT32 ? 4
-                           : a.t.dtype == ATTNMERGE_INT64                                 ? 8
-                           : a.t.dtype == ATTNMERGE_FLOAT16 || a.t.dtype == ATTNMERGE_BFLOAT16 ? 2
-                                                                                           : 1;
+  const int64_t itemsize = std::stoll(kind.substr(1));  // the typestr's byte count: "f4" -> 4
   const py::tuple data = iface["data"];
   a.t.data = reinterpret_cast<void*>(data[0].cast<uintptr_t>());
   a.t.flags = data[1].cast<bool>() ? ATTNMERGE_READ_ONLY : 0u;
