@@ -85,6 +85,7 @@ struct View {
 
   bool present() const { return t != nullptr; }
   bool empty = true;  // some size is 0 (set by describe, which also bounds the element count)
+  int64_t last = 0;   // the largest element offset, when not empty
   // [first byte, one past the last byte] the view spans; not empty.
   void byte_range(uintptr_t& lo, uintptr_t& hi) const {
     int64_t last = 0;
@@ -149,6 +150,7 @@ attnmerge_status describe(const attnmerge_tensor* t, const char* name, int ndim,
         __builtin_add_overflow(last, 1, &term) || __builtin_mul_overflow(term, static_cast<int64_t>(size), &term))
       return fail(ATTNMERGE_ERROR_VALUE, "%s: shape %s with these strides spans more than 2^63 bytes", name,
                   ShapeText(t->shape, ndim).text);
+  v.last = last;
   return ATTNMERGE_SUCCESS;
 }
 
@@ -268,8 +270,18 @@ attnmerge_status check_outputs(const View& out, const View& out_lse) {
 
 // One device for every non-empty tensor, memory it can address, then the CPU path or a launch.
 template <typename Source>
-attnmerge_status run(std::initializer_list<const View*> views, const MergeShape& shape, const Source& src,
+attnmerge_status run(std::initializer_list<const View*> views, MergeShape shape, const Source& src,
                      const OutView& out, int in_dtype, int out_dtype, int vec, void* stream) {
+  // 32-bit offsets when every array is small enough, with room for the grid's last block and for
+  // the one-past-the-end row start of an empty variable-length row.
+  shape.index32 = true;
+  shape.bytes = 0;
+  for (const View* v : views) {
+    if (!v->present() || v->empty) continue;
+    if (v->last >= (int64_t{1} << 30)) shape.index32 = false;
+    const int64_t span = (v->last + 1) * static_cast<int64_t>(dtype_size(v->t->dtype));  // < 2^63 (describe)
+    if (__builtin_add_overflow(shape.bytes, span, &shape.bytes)) shape.bytes = INT64_MAX;
+  }
   int device = ATTNMERGE_HOST;
   const View* first = nullptr;
   for (const View* v : views) {
@@ -282,7 +294,7 @@ attnmerge_status run(std::initializer_list<const View*> views, const MergeShape&
                   first->name, device, v->t->device);
     }
   }
-  if (first == nullptr || shape.tokens * shape.heads == 0) return ATTNMERGE_SUCCESS;
+  if (first == nullptr || shape.rows == 0) return ATTNMERGE_SUCCESS;
   if (device == ATTNMERGE_HOST) {
     // Device memory handed to the CPU path would crash the process: refuse it where CUDA can tell.
     if (gpu_device_count() > 0)
@@ -442,10 +454,19 @@ attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnm
     for (const View* w : {&vout, &vout_lse})
       if ((s = check_disjoint(*w, *v, false))) return s;
   const MergeShape shape{tokens, heads, head_size, (opt.flags & ATTNMERGE_LSE_BASE2) != 0};
+  const OutView dst = out_view(vout, vout_lse, inv_scale, opt);
+  if (states == 2) {  // the two-way merge's kernel: the same weights, fewer registers
+    const char* o1 = static_cast<const char*>(o->data) + vo.strides[1] * static_cast<int64_t>(dtype_size(o->dtype));
+    const float* l0 = static_cast<const float*>(lse->data);
+    const StateView a{o->data, vo.strides[0], vo.strides[2], l0, vl.strides[0], vl.strides[2]};
+    const StateView b{o1, vo.strides[0], vo.strides[2], l0 + vl.strides[1], vl.strides[0], vl.strides[2]};
+    return run({&vout, &vout_lse, &vo, &vl}, shape, PairSource{a, b, tokens, nullptr, 0}, dst, o->dtype, out->dtype,
+               choose_vec({&vout, &vo}, head_size), stream);
+  }
   const StackSource src{o->data,  vo.strides[0], vo.strides[1], vo.strides[2], static_cast<const float*>(lse->data),
                         vl.strides[0], vl.strides[1], vl.strides[2], states};
-  return run({&vout, &vout_lse, &vo, &vl}, shape, src, out_view(vout, vout_lse, inv_scale, opt), o->dtype, out->dtype,
-             choose_vec({&vout, &vo}, head_size), stream);
+  return run({&vout, &vout_lse, &vo, &vl}, shape, src, dst, o->dtype, out->dtype, choose_vec({&vout, &vo}, head_size),
+             stream);
 }
 
 attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,

@@ -16,26 +16,28 @@ constexpr int64_t kChunk = 256;  // head_size elements accumulated at a time, on
 
 template <typename Source, typename TIn, typename TOut>
 void merge_rows(const MergeShape& shape, const Source& src, const OutView& out, int64_t row_begin, int64_t row_end) {
-  const float inv_scale = out.inverse_scale();
+  const float factor = out.inverse_scale();
   for (int64_t row = row_begin; row < row_end; ++row) {
     int64_t token, head;
     shape.split_row(row, token, head);
-    const typename Source::Row states = src.template row<TIn>(token, head);
+    const auto states = src.template row<TIn>(token, head);
     if (states.skip()) continue;
     const int n = states.count();
     RowMerge r(shape.base2);
-    for (int s = 0; s < n; ++s) r.add(states.lse(s));
+    for (int s = 0; s < n; ++s) r.see(states.lse(s));
+    for (int s = 0; s < n; ++s) r.total += r.weight(states.lse(s));
+    r.finish(factor);
     TOut* dst = out.o_at<TOut>(token, head);
     for (int64_t d0 = 0; d0 < shape.head_size; d0 += kChunk) {
       const int64_t len = std::min(kChunk, shape.head_size - d0);
       float acc[kChunk] = {};
       for (int s = 0; s < n; ++s) {
-        const float scale = r.scale(states.lse(s));
-        if (scale == 0.0f) continue;  // a part of zero weight is never read
+        const float scale = r.scale(r.weight(states.lse(s)));
+        if (scale == 0.0f || !states.present(s)) continue;  // a part of zero weight is never read
         const TIn* o = states.template o_at<TIn>(s) + d0;
         for (int64_t d = 0; d < len; ++d) acc[d] += scale * Convert<TIn>::load(o[d]);
       }
-      for (int64_t d = 0; d < len; ++d) dst[d0 + d] = Convert<TOut>::store(r.nan ? NAN : acc[d] * inv_scale);
+      for (int64_t d = 0; d < len; ++d) dst[d0 + d] = Convert<TOut>::store(acc[d]);
     }
     out.store_lse(token, head, r.lse());
   }

@@ -101,8 +101,11 @@ attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const Out
         using TOut = decltype(out_tag);
         constexpr int kVec = decltype(vec_tag)::value;
         // Wider than 16 bytes per access is never chosen; do not instantiate it.
-        if constexpr (kVec * sizeof(TIn) <= 16 && kVec * sizeof(TOut) <= 16)
-          err = launch_merge<Source, TIn, TOut, kVec>(shape, src, out, static_cast<cudaStream_t>(stream));
+        if constexpr (kVec * sizeof(TIn) <= 16 && kVec * sizeof(TOut) <= 16) {
+          const cudaStream_t s = static_cast<cudaStream_t>(stream);
+          err = shape.index32 ? launch_merge<Source, TIn, TOut, kVec, int32_t>(shape, src, out, s)
+                              : launch_merge<Source, TIn, TOut, kVec, int64_t>(shape, src, out, s);
+        }
       });
     });
   });

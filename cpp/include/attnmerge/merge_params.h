@@ -1,5 +1,7 @@
 // The launch-level description of a merge and the per-element steps every path shares.
-// Plain data, 64-bit sizes and offsets; strides count elements.
+// Plain data, 64-bit sizes and strides (counting elements).  Offsets are computed in the index type
+// I of the launch: int32_t when every offset of every array of the call fits in 31 bits (the
+// common case, and half the address arithmetic), int64_t otherwise.
 //
 // Every op is one walk over the rows (token, head) of the output: a *source* hands each row its
 // states (how many, where each O starts, each LSE), the shared row math (row.h) turns their LSEs
@@ -12,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "attnmerge/numeric.h"
 #include "attnmerge/row.h"
@@ -20,21 +23,46 @@ namespace attnmerge {
 
 struct MergeShape {
   int64_t tokens, heads, head_size;
+  int64_t rows;  // tokens * heads
+  int64_t packs;  // vector accesses per row (head_size / the launch's vector width), set at launch
+  int64_t bytes;  // bytes the call moves, about (set by the caller)
+  bool stream;    // evict-first O loads and stores (set at launch)
   bool base2;
+  bool index32;  // every element offset of the call fits in int32_t (set by the caller)
+  // row / heads as (umulhi(row, magic) + row) >> shift for rows below 2^31: a division takes
+  // some twenty instructions, as many as the rest of a row's index math.
+  uint32_t magic;
+  int shift;
 
-  // (token, head) of a row; 32-bit division where the sizes allow it, being several times cheaper.
-  ATTNMERGE_HD void split_row(int64_t row, int64_t& token, int64_t& head) const {
-    if (((tokens * heads) >> 32) == 0) {
-      token = static_cast<uint32_t>(row) / static_cast<uint32_t>(heads);
-    } else {
-      token = row / heads;
+  ATTNMERGE_HD MergeShape(int64_t tokens_, int64_t heads_, int64_t head_size_, bool base2_)
+      : tokens(tokens_), heads(heads_), head_size(head_size_), rows(tokens_ * heads_), packs(head_size_), bytes(0), stream(false), base2(base2_), index32(false),
+        magic(0), shift(0) {
+    if (heads > 0 && heads < (int64_t{1} << 31)) {
+      while ((int64_t{1} << shift) < heads) ++shift;
+      magic = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - static_cast<uint64_t>(heads))) /
+                                        static_cast<uint64_t>(heads) + 1);
     }
-    head = row - token * heads;
+  }
+
+  // (token, head) of a row.  With I = int32_t the caller guarantees rows < 2^31.
+  template <typename I>
+  ATTNMERGE_HD void split_row(I row, I& token, I& head) const {
+#if defined(__CUDA_ARCH__)
+    if (sizeof(I) == 4 || (rows >> 31) == 0) {
+      const uint32_t r = static_cast<uint32_t>(row);
+      token = static_cast<I>((__umulhi(r, magic) + r) >> shift);
+    } else {
+      token = row / static_cast<I>(heads);
+    }
+#else
+    token = row / static_cast<I>(heads);
+#endif
+    head = row - token * static_cast<I>(heads);
   }
 };
 
-// Where results go: O at o + token * o_st + head * o_sh, divided by the output scale before the
-// one rounding (FP8 outputs), and the merged LSE unless lse is null.
+// Where results go: O at o + token * o_st + head * o_sh, and the merged LSE unless lse is null.
+// O is scaled by 1 / the output scale before its one rounding (FP8 outputs).
 struct OutView {
   void* o;
   int64_t o_st, o_sh;
@@ -45,12 +73,13 @@ struct OutView {
 
   ATTNMERGE_HD float inverse_scale() const { return scale != nullptr ? 1.0f / *scale : inv_scale; }
 
-  template <typename T>
-  ATTNMERGE_HD T* o_at(int64_t token, int64_t head) const {
-    return static_cast<T*>(o) + token * o_st + head * o_sh;
+  template <typename T, typename I>
+  ATTNMERGE_HD T* o_at(I token, I head) const {
+    return static_cast<T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh));
   }
-  ATTNMERGE_HD void store_lse(int64_t token, int64_t head, float v) const {
-    if (lse != nullptr) lse[token * lse_st + head * lse_sh] = v;
+  template <typename I>
+  ATTNMERGE_HD void store_lse(I token, I head, float v) const {
+    if (lse != nullptr) lse[token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)] = v;
   }
 };
 
@@ -60,9 +89,18 @@ struct StateView {
   int64_t o_st, o_sh;
   const float* lse;
   int64_t lse_st, lse_sh;
+
+  template <typename T, typename I>
+  ATTNMERGE_HD const T* o_at(I token, I head) const {
+    return static_cast<const T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh));
+  }
+  template <typename I>
+  ATTNMERGE_HD float lse_at(I token, I head) const {
+    return lse[token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)];
+  }
 };
 
-// ---- sources: each gives a row's states through count(), present(s), lse(s) and o<T>(s) -----
+// ---- sources: each gives a row's states through count(), present(s), lse(s) and o_at<T>(s) ----
 
 // Two states.  Rows of tokens >= a_tokens have no state a (it is not read); rows whose mask byte is
 // 0 are skipped whole (the in-place merge leaves them untouched).
@@ -74,7 +112,7 @@ struct PairSource {
   int64_t mask_stride;
 
   struct Row {
-    const char* o[2];
+    const void* o[2];
     float l[2];
     bool has_a, skipped;
     ATTNMERGE_HD bool skip() const { return skipped; }
@@ -82,20 +120,36 @@ struct PairSource {
     ATTNMERGE_HD bool present(int s) const { return s == 1 || has_a; }
     ATTNMERGE_HD float lse(int s) const { return l[s]; }
     template <typename T>
-    ATTNMERGE_HD const T* o_at(int s) const { return reinterpret_cast<const T*>(o[s]); }
+    ATTNMERGE_HD const T* o_at(int s) const { return static_cast<const T*>(o[s]); }
   };
 
-  template <typename T>
-  ATTNMERGE_HD Row row(int64_t token, int64_t head) const {
+  template <typename T, typename I>
+  ATTNMERGE_HD Row row(I token, I head) const {
     Row r;
-    r.skipped = mask != nullptr && mask[token * mask_stride] == 0;
+    r.skipped = mask != nullptr && mask[token * static_cast<I>(mask_stride)] == 0;
     r.has_a = token < a_tokens;
-    r.o[0] = reinterpret_cast<const char*>(static_cast<const T*>(a.o) + token * a.o_st + head * a.o_sh);
-    r.o[1] = reinterpret_cast<const char*>(static_cast<const T*>(b.o) + token * b.o_st + head * b.o_sh);
-    r.l[0] = r.has_a && !r.skipped ? a.lse[token * a.lse_st + head * a.lse_sh] : -INFINITY;
-    r.l[1] = r.skipped ? -INFINITY : b.lse[token * b.lse_st + head * b.lse_sh];
+    const I token_a = r.has_a ? token : I{0};  // a may have fewer tokens: no offset past its end
+    r.o[0] = a.o_at<T>(token_a, head);
+    r.o[1] = b.o_at<T>(token, head);
+    r.l[0] = r.has_a && !r.skipped ? a.lse_at(token_a, head) : -INFINITY;
+    r.l[1] = r.skipped ? -INFINITY : b.lse_at(token, head);
     return r;
   }
+};
+
+// n states from o0 and l0 on, o_ss and l_ss elements apart.
+template <typename I>
+struct StridedRow {
+  const void* o0;
+  const float* l0;
+  I o_ss, l_ss;
+  int n;
+  ATTNMERGE_HD bool skip() const { return false; }
+  ATTNMERGE_HD int count() const { return n; }
+  ATTNMERGE_HD bool present(int) const { return true; }
+  ATTNMERGE_HD float lse(int s) const { return l0[s * l_ss]; }
+  template <typename T>
+  ATTNMERGE_HD const T* o_at(int s) const { return static_cast<const T*>(o0) + s * o_ss; }
 };
 
 // S states along a strided axis: O [tokens, S, heads, head_size] and LSE [tokens, S, heads] in
@@ -108,23 +162,11 @@ struct StackSource {
   int64_t lse_st, lse_ss, lse_sh;
   int64_t states;
 
-  struct Row {
-    const char* o0;
-    const float* l0;
-    int64_t o_ss, l_ss;
-    int n;
-    ATTNMERGE_HD bool skip() const { return false; }
-    ATTNMERGE_HD int count() const { return n; }
-    ATTNMERGE_HD bool present(int) const { return true; }
-    ATTNMERGE_HD float lse(int s) const { return l0[s * l_ss]; }
-    template <typename T>
-    ATTNMERGE_HD const T* o_at(int s) const { return reinterpret_cast<const T*>(o0) + s * o_ss; }
-  };
-
-  template <typename T>
-  ATTNMERGE_HD Row row(int64_t token, int64_t head) const {
-    return Row{reinterpret_cast<const char*>(static_cast<const T*>(o) + token * o_st + head * o_sh),
-               lse + token * lse_st + head * lse_sh, o_ss, lse_ss, static_cast<int>(states)};
+  template <typename T, typename I>
+  ATTNMERGE_HD StridedRow<I> row(I token, I head) const {
+    return StridedRow<I>{static_cast<const T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh)),
+                         lse + (token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
+                         static_cast<I>(o_ss), static_cast<I>(lse_ss), static_cast<int>(states)};
   }
 };
 
@@ -142,35 +184,80 @@ struct RangeSource {
   bool indptr64;
   int64_t total;
 
-  ATTNMERGE_HD int64_t bound(int64_t r) const {
-    const int64_t v = indptr64 ? static_cast<const int64_t*>(indptr)[r * indptr_stride]
-                               : static_cast<const int32_t*>(indptr)[r * indptr_stride];
-    return v < 0 ? 0 : (v > total ? total : v);
+  template <typename I>
+  ATTNMERGE_HD I bound(I r) const {
+    const I at = r * static_cast<I>(indptr_stride);
+    const int64_t v = indptr64 ? static_cast<const int64_t*>(indptr)[at] : static_cast<const int32_t*>(indptr)[at];
+    return static_cast<I>(v < 0 ? 0 : (v > total ? total : v));
   }
 
-  using Row = StackSource::Row;
-
-  template <typename T>
-  ATTNMERGE_HD Row row(int64_t token, int64_t head) const {
-    const int64_t begin = bound(token);
-    const int64_t end = bound(token + 1);
+  template <typename T, typename I>
+  ATTNMERGE_HD StridedRow<I> row(I token, I head) const {
+    const I begin = bound(token);
+    const I end = bound(token + 1);
     const int64_t n = end > begin ? end - begin : 0;
-    return Row{reinterpret_cast<const char*>(static_cast<const T*>(o) + begin * o_st + head * o_sh),
-               lse + begin * lse_st + head * lse_sh, o_st, lse_st, static_cast<int>(n < INT32_MAX ? n : INT32_MAX)};
+    return StridedRow<I>{static_cast<const T*>(o) + (begin * static_cast<I>(o_st) + head * static_cast<I>(o_sh)),
+                         lse + (begin * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
+                         static_cast<I>(o_st), static_cast<I>(lse_st), static_cast<int>(n < INT32_MAX ? n : INT32_MAX)};
   }
 };
 
 // ---- element steps ------------------------------------------------------------------------------
 
-// N consecutive elements, aligned to their whole size so that one access moves them all.
+// N elements of T, moved as one access of N * sizeof(T) bytes and held as 32-bit words (a pack
+// narrower than a word sits in the low bits of w[0]).
 template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
+struct Pack {
+  static constexpr int kBytes = N * static_cast<int>(sizeof(T));
+  static constexpr int kWords = kBytes >= 4 ? kBytes / 4 : 1;
+  uint32_t w[kWords];
+
+  ATTNMERGE_HD float get(int i) const { return Word<T>::get(w[i / Word<T>::kCount], i % Word<T>::kCount); }
 };
 
+// The kernels' accesses are vector loads and stores of the pack's width, spelled with CUDA's
+// vector types (the compiler would otherwise split a 16-byte store into 4-byte pieces); `stream`
+// marks them evict-first where the launch chose so (see launch_merge).
+#if defined(__CUDA_ARCH__)
+// A load or store of one vector, streaming (evict first) or cached as usual.
+template <typename V>
+__device__ __forceinline__ V load_bits(const V* p, bool stream) {
+  return stream ? __ldcs(p) : *p;
+}
+template <typename V>
+__device__ __forceinline__ void store_bits(V* p, V v, bool stream) {
+  if (stream) {
+    __stcs(p, v);
+  } else {
+    *p = v;
+  }
+}
+#endif
+
 template <typename T, int N>
-ATTNMERGE_HD Pack<T, N> load_pack(const T* src) {
-  return *reinterpret_cast<const Pack<T, N>*>(src);
+ATTNMERGE_HD Pack<T, N> load_pack(const T* src, bool stream) {
+  Pack<T, N> p;
+  constexpr int kBytes = Pack<T, N>::kBytes;
+#if defined(__CUDA_ARCH__)
+  if constexpr (kBytes == 16) {
+    const uint4 v = load_bits(reinterpret_cast<const uint4*>(src), stream);
+    p.w[0] = v.x, p.w[1] = v.y, p.w[2] = v.z, p.w[3] = v.w;
+  } else if constexpr (kBytes == 8) {
+    const uint2 v = load_bits(reinterpret_cast<const uint2*>(src), stream);
+    p.w[0] = v.x, p.w[1] = v.y;
+  } else if constexpr (kBytes == 4) {
+    p.w[0] = load_bits(reinterpret_cast<const unsigned int*>(src), stream);
+  } else if constexpr (kBytes == 2) {
+    p.w[0] = load_bits(reinterpret_cast<const unsigned short*>(src), stream);
+  } else {
+    p.w[0] = load_bits(reinterpret_cast<const unsigned char*>(src), stream);
+  }
+#else
+  (void)stream;
+  p.w[0] = 0;
+  std::memcpy(p.w, src, kBytes);
+#endif
+  return p;
 }
 
 // acc += scale * p, unless scale is 0: a part of zero weight never contributes, so NaN or
@@ -179,16 +266,39 @@ template <typename T, int N>
 ATTNMERGE_HD void accumulate(float (&acc)[N], const Pack<T, N>& p, float scale) {
   if (scale == 0.0f) return;
   ATTNMERGE_UNROLL
-  for (int i = 0; i < N; ++i) acc[i] += scale * Convert<T>::load(p.v[i]);
+  for (int i = 0; i < N; ++i) acc[i] += scale * p.get(i);
 }
 
-// dst[0:N] = acc * inv_scale rounded once to T, or NaN for a row with a NaN LSE.
+// dst[0:N] = acc, each rounded once to T.
 template <typename T, int N>
-ATTNMERGE_HD void store_pack(T* dst, const float (&acc)[N], float inv_scale, bool nan) {
-  Pack<T, N> p;
-  ATTNMERGE_UNROLL
-  for (int i = 0; i < N; ++i) p.v[i] = Convert<T>::store(nan ? NAN : acc[i] * inv_scale);
-  *reinterpret_cast<Pack<T, N>*>(dst) = p;
+ATTNMERGE_HD void store_pack(T* dst, const float (&acc)[N], bool stream) {
+  using P = Pack<T, N>;
+  constexpr int kPer = Word<T>::kCount;
+  uint32_t w[P::kWords];
+  if constexpr (N >= kPer) {
+    ATTNMERGE_UNROLL
+    for (int j = 0; j < P::kWords; ++j) w[j] = Word<T>::put(acc + j * kPer);
+  } else {
+    float x[kPer] = {};
+    for (int i = 0; i < N; ++i) x[i] = acc[i];
+    w[0] = Word<T>::put(x);
+  }
+#if defined(__CUDA_ARCH__)
+  if constexpr (P::kBytes == 16) {
+    store_bits(reinterpret_cast<uint4*>(dst), make_uint4(w[0], w[1], w[2], w[3]), stream);
+  } else if constexpr (P::kBytes == 8) {
+    store_bits(reinterpret_cast<uint2*>(dst), make_uint2(w[0], w[1]), stream);
+  } else if constexpr (P::kBytes == 4) {
+    store_bits(reinterpret_cast<unsigned int*>(dst), w[0], stream);
+  } else if constexpr (P::kBytes == 2) {
+    store_bits(reinterpret_cast<unsigned short*>(dst), static_cast<unsigned short>(w[0]), stream);
+  } else {
+    store_bits(reinterpret_cast<unsigned char*>(dst), static_cast<unsigned char>(w[0]), stream);
+  }
+#else
+  (void)stream;
+  std::memcpy(dst, w, P::kBytes);
+#endif
 }
 
 }  // namespace attnmerge

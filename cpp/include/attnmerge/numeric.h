@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
@@ -165,6 +166,63 @@ template <> struct Convert<float8_e4m3_t> {
 #else
     return float8_e4m3_t{detail::host_float_to_e4m3(f)};
 #endif
+  }
+};
+
+// The bits of a storage value and back (the low sizeof(T) bytes of a word).
+template <typename T>
+ATTNMERGE_HD uint32_t to_bits(T v) {
+  if constexpr (sizeof(T) == 4) {
+    return detail::float_to_bits(v);
+  } else {
+    return v.bits;
+  }
+}
+
+template <typename T>
+ATTNMERGE_HD T from_bits(uint32_t u) {
+  if constexpr (sizeof(T) == 4) {
+    return detail::bits_to_float(u);
+  } else {
+    return T{static_cast<decltype(T::bits)>(u)};
+  }
+}
+
+// The 4 / sizeof(T) elements of T packed in one 32-bit word, element 0 in the low bits, as
+// floats and back: the kernels move O as words, and convert pairs where the hardware does
+// (one instruction rounds two floats to two bfloat16, float16 or FP8 values).
+template <typename T>
+struct Word {
+  static constexpr int kCount = 4 / static_cast<int>(sizeof(T));
+  static constexpr int kBits = 8 * static_cast<int>(sizeof(T));
+
+  static ATTNMERGE_HD float get(uint32_t w, int i) {
+    if constexpr (kCount == 1) {
+      return Convert<T>::load(from_bits<T>(w));
+    } else if constexpr (std::is_same<T, bfloat16_t>::value) {
+      return detail::bits_to_float(i == 1 ? w & 0xffff0000u : w << 16);  // no shift down and up
+    } else {
+      return Convert<T>::load(from_bits<T>((w >> (kBits * i)) & ((1u << kBits) - 1u)));
+    }
+  }
+
+  static ATTNMERGE_HD uint32_t put(const float* x) {
+#if defined(__CUDA_ARCH__)
+    if constexpr (std::is_same<T, bfloat16_t>::value) {
+      const __nv_bfloat162 v = __floats2bfloat162_rn(x[0], x[1]);
+      return *reinterpret_cast<const uint32_t*>(&v);
+    } else if constexpr (std::is_same<T, half_t>::value) {
+      const __half2 v = __floats2half2_rn(x[0], x[1]);
+      return *reinterpret_cast<const uint32_t*>(&v);
+    } else if constexpr (std::is_same<T, float8_e4m3_t>::value) {
+      const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(x[0], x[1]), __NV_SATFINITE, __NV_E4M3);
+      const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x[2], x[3]), __NV_SATFINITE, __NV_E4M3);
+      return lo | (hi << 16);
+    }
+#endif
+    uint32_t w = 0;
+    for (int i = 0; i < kCount; ++i) w |= to_bits(Convert<T>::store(x[i])) << (kBits * i);
+    return w;
   }
 };
 

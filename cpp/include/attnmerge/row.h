@@ -12,9 +12,15 @@ namespace attnmerge {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// 2^x and log2(x).  On the device, the hardware's approximations (relative error near 2^-22,
+// below a float32 ulp of any LSE that matters; subnormal weights flush to 0, which only drops
+// parts already 2^-126 below the largest): each is one instruction where the exact versions
+// take a dozen, and the merge issues them once per row and thread.
 ATTNMERGE_HD float fast_exp2(float x) {
 #if defined(__CUDA_ARCH__)
-  return exp2f(x);
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 #else
   return std::exp2(x);
 #endif
@@ -22,62 +28,68 @@ ATTNMERGE_HD float fast_exp2(float x) {
 
 ATTNMERGE_HD float fast_log2(float x) {
 #if defined(__CUDA_ARCH__)
-  return log2f(x);
+  return __log2f(x);
 #else
   return std::log2(x);
 #endif
 }
 
-// x / y for y in [1, number of states]: the hardware's fast division is exact enough there.
-ATTNMERGE_HD float div_by_weight(float x, float y) {
+ATTNMERGE_HD bool is_nan(float x) { return x != x; }
+
+// 1 / x for x >= 1 (a row's total weight): the hardware's approximation is within an ulp there.
+ATTNMERGE_HD float reciprocal(float x) {
 #if defined(__CUDA_ARCH__)
-  return __fdividef(x, y);
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 #else
-  return x / y;
+  return 1.0f / x;
 #endif
 }
 
-ATTNMERGE_HD bool is_nan(float x) { return x != x; }
-
-// Running (max, sum of weights) over the states of one row; add() takes each LSE once.
-// The max stays in the input's units, so a row with one live state returns its LSE bit for bit;
-// differences are scaled to base 2 before exponentiation.
+// The weights of a row's states, in three steps, each over the row's LSEs:
+//   see(lse) for every state       the max LSE and whether any is NaN;
+//   total += weight(lse) for each  exp(lse - max), exactly 1 for the max state, so total >= 1;
+//   finish(factor), then scale(weight(lse)) the multiplier of that state's O, factor folded in.
+// Branch-free apart from the NaN flag: an empty part (LSE -inf, or +inf as FlashAttention-2
+// writes it) gets weight 0 whatever the others are, and a row of only empty parts gets total 0,
+// every scale 0 and LSE -inf.  A NaN LSE makes every scale and the merged LSE NaN.  Shared by
+// the GPU kernels and the CPU path, and by the two-way and N-way merges.
 struct RowMerge {
-  float m = -INFINITY;  // max LSE seen
-  float w = 0.0f;       // sum of exp(lse - m) in the input's base
+  float m = -INFINITY;  // max LSE seen, in the input's units
+  float total = 0.0f;   // sum of weight(lse) over the states
+  float inv = 0.0f;     // factor / total, set by finish()
   bool nan = false;
   float to_log2;        // 1 for base-2 LSEs, log2(e) for base e
+  float from_log2;      // its inverse
 
-  ATTNMERGE_HD explicit RowMerge(bool base2) : to_log2(base2 ? 1.0f : kLog2e) {}
+  ATTNMERGE_HD explicit RowMerge(bool base2) : to_log2(base2 ? 1.0f : kLog2e), from_log2(base2 ? 1.0f : kLn2) {}
 
   // An LSE as the merge reads it: +inf (an empty FlashAttention-2 part) counts as -inf.
   static ATTNMERGE_HD float effective(float lse) { return lse == INFINITY ? -INFINITY : lse; }
 
-  ATTNMERGE_HD void add(float lse) {
+  ATTNMERGE_HD void see(float lse) {
     const float l = effective(lse);
-    if (is_nan(l)) { nan = true; return; }
-    if (l == -INFINITY) return;  // an empty part adds no weight
-    if (l > m) {
-      w = w * fast_exp2((m - l) * to_log2) + 1.0f;  // exp2(-inf) = 0 on the first state
-      m = l;
-    } else {
-      w += fast_exp2((l - m) * to_log2);
-    }
+    nan |= is_nan(l);
+    m = fmaxf(m, l);  // ignores a NaN
   }
 
-  // The multiplier of the state with LSE `lse` in the merged O: exactly 0 for an empty part or
-  // one whose weight underflows, so such a part is never read.  NaN rows are the caller's.
-  ATTNMERGE_HD float scale(float lse) const {
-    const float l = effective(lse);
-    if (!(l > -INFINITY) || w == 0.0f) return 0.0f;
-    return div_by_weight(fast_exp2((l - m) * to_log2), w);  // w >= 1: the max state adds exactly 1
+  // exp(lse - max) through exp2: 0 for an empty part, or one 2^-126 below the max.
+  ATTNMERGE_HD float weight(float lse) const {
+    const float base = m == -INFINITY ? 0.0f : m;  // all empty: -inf - 0 still gives weight 0
+    return fast_exp2((effective(lse) - base) * to_log2);
   }
+
+  // After every weight is in total: scale(w) = w * factor / total (factor: 1 / the output scale).
+  ATTNMERGE_HD void finish(float factor) { inv = nan ? NAN : (total > 0.0f ? factor * reciprocal(total) : 0.0f); }
+
+  ATTNMERGE_HD float scale(float weight) const { return weight * inv; }
 
   // The merged LSE in the input's base: NaN if any LSE was NaN, -inf when every part is empty.
   ATTNMERGE_HD float lse() const {
     if (nan) return NAN;
-    if (w == 0.0f) return -INFINITY;
-    return m + fast_log2(w) / to_log2;
+    if (total == 0.0f) return -INFINITY;
+    return m + fast_log2(total) * from_log2;
   }
 };
 
