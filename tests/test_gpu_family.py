@@ -249,6 +249,20 @@ def test_inplace(rng, torch, dtype, head_size):
     assert_merge_matches(get(to), get(tl), reference_merge(o, lse, o2, lse2), dtype, "o")
 
 
+@pytest.mark.parametrize("how", ["merge_inplace", "merge into o_a and lse_a"])
+def test_inplace_rows_wider_than_a_block(rng, torch, how):
+    # 4 x 256 threads per row: were the merged LSE written while other threads of its row still
+    # read the old one (it is also an input here), those threads would weight their O wrongly.
+    o, lse = random_state(rng, 300, 8, 4096)
+    o2, lse2 = random_state(rng, 300, 8, 4096)
+    to, tl = put(o), put(lse)
+    if how == "merge_inplace":
+        attnmerge.merge_inplace(to, tl, put(o2), put(lse2))
+    else:
+        attnmerge.merge(to, tl, put(o2), put(lse2), out=to, out_lse=tl)
+    assert_merge_matches(get(to), get(tl), reference_merge(o, lse, o2, lse2), "float32", "o")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mask_dtype", ["uint8", "bool"])
 def test_inplace_with_a_mask(rng, torch, mask_dtype, dtype):

@@ -329,7 +329,8 @@ OutView out_view(const View& out, const View& out_lse, float inv_scale, const at
                  out_lse.present() ? out_lse.strides[0] : 0,
                  out_lse.present() ? out_lse.strides[1] : 0,
                  inv_scale,
-                 opt.output_scale_ptr};
+                 opt.output_scale_ptr,
+                 false};
 }
 
 // Argument names of the two ops built on PairSource.
@@ -395,8 +396,11 @@ attnmerge_status merge_pair(const PairNames& n, const attnmerge_tensor* out, con
     src.mask = static_cast<const uint8_t*>(mask->data);
     src.mask_stride = vmask.strides[0];
   }
-  return run({&vout, &vout_lse, &va, &vla, &vb, &vlb, &vmask}, shape, src, out_view(vout, vout_lse, inv_scale, opt),
-             o_a->dtype, out->dtype, choose_vec({&vout, &va, &vb}, head_size), stream);
+  OutView dst = out_view(vout, vout_lse, inv_scale, opt);
+  dst.lse_in_place = vout_lse.present() && !vout_lse.empty &&
+                     ((vla.present() && !vla.empty && same_view(vout_lse, vla)) || (!vlb.empty && same_view(vout_lse, vlb)));
+  return run({&vout, &vout_lse, &va, &vla, &vb, &vlb, &vmask}, shape, src, dst, o_a->dtype, out->dtype,
+             choose_vec({&vout, &va, &vb}, head_size), stream);
 }
 
 }  // namespace

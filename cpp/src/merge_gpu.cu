@@ -103,8 +103,19 @@ attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const Out
         // Wider than 16 bytes per access is never chosen; do not instantiate it.
         if constexpr (kVec * sizeof(TIn) <= 16 && kVec * sizeof(TOut) <= 16) {
           const cudaStream_t s = static_cast<cudaStream_t>(stream);
-          err = shape.index32 ? launch_merge<Source, TIn, TOut, kVec, int32_t>(shape, src, out, s)
-                              : launch_merge<Source, TIn, TOut, kVec, int64_t>(shape, src, out, s);
+          auto launch = [&](const OutView& to) {
+            return shape.index32 ? launch_merge<Source, TIn, TOut, kVec, int32_t>(shape, src, to, s)
+                                 : launch_merge<Source, TIn, TOut, kVec, int64_t>(shape, src, to, s);
+          };
+          if (!out.lse_in_place || out.lse == nullptr) {
+            err = launch(out);
+          } else {  // every O first, reading the LSEs as they were; then the LSEs alone
+            OutView o_only = out, lse_only = out;
+            o_only.lse = nullptr;
+            lse_only.o = nullptr;
+            err = launch(o_only);
+            if (err == cudaSuccess) err = launch(lse_only);
+          }
         }
       });
     });

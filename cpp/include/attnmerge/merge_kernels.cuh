@@ -62,13 +62,15 @@ __global__ void __launch_bounds__(kBlockThreads, min_blocks<Source>())
   const auto states = src.template row<TIn>(token, head);
   if (states.skip()) return;
   const int n = states.count();
+  const bool with_o = out.o != nullptr;  // false: the LSE-only launch of an in-place merge
   // The first chunk: every load in flight at once.
   float l[kChunk];
   P o[kChunk];
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) {
     l[c] = c < n ? states.lse(c) : -INFINITY;  // -inf: no weight, no NaN
-    if (c < n && states.present(c)) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c) + k * VEC, shape.stream);
+    if (with_o && c < n && states.present(c))
+      o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c) + k * VEC, shape.stream);
   }
   RowMerge r(shape.base2);
 #pragma unroll
@@ -94,6 +96,10 @@ __global__ void __launch_bounds__(kBlockThreads, min_blocks<Source>())
     for (int c = 0; c < kChunk; ++c) r.total += r.weight(m[c]);
   }
   r.finish(out.inverse_scale());
+  if (!with_o) {
+    out.store_lse(token, head, r.lse());
+    return;
+  }
   float acc[VEC] = {};
 #pragma unroll
   for (int c = 0; c < kChunk; ++c)
@@ -141,7 +147,7 @@ bool stream_o(const MergeShape& shape, const Source& src) {
 template <typename Source, typename TIn, typename TOut, int VEC, typename I>
 cudaError_t launch_merge(MergeShape shape, const Source& src, const OutView& out, cudaStream_t stream) {
   if (shape.rows == 0) return cudaSuccess;
-  shape.packs = shape.head_size / VEC;
+  shape.packs = out.o != nullptr ? shape.head_size / VEC : 1;
   shape.stream = stream_o(shape, src);
   cudaLaunchConfig_t config = {};
   config.stream = stream;

@@ -70,6 +70,10 @@ struct OutView {
   int64_t lse_st, lse_sh;
   float inv_scale;
   const float* scale;  // when set, the scale is read from memory instead (no host round trip)
+  // lse is also an input's LSE (an in-place merge).  Every thread of a row reads the row's LSEs
+  // and one writes the merged LSE, so on the GPU the LSEs go in a second launch (see gpu_merge);
+  // a launch with o null writes only them.
+  bool lse_in_place;
 
   ATTNMERGE_HD float inverse_scale() const { return scale != nullptr ? 1.0f / *scale : inv_scale; }
 
