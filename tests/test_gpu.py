@@ -380,6 +380,54 @@ def test_more_than_2_31_elements_use_64_bit_offsets(torch):
     torch.cuda.empty_cache()
 
 
+def test_the_n_way_and_varlen_merges_past_2_30_elements_use_64_bit_offsets(torch):
+    """The N-way and variable-length kernels switch to 64-bit offsets past 2**30 elements per array
+    (2**14 + 1 tokens x 4 states x 128 heads x 128, float16); rows checked at both ends."""
+    from oracle import reference_merge_stacked, reference_merge_varlen
+
+    free, _ = torch.cuda.mem_get_info()
+    if free < 12 << 30:
+        pytest.skip("needs 12 GiB of free GPU memory")
+    t, s, h, d = 2**14 + 1, 4, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    o = torch.randn(t, s, h, d, device="cuda", dtype=torch.float16, generator=gen)
+    lse = 3 * torch.randn(t, s, h, device="cuda", generator=gen)
+    out, out_lse = attnmerge.merge_states(o, lse)
+    indptr = torch.arange(0, t * s + 1, s, device="cuda", dtype=torch.int64)  # the same rows, flat
+    out_v, out_lse_v = attnmerge.merge_varlen(o.view(t * s, h, d), lse.view(t * s, h), indptr)
+    torch.cuda.synchronize()
+    for rows in (slice(0, 2), slice(t - 2, t)):
+        ref = reference_merge_stacked(o[rows].cpu().numpy(), lse[rows].cpu().numpy())
+        assert_merge_matches(out[rows].cpu().numpy(), out_lse[rows].cpu().numpy(), ref, "float16")
+        first, last = rows.start * s, rows.stop * s  # the flat states of these rows
+        ref_v = reference_merge_varlen(
+            o.view(t * s, h, d)[first:last].cpu().numpy(),
+            lse.view(t * s, h)[first:last].cpu().numpy(),
+            indptr[rows.start : rows.stop + 1].cpu().numpy() - first,
+        )
+        assert_merge_matches(out_v[rows].cpu().numpy(), out_lse_v[rows].cpu().numpy(), ref_v, "float16")
+    del o, out, out_v
+    torch.cuda.empty_cache()
+
+
+def test_the_largest_head_size(rng, torch):
+    """head_size = 65535 x 256, the largest the library takes, with one element per thread (the
+    views start one element past a 16-byte boundary): the head_size axis fills the grid's y
+    extent exactly.  One more is refused."""
+    d = 65535 * 256
+    fw = Torch()
+    h = host_inputs(rng, tokens=1, heads=1, head_size=d + 1, dtype="float16")
+    o_a, lse_a, o_b, lse_b = [fw.put(x) for x in h]
+    o_a, o_b = o_a[:, :, 1:], o_b[:, :, 1:]
+    out = fw.put(nan_array((1, 1, d + 1), "float16"))[:, :, 1:]
+    out_lse = fw.put(nan_array((1, 1)))
+    attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse)
+    ref = reference_merge(h[0][:, :, 1:], h[1], h[2][:, :, 1:], h[3])
+    assert_merge_matches(fw.get(out), fw.get(out_lse), ref, "float16")
+    with pytest.raises(ValueError, match="head_size"):
+        attnmerge.merge(*[fw.put(x) for x in h])
+
+
 # --------------------------------------------------------------------------------------------------
 # streams
 

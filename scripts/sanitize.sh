@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# compute-sanitizer's memcheck, racecheck, initcheck and synccheck over the GPU tests, on a GPU
+# machine where attnmerge is already installed (run scripts/gpu-test.sh first).  One line per tool
+# with its error summary; the exit status is 1 if any tool reported an error or failed to finish.
+#
+#   SANITIZE_TESTS    test files (default: the two-way and family GPU suites)
+#   SANITIZE_K        pytest -k filter (default: PyTorch only, no multi-GiB tests)
+#   SANITIZE_TIMEOUT  seconds per tool (default 900)
+#   OUT               folder for the logs (<tool>.log); a temp folder if unset
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PY="${PYTHON:-python3}"
+TESTS="${SANITIZE_TESTS:-tests/test_gpu.py tests/test_gpu_family.py}"
+K="${SANITIZE_K:-not cupy and not jax and not numba and not large and not 2_31 and not 2_30 and not largest}"
+LOGS="${OUT:-$(mktemp -d)}"
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1
+status=0
+for tool in memcheck racecheck initcheck synccheck; do
+  # shellcheck disable=SC2086
+  timeout "${SANITIZE_TIMEOUT:-900}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+    "$PY" -m pytest -q -x -p no:cacheprovider -m gpu $TESTS -k "$K" >"$LOGS/$tool.log" 2>&1
+  rc=$?
+  summary="$(grep -E 'ERROR SUMMARY' "$LOGS/$tool.log" | tail -n 1)"
+  tests="$(grep -E '[0-9]+ (passed|failed)' "$LOGS/$tool.log" | tail -n 1)"
+  echo "$tool: rc=$rc | ${summary:-no summary} | ${tests:-no pytest summary}"
+  [ "$rc" -eq 0 ] || status=1
+done
+exit $status
