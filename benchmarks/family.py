@@ -1,7 +1,7 @@
 """The merge family on one GPU, by CUDA-graph replay (medians), against the 2-read-1-write roofline
 measured in the same run (torch.add on bfloat16): merge_states at S = 2, 8, 64 on 8192 x 32 x 128
 bfloat16, the all-gather layout, a chain of S - 1 two-way merges, and merge_varlen with a mean of
-4 states per row.  Needs PyTorch with CUDA:  python benchmarks/family.py
+4 states per row (0 to 8) against merge_states with S = 4 on the same rows.  Needs PyTorch with CUDA:  python benchmarks/family.py
 """
 import torch, statistics, attnmerge
 def graph_us(fn, calls=20):
@@ -51,4 +51,11 @@ for S in (2, 8, 64):
         tv = graph_us(lambda: attnmerge.merge_varlen(ov, lv, indptr, out=outv, out_lse=olv), calls=5)
         vb = total * H * D * 2 + rows * H * D * 2 + (total + rows) * H * 4
         print(f"  varlen mean {total/rows:.2f} states: {tv:.1f} us, {100 * vb / tv / 1e3 / roof:.1f}% roof")
+        # the N-way merge on the same rows and about the same bytes: S = 4 everywhere
+        o4 = torch.randn(rows, 4, H, D, device="cuda", dtype=torch.bfloat16); l4 = torch.randn(rows, 4, H, device="cuda")
+        t4 = graph_us(lambda: attnmerge.merge_states(o4, l4, out=outv, out_lse=olv), calls=5)
+        b4 = 5 * rows * H * D * 2 + 5 * rows * H * 4
+        print(f"  merge_states S=4 on the same rows: {t4:.1f} us, {100 * b4 / t4 / 1e3 / roof:.1f}% roof; "
+              f"varlen at {(vb / tv) / (b4 / t4):.2f}x its bandwidth")
+        del o4, l4
     del o, l
