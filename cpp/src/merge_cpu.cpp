@@ -13,33 +13,59 @@ namespace detail {
 namespace {
 
 constexpr int64_t kChunk = 256;  // head_size elements accumulated at a time, on the stack
+constexpr int kCached = 64;      // the weights of a row's first states, kept rather than recomputed
 
 template <typename Source, typename TIn, typename TOut>
 void merge_rows(const MergeShape& shape, const Source& src, const OutView& out, int64_t row_begin, int64_t row_end) {
   const float factor = out.inverse_scale();
+  int64_t token, head;
+  shape.split_row(row_begin, token, head);  // then stepped: no division per row
   for (int64_t row = row_begin; row < row_end; ++row) {
-    int64_t token, head;
-    shape.split_row(row, token, head);
     const auto states = src.template row<TIn>(token, head);
-    if (states.skip()) continue;
-    const int n = states.count();
-    RowMerge r(shape.base2);
-    for (int s = 0; s < n; ++s) r.see(states.lse(s));
-    for (int s = 0; s < n; ++s) r.total += r.weight(states.lse(s));
-    r.finish(factor);
-    TOut* dst = out.o_at<TOut>(token, head);
-    for (int64_t d0 = 0; d0 < shape.head_size; d0 += kChunk) {
-      const int64_t len = std::min(kChunk, shape.head_size - d0);
-      float acc[kChunk] = {};
+    if (!states.skip()) {
+      const int n = states.count();
+      RowMerge r(shape.base2);
+      for (int s = 0; s < n; ++s) r.see(states.lse(s));
+      float w[kCached];
       for (int s = 0; s < n; ++s) {
-        const float scale = r.scale(r.weight(states.lse(s)));
-        if (scale == 0.0f || !states.present(s)) continue;  // a part of zero weight is never read
-        const TIn* o = states.template o_at<TIn>(s) + d0;
-        for (int64_t d = 0; d < len; ++d) acc[d] += scale * Convert<TIn>::load(o[d]);
+        const float ws = r.weight(states.lse(s));
+        if (s < kCached) w[s] = ws;
+        r.total += ws;
       }
-      for (int64_t d = 0; d < len; ++d) dst[d0 + d] = Convert<TOut>::store(acc[d]);
+      r.finish(factor);
+      TOut* dst = out.o_at<TOut>(token, head);
+      // The parts that contribute (a part of zero weight is never read); two of them, the common
+      // case, in one fused pass over head_size.
+      int live = 0, first = -1, second = -1;
+      for (int s = 0; s < n && live <= 2; ++s) {
+        if (!states.present(s) || r.scale(s < kCached ? w[s] : r.weight(states.lse(s))) == 0.0f) continue;
+        (live++ == 0 ? first : second) = s;
+      }
+      if (live == 2 && n <= kCached) {
+        const TIn* x = states.template o_at<TIn>(first);
+        const TIn* y = states.template o_at<TIn>(second);
+        const float sx = r.scale(w[first]), sy = r.scale(w[second]);
+        for (int64_t d = 0; d < shape.head_size; ++d)
+          dst[d] = Convert<TOut>::store(sx * Convert<TIn>::load(x[d]) + sy * Convert<TIn>::load(y[d]));
+      } else {
+        for (int64_t d0 = 0; d0 < shape.head_size; d0 += kChunk) {
+          const int64_t len = std::min(kChunk, shape.head_size - d0);
+          float acc[kChunk] = {};
+          for (int s = 0; s < n; ++s) {
+            const float scale = r.scale(s < kCached ? w[s] : r.weight(states.lse(s)));
+            if (scale == 0.0f || !states.present(s)) continue;
+            const TIn* o = states.template o_at<TIn>(s) + d0;
+            for (int64_t d = 0; d < len; ++d) acc[d] += scale * Convert<TIn>::load(o[d]);
+          }
+          for (int64_t d = 0; d < len; ++d) dst[d0 + d] = Convert<TOut>::store(acc[d]);
+        }
+      }
+      out.store_lse(token, head, r.lse());
     }
-    out.store_lse(token, head, r.lse());
+    if (++head == shape.heads) {
+      head = 0;
+      ++token;
+    }
   }
 }
 

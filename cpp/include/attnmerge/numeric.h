@@ -82,10 +82,12 @@ inline float host_half_to_float(uint16_t h) {
   return bits_to_float(sign | ((exp + 112u) << 23) | (mant << 13));
 }
 
+// Branch-free, so that the CPU path's loops over it vectorize.
 inline uint16_t host_float_to_bfloat16(float f) {
   const uint32_t x = float_to_bits(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet NaN
-  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+  const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (x >> 16) | 0x40u;
+  return static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 // FP8 E4M3 from float32, round to nearest even, saturating to +-448; NaN stays NaN.
