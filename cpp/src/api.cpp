@@ -460,10 +460,13 @@ attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnm
   const MergeShape shape{tokens, heads, head_size, (opt.flags & ATTNMERGE_LSE_BASE2) != 0};
   const OutView dst = out_view(vout, vout_lse, inv_scale, opt);
   if (states == 2) {  // the two-way merge's kernel: the same weights, fewer registers
-    const char* o1 = static_cast<const char*>(o->data) + vo.strides[1] * static_cast<int64_t>(dtype_size(o->dtype));
+    // (no offset from the pointer of an empty tensor, which may be null and is never read)
+    const char* o1 = static_cast<const char*>(o->data) +
+                     (vo.empty ? 0 : vo.strides[1] * static_cast<int64_t>(dtype_size(o->dtype)));
     const float* l0 = static_cast<const float*>(lse->data);
     const StateView a{o->data, vo.strides[0], vo.strides[2], l0, vl.strides[0], vl.strides[2]};
-    const StateView b{o1, vo.strides[0], vo.strides[2], l0 + vl.strides[1], vl.strides[0], vl.strides[2]};
+    const StateView b{o1, vo.strides[0], vo.strides[2], l0 + (vl.empty ? 0 : vl.strides[1]), vl.strides[0],
+                      vl.strides[2]};
     return run({&vout, &vout_lse, &vo, &vl}, shape, PairSource{a, b, tokens, nullptr, 0}, dst, o->dtype, out->dtype,
                choose_vec({&vout, &vo}, head_size), stream);
   }
