@@ -1,6 +1,7 @@
 """python -m attnmerge: build and device information, then a self-test against the float64
 reference on the CPU and every visible GPU, with a bandwidth figure for each.  Exit status 1 on
-any failure.  --cmake-dir / --include-dir print where the C package lives."""
+any failure.  --cmake-dir / --include-dir print where the C package lives; `bench` runs the benchmark
+(python -m attnmerge bench --help)."""
 import argparse
 import sys
 import time
@@ -104,6 +105,11 @@ def _gpu_check(device):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # python -m attnmerge bench ...: the benchmark (attnmerge.bench)
+        from attnmerge.bench import main as bench
+
+        return bench(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m attnmerge", description=__doc__.split("\n")[0])
     parser.add_argument("--cmake-dir", action="store_true", help="print the CMake package folder and exit")
     parser.add_argument("--include-dir", action="store_true", help="print the C header folder and exit")
