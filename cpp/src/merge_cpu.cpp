@@ -45,6 +45,8 @@ void merge_rows(const MergeShape& shape, const Source& src, const OutView& out, 
         const TIn* x = states.template o_at<TIn>(first);
         const TIn* y = states.template o_at<TIn>(second);
         const float sx = r.scale(w[first]), sy = r.scale(w[second]);
+        // No loop-carried dependence: dst is x or y itself (in place) or disjoint from both.
+#pragma GCC ivdep
         for (int64_t d = 0; d < shape.head_size; ++d)
           dst[d] = Convert<TOut>::store(sx * Convert<TIn>::load(x[d]) + sy * Convert<TIn>::load(y[d]));
       } else {
@@ -57,6 +59,7 @@ void merge_rows(const MergeShape& shape, const Source& src, const OutView& out, 
             const TIn* o = states.template o_at<TIn>(s) + d0;
             for (int64_t d = 0; d < len; ++d) acc[d] += scale * Convert<TIn>::load(o[d]);
           }
+#pragma GCC ivdep
           for (int64_t d = 0; d < len; ++d) dst[d0 + d] = Convert<TOut>::store(acc[d]);
         }
       }
