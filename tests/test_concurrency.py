@@ -38,8 +38,9 @@ def run_threads(body):
 
 
 def cpu_inputs(rng, i):
-    # thread i gets its own shape, some large enough for the CPU path's own worker threads
-    tokens = 16 + 40 * i
+    # thread i gets its own shape; the last one is large enough (> 16 MiB moved) for the CPU path
+    # to start worker threads of its own
+    tokens = 16 + 40 * i if i < THREADS - 1 else 1500
     a = random_state(rng, tokens, 8, 128 if i % 2 else 96)
     b = random_state(rng, tokens, 8, a[0].shape[2])
     return (*a, *b)

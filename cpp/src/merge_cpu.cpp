@@ -72,14 +72,16 @@ void merge_rows(const MergeShape& shape, const Source& src, const OutView& out, 
   }
 }
 
-// Threads for `bytes` of traffic: one per 1 MiB, at most the hardware's (or ATTNMERGE_NUM_THREADS).
+// Threads for `bytes` of traffic: one per 8 MiB, at most the hardware's (or ATTNMERGE_NUM_THREADS).
+// Each call starts its threads, some tens of microseconds: below 8 MiB one thread finishes first
+// (64 x 32 x 128 float32, 3 MB: 82 us on one thread, 117 us on two).
 int64_t cpu_threads(int64_t bytes) {
   static const int64_t limit = [] {
     const char* env = std::getenv("ATTNMERGE_NUM_THREADS");
     const long n = env ? std::strtol(env, nullptr, 10) : 0;
     return n > 0 ? static_cast<int64_t>(n) : std::max<int64_t>(1, std::thread::hardware_concurrency());
   }();
-  return std::max<int64_t>(1, std::min<int64_t>(limit, bytes >> 20));
+  return std::max<int64_t>(1, std::min<int64_t>(limit, bytes >> 23));
 }
 
 // Runs body(row_begin, row_end) over [0, rows) on up to `threads` threads, the caller's included.
