@@ -6,7 +6,8 @@ merge (S = 4 and 8); each timed by CUDA-graph replay (the GPU work) and by an ea
 Python (host overhead included), with input sets rotated past L2 and medians of 7 runs.  Bandwidth
 is reported as GB/s and as a share of the 2-read-1-write roofline measured in the same run (torch.add
 on bfloat16).  Compared with PyTorch eager and with FlashInfer, vLLM and sgl-kernel where installed.
-CPU (--cpu): the CPU path on NumPy arrays against np.add over the same bytes, and per-call times.
+CPU (--cpu): the CPU path on NumPy arrays (float32, and bfloat16 with ml_dtypes) against np.add over
+the same bytes of float32, with per-call times; ATTNMERGE_NUM_THREADS caps the merge's threads.
 """
 from __future__ import annotations
 
@@ -197,24 +198,37 @@ def _median_s(fn, runs=7):
 
 def run_cpu(quick):
     rng = np.random.default_rng(0)
-    sizes = (1, 64, 2048) if quick else (1, 64, 1024, 8192)
+    shapes = [(1, 32, 128), (64, 32, 128), (2048, 32, 128)]
+    if not quick:
+        shapes[2:] = [(1024, 32, 128), (8192, 32, 128), (1024, 32, 1024)]
+    dtypes = ["float32"]
+    try:
+        import ml_dtypes
+
+        dtypes.append(ml_dtypes.bfloat16)
+    except ImportError:
+        pass
     rows = []
-    for t in sizes:
-        h, d = 32, 128
+    for t, h, d in shapes:
         a, b = (rng.standard_normal((t, h, d), dtype=np.float32) for _ in range(2))
         la, lb = (3 * rng.standard_normal((t, h), dtype=np.float32) for _ in range(2))
-        out, out_lse, c = np.empty_like(a), np.empty_like(la), np.empty_like(a)
-        runs = 7 if t >= 1024 else 201
+        out_lse, c = np.empty_like(la), np.empty_like(a)
+        runs = 7 if t * h * d >= 1 << 22 else 201
         add = _median_s(lambda: np.add(a, b, out=c), runs)
-        merge = _median_s(lambda: attnmerge.merge(a, la, b, lb, out=out, out_lse=out_lse), runs)
-        nbytes = state_bytes(t, h, d, 4, 2)
-        row = dict(op="merge", tokens=t, heads=h, head_size=d, dtype="float32", states=2, impl="attnmerge cpu",
-                   bytes=nbytes, call_us=merge * 1e6, GBps=nbytes / merge / 1e9,
-                   np_add_GBps=3 * a.nbytes / add / 1e9, np_add_us=add * 1e6)
-        row["ratio_to_np_add"] = row["GBps"] / row["np_add_GBps"]
-        rows.append(row)
-        print(f"cpu merge {t:>6}x{h}x{d} float32: {row['call_us']:>9.1f} us {row['GBps']:>6.1f} GB/s | np.add "
-              f"{row['np_add_us']:>9.1f} us {row['np_add_GBps']:>6.1f} GB/s | {row['ratio_to_np_add']:.2f}x", flush=True)
+        for dt in dtypes:
+            x, y = a.astype(dt), b.astype(dt)
+            out = np.empty_like(x)
+            merge = _median_s(lambda: attnmerge.merge(x, la, y, lb, out=out, out_lse=out_lse), runs)
+            name = np.dtype(dt).name
+            nbytes = state_bytes(t, h, d, x.itemsize, 2)
+            row = dict(op="merge", tokens=t, heads=h, head_size=d, dtype=name, states=2, impl="attnmerge cpu",
+                       bytes=nbytes, call_us=merge * 1e6, GBps=nbytes / merge / 1e9,
+                       np_add_GBps=3 * a.nbytes / add / 1e9, np_add_us=add * 1e6)
+            row["ratio_to_np_add"] = row["GBps"] / row["np_add_GBps"]
+            rows.append(row)
+            print(f"cpu merge {t:>6}x{h}x{d:<4} {name:>8}: {row['call_us']:>9.1f} us {row['GBps']:>6.1f} GB/s | "
+                  f"np.add (float32) {row['np_add_us']:>9.1f} us {row['np_add_GBps']:>6.1f} GB/s | "
+                  f"{row['ratio_to_np_add']:.2f}x", flush=True)
     return {"device": "cpu", "rows": rows}
 
 

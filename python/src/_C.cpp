@@ -240,18 +240,36 @@ void describe(Arg& a, py::handle obj, void* stream, const char* expected, const 
     return from_dltensor(a, a.versioned->dl_tensor, a.versioned->flags & kDLReadOnly, expected, name);
   }
   if (py::hasattr(obj, "__dlpack__")) {
-    try {
-      const py::tuple dev = obj.attr("__dlpack_device__")();
-      const bool cpu = dev[0].cast<int>() == kDLCPU;
-      py::object cap;
-      try {
-        cap = cpu ? obj.attr("__dlpack__")(py::arg("max_version") = py::make_tuple(1, 3))
-                  : obj.attr("__dlpack__")(py::arg("stream") = dlpack_stream_arg(stream),
-                                           py::arg("max_version") = py::make_tuple(1, 3));
-      } catch (py::error_already_set& e) {
-        if (!e.matches(PyExc_TypeError)) throw;  // a producer older than max_version
-        cap = cpu ? obj.attr("__dlpack__")() : obj.attr("__dlpack__")(py::arg("stream") = dlpack_stream_arg(stream));
+    const py::tuple dev = obj.attr("__dlpack_device__")();
+    const bool cpu = dev[0].cast<int>() == kDLCPU;
+    py::dict kwargs;
+    if (!cpu) kwargs["stream"] = dlpack_stream_arg(stream);
+    kwargs["max_version"] = py::make_tuple(1, 3);
+    // Called through the C API: a refusal comes back as a set Python error, not a C++ exception
+    // (tens of microseconds, and NumPy refuses every ml_dtypes array).
+    const py::object method = obj.attr("__dlpack__");
+    const py::tuple no_args;
+    PyObject* raw = PyObject_Call(method.ptr(), no_args.ptr(), kwargs.ptr());
+    if (raw == nullptr && PyErr_ExceptionMatches(PyExc_TypeError)) {  // a producer older than max_version
+      PyErr_Clear();
+      PyDict_DelItemString(kwargs.ptr(), "max_version");
+      raw = PyObject_Call(method.ptr(), no_args.ptr(), kwargs.ptr());
+    }
+    if (raw == nullptr) {
+      // A producer that cannot export this array (NumPy's bfloat16, say) may still offer an interface.
+      if (!PyErr_ExceptionMatches(PyExc_BufferError) && !PyErr_ExceptionMatches(PyExc_TypeError))
+        throw py::error_already_set();
+      PyObject *type, *value, *trace;
+      PyErr_Fetch(&type, &value, &trace);
+      if (!py::hasattr(obj, "__cuda_array_interface__") && !py::hasattr(obj, "__array_interface__")) {
+        PyErr_Restore(type, value, trace);
+        throw py::error_already_set();
       }
+      Py_XDECREF(type);
+      Py_XDECREF(value);
+      Py_XDECREF(trace);
+    } else {
+      const py::object cap = py::reinterpret_steal<py::object>(raw);
       PyObject* c = cap.ptr();
       if (PyCapsule_IsValid(c, "dltensor_versioned")) {
         a.versioned = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(c, "dltensor_versioned"));
@@ -265,12 +283,6 @@ void describe(Arg& a, py::handle obj, void* stream, const char* expected, const 
         return from_dltensor(a, a.legacy->dl_tensor, false, expected, name);
       }
       value_error(name, "__dlpack__ returned no DLPack capsule");
-    } catch (py::error_already_set& e) {
-      // A producer that cannot export this array (NumPy's bfloat16, say) may still offer an interface.
-      if (!e.matches(PyExc_BufferError) && !e.matches(PyExc_TypeError)) throw;
-      if (!py::hasattr(obj, "__cuda_array_interface__") && !py::hasattr(obj, "__array_interface__")) throw;
-      a.versioned = nullptr;
-      a.legacy = nullptr;
     }
   }
   if (py::hasattr(obj, "__cuda_array_interface__"))

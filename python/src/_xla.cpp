@@ -3,6 +3,7 @@
 // on the device XLA names) as attnmerge_tensor and calls libattnmerge on the stream XLA gives,
 // which validates everything; its status and message come back as the handler's error.
 #include <string>
+#include <utility>
 
 #include "attnmerge/attnmerge.h"
 #include "xla/ffi/api/ffi.h"
@@ -84,45 +85,28 @@ ffi::Error merge_states_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::Result<f
   return merge_states(nullptr, ATTNMERGE_HOST, o, lse, out, out_lse, base2);
 }
 
+// The bindings: the CUDA handlers take XLA's stream and device ordinal first; then `inputs`
+// buffers, the two results (out, out_lse) and the base attribute.
+// The bindings: CUDA handlers take XLA's stream and device ordinal first; then the input buffers,
+// the two results (out, out_lse) and the LSE base attribute.
+auto on_cuda() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<void*>>().Ctx<ffi::DeviceOrdinal>(); }
+
+auto on_host() { return ffi::Ffi::Bind(); }
+
+template <int kInputs, typename Binding>
+auto with_buffers(Binding binding) {
+  if constexpr (kInputs == 0) {
+    return std::move(binding).template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>().template Attr<bool>(
+        "base2");
+  } else {
+    return with_buffers<kInputs - 1>(std::move(binding).template Arg<ffi::AnyBuffer>());
+  }
+}
+
 }  // namespace
 
 // The handlers, exported with C linkage for attnmerge.jax to wrap in capsules (jax.ffi.pycapsule).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_cuda, merge,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<void*>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("base2"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_host, merge_host,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("base2"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_cuda, merge_states,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<void*>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("base2"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_host, merge_states_host,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("base2"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_cuda, merge, with_buffers<4>(on_cuda()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_host, merge_host, with_buffers<4>(on_host()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_cuda, merge_states, with_buffers<2>(on_cuda()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_host, merge_states_host, with_buffers<2>(on_host()));
