@@ -4,12 +4,12 @@ any failure.  --cmake-dir / --include-dir print where the C package lives; `benc
 (python -m attnmerge bench --help)."""
 import argparse
 import sys
-import time
 
 import numpy as np
 
 import attnmerge
 from attnmerge._reference import merge_reference
+from attnmerge.bench import median_seconds
 
 TOLERANCE = {"float32": 1e-6, "float16": 1e-3}
 
@@ -50,14 +50,6 @@ def check(to_device, from_device, timer, label):
     print(f"  {label:<8} bandwidth {nbytes / seconds / 1e9:.1f} GB/s ({tokens}x{heads}x{dim} float32, median)")
     return ok
 
-
-def _cpu_timer(fn, reps=5):
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def _gpu_check(device):
@@ -129,7 +121,7 @@ def main(argv=None):
     print(f"driver: {'CUDA %d.%d' % (driver // 1000, driver % 1000 // 10) if driver else 'none'}")
     print(f"GPUs: {info['device_count'] or 'none visible'}")
     print("self-test against the float64 reference:")
-    ok = check(lambda x: x, lambda x: x, _cpu_timer, "cpu")
+    ok = check(lambda x: x, lambda x: x, lambda fn: median_seconds(fn, 5), "cpu")
     for device in range(info["device_count"]):
         ok &= _gpu_check(device)
     print("self-test: pass" if ok else "self-test: FAIL")

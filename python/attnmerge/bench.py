@@ -187,7 +187,8 @@ def run_gpu(shapes):
 # CPU
 
 
-def _median_s(fn, runs=7):
+def median_seconds(fn, runs=7):
+    """The median wall time of `runs` calls of fn(), in seconds."""
     times = []
     for _ in range(runs):
         start = time.perf_counter()
@@ -214,11 +215,11 @@ def run_cpu(quick):
         la, lb = (3 * rng.standard_normal((t, h), dtype=np.float32) for _ in range(2))
         out_lse, c = np.empty_like(la), np.empty_like(a)
         runs = 7 if t * h * d >= 1 << 22 else 201
-        add = _median_s(lambda: np.add(a, b, out=c), runs)
+        add = median_seconds(lambda: np.add(a, b, out=c), runs)
         for dt in dtypes:
             x, y = a.astype(dt), b.astype(dt)
             out = np.empty_like(x)
-            merge = _median_s(lambda: attnmerge.merge(x, la, y, lb, out=out, out_lse=out_lse), runs)
+            merge = median_seconds(lambda: attnmerge.merge(x, la, y, lb, out=out, out_lse=out_lse), runs)
             name = np.dtype(dt).name
             nbytes = state_bytes(t, h, d, x.itemsize, 2)
             row = dict(op="merge", tokens=t, heads=h, head_size=d, dtype=name, states=2, impl="attnmerge cpu",
