@@ -30,4 +30,7 @@ def test_the_cpp_example_builds_against_the_installed_package_and_runs(tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "cpu: max error" in run.stdout and "FAILED" not in run.stdout, run.stdout
     assert f"attnmerge {attnmerge.__version__}" in run.stdout, run.stdout
-
+    # With a GPU and a CUDA runtime for CMake to find, the GPU half must have run (and passed: no FAILED).
+    cache = (build / "CMakeCache.txt").read_text()
+    if attnmerge.build_info()["device_count"] > 0 and "CUDA_cudart_LIBRARY:FILEPATH=/" in cache:
+        assert "gpu: max error" in run.stdout, run.stdout
