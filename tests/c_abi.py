@@ -24,10 +24,10 @@ DTYPE_SIZE = {FLOAT32: 4, FLOAT16: 2, BFLOAT16: 2, FLOAT8_E4M3: 1, UINT8: 1, BOO
 
 HOST = -1
 MAX_NDIM = 4
-READ_ONLY = 1  # attnmerge_tensor.flags
+READ_ONLY, DEVICE_KNOWN = 1, 2  # attnmerge_tensor.flags
 
 # attnmerge_options.flags
-LSE_BASE2, LSE_HEADS_FIRST, A_TOKENS = 1, 2, 4
+LSE_BASE2, LSE_HEADS_FIRST, A_TOKENS, PDL = 1, 2, 4, 8
 
 
 class Tensor(Structure):

@@ -47,7 +47,7 @@ LSE = frozenset({FLOAT32})
 MASK = frozenset({UINT8, BOOL})
 INDEX = frozenset({INT32, INT64})
 SIZE = c_abi.DTYPE_SIZE
-ALLOWED_FLAGS = {"merge": 7, "inplace": 3, "states": 1, "varlen": 1}
+ALLOWED_FLAGS = {"merge": 15, "inplace": 11, "states": 9, "varlen": 9}  # PDL (8) everywhere
 NO_GPU = c_abi.load().attnmerge_device_count() == 0
 WORK_CAP = 1 << 13  # elements an INBOUNDS view may have (zero strides could claim many more)
 
@@ -112,6 +112,8 @@ def classify(t, role):
     if t is None:
         return EMPTY if role.optional else REFUSED
     if t.ndim != role.ndim or t.dtype not in role.dtypes or t.device < -1:
+        return REFUSED
+    if t.flags & ~(c_abi.READ_ONLY | c_abi.DEVICE_KNOWN):
         return REFUSED
     shape, strides = _fields(t, role)
     if any(s < 0 for s in shape):
@@ -217,7 +219,7 @@ def _mutate(rng, t, role):
     elif k == 9:
         t.data = BODY + int(rng.integers(0, BODY_BYTES))
     elif k == 10:
-        t.flags = int(rng.choice([c_abi.READ_ONLY, 2, 0x80000000, 0xFFFFFFFF]))
+        t.flags = int(rng.choice([c_abi.READ_ONLY, c_abi.DEVICE_KNOWN, 3, 4, 0x80000000, 0xFFFFFFFF]))
     else:  # two fields at once
         t.shape[i] = int(rng.choice([0, 1, 2**20]))
         t.strides[i] = int(rng.choice([0, 2**43, 2**60]))

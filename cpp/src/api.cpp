@@ -115,8 +115,9 @@ attnmerge_status describe(const attnmerge_tensor* t, const char* name, int ndim,
   if (t->ndim != ndim) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected %d dimensions, got %d", name, ndim, t->ndim);
   if (t->dtype < 0 || t->dtype >= 32 || !(dtypes & bit(t->dtype)))
     return fail(ATTNMERGE_ERROR_TYPE, "%s: expected dtype %s, got %s", name, dtypes_text(dtypes), dtype_name(t->dtype));
-  if (t->flags & ~ATTNMERGE_READ_ONLY)
-    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected flags within 0x%x, got 0x%x", name, ATTNMERGE_READ_ONLY, t->flags);
+  constexpr uint32_t kTensorFlags = ATTNMERGE_READ_ONLY | ATTNMERGE_DEVICE_KNOWN;
+  if (t->flags & ~kTensorFlags)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected flags within 0x%x, got 0x%x", name, kTensorFlags, t->flags);
   if (t->device < ATTNMERGE_HOST)
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a device >= -1 (the host), got %d", name, t->device);
   for (int i = 0; i < ndim; ++i) {
@@ -271,7 +272,7 @@ attnmerge_status check_outputs(const View& out, const View& out_lse) {
 // One device for every non-empty tensor, memory it can address, then the CPU path or a launch.
 template <typename Source>
 attnmerge_status run(std::initializer_list<const View*> views, MergeShape shape, const Source& src,
-                     const OutView& out, int in_dtype, int out_dtype, int vec, void* stream) {
+                     const OutView& out, int in_dtype, int out_dtype, int vec, void* stream, uint32_t flags) {
   // 32-bit offsets when every array is small enough, with room for the grid's last block and for
   // the one-past-the-end row start of an empty variable-length row.
   shape.index32 = true;
@@ -299,7 +300,8 @@ attnmerge_status run(std::initializer_list<const View*> views, MergeShape shape,
     // Device memory handed to the CPU path would crash the process: refuse it where CUDA can tell.
     if (gpu_device_count() > 0)
       for (const View* v : views)
-        if (v->present() && !v->empty && gpu_pointer_device(v->t->data) != ATTNMERGE_HOST)
+        if (v->present() && !v->empty && !(v->t->flags & ATTNMERGE_DEVICE_KNOWN) &&
+            gpu_pointer_device(v->t->data) != ATTNMERGE_HOST)
           return fail(ATTNMERGE_ERROR_VALUE, "%s: expected host memory (device -1), got memory of CUDA device %d",
                       v->name, gpu_pointer_device(v->t->data));
     if (out.scale != nullptr && gpu_device_count() > 0 && gpu_pointer_device(out.scale) != ATTNMERGE_HOST)
@@ -316,9 +318,11 @@ attnmerge_status run(std::initializer_list<const View*> views, MergeShape shape,
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a CUDA device below %d, got device %d", first->name, count, device);
   attnmerge_status s;
   for (const View* v : views)
-    if (v->present() && !v->empty && (s = gpu_check_pointer(v->t->data, device, v->name))) return s;
+    if (v->present() && !v->empty && !(v->t->flags & ATTNMERGE_DEVICE_KNOWN) &&
+        (s = gpu_check_pointer(v->t->data, device, v->name)))
+      return s;
   if (out.scale != nullptr && (s = gpu_check_pointer(out.scale, device, "output_scale"))) return s;
-  return gpu_merge(shape, src, out, in_dtype, out_dtype, vec, device, stream);
+  return gpu_merge(shape, src, out, in_dtype, out_dtype, vec, device, stream, (flags & ATTNMERGE_PDL) != 0);
 }
 
 OutView out_view(const View& out, const View& out_lse, float inv_scale, const attnmerge_options& opt) {
@@ -400,7 +404,7 @@ attnmerge_status merge_pair(const PairNames& n, const attnmerge_tensor* out, con
   dst.lse_in_place = vout_lse.present() && !vout_lse.empty &&
                      ((vla.present() && !vla.empty && same_view(vout_lse, vla)) || (!vlb.empty && same_view(vout_lse, vlb)));
   return run({&vout, &vout_lse, &va, &vla, &vb, &vlb, &vmask}, shape, src, dst, o_a->dtype, out->dtype,
-             choose_vec({&vout, &va, &vb}, head_size), stream);
+             choose_vec({&vout, &va, &vb}, head_size), stream, opt.flags);
 }
 
 }  // namespace
@@ -418,7 +422,7 @@ attnmerge_status attnmerge_merge(const attnmerge_tensor* out, const attnmerge_te
                                  const attnmerge_options* options, void* stream) {
   static const PairNames names = {"out", "out_lse", "o_a", "lse_a", "o_b", "lse_b", "mask"};
   return merge_pair(names, out, out_lse, o_a, lse_a, o_b, lse_b, nullptr, options,
-                    ATTNMERGE_LSE_BASE2 | ATTNMERGE_LSE_HEADS_FIRST | ATTNMERGE_A_TOKENS, stream);
+                    ATTNMERGE_LSE_BASE2 | ATTNMERGE_LSE_HEADS_FIRST | ATTNMERGE_A_TOKENS | ATTNMERGE_PDL, stream);
 }
 
 attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnmerge_tensor* lse,
@@ -430,7 +434,7 @@ attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnme
     return fail(ATTNMERGE_ERROR_TYPE, "lse: expected a tensor, got NULL");
   }
   return merge_pair(names, o, lse, o, lse, o_other, lse_other, mask, options,
-                    ATTNMERGE_LSE_BASE2 | ATTNMERGE_LSE_HEADS_FIRST, stream);
+                    ATTNMERGE_LSE_BASE2 | ATTNMERGE_LSE_HEADS_FIRST | ATTNMERGE_PDL, stream);
 }
 
 attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
@@ -445,7 +449,7 @@ attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnm
     return s;
   attnmerge_options opt;
   float inv_scale;
-  if ((s = read_options(options, ATTNMERGE_LSE_BASE2, vout, opt, inv_scale))) return s;
+  if ((s = read_options(options, ATTNMERGE_LSE_BASE2 | ATTNMERGE_PDL, vout, opt, inv_scale))) return s;
   const int64_t tokens = vo.shape[0], states = vo.shape[1], heads = vo.shape[2], head_size = vo.shape[3];
   if ((s = check_head_size("o", head_size))) return s;
   if (states > INT32_MAX) return fail(ATTNMERGE_ERROR_VALUE, "o: expected at most 2^31 - 1 states, got %" PRId64, states);
@@ -468,12 +472,12 @@ attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnm
     const StateView b{o1, vo.strides[0], vo.strides[2], l0 + (vl.empty ? 0 : vl.strides[1]), vl.strides[0],
                       vl.strides[2]};
     return run({&vout, &vout_lse, &vo, &vl}, shape, PairSource{a, b, tokens, nullptr, 0}, dst, o->dtype, out->dtype,
-               choose_vec({&vout, &vo}, head_size), stream);
+               choose_vec({&vout, &vo}, head_size), stream, opt.flags);
   }
   const StackSource src{o->data,  vo.strides[0], vo.strides[1], vo.strides[2], static_cast<const float*>(lse->data),
                         vl.strides[0], vl.strides[1], vl.strides[2], states};
   return run({&vout, &vout_lse, &vo, &vl}, shape, src, dst, o->dtype, out->dtype, choose_vec({&vout, &vo}, head_size),
-             stream);
+             stream, opt.flags);
 }
 
 attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
@@ -489,7 +493,7 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
     return s;
   attnmerge_options opt;
   float inv_scale;
-  if ((s = read_options(options, ATTNMERGE_LSE_BASE2, vout, opt, inv_scale))) return s;
+  if ((s = read_options(options, ATTNMERGE_LSE_BASE2 | ATTNMERGE_PDL, vout, opt, inv_scale))) return s;
   const int64_t total = vo.shape[0], heads = vo.shape[1], head_size = vo.shape[2];
   if ((s = check_head_size("o", head_size))) return s;
   if (vi.shape[0] < 1) return fail(ATTNMERGE_ERROR_VALUE, "indptr: expected rows + 1 >= 1 entries, got 0");
@@ -503,7 +507,8 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
     for (const View* w : {&vout, &vout_lse})
       if ((s = check_disjoint(*w, *v, false))) return s;
   const bool wide = indptr->dtype == ATTNMERGE_INT64;
-  if (indptr->device == ATTNMERGE_HOST && out->device == ATTNMERGE_HOST && gpu_pointer_device(indptr->data) == ATTNMERGE_HOST) {
+  if (indptr->device == ATTNMERGE_HOST && out->device == ATTNMERGE_HOST &&
+      ((indptr->flags & ATTNMERGE_DEVICE_KNOWN) || gpu_pointer_device(indptr->data) == ATTNMERGE_HOST)) {
     // On the host the offsets can be checked before anything is written.
     int64_t previous = 0;
     for (int64_t r = 0; r <= rows; ++r) {
@@ -521,7 +526,7 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
   const RangeSource src{o->data,      vo.strides[0], vo.strides[1], static_cast<const float*>(lse->data),
                         vl.strides[0], vl.strides[1], indptr->data, vi.strides[0], wide, total};
   return run({&vout, &vout_lse, &vo, &vl, &vi}, shape, src, out_view(vout, vout_lse, inv_scale, opt), o->dtype,
-             out->dtype, choose_vec({&vout, &vo}, head_size), stream);
+             out->dtype, choose_vec({&vout, &vo}, head_size), stream, opt.flags);
 }
 
 const char* attnmerge_last_error(void) { return g_error; }

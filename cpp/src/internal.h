@@ -66,7 +66,7 @@ int gpu_pointer_device(const void* ptr);  // ATTNMERGE_HOST unless device memory
 attnmerge_status gpu_check_pointer(const void* ptr, int device, const char* arg);
 template <typename Source>
 attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype,
-                           int out_dtype, int vec, int device, void* stream);
+                           int out_dtype, int vec, int device, void* stream, bool pdl);
 attnmerge_status gpu_stream_synchronize(int device, void* stream);
 
 }  // namespace detail

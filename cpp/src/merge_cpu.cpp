@@ -38,7 +38,7 @@ void merge_rows(const MergeShape& shape, const Source& src, const OutView& out, 
       // case, in one fused pass over head_size.
       int live = 0, first = -1, second = -1;
       for (int s = 0; s < n && live <= 2; ++s) {
-        if (!states.present(s) || r.scale(s < kCached ? w[s] : r.weight(states.lse(s))) == 0.0f) continue;
+        if (r.scale(s < kCached ? w[s] : r.weight(states.lse(s))) == 0.0f) continue;
         (live++ == 0 ? first : second) = s;
       }
       if (live == 2 && n <= kCached) {
@@ -55,7 +55,7 @@ void merge_rows(const MergeShape& shape, const Source& src, const OutView& out, 
           float acc[kChunk] = {};
           for (int s = 0; s < n; ++s) {
             const float scale = r.scale(s < kCached ? w[s] : r.weight(states.lse(s)));
-            if (scale == 0.0f || !states.present(s)) continue;
+            if (scale == 0.0f) continue;
             const TIn* o = states.template o_at<TIn>(s) + d0;
             for (int64_t d = 0; d < len; ++d) acc[d] += scale * Convert<TIn>::load(o[d]);
           }

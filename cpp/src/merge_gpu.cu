@@ -2,6 +2,8 @@
 // (input dtype, output dtype, vector width).
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 #include "attnmerge/merge_kernels.cuh"
 #include "internal.h"
 
@@ -33,6 +35,28 @@ class DeviceGuard {
   bool switched_ = false;
   cudaError_t err_;
 };
+
+// The SM count and compute capability of a device, asked once per device (the ordinal's bits
+// beyond kCached are asked every time).  0: not asked yet.
+struct DeviceProps {
+  int sms = 0, major = 0;
+};
+DeviceProps device_props(int device) {
+  constexpr int kCached = 64;
+  static std::atomic<int> cache[kCached];  // sms | major << 20
+  int packed = device < kCached ? cache[device].load(std::memory_order_relaxed) : 0;
+  if (packed == 0) {
+    int sms = 0, major = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+      cudaGetLastError();
+      return {};  // blocks of the default width and no PDL: still correct
+    }
+    packed = sms | (major << 20);
+    if (device < kCached) cache[device].store(packed, std::memory_order_relaxed);
+  }
+  return {packed & ((1 << 20) - 1), packed >> 20};
+}
 
 }  // namespace
 
@@ -89,10 +113,18 @@ attnmerge_status gpu_check_pointer(const void* ptr, int device, const char* arg)
 
 template <typename Source>
 attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype,
-                           int out_dtype, int vec, int device, void* stream) {
+                           int out_dtype, int vec, int device, void* stream, bool pdl) {
   DeviceGuard guard(device);
   if (guard.error() != cudaSuccess)
     return cuda_fail(guard.error(), "while selecting the device (an earlier error, not one of this call's arguments)");
+  const DeviceProps props = device_props(device);
+  const LaunchOptions launch_options{props.sms, pdl && props.major >= 9};
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  // In place (out_lse is an input's LSE): every O first, reading the LSEs as they were; then
+  // the LSEs alone.
+  const bool lse_after = out.lse_in_place && out.lse != nullptr;
+  OutView first = out;
+  if (lse_after) first.lse = nullptr;
   cudaError_t err = cudaSuccess;
   dispatch_in_dtype(in_dtype, [&](auto in_tag) {
     dispatch_out_dtype(out_dtype, [&](auto out_tag) {
@@ -101,36 +133,26 @@ attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const Out
         using TOut = decltype(out_tag);
         constexpr int kVec = decltype(vec_tag)::value;
         // Wider than 16 bytes per access is never chosen; do not instantiate it.
-        if constexpr (kVec * sizeof(TIn) <= 16 && kVec * sizeof(TOut) <= 16) {
-          const cudaStream_t s = static_cast<cudaStream_t>(stream);
-          auto launch = [&](const OutView& to) {
-            return shape.index32 ? launch_merge<Source, TIn, TOut, kVec, int32_t>(shape, src, to, s)
-                                 : launch_merge<Source, TIn, TOut, kVec, int64_t>(shape, src, to, s);
-          };
-          if (!out.lse_in_place || out.lse == nullptr) {
-            err = launch(out);
-          } else {  // every O first, reading the LSEs as they were; then the LSEs alone
-            OutView o_only = out, lse_only = out;
-            o_only.lse = nullptr;
-            lse_only.o = nullptr;
-            err = launch(o_only);
-            if (err == cudaSuccess) err = launch(lse_only);
-          }
-        }
+        if constexpr (kVec * sizeof(TIn) <= 16 && kVec * sizeof(TOut) <= 16)
+          err = shape.index32 ? launch_merge<Source, TIn, TOut, kVec, int32_t>(shape, src, first, s, launch_options)
+                              : launch_merge<Source, TIn, TOut, kVec, int64_t>(shape, src, first, s, launch_options);
       });
     });
   });
+  if (err == cudaSuccess && lse_after)
+    err = shape.index32 ? launch_merge_lse<Source, int32_t>(shape, src, out, s, launch_options)
+                        : launch_merge_lse<Source, int64_t>(shape, src, out, s, launch_options);
   if (err != cudaSuccess)
     return cuda_fail(err, "launching the merge kernel (possibly an earlier, sticky error of other work)");
   return ATTNMERGE_SUCCESS;
 }
 
 template attnmerge_status gpu_merge<PairSource>(const MergeShape&, const PairSource&, const OutView&, int, int, int,
-                                                int, void*);
+                                                int, void*, bool);
 template attnmerge_status gpu_merge<StackSource>(const MergeShape&, const StackSource&, const OutView&, int, int, int,
-                                                 int, void*);
+                                                 int, void*, bool);
 template attnmerge_status gpu_merge<RangeSource>(const MergeShape&, const RangeSource&, const OutView&, int, int, int,
-                                                 int, void*);
+                                                 int, void*, bool);
 
 attnmerge_status gpu_stream_synchronize(int device, void* stream) {
   DeviceGuard guard(device);

@@ -5,16 +5,20 @@ _DTYPE_NAMES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 _ALIASES = {"float8_e4m3": "float8_e4m3fn"}
 
 
+_FAMILIES = {"torch": "torch", "cupy": "cupy", "numpy": "numpy", "jax": "jax", "jaxlib": "jax", "numba": "numba",
+             "numba_cuda": "numba"}
+_FAMILY_OF_TYPE = {}  # type -> family, for the types of the frameworks above (looked up every call)
+
+
 def family(x):
     """'torch', 'cupy', 'jax', 'numba', 'numpy' or None, from the array's type alone."""
-    module = type(x).__module__
-    root = module.partition(".")[0]
-    if root in ("torch", "cupy", "numpy"):
-        return root
-    if root in ("jax", "jaxlib"):
-        return "jax"
-    if root in ("numba", "numba_cuda"):
-        return "numba"
+    kind = _FAMILY_OF_TYPE.get(type(x))
+    if kind is not None:
+        return kind
+    kind = _FAMILIES.get(type(x).__module__.partition(".")[0])
+    if kind is not None:
+        _FAMILY_OF_TYPE[type(x)] = kind
+        return kind
     if hasattr(x, "__array_interface__"):
         return "numpy"
     return None
@@ -101,7 +105,7 @@ def default_stream(like):
     the array's DLPack exchange API (PyTorch >= 2.10), which costs no Python call."""
     kind = family(like)
     if kind == "torch":
-        if hasattr(type(like), "__dlpack_c_exchange_api__") or not like.is_cuda:
+        if _has_exchange_api(type(like)) or not like.is_cuda:
             return None
         import torch
 
@@ -116,3 +120,12 @@ def default_stream(like):
         return 0 if stream in (None, 1) else stream
     return 0
 
+
+_EXCHANGE_API = {}
+
+
+def _has_exchange_api(cls):
+    has = _EXCHANGE_API.get(cls)
+    if has is None:
+        has = _EXCHANGE_API[cls] = hasattr(cls, "__dlpack_c_exchange_api__")
+    return has

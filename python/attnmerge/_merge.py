@@ -36,6 +36,8 @@ def _refuse_jax_output(x, arg):
 def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like_name="o_b", src_name="o_a"):
     """(out, out_lse, the views handed to the library): given outputs as they are, missing ones
     allocated in the library of `like` with `shape` ([tokens, heads, head_size])."""
+    if out is not None and out_lse is not None and out_dtype is None and family(out) != "jax" and family(out_lse) != "jax":
+        return out, out_lse, out, out_lse  # the per-step decode call: nothing to allocate
     _refuse_jax_output(out, "out")
     _refuse_jax_output(out_lse, "out_lse")
     if out is not None and out_dtype is not None:
@@ -61,14 +63,14 @@ def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like
 
 def _finish_jax(out, out_view, stream):
     """JAX cannot wait on our stream: results it gets back on a GPU are complete first."""
-    if family(out) == "jax" and out is not out_view:
+    if out is not out_view and family(out) == "jax":
         device = next(iter(out.devices()))
         if device.platform in ("gpu", "cuda"):
             _C.stream_synchronize(device.id, stream or 0)
 
 
 def merge(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None, return_lse=True, out_dtype=None, output_scale=None,
-          base="e", a_tokens=None, stream=None):
+          base="e", a_tokens=None, stream=None, pdl=False):
     """Merge two attention states: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
 
     o_a, o_b: [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype for both).
@@ -83,14 +85,17 @@ def merge(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None, return_lse=True, ou
         only a_tokens tokens (vLLM's prefill_tokens_with_context).
     stream: None (the current stream of the arrays' framework, else the legacy default stream), an
         int cudaStream_t, or an object with .cuda_stream or .ptr.  Ignored for host arrays.
+    pdl: programmatic dependent launch (sm_90 and newer, else ignored): the kernel is scheduled
+        while the previous kernel on the stream finishes and waits for it before reading; the
+        same results, less latency between dependent kernels.
 
     Every array may have any strides >= 0, except that head_size is unit-stride.  Host arrays run
     on the CPU; CUDA arrays on the GPU they live on, asynchronously on `stream` (JAX outputs are
     synchronized before they are returned).  Returns (out, out_lse); out_lse is None when
     return_lse is False and no out_lse was given.
     """
-    flags = lse_flags(base)
-    a_tok = a_tokens_arg(a_tokens)
+    flags = (0 if base == "e" else lse_flags(base)) | (_C.PDL if pdl else 0)
+    a_tok = -1 if a_tokens is None else a_tokens_arg(a_tokens)
     shape = _shape(o_b, "o_b") if out is None or (out_lse is None and return_lse) else None
     out, out_lse, out_view, lse_view = _outputs(o_b, o_a, shape, out, out_lse, return_lse, out_dtype)
     if stream is None:
@@ -100,35 +105,35 @@ def merge(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None, return_lse=True, ou
     return out, out_lse
 
 
-def merge_inplace(o, lse, o_other, lse_other, *, mask=None, base="e", stream=None):
+def merge_inplace(o, lse, o_other, lse_other, *, mask=None, base="e", stream=None, pdl=False):
     """(o, lse) <- merge((o, lse), (o_other, lse_other)), in place.
 
     o, o_other: [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype).
     lse, lse_other: float32 [tokens, heads] in base e (or base=2).
     mask: None, or uint8 / bool [tokens]: rows of tokens whose mask is 0 are left untouched.
-    Returns (o, lse).
+    stream, pdl: as for merge().  Returns (o, lse).
     """
     _refuse_jax_output(o, "o")
     _refuse_jax_output(lse, "lse")
     if stream is None:
         stream = default_stream(o)
-    _C.merge_inplace(o, lse, o_other, lse_other, mask, lse_flags(base), stream)
+    _C.merge_inplace(o, lse, o_other, lse_other, mask, lse_flags(base) | (_C.PDL if pdl else 0), stream)
     return o, lse
 
 
 def merge_states(o, lse, *, out=None, out_lse=None, return_lse=True, out_dtype=None, output_scale=None, base="e",
-                 states_axis=1, stream=None):
+                 states_axis=1, stream=None, pdl=False):
     """Merge S states in one pass, each input read once.
 
     states_axis=1: o [tokens, S, heads, head_size], lse float32 [tokens, S, heads] (FlashInfer's).
     states_axis=0: o [S, tokens, heads, head_size], lse [S, tokens, heads] (what an all-gather of
         per-rank states produces), read through its strides: no copy.
-    out [tokens, heads, head_size], out_lse [tokens, heads]: as for merge().  S = 0 gives O = 0 and
-    LSE = -inf.  Returns (out, out_lse).
+    out [tokens, heads, head_size], out_lse [tokens, heads], stream, pdl: as for merge().  S = 0
+    gives O = 0 and LSE = -inf.  Returns (out, out_lse).
     """
     if states_axis not in (0, 1) or isinstance(states_axis, bool):
         raise ValueError(f"states_axis: expected 0 or 1, got {states_axis!r}")
-    flags = lse_flags(base)
+    flags = lse_flags(base) | (_C.PDL if pdl else 0)
     shape = None
     if out is None or (out_lse is None and return_lse):
         s = _shape(o, "o")
@@ -144,17 +149,17 @@ def merge_states(o, lse, *, out=None, out_lse=None, return_lse=True, out_dtype=N
 
 
 def merge_varlen(o, lse, indptr, *, out=None, out_lse=None, return_lse=True, out_dtype=None, output_scale=None,
-                 base="e", stream=None):
+                 base="e", stream=None, pdl=False):
     """Row r of the result merges states indptr[r] .. indptr[r+1]-1 of o.
 
     o: [total, heads, head_size], lse: float32 [total, heads]; indptr: int32 or int64 [rows + 1].
-    out [rows, heads, head_size], out_lse [rows, heads]: as for merge().  A row with no states gets
+    out [rows, heads, head_size], out_lse [rows, heads], stream, pdl: as for merge().  A row with no states gets
     O = 0 and LSE = -inf.  On the CPU a bad indptr raises ValueError; on the GPU it is never read
     back to the host, and each row takes states [clamp(indptr[r], 0, total),
     clamp(indptr[r+1], that, total)): no out-of-bounds access, and a row whose bounds cross is empty.
     Returns (out, out_lse).
     """
-    flags = lse_flags(base)
+    flags = lse_flags(base) | (_C.PDL if pdl else 0)
     shape = None
     if out is None or (out_lse is None and return_lse):
         s, n = _shape(o, "o"), _shape(indptr, "indptr")

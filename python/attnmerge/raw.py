@@ -5,7 +5,7 @@ from ._merge import a_tokens_arg, lse_flags
 
 
 def merge(*, tokens, heads, head_size, out, o_a, lse_a, o_b, lse_b, out_lse=None, device, stream=0, base="e",
-          a_tokens=None, lse_heads_first=False):
+          a_tokens=None, lse_heads_first=False, pdl=False):
     """Two-way merge over raw pointers.
 
     out, o_a, o_b: (ptr, dtype, stride_token, stride_head) with dtype "float32", "float16" or
@@ -15,9 +15,9 @@ def merge(*, tokens, heads, head_size, out, o_a, lse_a, o_b, lse_b, out_lse=None
         [heads, tokens] with lse_heads_first=True; out_lse may be None.
     device: "cpu" for host memory, else the CUDA device ordinal that owns every pointer.
     stream: a cudaStream_t as an int (0: the legacy default stream); ignored on the CPU.
-    base: "e" or 2.
+    base: "e" or 2.  pdl: programmatic dependent launch (see attnmerge.merge).
     """
-    flags = lse_flags(base) | (_C.LSE_HEADS_FIRST if lse_heads_first else 0)
+    flags = lse_flags(base) | (_C.LSE_HEADS_FIRST if lse_heads_first else 0) | (_C.PDL if pdl else 0)
     if device == "cpu":
         dev = -1
     elif isinstance(device, int) and not isinstance(device, bool) and device >= 0:

@@ -150,7 +150,8 @@ void from_dltensor(Arg& a, const DLTensor& d, bool read_only, const char* expect
     a.t.strides[i] = d.strides ? d.strides[i] : compact;
     compact *= d.shape[i];
   }
-  a.t.flags = read_only ? ATTNMERGE_READ_ONLY : 0u;
+  // The producer's device is where the data lives: no pointer query in the library.
+  a.t.flags = (read_only ? ATTNMERGE_READ_ONLY : 0u) | ATTNMERGE_DEVICE_KNOWN;
 }
 
 // The exchange API of a type, looked up once per type (nullptr where it has none).
@@ -213,7 +214,12 @@ void from_interface(Arg& a, py::handle obj, const py::dict& iface, bool cuda, co
     }
     compact *= a.t.shape[i];
   }
-  a.t.device = cuda ? attnmerge_pointer_device(a.t.data) : ATTNMERGE_HOST;
+  if (cuda) {  // asked of CUDA once, here
+    a.t.device = attnmerge_pointer_device(a.t.data);
+    a.t.flags |= ATTNMERGE_DEVICE_KNOWN;
+  } else {
+    a.t.device = ATTNMERGE_HOST;
+  }
 }
 
 // DLPack's stream argument for a consumer stream handle: 1 is the legacy default stream.
@@ -508,4 +514,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("pointer_device", [](uintptr_t ptr) { return attnmerge_pointer_device(reinterpret_cast<void*>(ptr)); });
   m.attr("LSE_BASE2") = ATTNMERGE_LSE_BASE2;
   m.attr("LSE_HEADS_FIRST") = ATTNMERGE_LSE_HEADS_FIRST;
+  m.attr("PDL") = ATTNMERGE_PDL;
 }

@@ -31,6 +31,7 @@ attnmerge_tensor tensor(const ffi::AnyBuffer& b, int32_t device) {
   t.ndim = static_cast<int32_t>(dims.size());
   t.dtype = dtype_of(b.element_type());
   t.device = device;
+  t.flags = ATTNMERGE_DEVICE_KNOWN;  // XLA's own buffers on XLA's device
   if (dims.size() > ATTNMERGE_MAX_NDIM) {
     t.ndim = static_cast<int32_t>(dims.size());  // refused by the C ABI as the wrong ndim
     return t;

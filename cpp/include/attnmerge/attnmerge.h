@@ -70,6 +70,11 @@ typedef enum attnmerge_dtype {
 
 /* attnmerge_tensor.flags */
 #define ATTNMERGE_READ_ONLY 1u /* refused where the tensor is an output */
+/* The caller vouches that `device` is where `data` lives (a framework's own DLPack device, say),
+ * so the library does not ask CUDA (a pointer query costs a few hundred nanoseconds).  Without
+ * it every pointer is checked: device memory of `device`, managed or pinned memory for a GPU
+ * launch, and no device memory handed to the CPU path. */
+#define ATTNMERGE_DEVICE_KNOWN 2u
 
 /* A strided view of up to ATTNMERGE_MAX_NDIM dimensions, in the logical axis order each op names
  * (O [tokens, heads, head_size] with head_size unit-stride, LSE [tokens, heads] float32, or
@@ -83,13 +88,18 @@ typedef struct attnmerge_tensor {
   int32_t ndim;
   int32_t dtype;  /* attnmerge_dtype */
   int32_t device; /* ATTNMERGE_HOST or a CUDA device ordinal */
-  uint32_t flags; /* ATTNMERGE_READ_ONLY */
+  uint32_t flags; /* ATTNMERGE_READ_ONLY, ATTNMERGE_DEVICE_KNOWN */
 } attnmerge_tensor;
 
 /* attnmerge_options.flags */
 #define ATTNMERGE_LSE_BASE2 1u        /* LSEs are log2-sum-exp2 (FlashInfer); default base e */
 #define ATTNMERGE_LSE_HEADS_FIRST 2u  /* two-way and in-place merges: LSEs laid out [heads, tokens] (vLLM) */
 #define ATTNMERGE_A_TOKENS 4u         /* two-way merge: options.a_tokens applies */
+/* Programmatic dependent launch (sm_90 and newer; ignored on older GPUs and on the CPU): the
+ * kernel may be scheduled while the previous kernel on the stream is still running, and waits for
+ * it to finish before it reads anything, so that its launch latency overlaps that kernel's tail.
+ * The results are those of a plain launch. */
+#define ATTNMERGE_PDL 8u
 
 /* Zero-initialized options are the defaults: base e, LSE [tokens, heads], no limit, no scale. */
 typedef struct attnmerge_options {

@@ -35,44 +35,12 @@ constexpr int min_blocks() {
   return Source::kMaxStates == 2 ? 1 : ATTNMERGE_NWAY_MIN_BLOCKS;
 }
 
-// Work: rows (token, head) over threadIdx.y and the x (and, past 2^31 blocks, z) grid axes; the
-// head_size axis over threadIdx.x in packs of VEC elements, and over the y grid axis where a row
-// has more packs than a block has threads.  Each thread handles one pack of one row, with no
-// shared memory.  The kernel is as lean in instructions as in registers: at the HBM roofline an
-// SM retires a thread every few cycles, so every instruction per thread counts.
-//
-// A thread takes its row's states from the source and computes their weights itself.  States
-// come kChunk at a time, the LSEs and O packs of a chunk all loaded before any is used, so that a
-// row of up to kChunk states costs one memory round trip; a zero-weight part is then dropped
-// without being used.  Rows of more states first walk their LSEs (max and total weight), then
-// their O packs with the LSEs again.  The output scale and a NaN LSE are folded into the
-// weights, so the O path is one multiply-add per element and state.
-template <typename Source, typename TIn, typename TOut, int VEC, typename I>
-__global__ void __launch_bounds__(kBlockThreads, min_blocks<Source>())
-    merge_kernel(const MergeShape shape, const Source src, const OutView out) {
-  constexpr int kChunk = Source::kMaxStates == 2 ? 2 : kStateChunk;
-  using P = Pack<TIn, VEC>;
-  // With I = int32_t the grid has no z extent (rows < 2^31) and these products fit.
-  const I row = (static_cast<I>(blockIdx.z) * static_cast<I>(gridDim.x) + static_cast<I>(blockIdx.x)) *
-                    static_cast<I>(blockDim.y) + static_cast<I>(threadIdx.y);
-  const I k = static_cast<I>(blockIdx.y) * static_cast<I>(blockDim.x) + static_cast<I>(threadIdx.x);
-  if (row >= shape.rows || k >= shape.packs) return;
-  I token, head;
-  shape.split_row(row, token, head);
-  const auto states = src.template row<TIn>(token, head);
-  if (states.skip()) return;
-  const int n = states.count();
-  const bool with_o = out.o != nullptr;  // false: the LSE-only launch of an in-place merge
-  // The first chunk: every load in flight at once.
-  float l[kChunk];
-  P o[kChunk];
-#pragma unroll
-  for (int c = 0; c < kChunk; ++c) {
-    l[c] = c < n ? states.lse(c) : -INFINITY;  // -inf: no weight, no NaN
-    if (with_o && c < n && states.present(c))
-      o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c) + k * VEC, shape.stream);
-  }
-  RowMerge r(shape.base2);
+// The weights of a row's states into `r` (see, weigh, finish: row.h): `l` holds the LSEs of
+// the first kChunk states (-inf past n), their weights go to `w`; the LSEs of later states are
+// read again from `states`.  Shared by merge_kernel and merge_lse_kernel.
+template <int kChunk, typename Row>
+__device__ __forceinline__ void weigh_row(const Row& states, int n, const float (&l)[kChunk], float (&w)[kChunk],
+                                          float factor, RowMerge& r) {
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) r.see(l[c]);
   for (int s = kChunk; s < n; s += kChunk) {
@@ -82,7 +50,6 @@ __global__ void __launch_bounds__(kBlockThreads, min_blocks<Source>())
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) r.see(m[c]);
   }
-  float w[kChunk];
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) {
     w[c] = r.weight(l[c]);
@@ -95,15 +62,63 @@ __global__ void __launch_bounds__(kBlockThreads, min_blocks<Source>())
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) r.total += r.weight(m[c]);
   }
-  r.finish(out.inverse_scale());
-  if (!with_o) {
-    out.store_lse(token, head, r.lse());
-    return;
+  r.finish(factor);
+}
+
+// The row (token, head) of this thread, and programmatic dependent launch: wait for the kernel
+// before us (a no-op unless launched with it), then let the kernel after us be scheduled into our
+// tail.  With I = int32_t the grid has no z extent (rows < 2^31) and these products fit.
+template <typename I>
+__device__ __forceinline__ I launch_row() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+  return (static_cast<I>(blockIdx.z) * static_cast<I>(gridDim.x) + static_cast<I>(blockIdx.x)) *
+             static_cast<I>(blockDim.y) + static_cast<I>(threadIdx.y);
+}
+
+// Work: rows (token, head) over threadIdx.y and the x (and, past 2^31 blocks, z) grid axes; the
+// head_size axis over threadIdx.x in packs of VEC elements, and over the y grid axis where a row
+// has more packs than a block has threads.  Each thread handles one pack of one row, with no
+// shared memory.  The kernel is as lean in instructions as in registers: at the HBM roofline an
+// SM retires a thread every few cycles, so every instruction per thread counts.
+//
+// A thread takes its row's states from the source and computes their weights itself.  States
+// come kChunk at a time, the LSEs and O packs of a chunk all loaded before any is used and without
+// a branch between them (a source gives every state of a row an O address it may read), so that a
+// row of up to kChunk states costs one memory round trip; a zero-weight part is then dropped
+// without being used.  Rows of more states first walk their LSEs (max and total weight), then
+// their O packs with the LSEs again.  The output scale and a NaN LSE are folded into the
+// weights, so the O path is one multiply-add per element and state.
+template <typename Source, typename TIn, typename TOut, int VEC, typename I>
+__global__ void __launch_bounds__(kBlockThreads, min_blocks<Source>())
+    merge_kernel(const MergeShape shape, const Source src, const OutView out) {
+  constexpr int kChunk = Source::kMaxStates == 2 ? 2 : kStateChunk;
+  using P = Pack<TIn, VEC>;
+  const I row = launch_row<I>();
+  const I k = static_cast<I>(blockIdx.y) * static_cast<I>(blockDim.x) + static_cast<I>(threadIdx.x);
+  if (row >= shape.rows || k >= shape.packs) return;
+  I token, head;
+  shape.split_row(row, token, head);
+  const auto states = src.template row<TIn>(token, head);
+  if (states.skip()) return;
+  const int n = states.count();
+  // The first chunk: every load in flight at once.
+  float l[kChunk];
+  P o[kChunk];
+#pragma unroll
+  for (int c = 0; c < kChunk; ++c) {
+    l[c] = c < n ? states.lse(c) : -INFINITY;  // -inf: no weight, no NaN
+    if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c) + k * VEC, shape.stream);
   }
+  float w[kChunk];
+  RowMerge r(shape.base2);
+  weigh_row<kChunk>(states, n, l, w, out.inverse_scale(), r);
   float acc[VEC] = {};
 #pragma unroll
   for (int c = 0; c < kChunk; ++c)
-    if (c < n && states.present(c)) accumulate(acc, o[c], r.scale(w[c]));
+    if (c < n) accumulate(acc, o[c], r.scale(w[c]));
   for (int s = kChunk; s < n; s += kChunk) {  // the other chunks' O packs, with their LSEs again
     float m[kChunk];
 #pragma unroll
@@ -119,10 +134,38 @@ __global__ void __launch_bounds__(kBlockThreads, min_blocks<Source>())
   if (k == 0) out.store_lse(token, head, r.lse());
 }
 
-// Grid and block for `packs` vector accesses per row over `rows` rows (see merge_kernel).
-inline void merge_launch_shape(int64_t packs, int64_t rows, dim3& grid, dim3& block) {
-  const int bx = static_cast<int>(std::min<int64_t>(packs, kBlockThreads));
-  const int by = std::max(1, kBlockThreads / bx);
+// The merged LSEs alone, one thread per row: the second launch of a merge whose out_lse is also
+// an input's LSE (every thread of a row in merge_kernel reads the row's LSEs, so none may write it
+// there).  O and its dtypes play no part.
+template <typename Source, typename I>
+__global__ void __launch_bounds__(kBlockThreads)
+    merge_lse_kernel(const MergeShape shape, const Source src, const OutView out) {
+  constexpr int kChunk = Source::kMaxStates == 2 ? 2 : kStateChunk;
+  const I row = launch_row<I>();
+  if (row >= shape.rows) return;
+  I token, head;
+  shape.split_row(row, token, head);
+  const auto states = src.template row<float>(token, head);
+  if (states.skip()) return;
+  const int n = states.count();
+  float l[kChunk], w[kChunk];
+#pragma unroll
+  for (int c = 0; c < kChunk; ++c) l[c] = c < n ? states.lse(c) : -INFINITY;
+  RowMerge r(shape.base2);
+  weigh_row<kChunk>(states, n, l, w, 1.0f, r);
+  out.store_lse(token, head, r.lse());
+}
+
+// Grid and block for `packs` vector accesses per row over `rows` rows (see merge_kernel).  Blocks
+// are kBlockThreads wide unless that leaves SMs idle (`sms`, the GPU's count, 0: unknown): a
+// decode-sized merge is spread over as many SMs as it can fill, down to one warp a block, so that
+// no SM issues more of its instructions than it must.
+inline void merge_launch_shape(int64_t packs, int64_t rows, int sms, dim3& grid, dim3& block) {
+  int threads = kBlockThreads;
+  const int64_t total = packs * rows;
+  while (threads > 32 && (total + threads - 1) / threads < sms) threads /= 2;
+  const int bx = static_cast<int>(std::min<int64_t>(packs, threads));
+  const int by = std::max(1, threads / bx);
   const int64_t row_blocks = (rows + by - 1) / by;
   const int64_t max_x = (int64_t{1} << 31) - 1;
   const int64_t gx = std::min(row_blocks, max_x);
@@ -130,6 +173,13 @@ inline void merge_launch_shape(int64_t packs, int64_t rows, dim3& grid, dim3& bl
   grid = dim3(static_cast<unsigned>(gx), static_cast<unsigned>((packs + bx - 1) / bx),
               static_cast<unsigned>((row_blocks + gx - 1) / gx));
 }
+
+// How to launch: the GPU's SM count (0: unknown, blocks of kBlockThreads) and programmatic
+// dependent launch (sm_90 and newer only; see ATTNMERGE_PDL in attnmerge.h).
+struct LaunchOptions {
+  int sms = 0;
+  bool pdl = false;
+};
 
 // Evict-first O accesses, as measured on an H200 against plain ones: 5 to 13% faster for two-way
 // merges moving 3 to 13 MB, for the N-way merge of S = 64 and for the variable-length merge; 2
@@ -144,15 +194,40 @@ bool stream_o(const MergeShape& shape, const Source& src) {
   return shape.bytes < (int64_t{32} << 20);
 }
 
-template <typename Source, typename TIn, typename TOut, int VEC, typename I>
-cudaError_t launch_merge(MergeShape shape, const Source& src, const OutView& out, cudaStream_t stream) {
-  if (shape.rows == 0) return cudaSuccess;
-  shape.packs = out.o != nullptr ? shape.head_size / VEC : 1;
-  shape.stream = stream_o(shape, src);
+// A launch of `kernel` over `packs` threads per row, with the launch options.
+template <typename Source>
+cudaError_t launch(void (*kernel)(MergeShape, Source, OutView), const MergeShape& shape, const Source& src,
+                   const OutView& out, cudaStream_t stream, LaunchOptions options) {
   cudaLaunchConfig_t config = {};
   config.stream = stream;
-  merge_launch_shape(shape.packs, shape.rows, config.gridDim, config.blockDim);
-  return cudaLaunchKernelEx(&config, merge_kernel<Source, TIn, TOut, VEC, I>, shape, src, out);
+  merge_launch_shape(shape.packs, shape.rows, options.sms, config.gridDim, config.blockDim);
+  cudaLaunchAttribute attribute;
+  if (options.pdl) {
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&config, kernel, shape, src, out);
+}
+
+// The merge: O and, unless out.lse is null, the merged LSEs.
+template <typename Source, typename TIn, typename TOut, int VEC, typename I>
+cudaError_t launch_merge(MergeShape shape, const Source& src, const OutView& out, cudaStream_t stream,
+                         LaunchOptions options = {}) {
+  if (shape.rows == 0) return cudaSuccess;
+  shape.packs = shape.head_size / VEC;
+  shape.stream = stream_o(shape, src);
+  return launch(merge_kernel<Source, TIn, TOut, VEC, I>, shape, src, out, stream, options);
+}
+
+// The merged LSEs alone (out.o is not written).
+template <typename Source, typename I>
+cudaError_t launch_merge_lse(MergeShape shape, const Source& src, const OutView& out, cudaStream_t stream,
+                             LaunchOptions options = {}) {
+  if (shape.rows == 0) return cudaSuccess;
+  shape.packs = 1;
+  return launch(merge_lse_kernel<Source, I>, shape, src, out, stream, options);
 }
 
 }  // namespace attnmerge

@@ -71,8 +71,8 @@ struct OutView {
   float inv_scale;
   const float* scale;  // when set, the scale is read from memory instead (no host round trip)
   // lse is also an input's LSE (an in-place merge).  Every thread of a row reads the row's LSEs
-  // and one writes the merged LSE, so on the GPU the LSEs go in a second launch (see gpu_merge);
-  // a launch with o null writes only them.
+  // and one writes the merged LSE, so on the GPU the LSEs go in a second launch (merge_lse_kernel,
+  // see gpu_merge).
   bool lse_in_place;
 
   ATTNMERGE_HD float inverse_scale() const { return scale != nullptr ? 1.0f / *scale : inv_scale; }
@@ -104,7 +104,9 @@ struct StateView {
   }
 };
 
-// ---- sources: each gives a row's states through count(), present(s), lse(s) and o_at<T>(s) ----
+// ---- sources: each gives a row's states through count(), lse(s) and o_at<T>(s) ----
+// Every state of a row has an O address that may be read, even one of no weight (a state the
+// row lacks gets another's), so that the kernels load O without waiting for the LSEs.
 
 // Two states.  Rows of tokens >= a_tokens have no state a (it is not read); rows whose mask byte is
 // 0 are skipped whole (the in-place merge leaves them untouched).
@@ -118,10 +120,9 @@ struct PairSource {
   struct Row {
     const void* o[2];
     float l[2];
-    bool has_a, skipped;
+    bool skipped;
     ATTNMERGE_HD bool skip() const { return skipped; }
     ATTNMERGE_HD int count() const { return 2; }
-    ATTNMERGE_HD bool present(int s) const { return s == 1 || has_a; }
     ATTNMERGE_HD float lse(int s) const { return l[s]; }
     template <typename T>
     ATTNMERGE_HD const T* o_at(int s) const { return static_cast<const T*>(o[s]); }
@@ -131,11 +132,11 @@ struct PairSource {
   ATTNMERGE_HD Row row(I token, I head) const {
     Row r;
     r.skipped = mask != nullptr && mask[token * static_cast<I>(mask_stride)] == 0;
-    r.has_a = token < a_tokens;
-    const I token_a = r.has_a ? token : I{0};  // a may have fewer tokens: no offset past its end
-    r.o[0] = a.o_at<T>(token_a, head);
+    const bool has_a = token < a_tokens;
+    const I token_a = has_a ? token : I{0};  // a may have fewer tokens: no offset past its end
     r.o[1] = b.o_at<T>(token, head);
-    r.l[0] = r.has_a && !r.skipped ? a.lse_at(token_a, head) : -INFINITY;
+    r.o[0] = has_a ? a.o_at<T>(token_a, head) : r.o[1];  // no a: weight 0, b's row stands in
+    r.l[0] = has_a && !r.skipped ? a.lse_at(token_a, head) : -INFINITY;
     r.l[1] = r.skipped ? -INFINITY : b.lse_at(token, head);
     return r;
   }
@@ -150,7 +151,6 @@ struct StridedRow {
   int n;
   ATTNMERGE_HD bool skip() const { return false; }
   ATTNMERGE_HD int count() const { return n; }
-  ATTNMERGE_HD bool present(int) const { return true; }
   ATTNMERGE_HD float lse(int s) const { return l0[s * l_ss]; }
   template <typename T>
   ATTNMERGE_HD const T* o_at(int s) const { return static_cast<const T*>(o0) + s * o_ss; }
