@@ -42,31 +42,43 @@ def state_bytes(tokens, heads, head_size, itemsize, states):
 
 
 def _torch_impls(torch):
-    """name -> fn(op, out, out_lse, o, lse) for every installed implementation; o and lse are the
-    stacked states [tokens, S, heads, head_size] and [tokens, S, heads] (natural-log LSE)."""
+    """name -> fn(op, out, out_lse, *states) for every installed implementation: states are
+    (o_a, lse_a, o_b, lse_b) for "merge" ([tokens, heads, head_size], [tokens, heads]) and the
+    stacked (o, lse) ([tokens, S, heads, head_size], [tokens, S, heads]) for "merge_states";
+    natural-log LSEs.  The others' layouts and LSE bases differ: their timings stand, their results
+    are not compared."""
 
-    def ours(op, out, out_lse, o, lse):
+    def ours(op, out, out_lse, *states):
         if op == "merge":
-            attnmerge.merge(o[:, 0], lse[:, 0], o[:, 1], lse[:, 1], out=out, out_lse=out_lse)
+            attnmerge.merge(*states, out=out, out_lse=out_lse)
         else:
-            attnmerge.merge_states(o, lse, out=out, out_lse=out_lse)
+            attnmerge.merge_states(*states, out=out, out_lse=out_lse)
 
-    def eager(op, out, out_lse, o, lse):
-        m = lse.amax(dim=1, keepdim=True)
-        w = torch.exp(lse - m)
-        total = w.sum(dim=1)
-        out.copy_((o.float() * (w / total[:, None]).unsqueeze(-1)).sum(dim=1))
-        out_lse.copy_(torch.log(total) + m[:, 0])
+    def eager(op, out, out_lse, *states):
+        if op == "merge":
+            o_a, lse_a, o_b, lse_b = states
+            m = torch.maximum(lse_a, lse_b)
+            w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+            total = w_a + w_b
+            out.copy_(o_a * (w_a / total).unsqueeze(-1) + o_b * (w_b / total).unsqueeze(-1))
+        else:
+            o, lse = states
+            m = lse.amax(dim=1, keepdim=True)
+            w = torch.exp(lse - m)
+            total = w.sum(dim=1)
+            out.copy_((o.float() * (w / total[:, None]).unsqueeze(-1)).sum(dim=1))
+            m = m[:, 0]
+        out_lse.copy_(torch.log(total) + m)
 
     impls = {"attnmerge": ours, "torch eager": eager}
     try:
         import flashinfer
 
-        def fi(op, out, out_lse, o, lse):  # base-2 LSEs; results allocated by FlashInfer
+        def fi(op, out, out_lse, *states):  # results allocated by FlashInfer
             if op == "merge":
-                flashinfer.merge_state(o[:, 0], lse[:, 0], o[:, 1], lse[:, 1])
+                flashinfer.merge_state(*states)
             else:
-                flashinfer.merge_states(o, lse)
+                flashinfer.merge_states(*states)
 
         impls["flashinfer"] = fi
     except ImportError:
@@ -74,10 +86,11 @@ def _torch_impls(torch):
     try:
         from vllm import _custom_ops as vllm_ops
 
-        def vllm_merge(op, out, out_lse, o, lse):  # LSE [heads, tokens]; two-way only
+        def vllm_merge(op, out, out_lse, *states):  # two-way only; reads LSEs as [heads, tokens]
             if op != "merge":
                 raise NotImplementedError
-            vllm_ops.merge_attn_states(out, o[:, 0], lse[:, 0].T, o[:, 1], lse[:, 1].T, out_lse.T)
+            o_a, lse_a, o_b, lse_b = states
+            vllm_ops.merge_attn_states(out, o_a, lse_a, o_b, lse_b, out_lse)
 
         impls["vllm"] = vllm_merge
     except ImportError:
@@ -85,9 +98,9 @@ def _torch_impls(torch):
     try:
         import sgl_kernel
 
-        def sgl(op, out, out_lse, o, lse):
+        def sgl(op, out, out_lse, *states):
             if op == "merge":
-                sgl_kernel.merge_state(o[:, 0], lse[:, 0], o[:, 1], lse[:, 1])
+                sgl_kernel.merge_state(*states)
             else:
                 raise NotImplementedError
 
@@ -160,9 +173,13 @@ def run_gpu(shapes):
         nsets = max(1, min(32, (512 << 20) // max(1, nbytes)))
         sets = []
         for _ in range(nsets):
-            o = torch.randn(t, s, h, d, device="cuda", dtype=dtype)
-            lse = 3 * torch.randn(t, s, h, device="cuda")
-            sets.append((op, torch.empty(t, h, d, device="cuda", dtype=dtype), torch.empty(t, h, device="cuda"), o, lse))
+            if op == "merge":
+                states = []
+                for _ in range(2):
+                    states += [torch.randn(t, h, d, device="cuda", dtype=dtype), 3 * torch.randn(t, h, device="cuda")]
+            else:
+                states = [torch.randn(t, s, h, d, device="cuda", dtype=dtype), 3 * torch.randn(t, s, h, device="cuda")]
+            sets.append((op, torch.empty(t, h, d, device="cuda", dtype=dtype), torch.empty(t, h, device="cuda"), *states))
         for name, fn in impls.items():
             row = dict(op=op, tokens=t, heads=h, head_size=d, dtype=dt, states=s, impl=name, bytes=nbytes)
             try:
@@ -180,7 +197,80 @@ def run_gpu(shapes):
                   flush=True)
         del sets
         torch.cuda.empty_cache()
-    return {"device": torch.cuda.get_device_name(), "roofline_GBps": roof, "rows": rows}
+    return {"device": torch.cuda.get_device_name(), "roofline_GBps": roof, "rows": rows,
+            "host": _host_overhead(torch), "pdl": _pdl_chain(torch)}
+
+
+def _host_us(fn, calls=200):
+    """Host wall time per call (median of 15 batches; the GPU is waited for between batches only)."""
+    import torch
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(15):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _host_overhead(torch):
+    """Per-call cost from Python at 1 x 32 x 128 bfloat16 (the decode step): host time, and the
+    eager time per call on the GPU's clock (the larger of host and kernel time)."""
+    t, h, d = 1, 32, 128
+    o_a, o_b = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lse_a, lse_b = (torch.randn(t, h, device="cuda") for _ in range(2))
+    out, out_lse = torch.empty_like(o_a), torch.empty_like(lse_a)
+    from . import raw
+    from .compat.vllm import merge_attn_states
+
+    stream = torch.cuda.current_stream().cuda_stream
+    device = o_a.device.index or 0
+    o_desc = [(x.data_ptr(), "bfloat16", h * d, d) for x in (out, o_a, o_b)]
+    l_desc = [(x.data_ptr(), h, 1) for x in (out_lse, lse_a, lse_b)]
+    heads_first = [x.T for x in (out_lse, lse_a, lse_b)]  # vLLM's [heads, tokens] LSEs
+    calls = {
+        "attnmerge.merge (torch tensors)": lambda: attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse),
+        "compat.vllm.merge_attn_states (torch)": lambda: merge_attn_states(out, heads_first[0], o_a, heads_first[1],
+                                                                           o_b, heads_first[2]),
+        "raw.merge (integer pointers)": lambda: raw.merge(
+            tokens=t, heads=h, head_size=d, out=o_desc[0], out_lse=l_desc[0], o_a=o_desc[1], lse_a=l_desc[1],
+            o_b=o_desc[2], lse_b=l_desc[2], device=device, stream=stream),
+        "torch.add (one kernel, for scale)": lambda: torch.add(o_a, o_b, out=out),
+    }
+    rows = []
+    for name, fn in calls.items():
+        row = dict(call=name, host_us=_host_us(fn), eager_us=_eager_us(torch, lambda *_: fn(), [()], calls=200))
+        rows.append(row)
+        print(f"host  {name:<40} host {row['host_us']:6.2f} us per call | eager {row['eager_us']:6.2f} us", flush=True)
+    return rows
+
+
+def _pdl_chain(torch):
+    """Two dependent merges (the second reads the first's result), graph-timed, with and without
+    programmatic dependent launch, at decode sizes."""
+    rows = []
+    for t in (1, 16, 128):
+        shape = (t, 32, 128)
+        x = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        lx = [torch.randn(shape[:2], device="cuda") for _ in range(3)]
+        mid, mid_lse = torch.empty_like(x[0]), torch.empty_like(lx[0])
+        out, out_lse = torch.empty_like(x[0]), torch.empty_like(lx[0])
+        row = dict(tokens=t, heads=32, head_size=128, dtype="bfloat16")
+        for pdl in (False, True):
+            def chain(pdl=pdl):
+                attnmerge.merge(x[0], lx[0], x[1], lx[1], out=mid, out_lse=mid_lse, pdl=pdl)
+                attnmerge.merge(mid, mid_lse, x[2], lx[2], out=out, out_lse=out_lse, pdl=pdl)
+
+            row["pdl_us" if pdl else "plain_us"] = _graph_us(torch, lambda *_: chain(), [()], calls=50)
+        rows.append(row)
+        print(f"pdl   chain of 2 dependent merges {t:>4}x32x128 bfloat16: plain {row['plain_us']:6.2f} us, "
+              f"pdl {row['pdl_us']:6.2f} us ({row['plain_us'] / row['pdl_us']:.2f}x)", flush=True)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,10 +333,12 @@ def plot(result, path):
         print("bench: matplotlib is not installed: no plot", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(8, 5))
-    for impl in sorted({r["impl"] for r in result["rows"]}):
-        pts = sorted((r["bytes"], r["GBps"]) for r in result["rows"] if r["impl"] == impl and "GBps" in r)
+    for impl, op in sorted({(r["impl"], r["op"]) for r in result["rows"]}):
+        pts = sorted((r["bytes"], r["GBps"]) for r in result["rows"]
+                     if r["impl"] == impl and r["op"] == op and "GBps" in r)
         if pts:
-            ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], "o-", label=impl)
+            ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], "o-" if op == "merge" else "s--",
+                    label=f"{impl}, {op}")
     if "roofline_GBps" in result:
         ax.axhline(result["roofline_GBps"], color="gray", linestyle="--", label="roofline (torch.add)")
     ax.set_xscale("log")

@@ -1,0 +1,73 @@
+// Shared by the native benchmarks: CUDA error checks and timers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+inline void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Host time per call of `call`, us: the median over 15 batches of 200 calls, nothing waited for
+// inside a batch.
+template <typename F>
+double host_us(F&& call, cudaStream_t stream) {
+  constexpr int kBatch = 200, kBatches = 15;
+  for (int i = 0; i < 50; ++i) call();
+  check_cuda(cudaStreamSynchronize(stream), "synchronize");
+  std::vector<double> us;
+  for (int b = 0; b < kBatches; ++b) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < kBatch; ++i) call();
+    const auto end = std::chrono::steady_clock::now();
+    check_cuda(cudaStreamSynchronize(stream), "synchronize");
+    us.push_back(std::chrono::duration<double, std::micro>(end - start).count() / kBatch);
+  }
+  return median(us);
+}
+
+// GPU time per call of `call(i)`, us, by CUDA-graph replay: `calls` calls captured in one graph
+// (i = 0 .. calls-1, for rotating inputs), the median of 7 replays timed by events.
+template <typename F>
+double graph_us(F&& call, cudaStream_t stream, int calls = 50) {
+  for (int i = 0; i < 3; ++i) call(i);
+  check_cuda(cudaStreamSynchronize(stream), "warm-up");
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  for (int i = 0; i < calls; ++i) call(i);
+  check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
+  check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  cudaEvent_t start, end;
+  check_cuda(cudaEventCreate(&start), "event");
+  check_cuda(cudaEventCreate(&end), "event");
+  check_cuda(cudaGraphLaunch(exec, stream), "replay");
+  std::vector<double> us;
+  for (int r = 0; r < 7; ++r) {
+    check_cuda(cudaEventRecord(start, stream), "record");
+    check_cuda(cudaGraphLaunch(exec, stream), "replay");
+    check_cuda(cudaEventRecord(end, stream), "record");
+    check_cuda(cudaEventSynchronize(end), "synchronize");
+    float ms = 0;
+    check_cuda(cudaEventElapsedTime(&ms, start, end), "elapsed");
+    us.push_back(ms * 1e3 / calls);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(end);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  return median(us);
+}

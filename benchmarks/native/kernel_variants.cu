@@ -1,0 +1,121 @@
+// Launch choices of the two-way merge side by side, by CUDA-graph replay through the header-only
+// launcher (merge_kernels.cuh), on 1 to 32768 x 32 x 128 bfloat16 with input sets rotated past L2:
+//   blocks    256 threads always, or narrowed so that a small grid covers the SMs (the library's);
+//   evict     evict-first O loads and stores: the library's choice (< 32 MB), always, never;
+//   pdl       a chain of two dependent merges with and without programmatic dependent launch.
+// Prints us per merge and the ratio to the library's choice; figures go to benchmarks/NOTES.md.
+#include <attnmerge/merge_kernels.cuh>
+
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "common.h"
+
+using namespace attnmerge;
+
+namespace {
+
+constexpr int64_t kHeads = 32, kHeadSize = 128;
+
+struct Set {
+  void *o_a, *o_b, *out;
+  float *lse_a, *lse_b, *out_lse;
+};
+
+struct Case {
+  int64_t tokens;
+  std::vector<Set> sets;
+  int64_t bytes;
+};
+
+Case make_case(int64_t tokens) {
+  Case c{tokens, {}, 3 * tokens * kHeads * (kHeadSize * 2 + 4)};
+  const int64_t n = std::max<int64_t>(2, std::min<int64_t>(32, (int64_t{512} << 20) / c.bytes));
+  const size_t o_bytes = tokens * kHeads * kHeadSize * 2, lse_bytes = tokens * kHeads * 4;
+  for (int64_t i = 0; i < n; ++i) {
+    Set s;
+    for (void** p : {&s.o_a, &s.o_b, &s.out}) check_cuda(cudaMalloc(p, o_bytes), "cudaMalloc");
+    for (float** p : {&s.lse_a, &s.lse_b, &s.out_lse}) check_cuda(cudaMalloc(p, lse_bytes), "cudaMalloc");
+    for (void* p : {s.o_a, s.o_b}) check_cuda(cudaMemset(p, 0x3c, o_bytes), "cudaMemset");  // bf16 ~0.011
+    for (float* p : {s.lse_a, s.lse_b}) check_cuda(cudaMemset(p, 0, lse_bytes), "cudaMemset");
+    c.sets.push_back(s);
+  }
+  return c;
+}
+
+void free_case(Case& c) {
+  for (Set& s : c.sets)
+    for (void* p : {s.o_a, s.o_b, s.out, static_cast<void*>(s.lse_a), static_cast<void*>(s.lse_b),
+                    static_cast<void*>(s.out_lse)})
+      cudaFree(p);
+}
+
+// One merge of set `s` (a_o/a_lse may be another set's output, for the chain), evict-first
+// forced by the `bytes` the shape claims (stream_o reads it).
+cudaError_t merge(const void* o_a, const float* lse_a, const Set& s, void* out, float* out_lse, int64_t tokens,
+                  int64_t claimed_bytes, LaunchOptions lo, cudaStream_t stream) {
+  MergeShape shape{tokens, kHeads, kHeadSize, false};
+  shape.index32 = true;
+  shape.bytes = claimed_bytes;
+  const int64_t st = kHeads * kHeadSize;
+  const PairSource src{StateView{o_a, st, kHeadSize, lse_a, kHeads, 1}, StateView{s.o_b, st, kHeadSize, s.lse_b, kHeads, 1},
+                       tokens, nullptr, 0};
+  const OutView dst{out, st, kHeadSize, out_lse, kHeads, 1, 1.0f, nullptr, false};
+  return launch_merge<PairSource, bfloat16_t, bfloat16_t, 8, int32_t>(shape, src, dst, stream, lo);
+}
+
+}  // namespace
+
+int main() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    std::printf("kernel_variants: no CUDA device\n");
+    return 1;
+  }
+  cudaDeviceProp prop;
+  check_cuda(cudaGetDeviceProperties(&prop, 0), "properties");
+  cudaStream_t stream;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  const int sms = prop.multiProcessorCount;
+  std::printf("%s (%d SMs), two-way merge T x 32 x 128 bfloat16, us per merge by graph replay (median)\n", prop.name, sms);
+  std::printf("%7s %9s | %10s %10s %8s | %10s %10s %10s\n", "tokens", "MB", "library", "256-wide", "ratio",
+              "evict-1st", "plain", "ratio");
+  const int64_t always = 0, never = INT64_MAX;
+  for (int64_t tokens : {1, 16, 128, 512, 1024, 2048, 4096, 8192, 32768}) {
+    Case c = make_case(tokens);
+    const auto time = [&](int64_t claimed, LaunchOptions lo) {
+      return graph_us(
+          [&](int i) {
+            const Set& s = c.sets[i % c.sets.size()];
+            check_cuda(merge(s.o_a, s.lse_a, s, s.out, s.out_lse, tokens, claimed, lo, stream), "launch");
+          },
+          stream);
+    };
+    const LaunchOptions lib{sms, false}, wide{0, false};
+    const double t_lib = time(c.bytes, lib), t_wide = time(c.bytes, wide);
+    const double t_evict = time(always, lib), t_plain = time(never, lib);
+    std::printf("%7lld %9.1f | %10.2f %10.2f %8.3f | %10.2f %10.2f %10.3f\n", static_cast<long long>(tokens),
+                c.bytes / 1e6, t_lib, t_wide, t_wide / t_lib, t_evict, t_plain, t_plain / t_evict);
+    free_case(c);
+  }
+  std::printf("chain of two dependent merges (the second reads the first's output), us per chain\n");
+  for (int64_t tokens : {1, 16, 128, 2048}) {
+    Case c = make_case(tokens);
+    double t[2];
+    for (int pdl = 0; pdl < 2; ++pdl) {
+      const LaunchOptions lo{sms, pdl == 1};
+      t[pdl] = graph_us(
+          [&](int i) {
+            const Set& s = c.sets[i % c.sets.size()];
+            const Set& u = c.sets[(i + 1) % c.sets.size()];
+            check_cuda(merge(s.o_a, s.lse_a, s, s.out, s.out_lse, tokens, c.bytes, lo, stream), "launch");
+            check_cuda(merge(s.out, s.out_lse, u, u.out, u.out_lse, tokens, c.bytes, lo, stream), "launch");
+          },
+          stream);
+    }
+    std::printf("%7lld tokens: plain %7.2f  pdl %7.2f  (%.3fx)\n", static_cast<long long>(tokens), t[0], t[1], t[0] / t[1]);
+    free_case(c);
+  }
+  return 0;
+}
