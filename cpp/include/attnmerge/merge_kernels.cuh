@@ -98,11 +98,11 @@ __global__ void __launch_bounds__(kBlockThreads, min_blocks<Source>())
   using P = Pack<TIn, VEC>;
   const I row = launch_row<I>();
   const I k = static_cast<I>(blockIdx.y) * static_cast<I>(blockDim.x) + static_cast<I>(threadIdx.x);
-  if (row >= shape.rows || k >= shape.packs) return;
+  // rows and packs fit in I (int32_t only for calls of fewer than 2^30 elements an array)
+  if (row >= static_cast<I>(shape.rows) || k >= static_cast<I>(shape.packs)) return;
   I token, head;
   shape.split_row(row, token, head);
   const auto states = src.template row<TIn>(token, head);
-  if (states.skip()) return;
   const int n = states.count();
   // The first chunk: every load in flight at once.
   float l[kChunk];
@@ -112,6 +112,7 @@ __global__ void __launch_bounds__(kBlockThreads, min_blocks<Source>())
     l[c] = c < n ? states.lse(c) : -INFINITY;  // -inf: no weight, no NaN
     if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c) + k * VEC, shape.stream);
   }
+  if (states.skip()) return;
   float w[kChunk];
   RowMerge r(shape.base2);
   weigh_row<kChunk>(states, n, l, w, out.inverse_scale(), r);
@@ -142,7 +143,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     merge_lse_kernel(const MergeShape shape, const Source src, const OutView out) {
   constexpr int kChunk = Source::kMaxStates == 2 ? 2 : kStateChunk;
   const I row = launch_row<I>();
-  if (row >= shape.rows) return;
+  if (row >= static_cast<I>(shape.rows)) return;
   I token, head;
   shape.split_row(row, token, head);
   const auto states = src.template row<float>(token, head);

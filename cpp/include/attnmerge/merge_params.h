@@ -120,8 +120,9 @@ struct PairSource {
   struct Row {
     const void* o[2];
     float l[2];
-    bool skipped;
-    ATTNMERGE_HD bool skip() const { return skipped; }
+    const uint8_t* mask_byte;  // null: no mask
+    // Read after the states' loads are issued (a skipped row's loads are of memory that exists).
+    ATTNMERGE_HD bool skip() const { return mask_byte != nullptr && *mask_byte == 0; }
     ATTNMERGE_HD int count() const { return 2; }
     ATTNMERGE_HD float lse(int s) const { return l[s]; }
     template <typename T>
@@ -131,13 +132,13 @@ struct PairSource {
   template <typename T, typename I>
   ATTNMERGE_HD Row row(I token, I head) const {
     Row r;
-    r.skipped = mask != nullptr && mask[token * static_cast<I>(mask_stride)] == 0;
-    const bool has_a = token < a_tokens;
+    r.mask_byte = mask != nullptr ? mask + token * static_cast<I>(mask_stride) : nullptr;
+    const bool has_a = token < static_cast<I>(a_tokens);  // a_tokens <= tokens: fits in I
     const I token_a = has_a ? token : I{0};  // a may have fewer tokens: no offset past its end
     r.o[1] = b.o_at<T>(token, head);
     r.o[0] = has_a ? a.o_at<T>(token_a, head) : r.o[1];  // no a: weight 0, b's row stands in
-    r.l[0] = has_a && !r.skipped ? a.lse_at(token_a, head) : -INFINITY;
-    r.l[1] = r.skipped ? -INFINITY : b.lse_at(token, head);
+    r.l[0] = has_a ? a.lse_at(token_a, head) : -INFINITY;
+    r.l[1] = b.lse_at(token, head);
     return r;
   }
 };
