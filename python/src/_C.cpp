@@ -175,22 +175,62 @@ const DLPackExchangeAPI* exchange_api(PyTypeObject* type) {
   return api;
 }
 
-// Dict-based interfaces (__cuda_array_interface__, __array_interface__): strides in bytes or None.
+// ml_dtypes' bfloat16 and float8_e4m3fn have no typestr of their own ("V2", "V1"): the name of
+// the array's dtype tells, asked once per dtype object (held here, so its address stays its own).
+int named_dtype(py::handle obj) {
+  static std::unordered_map<PyObject*, int> cache;  // under the GIL
+  PyObject* dtype = PyObject_GetAttrString(obj.ptr(), "dtype");
+  if (dtype == nullptr) {
+    PyErr_Clear();
+    return -1;
+  }
+  const auto it = cache.find(dtype);
+  if (it != cache.end()) {
+    Py_DECREF(dtype);
+    return it->second;
+  }
+  const std::string name = py::str(dtype);
+  const int code = name == "bfloat16" ? ATTNMERGE_BFLOAT16 : name == "float8_e4m3fn" ? ATTNMERGE_FLOAT8_E4M3 : -1;
+  cache.emplace(dtype, code);  // keeps the reference
+  return code;
+}
+
+// NumPy arrays whose dtype NumPy will not export through DLPack (ml_dtypes' types): learned on
+// the first refusal, so that later calls go straight to __array_interface__ instead of paying
+// for a raised error each time.  Keys are dtype objects, held.
+std::unordered_map<PyObject*, bool>& no_dlpack_dtypes() {
+  static std::unordered_map<PyObject*, bool> cache;  // under the GIL
+  return cache;
+}
+
+bool is_numpy_array(py::handle obj) { return std::strcmp(Py_TYPE(obj.ptr())->tp_name, "numpy.ndarray") == 0; }
+
+bool known_to_refuse_dlpack(py::handle obj) {
+  if (!is_numpy_array(obj) || no_dlpack_dtypes().empty()) return false;
+  const py::object dtype = obj.attr("dtype");
+  return no_dlpack_dtypes().count(dtype.ptr()) != 0;
+}
+
+void remember_dlpack_refusal(py::handle obj) {
+  if (!is_numpy_array(obj)) return;
+  py::object dtype = obj.attr("dtype");
+  if (no_dlpack_dtypes().count(dtype.ptr()) == 0) no_dlpack_dtypes().emplace(dtype.release().ptr(), true);
+}
+
 // Dict-based interfaces (__cuda_array_interface__, __array_interface__): strides in bytes or None.
 void from_interface(Arg& a, py::handle obj, const py::dict& iface, bool cuda, const char* expected, const char* name) {
   const std::string typestr = py::str(iface["typestr"]);
   const std::string kind = typestr.size() > 1 ? typestr.substr(1) : typestr;
-  // ml_dtypes' bfloat16 and float8_e4m3fn have no typestr of their own: ask the array's dtype.
-  const std::string dtype = py::hasattr(obj, "dtype") ? std::string(py::str(obj.attr("dtype"))) : kind;
   static const std::pair<const char*, int> kinds[] = {{"f4", ATTNMERGE_FLOAT32}, {"f2", ATTNMERGE_FLOAT16},
                                                       {"u1", ATTNMERGE_UINT8},   {"b1", ATTNMERGE_BOOL},
                                                       {"i4", ATTNMERGE_INT32},   {"i8", ATTNMERGE_INT64}};
   a.t.dtype = -1;
   for (const auto& k : kinds)
     if (kind == k.first) a.t.dtype = k.second;
-  if (kind == "V2" && dtype == "bfloat16") a.t.dtype = ATTNMERGE_BFLOAT16;
-  if (kind == "V1" && dtype == "float8_e4m3fn") a.t.dtype = ATTNMERGE_FLOAT8_E4M3;
-  if (a.t.dtype < 0) type_error(name, std::string("expected dtype ") + expected + ", got " + dtype);
+  if (kind == "V2" || kind == "V1") a.t.dtype = named_dtype(obj);
+  if (a.t.dtype < 0)
+    type_error(name, std::string("expected dtype ") + expected + ", got " +
+                         (py::hasattr(obj, "dtype") ? std::string(py::str(obj.attr("dtype"))) : kind));
   const int64_t itemsize = std::stoll(kind.substr(1));  // the typestr's byte count: "f4" -> 4
   const py::tuple data = iface["data"];
   a.t.data = reinterpret_cast<void*>(data[0].cast<uintptr_t>());
@@ -245,7 +285,7 @@ void describe(Arg& a, py::handle obj, void* stream, const char* expected, const 
     if (api->managed_tensor_from_py_object_no_sync(o, &a.versioned) != 0) refused();
     return from_dltensor(a, a.versioned->dl_tensor, a.versioned->flags & kDLReadOnly, expected, name);
   }
-  if (py::hasattr(obj, "__dlpack__")) {
+  if (!known_to_refuse_dlpack(obj) && py::hasattr(obj, "__dlpack__")) {
     const py::tuple dev = obj.attr("__dlpack_device__")();
     const bool cpu = dev[0].cast<int>() == kDLCPU;
     py::dict kwargs;
@@ -271,6 +311,7 @@ void describe(Arg& a, py::handle obj, void* stream, const char* expected, const 
         PyErr_Restore(type, value, trace);
         throw py::error_already_set();
       }
+      remember_dlpack_refusal(obj);
       Py_XDECREF(type);
       Py_XDECREF(value);
       Py_XDECREF(trace);
