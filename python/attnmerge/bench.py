@@ -5,7 +5,9 @@ GPU (PyTorch with CUDA): the two-way merge over decode (1 to 256 tokens), chunk 
 merge (S = 4 and 8); each timed by CUDA-graph replay (the GPU work) and by an eager per-call loop from
 Python (host overhead included), with input sets rotated past L2 and medians of 7 runs.  Bandwidth
 is reported as GB/s and as a share of the 2-read-1-write roofline measured in the same run (torch.add
-on bfloat16).  Compared with PyTorch eager and with FlashInfer, vLLM and sgl-kernel where installed.
+on bfloat16), and each size also times torch.add moving the same bytes (what one plain streaming
+kernel reaches there, launch and drain included).  Compared with PyTorch eager and with FlashInfer,
+vLLM and sgl-kernel where installed.
 CPU (--cpu): the CPU path on NumPy arrays (float32, and bfloat16 with ml_dtypes) against np.add over
 the same bytes of float32, with per-call times; ATTNMERGE_NUM_THREADS caps the merge's threads.
 """
@@ -150,6 +152,16 @@ def _eager_us(torch, fn, sets, calls=100):
     return statistics.median(times)
 
 
+def _same_size_add_us(torch, nbytes):
+    """torch.add on bfloat16 moving `nbytes` (2 reads + 1 write), graph-timed with rotated inputs:
+    what one plain streaming kernel reaches at that size, fixed costs included."""
+    n = max(1, nbytes // 6)
+    nsets = max(1, min(32, (512 << 20) // max(1, nbytes)))
+    sets = [(torch.randn(n, device="cuda", dtype=torch.bfloat16), torch.randn(n, device="cuda", dtype=torch.bfloat16),
+             torch.empty(n, device="cuda", dtype=torch.bfloat16)) for _ in range(nsets)]
+    return _graph_us(torch, lambda x, y, z: torch.add(x, y, out=z), sets)
+
+
 def _roofline_gbps(torch):
     a = torch.randn(128 << 20, device="cuda", dtype=torch.bfloat16)
     b, c = torch.randn_like(a), torch.empty_like(a)
@@ -196,6 +208,12 @@ def run_gpu(shapes):
                   f"{row['graph_us']:>8.2f} us {row['GBps']:>6.0f} GB/s {row['roof_pct']:>5.1f}% | eager {row['eager_us']:>7.2f} us",
                   flush=True)
         del sets
+        add_us = _same_size_add_us(torch, nbytes)
+        for row in rows:
+            if row["bytes"] == nbytes and "graph_us" in row and "add_us" not in row:
+                row["add_us"] = add_us
+        print(f"{'':>12} torch.add moving the same {nbytes / 1e6:.1f} MB (2 reads + 1 write, bf16): {add_us:.2f} us, "
+              f"{100 * nbytes / add_us / 1e3 / roof:.1f}% of the roofline", flush=True)
         torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name(), "roofline_GBps": roof, "rows": rows,
             "host": _host_overhead(torch), "pdl": _pdl_chain(torch)}
