@@ -129,7 +129,7 @@ def _torch():
     return torch
 
 
-def _chain(torch, steps, o0, lse0, others, pdl):
+def _chain(steps, o0, lse0, others, pdl):
     """x_{k+1} = merge(x_k, other_k): each merge reads what the one before it wrote."""
     o, lse = o0.clone(), lse0.clone()
     outs = []
@@ -151,8 +151,8 @@ def test_a_chain_of_dependent_merges_with_pdl_gives_the_plain_bits(tokens):
     lse0 = 3 * torch.randn(shape[:2], device="cuda", generator=g)
     others = [(torch.randn(shape, device="cuda", generator=g, dtype=torch.bfloat16),
                3 * torch.randn(shape[:2], device="cuda", generator=g)) for _ in range(8)]
-    plain = _chain(torch, 8, o0, lse0, others, pdl=False)
-    with_pdl = _chain(torch, 8, o0, lse0, others, pdl=True)
+    plain = _chain(8, o0, lse0, others, pdl=False)
+    with_pdl = _chain(8, o0, lse0, others, pdl=True)
     torch.cuda.synchronize()
     for (p, pl), (q, ql) in zip(plain, with_pdl):
         assert torch.equal(p.view(torch.int16), q.view(torch.int16)) and torch.equal(pl, ql)

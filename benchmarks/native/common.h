@@ -16,6 +16,14 @@ inline void check_cuda(cudaError_t e, const char* what) {
   }
 }
 
+// Whether a CUDA device is visible; says so (as `program`) when not.
+inline bool have_gpu(const char* program) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) == cudaSuccess && count > 0) return true;
+  std::printf("%s: no CUDA device\n", program);
+  return false;
+}
+
 inline double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];

@@ -35,11 +35,7 @@ attnmerge_tensor tensor(void* data, int ndim, int dtype, uint32_t flags) {
 }  // namespace
 
 int main() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    std::printf("host_overhead: no CUDA device\n");
-    return 1;
-  }
+  if (!have_gpu("host_overhead")) return 1;
   check_cuda(cudaSetDevice(0), "cudaSetDevice");
   cudaDeviceProp prop;
   check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");

@@ -68,11 +68,7 @@ cudaError_t merge(const void* o_a, const float* lse_a, const Set& s, void* out, 
 }  // namespace
 
 int main() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    std::printf("kernel_variants: no CUDA device\n");
-    return 1;
-  }
+  if (!have_gpu("kernel_variants")) return 1;
   cudaDeviceProp prop;
   check_cuda(cudaGetDeviceProperties(&prop, 0), "properties");
   cudaStream_t stream;

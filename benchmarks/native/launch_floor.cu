@@ -28,11 +28,7 @@ double launch_us(uint32_t* out, cudaStream_t s, int blocks, int threads) {
 }  // namespace
 
 int main() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    std::printf("launch_floor: no CUDA device\n");
-    return 1;
-  }
+  if (!have_gpu("launch_floor")) return 1;
   cudaStream_t s;
   check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
   uint32_t* out;

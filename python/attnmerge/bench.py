@@ -152,21 +152,25 @@ def _eager_us(torch, fn, sets, calls=100):
     return statistics.median(times)
 
 
-def _same_size_add_us(torch, nbytes):
+def _input_sets(nbytes):
+    """How many input sets a call moving `nbytes` rotates through: together past 512 MB (L2 is
+    50 to 60 MB), at most 32."""
+    return max(1, min(32, (512 << 20) // max(1, nbytes)))
+
+
+def _same_size_add_us(torch, nbytes, calls=50):
     """torch.add on bfloat16 moving `nbytes` (2 reads + 1 write), graph-timed with rotated inputs:
     what one plain streaming kernel reaches at that size, fixed costs included."""
     n = max(1, nbytes // 6)
-    nsets = max(1, min(32, (512 << 20) // max(1, nbytes)))
     sets = [(torch.randn(n, device="cuda", dtype=torch.bfloat16), torch.randn(n, device="cuda", dtype=torch.bfloat16),
-             torch.empty(n, device="cuda", dtype=torch.bfloat16)) for _ in range(nsets)]
-    return _graph_us(torch, lambda x, y, z: torch.add(x, y, out=z), sets)
+             torch.empty(n, device="cuda", dtype=torch.bfloat16)) for _ in range(_input_sets(nbytes))]
+    return _graph_us(torch, lambda x, y, z: torch.add(x, y, out=z), sets, calls=calls)
 
 
 def _roofline_gbps(torch):
-    a = torch.randn(128 << 20, device="cuda", dtype=torch.bfloat16)
-    b, c = torch.randn_like(a), torch.empty_like(a)
-    us = _graph_us(torch, lambda x, y, z: torch.add(x, y, out=z), [(a, b, c)], calls=10)
-    return 3 * a.numel() * 2 / us / 1e3
+    """The roofline: torch.add on 2 x 128 Mi bfloat16 elements into a third (768 MiB moved)."""
+    nbytes = 6 * (128 << 20)
+    return nbytes / _same_size_add_us(torch, nbytes, calls=10) / 1e3
 
 
 def run_gpu(shapes):
@@ -182,9 +186,8 @@ def run_gpu(shapes):
     for op, t, h, d, dt, s in shapes:
         dtype = getattr(torch, dt)
         nbytes = state_bytes(t, h, d, torch.tensor([], dtype=dtype).element_size(), s)
-        nsets = max(1, min(32, (512 << 20) // max(1, nbytes)))
         sets = []
-        for _ in range(nsets):
+        for _ in range(_input_sets(nbytes)):
             if op == "merge":
                 states = []
                 for _ in range(2):

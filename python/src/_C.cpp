@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "attnmerge/attnmerge.h"
 
@@ -198,8 +199,8 @@ int named_dtype(py::handle obj) {
 // NumPy arrays whose dtype NumPy will not export through DLPack (ml_dtypes' types): learned on
 // the first refusal, so that later calls go straight to __array_interface__ instead of paying
 // for a raised error each time.  Keys are dtype objects, held.
-std::unordered_map<PyObject*, bool>& no_dlpack_dtypes() {
-  static std::unordered_map<PyObject*, bool> cache;  // under the GIL
+std::unordered_set<PyObject*>& no_dlpack_dtypes() {
+  static std::unordered_set<PyObject*> cache;  // under the GIL
   return cache;
 }
 
@@ -214,7 +215,7 @@ bool known_to_refuse_dlpack(py::handle obj) {
 void remember_dlpack_refusal(py::handle obj) {
   if (!is_numpy_array(obj)) return;
   py::object dtype = obj.attr("dtype");
-  if (no_dlpack_dtypes().count(dtype.ptr()) == 0) no_dlpack_dtypes().emplace(dtype.release().ptr(), true);
+  if (no_dlpack_dtypes().insert(dtype.ptr()).second) dtype.release();  // a new key keeps the reference
 }
 
 // Dict-based interfaces (__cuda_array_interface__, __array_interface__): strides in bytes or None.
