@@ -54,32 +54,38 @@ inline uint32_t round_half_even(float x) {
   return r + ((rem > 0.5f || (rem == 0.5f && (r & 1u))) ? 1u : 0u);
 }
 
-// IEEE binary16 from float32, round to nearest even, overflow to inf, NaN kept quiet.
+// c ? a : b as bit operations: a select the compiler keeps as one (a ?: between values computed
+// with float arithmetic becomes a branch, as the float operation may not be speculated).
+inline uint32_t select_bits(bool c, uint32_t a, uint32_t b) {
+  const uint32_t m = 0u - static_cast<uint32_t>(c);
+  return (a & m) | (b & ~m);
+}
+
+// IEEE binary16 from float32, round to nearest even, overflow to inf, NaN kept quiet.  Branch-free
+// (every case computed, one selected), so that the CPU path's loops over it vectorize.
 inline uint16_t host_float_to_half(float f) {
   const uint32_t x = float_to_bits(f);
   const uint32_t sign = (x >> 16) & 0x8000u;
   const uint32_t ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return static_cast<uint16_t>(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
-  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds past 65504
-  if (ax < 0x38800000u) {                                                 // subnormal or zero half
-    // In units of the smallest subnormal, 2^-24 (a carry into the exponent comes out right).
-    return static_cast<uint16_t>(sign | round_half_even(bits_to_float(ax) * 16777216.0f));
-  }
-  const uint32_t mant_odd = (ax >> 13) & 1u;
-  const uint32_t rounded = ax + 0xfffu + mant_odd;
-  return static_cast<uint16_t>(sign | ((rounded - 0x38000000u) >> 13));
+  // |f| < 2^-14, a subnormal or zero half: adding 0.5 puts its 10 bits at the bottom of the
+  // mantissa, rounded to nearest even by the float adder itself.
+  const uint32_t subnormal = float_to_bits(bits_to_float(ax) + 0.5f) - 0x3f000000u;
+  // Normal: rebias the exponent, round the 13 dropped bits to nearest even (a carry past 65504
+  // gives the inf pattern).
+  const uint32_t normal = (ax - 0x38000000u + 0xfffu + ((ax >> 13) & 1u)) >> 13;
+  const uint32_t special = ax > 0x7f800000u ? 0x7e00u : 0x7c00u;  // NaN (quiet) or inf
+  const uint32_t magnitude = select_bits(ax >= 0x47800000u, special, select_bits(ax < 0x38800000u, subnormal, normal));
+  return static_cast<uint16_t>(sign | magnitude);
 }
 
+// float32 from IEEE binary16, exactly; branch-free like the above.
 inline float host_half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t mant = h & 0x3ffu;
-  if (exp == 0) {
-    const float v = static_cast<float>(mant) * 5.9604644775390625e-08f;  // mant * 2^-24
-    return sign ? -v : v;
-  }
-  if (exp == 31) return bits_to_float(sign | 0x7f800000u | (mant << 13));
-  return bits_to_float(sign | ((exp + 112u) << 23) | (mant << 13));
+  const uint32_t em = h & 0x7fffu;
+  const float subnormal = static_cast<float>(static_cast<int32_t>(em)) * 5.9604644775390625e-08f;  // em * 2^-24
+  // Rebias the exponent by 112, and inf / NaN (exponent 31) by 112 more to reach 255.
+  const uint32_t normal = (em << 13) + 0x38000000u + (em >= 0x7c00u ? 0x38000000u : 0u);
+  return bits_to_float(sign | select_bits(em < 0x400u, float_to_bits(subnormal), normal));
 }
 
 // Branch-free, so that the CPU path's loops over it vectorize.
