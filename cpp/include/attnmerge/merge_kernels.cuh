@@ -112,10 +112,16 @@ __global__ void __launch_bounds__(kBlockThreads, min_blocks<Source>())
     l[c] = c < n ? states.lse(c) : -INFINITY;  // -inf: no weight, no NaN
     if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c) + k * VEC, shape.stream);
   }
+  // Where the results go, worked out while the loads are in flight: at decode sizes a merge
+  // lasts as long as its longest chain of dependent instructions, and everything after the loads
+  // is on it.
+  TOut* const dst = out.o_at<TOut>(token, head) + k * VEC;
+  float* const lse_dst = k == 0 ? out.lse_at(token, head) : nullptr;
   if (states.skip()) return;
   float w[kChunk];
   RowMerge r(shape.base2);
   weigh_row<kChunk>(states, n, l, w, out.inverse_scale(), r);
+  if (lse_dst != nullptr) *lse_dst = r.lse();  // its latency hidden behind the O math
   float acc[VEC] = {};
 #pragma unroll
   for (int c = 0; c < kChunk; ++c)
@@ -131,8 +137,7 @@ __global__ void __launch_bounds__(kBlockThreads, min_blocks<Source>())
     for (int c = 0; c < kChunk; ++c)
       if (s + c < n) accumulate(acc, o[c], r.scale(r.weight(m[c])));
   }
-  store_pack<TOut, VEC>(out.o_at<TOut>(token, head) + k * VEC, acc, shape.stream);
-  if (k == 0) out.store_lse(token, head, r.lse());
+  store_pack<TOut, VEC>(dst, acc, shape.stream);
 }
 
 // The merged LSEs alone, one thread per row: the second launch of a merge whose out_lse is also

@@ -81,9 +81,14 @@ struct OutView {
   ATTNMERGE_HD T* o_at(I token, I head) const {
     return static_cast<T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh));
   }
+  // Where the row's merged LSE goes: null when none is written.
+  template <typename I>
+  ATTNMERGE_HD float* lse_at(I token, I head) const {
+    return lse != nullptr ? lse + (token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)) : nullptr;
+  }
   template <typename I>
   ATTNMERGE_HD void store_lse(I token, I head, float v) const {
-    if (lse != nullptr) lse[token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)] = v;
+    if (float* p = lse_at(token, head)) *p = v;
   }
 };
 
@@ -265,11 +270,14 @@ ATTNMERGE_HD Pack<T, N> load_pack(const T* src, bool stream) {
   return p;
 }
 
-// acc += scale * p, unless scale is 0: a part of zero weight never contributes, so NaN or
-// garbage in it cannot reach the result even when it was fetched.
+// acc += scale * p, where a part of zero weight adds zeros: its words are cleared first, so NaN or
+// garbage in it cannot reach the result even when it was fetched.  A select per word rather than
+// a branch: at decode sizes the instructions after the loads are the merge's latency.
 template <typename T, int N>
-ATTNMERGE_HD void accumulate(float (&acc)[N], const Pack<T, N>& p, float scale) {
-  if (scale == 0.0f) return;
+ATTNMERGE_HD void accumulate(float (&acc)[N], Pack<T, N> p, float scale) {
+  const uint32_t keep = scale != 0.0f ? ~0u : 0u;
+  ATTNMERGE_UNROLL
+  for (int j = 0; j < Pack<T, N>::kWords; ++j) p.w[j] &= keep;
   ATTNMERGE_UNROLL
   for (int i = 0; i < N; ++i) acc[i] += scale * p.get(i);
 }
