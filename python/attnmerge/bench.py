@@ -360,6 +360,11 @@ def plot(result, path):
         if pts:
             ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], "o-" if op == "merge" else "s--",
                     label=f"{impl}, {op}")
+    # What a plain streaming kernel reaches at each size: torch.add moving the same bytes.
+    same = sorted({(r["bytes"], r["bytes"] / r["add_us"] / 1e3) for r in result["rows"] if r.get("add_us")})
+    if same:
+        ax.plot([p[0] / 1e6 for p in same], [p[1] for p in same], ":", color="gray",
+                label="torch.add moving the same bytes")
     if "roofline_GBps" in result:
         ax.axhline(result["roofline_GBps"], color="gray", linestyle="--", label="roofline (torch.add)")
     ax.set_xscale("log")
