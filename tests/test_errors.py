@@ -208,6 +208,23 @@ def test_misaligned_data(rng, name):
     expect(ValueError, [name], a)
 
 
+@pytest.mark.parametrize("name", ["o_a", "lse_b", "out"])
+def test_big_endian_arrays_are_refused(rng, name):
+    a = good(rng)
+    a[name] = a[name].astype(a[name].dtype.newbyteorder(">"))
+    expect(TypeError, [name, "big-endian"], a)
+
+
+@pytest.mark.parametrize("name", ["o_b", "out"])
+def test_strides_must_be_whole_elements(rng, name):
+    a = good(rng)
+    buf = np.zeros(T * H * D * 6 + 8, dtype=np.uint8)
+    x = np.ndarray((T, H, D), dtype=np.float32, buffer=buf, strides=(H * D * 6, D * 6, 6))  # 6-byte steps
+    x[...] = np.nan if name == "out" else a[name]
+    a[name] = x
+    expect(ValueError, [name, "strides", "6"], a)
+
+
 @pytest.mark.parametrize("name", ["out", "out_lse"])
 def test_read_only_outputs(rng, name):
     a = good(rng)

@@ -24,13 +24,30 @@ def family(x):
     return None
 
 
-def dtype_name(dtype, arg, names=_DTYPE_NAMES):
-    """One of `names` ('float32', 'float16', 'bfloat16', 'float8_e4m3fn') from a string or any
-    framework's dtype."""
-    name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None) or str(dtype).rpartition(".")[2]
+_NAME_OF_DTYPE = {}  # dtype object -> its name (NumPy's dtype.name is a Python property: ~2 us)
+
+
+def _name_of(dtype):
+    try:
+        return _NAME_OF_DTYPE[dtype]
+    except (KeyError, TypeError):  # not seen yet, or not hashable
+        pass
+    name = getattr(dtype, "name", None) or str(dtype).rpartition(".")[2]
     if isinstance(dtype, type):  # NumPy scalar types such as numpy.float16
         name = getattr(dtype, "__name__", name)
     name = _ALIASES.get(name, name)
+    try:
+        if name in _DTYPE_NAMES:
+            _NAME_OF_DTYPE[dtype] = name
+    except TypeError:
+        pass
+    return name
+
+
+def dtype_name(dtype, arg, names=_DTYPE_NAMES):
+    """One of `names` ('float32', 'float16', 'bfloat16', 'float8_e4m3fn') from a string or any
+    framework's dtype."""
+    name = _ALIASES.get(dtype, dtype) if isinstance(dtype, str) else _name_of(dtype)
     if name not in names:
         raise TypeError(f"{arg}: expected dtype {', '.join(names[:-1])} or {names[-1]}, got {dtype!r}")
     return name
@@ -39,16 +56,25 @@ def dtype_name(dtype, arg, names=_DTYPE_NAMES):
 INPUT_DTYPES = _DTYPE_NAMES[:3]
 
 
+_NUMPY_DTYPES = {}  # name -> NumPy dtype, once found
+
+
 def _numpy_dtype(name):
+    dtype = _NUMPY_DTYPES.get(name)
+    if dtype is not None:
+        return dtype
     import numpy as np
 
     if name in ("float32", "float16"):
-        return np.dtype(name)
-    try:
-        import ml_dtypes
-    except ImportError:
-        raise TypeError(f"{name} NumPy arrays need the ml_dtypes package (pip install ml_dtypes)") from None
-    return np.dtype(getattr(ml_dtypes, name))
+        dtype = np.dtype(name)
+    else:
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError(f"{name} NumPy arrays need the ml_dtypes package (pip install ml_dtypes)") from None
+        dtype = np.dtype(getattr(ml_dtypes, name))
+    _NUMPY_DTYPES[name] = dtype
+    return dtype
 
 
 class _DeviceBuffer:
