@@ -28,7 +28,9 @@ ATTNMERGE_HD float fast_exp2(float x) {
 
 ATTNMERGE_HD float fast_log2(float x) {
 #if defined(__CUDA_ARCH__)
-  return __log2f(x);
+  float y;  // only ever of a row's total weight, 0 or >= 1: no subnormal inputs to scale first
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 #else
   return std::log2(x);
 #endif
@@ -81,15 +83,19 @@ struct RowMerge {
   }
 
   // After every weight is in total: scale(w) = w * factor / total (factor: 1 / the output scale).
-  ATTNMERGE_HD void finish(float factor) { inv = nan ? NAN : (total > 0.0f ? factor * reciprocal(total) : 0.0f); }
+  // finish() and lse() select rather than branch: on the GPU they run after the loads, where each
+  // instruction adds to a decode-sized merge's latency (the unused value of total = 0 is dropped).
+  ATTNMERGE_HD void finish(float factor) {
+    const float q = factor * reciprocal(total);
+    inv = nan ? NAN : (total > 0.0f ? q : 0.0f);
+  }
 
   ATTNMERGE_HD float scale(float weight) const { return weight * inv; }
 
   // The merged LSE in the input's base: NaN if any LSE was NaN, -inf when every part is empty.
   ATTNMERGE_HD float lse() const {
-    if (nan) return NAN;
-    if (total == 0.0f) return -INFINITY;
-    return m + fast_log2(total) * from_log2;
+    const float v = m + fast_log2(total) * from_log2;
+    return nan ? NAN : (total == 0.0f ? -INFINITY : v);
   }
 };
 
