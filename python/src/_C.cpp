@@ -268,8 +268,10 @@ int numpy_dtype(const py::dtype& dt, const char* expected, const char* name) {
   for (const auto& n : names)
     if (dtype_name == n.first) code = n.second;
   if (code < 0) type_error(name, std::string("expected dtype ") + expected + ", got " + dtype_name);
-  cache.emplace(dt.ptr(), code);
-  dt.inc_ref();  // the key stays valid
+  if (cache.size() < 64) {  // NumPy's dtypes are singletons; a program minting dtype objects stops here
+    cache.emplace(dt.ptr(), code);
+    dt.inc_ref();  // the key stays valid
+  }
   return code;
 }
 
