@@ -695,8 +695,9 @@ def test_vllm_merge_attn_states_on_torch(rng, torch, dtype, k):
     assert torch.equal(output2, output)
 
 
+@pytest.mark.parametrize("check_pointers", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_raw_layer_with_torch_data_ptr(rng, torch, dtype):
+def test_raw_layer_with_torch_data_ptr(rng, torch, dtype, check_pointers):
     from attnmerge import raw
 
     fw = Torch()
@@ -713,7 +714,7 @@ def test_raw_layer_with_torch_data_ptr(rng, torch, dtype):
 
     raw.merge(tokens=33, heads=4, head_size=80, out=od(out), o_a=od(o_a), lse_a=ld(lse_a), o_b=od(o_b),
               lse_b=ld(lse_b), out_lse=ld(out_lse_ht.T), device=torch.cuda.current_device(),
-              stream=torch.cuda.current_stream().cuda_stream)
+              stream=torch.cuda.current_stream().cuda_stream, check_pointers=check_pointers)
     assert_merge_matches(fw.get(out), fw.get(out_lse_ht).T, reference_merge(*h), dtype)
 
 

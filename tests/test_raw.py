@@ -1,7 +1,7 @@
 """attnmerge.raw.merge on the CPU, over NumPy arrays' integer pointers.
 
 raw.merge(*, tokens, heads, head_size, out, o_a, lse_a, o_b, lse_b, out_lse=None, device, stream=0,
-          base="e", a_tokens=None, lse_heads_first=False)
+          base="e", a_tokens=None, lse_heads_first=False, pdl=False, check_pointers=True)
 O descriptors: (ptr, dtype name, stride_token, stride_head); LSE descriptors: (ptr, stride_token,
 stride_head); strides in elements; device "cpu" or a CUDA ordinal.
 """
@@ -80,6 +80,18 @@ def test_strides_in_elements(rng, dtype):
     call(out, out_lse, o_a, lse_a, o_b, lse_b)
     assert_merge_matches(out, out_lse, reference_merge(o_a0, lse_a0, o_b0, lse_b0), dtype)
     assert outside_view_is_nan(out, out_buf) and outside_view_is_nan(out_lse, out_lse_buf)
+
+
+def test_check_pointers_false_trusts_the_device_and_gives_the_same_result(rng):
+    o_a, lse_a = random_state(rng, 13, 4, 48, "bfloat16")
+    o_b, lse_b = random_state(rng, 13, 4, 48, "bfloat16")
+    checked, trusted = nan_array(o_a.shape, "bfloat16"), nan_array(o_a.shape, "bfloat16")
+    checked_lse, trusted_lse = nan_array(lse_a.shape), nan_array(lse_a.shape)
+    call(checked, checked_lse, o_a, lse_a, o_b, lse_b)
+    call(trusted, trusted_lse, o_a, lse_a, o_b, lse_b, check_pointers=False)
+    assert_merge_matches(trusted, trusted_lse, reference_merge(o_a, lse_a, o_b, lse_b), "bfloat16")
+    assert np.array_equal(trusted.view(np.uint16), checked.view(np.uint16))
+    assert np.array_equal(trusted_lse, checked_lse)
 
 
 def test_out_lse_none(rng):

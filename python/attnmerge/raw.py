@@ -5,7 +5,7 @@ from ._merge import a_tokens_arg, lse_flags
 
 
 def merge(*, tokens, heads, head_size, out, o_a, lse_a, o_b, lse_b, out_lse=None, device, stream=0, base="e",
-          a_tokens=None, lse_heads_first=False, pdl=False):
+          a_tokens=None, lse_heads_first=False, pdl=False, check_pointers=True):
     """Two-way merge over raw pointers.
 
     out, o_a, o_b: (ptr, dtype, stride_token, stride_head) with dtype "float32", "float16" or
@@ -16,6 +16,9 @@ def merge(*, tokens, heads, head_size, out, o_a, lse_a, o_b, lse_b, out_lse=None
     device: "cpu" for host memory, else the CUDA device ordinal that owns every pointer.
     stream: a cudaStream_t as an int (0: the legacy default stream); ignored on the CPU.
     base: "e" or 2.  pdl: programmatic dependent launch (see attnmerge.merge).
+    check_pointers: ask CUDA where each pointer lives before the merge (an error for memory of
+        another device, or device memory handed to the CPU path); False trusts `device` and skips
+        one query per pointer (~0.1 us each), for callers that know where their buffers are.
     """
     flags = lse_flags(base) | (_C.LSE_HEADS_FIRST if lse_heads_first else 0) | (_C.PDL if pdl else 0)
     if device == "cpu":
@@ -25,4 +28,4 @@ def merge(*, tokens, heads, head_size, out, o_a, lse_a, o_b, lse_b, out_lse=None
     else:
         raise ValueError(f"device: expected 'cpu' or a CUDA device ordinal >= 0, got {device!r}")
     _C.merge_raw(tokens, heads, head_size, out, out_lse, o_a, lse_a, o_b, lse_b, flags, a_tokens_arg(a_tokens), dev,
-                 stream)
+                 stream, not check_pointers)

@@ -511,13 +511,14 @@ void merge_varlen(py::handle out, py::handle out_lse, py::handle o, py::handle l
 // Raw layer: O as (ptr, dtype, stride_token, stride_head), LSE as (ptr, stride_0, stride_1) in the
 // LSE's own layout, sizes given once.
 void raw_tensor(Arg& a, py::handle desc, bool is_o, int64_t d0, int64_t d1, int64_t head_size, int device,
-                const char* name) {
+                bool device_known, const char* name) {
   if (!PyTuple_Check(desc.ptr()) || PyTuple_GET_SIZE(desc.ptr()) != (is_o ? 4 : 3))
     type_error(name, std::string("expected a tuple ") + (is_o ? "(ptr, dtype, stride_token, stride_head)" : "(ptr, stride_0, stride_1)") +
                          ", got " + std::string(py::repr(desc)));
   const py::tuple t = py::reinterpret_borrow<py::tuple>(desc);
   a.t.data = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
   a.t.device = device;
+  a.t.flags = device_known ? ATTNMERGE_DEVICE_KNOWN : 0u;  // the caller vouches for `device`
   a.t.dtype = is_o ? dtype_from_name(t[1].cast<std::string>(), name) : ATTNMERGE_FLOAT32;
   a.t.ndim = is_o ? 3 : 2;
   a.t.shape[0] = d0;
@@ -530,7 +531,7 @@ void raw_tensor(Arg& a, py::handle desc, bool is_o, int64_t d0, int64_t d1, int6
 
 void merge_raw(int64_t tokens, int64_t heads, int64_t head_size, py::handle out, py::handle out_lse, py::handle o_a,
                py::handle lse_a, py::handle o_b, py::handle lse_b, uint32_t flags, int64_t a_tokens, int device,
-               uintptr_t stream) {
+               uintptr_t stream, bool device_known) {
   const int64_t sizes[3] = {tokens, heads, head_size};
   const char* size_names[3] = {"tokens", "heads", "head_size"};
   for (int i = 0; i < 3; ++i)  // no shape can be built from a negative size
@@ -538,13 +539,16 @@ void merge_raw(int64_t tokens, int64_t heads, int64_t head_size, py::handle out,
   const bool heads_first = flags & ATTNMERGE_LSE_HEADS_FIRST;
   const int64_t a_rows = a_tokens < 0 ? tokens : std::min(a_tokens, tokens);
   Arg args[6];
-  raw_tensor(args[0], out, true, tokens, heads, head_size, device, "out");
+  raw_tensor(args[0], out, true, tokens, heads, head_size, device, device_known, "out");
   if (!out_lse.is_none())
-    raw_tensor(args[1], out_lse, false, heads_first ? heads : tokens, heads_first ? tokens : heads, 0, device, "out_lse");
-  raw_tensor(args[2], o_a, true, a_rows, heads, head_size, device, "o_a");
-  raw_tensor(args[3], lse_a, false, heads_first ? heads : a_rows, heads_first ? a_rows : heads, 0, device, "lse_a");
-  raw_tensor(args[4], o_b, true, tokens, heads, head_size, device, "o_b");
-  raw_tensor(args[5], lse_b, false, heads_first ? heads : tokens, heads_first ? tokens : heads, 0, device, "lse_b");
+    raw_tensor(args[1], out_lse, false, heads_first ? heads : tokens, heads_first ? tokens : heads, 0, device,
+               device_known, "out_lse");
+  raw_tensor(args[2], o_a, true, a_rows, heads, head_size, device, device_known, "o_a");
+  raw_tensor(args[3], lse_a, false, heads_first ? heads : a_rows, heads_first ? a_rows : heads, 0, device,
+             device_known, "lse_a");
+  raw_tensor(args[4], o_b, true, tokens, heads, head_size, device, device_known, "o_b");
+  raw_tensor(args[5], lse_b, false, heads_first ? heads : tokens, heads_first ? tokens : heads, 0, device,
+             device_known, "lse_b");
   const attnmerge_options options = {flags | (a_tokens >= 0 ? ATTNMERGE_A_TOKENS : 0u), a_tokens, 0.0f, nullptr};
   const attnmerge_tensor* lse_out = out_lse.is_none() ? nullptr : &args[1].t;
   call_library([&] {
@@ -573,7 +577,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("indptr"), py::arg("flags"), py::arg("output_scale"), py::arg("stream"));
   m.def("merge_raw", &merge_raw, py::arg("tokens"), py::arg("heads"), py::arg("head_size"), py::arg("out"),
         py::arg("out_lse"), py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"), py::arg("lse_b"), py::arg("flags"),
-        py::arg("a_tokens"), py::arg("device"), py::arg("stream"));
+        py::arg("a_tokens"), py::arg("device"), py::arg("stream"), py::arg("device_known"));
   m.def("stream_synchronize", [](int device, uintptr_t stream) {
     call_library([&] { return attnmerge_stream_synchronize(device, reinterpret_cast<void*>(stream)); });
   });
