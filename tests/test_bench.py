@@ -23,6 +23,21 @@ def test_the_cpu_benchmark_writes_its_figures(tmp_path):
         assert abs(r["ratio_to_np_add"] - r["GBps"] / r["np_add_GBps"]) < 1e-9
 
 
+def test_the_plot_draws_each_implementation_the_same_size_add_and_the_roofline(tmp_path):
+    pytest.importorskip("matplotlib")
+    from attnmerge import bench
+
+    rows = [dict(impl=impl, op=op, bytes=nbytes, GBps=gbps, add_us=nbytes / 3e3)
+            for impl, gbps in (("attnmerge", 2500.0), ("torch eager", 300.0))
+            for op in ("merge", "merge_states") for nbytes in (1e6, 1e8)]
+    path = tmp_path / "bench.png"
+    labels = bench.plot({"device": "test GPU", "roofline_GBps": 4000.0, "rows": rows}, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(labels) == sorted(["attnmerge, merge", "attnmerge, merge_states", "torch eager, merge",
+                                     "torch eager, merge_states", "torch.add moving the same bytes",
+                                     "roofline (torch.add)"])
+
+
 @pytest.mark.gpu
 def test_the_gpu_benchmark_writes_its_figures(tmp_path):
     pytest.importorskip("torch")
