@@ -120,12 +120,40 @@ int dtype_from_dl(DLDataType dt, const char* expected, const char* name) {
   type_error(name, std::string("expected dtype ") + expected + ", got " + dl_dtype_name(dt));
 }
 
+// The library's code for a dtype's name as NumPy, ml_dtypes and the raw layer spell it; -1 for
+// any other.
+int code_of_name(const std::string& s) {
+  static const std::pair<const char*, int> names[] = {
+      {"float32", ATTNMERGE_FLOAT32}, {"float16", ATTNMERGE_FLOAT16}, {"bfloat16", ATTNMERGE_BFLOAT16},
+      {"float8_e4m3fn", ATTNMERGE_FLOAT8_E4M3}, {"uint8", ATTNMERGE_UINT8}, {"bool", ATTNMERGE_BOOL},
+      {"int32", ATTNMERGE_INT32}, {"int64", ATTNMERGE_INT64}};
+  for (const auto& n : names)
+    if (s == n.first) return n.second;
+  return -1;
+}
+
+// An O dtype of the raw layer, by name ("float8_e4m3" there is float8_e4m3fn; an ml_dtypes array
+// of that name is another type).
 int dtype_from_name(const std::string& s, const char* name) {
-  if (s == "float32") return ATTNMERGE_FLOAT32;
-  if (s == "float16") return ATTNMERGE_FLOAT16;
-  if (s == "bfloat16") return ATTNMERGE_BFLOAT16;
-  if (s == "float8_e4m3fn" || s == "float8_e4m3") return ATTNMERGE_FLOAT8_E4M3;
+  const int code = code_of_name(s == "float8_e4m3" ? "float8_e4m3fn" : s);
+  if (code == ATTNMERGE_FLOAT32 || code == ATTNMERGE_FLOAT16 || code == ATTNMERGE_BFLOAT16 || code == ATTNMERGE_FLOAT8_E4M3)
+    return code;
   type_error(name, "expected dtype float32, float16, bfloat16 or float8_e4m3fn, got " + s);
+}
+
+// The code of a dtype object (NumPy's, ml_dtypes'), from its name, asked once per object: the
+// objects are singletons, held here so that an address stays its own (at most 64: a program minting
+// dtype objects is asked every time).  Under the GIL.
+int code_of_dtype(py::handle dtype) {
+  static std::unordered_map<PyObject*, int> cache;
+  const auto it = cache.find(dtype.ptr());
+  if (it != cache.end()) return it->second;
+  const int code = code_of_name(py::str(dtype));
+  if (cache.size() < 64) {
+    cache.emplace(dtype.ptr(), code);
+    dtype.inc_ref();
+  }
+  return code;
 }
 
 void set_ndim(Arg& a, int64_t ndim, const char* name) {
@@ -177,23 +205,14 @@ const DLPackExchangeAPI* exchange_api(PyTypeObject* type) {
 }
 
 // ml_dtypes' bfloat16 and float8_e4m3fn have no typestr of their own ("V2", "V1"): the name of
-// the array's dtype tells, asked once per dtype object (held here, so its address stays its own).
+// the array's dtype tells.
 int named_dtype(py::handle obj) {
-  static std::unordered_map<PyObject*, int> cache;  // under the GIL
   PyObject* dtype = PyObject_GetAttrString(obj.ptr(), "dtype");
   if (dtype == nullptr) {
     PyErr_Clear();
     return -1;
   }
-  const auto it = cache.find(dtype);
-  if (it != cache.end()) {
-    Py_DECREF(dtype);
-    return it->second;
-  }
-  const std::string name = py::str(dtype);
-  const int code = name == "bfloat16" ? ATTNMERGE_BFLOAT16 : name == "float8_e4m3fn" ? ATTNMERGE_FLOAT8_E4M3 : -1;
-  cache.emplace(dtype, code);  // keeps the reference
-  return code;
+  return code_of_dtype(py::reinterpret_steal<py::object>(dtype));
 }
 
 // A numpy.ndarray or an instance of a subclass, told by type name (importing NumPy's C API to
@@ -253,26 +272,12 @@ void from_interface(Arg& a, py::handle obj, const py::dict& iface, bool cuda, co
 // NumPy arrays are read from the array object itself, through NumPy's C API (which pybind11 loads
 // at run time: no build dependency): ~0.1 us an array against ~0.7 for a __dlpack__ round trip
 // and ~2.3 for __array_interface__ (which ml_dtypes' types would need, as NumPy will not export
-// them through DLPack).  Supported dtype objects are remembered, held; under the GIL.
+// them through DLPack).
 int numpy_dtype(const py::dtype& dt, const char* expected, const char* name) {
-  static std::unordered_map<PyObject*, int> cache;
-  const auto it = cache.find(dt.ptr());
-  if (it != cache.end()) return it->second;
-  static const std::pair<const char*, int> names[] = {
-      {"float32", ATTNMERGE_FLOAT32}, {"float16", ATTNMERGE_FLOAT16}, {"bfloat16", ATTNMERGE_BFLOAT16},
-      {"float8_e4m3fn", ATTNMERGE_FLOAT8_E4M3}, {"uint8", ATTNMERGE_UINT8}, {"bool", ATTNMERGE_BOOL},
-      {"int32", ATTNMERGE_INT32}, {"int64", ATTNMERGE_INT64}};
-  const std::string dtype_name = py::str(dt);
-  if (dt.byteorder() == '>') type_error(name, "expected native byte order, got big-endian " + dtype_name);
-  int code = -1;
-  for (const auto& n : names)
-    if (dtype_name == n.first) code = n.second;
-  if (code < 0) type_error(name, std::string("expected dtype ") + expected + ", got " + dtype_name);
-  if (cache.size() < 64) {  // NumPy's dtypes are singletons; a program minting dtype objects stops here
-    cache.emplace(dt.ptr(), code);
-    dt.inc_ref();  // the key stays valid
-  }
-  return code;
+  const int code = code_of_dtype(dt);
+  if (code >= 0) return code;
+  if (dt.byteorder() == '>') type_error(name, "expected native byte order, got big-endian " + std::string(py::str(dt)));
+  type_error(name, std::string("expected dtype ") + expected + ", got " + std::string(py::str(dt)));
 }
 
 void from_numpy(Arg& a, py::handle obj, const char* expected, const char* name) {
