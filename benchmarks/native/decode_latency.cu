@@ -27,11 +27,6 @@ namespace {
 
 constexpr int kHeads = 32, kHeadSize = 128, kPacks = kHeadSize / 8;
 
-struct Set {
-  void *a, *b, *out;
-  float *lse_a, *lse_b, *out_lse;
-};
-
 // One 16-byte pack of one row per thread; the LSE layout is [heads, tokens], as vLLM's.
 template <bool k2D>
 __global__ void minimal_merge(uint4* out, float* out_lse, const uint4* a, const float* lse_a, const uint4* b,
@@ -112,23 +107,17 @@ int main() {
   std::printf("%s: T x 32 x 128 bfloat16, us per launch by graph replay, variants round-robin (median)\n", prop.name);
   for (int tokens : {1, 16, 128, 512}) {
     const size_t o_bytes = size_t(tokens) * kHeads * kHeadSize * 2, lse_bytes = size_t(tokens) * kHeads * 4;
-    std::vector<Set> sets(32);
-    for (Set& x : sets) {
-      for (void** p : {&x.a, &x.b, &x.out}) check_cuda(cudaMalloc(p, o_bytes), "cudaMalloc");
-      for (float** p : {&x.lse_a, &x.lse_b, &x.out_lse}) check_cuda(cudaMalloc(p, lse_bytes), "cudaMalloc");
-      for (void* p : {x.a, x.b}) check_cuda(cudaMemset(p, 0x3c, o_bytes), "cudaMemset");  // bf16 ~0.011
-      for (float* p : {x.lse_a, x.lse_b}) check_cuda(cudaMemset(p, 0, lse_bytes), "cudaMemset");
-    }
+    std::vector<PairSet> sets = alloc_pair_sets(32, o_bytes, lse_bytes);
     const int64_t bytes = 3 * int64_t(o_bytes + lse_bytes);
     const int64_t st = kHeads * kHeadSize;
     std::vector<Variant> vs;
     vs.push_back({"library", [&](int i) {
-      const Set& x = sets[i % 32];
+      const PairSet& x = sets[i % 32];
       MergeShape shape{tokens, kHeads, kHeadSize, false};
       shape.index32 = true;
       shape.bytes = bytes;
-      const PairSource src{StateView{x.a, st, kHeadSize, x.lse_a, 1, tokens}, StateView{x.b, st, kHeadSize, x.lse_b, 1, tokens},
-                           tokens, nullptr, 0};
+      const PairSource src{StateView{x.o_a, st, kHeadSize, x.lse_a, 1, tokens},
+                           StateView{x.o_b, st, kHeadSize, x.lse_b, 1, tokens}, tokens, nullptr, 0};
       const OutView dst{x.out, st, kHeadSize, x.out_lse, 1, tokens, 1.0f, nullptr, false};
       check_cuda(launch_merge<PairSource, bfloat16_t, bfloat16_t, 8, int32_t>(shape, src, dst, s, LaunchOptions{sms, false}),
                  "library");
@@ -136,9 +125,9 @@ int main() {
     const unsigned threads = unsigned(tokens) * kHeads * kPacks;
     const auto minimal = [&](const char* name, int by) {  // by: rows a 2-D block holds, 0 for 1-D blocks
       vs.push_back({name, [&, by](int i) {
-        const Set& x = sets[i % 32];
+        const PairSet& x = sets[i % 32];
         uint4* out = static_cast<uint4*>(x.out);
-        const uint4 *a = static_cast<const uint4*>(x.a), *b = static_cast<const uint4*>(x.b);
+        const uint4 *a = static_cast<const uint4*>(x.o_a), *b = static_cast<const uint4*>(x.o_b);
         if (by == 0)
           minimal_merge<false><<<(threads + 127) / 128, 128, 0, s>>>(out, x.out_lse, a, x.lse_a, b, x.lse_b, tokens);
         else
@@ -156,9 +145,7 @@ int main() {
     std::printf("%5d tokens (%6.2f MB):", tokens, bytes / 1e6);
     for (Variant& v : vs) std::printf(" | %s %.2f", v.name.c_str(), median(v.us));
     std::printf("\n");
-    for (Set& x : sets)
-      for (void* p : {x.a, x.b, x.out, static_cast<void*>(x.lse_a), static_cast<void*>(x.lse_b), static_cast<void*>(x.out_lse)})
-        cudaFree(p);
+    free_pair_sets(sets);
   }
   return 0;
 }

@@ -18,10 +18,7 @@ namespace {
 
 constexpr int64_t kHeads = 32, kHeadSize = 128;
 
-struct Set {
-  void *o_a, *o_b, *out;
-  float *lse_a, *lse_b, *out_lse;
-};
+using Set = PairSet;
 
 struct Case {
   int64_t tokens;
@@ -30,26 +27,12 @@ struct Case {
 };
 
 Case make_case(int64_t tokens) {
-  Case c{tokens, {}, 3 * tokens * kHeads * (kHeadSize * 2 + 4)};
-  const int64_t n = std::max<int64_t>(2, std::min<int64_t>(32, (int64_t{512} << 20) / c.bytes));
-  const size_t o_bytes = tokens * kHeads * kHeadSize * 2, lse_bytes = tokens * kHeads * 4;
-  for (int64_t i = 0; i < n; ++i) {
-    Set s;
-    for (void** p : {&s.o_a, &s.o_b, &s.out}) check_cuda(cudaMalloc(p, o_bytes), "cudaMalloc");
-    for (float** p : {&s.lse_a, &s.lse_b, &s.out_lse}) check_cuda(cudaMalloc(p, lse_bytes), "cudaMalloc");
-    for (void* p : {s.o_a, s.o_b}) check_cuda(cudaMemset(p, 0x3c, o_bytes), "cudaMemset");  // bf16 ~0.011
-    for (float* p : {s.lse_a, s.lse_b}) check_cuda(cudaMemset(p, 0, lse_bytes), "cudaMemset");
-    c.sets.push_back(s);
-  }
-  return c;
+  const int64_t bytes = 3 * tokens * kHeads * (kHeadSize * 2 + 4);
+  const int64_t n = std::max<int64_t>(2, std::min<int64_t>(32, (int64_t{512} << 20) / bytes));
+  return Case{tokens, alloc_pair_sets(n, tokens * kHeads * kHeadSize * 2, tokens * kHeads * 4), bytes};
 }
 
-void free_case(Case& c) {
-  for (Set& s : c.sets)
-    for (void* p : {s.o_a, s.o_b, s.out, static_cast<void*>(s.lse_a), static_cast<void*>(s.lse_b),
-                    static_cast<void*>(s.out_lse)})
-      cudaFree(p);
-}
+void free_case(Case& c) { free_pair_sets(c.sets); }
 
 // One merge of set `s` (a_o/a_lse may be another set's output, for the chain), evict-first
 // forced by the `bytes` the shape claims (stream_o reads it).
