@@ -2,10 +2,13 @@
 // launcher (merge_kernels.cuh), on 1 to 32768 x 32 x 128 bfloat16 with input sets rotated past L2:
 //   blocks    256 threads always, or narrowed so that a small grid covers the SMs (the library's);
 //   evict     evict-first O loads and stores: the library's choice (< 32 MB), always, never;
-//   pdl       a chain of two dependent merges with and without programmatic dependent launch.
+//   pdl       a chain of two dependent merges with and without programmatic dependent launch;
+//   tiles     with vLLM's [heads, tokens] LSEs, rows in tiles of 8 tokens (MergeShape::tile) against
+//             the token-major order, at several head sizes; the two outputs compared byte for byte.
 // Prints us per merge and the ratio to the library's choice; figures go to benchmarks/NOTES.md.
 #include <attnmerge/merge_kernels.cuh>
 
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
@@ -46,6 +49,53 @@ cudaError_t merge(const void* o_a, const float* lse_a, const Set& s, void* out, 
                        tokens, nullptr, 0};
   const OutView dst{out, st, kHeadSize, out_lse, kHeads, 1, 1.0f, nullptr, false};
   return launch_merge<PairSource, bfloat16_t, bfloat16_t, 8, int32_t>(shape, src, dst, stream, lo);
+}
+
+// The two-way merge of T x H x D bfloat16 with [heads, tokens] LSEs, rows token-major or in tiles
+// of 8 tokens: us per merge for each, and whether both wrote the same bytes.
+void tiles(int64_t tokens, int64_t heads, int64_t head_size, int sms, cudaStream_t stream) {
+  const size_t o_bytes = tokens * heads * head_size * 2, lse_bytes = tokens * heads * 4;
+  const int64_t bytes = 3 * int64_t(o_bytes + lse_bytes);
+  const int64_t n = std::max<int64_t>(2, std::min<int64_t>(32, (int64_t{512} << 20) / bytes));
+  std::vector<Set> sets(n);
+  for (Set& s : sets) {
+    for (void** p : {&s.o_a, &s.o_b, &s.out}) check_cuda(cudaMalloc(p, o_bytes), "cudaMalloc");
+    for (float** p : {&s.lse_a, &s.lse_b, &s.out_lse}) check_cuda(cudaMalloc(p, lse_bytes), "cudaMalloc");
+    for (void* p : {s.o_a, s.o_b}) check_cuda(cudaMemset(p, 0x3c, o_bytes), "cudaMemset");
+    check_cuda(cudaMemset(s.lse_a, 0, lse_bytes), "cudaMemset");
+    check_cuda(cudaMemset(s.lse_b, 0x3f, lse_bytes), "cudaMemset");  // ~0.75: unequal weights
+  }
+  const auto run = [&](const Set& s, void* out, float* out_lse, bool tiled) {
+    MergeShape shape{tokens, heads, head_size, false};
+    shape.index32 = true;
+    shape.bytes = bytes;
+    if (tiled) shape.tile(3);
+    const int64_t st = heads * head_size;
+    const PairSource src{StateView{s.o_a, st, head_size, s.lse_a, 1, tokens}, StateView{s.o_b, st, head_size, s.lse_b, 1, tokens},
+                         tokens, nullptr, 0};
+    const OutView dst{out, st, head_size, out_lse, 1, tokens, 1.0f, nullptr, false};
+    check_cuda(launch_merge<PairSource, bfloat16_t, bfloat16_t, 8, int32_t>(shape, src, dst, stream, LaunchOptions{sms, false}),
+               "launch");
+  };
+  double t[2][2];
+  for (int round = 0; round < 2; ++round)
+    for (int tiled = 0; tiled < 2; ++tiled)
+      t[round][tiled] = graph_us([&](int i) { const Set& s = sets[i % n]; run(s, s.out, s.out_lse, tiled == 1); }, stream);
+  // Both orders into set 1's outputs and set 0's, from set 0's inputs: the same bytes?
+  run(sets[0], sets[0].out, sets[0].out_lse, false);
+  run(sets[0], sets[1].out, sets[1].out_lse, true);
+  std::vector<char> a(o_bytes + lse_bytes), b(o_bytes + lse_bytes);
+  check_cuda(cudaMemcpy(a.data(), sets[0].out, o_bytes, cudaMemcpyDeviceToHost), "copy");
+  check_cuda(cudaMemcpy(a.data() + o_bytes, sets[0].out_lse, lse_bytes, cudaMemcpyDeviceToHost), "copy");
+  check_cuda(cudaMemcpy(b.data(), sets[1].out, o_bytes, cudaMemcpyDeviceToHost), "copy");
+  check_cuda(cudaMemcpy(b.data() + o_bytes, sets[1].out_lse, lse_bytes, cudaMemcpyDeviceToHost), "copy");
+  std::printf("%6lld x %3lld x %3lld %7.1f MB: token-major %8.2f %8.2f us | tiles of 8 %8.2f %8.2f us | %.3fx | %s\n",
+              static_cast<long long>(tokens), static_cast<long long>(heads), static_cast<long long>(head_size), bytes / 1e6,
+              t[0][0], t[1][0], t[0][1], t[1][1], (t[0][0] + t[1][0]) / (t[0][1] + t[1][1]),
+              a == b ? "same bytes" : "OUTPUTS DIFFER");
+  for (Set& s : sets)
+    for (void* p : {s.o_a, s.o_b, s.out, static_cast<void*>(s.lse_a), static_cast<void*>(s.lse_b), static_cast<void*>(s.out_lse)})
+      cudaFree(p);
 }
 
 }  // namespace
@@ -96,5 +146,9 @@ int main() {
     std::printf("%7lld tokens: plain %7.2f  pdl %7.2f  (%.3fx)\n", static_cast<long long>(tokens), t[0], t[1], t[0] / t[1]);
     free_case(c);
   }
+  std::printf("[heads, tokens] LSEs, rows token-major against tiles of 8 tokens (each timed twice)\n");
+  for (const auto& shape : {std::array<int64_t, 3>{16384, 64, 64}, {8192, 32, 128}, {8192, 32, 80}, {16384, 16, 256},
+                            {2048, 32, 128}, {512, 32, 128}})
+    tiles(shape[0], shape[1], shape[2], sms, stream);
   return 0;
 }

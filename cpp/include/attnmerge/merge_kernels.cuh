@@ -102,6 +102,7 @@ __global__ void __launch_bounds__(kBlockThreads, min_blocks<Source>())
   if (row >= static_cast<I>(shape.rows) || k >= static_cast<I>(shape.packs)) return;
   I token, head;
   shape.split_row(row, token, head);
+  if (token >= static_cast<I>(shape.tokens)) return;  // past the last tile's tokens
   const auto states = src.template row<TIn>(token, head);
   const int n = states.count();
   // The first chunk: every load in flight at once.
@@ -151,6 +152,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   if (row >= static_cast<I>(shape.rows)) return;
   I token, head;
   shape.split_row(row, token, head);
+  if (token >= static_cast<I>(shape.tokens)) return;
   const auto states = src.template row<float>(token, head);
   if (states.skip()) return;
   const int n = states.count();

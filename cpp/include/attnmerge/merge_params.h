@@ -23,41 +23,75 @@ namespace attnmerge {
 
 struct MergeShape {
   int64_t tokens, heads, head_size;
-  int64_t rows;  // tokens * heads
+  int64_t rows;  // rows the launch covers: tokens * heads, rounded up to whole tiles when tiled
   int64_t packs;  // vector accesses per row (head_size / the launch's vector width), set at launch
   int64_t bytes;  // bytes the call moves, about (set by the caller)
   bool stream;    // evict-first O loads and stores (set at launch)
   bool base2;
   bool index32;  // every element offset of the call fits in int32_t (set by the caller)
-  // row / heads as (umulhi(row, magic) + row) >> shift for rows below 2^31: a division takes
-  // some twenty instructions, as many as the rest of a row's index math.
+  // Row order.  Untiled (tile_shift < 0): row = token * heads + head.  Tiled: tokens taken
+  // 2^tile_shift at a time, and a tile's rows head-major (row = (tile * heads + head) * 2^tile_shift
+  // + token in the tile), so that a warp's rows are consecutive tokens of one head: with LSEs laid
+  // out [heads, tokens] they share one 32-byte sector instead of one each, while a block's O stays
+  // in runs of whole rows.  Rows past the last token of the last tile do nothing.
+  int tile_shift;
+  // row / group (group: heads, or heads << tile_shift) as (umulhi(row, magic) + row) >> shift for
+  // rows below 2^31: a division takes some twenty instructions, as many as the rest of a row's
+  // index math.
   uint32_t magic;
   int shift;
 
   ATTNMERGE_HD MergeShape(int64_t tokens_, int64_t heads_, int64_t head_size_, bool base2_)
       : tokens(tokens_), heads(heads_), head_size(head_size_), rows(tokens_ * heads_), packs(head_size_), bytes(0), stream(false), base2(base2_), index32(false),
-        magic(0), shift(0) {
-    if (heads > 0 && heads < (int64_t{1} << 31)) {
-      while ((int64_t{1} << shift) < heads) ++shift;
-      magic = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - static_cast<uint64_t>(heads))) /
-                                        static_cast<uint64_t>(heads) + 1);
-    }
+        tile_shift(-1), magic(0), shift(0) {
+    set_divisor(heads);
   }
 
-  // (token, head) of a row.  With I = int32_t the caller guarantees rows < 2^31.
+  // Tiles of 2^tile_shift_ tokens (see tile_shift); rows rounded up to whole tiles.
+  ATTNMERGE_HD void tile(int tile_shift_) {
+    tile_shift = tile_shift_;
+    const int64_t per_tile = int64_t{1} << tile_shift;
+    rows = (tokens + per_tile - 1) / per_tile * per_tile * heads;
+    set_divisor(heads << tile_shift);
+  }
+
+  ATTNMERGE_HD int64_t group() const { return tile_shift < 0 ? heads : heads << tile_shift; }
+
+  // (token, head) of a row; token may be >= tokens in the last tile (a row to skip).  With
+  // I = int32_t the caller guarantees rows < 2^31.
   template <typename I>
   ATTNMERGE_HD void split_row(I row, I& token, I& head) const {
+    const I g = static_cast<I>(group());
+    I q;
 #if defined(__CUDA_ARCH__)
     if (sizeof(I) == 4 || (rows >> 31) == 0) {
       const uint32_t r = static_cast<uint32_t>(row);
-      token = static_cast<I>((__umulhi(r, magic) + r) >> shift);
+      q = static_cast<I>((__umulhi(r, magic) + r) >> shift);
     } else {
-      token = row / static_cast<I>(heads);
+      q = row / g;
     }
 #else
-    token = row / static_cast<I>(heads);
+    q = row / g;
 #endif
-    head = row - token * static_cast<I>(heads);
+    const I rem = row - q * g;
+    if (tile_shift < 0) {
+      token = q;
+      head = rem;
+    } else {
+      head = rem >> tile_shift;
+      token = (q << tile_shift) + (rem & ((I{1} << tile_shift) - 1));
+    }
+  }
+
+ private:
+  ATTNMERGE_HD void set_divisor(int64_t d) {
+    magic = 0;
+    shift = 0;
+    if (d > 0 && d < (int64_t{1} << 31)) {
+      while ((int64_t{1} << shift) < d) ++shift;
+      magic = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - static_cast<uint64_t>(d))) /
+                                        static_cast<uint64_t>(d) + 1);
+    }
   }
 };
 
