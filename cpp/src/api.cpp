@@ -7,6 +7,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
+#include <type_traits>
 
 #include "internal.h"
 
@@ -309,6 +310,15 @@ attnmerge_status run(std::initializer_list<const View*> views, MergeShape shape,
                   gpu_pointer_device(out.scale));
     cpu_merge(shape, src, out, in_dtype, out_dtype);
     return ATTNMERGE_SUCCESS;
+  }
+  // LSEs whose tokens are the faster axis (vLLM's [heads, tokens]): rows in tiles of 8 tokens, so
+  // that a warp's rows share their LSE sectors (MergeShape::tile).  Two-state sources only, and
+  // not at decode sizes, where a tile would mostly be padding.
+  if constexpr (std::is_same<Source, PairSource>::value) {
+    bool tokens_inner = false;
+    for (const View* v : views)
+      if (v->present() && !v->empty && v->ndim == 2 && v->strides[0] < v->strides[1]) tokens_inner = true;
+    if (tokens_inner && shape.tokens >= 64) shape.tile(3);
   }
   const int count = gpu_device_count();
   if (count == 0)
