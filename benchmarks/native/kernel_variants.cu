@@ -57,14 +57,8 @@ void tiles(int64_t tokens, int64_t heads, int64_t head_size, int sms, cudaStream
   const size_t o_bytes = tokens * heads * head_size * 2, lse_bytes = tokens * heads * 4;
   const int64_t bytes = 3 * int64_t(o_bytes + lse_bytes);
   const int64_t n = std::max<int64_t>(2, std::min<int64_t>(32, (int64_t{512} << 20) / bytes));
-  std::vector<Set> sets(n);
-  for (Set& s : sets) {
-    for (void** p : {&s.o_a, &s.o_b, &s.out}) check_cuda(cudaMalloc(p, o_bytes), "cudaMalloc");
-    for (float** p : {&s.lse_a, &s.lse_b, &s.out_lse}) check_cuda(cudaMalloc(p, lse_bytes), "cudaMalloc");
-    for (void* p : {s.o_a, s.o_b}) check_cuda(cudaMemset(p, 0x3c, o_bytes), "cudaMemset");
-    check_cuda(cudaMemset(s.lse_a, 0, lse_bytes), "cudaMemset");
-    check_cuda(cudaMemset(s.lse_b, 0x3f, lse_bytes), "cudaMemset");  // ~0.75: unequal weights
-  }
+  std::vector<Set> sets = alloc_pair_sets(n, o_bytes, lse_bytes);
+  for (Set& s : sets) check_cuda(cudaMemset(s.lse_b, 0x3f, lse_bytes), "cudaMemset");  // ~0.75: unequal weights
   const auto run = [&](const Set& s, void* out, float* out_lse, bool tiled) {
     MergeShape shape{tokens, heads, head_size, false};
     shape.index32 = true;
@@ -93,9 +87,7 @@ void tiles(int64_t tokens, int64_t heads, int64_t head_size, int sms, cudaStream
               static_cast<long long>(tokens), static_cast<long long>(heads), static_cast<long long>(head_size), bytes / 1e6,
               t[0][0], t[1][0], t[0][1], t[1][1], (t[0][0] + t[1][0]) / (t[0][1] + t[1][1]),
               a == b ? "same bytes" : "OUTPUTS DIFFER");
-  for (Set& s : sets)
-    for (void* p : {s.o_a, s.o_b, s.out, static_cast<void*>(s.lse_a), static_cast<void*>(s.lse_b), static_cast<void*>(s.out_lse)})
-      cudaFree(p);
+  free_pair_sets(sets);
 }
 
 }  // namespace
