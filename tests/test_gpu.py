@@ -358,6 +358,46 @@ def test_a_large_merge(rng, torch):
     assert_merge_matches(fw.get(out), fw.get(out_lse), reference_merge(*h), "bfloat16")
 
 
+# --------------------------------------------------------------------------------------------------
+# the kernel's row orders and sources: each choice the library makes gives the oracle's result
+
+
+@pytest.mark.parametrize("a_tokens", [None, 50])
+@pytest.mark.parametrize("tokens", [64, 67, 203])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lses_laid_out_heads_first_from_64_tokens(rng, dtype, tokens, a_tokens):
+    """From 64 tokens, LSEs laid out [heads, tokens] make the GPU take rows in tiles of 8 tokens;
+    the last tile may be partial (67, 203), and its rows past the last token write nothing."""
+    fw = Torch()
+    o_a, lse_a, o_b, lse_b = host_inputs(rng, tokens=tokens, heads=5, head_size=72, dtype=dtype)
+    if a_tokens is not None:
+        o_a, lse_a = o_a[:a_tokens].copy(), lse_a[:a_tokens].copy()
+    lse_a[3, 2] = np.nan  # a NaN row and an empty part inside a tile
+    lse_b[9, 4] = np.inf
+    lse_a_d = fw.strided(*lse_view(lse_a, "transposed"))
+    lse_b_d = fw.strided(*lse_view(lse_b, "transposed"))
+    out_lse_view, out_lse_buf = lse_view(nan_array(lse_b.shape), "transposed")
+    out_lse = fw.strided(out_lse_view, out_lse_buf)
+    out = fw.put(nan_array(o_b.shape, dtype))
+    attnmerge.merge(fw.put(o_a), lse_a_d, fw.put(o_b), lse_b_d, out=out, out_lse=out_lse, a_tokens=a_tokens)
+    ref = reference_merge(o_a, lse_a, o_b, lse_b, a_tokens=a_tokens)
+    assert_merge_matches(fw.get(out), fw.get(out_lse), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_masked_in_place_merge_keeping_every_row_gives_the_plain_merges_bits(rng, dtype):
+    """The masked in-place merge with every row kept (the mask read, O and then the LSEs in two
+    launches) gives the plain merge's bits: the same row math on every path, and the oracle's values."""
+    fw = Torch()
+    torch = fw.torch
+    h = host_inputs(rng, tokens=37, heads=5, head_size=128, dtype=dtype)
+    o_a, lse_a, o_b, lse_b = [fw.put(x) for x in h]
+    out, out_lse = attnmerge.merge(o_a, lse_a, o_b, lse_b)
+    attnmerge.merge_inplace(o_a, lse_a, o_b, lse_b, mask=torch.ones(37, dtype=torch.bool, device="cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(out, o_a) and torch.equal(out_lse, lse_a)
+    assert_merge_matches(fw.get(out), fw.get(out_lse), reference_merge(*h), dtype)
+
 def test_more_than_2_31_elements_use_64_bit_offsets(torch):
     """2**17 + 3 tokens x 128 heads x 128 (float16): element offsets past 2**31; checked at both ends."""
     free, _ = torch.cuda.mem_get_info()
