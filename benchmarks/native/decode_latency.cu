@@ -1,11 +1,12 @@
 // What a decode-sized two-way merge costs by CUDA-graph replay, against what any launch and any
 // one-pack-per-thread merge cost on the same GPU (T x 32 x 128 bfloat16, T = 1, 16, 128, 512, 32
 // rotating input sets):
-//   library          the header-only launcher's two-way merge (what attnmerge runs);
+//   library          the header-only launcher's two-way merge (what attnmerge runs), and the same
+//                    kernel in blocks of 32, 64 and 256 threads (w32, w64, w256);
 //   minimal merge    a merge with nothing general about it (fixed shape, contiguous [T, H, D] O and
 //                    [H, T] LSE, no NaN or empty-part handling beyond the formula, 1-D blocks of 128),
 //                    and the same in 2-D blocks of (16, 8) and (16, 2) threads: the floor for a merge;
-//   empty kernel     with 8, 256 and 1024 bytes of parameters: the floor for any launch.
+//   empty kernel     with 8 and 1024 bytes of parameters: the floor for any launch.
 // Every variant's graph is replayed in turn, round after round, and the medians are printed: timed
 // one after another, the same kernel moved by up to 0.2 us with its place in the sequence.  To
 // compare two versions of the kernels, build this against each version's headers and run the two
@@ -111,17 +112,26 @@ int main() {
     const int64_t bytes = 3 * int64_t(o_bytes + lse_bytes);
     const int64_t st = kHeads * kHeadSize;
     std::vector<Variant> vs;
-    vs.push_back({"library", [&](int i) {
-      const PairSet& x = sets[i % 32];
-      MergeShape shape{tokens, kHeads, kHeadSize, false};
-      shape.index32 = true;
-      shape.bytes = bytes;
-      const PairSource src{StateView{x.o_a, st, kHeadSize, x.lse_a, 1, tokens},
-                           StateView{x.o_b, st, kHeadSize, x.lse_b, 1, tokens}, tokens, nullptr, 0};
-      const OutView dst{x.out, st, kHeadSize, x.out_lse, 1, tokens, 1.0f, nullptr, false};
-      check_cuda(launch_merge<PairSource, bfloat16_t, bfloat16_t, 8, int32_t>(shape, src, dst, s, LaunchOptions{sms, false}),
-                 "library");
-    }});
+    // The library's kernel in blocks of the width its launcher picks, and of fixed widths (`sms`
+    // is what narrows the blocks of a small grid: see merge_launch_shape).
+    const auto library = [&](const char* name, int width) {
+      vs.push_back({name, [&, width](int i) {
+        const PairSet& x = sets[i % 32];
+        MergeShape shape{tokens, kHeads, kHeadSize, false};
+        shape.index32 = true;
+        shape.bytes = bytes;
+        const PairSource src{StateView{x.o_a, st, kHeadSize, x.lse_a, 1, tokens},
+                             StateView{x.o_b, st, kHeadSize, x.lse_b, 1, tokens}, tokens, nullptr, 0};
+        const OutView dst{x.out, st, kHeadSize, x.out_lse, 1, tokens, 1.0f, nullptr, false};
+        const int64_t threads = int64_t(tokens) * kHeads * kPacks;
+        const LaunchOptions options{width == 0 ? sms : int(std::max<int64_t>(1, threads / width)), false};
+        check_cuda(launch_merge<PairSource, bfloat16_t, bfloat16_t, 8, int32_t>(shape, src, dst, s, options), name);
+      }});
+    };
+    library("library", 0);
+    library("w32", 32);
+    library("w64", 64);
+    library("w256", 256);
     const unsigned threads = unsigned(tokens) * kHeads * kPacks;
     const auto minimal = [&](const char* name, int by) {  // by: rows a 2-D block holds, 0 for 1-D blocks
       vs.push_back({name, [&, by](int i) {
@@ -139,7 +149,6 @@ int main() {
     minimal("minimal (16,8)", 8);
     minimal("minimal (16,2)", 2);
     vs.push_back({"empty 8 B", [&](int) { empty_kernel<8><<<1, 32, 0, s>>>(Blob<8>{}); }});
-    vs.push_back({"empty 256 B", [&](int) { empty_kernel<256><<<1, 32, 0, s>>>(Blob<256>{}); }});
     vs.push_back({"empty 1024 B", [&](int) { empty_kernel<1024><<<1, 32, 0, s>>>(Blob<1024>{}); }});
     round_robin(vs, s);
     std::printf("%5d tokens (%6.2f MB):", tokens, bytes / 1e6);

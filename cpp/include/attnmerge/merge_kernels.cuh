@@ -166,12 +166,14 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // Grid and block for `packs` vector accesses per row over `rows` rows (see merge_kernel).  Blocks
 // are kBlockThreads wide unless that leaves SMs idle (`sms`, the GPU's count, 0: unknown): a
-// decode-sized merge is spread over as many SMs as it can fill, down to one warp a block, so that
-// no SM issues more of its instructions than it must.
+// decode-sized merge is spread over more SMs, down to blocks of 128 threads.  On an H200 at 1 and
+// 16 tokens x 32 x 128, 128-thread blocks were 0.15 us faster than 256 and as fast as 32 or 64,
+// with fewer blocks (benchmarks/native/decode_latency, NOTES.md).
+constexpr int kMinBlockThreads = 128;
 inline void merge_launch_shape(int64_t packs, int64_t rows, int sms, dim3& grid, dim3& block) {
   int threads = kBlockThreads;
   const int64_t total = packs * rows;
-  while (threads > 32 && (total + threads - 1) / threads < sms) threads /= 2;
+  while (threads > kMinBlockThreads && (total + threads - 1) / threads < sms) threads /= 2;
   const int bx = static_cast<int>(std::min<int64_t>(packs, threads));
   const int by = std::max(1, threads / bx);
   const int64_t row_blocks = (rows + by - 1) / by;
