@@ -55,3 +55,20 @@ def test_the_gpu_benchmark_writes_its_figures(tmp_path):
     assert all(r["host_us"] > 0 for r in result["host"])
     assert [r["tokens"] for r in result["pdl"]] == [1, 16, 128]
     assert all(r["plain_us"] > 0 and r["pdl_us"] > 0 for r in result["pdl"])
+
+
+def test_the_readme_table_is_rendered_from_a_vs_seed_run(tmp_path):
+    """benchmarks/vs_seed_table.py turns vs_seed.py's JSON into the README's rows: the ratio is
+    seed / attnmerge graph time, computed from the run's own figures."""
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "vs_seed_table.py"
+    row = dict(tokens=16, heads=32, head_size=128, dtype="bfloat16", MB=0.4096, seed_graph_us=1.75,
+               ours_graph_us=1.6, seed_eager_us=10.18, ours_eager_us=8.48, ours_roof_pct=5.93)
+    path = tmp_path / "vs_seed.json"
+    path.write_text(json.dumps({"device": "test GPU", "roofline_GBps": 4218.2, "rows": [row]}))
+    proc = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "test GPU, roofline 4218 GB/s"
+    assert lines[-1] == "| 16 x 32 x 128 bf16 | 0.4 | 1.75 | 1.60 | 1.094 | 5.9 | 10.18 | 8.48 |"
