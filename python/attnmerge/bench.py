@@ -311,6 +311,21 @@ def median_seconds(fn, runs=7):
     return statistics.median(times)
 
 
+def paired_seconds(fa, fb, runs=7):
+    """fa() and fb() called alternately `runs` times: (median time of fa, median time of fb, median
+    of the per-pair ratios time_fb / time_fa), in seconds.  On a shared machine whose speed drifts
+    between runs, each pair sees the same machine."""
+    ta, tb = [], []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fa()
+        mid = time.perf_counter()
+        fb()
+        ta.append(mid - start)
+        tb.append(time.perf_counter() - mid)
+    return statistics.median(ta), statistics.median(tb), statistics.median(b / a for a, b in zip(ta, tb))
+
+
 def run_cpu(quick):
     rng = np.random.default_rng(0)
     shapes = [(1, 32, 128), (64, 32, 128), (2048, 32, 128)]
@@ -329,17 +344,20 @@ def run_cpu(quick):
         la, lb = (3 * rng.standard_normal((t, h), dtype=np.float32) for _ in range(2))
         out_lse, c = np.empty_like(la), np.empty_like(a)
         runs = 7 if t * h * d >= 1 << 22 else 201
-        add = median_seconds(lambda: np.add(a, b, out=c), runs)
         for dt in dtypes:
             x, y = a.astype(dt), b.astype(dt)
             out = np.empty_like(x)
-            merge = median_seconds(lambda: attnmerge.merge(x, la, y, lb, out=out, out_lse=out_lse), runs)
+            # np.add and the merge alternate, and the ratio is the median of each pair's
+            merge, add, add_over_merge = paired_seconds(
+                lambda: attnmerge.merge(x, la, y, lb, out=out, out_lse=out_lse), lambda: np.add(a, b, out=c), runs
+            )
             name = np.dtype(dt).name
             nbytes = state_bytes(t, h, d, x.itemsize, 2)
             row = dict(op="merge", tokens=t, heads=h, head_size=d, dtype=name, states=2, impl="attnmerge cpu",
                        bytes=nbytes, call_us=merge * 1e6, GBps=nbytes / merge / 1e9,
                        np_add_GBps=3 * a.nbytes / add / 1e9, np_add_us=add * 1e6)
-            row["ratio_to_np_add"] = row["GBps"] / row["np_add_GBps"]
+            # bandwidth over np.add's: (nbytes / merge) / (3 a.nbytes / add), pair by pair
+            row["ratio_to_np_add"] = add_over_merge * nbytes / (3 * a.nbytes)
             rows.append(row)
             print(f"cpu merge {t:>6}x{h}x{d:<4} {name:>8}: {row['call_us']:>9.1f} us {row['GBps']:>6.1f} GB/s | "
                   f"np.add (float32) {row['np_add_us']:>9.1f} us {row['np_add_GBps']:>6.1f} GB/s | "
