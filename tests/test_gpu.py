@@ -398,6 +398,7 @@ def test_a_masked_in_place_merge_keeping_every_row_gives_the_plain_merges_bits(r
     assert torch.equal(out, o_a) and torch.equal(out_lse, lse_a)
     assert_merge_matches(fw.get(out), fw.get(out_lse), reference_merge(*h), dtype)
 
+
 def test_more_than_2_31_elements_use_64_bit_offsets(torch):
     """2**17 + 3 tokens x 128 heads x 128 (float16): element offsets past 2**31; checked at both ends."""
     free, _ = torch.cuda.mem_get_info()

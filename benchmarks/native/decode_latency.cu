@@ -111,6 +111,7 @@ int main() {
     std::vector<PairSet> sets = alloc_pair_sets(32, o_bytes, lse_bytes);
     const int64_t bytes = 3 * int64_t(o_bytes + lse_bytes);
     const int64_t st = kHeads * kHeadSize;
+    const unsigned threads = unsigned(tokens) * kHeads * kPacks;  // one pack of one row each
     std::vector<Variant> vs;
     // The library's kernel in blocks of the width its launcher picks, and of fixed widths (`sms`
     // is what narrows the blocks of a small grid: see merge_launch_shape).
@@ -123,8 +124,7 @@ int main() {
         const PairSource src{StateView{x.o_a, st, kHeadSize, x.lse_a, 1, tokens},
                              StateView{x.o_b, st, kHeadSize, x.lse_b, 1, tokens}, tokens, nullptr, 0};
         const OutView dst{x.out, st, kHeadSize, x.out_lse, 1, tokens, 1.0f, nullptr, false};
-        const int64_t threads = int64_t(tokens) * kHeads * kPacks;
-        const LaunchOptions options{width == 0 ? sms : int(std::max<int64_t>(1, threads / width)), false};
+        const LaunchOptions options{width == 0 ? sms : int(std::max(1u, threads / width)), false};
         check_cuda(launch_merge<PairSource, bfloat16_t, bfloat16_t, 8, int32_t>(shape, src, dst, s, options), name);
       }});
     };
@@ -132,7 +132,6 @@ int main() {
     library("w32", 32);
     library("w64", 64);
     library("w256", 256);
-    const unsigned threads = unsigned(tokens) * kHeads * kPacks;
     const auto minimal = [&](const char* name, int by) {  // by: rows a 2-D block holds, 0 for 1-D blocks
       vs.push_back({name, [&, by](int i) {
         const PairSet& x = sets[i % 32];

@@ -29,10 +29,12 @@ struct Case {
   int64_t bytes;
 };
 
+// Input sets to rotate through for a merge moving `bytes`: 2 to 32, some 512 MB in all (past L2).
+int64_t rotation(int64_t bytes) { return std::max<int64_t>(2, std::min<int64_t>(32, (int64_t{512} << 20) / bytes)); }
+
 Case make_case(int64_t tokens) {
   const int64_t bytes = 3 * tokens * kHeads * (kHeadSize * 2 + 4);
-  const int64_t n = std::max<int64_t>(2, std::min<int64_t>(32, (int64_t{512} << 20) / bytes));
-  return Case{tokens, alloc_pair_sets(n, tokens * kHeads * kHeadSize * 2, tokens * kHeads * 4), bytes};
+  return Case{tokens, alloc_pair_sets(rotation(bytes), tokens * kHeads * kHeadSize * 2, tokens * kHeads * 4), bytes};
 }
 
 void free_case(Case& c) { free_pair_sets(c.sets); }
@@ -56,7 +58,7 @@ cudaError_t merge(const void* o_a, const float* lse_a, const Set& s, void* out, 
 void tiles(int64_t tokens, int64_t heads, int64_t head_size, int sms, cudaStream_t stream) {
   const size_t o_bytes = tokens * heads * head_size * 2, lse_bytes = tokens * heads * 4;
   const int64_t bytes = 3 * int64_t(o_bytes + lse_bytes);
-  const int64_t n = std::max<int64_t>(2, std::min<int64_t>(32, (int64_t{512} << 20) / bytes));
+  const int64_t n = rotation(bytes);
   std::vector<Set> sets = alloc_pair_sets(n, o_bytes, lse_bytes);
   for (Set& s : sets) check_cuda(cudaMemset(s.lse_b, 0x3f, lse_bytes), "cudaMemset");  // ~0.75: unequal weights
   const auto run = [&](const Set& s, void* out, float* out_lse, bool tiled) {
