@@ -111,9 +111,12 @@ attnmerge_status gpu_check_pointer(const void* ptr, int device, const char* arg)
   }
 }
 
+namespace {
+
+// One merge's launches on the device (see gpu_merge).
 template <typename Source>
-attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype,
-                           int out_dtype, int vec, int device, void* stream, bool pdl) {
+attnmerge_status launch_source(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype,
+                               int out_dtype, int vec, int device, void* stream, bool pdl) {
   DeviceGuard guard(device);
   if (guard.error() != cudaSuccess)
     return cuda_fail(guard.error(), "while selecting the device (an earlier error, not one of this call's arguments)");
@@ -145,6 +148,23 @@ attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const Out
   if (err != cudaSuccess)
     return cuda_fail(err, "launching the merge kernel (possibly an earlier, sticky error of other work)");
   return ATTNMERGE_SUCCESS;
+}
+
+}  // namespace
+
+template <typename Source>
+attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype,
+                           int out_dtype, int vec, int device, void* stream, bool pdl) {
+  if constexpr (std::is_same<Source, PairSource>::value) {
+    // No mask, a in every row, untiled, a plain scale: the kernel without those steps.
+    if (src.mask == nullptr && src.a_tokens >= shape.tokens && shape.tile_shift < 0 && out.scale == nullptr) {
+      return stream_o(shape, src)
+                 ? launch_source(shape, PlainPairSource<true>{src.a, src.b}, out, in_dtype, out_dtype, vec, device, stream, pdl)
+                 : launch_source(shape, PlainPairSource<false>{src.a, src.b}, out, in_dtype, out_dtype, vec, device, stream,
+                                 pdl);
+    }
+  }
+  return launch_source(shape, src, out, in_dtype, out_dtype, vec, device, stream, pdl);
 }
 
 template attnmerge_status gpu_merge<PairSource>(const MergeShape&, const PairSource&, const OutView&, int, int, int,

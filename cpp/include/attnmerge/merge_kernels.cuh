@@ -78,6 +78,19 @@ __device__ __forceinline__ I launch_row() {
              static_cast<I>(blockDim.y) + static_cast<I>(threadIdx.y);
 }
 
+// The (token, head) of a row; false for a row past the last tile's tokens.  A plain source's
+// launch is untiled: no tile step, no such rows.
+template <typename Source, typename I>
+__device__ __forceinline__ bool locate_row(const MergeShape& shape, I row, I& token, I& head) {
+  if constexpr (Source::kPlain) {
+    shape.split_row<false>(row, token, head);
+    return true;
+  } else {
+    shape.split_row(row, token, head);
+    return token < static_cast<I>(shape.tokens);
+  }
+}
+
 // Work: rows (token, head) over threadIdx.y and the x (and, past 2^31 blocks, z) grid axes; the
 // head_size axis over threadIdx.x in packs of VEC elements, and over the y grid axis where a row
 // has more packs than a block has threads.  Each thread handles one pack of one row, with no
@@ -101,17 +114,17 @@ __global__ void __launch_bounds__(kBlockThreads, min_blocks<Source>())
   // rows and packs fit in I (int32_t only for calls of fewer than 2^30 elements an array)
   if (row >= static_cast<I>(shape.rows) || k >= static_cast<I>(shape.packs)) return;
   I token, head;
-  shape.split_row(row, token, head);
-  if (token >= static_cast<I>(shape.tokens)) return;  // past the last tile's tokens
+  if (!locate_row<Source>(shape, row, token, head)) return;
   const auto states = src.template row<TIn>(token, head);
   const int n = states.count();
+  const bool stream = Source::kStream < 0 ? shape.stream : Source::kStream == 1;
   // The first chunk: every load in flight at once.
   float l[kChunk];
   P o[kChunk];
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) {
     l[c] = c < n ? states.lse(c) : -INFINITY;  // -inf: no weight, no NaN
-    if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c) + k * VEC, shape.stream);
+    if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c) + k * VEC, stream);
   }
   // Where the results go, worked out while the loads are in flight: at decode sizes a merge
   // lasts as long as its longest chain of dependent instructions, and everything after the loads
@@ -121,7 +134,7 @@ __global__ void __launch_bounds__(kBlockThreads, min_blocks<Source>())
   if (states.skip()) return;
   float w[kChunk];
   RowMerge r(shape.base2);
-  weigh_row<kChunk>(states, n, l, w, out.inverse_scale(), r);
+  weigh_row<kChunk>(states, n, l, w, Source::kPlain ? out.inv_scale : out.inverse_scale(), r);
   if (lse_dst != nullptr) *lse_dst = r.lse();  // its latency hidden behind the O math
   float acc[VEC] = {};
 #pragma unroll
@@ -132,13 +145,13 @@ __global__ void __launch_bounds__(kBlockThreads, min_blocks<Source>())
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) {
       m[c] = s + c < n ? states.lse(s + c) : -INFINITY;
-      if (s + c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(s + c) + k * VEC, shape.stream);
+      if (s + c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(s + c) + k * VEC, stream);
     }
 #pragma unroll
     for (int c = 0; c < kChunk; ++c)
       if (s + c < n) accumulate(acc, o[c], r.scale(r.weight(m[c])));
   }
-  store_pack<TOut, VEC>(dst, acc, shape.stream);
+  store_pack<TOut, VEC>(dst, acc, stream);
 }
 
 // The merged LSEs alone, one thread per row: the second launch of a merge whose out_lse is also
@@ -151,8 +164,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   const I row = launch_row<I>();
   if (row >= static_cast<I>(shape.rows)) return;
   I token, head;
-  shape.split_row(row, token, head);
-  if (token >= static_cast<I>(shape.tokens)) return;
+  if (!locate_row<Source>(shape, row, token, head)) return;
   const auto states = src.template row<float>(token, head);
   if (states.skip()) return;
   const int n = states.count();
