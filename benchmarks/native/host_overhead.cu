@@ -3,9 +3,14 @@
 // launcher, and the CUDA calls the C ABI makes.  The difference of the first two is the C ABI's
 // host overhead with the kernel launch excluded.  Each figure: the median over 15 batches of 200
 // calls, timed on the host with nothing waited for inside a batch (1 x 32 x 128 bfloat16, the
-// decode shape, whose kernels finish about as fast as they are queued).
+// decode shape, whose kernels finish about as fast as they are queued).  Below them, what one
+// launch of an empty kernel costs through each launch API, the driver's included: the floor
+// under any call that launches a kernel.
 #include <attnmerge/attnmerge.h>
 #include <attnmerge/merge_kernels.cuh>
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include "common.h"
 
@@ -89,12 +94,53 @@ int main() {
   int dev = 0;
   const double get_device = host_us([&] { check_cuda(cudaGetDevice(&dev), "cudaGetDevice"); }, stream);
 
+  // One empty launch through each API (the driver's entry points fetched through the runtime).
+  PFN_cuLaunchKernel_v4000 cu_launch = nullptr;
+  PFN_cuLaunchKernelEx_v11060 cu_launch_ex = nullptr;
+  check_cuda(cudaGetDriverEntryPointByVersion("cuLaunchKernel", reinterpret_cast<void**>(&cu_launch), 12000,
+                                              cudaEnableDefault, nullptr),
+             "cuLaunchKernel entry point");
+  check_cuda(cudaGetDriverEntryPointByVersion("cuLaunchKernelEx", reinterpret_cast<void**>(&cu_launch_ex), 12000,
+                                              cudaEnableDefault, nullptr),
+             "cuLaunchKernelEx entry point");
+  cudaFunction_t empty_function;
+  check_cuda(cudaGetFuncBySymbol(&empty_function, reinterpret_cast<const void*>(empty_kernel)), "cudaGetFuncBySymbol");
+  const CUfunction f = reinterpret_cast<CUfunction>(empty_function);
+  const double runtime_ex = host_us(
+      [&] {
+        cudaLaunchConfig_t config = {};
+        config.gridDim = dim3(1);
+        config.blockDim = dim3(32);
+        config.stream = stream;
+        check_cuda(cudaLaunchKernelEx(&config, empty_kernel), "cudaLaunchKernelEx");
+      },
+      stream);
+  const double driver = host_us(
+      [&] {
+        if (cu_launch(f, 1, 1, 1, 32, 1, 1, 0, reinterpret_cast<CUstream>(stream), nullptr, nullptr) != CUDA_SUCCESS)
+          check_cuda(cudaErrorLaunchFailure, "cuLaunchKernel");
+      },
+      stream);
+  const double driver_ex = host_us(
+      [&] {
+        CUlaunchConfig config = {};
+        config.gridDimX = config.gridDimY = config.gridDimZ = 1;
+        config.blockDimX = 32;
+        config.blockDimY = config.blockDimZ = 1;
+        config.hStream = reinterpret_cast<CUstream>(stream);
+        if (cu_launch_ex(&config, f, nullptr, nullptr) != CUDA_SUCCESS) check_cuda(cudaErrorLaunchFailure, "cuLaunchKernelEx");
+      },
+      stream);
+
   std::printf("  empty kernel launch (<<<1, 32>>>)                 %6.2f\n", empty);
   std::printf("  the merge kernel launched directly (header-only)  %6.2f\n", direct);
   std::printf("  attnmerge_merge, pointers checked by CUDA         %6.2f\n", abi[0]);
   std::printf("  attnmerge_merge, ATTNMERGE_DEVICE_KNOWN           %6.2f\n", abi[1]);
   std::printf("  cudaPointerGetAttributes                          %6.2f\n", query);
   std::printf("  cudaGetDevice                                     %6.2f\n", get_device);
+  std::printf("  empty kernel, cudaLaunchKernelEx                  %6.2f\n", runtime_ex);
+  std::printf("  empty kernel, cuLaunchKernel (driver)             %6.2f\n", driver);
+  std::printf("  empty kernel, cuLaunchKernelEx (driver)           %6.2f\n", driver_ex);
   std::printf("C ABI host overhead, kernel launch excluded: %.2f us (pointers checked), %.2f us (device known)\n",
               abi[0] - direct, abi[1] - direct);
   return 0;
