@@ -1,8 +1,10 @@
 // What a decode-sized two-way merge costs by CUDA-graph replay, against what any launch and any
 // one-pack-per-thread merge cost on the same GPU (T x 32 x 128 bfloat16, T = 1, 16, 128, 512, 32
 // rotating input sets):
-//   library          the header-only launcher's two-way merge (what attnmerge runs), and the same
-//                    kernel in blocks of 32, 64 and 256 threads (w32, w64, w256);
+//   library          the header-only launcher's two-way merge through PairSource (the general
+//                    kernel: the C ABI runs it for masked, a_tokens, tiled or scale-pointer calls,
+//                    PlainPairSource's for the rest), and the same kernel in blocks of 32, 64 and
+//                    256 threads (w32, w64, w256);
 //   minimal merge    a merge with nothing general about it (fixed shape, contiguous [T, H, D] O and
 //                    [H, T] LSE, no NaN or empty-part handling beyond the formula, 1-D blocks of 128),
 //                    and the same in 2-D blocks of (16, 8) and (16, 2) threads: the floor for a merge;

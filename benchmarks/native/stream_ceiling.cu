@@ -2,8 +2,8 @@
 // library's two-way merge: is what separates a merge from the roofline at 12.8 and 51 MB in the
 // merge, or in the GPU?  T x 32 x 128 bfloat16, T = 512 to 32768, input sets rotated past L2,
 // CUDA-graph replay, every variant timed in turn three times (medians of 7 replays each):
-//   library      the header-only launcher's two-way merge ([tokens, heads] LSEs; its own choice
-//                of evict-first accesses);
+//   library      the header-only launcher's two-way merge through PairSource, the general kernel
+//                ([tokens, heads] LSEs; its own choice of evict-first accesses);
 //   minimal      a two-way merge with nothing general about it (fixed head size, contiguous O
 //                and LSE, 1-D blocks of 256, one 16-byte pack per thread);
 //   add          c = (a + b) / 2 on the O arrays alone (1.5% fewer bytes than a merge), one pack
