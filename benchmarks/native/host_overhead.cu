@@ -20,6 +20,14 @@ constexpr int64_t kTokens = 1, kHeads = 32, kHeadSize = 128;
 
 __global__ void empty_kernel() {}
 
+// A driver call's result, as check_cuda does for the runtime's: its name and an exit on failure.
+void check_cu(CUresult r, const char* what) {
+  if (r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "%s: CUresult %d\n", what, static_cast<int>(r));
+    std::exit(1);
+  }
+}
+
 attnmerge_tensor tensor(void* data, int ndim, int dtype, uint32_t flags) {
   attnmerge_tensor t = {};
   t.data = data;
@@ -117,8 +125,7 @@ int main() {
       stream);
   const double driver = host_us(
       [&] {
-        if (cu_launch(f, 1, 1, 1, 32, 1, 1, 0, reinterpret_cast<CUstream>(stream), nullptr, nullptr) != CUDA_SUCCESS)
-          check_cuda(cudaErrorLaunchFailure, "cuLaunchKernel");
+        check_cu(cu_launch(f, 1, 1, 1, 32, 1, 1, 0, reinterpret_cast<CUstream>(stream), nullptr, nullptr), "cuLaunchKernel");
       },
       stream);
   const double driver_ex = host_us(
@@ -128,7 +135,7 @@ int main() {
         config.blockDimX = 32;
         config.blockDimY = config.blockDimZ = 1;
         config.hStream = reinterpret_cast<CUstream>(stream);
-        if (cu_launch_ex(&config, f, nullptr, nullptr) != CUDA_SUCCESS) check_cuda(cudaErrorLaunchFailure, "cuLaunchKernelEx");
+        check_cu(cu_launch_ex(&config, f, nullptr, nullptr), "cuLaunchKernelEx");
       },
       stream);
 
