@@ -61,6 +61,24 @@ class Options(Structure):
     ]
 
 
+class LaunchInfo(Structure):
+    """attnmerge_launch_info."""
+
+    _fields_ = [
+        ("kernel", c_int32),
+        ("launches", c_int32),
+        ("state_groups", c_int32),
+        ("index_bits", c_int32),
+        ("vec", c_int32),
+        ("pdl", c_int32),
+        ("grid", c_uint32 * 3),
+        ("block", c_uint32 * 3),
+    ]
+
+
+# attnmerge_launch_info.kernel
+KERNEL_NONE, KERNEL_ROWS, KERNEL_ROWS_PLAIN, KERNEL_ROWS_INPLACE, KERNEL_STATES = 0, 1, 2, 3, 4
+
 TensorP = POINTER(Tensor)
 OptionsP = POINTER(Options)
 
@@ -70,6 +88,7 @@ _SIGNATURES = {
     "attnmerge_merge_states": (c_int, [TensorP, TensorP, TensorP, TensorP, OptionsP, c_void_p]),
     "attnmerge_merge_varlen": (c_int, [TensorP, TensorP, TensorP, TensorP, TensorP, OptionsP, c_void_p]),
     "attnmerge_last_error": (c_char_p, []),
+    "attnmerge_last_launch": (None, [POINTER(LaunchInfo)]),
     "attnmerge_status_string": (c_char_p, [c_int]),
     "attnmerge_version": (c_int, []),
     "attnmerge_version_string": (c_char_p, []),
@@ -106,6 +125,12 @@ def load():
 
 def last_error() -> str:
     return load().attnmerge_last_error().decode("utf-8", "replace")
+
+
+def last_launch() -> LaunchInfo:
+    info = LaunchInfo()
+    load().attnmerge_last_launch(ctypes.byref(info))
+    return info
 
 
 _NP_DTYPES = {

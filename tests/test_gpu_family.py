@@ -251,7 +251,7 @@ def test_inplace(rng, torch, dtype, head_size):
 
 @pytest.mark.parametrize("how", ["merge_inplace", "merge into o_a and lse_a"])
 def test_inplace_rows_wider_than_a_block(rng, torch, how):
-    # 4 x 256 threads per row: were the merged LSE written while other threads of its row still
+    # 2 x 512 threads per row: were the merged LSE written while other threads of its row still
     # read the old one (it is also an input here), those threads would weight their O wrongly.
     o, lse = random_state(rng, 300, 8, 4096)
     o2, lse2 = random_state(rng, 300, 8, 4096)

@@ -1,7 +1,9 @@
-// Shared by the native benchmarks: CUDA error checks and timers.
+// Shared by the native benchmarks: CUDA error checks, the library's plan for a call, and timers.
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include "attnmerge/merge_kernels.cuh"
 
 #include <algorithm>
 #include <chrono>
@@ -15,6 +17,15 @@ inline void check_cuda(cudaError_t e, const char* what) {
     std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
     std::exit(1);
   }
+}
+
+// A well-mixed 32-bit hash of an element index: benchmark inputs with no two rows alike.
+__host__ __device__ inline uint32_t hash_index(uint64_t i, uint32_t seed) {
+  uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+  h ^= h >> 15;
+  h *= 2246822519u;
+  h ^= h >> 13;
+  return h;
 }
 
 // Whether a CUDA device is visible; says so (as `program`) when not.
@@ -49,6 +60,21 @@ inline void free_pair_sets(std::vector<PairSet>& sets) {
                     static_cast<void*>(s.out_lse)})
       cudaFree(p);
   sets.clear();
+}
+
+// The plan the C ABI makes for a call with bfloat16 O (16-byte accesses, 32-bit offsets) on an
+// sm_90 GPU of `sms` SMs (0: blocks of the default width), moving `bytes` (which decides
+// evict-first accesses).  Benchmarks launch it with attnmerge::launch_merge, and may change a field
+// first to time an alternative.
+template <typename Source>
+attnmerge::LaunchPlan bf16_plan(const attnmerge::MergeShape& shape, const Source& src, const attnmerge::OutView& out,
+                                int64_t bytes, int sms, bool pdl = false, bool lse_tokens_inner = false) {
+  attnmerge::CallFacts facts;
+  facts.vec = 8;
+  facts.bytes = bytes;
+  facts.pdl = pdl;
+  facts.lse_tokens_inner = lse_tokens_inner;
+  return attnmerge::plan_merge(shape, src, out, facts, attnmerge::DeviceInfo{sms, 9});
 }
 
 inline double median(std::vector<double> v) {

@@ -1,10 +1,9 @@
 // What a decode-sized two-way merge costs by CUDA-graph replay, against what any launch and any
 // one-pack-per-thread merge cost on the same GPU (T x 32 x 128 bfloat16, T = 1, 16, 128, 512, 32
 // rotating input sets):
-//   library          the header-only launcher's two-way merge through PairSource (the general
-//                    kernel: the C ABI runs it for masked, a_tokens, tiled or scale-pointer calls,
-//                    PlainPairSource's for the rest), and the same kernel in blocks of 32, 64 and
-//                    256 threads (w32, w64, w256);
+//   library          the two-way merge as the library plans it (plan_merge: the plain kernel,
+//                    as the C ABI runs it), and the same kernel in blocks of 32, 64 and 256
+//                    threads (w32, w64, w256);
 //   minimal merge    a merge with nothing general about it (fixed shape, contiguous [T, H, D] O and
 //                    [H, T] LSE, no NaN or empty-part handling beyond the formula, 1-D blocks of 128),
 //                    and the same in 2-D blocks of (16, 8) and (16, 2) threads: the floor for a merge;
@@ -115,19 +114,17 @@ int main() {
     const int64_t st = kHeads * kHeadSize;
     const unsigned threads = unsigned(tokens) * kHeads * kPacks;  // one pack of one row each
     std::vector<Variant> vs;
-    // The library's kernel in blocks of the width its launcher picks, and of fixed widths (`sms`
-    // is what narrows the blocks of a small grid: see merge_launch_shape).
+    // The library's kernel in blocks of the width its plan picks, and of fixed widths (the SM
+    // count is what narrows the blocks of a small grid: see row_dims).
     const auto library = [&](const char* name, int width) {
       vs.push_back({name, [&, width](int i) {
         const PairSet& x = sets[i % 32];
-        MergeShape shape{tokens, kHeads, kHeadSize, false};
-        shape.index32 = true;
-        shape.bytes = bytes;
+        const MergeShape shape{tokens, kHeads, kHeadSize, false};
         const PairSource src{StateView{x.o_a, st, kHeadSize, x.lse_a, 1, tokens},
                              StateView{x.o_b, st, kHeadSize, x.lse_b, 1, tokens}, tokens, nullptr, 0};
         const OutView dst{x.out, st, kHeadSize, x.out_lse, 1, tokens, 1.0f, nullptr, false};
-        const LaunchOptions options{width == 0 ? sms : int(std::max(1u, threads / width)), false};
-        check_cuda(launch_merge<PairSource, bfloat16_t, bfloat16_t, 8, int32_t>(shape, src, dst, s, options), name);
+        const LaunchPlan plan = bf16_plan(shape, src, dst, bytes, width == 0 ? sms : int(std::max(1u, threads / width)));
+        check_cuda(launch_merge<bfloat16_t, bfloat16_t, 8>(plan, src, dst, s), name);
       }});
     };
     library("library", 0);

@@ -69,18 +69,14 @@ int main() {
 
   // The kernel the C ABI launches for this call, launched directly (no validation).
   using namespace attnmerge;
-  MergeShape shape{kTokens, kHeads, kHeadSize, false};
-  shape.index32 = true;
-  shape.bytes = 3 * o_bytes + 3 * lse_bytes;
+  const MergeShape shape{kTokens, kHeads, kHeadSize, false};
   const StateView a{o_a, kHeads * kHeadSize, kHeadSize, static_cast<const float*>(lse_a), kHeads, 1};
   const StateView b{o_b, kHeads * kHeadSize, kHeadSize, static_cast<const float*>(lse_b), kHeads, 1};
   const PairSource src{a, b, kTokens, nullptr, 0};
   const OutView dst{out, kHeads * kHeadSize, kHeadSize, static_cast<float*>(out_lse), kHeads, 1, 1.0f, nullptr, false};
-  LaunchOptions lo;
-  lo.sms = prop.multiProcessorCount;
-  const double direct = host_us(
-      [&] { check_cuda((launch_merge<PairSource, bfloat16_t, bfloat16_t, 8, int32_t>(shape, src, dst, stream, lo)), "launch"); },
-      stream);
+  const LaunchPlan plan = bf16_plan(shape, src, dst, 3 * o_bytes + 3 * lse_bytes, prop.multiProcessorCount);
+  const double direct =
+      host_us([&] { check_cuda((launch_merge<bfloat16_t, bfloat16_t, 8>(plan, src, dst, stream)), "launch"); }, stream);
 
   double abi[2];
   for (int known = 0; known < 2; ++known) {

@@ -1,6 +1,7 @@
 // Launch choices of the two-way merge side by side, by CUDA-graph replay through the header-only
 // launcher (merge_kernels.cuh), on 1 to 32768 x 32 x 128 bfloat16 with input sets rotated past L2:
-//   blocks    256 threads always, or narrowed so that a small grid covers the SMs (the library's);
+//   blocks    up to 512 threads (the library's) or up to 256, narrowed so that a small grid covers
+//             the SMs;
 //   evict     evict-first O loads and stores: the library's choice (< 32 MB), always, never;
 //   pdl       a chain of two dependent merges with and without programmatic dependent launch;
 //   tiles     with vLLM's [heads, tokens] LSEs, rows in tiles of 8 tokens (MergeShape::tile) against
@@ -39,22 +40,31 @@ Case make_case(int64_t tokens) {
 
 void free_case(Case& c) { free_pair_sets(c.sets); }
 
-// One merge of set `s` (a_o/a_lse may be another set's output, for the chain), evict-first
-// forced by the `bytes` the shape claims (stream_o reads it).
+// The launch knobs timed here: the SM count the plan sizes blocks for, programmatic dependent
+// launch, and the widest block (0: the plan's, kPairBlockThreads).
+struct Knobs {
+  int sms;
+  bool pdl;
+  int width = 0;
+};
+
+// One merge of set `s` (a_o/a_lse may be another set's output, for the chain) as the library plans
+// it, evict-first forced by the `bytes` the call claims (the plan's stream_o reads it).
 cudaError_t merge(const void* o_a, const float* lse_a, const Set& s, void* out, float* out_lse, int64_t tokens,
-                  int64_t claimed_bytes, LaunchOptions lo, cudaStream_t stream) {
-  MergeShape shape{tokens, kHeads, kHeadSize, false};
-  shape.index32 = true;
-  shape.bytes = claimed_bytes;
+                  int64_t claimed_bytes, Knobs knobs, cudaStream_t stream) {
+  const MergeShape shape{tokens, kHeads, kHeadSize, false};
   const int64_t st = kHeads * kHeadSize;
   const PairSource src{StateView{o_a, st, kHeadSize, lse_a, kHeads, 1}, StateView{s.o_b, st, kHeadSize, s.lse_b, kHeads, 1},
                        tokens, nullptr, 0};
   const OutView dst{out, st, kHeadSize, out_lse, kHeads, 1, 1.0f, nullptr, false};
-  return launch_merge<PairSource, bfloat16_t, bfloat16_t, 8, int32_t>(shape, src, dst, stream, lo);
+  LaunchPlan plan = bf16_plan(shape, src, dst, claimed_bytes, knobs.sms, knobs.pdl);
+  if (knobs.width > 0) plan.main = row_dims(plan.shape.packs, plan.shape.rows, knobs.sms, knobs.width);
+  return launch_merge<bfloat16_t, bfloat16_t, 8>(plan, src, dst, stream);
 }
 
-// The two-way merge of T x H x D bfloat16 with [heads, tokens] LSEs, rows token-major or in tiles
-// of 8 tokens: us per merge for each, and whether both wrote the same bytes.
+// The two-way merge of T x H x D bfloat16 with [heads, tokens] LSEs, rows token-major (the plan
+// told the LSEs are [tokens, heads]: the plain kernel) or in tiles of 8 tokens (the plan's choice
+// for these LSEs): us per merge for each, and whether both wrote the same bytes.
 void tiles(int64_t tokens, int64_t heads, int64_t head_size, int sms, cudaStream_t stream) {
   const size_t o_bytes = tokens * heads * head_size * 2, lse_bytes = tokens * heads * 4;
   const int64_t bytes = 3 * int64_t(o_bytes + lse_bytes);
@@ -62,16 +72,13 @@ void tiles(int64_t tokens, int64_t heads, int64_t head_size, int sms, cudaStream
   std::vector<Set> sets = alloc_pair_sets(n, o_bytes, lse_bytes);
   for (Set& s : sets) check_cuda(cudaMemset(s.lse_b, 0x3f, lse_bytes), "cudaMemset");  // ~0.75: unequal weights
   const auto run = [&](const Set& s, void* out, float* out_lse, bool tiled) {
-    MergeShape shape{tokens, heads, head_size, false};
-    shape.index32 = true;
-    shape.bytes = bytes;
-    if (tiled) shape.tile(3);
+    const MergeShape shape{tokens, heads, head_size, false};
     const int64_t st = heads * head_size;
     const PairSource src{StateView{s.o_a, st, head_size, s.lse_a, 1, tokens}, StateView{s.o_b, st, head_size, s.lse_b, 1, tokens},
                          tokens, nullptr, 0};
     const OutView dst{out, st, head_size, out_lse, 1, tokens, 1.0f, nullptr, false};
-    check_cuda(launch_merge<PairSource, bfloat16_t, bfloat16_t, 8, int32_t>(shape, src, dst, stream, LaunchOptions{sms, false}),
-               "launch");
+    const LaunchPlan plan = bf16_plan(shape, src, dst, bytes, sms, false, tiled);
+    check_cuda(launch_merge<bfloat16_t, bfloat16_t, 8>(plan, src, dst, stream), "launch");
   };
   double t[2][2];
   for (int round = 0; round < 2; ++round)
@@ -102,12 +109,12 @@ int main() {
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   const int sms = prop.multiProcessorCount;
   std::printf("%s (%d SMs), two-way merge T x 32 x 128 bfloat16, us per merge by graph replay (median)\n", prop.name, sms);
-  std::printf("%7s %9s | %10s %10s %8s | %10s %10s %10s\n", "tokens", "MB", "library", "256-wide", "ratio",
+  std::printf("%7s %9s | %10s %10s %8s | %10s %10s %10s\n", "tokens", "MB", "library", "256 max", "ratio",
               "evict-1st", "plain", "ratio");
   const int64_t always = 0, never = INT64_MAX;
   for (int64_t tokens : {1, 16, 128, 512, 1024, 2048, 4096, 8192, 32768}) {
     Case c = make_case(tokens);
-    const auto time = [&](int64_t claimed, LaunchOptions lo) {
+    const auto time = [&](int64_t claimed, Knobs lo) {
       return graph_us(
           [&](int i) {
             const Set& s = c.sets[i % c.sets.size()];
@@ -115,7 +122,7 @@ int main() {
           },
           stream);
     };
-    const LaunchOptions lib{sms, false}, wide{0, false};
+    const Knobs lib{sms, false}, wide{sms, false, 256};
     const double t_lib = time(c.bytes, lib), t_wide = time(c.bytes, wide);
     const double t_evict = time(always, lib), t_plain = time(never, lib);
     std::printf("%7lld %9.1f | %10.2f %10.2f %8.3f | %10.2f %10.2f %10.3f\n", static_cast<long long>(tokens),
@@ -127,7 +134,7 @@ int main() {
     Case c = make_case(tokens);
     double t[2];
     for (int pdl = 0; pdl < 2; ++pdl) {
-      const LaunchOptions lo{sms, pdl == 1};
+      const Knobs lo{sms, pdl == 1};
       t[pdl] = graph_us(
           [&](int i) {
             const Set& s = c.sets[i % c.sets.size()];

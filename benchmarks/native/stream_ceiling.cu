@@ -2,8 +2,8 @@
 // library's two-way merge: is what separates a merge from the roofline at 12.8 and 51 MB in the
 // merge, or in the GPU?  T x 32 x 128 bfloat16, T = 512 to 32768, input sets rotated past L2,
 // CUDA-graph replay, every variant timed in turn three times (medians of 7 replays each):
-//   library      the header-only launcher's two-way merge through PairSource, the general kernel
-//                ([tokens, heads] LSEs; its own choice of evict-first accesses);
+//   library      the two-way merge as the library plans it (plan_merge: the plain kernel, as the
+//                C ABI runs it; [tokens, heads] LSEs; its own choice of evict-first accesses);
 //   minimal      a two-way merge with nothing general about it (fixed head size, contiguous O
 //                and LSE, 1-D blocks of 256, one 16-byte pack per thread);
 //   add          c = (a + b) / 2 on the O arrays alone (1.5% fewer bytes than a merge), one pack
@@ -33,10 +33,7 @@ constexpr int64_t kHeads = 32, kHeadSize = 128, kPacks = kHeadSize / 8;
 // bfloat16 values of +-[2^-7, 2^-5) from a hash of the index: no two rows alike.
 __global__ void fill(uint16_t* p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
+    const uint32_t h = hash_index(i, seed);
     p[i] = uint16_t(0x3c00u | (h & 0x1ffu) | ((h >> 16) & 0x8000u));
   }
 }
@@ -187,15 +184,12 @@ int main() {
     const auto o = [](void* p) { return static_cast<uint4*>(p); };
     std::vector<Variant> vs;
     vs.push_back({"library", true, [&](const PairSet& s) {
-                    MergeShape shape{tokens, kHeads, kHeadSize, false};
-                    shape.index32 = true;
-                    shape.bytes = bytes;
+                    const MergeShape shape{tokens, kHeads, kHeadSize, false};
                     const int64_t st = kHeads * kHeadSize;
                     const PairSource src{StateView{s.o_a, st, kHeadSize, s.lse_a, kHeads, 1},
                                          StateView{s.o_b, st, kHeadSize, s.lse_b, kHeads, 1}, tokens, nullptr, 0};
                     const OutView dst{s.out, st, kHeadSize, s.out_lse, kHeads, 1, 1.0f, nullptr, false};
-                    check_cuda(launch_merge<PairSource, bfloat16_t, bfloat16_t, 8, int32_t>(shape, src, dst, stream,
-                                                                                            LaunchOptions{sms, false}),
+                    check_cuda(launch_merge<bfloat16_t, bfloat16_t, 8>(bf16_plan(shape, src, dst, bytes, sms), src, dst, stream),
                                "library");
                   }});
     vs.push_back({"minimal merge", true, [&](const PairSet& s) {

@@ -20,6 +20,12 @@ namespace detail {
 
 namespace {
 thread_local char g_error[1024] = "";
+
+// The start of every op: no error, nothing launched yet.
+void begin_call() {
+  g_error[0] = '\0';
+  forget_launch();
+}
 }  // namespace
 
 attnmerge_status fail(attnmerge_status status, const char* fmt, ...) {
@@ -272,17 +278,18 @@ attnmerge_status check_outputs(const View& out, const View& out_lse) {
 
 // One device for every non-empty tensor, memory it can address, then the CPU path or a launch.
 template <typename Source>
-attnmerge_status run(std::initializer_list<const View*> views, MergeShape shape, const Source& src,
+attnmerge_status run(std::initializer_list<const View*> views, const MergeShape& shape, const Source& src,
                      const OutView& out, int in_dtype, int out_dtype, int vec, void* stream, uint32_t flags) {
-  // 32-bit offsets when every array is small enough, with room for the grid's last block and for
-  // the one-past-the-end row start of an empty variable-length row.
-  shape.index32 = true;
-  shape.bytes = 0;
+  // What the launch plan needs to know of the arrays (plan.h).
+  CallFacts facts;
+  facts.vec = vec;
+  facts.pdl = (flags & ATTNMERGE_PDL) != 0;
   for (const View* v : views) {
     if (!v->present() || v->empty) continue;
-    if (v->last >= (int64_t{1} << 30)) shape.index32 = false;
+    facts.max_offset = std::max(facts.max_offset, v->last);
     const int64_t span = (v->last + 1) * static_cast<int64_t>(dtype_size(v->t->dtype));  // < 2^63 (describe)
-    if (__builtin_add_overflow(shape.bytes, span, &shape.bytes)) shape.bytes = INT64_MAX;
+    if (__builtin_add_overflow(facts.bytes, span, &facts.bytes)) facts.bytes = INT64_MAX;
+    if (v->ndim == 2 && v->strides[0] < v->strides[1]) facts.lse_tokens_inner = true;
   }
   int device = ATTNMERGE_HOST;
   const View* first = nullptr;
@@ -311,15 +318,6 @@ attnmerge_status run(std::initializer_list<const View*> views, MergeShape shape,
     cpu_merge(shape, src, out, in_dtype, out_dtype);
     return ATTNMERGE_SUCCESS;
   }
-  // LSEs whose tokens are the faster axis (vLLM's [heads, tokens]): rows in tiles of 8 tokens, so
-  // that a warp's rows share their LSE sectors (MergeShape::tile).  Two-state sources only, and
-  // not at decode sizes, where a tile would mostly be padding.
-  if constexpr (std::is_same<Source, PairSource>::value) {
-    bool tokens_inner = false;
-    for (const View* v : views)
-      if (v->present() && !v->empty && v->ndim == 2 && v->strides[0] < v->strides[1]) tokens_inner = true;
-    if (tokens_inner && shape.tokens >= 64) shape.tile(3);
-  }
   const int count = gpu_device_count();
   if (count == 0)
     return fail(ATTNMERGE_ERROR_NO_DEVICE, "%s: lives on CUDA device %d, but no CUDA driver or device is available",
@@ -332,7 +330,7 @@ attnmerge_status run(std::initializer_list<const View*> views, MergeShape shape,
         (s = gpu_check_pointer(v->t->data, device, v->name)))
       return s;
   if (out.scale != nullptr && (s = gpu_check_pointer(out.scale, device, "output_scale"))) return s;
-  return gpu_merge(shape, src, out, in_dtype, out_dtype, vec, device, stream, (flags & ATTNMERGE_PDL) != 0);
+  return gpu_merge(shape, src, out, facts, in_dtype, out_dtype, device, stream);
 }
 
 OutView out_view(const View& out, const View& out_lse, float inv_scale, const attnmerge_options& opt) {
@@ -357,7 +355,7 @@ attnmerge_status merge_pair(const PairNames& n, const attnmerge_tensor* out, con
                             const attnmerge_tensor* o_a, const attnmerge_tensor* lse_a, const attnmerge_tensor* o_b,
                             const attnmerge_tensor* lse_b, const attnmerge_tensor* mask,
                             const attnmerge_options* options, uint32_t allowed_flags, void* stream) {
-  g_error[0] = '\0';
+  begin_call();
   const bool heads_first = options && (options->flags & ATTNMERGE_LSE_HEADS_FIRST);
   View vout, vout_lse, va, vla, vb, vlb, vmask;
   attnmerge_status s;
@@ -440,7 +438,7 @@ attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnme
                                          const attnmerge_tensor* mask, const attnmerge_options* options, void* stream) {
   static const PairNames names = {"o", "lse", "o", "lse", "o_other", "lse_other", "mask"};
   if (o != nullptr && lse == nullptr) {
-    g_error[0] = '\0';
+    begin_call();
     return fail(ATTNMERGE_ERROR_TYPE, "lse: expected a tensor, got NULL");
   }
   return merge_pair(names, o, lse, o, lse, o_other, lse_other, mask, options,
@@ -450,7 +448,7 @@ attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnme
 attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
                                         const attnmerge_tensor* o, const attnmerge_tensor* lse,
                                         const attnmerge_options* options, void* stream) {
-  g_error[0] = '\0';
+  begin_call();
   View vout, vout_lse, vo, vl;
   attnmerge_status s;
   if ((s = describe(out, "out", 3, kOutputs, false, false, vout)) ||
@@ -493,7 +491,7 @@ attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnm
 attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
                                         const attnmerge_tensor* o, const attnmerge_tensor* lse,
                                         const attnmerge_tensor* indptr, const attnmerge_options* options, void* stream) {
-  g_error[0] = '\0';
+  begin_call();
   View vout, vout_lse, vo, vl, vi;
   attnmerge_status s;
   if ((s = describe(out, "out", 3, kOutputs, false, false, vout)) ||
@@ -540,6 +538,10 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
 }
 
 const char* attnmerge_last_error(void) { return g_error; }
+
+void attnmerge_last_launch(attnmerge_launch_info* info) {
+  if (info != nullptr) *info = last_launch();
+}
 
 const char* attnmerge_status_string(attnmerge_status status) {
   switch (status) {

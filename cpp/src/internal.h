@@ -6,6 +6,7 @@
 
 #include "attnmerge/attnmerge.h"
 #include "attnmerge/merge_params.h"
+#include "attnmerge/plan.h"
 
 namespace attnmerge {
 namespace detail {
@@ -64,9 +65,14 @@ int gpu_driver_version();
 int gpu_pointer_device(const void* ptr);  // ATTNMERGE_HOST unless device memory
 // Checks that `ptr` is memory the GPU `device` can address; names `arg` in the error.
 attnmerge_status gpu_check_pointer(const void* ptr, int device, const char* arg);
+// Plans the call (plan.h) and launches it on `stream`; records what it enqueued for
+// attnmerge_last_launch.
 template <typename Source>
-attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype,
-                           int out_dtype, int vec, int device, void* stream, bool pdl);
+attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const OutView& out, const CallFacts& facts,
+                           int in_dtype, int out_dtype, int device, void* stream);
+// The calling thread's record of its last op's launches; forget_launch() at the start of each op.
+void forget_launch();
+attnmerge_launch_info last_launch();
 attnmerge_status gpu_stream_synchronize(int device, void* stream);
 
 }  // namespace detail

@@ -31,8 +31,8 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
   int64_t token, head;
   shape.split_row(row_begin, token, head);  // then stepped: no division per row
   for (int64_t row = row_begin; row < row_end; ++row) {
-    const auto states = src.template row<TIn>(token, head);
-    if (!states.skip()) {
+    if (!src.masked_out(token)) {
+      const auto states = src.template row<TIn>(token, head);
       const int n = states.count();
       RowMerge r(shape.base2);
       for (int s = 0; s < n; ++s) r.see(states.lse(s));

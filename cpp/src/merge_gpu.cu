@@ -113,66 +113,62 @@ attnmerge_status gpu_check_pointer(const void* ptr, int device, const char* arg)
 
 namespace {
 
-// One merge's launches on the device (see gpu_merge).
+thread_local attnmerge_launch_info g_last_launch = {};
+
+void record_launch(const LaunchPlan& plan) {
+  attnmerge_launch_info& info = g_last_launch;
+  info.launches = plan.launches;
+  info.kernel = plan.launches == 0                      ? ATTNMERGE_KERNEL_NONE
+                : plan.strategy == Strategy::kStates ? ATTNMERGE_KERNEL_STATES
+                : plan.plain                         ? ATTNMERGE_KERNEL_ROWS_PLAIN
+                : plan.fused_lse                     ? ATTNMERGE_KERNEL_ROWS_INPLACE
+                                                     : ATTNMERGE_KERNEL_ROWS;
+  info.state_groups = plan.groups;
+  info.index_bits = plan.index32 ? 32 : 64;
+  info.vec = plan.vec;
+  info.pdl = plan.pdl ? 1 : 0;
+  for (int i = 0; i < 3; ++i) info.grid[i] = plan.main.grid[i], info.block[i] = plan.main.block[i];
+}
+
+}  // namespace
+
+void forget_launch() { g_last_launch = attnmerge_launch_info{}; }
+attnmerge_launch_info last_launch() { return g_last_launch; }
+
 template <typename Source>
-attnmerge_status launch_source(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype,
-                               int out_dtype, int vec, int device, void* stream, bool pdl) {
+attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const OutView& out, const CallFacts& facts,
+                           int in_dtype, int out_dtype, int device, void* stream) {
   DeviceGuard guard(device);
   if (guard.error() != cudaSuccess)
     return cuda_fail(guard.error(), "while selecting the device (an earlier error, not one of this call's arguments)");
   const DeviceProps props = device_props(device);
-  const LaunchOptions launch_options{props.sms, pdl && props.major >= 9};
+  const LaunchPlan plan = plan_merge(shape, src, out, facts, DeviceInfo{props.sms, props.major});
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  // In place (out_lse is an input's LSE): every O first, reading the LSEs as they were; then
-  // the LSEs alone.
-  const bool lse_after = out.lse_in_place && out.lse != nullptr;
-  OutView first = out;
-  if (lse_after) first.lse = nullptr;
   cudaError_t err = cudaSuccess;
   dispatch_in_dtype(in_dtype, [&](auto in_tag) {
     dispatch_out_dtype(out_dtype, [&](auto out_tag) {
-      dispatch_vec(vec, [&](auto vec_tag) {
+      dispatch_vec(plan.vec, [&](auto vec_tag) {
         using TIn = decltype(in_tag);
         using TOut = decltype(out_tag);
         constexpr int kVec = decltype(vec_tag)::value;
         // Wider than 16 bytes per access is never chosen; do not instantiate it.
         if constexpr (kVec * sizeof(TIn) <= 16 && kVec * sizeof(TOut) <= 16)
-          err = shape.index32 ? launch_merge<Source, TIn, TOut, kVec, int32_t>(shape, src, first, s, launch_options)
-                              : launch_merge<Source, TIn, TOut, kVec, int64_t>(shape, src, first, s, launch_options);
+          err = launch_merge<TIn, TOut, kVec>(plan, src, out, s);
       });
     });
   });
-  if (err == cudaSuccess && lse_after)
-    err = shape.index32 ? launch_merge_lse<Source, int32_t>(shape, src, out, s, launch_options)
-                        : launch_merge_lse<Source, int64_t>(shape, src, out, s, launch_options);
   if (err != cudaSuccess)
     return cuda_fail(err, "launching the merge kernel (possibly an earlier, sticky error of other work)");
+  record_launch(plan);
   return ATTNMERGE_SUCCESS;
 }
 
-}  // namespace
-
-template <typename Source>
-attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype,
-                           int out_dtype, int vec, int device, void* stream, bool pdl) {
-  if constexpr (std::is_same<Source, PairSource>::value) {
-    // No mask, a in every row, untiled, a plain scale: the kernel without those steps.
-    if (src.mask == nullptr && src.a_tokens >= shape.tokens && shape.tile_shift < 0 && out.scale == nullptr) {
-      return stream_o(shape, src)
-                 ? launch_source(shape, PlainPairSource<true>{src.a, src.b}, out, in_dtype, out_dtype, vec, device, stream, pdl)
-                 : launch_source(shape, PlainPairSource<false>{src.a, src.b}, out, in_dtype, out_dtype, vec, device, stream,
-                                 pdl);
-    }
-  }
-  return launch_source(shape, src, out, in_dtype, out_dtype, vec, device, stream, pdl);
-}
-
-template attnmerge_status gpu_merge<PairSource>(const MergeShape&, const PairSource&, const OutView&, int, int, int,
-                                                int, void*, bool);
-template attnmerge_status gpu_merge<StackSource>(const MergeShape&, const StackSource&, const OutView&, int, int, int,
-                                                 int, void*, bool);
-template attnmerge_status gpu_merge<RangeSource>(const MergeShape&, const RangeSource&, const OutView&, int, int, int,
-                                                 int, void*, bool);
+template attnmerge_status gpu_merge<PairSource>(const MergeShape&, const PairSource&, const OutView&,
+                                                const CallFacts&, int, int, int, void*);
+template attnmerge_status gpu_merge<StackSource>(const MergeShape&, const StackSource&, const OutView&,
+                                                 const CallFacts&, int, int, int, void*);
+template attnmerge_status gpu_merge<RangeSource>(const MergeShape&, const RangeSource&, const OutView&,
+                                                 const CallFacts&, int, int, int, void*);
 
 attnmerge_status gpu_stream_synchronize(int device, void* stream) {
   DeviceGuard guard(device);

@@ -17,7 +17,8 @@ from . import _C
 from ._merge import merge, merge_inplace, merge_states, merge_varlen
 
 __version__ = _C.version_string()
-__all__ = ["merge", "merge_inplace", "merge_states", "merge_varlen", "build_info", "cmake_dir", "include_dir", "library_path", "__version__"]
+__all__ = ["merge", "merge_inplace", "merge_states", "merge_varlen", "build_info", "last_launch", "cmake_dir", "include_dir",
+           "library_path", "__version__"]
 
 # Where the compiled part lives: beside _C (in an editable install, not beside this file).
 _HERE = _os.path.dirname(_os.path.abspath(_C.__file__))
@@ -34,6 +35,15 @@ def build_info():
         "device_count": _C.device_count(),
         "library": _C.library_path(),
     }
+
+
+def last_launch():
+    """What this thread's last attnmerge op enqueued on the GPU, as the launch plan chose it:
+    `kernel` ("rows", "rows_plain", "rows_inplace", "states", or "none" for host, empty or refused
+    calls), `launches` (0, 1 or 2), `state_groups` (groups of threads sharing a row's states under
+    "states"), `index_bits` (32 or 64), `vec` (elements per vector access), `pdl`, `grid` and
+    `block`.  For tests, benchmarks and tools that check which kernel a shape gets."""
+    return _C.last_launch()
 
 
 def cmake_dir():

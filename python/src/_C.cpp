@@ -586,6 +586,22 @@ PYBIND11_MODULE(_C, m) {
   m.def("stream_synchronize", [](int device, uintptr_t stream) {
     call_library([&] { return attnmerge_stream_synchronize(device, reinterpret_cast<void*>(stream)); });
   });
+  m.def("last_launch", [] {
+    attnmerge_launch_info info;
+    attnmerge_last_launch(&info);
+    static const char* const kernels[] = {"none", "rows", "rows_plain", "rows_inplace", "states"};
+    const bool known = info.kernel >= 0 && info.kernel <= ATTNMERGE_KERNEL_STATES;
+    py::dict d;
+    d["kernel"] = known ? kernels[info.kernel] : "unknown";
+    d["launches"] = info.launches;
+    d["state_groups"] = info.state_groups;
+    d["index_bits"] = info.index_bits;
+    d["vec"] = info.vec;
+    d["pdl"] = info.pdl != 0;
+    d["grid"] = py::make_tuple(info.grid[0], info.grid[1], info.grid[2]);
+    d["block"] = py::make_tuple(info.block[0], info.block[1], info.block[2]);
+    return d;
+  });
   m.def("version_string", &attnmerge_version_string);
   m.def("version", &attnmerge_version);
   m.def("cuda_architectures", &attnmerge_cuda_architectures);

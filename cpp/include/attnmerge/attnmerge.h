@@ -153,6 +153,26 @@ ATTNMERGE_API attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* ou
                                                       const attnmerge_tensor* indptr,
                                                       const attnmerge_options* options, void* stream);
 
+/* What the calling thread's last op enqueued on the GPU, for tests, benchmarks and tools that
+ * check which kernel a shape gets (the launch plan, cpp/include/attnmerge/plan.h).  Host calls,
+ * empty calls and refused calls enqueue nothing: launches = 0. */
+#define ATTNMERGE_KERNEL_NONE 0
+#define ATTNMERGE_KERNEL_ROWS 1          /* one thread per pack of a row walks its states */
+#define ATTNMERGE_KERNEL_ROWS_PLAIN 2    /* the same, two states, no mask, a_tokens, tiles or scale pointer */
+#define ATTNMERGE_KERNEL_ROWS_INPLACE 3  /* the same, the merged LSE written over an input's after a block barrier */
+#define ATTNMERGE_KERNEL_STATES 4        /* a row's states shared by groups of threads, combined in shared memory */
+typedef struct attnmerge_launch_info {
+  int32_t kernel;       /* ATTNMERGE_KERNEL_* of the first launch */
+  int32_t launches;     /* kernels enqueued: 0, 1, or 2 (an in-place merge whose rows span blocks) */
+  int32_t state_groups; /* ATTNMERGE_KERNEL_STATES: groups of threads a row's states are split into; else 1 */
+  int32_t index_bits;   /* 32 or 64: the offsets' width */
+  int32_t vec;          /* elements per vector access */
+  int32_t pdl;          /* launched with programmatic dependent launch */
+  uint32_t grid[3];
+  uint32_t block[3];
+} attnmerge_launch_info;
+ATTNMERGE_API void attnmerge_last_launch(attnmerge_launch_info* info);
+
 /* The error message of the calling thread's last call ("" after a success), valid until its next call. */
 ATTNMERGE_API const char* attnmerge_last_error(void);
 ATTNMERGE_API const char* attnmerge_status_string(attnmerge_status status);

@@ -10,29 +10,21 @@
 #include <type_traits>
 
 #include "attnmerge/merge_params.h"
+#include "attnmerge/plan.h"
 
 namespace attnmerge {
 
-#ifndef ATTNMERGE_BLOCK_THREADS
-#define ATTNMERGE_BLOCK_THREADS 256
-#endif
-#ifndef ATTNMERGE_STATE_CHUNK
-#define ATTNMERGE_STATE_CHUNK 8
-#endif
-#ifndef ATTNMERGE_NWAY_MIN_BLOCKS
-#define ATTNMERGE_NWAY_MIN_BLOCKS 3
-#endif
-constexpr int kBlockThreads = ATTNMERGE_BLOCK_THREADS;
-// States of the N-way and variable-length merges whose LSE and O loads a thread keeps in flight
-// at once: 8 moves a row of up to 8 states in one memory round trip.
-constexpr int kStateChunk = ATTNMERGE_STATE_CHUNK;
-
-// Blocks per SM the compiler must leave room for: 3 caps the N-way kernels at 85 registers
-// (measured on an H200: S = 8 in 141 us against 154 us uncapped at 96, and 159 us with 4 states
-// a chunk).  The two-way kernel needs 32 registers, full occupancy, and no cap.
+// kRows: the widest block and the blocks per SM the compiler must leave room for.  Two-state
+// kernels: 32 registers, full occupancy, no cap.  N-way kernels of 8 states in flight: 3 blocks
+// caps them at 85 registers (measured on an H200: S = 8 in 141 us against 154 us uncapped at 96,
+// and 159 us with 4 states a chunk); of 4 states: 4 blocks, 64 registers.
 template <typename Source>
+constexpr int max_threads() {
+  return Source::kMaxStates == 2 ? kPairBlockThreads : kBlockThreads;
+}
+template <typename Source, int kChunk>
 constexpr int min_blocks() {
-  return Source::kMaxStates == 2 ? 1 : ATTNMERGE_NWAY_MIN_BLOCKS;
+  return Source::kMaxStates == 2 ? 1 : kChunk <= kSmallChunk ? 4 : 3;
 }
 
 // The weights of a row's states into `r` (see, weigh, finish: row.h): `l` holds the LSEs of
@@ -65,15 +57,70 @@ __device__ __forceinline__ void weigh_row(const Row& states, int n, const float 
   r.finish(factor);
 }
 
-// The row (token, head) of this thread, and programmatic dependent launch: wait for the kernel
-// before us (a no-op unless launched with it), then let the kernel after us be scheduled into our
-// tail.  With I = int32_t the grid has no z extent (rows < 2^31) and these products fit.
-template <typename I>
-__device__ __forceinline__ I launch_row() {
+// The same for a row of more states than a chunk, its LSEs read by the row's `lanes` threads
+// together (consecutive, aligned lanes of one warp; `lane` this thread's place among them): each
+// reads states lane, lane + lanes, ... for their partial max and total, which meet by shuffles.
+// The row's max is weigh_row's; its total is summed in another order (rounding only).  No weights
+// of the first chunk come out: the caller weighs every state as it uses it.
+template <typename Row>
+__device__ __forceinline__ void weigh_row_lanes(const Row& states, int n, int lane, int lanes, float factor,
+                                                RowMerge& r) {
+  RowMerge part = r;
+  for (int s = lane; s < n; s += lanes) part.see(states.lse(s));
+  for (int s = lane; s < n; s += lanes) part.total += part.weight(states.lse(s));
+  float m = part.m, t = part.nan ? NAN : part.total;  // a NaN LSE travels as a NaN total
+  const unsigned warp_lane = (threadIdx.x + blockDim.x * threadIdx.y) & 31u;
+  const unsigned mask = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u) << (warp_lane & ~(lanes - 1u));
+  for (int offset = lanes >> 1; offset > 0; offset >>= 1) {
+    const float m2 = __shfl_xor_sync(mask, m, offset);
+    const float t2 = __shfl_xor_sync(mask, t, offset);
+    RowMerge both = r;
+    both.m = fmaxf(m, m2);
+    t = t * both.weight(m) + t2 * both.weight(m2);
+    m = both.m;
+  }
+  r.m = m;
+  r.total = t;
+  r.nan = is_nan(t);
+  r.finish(factor);
+}
+
+// acc += the weighted O packs of states 0 .. n-1, the first kChunk loaded already (packs in `o`,
+// LSEs in `l`): each pack, once used, makes room for the load of the state a chunk later, so that
+// a chunk of loads stays in flight until the last.  lse_of(s) and o_of(s): state s's LSE and this
+// thread's pack of its O.  Each state weighed as it is used (r: the row's finished weights).
+template <int kChunk, typename TIn, int VEC, typename LseOf, typename OOf>
+__device__ __forceinline__ void stream_states(int n, float (&l)[kChunk], Pack<TIn, VEC> (&o)[kChunk], LseOf lse_of,
+                                              OOf o_of, const RowMerge& r, bool stream, float (&acc)[VEC]) {
+  for (int s = 0; s < n; s += kChunk) {
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) {
+      if (s + c < n) {
+        accumulate(acc, o[c], r.scale(r.weight(l[c])));
+        const int next = s + kChunk + c;
+        if (next < n) {
+          l[c] = lse_of(next);
+          o[c] = load_pack<TIn, VEC>(o_of(next), stream);
+        }
+      }
+    }
+  }
+}
+
+// Programmatic dependent launch: wait for the kernel before us (a no-op unless launched with it),
+// then let the kernel after us be scheduled into our tail.
+__device__ __forceinline__ void pdl_wait_then_release() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
+}
+
+// The row (token, head) of this thread under kRows.  With I = int32_t the grid has no z extent
+// (rows < 2^31) and these products fit.
+template <typename I>
+__device__ __forceinline__ I launch_row() {
+  pdl_wait_then_release();
   return (static_cast<I>(blockIdx.z) * static_cast<I>(gridDim.x) + static_cast<I>(blockIdx.x)) *
              static_cast<I>(blockDim.y) + static_cast<I>(threadIdx.y);
 }
@@ -91,11 +138,11 @@ __device__ __forceinline__ bool locate_row(const MergeShape& shape, I row, I& to
   }
 }
 
-// Work: rows (token, head) over threadIdx.y and the x (and, past 2^31 blocks, z) grid axes; the
-// head_size axis over threadIdx.x in packs of VEC elements, and over the y grid axis where a row
-// has more packs than a block has threads.  Each thread handles one pack of one row, with no
-// shared memory.  The kernel is as lean in instructions as in registers: at the HBM roofline an
-// SM retires a thread every few cycles, so every instruction per thread counts.
+// kRows.  Work: rows (token, head) over threadIdx.y and the x (and, past 2^31 blocks, z) grid
+// axes; the head_size axis over threadIdx.x in packs of VEC elements, and over the y grid axis
+// where a row has more packs than a block has threads.  Each thread handles one pack of one row,
+// with no shared memory.  The kernel is as lean in instructions as in registers: at the HBM
+// roofline an SM retires a thread every few cycles, so every instruction per thread counts.
 //
 // A thread takes its row's states from the source and computes their weights itself.  States
 // come kChunk at a time, the LSEs and O packs of a chunk all loaded before any is used and without
@@ -103,20 +150,35 @@ __device__ __forceinline__ bool locate_row(const MergeShape& shape, I row, I& to
 // row of up to kChunk states costs one memory round trip; a zero-weight part is then dropped
 // without being used.  Rows of more states first walk their LSEs (max and total weight), then
 // their O packs with the LSEs again.  The output scale and a NaN LSE are folded into the
-// weights, so the O path is one multiply-add per element and state.
-template <typename Source, typename TIn, typename TOut, int VEC, typename I>
-__global__ void __launch_bounds__(kBlockThreads, min_blocks<Source>())
+// weights, so the O path is one multiply-add per element and state.  A masked-out row reads its
+// mask byte and nothing else.
+//
+// An InPlaceSource (kFusedLse) writes the merged LSE over an input's: every thread reaches one
+// block barrier after it has read its row's LSEs, and only then is the LSE stored, so the
+// launch's rows lie inside blocks (the plan's condition) and no thread leaves before the barrier.
+template <typename Source, typename TIn, typename TOut, int VEC, typename I, int kChunk>
+__global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kChunk>()))
     merge_kernel(const MergeShape shape, const Source src, const OutView out) {
-  constexpr int kChunk = Source::kMaxStates == 2 ? 2 : kStateChunk;
+  constexpr bool kFused = Source::kFusedLse;
   using P = Pack<TIn, VEC>;
   const I row = launch_row<I>();
   const I k = static_cast<I>(blockIdx.y) * static_cast<I>(blockDim.x) + static_cast<I>(threadIdx.x);
   // rows and packs fit in I (int32_t only for calls of fewer than 2^30 elements an array)
-  if (row >= static_cast<I>(shape.rows) || k >= static_cast<I>(shape.packs)) return;
-  I token, head;
-  if (!locate_row<Source>(shape, row, token, head)) return;
-  const auto states = src.template row<TIn>(token, head);
-  const int n = states.count();
+  bool live = row < static_cast<I>(shape.rows) && k < static_cast<I>(shape.packs);
+  if constexpr (!kFused) {
+    if (!live) return;
+  }
+  I token = 0, head = 0;
+  if (live) live = locate_row<Source>(shape, row, token, head);
+  if constexpr (!kFused) {
+    if (!live) return;
+  }
+  if (live && src.masked_out(token)) live = false;
+  if constexpr (!kFused) {
+    if (!live) return;
+  }
+  const auto states = src.template row<TIn>(token, head);  // token 0, head 0 for a thread with no row
+  const int n = kFused && !live ? 0 : states.count();
   const bool stream = Source::kStream < 0 ? shape.stream : Source::kStream == 1;
   // The first chunk: every load in flight at once.
   float l[kChunk];
@@ -131,42 +193,126 @@ __global__ void __launch_bounds__(kBlockThreads, min_blocks<Source>())
   // is on it.
   TOut* const dst = out.o_at<TOut>(token, head) + k * VEC;
   float* const lse_dst = k == 0 ? out.lse_at(token, head) : nullptr;
-  if (states.skip()) return;
   float w[kChunk];
   RowMerge r(shape.base2);
-  weigh_row<kChunk>(states, n, l, w, Source::kPlain ? out.inv_scale : out.inverse_scale(), r);
+  const float factor = Source::kPlain ? out.inv_scale : out.inverse_scale();
+  if constexpr (kChunk > 2) {
+    // (every thread of a row has the same n: a row's lanes take the same branch)
+    if (shape.lse_lanes > 1 && n > kChunk)
+      weigh_row_lanes(states, n, static_cast<int>(threadIdx.x), shape.lse_lanes, factor, r);
+    else
+      weigh_row<kChunk>(states, n, l, w, factor, r);
+  } else {
+    weigh_row<kChunk>(states, n, l, w, factor, r);
+  }
+  if constexpr (kFused) {
+    __syncthreads();  // every thread of the block has read its row's old LSEs
+    if (!live) return;
+  }
   if (lse_dst != nullptr) *lse_dst = r.lse();  // its latency hidden behind the O math
   float acc[VEC] = {};
-#pragma unroll
-  for (int c = 0; c < kChunk; ++c)
-    if (c < n) accumulate(acc, o[c], r.scale(w[c]));
-  for (int s = kChunk; s < n; s += kChunk) {  // the other chunks' O packs, with their LSEs again
-    float m[kChunk];
-#pragma unroll
-    for (int c = 0; c < kChunk; ++c) {
-      m[c] = s + c < n ? states.lse(s + c) : -INFINITY;
-      if (s + c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(s + c) + k * VEC, stream);
-    }
+  if (n <= kChunk) {
 #pragma unroll
     for (int c = 0; c < kChunk; ++c)
-      if (s + c < n) accumulate(acc, o[c], r.scale(r.weight(m[c])));
+      if (c < n) accumulate(acc, o[c], r.scale(w[c]));
+  } else {
+    stream_states(
+        n, l, o, [&](int s) { return states.lse(s); },
+        [&](int s) { return states.template o_at<TIn>(s) + k * VEC; }, r, stream, acc);
   }
   store_pack<TOut, VEC>(dst, acc, stream);
 }
 
-// The merged LSEs alone, one thread per row: the second launch of a merge whose out_lse is also
-// an input's LSE (every thread of a row in merge_kernel reads the row's LSEs, so none may write it
+// kStates.  A block holds whole rows: threadIdx.x the pack, threadIdx.y the group, threadIdx.z
+// the row within the block.  Group g of a row takes the row's states g, g + G, g + 2G, ... (G =
+// blockDim.y): it loads the O packs of its first kStateChunk with their LSEs, walks its LSEs for
+// their partial max and total weight, and the groups' partials meet in shared memory, where every
+// thread reads the row's max and total, so that each state gets the same weight exp(lse - max)
+// that kRows gives it (a zero-weight part is dropped unread, a NaN LSE makes the row NaN, an
+// all-empty row gives O = 0 and LSE -inf).  Then each group streams its packs, each used one
+// making room for the load a chunk later.  The groups' accumulators are summed by group 0 in a
+// fixed order, which stores the row: bit-identical results from run to run.  32-bit offsets only
+// (the plan's condition).  Every thread reaches both barriers: none leaves early.
+template <typename Source, typename TIn, typename TOut, int VEC>
+__global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStateBlockThreads)
+    merge_states_kernel(const MergeShape shape, const Source src, const OutView out) {
+  using I = int32_t;
+  using P = Pack<TIn, VEC>;
+  constexpr int kChunk = kStateChunk;
+  pdl_wait_then_release();
+  const int k = static_cast<int>(threadIdx.x), g = static_cast<int>(threadIdx.y);
+  const int packs = static_cast<int>(blockDim.x), groups = static_cast<int>(blockDim.y);
+  const I row = static_cast<I>(blockIdx.x) * static_cast<I>(blockDim.z) + static_cast<I>(threadIdx.z);
+  const bool live = row < static_cast<I>(shape.rows);
+  I token = 0, head = 0;
+  if (live) shape.split_row<false>(row, token, head);
+  const auto states = src.template row<TIn>(token, head);
+  const int n = live ? states.count() : 0;
+  const int mine = n > g ? (n - g + groups - 1) / groups : 0;  // this group's states
+  const bool stream = shape.stream;
+  const auto lse_of = [&](int j) { return states.lse(g + j * groups); };  // the group's j-th state
+  const auto o_of = [&](int j) { return states.template o_at<TIn>(g + j * groups) + k * VEC; };
+  float l[kChunk];
+  P o[kChunk];
+#pragma unroll
+  for (int c = 0; c < kChunk; ++c) {
+    l[c] = c < mine ? lse_of(c) : -INFINITY;
+    if (c < mine) o[c] = load_pack<TIn, VEC>(o_of(c), stream);
+  }
+  // The group's partial max and total (its later LSEs read again).
+  RowMerge part(shape.base2);
+#pragma unroll
+  for (int c = 0; c < kChunk; ++c) part.see(l[c]);
+  for (int j = kChunk; j < mine; ++j) part.see(lse_of(j));
+#pragma unroll
+  for (int c = 0; c < kChunk; ++c) part.total += part.weight(l[c]);
+  for (int j = kChunk; j < mine; ++j) part.total += part.weight(lse_of(j));
+  // The row's max and total from its groups' partials (a NaN LSE travels as a NaN total).
+  extern __shared__ float shared[];
+  const int slot = static_cast<int>(threadIdx.z) * groups;
+  const int slots = static_cast<int>(blockDim.z) * groups;
+  float* const part_max = shared;
+  float* const part_total = shared + slots;
+  float* const part_acc = shared + 2 * slots;  // [slot][VEC][packs]
+  if (k == 0) {
+    part_max[slot + g] = part.m;
+    part_total[slot + g] = part.nan ? NAN : part.total;
+  }
+  __syncthreads();
+  RowMerge r(shape.base2);
+  for (int j = 0; j < groups; ++j) r.m = fmaxf(r.m, part_max[slot + j]);
+  for (int j = 0; j < groups; ++j) r.total += part_total[slot + j] * r.weight(part_max[slot + j]);
+  r.nan = is_nan(r.total);
+  r.finish(out.inverse_scale());
+  float acc[VEC] = {};
+  stream_states(mine, l, o, lse_of, o_of, r, stream, acc);
+  if (g > 0) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) part_acc[((slot + g) * VEC + i) * packs + k] = acc[i];
+  }
+  __syncthreads();
+  if (g != 0 || !live) return;
+  for (int j = 1; j < groups; ++j) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] += part_acc[((slot + j) * VEC + i) * packs + k];
+  }
+  store_pack<TOut, VEC>(out.o_at<TOut>(token, head) + k * VEC, acc, stream);
+  if (k == 0) out.store_lse(token, head, r.lse());
+}
+
+// The merged LSEs alone, one thread per row: the second launch of an in-place merge whose rows
+// span blocks (every thread of a row in merge_kernel reads the row's LSEs, so none may write it
 // there).  O and its dtypes play no part.
 template <typename Source, typename I>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(max_threads<Source>())
     merge_lse_kernel(const MergeShape shape, const Source src, const OutView out) {
-  constexpr int kChunk = Source::kMaxStates == 2 ? 2 : kStateChunk;
+  constexpr int kChunk = 2;  // two-state sources only
   const I row = launch_row<I>();
   if (row >= static_cast<I>(shape.rows)) return;
   I token, head;
   if (!locate_row<Source>(shape, row, token, head)) return;
+  if (src.masked_out(token)) return;
   const auto states = src.template row<float>(token, head);
-  if (states.skip()) return;
   const int n = states.count();
   float l[kChunk], w[kChunk];
 #pragma unroll
@@ -176,80 +322,75 @@ __global__ void __launch_bounds__(kBlockThreads)
   out.store_lse(token, head, r.lse());
 }
 
-// Grid and block for `packs` vector accesses per row over `rows` rows (see merge_kernel).  Blocks
-// are kBlockThreads wide unless that leaves SMs idle (`sms`, the GPU's count, 0: unknown): a
-// decode-sized merge is spread over more SMs, down to blocks of 128 threads.  On an H200 at 1 and
-// 16 tokens x 32 x 128, 128-thread blocks were 0.15 us faster than 256 and as fast as 32 or 64,
-// with fewer blocks (benchmarks/native/decode_latency, NOTES.md).
-constexpr int kMinBlockThreads = 128;
-inline void merge_launch_shape(int64_t packs, int64_t rows, int sms, dim3& grid, dim3& block) {
-  int threads = kBlockThreads;
-  const int64_t total = packs * rows;
-  while (threads > kMinBlockThreads && (total + threads - 1) / threads < sms) threads /= 2;
-  const int bx = static_cast<int>(std::min<int64_t>(packs, threads));
-  const int by = std::max(1, threads / bx);
-  const int64_t row_blocks = (rows + by - 1) / by;
-  const int64_t max_x = (int64_t{1} << 31) - 1;
-  const int64_t gx = std::min(row_blocks, max_x);
-  block = dim3(bx, by, 1);
-  grid = dim3(static_cast<unsigned>(gx), static_cast<unsigned>((packs + bx - 1) / bx),
-              static_cast<unsigned>((row_blocks + gx - 1) / gx));
-}
-
-// How to launch: the GPU's SM count (0: unknown, blocks of kBlockThreads) and programmatic
-// dependent launch (sm_90 and newer only; see ATTNMERGE_PDL in attnmerge.h).
-struct LaunchOptions {
-  int sms = 0;
-  bool pdl = false;
-};
-
-// Evict-first O accesses, as measured on an H200 against plain ones: 5 to 13% faster for two-way
-// merges moving 3 to 13 MB, for the N-way merge of S = 64 and for the variable-length merge; 2
-// to 6% slower for two-way merges of 51 to 818 MB and for S = 8.
+// One launch of `kernel` with the plan's dimensions and PDL.
 template <typename Source>
-bool stream_o(const MergeShape& shape, const Source& src) {
-  if constexpr (std::is_same<Source, RangeSource>::value) {
-    return true;
-  } else if constexpr (std::is_same<Source, StackSource>::value) {
-    if (src.states > kStateChunk) return true;
-  }
-  return shape.bytes < (int64_t{32} << 20);
-}
-
-// A launch of `kernel` over `packs` threads per row, with the launch options.
-template <typename Source>
-cudaError_t launch(void (*kernel)(MergeShape, Source, OutView), const MergeShape& shape, const Source& src,
-                   const OutView& out, cudaStream_t stream, LaunchOptions options) {
+cudaError_t launch(void (*kernel)(MergeShape, Source, OutView), const LaunchPlan& plan, const LaunchDims& dims,
+                   const Source& src, const OutView& out, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.stream = stream;
-  merge_launch_shape(shape.packs, shape.rows, options.sms, config.gridDim, config.blockDim);
+  config.gridDim = dim3(dims.grid[0], dims.grid[1], dims.grid[2]);
+  config.blockDim = dim3(dims.block[0], dims.block[1], dims.block[2]);
+  config.dynamicSmemBytes = dims.smem;
   cudaLaunchAttribute attribute;
-  if (options.pdl) {
+  if (plan.pdl) {
     attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute.val.programmaticStreamSerializationAllowed = 1;
     config.attrs = &attribute;
     config.numAttrs = 1;
   }
-  return cudaLaunchKernelEx(&config, kernel, shape, src, out);
+  return cudaLaunchKernelEx(&config, kernel, plan.shape, src, out);
 }
 
-// The merge: O and, unless out.lse is null, the merged LSEs.
-template <typename Source, typename TIn, typename TOut, int VEC, typename I>
-cudaError_t launch_merge(MergeShape shape, const Source& src, const OutView& out, cudaStream_t stream,
-                         LaunchOptions options = {}) {
-  if (shape.rows == 0) return cudaSuccess;
-  shape.packs = shape.head_size / VEC;
-  shape.stream = stream_o(shape, src);
-  return launch(merge_kernel<Source, TIn, TOut, VEC, I>, shape, src, out, stream, options);
+namespace launch_detail {
+
+// kRows with index type I and kChunk states in flight: the merge, then the LSEs where the plan
+// has a second launch.
+template <typename Source, typename TIn, typename TOut, int VEC, typename I, int kChunk>
+cudaError_t rows(const LaunchPlan& plan, const Source& src, const OutView& out, cudaStream_t stream) {
+  const auto kernel = merge_kernel<Source, TIn, TOut, VEC, I, kChunk>;
+  if constexpr (std::is_same<Source, PairSource>::value) {
+    if (plan.launches == 2) {  // an in-place merge whose rows span blocks
+      OutView first = out;
+      first.lse = nullptr;
+      const cudaError_t err = launch(kernel, plan, plan.main, src, first, stream);
+      return err != cudaSuccess ? err : launch(merge_lse_kernel<Source, I>, plan, plan.lse, src, out, stream);
+    }
+  }
+  return launch(kernel, plan, plan.main, src, out, stream);
 }
 
-// The merged LSEs alone (out.o is not written).
-template <typename Source, typename I>
-cudaError_t launch_merge_lse(MergeShape shape, const Source& src, const OutView& out, cudaStream_t stream,
-                             LaunchOptions options = {}) {
-  if (shape.rows == 0) return cudaSuccess;
-  shape.packs = 1;
-  return launch(merge_lse_kernel<Source, I>, shape, src, out, stream, options);
+template <typename Source, typename TIn, typename TOut, int VEC>
+cudaError_t rows(const LaunchPlan& plan, const Source& src, const OutView& out, cudaStream_t stream) {
+  if constexpr (Source::kMaxStates == 2) {
+    return plan.index32 ? rows<Source, TIn, TOut, VEC, int32_t, 2>(plan, src, out, stream)
+                        : rows<Source, TIn, TOut, VEC, int64_t, 2>(plan, src, out, stream);
+  } else if (plan.chunk <= kSmallChunk) {
+    return plan.index32 ? rows<Source, TIn, TOut, VEC, int32_t, kSmallChunk>(plan, src, out, stream)
+                        : rows<Source, TIn, TOut, VEC, int64_t, kSmallChunk>(plan, src, out, stream);
+  } else {
+    return plan.index32 ? rows<Source, TIn, TOut, VEC, int32_t, kStateChunk>(plan, src, out, stream)
+                        : rows<Source, TIn, TOut, VEC, int64_t, kStateChunk>(plan, src, out, stream);
+  }
+}
+
+}  // namespace launch_detail
+
+// The merge as `plan` (plan_merge of the same call) says: O and, unless out.lse is null, the
+// merged LSEs.  TIn, TOut: the storage types of the inputs' and the output's O; VEC = plan.vec.
+template <typename TIn, typename TOut, int VEC, typename Source>
+cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutView& out, cudaStream_t stream) {
+  if (plan.launches == 0) return cudaSuccess;
+  if constexpr (std::is_same<Source, PairSource>::value) {
+    if (plan.plain)
+      return plan.shape.stream
+                 ? launch_detail::rows<PlainPairSource<true>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream)
+                 : launch_detail::rows<PlainPairSource<false>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream);
+    if (plan.fused_lse) return launch_detail::rows<InPlaceSource, TIn, TOut, VEC>(plan, InPlaceSource{src}, out, stream);
+  } else {
+    if (plan.strategy == Strategy::kStates)
+      return launch(merge_states_kernel<Source, TIn, TOut, VEC>, plan, plan.main, src, out, stream);
+  }
+  return launch_detail::rows<Source, TIn, TOut, VEC>(plan, src, out, stream);
 }
 
 }  // namespace attnmerge

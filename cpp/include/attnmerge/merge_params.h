@@ -11,8 +11,11 @@
 //                (the two-way merge and the in-place merge);
 //   PlainPairSource  two states of every token, no mask, on an untiled launch whose output scale
 //                is a number (not a pointer): the common two-way merge, without those steps;
+//   InPlaceSource  PairSource whose merged LSE overwrites an input's, on a launch that keeps each
+//                row inside one block: the LSE is written after a block barrier, in the same launch;
 //   StackSource  S states stacked along a strided axis (the N-way merge);
 //   RangeSource  states [indptr[r], indptr[r+1]) of a flat list (the variable-length merge).
+// Which source and kernel a GPU call gets is the launch plan's decision (plan.h).
 #pragma once
 
 #include <cstdint>
@@ -26,11 +29,12 @@ namespace attnmerge {
 struct MergeShape {
   int64_t tokens, heads, head_size;
   int64_t rows;  // rows the launch covers: tokens * heads, rounded up to whole tiles when tiled
-  int64_t packs;  // vector accesses per row (head_size / the launch's vector width), set at launch
-  int64_t bytes;  // bytes the call moves, about (set by the caller)
-  bool stream;    // evict-first O loads and stores (set at launch)
+  int64_t packs;  // vector accesses per row (head_size / the launch's vector width): the plan's
+  bool stream;    // evict-first O loads and stores: the plan's
   bool base2;
-  bool index32;  // every element offset of the call fits in int32_t (set by the caller)
+  // kRows N-way: the row's threads that share the reading of its LSEs (consecutive lanes of one
+  // warp, a power of two), or 1: each reads them all.  The plan's.
+  int lse_lanes;
   // Row order.  Untiled (tile_shift < 0): row = token * heads + head.  Tiled: tokens taken
   // 2^tile_shift at a time, and a tile's rows head-major (row = (tile * heads + head) * 2^tile_shift
   // + token in the tile), so that a warp's rows are consecutive tokens of one head: with LSEs laid
@@ -44,7 +48,7 @@ struct MergeShape {
   int shift;
 
   ATTNMERGE_HD MergeShape(int64_t tokens_, int64_t heads_, int64_t head_size_, bool base2_)
-      : tokens(tokens_), heads(heads_), head_size(head_size_), rows(tokens_ * heads_), packs(head_size_), bytes(0), stream(false), base2(base2_), index32(false),
+      : tokens(tokens_), heads(heads_), head_size(head_size_), rows(tokens_ * heads_), packs(head_size_), stream(false), base2(base2_), lse_lanes(1),
         tile_shift(-1), magic(0), shift(0) {
     set_divisor(heads);
   }
@@ -108,8 +112,8 @@ struct OutView {
   float inv_scale;
   const float* scale;  // when set, the scale is read from memory instead (no host round trip)
   // lse is also an input's LSE (an in-place merge).  Every thread of a row reads the row's LSEs
-  // and one writes the merged LSE, so on the GPU the LSEs go in a second launch (merge_lse_kernel,
-  // see gpu_merge).
+  // and one writes the merged LSE: on the GPU after a block barrier, or in a second launch where a
+  // row spans blocks (the launch plan's choice, plan.h).
   bool lse_in_place;
 
   ATTNMERGE_HD float inverse_scale() const { return scale != nullptr ? 1.0f / *scale : inv_scale; }
@@ -151,10 +155,11 @@ struct StateView {
 // row lacks gets another's), so that the kernels load O without waiting for the LSEs.
 
 // Two states.  Rows of tokens >= a_tokens have no state a (it is not read); rows whose mask byte is
-// 0 are skipped whole (the in-place merge leaves them untouched).
+// 0 are skipped whole (the in-place merge leaves them untouched) and read nothing but that byte.
 struct PairSource {
   static constexpr int kMaxStates = 2;
   static constexpr bool kPlain = false;
+  static constexpr bool kFusedLse = false;
   static constexpr int kStream = -1;  // evict-first O accesses or not: MergeShape::stream
   StateView a, b;
   int64_t a_tokens;
@@ -164,19 +169,21 @@ struct PairSource {
   struct Row {
     const void* o[2];
     float l[2];
-    const uint8_t* mask_byte;  // null: no mask
-    // Read after the states' loads are issued (a skipped row's loads are of memory that exists).
-    ATTNMERGE_HD bool skip() const { return mask_byte != nullptr && *mask_byte == 0; }
     ATTNMERGE_HD int count() const { return 2; }
     ATTNMERGE_HD float lse(int s) const { return l[s]; }
     template <typename T>
     ATTNMERGE_HD const T* o_at(int s) const { return static_cast<const T*>(o[s]); }
   };
 
+  // Whether the rows of `token` are left as they are: asked before anything else of them is read.
+  template <typename I>
+  ATTNMERGE_HD bool masked_out(I token) const {
+    return mask != nullptr && mask[token * static_cast<I>(mask_stride)] == 0;
+  }
+
   template <typename T, typename I>
   ATTNMERGE_HD Row row(I token, I head) const {
     Row r;
-    r.mask_byte = mask != nullptr ? mask + token * static_cast<I>(mask_stride) : nullptr;
     const bool has_a = token < static_cast<I>(a_tokens);  // a_tokens <= tokens: fits in I
     const I token_a = has_a ? token : I{0};  // a may have fewer tokens: no offset past its end
     r.o[1] = b.o_at<T>(token, head);
@@ -196,19 +203,29 @@ template <bool kStreamO>
 struct PlainPairSource {
   static constexpr int kMaxStates = 2;
   static constexpr bool kPlain = true;
+  static constexpr bool kFusedLse = false;
   static constexpr int kStream = kStreamO ? 1 : 0;
   StateView a, b;
+
+  template <typename I>
+  ATTNMERGE_HD bool masked_out(I) const { return false; }
 
   template <typename T, typename I>
   ATTNMERGE_HD PairSource::Row row(I token, I head) const {
     PairSource::Row r;
-    r.mask_byte = nullptr;
     r.o[0] = a.o_at<T>(token, head);
     r.o[1] = b.o_at<T>(token, head);
     r.l[0] = a.lse_at(token, head);
     r.l[1] = b.lse_at(token, head);
     return r;
   }
+};
+
+// PairSource whose out.lse is an input's LSE (the in-place merge), launched so that every row lies
+// inside one block: the kernel writes the merged LSE after a block barrier, once every thread of
+// the row has read the old one, instead of in a second launch.
+struct InPlaceSource : PairSource {
+  static constexpr bool kFusedLse = true;
 };
 
 // n states from o0 and l0 on, o_ss and l_ss elements apart.
@@ -218,7 +235,6 @@ struct StridedRow {
   const float* l0;
   I o_ss, l_ss;
   int n;
-  ATTNMERGE_HD bool skip() const { return false; }
   ATTNMERGE_HD int count() const { return n; }
   ATTNMERGE_HD float lse(int s) const { return l0[s * l_ss]; }
   template <typename T>
@@ -230,12 +246,16 @@ struct StridedRow {
 struct StackSource {
   static constexpr int kMaxStates = 0;  // known at run time only
   static constexpr bool kPlain = false;
+  static constexpr bool kFusedLse = false;
   static constexpr int kStream = -1;  // evict-first O accesses or not: MergeShape::stream
   const void* o;
   int64_t o_st, o_ss, o_sh;
   const float* lse;
   int64_t lse_st, lse_ss, lse_sh;
   int64_t states;
+
+  template <typename I>
+  ATTNMERGE_HD bool masked_out(I) const { return false; }
 
   template <typename T, typename I>
   ATTNMERGE_HD StridedRow<I> row(I token, I head) const {
@@ -251,6 +271,7 @@ struct StackSource {
 struct RangeSource {
   static constexpr int kMaxStates = 0;
   static constexpr bool kPlain = false;
+  static constexpr bool kFusedLse = false;
   static constexpr int kStream = -1;  // evict-first O accesses or not: MergeShape::stream
   const void* o;
   int64_t o_st, o_sh;
@@ -260,6 +281,9 @@ struct RangeSource {
   int64_t indptr_stride;
   bool indptr64;
   int64_t total;
+
+  template <typename I>
+  ATTNMERGE_HD bool masked_out(I) const { return false; }
 
   template <typename I>
   ATTNMERGE_HD I bound(I r) const {

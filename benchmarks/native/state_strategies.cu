@@ -1,0 +1,153 @@
+// The N-way merge's two strategies side by side (plan.h): kRows (one thread per pack walks a row's
+// states, 8 or 4 in flight) against kStates with 2 to 16 groups of threads a row, and the plan's
+// own choice, by
+// CUDA-graph replay through the header-only launcher on T x S x 32 x 128 states ([tokens, S,
+// heads, D], FlashInfer's layout) with bfloat16 or float32 partials into a bfloat16 output, input
+// sets rotated past L2.  Each variant's output is compared with kRows' (max |difference| of O and
+// LSE over the whole output, random inputs).  Figures go to benchmarks/NOTES.md.
+#include <attnmerge/merge_kernels.cuh>
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+using namespace attnmerge;
+
+namespace {
+
+constexpr int64_t kHeads = 32, kHeadSize = 128;
+
+// Values from a hash of the index: O in [-1, 1), LSE in [-4, 4).
+__global__ void fill_o(uint16_t* bf16, float* f32, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = float(hash_index(i, seed) & 0xffff) / 32768.0f - 1.0f;
+    if (bf16) bf16[i] = uint16_t(__float_as_uint(v) >> 16);
+    if (f32) f32[i] = v;
+  }
+}
+__global__ void fill_lse(float* lse, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    lse[i] = float(hash_index(i, seed) & 0xffff) / 8192.0f - 4.0f;
+}
+
+struct Set {
+  void* o;
+  float* lse;
+  void* out;
+  float* out_lse;
+};
+
+float bf16_to_float(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename TIn>
+void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(TIn);
+  const bool f32 = sizeof(TIn) == 4;
+  const int64_t elems = tokens * states * kHeads * kHeadSize, lse_elems = tokens * states * kHeads;
+  const int64_t out_elems = tokens * kHeads * kHeadSize;
+  const int64_t bytes = elems * int64_t(sizeof(TIn)) + lse_elems * 4 + out_elems * 2 + tokens * kHeads * 4;
+  const int64_t count = std::max<int64_t>(1, std::min<int64_t>(32, (int64_t{1} << 30) / bytes));
+  std::vector<Set> sets(count);
+  uint32_t seed = 1;
+  for (Set& s : sets) {
+    check_cuda(cudaMalloc(&s.o, elems * sizeof(TIn)), "cudaMalloc");
+    check_cuda(cudaMalloc(&s.lse, lse_elems * 4), "cudaMalloc");
+    check_cuda(cudaMalloc(&s.out, out_elems * 2), "cudaMalloc");
+    check_cuda(cudaMalloc(&s.out_lse, tokens * kHeads * 4), "cudaMalloc");
+    fill_o<<<1024, 256, 0, stream>>>(f32 ? nullptr : static_cast<uint16_t*>(s.o), f32 ? static_cast<float*>(s.o) : nullptr,
+                                     elems, seed++);
+    fill_lse<<<1024, 256, 0, stream>>>(s.lse, lse_elems, seed++);
+  }
+  check_cuda(cudaStreamSynchronize(stream), "fill");
+  const MergeShape shape{tokens, kHeads, kHeadSize, true};
+  const auto source = [&](const Set& s) {
+    return StackSource{s.o, states * kHeads * kHeadSize, kHeads * kHeadSize, kHeadSize, s.lse, states * kHeads, kHeads, 1,
+                       states};
+  };
+  const auto dest = [&](const Set& s) {
+    return OutView{s.out, kHeads * kHeadSize, kHeadSize, s.out_lse, kHeads, 1, 1.0f, nullptr, false};
+  };
+  CallFacts facts;
+  facts.vec = kVec;
+  facts.bytes = bytes;
+  const LaunchPlan library = plan_merge(shape, source(sets[0]), dest(sets[0]), facts, DeviceInfo{sms, 9});
+  // Variants: the plan's, kRows, kStates with G groups.
+  struct Variant {
+    std::string name;
+    LaunchPlan plan;
+  };
+  std::vector<Variant> vs;
+  vs.push_back({"plan", library});
+  // kRows as the plan makes it where the GPU is full (planned for a GPU of one SM), launched for this one.
+  LaunchPlan rows = plan_merge(shape, source(sets[0]), dest(sets[0]), facts, DeviceInfo{1, 9});
+  rows.main = row_dims(rows.shape.packs, rows.shape.rows, sms);
+  rows.chunk = kStateChunk;
+  vs.push_back({"rows", rows});
+  LaunchPlan rows4 = rows;
+  rows4.chunk = kSmallChunk;
+  vs.push_back({"rows4", rows4});
+  for (int g = 2; g <= 32; g *= 2) {
+    if (rows.shape.packs * g > kStateBlockThreads) break;
+    LaunchPlan p = library;
+    p.strategy = Strategy::kStates;
+    p.groups = g;
+    p.main = state_dims(p.shape.packs, p.shape.rows, g, kVec, sms);
+    vs.push_back({"G" + std::to_string(g), p});
+  }
+  const auto launch_one = [&](const LaunchPlan& plan, const Set& s) {
+    check_cuda(launch_merge<TIn, bfloat16_t, kVec>(plan, source(s), dest(s), stream), "launch");
+  };
+  // Outputs against kRows' on set 0.
+  std::vector<uint16_t> ref_o(out_elems), o(out_elems);
+  std::vector<float> ref_l(tokens * kHeads), l(tokens * kHeads);
+  launch_one(rows, sets[0]);
+  check_cuda(cudaMemcpy(ref_o.data(), sets[0].out, out_elems * 2, cudaMemcpyDeviceToHost), "copy");
+  check_cuda(cudaMemcpy(ref_l.data(), sets[0].out_lse, ref_l.size() * 4, cudaMemcpyDeviceToHost), "copy");
+  std::printf("S=%-4lld %5lld tok %-9s %8.1f MB | plan %s", static_cast<long long>(states), static_cast<long long>(tokens),
+              f32 ? "f32->bf16" : "bf16", bytes / 1e6,
+              library.strategy == Strategy::kStates ? ("G" + std::to_string(library.groups)).c_str() : "rows");
+  const int calls = bytes > (int64_t{256} << 20) ? 10 : 50;
+  for (Variant& v : vs) {
+    launch_one(v.plan, sets[0]);
+    check_cuda(cudaMemcpy(o.data(), sets[0].out, out_elems * 2, cudaMemcpyDeviceToHost), "copy");
+    check_cuda(cudaMemcpy(l.data(), sets[0].out_lse, l.size() * 4, cudaMemcpyDeviceToHost), "copy");
+    double d_o = 0, d_l = 0;
+    for (int64_t i = 0; i < out_elems; ++i) d_o = std::max(d_o, double(std::fabs(bf16_to_float(o[i]) - bf16_to_float(ref_o[i]))));
+    for (size_t i = 0; i < l.size(); ++i) d_l = std::max(d_l, double(std::fabs(l[i] - ref_l[i])));
+    const double us = graph_us([&](int i) { launch_one(v.plan, sets[i % count]); }, stream, calls);
+    std::printf(" | %s %.2f us (dO %.1e dL %.1e)", v.name.c_str(), us, d_o, d_l);
+  }
+  std::printf(" | floor %.2f us\n", 2.04 + bytes / 4.37e6);
+  for (Set& s : sets)
+    for (void* p : {s.o, static_cast<void*>(s.lse), s.out, static_cast<void*>(s.out_lse)}) cudaFree(p);
+}
+
+}  // namespace
+
+int main() {
+  if (!have_gpu("state_strategies")) return 1;
+  cudaDeviceProp prop;
+  check_cuda(cudaGetDeviceProperties(&prop, 0), "properties");
+  cudaStream_t stream;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  const int sms = prop.multiProcessorCount;
+  std::printf("%s (%d SMs): N-way merge T x S x 32 x 128 -> bfloat16, us per merge by graph replay (median)\n", prop.name,
+              sms);
+  for (const auto& c : std::vector<std::array<int64_t, 2>>{{16, 16}, {16, 64}, {16, 128}, {128, 16}, {128, 64}, {128, 128},
+                                                            {1, 64}, {8192, 4}, {8192, 8}, {8192, 16}, {8192, 64}})
+    run_case<bfloat16_t>(c[0], c[1], sms, stream);
+  for (const auto& c : std::vector<std::array<int64_t, 2>>{{16, 64}, {16, 128}, {16, 256}, {128, 64}, {8192, 16}})
+    run_case<float>(c[0], c[1], sms, stream);
+  return 0;
+}

@@ -1,0 +1,230 @@
+// The launch plan: every decision of how a GPU merge runs, taken in one place from the call's
+// sizes, the sources and the GPU: index width, row order (tiles), source kind, evict-first
+// accesses, strategy, grid, block, shared memory, programmatic dependent launch and the number of
+// launches.  Host code only, no CUDA: the C ABI, the header launchers (merge_kernels.cuh) and the
+// native benchmarks all plan through plan_merge, so a header-only caller gets the library's kernel.
+//
+// Strategies:
+//   kRows    one thread per pack of one row walks the row's states, a chunk of them in flight
+//            (merge_kernel): every two-way merge, and N-way or variable-length merges with enough
+//            rows to fill the GPU or few states a row;
+//   kStates  a row's states shared by `groups` groups of threads, each streaming its own states
+//            a chunk ahead, their partial (max, total) and accumulators combined through shared
+//            memory (merge_states_kernel): split-KV decode, few rows and many states, where kRows
+//            would leave most of the GPU idle (state_groups says when).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "attnmerge/merge_params.h"
+
+namespace attnmerge {
+
+#ifndef ATTNMERGE_BLOCK_THREADS
+#define ATTNMERGE_BLOCK_THREADS 256
+#endif
+#ifndef ATTNMERGE_PAIR_BLOCK_THREADS
+#define ATTNMERGE_PAIR_BLOCK_THREADS 512
+#endif
+#ifndef ATTNMERGE_STATE_CHUNK
+#define ATTNMERGE_STATE_CHUNK 8
+#endif
+// kRows: the widest block of the N-way kernels (their register cap leaves room for 3 or 4 of them
+// an SM) and of the two-state kernels (32 registers: 4 blocks of 512 an SM).
+constexpr int kBlockThreads = ATTNMERGE_BLOCK_THREADS;
+constexpr int kPairBlockThreads = ATTNMERGE_PAIR_BLOCK_THREADS;
+// States of the N-way and variable-length merges whose LSE and O loads a thread keeps in flight:
+// 8 moves a row of up to 8 states in one memory round trip; rows of at most kSmallChunk states a
+// thread take a kernel that keeps 4 (fewer registers, more threads an SM).
+constexpr int kStateChunk = ATTNMERGE_STATE_CHUNK;
+constexpr int kSmallChunk = 4;
+// A decode-sized merge spreads over more SMs with narrower blocks, down to this width.
+constexpr int kMinBlockThreads = 128;
+// kStates: the widest block (whole rows, at most one row's packs x groups), the threads an SM
+// holds (the kernel's register cap: 4 blocks of 256), and the fewest states a group takes.
+constexpr int kStateBlockThreads = 256;
+constexpr int kStateThreadsPerSM = 1024;
+constexpr int kStatesPerGroup = 4;
+
+enum class Strategy : int32_t { kRows = 0, kStates = 1 };
+
+// The GPU a call runs on; 0: not known (blocks of kBlockThreads, no PDL).
+struct DeviceInfo {
+  int sms = 0;
+  int major = 0;
+};
+
+// What the caller knows of a call beyond its sources: the C ABI reads these off the validated
+// tensors.
+struct CallFacts {
+  int vec = 1;                    // elements per vector access that every O pointer and stride allow
+  int64_t max_offset = 0;         // the largest element offset into any array of the call
+  int64_t bytes = 0;              // bytes the call moves, about
+  bool lse_tokens_inner = false;  // an LSE has tokens as its faster axis (vLLM's [heads, tokens])
+  bool pdl = false;               // the caller allows programmatic dependent launch
+};
+
+struct LaunchDims {
+  uint32_t grid[3] = {0, 0, 0};
+  uint32_t block[3] = {0, 0, 0};
+  uint32_t smem = 0;  // dynamic shared memory, bytes
+};
+
+struct LaunchPlan {
+  MergeShape shape;  // packs, stream and row order filled in
+  Strategy strategy = Strategy::kRows;
+  int vec = 1;
+  int chunk = 2;         // kRows: states a thread keeps in flight (2 for two-state sources, else 4 or 8)
+  int groups = 1;        // kStates: groups of threads sharing a row's states
+  bool index32 = false;  // 32-bit offsets: every element offset of the call fits in 30 bits
+  bool plain = false;    // PairSource: the plain kernel (PlainPairSource)
+  bool fused_lse = false;  // out.lse is an input's LSE, written in the same launch (InPlaceSource)
+  bool pdl = false;
+  int launches = 0;   // 0 (nothing to do), 1, or 2 (an in-place merge whose rows span blocks: the LSEs after)
+  LaunchDims main;    // the merge
+  LaunchDims lse;     // the second launch, when launches == 2 (merge_lse_kernel)
+
+  explicit LaunchPlan(const MergeShape& s) : shape(s) {}
+};
+
+namespace plan_detail {
+inline uint32_t div_up(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
+}  // namespace plan_detail
+
+// Grid and block for `packs` vector accesses per row over `rows` rows, one thread each.  Blocks
+// are `max_threads` wide unless that leaves SMs idle (`sms`, 0: unknown): a decode-sized merge is
+// spread over more SMs, down to blocks of kMinBlockThreads.  Rows go over the x (and, past 2^31
+// blocks, z) grid axes, a row's packs over the block's x axis and the y grid axis where a row has
+// more packs than a block has threads.
+inline LaunchDims row_dims(int64_t packs, int64_t rows, int sms, int max_threads = kBlockThreads) {
+  int threads = max_threads;
+  const int64_t total = packs * rows;
+  while (threads > kMinBlockThreads && (total + threads - 1) / threads < sms) threads /= 2;
+  const int bx = static_cast<int>(std::min<int64_t>(packs, threads));
+  const int by = std::max(1, threads / bx);
+  const int64_t row_blocks = (rows + by - 1) / by;
+  const int64_t gx = std::min(row_blocks, (int64_t{1} << 31) - 1);
+  LaunchDims d;
+  d.block[0] = static_cast<uint32_t>(bx), d.block[1] = static_cast<uint32_t>(by), d.block[2] = 1;
+  d.grid[0] = static_cast<uint32_t>(gx), d.grid[1] = plan_detail::div_up(packs, bx);
+  d.grid[2] = plan_detail::div_up(row_blocks, gx);
+  return d;
+}
+
+namespace plan_detail {
+
+// States a row has, for the strategy: S of the N-way merge, the mean of the variable-length one.
+template <typename Source>
+int64_t states_per_row(const Source& src, const MergeShape& shape) {
+  if constexpr (std::is_same<Source, StackSource>::value) {
+    return src.states;
+  } else if constexpr (std::is_same<Source, RangeSource>::value) {
+    const int64_t rows = shape.tokens;
+    return rows > 0 ? (src.total + rows - 1) / rows : 0;
+  } else {
+    return 2;
+  }
+}
+
+// Evict-first O accesses, as measured on an H200 against plain ones: 5 to 13% faster for two-way
+// merges moving 3 to 13 MB, for the N-way merge of S = 64 and for the variable-length merge; 2
+// to 6% slower for two-way merges of 51 to 818 MB and for S = 8.
+template <typename Source>
+bool stream_o(const Source& src, int64_t bytes) {
+  if constexpr (std::is_same<Source, RangeSource>::value) {
+    return true;
+  } else if constexpr (std::is_same<Source, StackSource>::value) {
+    if (src.states > kStateChunk) return true;
+  }
+  return bytes < (int64_t{32} << 20);
+}
+
+}  // namespace plan_detail
+
+// Groups of threads a row's `states` are split into under kStates; 1 means kRows.  Only where a
+// row has more states than one thread keeps in flight, and kRows (`rows` x `packs` threads) would
+// leave the GPU's threads (`sms` x kStateThreadsPerSM) unused: the groups double while each keeps
+// kStatesPerGroup states or more, the row's threads fit one block, and the launch still fits the
+// GPU at once.
+inline int state_groups(int64_t states, int64_t packs, int64_t rows, int sms) {
+  if (states <= kStateChunk) return 1;
+  const int64_t capacity = int64_t{sms > 0 ? sms : 1} * kStateThreadsPerSM;
+  int g = 1;
+  while (int64_t{2} * g * kStatesPerGroup <= states && packs * 2 * g <= kStateBlockThreads &&
+         rows * packs * 2 * g <= capacity)
+    g *= 2;
+  return g;
+}
+
+// The launch of kStates with `groups` groups over `rows` rows of `packs` packs: blocks of whole
+// rows (packs x groups x rows a block), up to kStateBlockThreads, as few rows a block as it takes
+// to give every SM a block (`sms`, 0: unknown); shared memory for each group's (max, total) and
+// each pack's accumulator of `vec` floats.
+inline LaunchDims state_dims(int64_t packs, int64_t rows, int groups, int vec, int sms) {
+  const int64_t per_row = packs * groups;
+  int64_t threads = kStateBlockThreads;
+  while (threads > kMinBlockThreads && (rows * per_row + threads - 1) / threads < sms) threads /= 2;
+  const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(threads / per_row, rows));
+  LaunchDims d;
+  d.block[0] = static_cast<uint32_t>(packs), d.block[1] = static_cast<uint32_t>(groups);
+  d.block[2] = static_cast<uint32_t>(rows_per_block);
+  d.grid[0] = plan_detail::div_up(rows, rows_per_block), d.grid[1] = 1, d.grid[2] = 1;
+  d.smem = static_cast<uint32_t>(rows_per_block * groups * (2 + packs * vec) * sizeof(float));
+  return d;
+}
+
+// The plan of one GPU call.  `out.lse_in_place`: out.lse is also an input's LSE.
+template <typename Source>
+LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView& out, const CallFacts& facts,
+                      DeviceInfo device) {
+  LaunchPlan plan(shape);
+  MergeShape& s = plan.shape;
+  plan.vec = facts.vec;
+  s.packs = shape.head_size / facts.vec;
+  // With room for the grid's last block and the one-past-the-end start of an empty varlen row.
+  plan.index32 = facts.max_offset < (int64_t{1} << 30);
+  plan.pdl = facts.pdl && device.major >= 9;
+  if (s.rows == 0) return plan;
+  plan.launches = 1;
+  if constexpr (std::is_same<Source, PairSource>::value) {
+    // LSEs whose tokens are the faster axis (vLLM's [heads, tokens]): rows in tiles of 8 tokens,
+    // so that a warp's rows share their LSE sectors (MergeShape::tile); not at decode sizes, where
+    // a tile would mostly be padding.
+    if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
+    s.stream = plan_detail::stream_o(src, facts.bytes);
+    plan.plain = src.mask == nullptr && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr &&
+                 !out.lse_in_place;
+    plan.main = row_dims(s.packs, s.rows, device.sms, kPairBlockThreads);
+    if (out.lse_in_place && out.lse != nullptr) {
+      // Every thread of a row reads the old LSE; one writes the new one.  In one launch when the
+      // row's threads share a block (a barrier between), else the LSEs in a second launch.
+      plan.fused_lse = plan.main.grid[1] == 1;
+      if (!plan.fused_lse) {
+        plan.launches = 2;
+        plan.lse = row_dims(1, s.rows, device.sms, kPairBlockThreads);
+      }
+    }
+    return plan;
+  } else {
+    s.stream = plan_detail::stream_o(src, facts.bytes);
+    const int64_t states = plan_detail::states_per_row(src, s);
+    const int groups = plan.index32 ? state_groups(states, s.packs, s.rows, device.sms) : 1;
+    if (groups > 1) {
+      plan.strategy = Strategy::kStates;
+      plan.groups = groups;
+      plan.main = state_dims(s.packs, s.rows, groups, facts.vec, device.sms);
+    } else {
+      plan.chunk = states <= kSmallChunk ? kSmallChunk : kStateChunk;
+      plan.main = row_dims(s.packs, s.rows, device.sms);
+      // A row's threads share the reading of its LSEs where they are whole aligned lanes of a warp
+      // (a power of two of packs, one block wide): one LSE load a thread per `packs` states.
+      const bool lanes = s.packs <= 32 && (s.packs & (s.packs - 1)) == 0 && plan.main.grid[1] == 1;
+      s.lse_lanes = lanes ? static_cast<int>(s.packs) : 1;
+    }
+    return plan;
+  }
+}
+
+}  // namespace attnmerge

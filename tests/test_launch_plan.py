@@ -1,0 +1,269 @@
+"""The launch plan (cpp/include/attnmerge/plan.h): which kernel each GPU call gets, at and around
+every switch point, and that each gives the oracle's results.
+
+`attnmerge.last_launch()` reports what the thread's last op enqueued.  The plan's rules, as this
+file states them (the specification the plan is held to):
+- two states (merge, merge_states with S = 2): the plain rows kernel unless the call has a mask,
+  a_tokens, tiled rows or an in-place LSE;
+- the in-place merge: one launch, its LSE written after a block barrier, unless a row's packs span
+  more than one block (then the LSEs in a second launch);
+- N-way and variable-length merges: the states kernel when a row has more states than one thread
+  keeps in flight and the rows kernel would leave the GPU's threads unused, with
+  `groups_for(S, packs, rows, sms)` groups of threads a row; else rows.
+The GPU tests carry the `gpu` marker; the first test runs everywhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnmerge
+from oracle import (
+    assert_merge_matches,
+    random_lse,
+    random_o,
+    random_stacked,
+    reference_merge,
+    reference_merge_stacked,
+    reference_merge_varlen,
+    to_f64,
+)
+
+STATE_CHUNK = 8           # states one thread keeps in flight under "rows" (kStateChunk)
+SMALL_CHUNK = 4           # ... where a row has at most this many (kSmallChunk)
+STATE_BLOCK = 256         # threads of a states-kernel block, at most one row's (kStateBlockThreads)
+STATE_THREADS_PER_SM = 1024  # threads of the states kernel an SM holds (kStateThreadsPerSM)
+STATES_PER_GROUP = 4      # the fewest states a group takes (kStatesPerGroup)
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def groups_for(states: int, packs: int, rows: int, sms: int) -> int:
+    """Groups of threads a row's states are split into (1: the rows kernel): only for more states
+    than one thread keeps in flight, doubling while each group keeps STATES_PER_GROUP states, the
+    row's threads fit one block, and the launch fits the GPU's threads at once."""
+    if states <= STATE_CHUNK:
+        return 1
+    g = 1
+    while 2 * g * STATES_PER_GROUP <= states and packs * 2 * g <= STATE_BLOCK and \
+            rows * packs * 2 * g <= sms * STATE_THREADS_PER_SM:
+        g *= 2
+    return g
+
+
+def vec_for(head_size: int, *dtypes: str) -> int:
+    """Elements per access: 16 bytes of the widest O dtype, if head_size allows it."""
+    vec = 16 // max(ELEMENT_BYTES[d] for d in dtypes)
+    while head_size % vec:
+        vec //= 2
+    return vec
+
+
+def test_a_host_call_launches_nothing(rng):
+    o, lse = random_stacked(rng, 3, 64, 2, 16, "float32")
+    attnmerge.merge_states(o, lse)
+    info = attnmerge.last_launch()
+    assert info["kernel"] == "none" and info["launches"] == 0
+
+
+@pytest.fixture(scope="module")
+def torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA GPU")
+    return torch
+
+
+@pytest.fixture(scope="module")
+def sms(torch):
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def put(torch, x: np.ndarray):
+    if x.dtype.name == "bfloat16":
+        return torch.from_numpy(x.astype(np.float32)).cuda().to(torch.bfloat16)
+    return torch.from_numpy(np.array(x, copy=True, order="C")).cuda()
+
+
+def get(torch, t) -> np.ndarray:
+    torch.cuda.synchronize(t.device)
+    return t.float().cpu().numpy() if t.dtype == torch.bfloat16 else t.cpu().numpy()
+
+
+def nan_out(torch, shape, dtype):
+    return torch.full(shape, float("nan"), device="cuda", dtype=getattr(torch, dtype))
+
+
+# The switch points of the N-way merge: S = 1 and 2 (rows; S = 2 the two-way kernel), 8 / 9 (the
+# first split), 16 / 17, 64, 255 / 256 / 257 (the most groups, then a second chunk a group), at
+# head sizes whose packs allow every group count (128) or only a few (67, 16-bit vectors of 1).
+SWITCH_S = (1, 2, 8, 9, 16, 17, 64, 255, 256, 257)
+
+
+def expected_kernel(s, packs, rows, sms):
+    groups = groups_for(s, packs, rows, sms)
+    kernel = "rows_plain" if s == 2 else "states" if groups > 1 else "rows"
+    return kernel, groups
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtypes", [("bfloat16", "bfloat16"), ("float32", "bfloat16"), ("float16", "float32")])
+@pytest.mark.parametrize("head_size", (128, 67))
+@pytest.mark.parametrize("s", SWITCH_S)
+def test_merge_states_switch_points(rng, torch, sms, s, head_size, dtypes):
+    in_dtype, out_dtype = dtypes
+    t, h = 5, 3
+    o, lse = random_stacked(rng, t, s, h, head_size, in_dtype)
+    out, out_lse = nan_out(torch, (t, h, head_size), out_dtype), nan_out(torch, (t, h), "float32")
+    attnmerge.merge_states(put(torch, o), put(torch, lse), out=out, out_lse=out_lse)
+    info = attnmerge.last_launch()
+    vec = vec_for(head_size, in_dtype, out_dtype)
+    packs = head_size // vec
+    kernel, groups = expected_kernel(s, packs, t * h, sms)
+    assert (info["kernel"], info["state_groups"], info["vec"], info["launches"]) == (kernel, groups, vec, 1)
+    if kernel == "states":
+        assert info["block"][:2] == (packs, groups)
+    first = (get(torch, out), get(torch, out_lse))
+    assert_merge_matches(*first, reference_merge_stacked(o, lse), out_dtype)
+    # Bit-identical from run to run.
+    out.fill_(float("nan"))
+    out_lse.fill_(float("nan"))
+    attnmerge.merge_states(put(torch, o), put(torch, lse), out=out, out_lse=out_lse)
+    again = (get(torch, out), get(torch, out_lse))
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(first, again))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("side", ("at", "past"))
+@pytest.mark.parametrize("s", (16, 64))
+def test_merge_states_rows_threshold(rng, torch, sms, s, side):
+    """Rows just at and just past the last count the states kernel still fills the GPU with two
+    groups a row: past it, the rows kernel."""
+    h, d = 4, 128
+    packs = d // 8
+    last = sms * STATE_THREADS_PER_SM // (2 * packs)  # rows * packs * 2 <= the GPU's threads
+    t = last // h + (1 if side == "past" else 0)
+    o, lse = random_stacked(rng, t, s, h, d, "bfloat16")
+    out, out_lse = attnmerge.merge_states(put(torch, o), put(torch, lse))
+    info = attnmerge.last_launch()
+    kernel, groups = expected_kernel(s, packs, t * h, sms)
+    assert (kernel, groups) == (("states", 2) if side == "at" else ("rows", 1))
+    assert (info["kernel"], info["state_groups"]) == (kernel, groups)
+    assert_merge_matches(get(torch, out), get(torch, out_lse), reference_merge_stacked(o, lse), "bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s", (3, 4, 5, 8, 12))
+def test_merge_states_rows_kernels_of_4_and_8_states_in_flight(rng, torch, s):
+    """Long inputs (the rows kernel): at most 4 states a row take the kernel of 4 in flight; more
+    stream through the kernel of 8, a chunk ahead."""
+    o, lse = random_stacked(rng, 4096, s, 8, 64, "bfloat16")
+    lse[rng.random(lse.shape) < 0.3] = -np.inf
+    out, out_lse = attnmerge.merge_states(put(torch, o), put(torch, lse))
+    assert attnmerge.last_launch()["kernel"] == "rows"
+    assert_merge_matches(get(torch, out), get(torch, out_lse), reference_merge_stacked(o, lse), "bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s", (9, 64, 257))
+def test_merge_states_empty_and_nan_states_inside_a_split_row(rng, torch, s):
+    t, h, d = 12, 4, 128
+    o, lse = random_stacked(rng, t, s, h, d, "bfloat16")
+    empty = rng.random((t, s, h)) < 0.4
+    lse[empty] = np.where(rng.random(int(empty.sum())) < 0.5, np.inf, -np.inf)
+    o[empty] = np.nan  # empty parts are never read into the result
+    lse[0] = -np.inf  # every part of token 0 empty: O = 0, LSE = -inf
+    lse[1, :, 0] = np.inf
+    lse[2, s - 1, 1] = np.nan  # a NaN LSE in the last group's last state: a NaN row
+    lse[3, :, 2] = -np.inf
+    lse[3, s // 2, 2] = np.nan  # NaN beats empty
+    lse[4, 1:, 3] = lse[4, 0, 3] - 1000.0  # weights that underflow to 0: not read
+    o[4, 1:, 3] = np.nan
+    out, out_lse = attnmerge.merge_states(put(torch, o), put(torch, lse))
+    assert attnmerge.last_launch()["kernel"] == "states"
+    out, out_lse = get(torch, out), get(torch, out_lse)
+    assert_merge_matches(out, out_lse, reference_merge_stacked(o, lse), "bfloat16")
+    assert np.all(out[0] == 0) and np.all(out_lse[0] == -np.inf) and np.all(out[1, 0] == 0)
+    assert np.all(np.isnan(out[2, 1])) and np.isnan(out_lse[2, 1]) and np.isnan(out_lse[3, 2])
+    assert np.all(np.isfinite(out[4, 3]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("states_axis", (0, 1))
+def test_merge_states_split_rows_over_strided_inputs(rng, torch, states_axis):
+    """The all-gather layout [S, tokens, heads, D] and a padded, sliced [tokens, S, heads, D]."""
+    t, s, h, d = 7, 48, 4, 128
+    o, lse = random_stacked(rng, t, s, h, d, "float16", states_axis)
+    o_t, lse_t = put(torch, o), put(torch, lse)
+    if states_axis == 1:  # every other head of a buffer twice as wide, head_size padded
+        wide = torch.full((t, s, 2 * h, d + 8), float("nan"), device="cuda", dtype=torch.float16)
+        wide[:, :, ::2, :d] = o_t
+        o_t = wide[:, :, ::2, :d]
+        lse_w = torch.full((t, s, 2 * h), float("nan"), device="cuda")
+        lse_w[:, :, ::2] = lse_t
+        lse_t = lse_w[:, :, ::2]
+    out, out_lse = attnmerge.merge_states(o_t, lse_t, states_axis=states_axis)
+    assert attnmerge.last_launch()["kernel"] == "states"
+    assert_merge_matches(get(torch, out), get(torch, out_lse), reference_merge_stacked(o, lse, states_axis=states_axis),
+                         "float16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts", [[0, 1, 9, 64, 300, 0, 17], [8] * 40 + [0, 3], [2, 0, 1, 7]])
+def test_merge_varlen_strategies(rng, torch, sms, counts):
+    """The mean states a row decides; rows of 0, 1, a few, and many more states than a split row
+    holds in one chunk share a launch."""
+    h, d = 4, 128
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    total = int(indptr[-1])
+    o, lse = random_o(rng, (total, h, d), "bfloat16"), random_lse(rng, (total, h))
+    lse[rng.random((total, h)) < 0.2] = -np.inf
+    out, out_lse = attnmerge.merge_varlen(put(torch, o), put(torch, lse), put(torch, indptr))
+    info = attnmerge.last_launch()
+    mean = -(-total // len(counts))
+    groups = groups_for(mean, d // 8, len(counts) * h, sms)
+    assert (info["kernel"], info["state_groups"]) == ("states" if groups > 1 else "rows", groups)
+    assert_merge_matches(get(torch, out), get(torch, out_lse), reference_merge_varlen(o, lse, indptr), "bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masked", (False, True))
+@pytest.mark.parametrize("head_size", (128, 8192))
+def test_inplace_in_one_launch_unless_rows_span_blocks(rng, torch, head_size, masked):
+    t, h = 37, 3
+    o, lse = random_o(rng, (t, h, head_size), "bfloat16"), random_lse(rng, (t, h))
+    o2, lse2 = random_o(rng, (t, h, head_size), "bfloat16"), random_lse(rng, (t, h))
+    mask = (rng.random(t) < 0.5).astype(np.uint8)
+    o_t, lse_t = put(torch, o), put(torch, lse)
+    attnmerge.merge_inplace(o_t, lse_t, put(torch, o2), put(torch, lse2), mask=put(torch, mask) if masked else None)
+    info = attnmerge.last_launch()
+    spans = head_size // 8 > 512  # a row's packs over more than one block of 512 threads
+    assert (info["kernel"], info["launches"]) == (("rows", 2) if spans else ("rows_inplace", 1))
+    ref_o, ref_lse = reference_merge(o, lse, o2, lse2)
+    got_o, got_lse = get(torch, o_t), get(torch, lse_t)
+    keep = mask == 0 if masked else np.zeros(t, dtype=bool)
+    assert_merge_matches(got_o[~keep], got_lse[~keep], (ref_o[~keep], ref_lse[~keep]), "bfloat16")
+    assert np.array_equal(got_o[keep], to_f64(o[keep])) and np.array_equal(got_lse[keep], lse[keep])
+
+
+@pytest.mark.gpu
+def test_two_way_kernels(rng, torch):
+    t, h, d = 9, 4, 64
+    o_a, lse_a = random_o(rng, (t, h, d), "float16"), random_lse(rng, (t, h))
+    o_b, lse_b = random_o(rng, (t, h, d), "float16"), random_lse(rng, (t, h))
+    args = [put(torch, x) for x in (o_a, lse_a, o_b, lse_b)]
+    attnmerge.merge(*args)
+    assert attnmerge.last_launch()["kernel"] == "rows_plain"
+    attnmerge.merge(*args, a_tokens=5)
+    assert attnmerge.last_launch()["kernel"] == "rows"
+    attnmerge.merge(*args, out=args[0], out_lse=args[1])  # into o_a and lse_a: the in-place kernel
+    assert (attnmerge.last_launch()["kernel"], attnmerge.last_launch()["launches"]) == ("rows_inplace", 1)
+    assert_merge_matches(get(torch, args[0]), get(torch, args[1]), reference_merge(o_a, lse_a, o_b, lse_b), "float16")
+
+
+@pytest.mark.gpu
+def test_pdl_is_planned_on_sm90_and_newer(rng, torch):
+    o, lse = random_stacked(rng, 4, 32, 2, 128, "bfloat16")
+    attnmerge.merge_states(put(torch, o), put(torch, lse), pdl=True)
+    major = torch.cuda.get_device_capability()[0]
+    assert attnmerge.last_launch()["pdl"] == (major >= 9)
