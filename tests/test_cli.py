@@ -42,3 +42,15 @@ def test_include_dir_holds_the_c_header():
     path = p.stdout.strip()
     assert os.path.isdir(path), f"--include-dir printed {path!r}, not a directory"
     assert os.path.isfile(os.path.join(path, "attnmerge", "attnmerge.h"))
+
+
+def test_version_prints_the_library_version():
+    p = run("--version", timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == f"attnmerge {attnmerge.__version__}"
+
+
+def test_help_shows_the_whole_description():
+    p = run("--help", timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "--cmake-dir" in p.stdout and "bench" in p.stdout and "--version" in p.stdout

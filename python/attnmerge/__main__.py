@@ -102,7 +102,9 @@ def main(argv=None):
         from attnmerge.bench import main as bench
 
         return bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m attnmerge", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m attnmerge", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"attnmerge {attnmerge.__version__}")
     parser.add_argument("--cmake-dir", action="store_true", help="print the CMake package folder and exit")
     parser.add_argument("--include-dir", action="store_true", help="print the C header folder and exit")
     args = parser.parse_args(argv)
