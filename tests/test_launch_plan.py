@@ -10,6 +10,7 @@ file states them (the specification the plan is held to):
 - N-way and variable-length merges: the states kernel when a row has more states than one thread
   keeps in flight and the rows kernel would leave the GPU's threads unused, with
   `groups_for(S, packs, rows, sms)` groups of threads a row; else rows.
+The rules are stated once, in plan_spec.py; test_plan_rules.py checks the plan itself on the CPU.
 The GPU tests carry the `gpu` marker; the first test runs everywhere.
 """
 
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 import attnmerge
+from plan_spec import PAIR_BLOCK_THREADS, STATE_THREADS_PER_SM, expected_kernel, groups_for, vec_for
 from oracle import (
     assert_merge_matches,
     random_lse,
@@ -29,34 +31,6 @@ from oracle import (
     reference_merge_varlen,
     to_f64,
 )
-
-STATE_CHUNK = 8           # states one thread keeps in flight under "rows" (kStateChunk)
-SMALL_CHUNK = 4           # ... where a row has at most this many (kSmallChunk)
-STATE_BLOCK = 256         # threads of a states-kernel block, at most one row's (kStateBlockThreads)
-STATE_THREADS_PER_SM = 1024  # threads of the states kernel an SM holds (kStateThreadsPerSM)
-STATES_PER_GROUP = 4      # the fewest states a group takes (kStatesPerGroup)
-ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def groups_for(states: int, packs: int, rows: int, sms: int) -> int:
-    """Groups of threads a row's states are split into (1: the rows kernel): only for more states
-    than one thread keeps in flight, doubling while each group keeps STATES_PER_GROUP states, the
-    row's threads fit one block, and the launch fits the GPU's threads at once."""
-    if states <= STATE_CHUNK:
-        return 1
-    g = 1
-    while 2 * g * STATES_PER_GROUP <= states and packs * 2 * g <= STATE_BLOCK and \
-            rows * packs * 2 * g <= sms * STATE_THREADS_PER_SM:
-        g *= 2
-    return g
-
-
-def vec_for(head_size: int, *dtypes: str) -> int:
-    """Elements per access: 16 bytes of the widest O dtype, if head_size allows it."""
-    vec = 16 // max(ELEMENT_BYTES[d] for d in dtypes)
-    while head_size % vec:
-        vec //= 2
-    return vec
 
 
 def test_a_host_call_launches_nothing(rng):
@@ -98,12 +72,6 @@ def nan_out(torch, shape, dtype):
 # first split), 16 / 17, 64, 255 / 256 / 257 (the most groups, then a second chunk a group), at
 # head sizes whose packs allow every group count (128) or only a few (67, 16-bit vectors of 1).
 SWITCH_S = (1, 2, 8, 9, 16, 17, 64, 255, 256, 257)
-
-
-def expected_kernel(s, packs, rows, sms):
-    groups = groups_for(s, packs, rows, sms)
-    kernel = "rows_plain" if s == 2 else "states" if groups > 1 else "rows"
-    return kernel, groups
 
 
 @pytest.mark.gpu
@@ -237,7 +205,7 @@ def test_inplace_in_one_launch_unless_rows_span_blocks(rng, torch, head_size, ma
     o_t, lse_t = put(torch, o), put(torch, lse)
     attnmerge.merge_inplace(o_t, lse_t, put(torch, o2), put(torch, lse2), mask=put(torch, mask) if masked else None)
     info = attnmerge.last_launch()
-    spans = head_size // 8 > 512  # a row's packs over more than one block of 512 threads
+    spans = head_size // 8 > PAIR_BLOCK_THREADS  # a row's packs over more than one block
     assert (info["kernel"], info["launches"]) == (("rows", 2) if spans else ("rows_inplace", 1))
     ref_o, ref_lse = reference_merge(o, lse, o2, lse2)
     got_o, got_lse = get(torch, o_t), get(torch, lse_t)

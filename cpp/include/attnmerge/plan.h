@@ -95,13 +95,15 @@ inline uint32_t div_up(int64_t a, int64_t b) { return static_cast<uint32_t>((a +
 
 // Grid and block for `packs` vector accesses per row over `rows` rows, one thread each.  Blocks
 // are `max_threads` wide unless that leaves SMs idle (`sms`, 0: unknown): a decode-sized merge is
-// spread over more SMs, down to blocks of kMinBlockThreads.  Rows go over the x (and, past 2^31
-// blocks, z) grid axes, a row's packs over the block's x axis and the y grid axis where a row has
-// more packs than a block has threads.
-inline LaunchDims row_dims(int64_t packs, int64_t rows, int sms, int max_threads = kBlockThreads) {
+// spread over more SMs, down to blocks of kMinBlockThreads (or of `min_threads`, more).  Rows go
+// over the x (and, past 2^31 blocks, z) grid axes, a row's packs over the block's x axis and the y
+// grid axis where a row has more packs than a block has threads.
+inline LaunchDims row_dims(int64_t packs, int64_t rows, int sms, int max_threads = kBlockThreads,
+                           int64_t min_threads = kMinBlockThreads) {
   int threads = max_threads;
   const int64_t total = packs * rows;
-  while (threads > kMinBlockThreads && (total + threads - 1) / threads < sms) threads /= 2;
+  const int64_t floor = std::max<int64_t>(kMinBlockThreads, min_threads);
+  while (threads / 2 >= floor && (total + threads - 1) / threads < sms) threads /= 2;
   const int bx = static_cast<int>(std::min<int64_t>(packs, threads));
   const int by = std::max(1, threads / bx);
   const int64_t row_blocks = (rows + by - 1) / by;
@@ -196,10 +198,12 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     s.stream = plan_detail::stream_o(src, facts.bytes);
     plan.plain = src.mask == nullptr && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr &&
                  !out.lse_in_place;
-    plan.main = row_dims(s.packs, s.rows, device.sms, kPairBlockThreads);
-    if (out.lse_in_place && out.lse != nullptr) {
-      // Every thread of a row reads the old LSE; one writes the new one.  In one launch when the
-      // row's threads share a block (a barrier between), else the LSEs in a second launch.
+    const bool lse_in_place = out.lse_in_place && out.lse != nullptr;
+    // Every thread of a row reads the old LSE of an in-place merge and one writes the new one: in
+    // one launch when the row's threads share a block (a barrier between; blocks not narrowed
+    // below a row), else the LSEs in a second launch.
+    plan.main = row_dims(s.packs, s.rows, device.sms, kPairBlockThreads, lse_in_place ? s.packs : 0);
+    if (lse_in_place) {
       plan.fused_lse = plan.main.grid[1] == 1;
       if (!plan.fused_lse) {
         plan.launches = 2;

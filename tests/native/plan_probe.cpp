@@ -1,0 +1,64 @@
+// The launch plan (attnmerge/plan.h, host-only C++) as a command-line probe for the tests: each
+// line of standard input names a call, each line of output is its plan.  No GPU or CUDA needed.
+//
+//   in:  op tokens heads head_size states vec sms [flags]
+//        op: pair | inplace | stack | range (states: the range's total over `tokens` rows);
+//        flags: any of m (masked), a (a_tokens < tokens), t (LSEs [heads, tokens]), p (PDL)
+//   out: strategy chunk groups launches plain fused_lse index32 lse_lanes  grid.x grid.y grid.z  block.x block.y block.z  smem
+#include <attnmerge/plan.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+#include <string>
+
+using namespace attnmerge;
+
+namespace {
+
+template <typename Source>
+void print(const MergeShape& shape, const Source& src, const OutView& out, const CallFacts& facts, int sms) {
+  const LaunchPlan p = plan_merge(shape, src, out, facts, DeviceInfo{sms, 9});
+  std::printf("%s %d %d %d %d %d %d %d  %u %u %u  %u %u %u  %u\n", p.strategy == Strategy::kStates ? "states" : "rows",
+              p.chunk, p.groups, p.launches, p.plain, p.fused_lse, p.index32, p.shape.lse_lanes, p.main.grid[0],
+              p.main.grid[1], p.main.grid[2], p.main.block[0], p.main.block[1], p.main.block[2], p.main.smem);
+}
+
+}  // namespace
+
+int main() {
+  std::string line;
+  static const uint8_t mask_byte = 1;
+  static float lse = 0.0f;
+  while (std::getline(std::cin, line)) {
+    std::istringstream in(line);
+    std::string op, flags;
+    int64_t tokens, heads, head_size, states;
+    int vec, sms;
+    if (!(in >> op >> tokens >> heads >> head_size >> states >> vec >> sms)) continue;
+    in >> flags;
+    CallFacts facts;
+    facts.vec = vec;
+    facts.bytes = int64_t{1} << 40;  // large: evict-first by the sources' own rules only
+    facts.max_offset = (op == "range" ? states : tokens * std::max<int64_t>(states, 1)) * heads * head_size;
+    facts.lse_tokens_inner = flags.find('t') != std::string::npos;
+    facts.pdl = flags.find('p') != std::string::npos;
+    const MergeShape shape{tokens, heads, head_size, false};
+    OutView out{&lse, 0, 0, &lse, 0, 0, 1.0f, nullptr, op == "inplace"};
+    const StateView view{&lse, 0, 0, &lse, 0, 0};
+    if (op == "pair" || op == "inplace") {
+      PairSource src{view, view, flags.find('a') != std::string::npos ? tokens - 1 : tokens, nullptr, 0};
+      if (flags.find('m') != std::string::npos) src.mask = &mask_byte;
+      print(shape, src, out, facts, sms);
+    } else if (op == "stack") {
+      print(shape, StackSource{&lse, 0, 0, 0, &lse, 0, 0, 0, states}, out, facts, sms);
+    } else if (op == "range") {
+      print(shape, RangeSource{&lse, 0, 0, &lse, 0, 0, &lse, 0, false, states}, out, facts, sms);
+    } else {
+      std::printf("unknown op %s\n", op.c_str());
+      return 2;
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,130 @@
+"""The launch plan itself (cpp/include/attnmerge/plan.h, host-only C++), on the CPU: every rule of
+plan_spec.py over a grid of shapes and GPUs, through tests/native/plan_probe.cpp built against the
+installed headers with the machine's C++ compiler.  No GPU needed: CI runs these."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+
+import pytest
+
+import attnmerge
+from plan_spec import (
+    BLOCK_THREADS,
+    INDEX32_LIMIT,
+    MIN_BLOCK_THREADS,
+    PAIR_BLOCK_THREADS,
+    STATE_BLOCK,
+    chunk_for,
+    groups_for,
+    lse_lanes_for,
+)
+
+PROBE = os.path.join(os.path.dirname(__file__), "native", "plan_probe.cpp")
+FIELDS = ("strategy", "chunk", "groups", "launches", "plain", "fused_lse", "index32", "lse_lanes",
+          "gx", "gy", "gz", "bx", "by", "bz", "smem")
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH")
+    exe = tmp_path_factory.mktemp("probe") / "plan_probe"
+    build = subprocess.run([cxx, "-std=c++17", "-O1", "-I", attnmerge.include_dir(), PROBE, "-o", str(exe)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+
+    def plans(calls):
+        text = "".join(" ".join(str(x) for x in call) + "\n" for call in calls)
+        run = subprocess.run([str(exe)], input=text, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stdout + run.stderr
+        out = []
+        for line in run.stdout.splitlines():
+            values = line.split()
+            out.append({k: (v if k == "strategy" else int(v)) for k, v in zip(FIELDS, values)})
+        assert len(out) == len(calls)
+        return out
+
+    return plans
+
+
+SMS = (132, 108, 16, 0)  # an H200, an A100, a small GPU, unknown
+HEADS = 32
+
+
+def n_way_calls(op):
+    for tokens, states, (head_size, vec), sms in itertools.product(
+            (1, 3, 16, 128, 1024, 8192), (0, 1, 3, 4, 5, 8, 9, 16, 17, 64, 255, 256, 257),
+            ((128, 8), (128, 4), (64, 8), (256, 8), (67, 1), (80, 8), (2048, 8)), SMS):
+        total = tokens * states if op == "range" else states
+        yield (op, tokens, HEADS, head_size, total, vec, sms)
+
+
+@pytest.mark.parametrize("op", ["stack", "range"])
+def test_n_way_strategy_groups_and_chunk(probe, op):
+    calls = list(n_way_calls(op))
+    for call, plan in zip(calls, probe(calls)):
+        _, tokens, heads, head_size, total, vec, sms = call
+        states = total if op == "stack" else -(-total // tokens)
+        packs, rows = head_size // vec, tokens * heads
+        index32 = (total if op == "range" else tokens * max(states, 1)) * heads * head_size < INDEX32_LIMIT
+        groups = groups_for(states, packs, rows, sms) if index32 else 1
+        if groups > 1:
+            assert (plan["strategy"], plan["groups"]) == ("states", groups), call
+            assert (plan["bx"], plan["by"]) == (packs, groups), call
+            per_block = plan["bx"] * plan["by"] * plan["bz"]
+            assert per_block <= STATE_BLOCK and plan["gx"] * plan["bz"] >= rows > (plan["gx"] - 1) * plan["bz"], call
+            assert plan["smem"] == plan["bz"] * groups * (2 + packs * vec) * 4, call
+        else:
+            assert (plan["strategy"], plan["groups"], plan["chunk"]) == ("rows", 1, chunk_for(states)), call
+            assert plan["bx"] * plan["by"] <= BLOCK_THREADS, call
+            assert plan["lse_lanes"] == (lse_lanes_for(packs) if plan["gy"] == 1 else 1), call
+        assert (plan["launches"], plan["index32"]) == (1, int(index32)), call
+
+
+def test_states_kernel_only_with_32_bit_offsets(probe):
+    # 16 tokens of 16384 states: more than 2^30 elements, so 64-bit offsets and the rows kernel
+    calls = [("stack", 16, 32, 128, 16384, 8, 132), ("stack", 16, 32, 128, 8192, 8, 132)]
+    big, small = probe(calls)
+    assert 16 * 16384 * 32 * 128 >= INDEX32_LIMIT > 16 * 8192 * 32 * 128
+    assert (big["strategy"], big["index32"]) == ("rows", 0)
+    assert (small["strategy"], small["index32"]) == ("states", 1)
+
+
+def test_more_states_split_into_more_groups_until_the_gpu_is_full(probe):
+    calls = [("stack", 16, 32, 128, s, 8, 132) for s in (9, 16, 32, 64, 128, 256)]
+    groups = [p["groups"] for p in probe(calls)]
+    assert groups == [2, 4, 8, 16, 16, 16]
+    # rows x packs x groups within 132 SMs x 1024 threads: 128 tokens take two groups, 1056 x 4 heads too
+    calls = [("stack", 128, 32, 128, 64, 8, 132), ("stack", 1056, 4, 128, 64, 8, 132), ("stack", 1057, 4, 128, 64, 8, 132)]
+    assert [(p["strategy"], p["groups"]) for p in probe(calls)] == [("states", 2), ("states", 2), ("rows", 1)]
+
+
+@pytest.mark.parametrize("sms", SMS)
+def test_two_state_kernels(probe, sms):
+    # the plain kernel unless masked (m), a_tokens (a), or tiled: [heads, tokens] LSEs (t) from 64 tokens
+    flag_sets = ("-", "m", "a", "t", "p")
+    for tokens, (head_size, vec) in itertools.product((1, 16, 63, 64, 512, 8192), ((128, 8), (64, 8), (67, 1))):
+        calls = [("pair", tokens, HEADS, head_size, 2, vec, sms, f) for f in flag_sets]
+        calls.append(("inplace", tokens, HEADS, head_size, 2, vec, sms, "-"))
+        calls.append(("inplace", tokens, HEADS, head_size, 2, vec, sms, "m"))
+        plans = probe(calls)
+        for flags, plan in zip(flag_sets, plans):
+            plain = flags in ("-", "p") or (flags == "t" and tokens < 64)
+            assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (int(plain), 0, 1), (flags, tokens)
+        for plan in plans[-2:]:  # in place: one launch, the LSE after a barrier
+            assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (0, 1, 1), tokens
+        for plan in plans:
+            threads = plan["bx"] * plan["by"]
+            assert MIN_BLOCK_THREADS <= threads <= PAIR_BLOCK_THREADS or plan["bx"] == head_size // vec < MIN_BLOCK_THREADS
+            assert plan["gy"] == 1
+
+
+def test_in_place_rows_wider_than_a_block_take_two_launches(probe):
+    wide, fits = probe([("inplace", 37, 3, 8192, 2, 8, 132), ("inplace", 37, 3, 4096, 2, 8, 132)])
+    assert (wide["fused_lse"], wide["launches"], wide["gy"]) == (0, 2, 2)
+    assert (fits["fused_lse"], fits["launches"], fits["gy"]) == (1, 1, 1)
