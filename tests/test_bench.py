@@ -96,3 +96,29 @@ def test_the_readme_table_is_rendered_from_a_vs_seed_run(tmp_path):
     lines = proc.stdout.splitlines()
     assert lines[0] == "test GPU, roofline 4218 GB/s"
     assert lines[-1] == "| 16 x 32 x 128 bf16 | 0.4 | 1.75 | 1.60 | 1.094 | 5.9 | 10.18 | 8.48 |"
+
+
+def test_the_readme_flashinfer_table_is_rendered_from_a_bench_run(tmp_path):
+    """benchmarks/vs_flashinfer_table.py turns vs_flashinfer/bench.py's JSON into the README's rows:
+    FlashInfer / attnmerge and attnmerge / floor from the run's own times, a geometric mean per op,
+    and a dash where FlashInfer has no launcher."""
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "vs_flashinfer_table.py"
+    meta = {"device": "test GPU", "flashinfer": "flashinfer-python 0.7.2.post1", "roofline_GBps": 4196.4,
+            "floor": {"us": 2.04, "TBps": 4.37}}
+    case = lambda op, name, mb, am, fi, floor: {  # noqa: E731
+        "op": op, "case": name, "bytes": mb * 1e6, "floor_us": floor,
+        "impls": {"attnmerge": {"us": am}, **({"flashinfer_cuda": {"us": fi}} if fi else {})}}
+    rows = [case("merge_states", "S=64 16x32x128 bf16", 8.65, 5.0, 6.0, 4.0),
+            case("merge_states", "S=16 16x32x128 bf16", 2.26, 3.0, 3.3, 2.5),
+            case("merge_states", "S=64 16x32x128 fp32->bf16", 17.04, 8.0, None, 6.0)]
+    path = tmp_path / "vs_fi.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}))
+    proc = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "test GPU, flashinfer-python 0.7.2.post1, roofline 4196 GB/s, floor 2.04 us + bytes / 4.37 TB/s"
+    assert lines[3] == "| merge_states | S=64 16x32x128 bf16 | 8.7 | 5.00 | 6.00 | 1.20 | 1.25 |"
+    assert lines[5] == "| merge_states | S=64 16x32x128 fp32->bf16 | 17.0 | 8.00 | - | - | 1.33 |"
+    assert lines[-1] == f"merge_states: geometric mean {(1.2 * 1.1) ** 0.5:.2f}x over 2 cases, min 1.10"
