@@ -1,6 +1,6 @@
 // The C ABI of libattnmerge: every argument is validated here, once, before anything is written;
 // then the call goes to the CPU path or the GPU launchers with one of the sources of
-// merge_params.h.
+// sources.h.
 #include <algorithm>
 #include <cinttypes>
 #include <cmath>

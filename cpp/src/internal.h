@@ -5,7 +5,10 @@
 #include <type_traits>
 
 #include "attnmerge/attnmerge.h"
-#include "attnmerge/merge_params.h"
+#include "attnmerge/pack.h"
+#include "attnmerge/row.h"
+#include "attnmerge/sources.h"
+#include "attnmerge/views.h"
 #include "attnmerge/plan.h"
 
 namespace attnmerge {

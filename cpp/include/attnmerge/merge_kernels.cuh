@@ -9,7 +9,10 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "attnmerge/merge_params.h"
+#include "attnmerge/pack.h"
+#include "attnmerge/row.h"
+#include "attnmerge/sources.h"
+#include "attnmerge/views.h"
 #include "attnmerge/plan.h"
 
 namespace attnmerge {

@@ -18,7 +18,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "attnmerge/merge_params.h"
+#include "attnmerge/sources.h"
+#include "attnmerge/views.h"
 
 namespace attnmerge {
 

@@ -1,0 +1,112 @@
+// The element steps every path shares: a pack of N elements moved as one vector access, its
+// loads and stores (evict-first where the launch chose so) and the weighted accumulation.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "attnmerge/numeric.h"
+
+namespace attnmerge {
+
+// N elements of T, moved as one access of N * sizeof(T) bytes and held as 32-bit words (a pack
+// narrower than a word sits in the low bits of w[0]).
+template <typename T, int N>
+struct Pack {
+  static constexpr int kBytes = N * static_cast<int>(sizeof(T));
+  static constexpr int kWords = kBytes >= 4 ? kBytes / 4 : 1;
+  uint32_t w[kWords];
+
+  ATTNMERGE_HD float get(int i) const { return Word<T>::get(w[i / Word<T>::kCount], i % Word<T>::kCount); }
+};
+
+// The kernels' accesses are vector loads and stores of the pack's width, spelled with CUDA's
+// vector types (the compiler would otherwise split a 16-byte store into 4-byte pieces); `stream`
+// marks them evict-first where the launch chose so (see launch_merge).
+#if defined(__CUDA_ARCH__)
+// A load or store of one vector, streaming (evict first) or cached as usual.
+template <typename V>
+__device__ __forceinline__ V load_bits(const V* p, bool stream) {
+  return stream ? __ldcs(p) : *p;
+}
+template <typename V>
+__device__ __forceinline__ void store_bits(V* p, V v, bool stream) {
+  if (stream) {
+    __stcs(p, v);
+  } else {
+    *p = v;
+  }
+}
+#endif
+
+template <typename T, int N>
+ATTNMERGE_HD Pack<T, N> load_pack(const T* src, bool stream) {
+  Pack<T, N> p;
+  constexpr int kBytes = Pack<T, N>::kBytes;
+#if defined(__CUDA_ARCH__)
+  if constexpr (kBytes == 16) {
+    const uint4 v = load_bits(reinterpret_cast<const uint4*>(src), stream);
+    p.w[0] = v.x, p.w[1] = v.y, p.w[2] = v.z, p.w[3] = v.w;
+  } else if constexpr (kBytes == 8) {
+    const uint2 v = load_bits(reinterpret_cast<const uint2*>(src), stream);
+    p.w[0] = v.x, p.w[1] = v.y;
+  } else if constexpr (kBytes == 4) {
+    p.w[0] = load_bits(reinterpret_cast<const unsigned int*>(src), stream);
+  } else if constexpr (kBytes == 2) {
+    p.w[0] = load_bits(reinterpret_cast<const unsigned short*>(src), stream);
+  } else {
+    p.w[0] = load_bits(reinterpret_cast<const unsigned char*>(src), stream);
+  }
+#else
+  (void)stream;
+  p.w[0] = 0;
+  std::memcpy(p.w, src, kBytes);
+#endif
+  return p;
+}
+
+// acc += scale * p, where a part of zero weight adds zeros: its words are cleared first, so NaN or
+// garbage in it cannot reach the result even when it was fetched.  A select per word rather than
+// a branch: at decode sizes the instructions after the loads are the merge's latency.
+template <typename T, int N>
+ATTNMERGE_HD void accumulate(float (&acc)[N], Pack<T, N> p, float scale) {
+  const uint32_t keep = scale != 0.0f ? ~0u : 0u;
+  ATTNMERGE_UNROLL
+  for (int j = 0; j < Pack<T, N>::kWords; ++j) p.w[j] &= keep;
+  ATTNMERGE_UNROLL
+  for (int i = 0; i < N; ++i) acc[i] += scale * p.get(i);
+}
+
+// dst[0:N] = acc, each rounded once to T.
+template <typename T, int N>
+ATTNMERGE_HD void store_pack(T* dst, const float (&acc)[N], bool stream) {
+  using P = Pack<T, N>;
+  constexpr int kPer = Word<T>::kCount;
+  uint32_t w[P::kWords];
+  if constexpr (N >= kPer) {
+    ATTNMERGE_UNROLL
+    for (int j = 0; j < P::kWords; ++j) w[j] = Word<T>::put(acc + j * kPer);
+  } else {
+    float x[kPer] = {};
+    for (int i = 0; i < N; ++i) x[i] = acc[i];
+    w[0] = Word<T>::put(x);
+  }
+#if defined(__CUDA_ARCH__)
+  if constexpr (P::kBytes == 16) {
+    store_bits(reinterpret_cast<uint4*>(dst), make_uint4(w[0], w[1], w[2], w[3]), stream);
+  } else if constexpr (P::kBytes == 8) {
+    store_bits(reinterpret_cast<uint2*>(dst), make_uint2(w[0], w[1]), stream);
+  } else if constexpr (P::kBytes == 4) {
+    store_bits(reinterpret_cast<unsigned int*>(dst), w[0], stream);
+  } else if constexpr (P::kBytes == 2) {
+    store_bits(reinterpret_cast<unsigned short*>(dst), static_cast<unsigned short>(w[0]), stream);
+  } else {
+    store_bits(reinterpret_cast<unsigned char*>(dst), static_cast<unsigned char>(w[0]), stream);
+  }
+#else
+  (void)stream;
+  std::memcpy(dst, w, P::kBytes);
+#endif
+}
+
+}  // namespace attnmerge

@@ -1,0 +1,173 @@
+// The sources: each hands a row (token, head) of the output its states (how many, where each O
+// starts, each LSE); the shared row math (row.h) turns their LSEs into weights.  Every op is one
+// walk over the rows, and the GPU kernels and the CPU loop take the same sources:
+//   PairSource   two states, a limited to its first a_tokens tokens, rows optionally masked
+//                (the two-way merge and the in-place merge);
+//   PlainPairSource  two states of every token, no mask, on an untiled launch whose output scale
+//                is a number (not a pointer): the common two-way merge, without those steps;
+//   InPlaceSource  PairSource whose merged LSE overwrites an input's, on a launch that keeps each
+//                row inside one block: the LSE is written after a block barrier, in the same launch;
+//   StackSource  S states stacked along a strided axis (the N-way merge);
+//   RangeSource  states [indptr[r], indptr[r+1]) of a flat list (the variable-length merge).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "attnmerge/views.h"
+
+namespace attnmerge {
+
+// ---- sources: each gives a row's states through count(), lse(s) and o_at<T>(s) ----
+// Every state of a row has an O address that may be read, even one of no weight (a state the
+// row lacks gets another's), so that the kernels load O without waiting for the LSEs.
+
+// Two states.  Rows of tokens >= a_tokens have no state a (it is not read); rows whose mask byte is
+// 0 are skipped whole (the in-place merge leaves them untouched) and read nothing but that byte.
+struct PairSource {
+  static constexpr int kMaxStates = 2;
+  static constexpr bool kPlain = false;
+  static constexpr bool kFusedLse = false;
+  static constexpr int kStream = -1;  // evict-first O accesses or not: MergeShape::stream
+  StateView a, b;
+  int64_t a_tokens;
+  const uint8_t* mask;  // may be null
+  int64_t mask_stride;
+
+  struct Row {
+    const void* o[2];
+    float l[2];
+    ATTNMERGE_HD int count() const { return 2; }
+    ATTNMERGE_HD float lse(int s) const { return l[s]; }
+    template <typename T>
+    ATTNMERGE_HD const T* o_at(int s) const { return static_cast<const T*>(o[s]); }
+  };
+
+  // Whether the rows of `token` are left as they are: asked before anything else of them is read.
+  template <typename I>
+  ATTNMERGE_HD bool masked_out(I token) const {
+    return mask != nullptr && mask[token * static_cast<I>(mask_stride)] == 0;
+  }
+
+  template <typename T, typename I>
+  ATTNMERGE_HD Row row(I token, I head) const {
+    Row r;
+    const bool has_a = token < static_cast<I>(a_tokens);  // a_tokens <= tokens: fits in I
+    const I token_a = has_a ? token : I{0};  // a may have fewer tokens: no offset past its end
+    r.o[1] = b.o_at<T>(token, head);
+    r.o[0] = has_a ? a.o_at<T>(token_a, head) : r.o[1];  // no a: weight 0, b's row stands in
+    r.l[0] = has_a ? a.lse_at(token_a, head) : -INFINITY;
+    r.l[1] = b.lse_at(token, head);
+    return r;
+  }
+};
+
+// PairSource with every token in a and b and no mask; a launch with it must be untiled and have
+// no output scale pointer (kPlain), and its evict-first choice is made at compile time (kStream),
+// so that no access is compiled twice: the common call does not pay for those options
+// (benchmarks/NOTES.md has the figures).
+template <bool kStreamO>
+struct PlainPairSource {
+  static constexpr int kMaxStates = 2;
+  static constexpr bool kPlain = true;
+  static constexpr bool kFusedLse = false;
+  static constexpr int kStream = kStreamO ? 1 : 0;
+  StateView a, b;
+
+  template <typename I>
+  ATTNMERGE_HD bool masked_out(I) const { return false; }
+
+  template <typename T, typename I>
+  ATTNMERGE_HD PairSource::Row row(I token, I head) const {
+    PairSource::Row r;
+    r.o[0] = a.o_at<T>(token, head);
+    r.o[1] = b.o_at<T>(token, head);
+    r.l[0] = a.lse_at(token, head);
+    r.l[1] = b.lse_at(token, head);
+    return r;
+  }
+};
+
+// PairSource whose out.lse is an input's LSE (the in-place merge), launched so that every row lies
+// inside one block: the kernel writes the merged LSE after a block barrier, once every thread of
+// the row has read the old one, instead of in a second launch.
+struct InPlaceSource : PairSource {
+  static constexpr bool kFusedLse = true;
+};
+
+// n states from o0 and l0 on, o_ss and l_ss elements apart.
+template <typename I>
+struct StridedRow {
+  const void* o0;
+  const float* l0;
+  I o_ss, l_ss;
+  int n;
+  ATTNMERGE_HD int count() const { return n; }
+  ATTNMERGE_HD float lse(int s) const { return l0[s * l_ss]; }
+  template <typename T>
+  ATTNMERGE_HD const T* o_at(int s) const { return static_cast<const T*>(o0) + s * o_ss; }
+};
+
+// S states along a strided axis: O [tokens, S, heads, head_size] and LSE [tokens, S, heads] in
+// logical order, any strides (FlashInfer's [tokens, S, ...] and an all-gather's [S, tokens, ...]).
+struct StackSource {
+  static constexpr int kMaxStates = 0;  // known at run time only
+  static constexpr bool kPlain = false;
+  static constexpr bool kFusedLse = false;
+  static constexpr int kStream = -1;  // evict-first O accesses or not: MergeShape::stream
+  const void* o;
+  int64_t o_st, o_ss, o_sh;
+  const float* lse;
+  int64_t lse_st, lse_ss, lse_sh;
+  int64_t states;
+
+  template <typename I>
+  ATTNMERGE_HD bool masked_out(I) const { return false; }
+
+  template <typename T, typename I>
+  ATTNMERGE_HD StridedRow<I> row(I token, I head) const {
+    return StridedRow<I>{static_cast<const T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh)),
+                         lse + (token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
+                         static_cast<I>(o_ss), static_cast<I>(lse_ss), static_cast<int>(states)};
+  }
+};
+
+// Row r merges states [indptr[r], indptr[r + 1]) of O [total, heads, head_size], LSE [total, heads].
+// The bounds are clamped to [0, total] and made non-decreasing, so that no indptr can make a read
+// leave the arrays (the C ABI refuses bad indptr on the CPU; on the GPU the clamped rows result).
+struct RangeSource {
+  static constexpr int kMaxStates = 0;
+  static constexpr bool kPlain = false;
+  static constexpr bool kFusedLse = false;
+  static constexpr int kStream = -1;  // evict-first O accesses or not: MergeShape::stream
+  const void* o;
+  int64_t o_st, o_sh;
+  const float* lse;
+  int64_t lse_st, lse_sh;
+  const void* indptr;
+  int64_t indptr_stride;
+  bool indptr64;
+  int64_t total;
+
+  template <typename I>
+  ATTNMERGE_HD bool masked_out(I) const { return false; }
+
+  template <typename I>
+  ATTNMERGE_HD I bound(I r) const {
+    const I at = r * static_cast<I>(indptr_stride);
+    const int64_t v = indptr64 ? static_cast<const int64_t*>(indptr)[at] : static_cast<const int32_t*>(indptr)[at];
+    return static_cast<I>(v < 0 ? 0 : (v > total ? total : v));
+  }
+
+  template <typename T, typename I>
+  ATTNMERGE_HD StridedRow<I> row(I token, I head) const {
+    const I begin = bound(token);
+    const I end = bound(token + 1);
+    const int64_t n = end > begin ? end - begin : 0;
+    return StridedRow<I>{static_cast<const T*>(o) + (begin * static_cast<I>(o_st) + head * static_cast<I>(o_sh)),
+                         lse + (begin * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
+                         static_cast<I>(o_st), static_cast<I>(lse_st), static_cast<int>(n < INT32_MAX ? n : INT32_MAX)};
+  }
+};
+
+}  // namespace attnmerge

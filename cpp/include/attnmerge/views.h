@@ -1,0 +1,139 @@
+// The launch-level description of a merge: its shape (MergeShape), where results go (OutView) and
+// one state's layout (StateView).  Plain data, 64-bit sizes and strides (counting elements).
+// Offsets are computed in the index type I of the launch: int32_t when every offset of every array
+// of the call fits in 31 bits (the common case, and half the address arithmetic), int64_t
+// otherwise.  Which index type, source and kernel a GPU call gets is the launch plan's decision
+// (plan.h).
+#pragma once
+
+#include <cstdint>
+
+#include "attnmerge/numeric.h"
+
+namespace attnmerge {
+
+struct MergeShape {
+  int64_t tokens, heads, head_size;
+  int64_t rows;  // rows the launch covers: tokens * heads, rounded up to whole tiles when tiled
+  int64_t packs;  // vector accesses per row (head_size / the launch's vector width): the plan's
+  bool stream;    // evict-first O loads and stores: the plan's
+  bool base2;
+  // kRows N-way: the row's threads that share the reading of its LSEs (consecutive lanes of one
+  // warp, a power of two), or 1: each reads them all.  The plan's.
+  int lse_lanes;
+  // Row order.  Untiled (tile_shift < 0): row = token * heads + head.  Tiled: tokens taken
+  // 2^tile_shift at a time, and a tile's rows head-major (row = (tile * heads + head) * 2^tile_shift
+  // + token in the tile), so that a warp's rows are consecutive tokens of one head: with LSEs laid
+  // out [heads, tokens] they share one 32-byte sector instead of one each, while a block's O stays
+  // in runs of whole rows.  Rows past the last token of the last tile do nothing.
+  int tile_shift;
+  // row / group (group: heads, or heads << tile_shift) as (umulhi(row, magic) + row) >> shift for
+  // rows below 2^31: a division takes some twenty instructions, as many as the rest of a row's
+  // index math.
+  uint32_t magic;
+  int shift;
+
+  ATTNMERGE_HD MergeShape(int64_t tokens_, int64_t heads_, int64_t head_size_, bool base2_)
+      : tokens(tokens_), heads(heads_), head_size(head_size_), rows(tokens_ * heads_), packs(head_size_), stream(false), base2(base2_), lse_lanes(1),
+        tile_shift(-1), magic(0), shift(0) {
+    set_divisor(heads);
+  }
+
+  // Tiles of 2^tile_shift_ tokens (see tile_shift); rows rounded up to whole tiles.
+  ATTNMERGE_HD void tile(int tile_shift_) {
+    tile_shift = tile_shift_;
+    const int64_t per_tile = int64_t{1} << tile_shift;
+    rows = (tokens + per_tile - 1) / per_tile * per_tile * heads;
+    set_divisor(heads << tile_shift);
+  }
+
+  ATTNMERGE_HD int64_t group() const { return tile_shift < 0 ? heads : heads << tile_shift; }
+
+  // (token, head) of a row; token may be >= tokens in the last tile (a row to skip).  With
+  // I = int32_t the caller guarantees rows < 2^31.
+  // kMayTile false: the caller knows the launch is untiled (no tile step compiled in).
+  template <bool kMayTile = true, typename I>
+  ATTNMERGE_HD void split_row(I row, I& token, I& head) const {
+    const I g = static_cast<I>(kMayTile ? group() : heads);
+    I q;
+#if defined(__CUDA_ARCH__)
+    if (sizeof(I) == 4 || (rows >> 31) == 0) {
+      const uint32_t r = static_cast<uint32_t>(row);
+      q = static_cast<I>((__umulhi(r, magic) + r) >> shift);
+    } else {
+      q = row / g;
+    }
+#else
+    q = row / g;
+#endif
+    const I rem = row - q * g;
+    if (!kMayTile || tile_shift < 0) {
+      token = q;
+      head = rem;
+    } else {
+      head = rem >> tile_shift;
+      token = (q << tile_shift) + (rem & ((I{1} << tile_shift) - 1));
+    }
+  }
+
+ private:
+  ATTNMERGE_HD void set_divisor(int64_t d) {
+    magic = 0;
+    shift = 0;
+    if (d > 0 && d < (int64_t{1} << 31)) {
+      while ((int64_t{1} << shift) < d) ++shift;
+      magic = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - static_cast<uint64_t>(d))) /
+                                        static_cast<uint64_t>(d) + 1);
+    }
+  }
+};
+
+// Where results go: O at o + token * o_st + head * o_sh, and the merged LSE unless lse is null.
+// O is scaled by 1 / the output scale before its one rounding (FP8 outputs).
+struct OutView {
+  void* o;
+  int64_t o_st, o_sh;
+  float* lse;
+  int64_t lse_st, lse_sh;
+  float inv_scale;
+  const float* scale;  // when set, the scale is read from memory instead (no host round trip)
+  // lse is also an input's LSE (an in-place merge).  Every thread of a row reads the row's LSEs
+  // and one writes the merged LSE: on the GPU after a block barrier, or in a second launch where a
+  // row spans blocks (the launch plan's choice, plan.h).
+  bool lse_in_place;
+
+  ATTNMERGE_HD float inverse_scale() const { return scale != nullptr ? 1.0f / *scale : inv_scale; }
+
+  template <typename T, typename I>
+  ATTNMERGE_HD T* o_at(I token, I head) const {
+    return static_cast<T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh));
+  }
+  // Where the row's merged LSE goes: null when none is written.
+  template <typename I>
+  ATTNMERGE_HD float* lse_at(I token, I head) const {
+    return lse != nullptr ? lse + (token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)) : nullptr;
+  }
+  template <typename I>
+  ATTNMERGE_HD void store_lse(I token, I head, float v) const {
+    if (float* p = lse_at(token, head)) *p = v;
+  }
+};
+
+// One state laid out [tokens, heads, head_size]: O at o + token * o_st + head * o_sh, LSE likewise.
+struct StateView {
+  const void* o;
+  int64_t o_st, o_sh;
+  const float* lse;
+  int64_t lse_st, lse_sh;
+
+  template <typename T, typename I>
+  ATTNMERGE_HD const T* o_at(I token, I head) const {
+    return static_cast<const T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh));
+  }
+  template <typename I>
+  ATTNMERGE_HD float lse_at(I token, I head) const {
+    return lse[token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)];
+  }
+};
+
+}  // namespace attnmerge
