@@ -26,10 +26,10 @@ def test_the_cpu_benchmark_writes_its_figures(tmp_path):
 
 def test_cpu_timings_alternate_and_the_ratio_is_the_median_of_each_pairs(monkeypatch):
     """paired_seconds calls the two functions in turn; each pair's ratio comes from that pair."""
-    from attnmerge import bench
+    from attnmerge.bench import timing
 
     clock = [0.0]
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
     calls = []
     costs_b = iter([3.0, 30.0, 6.0, 4.0, 300.0])  # a slow spell hits both calls of a pair
 
@@ -41,7 +41,7 @@ def test_cpu_timings_alternate_and_the_ratio_is_the_median_of_each_pairs(monkeyp
         calls.append("b")
         clock[0] += next(costs_b)
 
-    ta, tb, ratio = bench.paired_seconds(fa, fb, runs=5)
+    ta, tb, ratio = timing.paired_seconds(fa, fb, runs=5)
     assert calls == ["a", "b"] * 5
     assert (ta, tb) == (1.0, 6.0)
     assert ratio == 4.0  # pairs: 3/1, 30/10, 6/1, 4/1, 300/10 -> median 4
@@ -49,13 +49,13 @@ def test_cpu_timings_alternate_and_the_ratio_is_the_median_of_each_pairs(monkeyp
 
 def test_the_plot_draws_each_implementation_the_same_size_add_and_the_roofline(tmp_path):
     pytest.importorskip("matplotlib")
-    from attnmerge import bench
+    from attnmerge.bench.plot import plot
 
     rows = [dict(impl=impl, op=op, bytes=nbytes, GBps=gbps, add_us=nbytes / 3e3)
             for impl, gbps in (("attnmerge", 2500.0), ("torch eager", 300.0))
             for op in ("merge", "merge_states") for nbytes in (1e6, 1e8)]
     path = tmp_path / "bench.png"
-    labels = bench.plot({"device": "test GPU", "roofline_GBps": 4000.0, "rows": rows}, str(path))
+    labels = plot({"device": "test GPU", "roofline_GBps": 4000.0, "rows": rows}, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(labels) == sorted(["attnmerge, merge", "attnmerge, merge_states", "torch eager, merge",
                                      "torch eager, merge_states", "torch.add moving the same bytes",

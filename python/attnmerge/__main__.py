@@ -9,7 +9,7 @@ import numpy as np
 
 import attnmerge
 from attnmerge._reference import merge_reference
-from attnmerge.bench import median_seconds
+from attnmerge.bench.timing import median_seconds
 
 TOLERANCE = {"float32": 1e-6, "float16": 1e-3}
 

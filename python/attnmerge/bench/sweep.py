@@ -1,27 +1,13 @@
-"""The attnmerge benchmark:  python -m attnmerge bench [--cpu] [--quick] [--json FILE] [--png FILE]
-
-GPU (PyTorch with CUDA): the two-way merge over decode (1 to 256 tokens), chunk (512 to 4096) and long
-(8192 to 32768) sizes, heads 8 to 128, head sizes 64 to 512, bfloat16/float16/float32, and the N-way
-merge (S = 4 and 8); each timed by CUDA-graph replay (the GPU work) and by an eager per-call loop from
-Python (host overhead included), with input sets rotated past L2 and medians of 7 runs.  Bandwidth
-is reported as GB/s and as a share of the 2-read-1-write roofline measured in the same run (torch.add
-on bfloat16), and each size also times torch.add moving the same bytes (what one plain streaming
-kernel reaches there, launch and drain included).  Compared with PyTorch eager and with FlashInfer,
-vLLM and sgl-kernel where installed.
-CPU (--cpu): the CPU path on NumPy arrays (float32, and bfloat16 with ml_dtypes) against np.add over
-the same bytes of float32, with per-call times; ATTNMERGE_NUM_THREADS caps the merge's threads.
-"""
+"""The sweep: the shapes, the implementations compared, the roofline and torch.add moving the same
+bytes, the host overhead of a decode call and the PDL chain on the GPU; the CPU path against np.add.
+Every time comes from attnmerge.bench.timing."""
 from __future__ import annotations
-
-import argparse
-import json
-import statistics
-import sys
-import time
 
 import numpy as np
 
 import attnmerge
+
+from .timing import eager_us, graph_us, host_us, input_sets, paired_seconds
 
 # (op, tokens, heads, head_size, dtype, states)
 DECODE = [("merge", t, 32, 128, "bfloat16", 2) for t in (1, 4, 16, 64, 128, 256)]
@@ -31,6 +17,7 @@ AXES = ([("merge", 2048, h, 128, "bfloat16", 2) for h in (8, 128)]
         + [("merge", 2048, 32, d, "bfloat16", 2) for d in (64, 80, 256, 512)]
         + [("merge", 8192, 32, 128, dt, 2) for dt in ("float16", "float32")])
 NWAY = [("merge_states", t, 32, 128, "bfloat16", s) for s in (4, 8) for t in (16, 2048, 8192)]
+ALL = DECODE + CHUNK + LONG + AXES + NWAY
 QUICK = [DECODE[0], DECODE[4], CHUNK[0], CHUNK[2], LONG[0], LONG[2], NWAY[4]]
 
 
@@ -38,9 +25,6 @@ def state_bytes(tokens, heads, head_size, itemsize, states):
     """Bytes moved: states O reads + one O write, and the LSEs likewise."""
     return (states + 1) * tokens * heads * (head_size * itemsize + 4)
 
-
-# ---------------------------------------------------------------------------------------------
-# GPU
 
 
 def _torch_impls(torch):
@@ -112,62 +96,16 @@ def _torch_impls(torch):
     return impls
 
 
-def _graph_us(torch, fn, sets, calls=50):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(3):
-            fn(*sets[i % len(sets)])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(*sets[i % len(sets)])
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
-
-
-def _eager_us(torch, fn, sets, calls=100):
-    for i in range(10):
-        fn(*sets[i % len(sets)])
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        for i in range(calls):
-            fn(*sets[i % len(sets)])
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
-
-
-def _input_sets(nbytes):
-    """How many input sets a call moving `nbytes` rotates through: together past 512 MB (L2 is
-    50 to 60 MB), at most 32."""
-    return max(1, min(32, (512 << 20) // max(1, nbytes)))
-
-
 def _same_size_add_us(torch, nbytes, calls=50):
     """torch.add on bfloat16 moving `nbytes` (2 reads + 1 write), graph-timed with rotated inputs:
     what one plain streaming kernel reaches at that size, fixed costs included."""
     n = max(1, nbytes // 6)
     sets = [(torch.randn(n, device="cuda", dtype=torch.bfloat16), torch.randn(n, device="cuda", dtype=torch.bfloat16),
-             torch.empty(n, device="cuda", dtype=torch.bfloat16)) for _ in range(_input_sets(nbytes))]
-    return _graph_us(torch, lambda x, y, z: torch.add(x, y, out=z), sets, calls=calls)
+             torch.empty(n, device="cuda", dtype=torch.bfloat16)) for _ in range(input_sets(nbytes))]
+    return graph_us(torch, lambda x, y, z: torch.add(x, y, out=z), sets, calls=calls)
 
 
-def _roofline_gbps(torch):
+def roofline_gbps(torch):
     """The roofline: torch.add on 2 x 128 Mi bfloat16 elements into a third (768 MiB moved)."""
     nbytes = 6 * (128 << 20)
     return nbytes / _same_size_add_us(torch, nbytes, calls=10) / 1e3
@@ -179,7 +117,7 @@ def run_gpu(shapes):
     if not torch.cuda.is_available():
         raise SystemExit("bench: no CUDA GPU visible to PyTorch (use --cpu for the CPU path)")
     impls = _torch_impls(torch)
-    roof = _roofline_gbps(torch)
+    roof = roofline_gbps(torch)
     print(f"{torch.cuda.get_device_name()}: roofline (torch.add bf16, 2 reads + 1 write) {roof:.0f} GB/s")
     print(f"implementations: {', '.join(impls)}")
     rows = []
@@ -187,7 +125,7 @@ def run_gpu(shapes):
         dtype = getattr(torch, dt)
         nbytes = state_bytes(t, h, d, torch.tensor([], dtype=dtype).element_size(), s)
         sets = []
-        for _ in range(_input_sets(nbytes)):
+        for _ in range(input_sets(nbytes)):
             if op == "merge":
                 states = []
                 for _ in range(2):
@@ -198,8 +136,8 @@ def run_gpu(shapes):
         for name, fn in impls.items():
             row = dict(op=op, tokens=t, heads=h, head_size=d, dtype=dt, states=s, impl=name, bytes=nbytes)
             try:
-                row["graph_us"] = _graph_us(torch, fn, sets)
-                row["eager_us"] = _eager_us(torch, fn, sets)
+                row["graph_us"] = graph_us(torch, fn, sets)
+                row["eager_us"] = eager_us(torch, fn, sets)
             except Exception as e:  # an implementation without this op or layout
                 row["error"] = f"{type(e).__name__}: {e}"[:200]
                 rows.append(row)
@@ -220,23 +158,6 @@ def run_gpu(shapes):
         torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name(), "roofline_GBps": roof, "rows": rows,
             "host": _host_overhead(torch), "pdl": _pdl_chain(torch)}
-
-
-def _host_us(fn, calls=200):
-    """Host wall time per call (median of 15 batches; the GPU is waited for between batches only)."""
-    import torch
-
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(15):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def _host_overhead(torch):
@@ -268,7 +189,7 @@ def _host_overhead(torch):
     }
     rows = []
     for name, fn in calls.items():
-        row = dict(call=name, host_us=_host_us(fn), eager_us=_eager_us(torch, lambda *_: fn(), [()], calls=200))
+        row = dict(call=name, host_us=host_us(torch, fn), eager_us=eager_us(torch, lambda *_: fn(), [()], calls=200))
         rows.append(row)
         print(f"host  {name:<40} host {row['host_us']:6.2f} us per call | eager {row['eager_us']:6.2f} us", flush=True)
     return rows
@@ -290,40 +211,11 @@ def _pdl_chain(torch):
                 attnmerge.merge(x[0], lx[0], x[1], lx[1], out=mid, out_lse=mid_lse, pdl=pdl)
                 attnmerge.merge(mid, mid_lse, x[2], lx[2], out=out, out_lse=out_lse, pdl=pdl)
 
-            row["pdl_us" if pdl else "plain_us"] = _graph_us(torch, lambda *_: chain(), [()], calls=50)
+            row["pdl_us" if pdl else "plain_us"] = graph_us(torch, lambda *_: chain(), [()], calls=50)
         rows.append(row)
         print(f"pdl   chain of 2 dependent merges {t:>4}x32x128 bfloat16: plain {row['plain_us']:6.2f} us, "
               f"pdl {row['pdl_us']:6.2f} us ({row['plain_us'] / row['pdl_us']:.2f}x)", flush=True)
     return rows
-
-
-# ---------------------------------------------------------------------------------------------
-# CPU
-
-
-def median_seconds(fn, runs=7):
-    """The median wall time of `runs` calls of fn(), in seconds."""
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def paired_seconds(fa, fb, runs=7):
-    """fa() and fb() called alternately `runs` times: (median time of fa, median time of fb, median
-    of the per-pair ratios time_fb / time_fa), in seconds.  On a shared machine whose speed drifts
-    between runs, each pair sees the same machine."""
-    ta, tb = [], []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fa()
-        mid = time.perf_counter()
-        fb()
-        ta.append(mid - start)
-        tb.append(time.perf_counter() - mid)
-    return statistics.median(ta), statistics.median(tb), statistics.median(b / a for a, b in zip(ta, tb))
 
 
 def run_cpu(quick):
@@ -363,62 +255,3 @@ def run_cpu(quick):
                   f"np.add (float32) {row['np_add_us']:>9.1f} us {row['np_add_GBps']:>6.1f} GB/s | "
                   f"{row['ratio_to_np_add']:.2f}x", flush=True)
     return {"device": "cpu", "rows": rows}
-
-
-def plot(result, path):
-    """A PNG of GB/s against bytes moved at `path`: a line per (implementation, op), torch.add moving
-    the same bytes, the roofline.  Returns the lines' labels (None without matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("bench: matplotlib is not installed: no plot", file=sys.stderr)
-        return
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for impl, op in sorted({(r["impl"], r["op"]) for r in result["rows"]}):
-        pts = sorted((r["bytes"], r["GBps"]) for r in result["rows"]
-                     if r["impl"] == impl and r["op"] == op and "GBps" in r)
-        if pts:
-            ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], "o-" if op == "merge" else "s--",
-                    label=f"{impl}, {op}")
-    # What a plain streaming kernel reaches at each size: torch.add moving the same bytes.
-    same = sorted({(r["bytes"], r["bytes"] / r["add_us"] / 1e3) for r in result["rows"] if r.get("add_us")})
-    if same:
-        ax.plot([p[0] / 1e6 for p in same], [p[1] for p in same], ":", color="gray",
-                label="torch.add moving the same bytes")
-    if "roofline_GBps" in result:
-        ax.axhline(result["roofline_GBps"], color="gray", linestyle="--", label="roofline (torch.add)")
-    ax.set_xscale("log")
-    ax.set_xlabel("MB moved")
-    ax.set_ylabel("GB/s")
-    ax.set_title(f"attnmerge on {result['device']}")
-    ax.legend()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    print(f"bench: plot written to {path}")
-    return [line.get_label() for line in ax.get_lines()]
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m attnmerge bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--cpu", action="store_true", help="the CPU path against NumPy instead of the GPU")
-    parser.add_argument("--quick", action="store_true", help="a few shapes only")
-    parser.add_argument("--json", help="write every figure here")
-    parser.add_argument("--png", help="write a plot of GB/s against bytes moved here (needs matplotlib)")
-    args = parser.parse_args(argv)
-    if args.cpu:
-        result = run_cpu(args.quick)
-    else:
-        result = run_gpu(QUICK if args.quick else DECODE + CHUNK + LONG + AXES + NWAY)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.png:
-        plot(result, args.png)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
