@@ -1,6 +1,6 @@
 // The N-way merge's two strategies side by side (plan.h): kRows (one thread per pack walks a row's
-// states, 8 or 4 in flight) against kStates with 2 to 16 groups of threads a row, and the plan's
-// own choice, by
+// states, 8 or 4 in flight, blocks of up to 256 or of 128 threads) against kStates with 2 to 16
+// groups of threads a row, and the plan's own choice with and without evict-first accesses, by
 // CUDA-graph replay through the header-only launcher on T x S x 32 x 128 states ([tokens, S,
 // heads, D], FlashInfer's layout) with bfloat16 or float32 partials into a bfloat16 output, input
 // sets rotated past L2.  Each variant's output is compared with kRows' (max |difference| of O and
@@ -97,6 +97,12 @@ void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
   LaunchPlan rows4 = rows;
   rows4.chunk = kSmallChunk;
   vs.push_back({"rows4", rows4});
+  LaunchPlan rows128 = rows;  // narrower blocks: more of them an SM
+  rows128.main = row_dims(rows.shape.packs, rows.shape.rows, sms, kMinBlockThreads, kMinBlockThreads);
+  vs.push_back({"rows128", rows128});
+  LaunchPlan evict = library;  // the plan with the other evict-first choice
+  evict.shape.stream = !library.shape.stream;
+  vs.push_back({library.shape.stream ? "plan-cached" : "plan-evict", evict});
   for (int g = 2; g <= 32; g *= 2) {
     if (rows.shape.packs * g > kStateBlockThreads) break;
     LaunchPlan p = library;
