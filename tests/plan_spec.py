@@ -7,23 +7,25 @@ from __future__ import annotations
 STATE_CHUNK = 8              # states one thread keeps in flight under "rows" (kStateChunk)
 SMALL_CHUNK = 4              # ... where a row has at most this many (kSmallChunk)
 BLOCK_THREADS = 256          # the widest N-way rows block (kBlockThreads)
-PAIR_BLOCK_THREADS = 512     # the widest two-state block (kPairBlockThreads)
+PAIR_BLOCK_THREADS = 256     # the widest two-state block (kPairBlockThreads)
 MIN_BLOCK_THREADS = 128      # blocks narrow down to this where the grid would not cover the SMs
 STATE_BLOCK = 256            # threads of a states-kernel block, at most one row's (kStateBlockThreads)
 STATE_THREADS_PER_SM = 1024  # threads of the states kernel an SM holds (kStateThreadsPerSM)
 STATES_PER_GROUP = 4         # the fewest states a group takes (kStatesPerGroup)
+MAX_STATE_GROUPS = 8         # the most groups a row has (kMaxStateGroups)
 INDEX32_LIMIT = 1 << 30      # 32-bit offsets below this largest element offset
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def groups_for(states: int, packs: int, rows: int, sms: int) -> int:
     """Groups of threads a row's states are split into (1: the rows kernel): only for more states
-    than one thread keeps in flight, doubling while each group keeps STATES_PER_GROUP states, the
-    row's threads fit one block, and the launch fits the GPU's threads at once."""
+    than one thread keeps in flight, doubling up to MAX_STATE_GROUPS while each group keeps
+    STATES_PER_GROUP states, the row's threads fit one block, and the launch fits the GPU's threads
+    at once."""
     if states <= STATE_CHUNK:
         return 1
     g = 1
-    while 2 * g * STATES_PER_GROUP <= states and packs * 2 * g <= STATE_BLOCK and \
+    while 2 * g <= MAX_STATE_GROUPS and 2 * g * STATES_PER_GROUP <= states and packs * 2 * g <= STATE_BLOCK and \
             rows * packs * 2 * g <= max(sms, 1) * STATE_THREADS_PER_SM:
         g *= 2
     return g
@@ -32,12 +34,6 @@ def groups_for(states: int, packs: int, rows: int, sms: int) -> int:
 def chunk_for(states: int) -> int:
     """States a thread of the N-way rows kernel keeps in flight."""
     return SMALL_CHUNK if states <= SMALL_CHUNK else STATE_CHUNK
-
-
-def lse_lanes_for(packs: int) -> int:
-    """Threads of a row (rows kernel, N-way) that read its LSEs together: a power of two of packs
-    up to a warp; else each thread reads them all."""
-    return packs if packs <= 32 and packs & (packs - 1) == 0 else 1
 
 
 def vec_for(head_size: int, *dtypes: str) -> int:

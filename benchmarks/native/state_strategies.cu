@@ -89,12 +89,14 @@ void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
   };
   std::vector<Variant> vs;
   vs.push_back({"plan", library});
-  // kRows as the plan makes it where the GPU is full (planned for a GPU of one SM), launched for this one.
-  LaunchPlan rows = plan_merge(shape, source(sets[0]), dest(sets[0]), facts, DeviceInfo{1, 9});
-  rows.main = row_dims(rows.shape.packs, rows.shape.rows, sms);
-  rows.chunk = kStateChunk;
+  const auto planned = [&](int groups) {
+    CallFacts f = facts;
+    f.groups = groups;
+    return plan_merge(shape, source(sets[0]), dest(sets[0]), f, DeviceInfo{sms, 9});
+  };
+  const LaunchPlan rows = planned(1);
   vs.push_back({"rows", rows});
-  LaunchPlan rows4 = rows;
+  LaunchPlan rows4 = rows;  // 4 states in flight (the kernel of rows of <= 4 states)
   rows4.chunk = kSmallChunk;
   vs.push_back({"rows4", rows4});
   LaunchPlan rows128 = rows;  // narrower blocks: more of them an SM
@@ -105,11 +107,7 @@ void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
   vs.push_back({library.shape.stream ? "plan-cached" : "plan-evict", evict});
   for (int g = 2; g <= 32; g *= 2) {
     if (rows.shape.packs * g > kStateBlockThreads) break;
-    LaunchPlan p = library;
-    p.strategy = Strategy::kStates;
-    p.groups = g;
-    p.main = state_dims(p.shape.packs, p.shape.rows, g, kVec, sms);
-    vs.push_back({"G" + std::to_string(g), p});
+    vs.push_back({"G" + std::to_string(g), planned(g)});
   }
   const auto launch_one = [&](const LaunchPlan& plan, const Set& s) {
     check_cuda(launch_merge<TIn, bfloat16_t, kVec>(plan, source(s), dest(s), stream), "launch");

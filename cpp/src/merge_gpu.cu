@@ -1,46 +1,20 @@
-// The GPU path: device selection, pointer checks and the dispatch of the header-only kernels over
-// (input dtype, output dtype, vector width).
+// The GPU path's device side: device count, driver, pointer checks, the properties cache, the
+// record of the last launch and stream synchronization.  The merges' dispatch is merge_gpu.cuh,
+// instantiated once per source in merge_gpu_{pair,stack,range}.cu (compiled in parallel).
 #include <cuda_runtime.h>
 
 #include <atomic>
 
-#include "attnmerge/merge_kernels.cuh"
-#include "internal.h"
+#include "merge_gpu.cuh"
 
 namespace attnmerge {
 namespace detail {
-namespace {
 
 attnmerge_status cuda_fail(cudaError_t err, const char* what) {
   return fail(ATTNMERGE_ERROR_CUDA, "CUDA error %s (%s) %s", cudaGetErrorName(err), cudaGetErrorString(err), what);
 }
 
-// Makes `device` current for its lifetime and restores the caller's device after.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    err_ = cudaGetDevice(&previous_);
-    if (err_ == cudaSuccess && previous_ != device) {
-      err_ = cudaSetDevice(device);
-      switched_ = err_ == cudaSuccess;
-    }
-  }
-  ~DeviceGuard() {
-    if (switched_) cudaSetDevice(previous_);
-  }
-  cudaError_t error() const { return err_; }
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-  cudaError_t err_;
-};
-
-// The SM count and compute capability of a device, asked once per device (the ordinal's bits
-// beyond kCached are asked every time).  0: not asked yet.
-struct DeviceProps {
-  int sms = 0, major = 0;
-};
+// Asked once per device (the ordinal's bits beyond kCached are asked every time).
 DeviceProps device_props(int device) {
   constexpr int kCached = 64;
   static std::atomic<int> cache[kCached];  // sms | major << 20
@@ -57,8 +31,6 @@ DeviceProps device_props(int device) {
   }
   return {packed & ((1 << 20) - 1), packed >> 20};
 }
-
-}  // namespace
 
 int gpu_build_version() { return CUDART_VERSION; }
 
@@ -112,8 +84,8 @@ attnmerge_status gpu_check_pointer(const void* ptr, int device, const char* arg)
 }
 
 namespace {
-
 thread_local attnmerge_launch_info g_last_launch = {};
+}  // namespace
 
 void record_launch(const LaunchPlan& plan) {
   attnmerge_launch_info& info = g_last_launch;
@@ -130,45 +102,8 @@ void record_launch(const LaunchPlan& plan) {
   for (int i = 0; i < 3; ++i) info.grid[i] = plan.main.grid[i], info.block[i] = plan.main.block[i];
 }
 
-}  // namespace
-
 void forget_launch() { g_last_launch = attnmerge_launch_info{}; }
 attnmerge_launch_info last_launch() { return g_last_launch; }
-
-template <typename Source>
-attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const OutView& out, const CallFacts& facts,
-                           int in_dtype, int out_dtype, int device, void* stream) {
-  DeviceGuard guard(device);
-  if (guard.error() != cudaSuccess)
-    return cuda_fail(guard.error(), "while selecting the device (an earlier error, not one of this call's arguments)");
-  const DeviceProps props = device_props(device);
-  const LaunchPlan plan = plan_merge(shape, src, out, facts, DeviceInfo{props.sms, props.major});
-  const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  cudaError_t err = cudaSuccess;
-  dispatch_in_dtype(in_dtype, [&](auto in_tag) {
-    dispatch_out_dtype(out_dtype, [&](auto out_tag) {
-      dispatch_vec(plan.vec, [&](auto vec_tag) {
-        using TIn = decltype(in_tag);
-        using TOut = decltype(out_tag);
-        constexpr int kVec = decltype(vec_tag)::value;
-        // Wider than 16 bytes per access is never chosen; do not instantiate it.
-        if constexpr (kVec * sizeof(TIn) <= 16 && kVec * sizeof(TOut) <= 16)
-          err = launch_merge<TIn, TOut, kVec>(plan, src, out, s);
-      });
-    });
-  });
-  if (err != cudaSuccess)
-    return cuda_fail(err, "launching the merge kernel (possibly an earlier, sticky error of other work)");
-  record_launch(plan);
-  return ATTNMERGE_SUCCESS;
-}
-
-template attnmerge_status gpu_merge<PairSource>(const MergeShape&, const PairSource&, const OutView&,
-                                                const CallFacts&, int, int, int, void*);
-template attnmerge_status gpu_merge<StackSource>(const MergeShape&, const StackSource&, const OutView&,
-                                                 const CallFacts&, int, int, int, void*);
-template attnmerge_status gpu_merge<RangeSource>(const MergeShape&, const RangeSource&, const OutView&,
-                                                 const CallFacts&, int, int, int, void*);
 
 attnmerge_status gpu_stream_synchronize(int device, void* stream) {
   DeviceGuard guard(device);

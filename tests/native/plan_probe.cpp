@@ -4,7 +4,7 @@
 //   in:  op tokens heads head_size states vec sms [flags]
 //        op: pair | inplace | stack | range (states: the range's total over `tokens` rows);
 //        flags: any of m (masked), a (a_tokens < tokens), t (LSEs [heads, tokens]), p (PDL)
-//   out: strategy chunk groups launches plain fused_lse index32 lse_lanes  grid.x grid.y grid.z  block.x block.y block.z  smem
+//   out: strategy chunk groups launches plain fused_lse index32  grid.x grid.y grid.z  block.x block.y block.z  smem
 #include <attnmerge/plan.h>
 
 #include <algorithm>
@@ -20,8 +20,8 @@ namespace {
 template <typename Source>
 void print(const MergeShape& shape, const Source& src, const OutView& out, const CallFacts& facts, int sms) {
   const LaunchPlan p = plan_merge(shape, src, out, facts, DeviceInfo{sms, 9});
-  std::printf("%s %d %d %d %d %d %d %d  %u %u %u  %u %u %u  %u\n", p.strategy == Strategy::kStates ? "states" : "rows",
-              p.chunk, p.groups, p.launches, p.plain, p.fused_lse, p.index32, p.shape.lse_lanes, p.main.grid[0],
+  std::printf("%s %d %d %d %d %d %d  %u %u %u  %u %u %u  %u\n", p.strategy == Strategy::kStates ? "states" : "rows",
+              p.chunk, p.groups, p.launches, p.plain, p.fused_lse, p.index32, p.main.grid[0],
               p.main.grid[1], p.main.grid[2], p.main.block[0], p.main.block[1], p.main.block[2], p.main.smem);
 }
 

@@ -30,83 +30,65 @@ constexpr int min_blocks() {
   return Source::kMaxStates == 2 ? 1 : kChunk <= kSmallChunk ? 4 : 3;
 }
 
+// A row's (or a group's) partial max and total weight over its states 0 .. n-1 into `r`: the
+// first kChunk LSEs given in `l`, the later ones read a chunk at a time, every load of a chunk
+// issued before any is used.
+template <int kChunk, typename LseOf>
+__device__ __forceinline__ void walk_lses(int n, const float (&l)[kChunk], LseOf lse_of, RowMerge& r) {
+#pragma unroll
+  for (int c = 0; c < kChunk; ++c) r.see(l[c]);
+  for (int s = kChunk; s < n; s += kChunk) {
+    float m[kChunk];
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) m[c] = s + c < n ? lse_of(s + c) : -INFINITY;
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) r.see(m[c]);
+  }
+#pragma unroll
+  for (int c = 0; c < kChunk; ++c) r.total += r.weight(l[c]);
+  for (int s = kChunk; s < n; s += kChunk) {
+    float m[kChunk];
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) m[c] = s + c < n ? lse_of(s + c) : -INFINITY;
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) r.total += r.weight(m[c]);
+  }
+}
+
 // The weights of a row's states into `r` (see, weigh, finish: row.h): `l` holds the LSEs of
 // the first kChunk states (-inf past n), their weights go to `w`; the LSEs of later states are
 // read again from `states`.  Shared by merge_kernel and merge_lse_kernel.
 template <int kChunk, typename Row>
 __device__ __forceinline__ void weigh_row(const Row& states, int n, const float (&l)[kChunk], float (&w)[kChunk],
                                           float factor, RowMerge& r) {
+  walk_lses(n, l, [&](int s) { return states.lse(s); }, r);
 #pragma unroll
-  for (int c = 0; c < kChunk; ++c) r.see(l[c]);
-  for (int s = kChunk; s < n; s += kChunk) {
-    float m[kChunk];
-#pragma unroll
-    for (int c = 0; c < kChunk; ++c) m[c] = s + c < n ? states.lse(s + c) : -INFINITY;
-#pragma unroll
-    for (int c = 0; c < kChunk; ++c) r.see(m[c]);
-  }
-#pragma unroll
-  for (int c = 0; c < kChunk; ++c) {
-    w[c] = r.weight(l[c]);
-    r.total += w[c];
-  }
-  for (int s = kChunk; s < n; s += kChunk) {
-    float m[kChunk];
-#pragma unroll
-    for (int c = 0; c < kChunk; ++c) m[c] = s + c < n ? states.lse(s + c) : -INFINITY;
-#pragma unroll
-    for (int c = 0; c < kChunk; ++c) r.total += r.weight(m[c]);
-  }
-  r.finish(factor);
-}
-
-// The same for a row of more states than a chunk, its LSEs read by the row's `lanes` threads
-// together (consecutive, aligned lanes of one warp; `lane` this thread's place among them): each
-// reads states lane, lane + lanes, ... for their partial max and total, which meet by shuffles.
-// The row's max is weigh_row's; its total is summed in another order (rounding only).  No weights
-// of the first chunk come out: the caller weighs every state as it uses it.
-template <typename Row>
-__device__ __forceinline__ void weigh_row_lanes(const Row& states, int n, int lane, int lanes, float factor,
-                                                RowMerge& r) {
-  RowMerge part = r;
-  for (int s = lane; s < n; s += lanes) part.see(states.lse(s));
-  for (int s = lane; s < n; s += lanes) part.total += part.weight(states.lse(s));
-  float m = part.m, t = part.nan ? NAN : part.total;  // a NaN LSE travels as a NaN total
-  const unsigned warp_lane = (threadIdx.x + blockDim.x * threadIdx.y) & 31u;
-  const unsigned mask = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u) << (warp_lane & ~(lanes - 1u));
-  for (int offset = lanes >> 1; offset > 0; offset >>= 1) {
-    const float m2 = __shfl_xor_sync(mask, m, offset);
-    const float t2 = __shfl_xor_sync(mask, t, offset);
-    RowMerge both = r;
-    both.m = fmaxf(m, m2);
-    t = t * both.weight(m) + t2 * both.weight(m2);
-    m = both.m;
-  }
-  r.m = m;
-  r.total = t;
-  r.nan = is_nan(t);
+  for (int c = 0; c < kChunk; ++c) w[c] = r.weight(l[c]);
   r.finish(factor);
 }
 
 // acc += the weighted O packs of states 0 .. n-1, the first kChunk loaded already (packs in `o`,
-// LSEs in `l`): each pack, once used, makes room for the load of the state a chunk later, so that
-// a chunk of loads stays in flight until the last.  lse_of(s) and o_of(s): state s's LSE and this
-// thread's pack of its O.  Each state weighed as it is used (r: the row's finished weights).
+// LSEs in `l`), each later chunk's LSEs and packs loaded together before any is used, so that a
+// chunk of loads is in flight at once (measured against streaming each next load as a pack is
+// used, which was slower on long rows: benchmarks/NOTES.md).  lse_of(s) and o_of(s): state s's
+// LSE and this thread's pack of its O; r: the row's finished weights.
 template <int kChunk, typename TIn, int VEC, typename LseOf, typename OOf>
-__device__ __forceinline__ void stream_states(int n, float (&l)[kChunk], Pack<TIn, VEC> (&o)[kChunk], LseOf lse_of,
-                                              OOf o_of, const RowMerge& r, bool stream, float (&acc)[VEC]) {
-  for (int s = 0; s < n; s += kChunk) {
+__device__ __forceinline__ void accumulate_states(int n, const float (&l)[kChunk], Pack<TIn, VEC> (&o)[kChunk],
+                                                  LseOf lse_of, OOf o_of, const RowMerge& r, bool stream,
+                                                  float (&acc)[VEC]) {
+#pragma unroll
+  for (int c = 0; c < kChunk; ++c)
+    if (c < n) accumulate(acc, o[c], r.scale(r.weight(l[c])));
+  for (int s = kChunk; s < n; s += kChunk) {
+    float m[kChunk];
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) {
-      if (s + c < n) {
-        accumulate(acc, o[c], r.scale(r.weight(l[c])));
-        const int next = s + kChunk + c;
-        if (next < n) {
-          l[c] = lse_of(next);
-          o[c] = load_pack<TIn, VEC>(o_of(next), stream);
-        }
-      }
+      m[c] = s + c < n ? lse_of(s + c) : -INFINITY;
+      if (s + c < n) o[c] = load_pack<TIn, VEC>(o_of(s + c), stream);
     }
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c)
+      if (s + c < n) accumulate(acc, o[c], r.scale(r.weight(m[c])));
   }
 }
 
@@ -199,15 +181,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   float w[kChunk];
   RowMerge r(shape.base2);
   const float factor = Source::kPlain ? out.inv_scale : out.inverse_scale();
-  if constexpr (kChunk > 2) {
-    // (every thread of a row has the same n: a row's lanes take the same branch)
-    if (shape.lse_lanes > 1 && n > kChunk)
-      weigh_row_lanes(states, n, static_cast<int>(threadIdx.x), shape.lse_lanes, factor, r);
-    else
-      weigh_row<kChunk>(states, n, l, w, factor, r);
-  } else {
-    weigh_row<kChunk>(states, n, l, w, factor, r);
-  }
+  weigh_row<kChunk>(states, n, l, w, factor, r);
   if constexpr (kFused) {
     __syncthreads();  // every thread of the block has read its row's old LSEs
     if (!live) return;
@@ -219,7 +193,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
     for (int c = 0; c < kChunk; ++c)
       if (c < n) accumulate(acc, o[c], r.scale(w[c]));
   } else {
-    stream_states(
+    accumulate_states(
         n, l, o, [&](int s) { return states.lse(s); },
         [&](int s) { return states.template o_at<TIn>(s) + k * VEC; }, r, stream, acc);
   }
@@ -232,8 +206,8 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
 // their partial max and total weight, and the groups' partials meet in shared memory, where every
 // thread reads the row's max and total, so that each state gets the same weight exp(lse - max)
 // that kRows gives it (a zero-weight part is dropped unread, a NaN LSE makes the row NaN, an
-// all-empty row gives O = 0 and LSE -inf).  Then each group streams its packs, each used one
-// making room for the load a chunk later.  The groups' accumulators are summed by group 0 in a
+// all-empty row gives O = 0 and LSE -inf).  Then each group accumulates its packs a chunk of
+// loads at a time.  The groups' accumulators are summed by group 0 in a
 // fixed order, which stores the row: bit-identical results from run to run.  32-bit offsets only
 // (the plan's condition).  Every thread reaches both barriers: none leaves early.
 template <typename Source, typename TIn, typename TOut, int VEC>
@@ -264,12 +238,7 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
   }
   // The group's partial max and total (its later LSEs read again).
   RowMerge part(shape.base2);
-#pragma unroll
-  for (int c = 0; c < kChunk; ++c) part.see(l[c]);
-  for (int j = kChunk; j < mine; ++j) part.see(lse_of(j));
-#pragma unroll
-  for (int c = 0; c < kChunk; ++c) part.total += part.weight(l[c]);
-  for (int j = kChunk; j < mine; ++j) part.total += part.weight(lse_of(j));
+  walk_lses(mine, l, lse_of, part);
   // The row's max and total from its groups' partials (a NaN LSE travels as a NaN total).
   extern __shared__ float shared[];
   const int slot = static_cast<int>(threadIdx.z) * groups;
@@ -288,7 +257,7 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
   r.nan = is_nan(r.total);
   r.finish(out.inverse_scale());
   float acc[VEC] = {};
-  stream_states(mine, l, o, lse_of, o_of, r, stream, acc);
+  accumulate_states(mine, l, o, lse_of, o_of, r, stream, acc);
   if (g > 0) {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) part_acc[((slot + g) * VEC + i) * packs + k] = acc[i];

@@ -8,8 +8,8 @@
 //   kRows    one thread per pack of one row walks the row's states, a chunk of them in flight
 //            (merge_kernel): every two-way merge, and N-way or variable-length merges with enough
 //            rows to fill the GPU or few states a row;
-//   kStates  a row's states shared by `groups` groups of threads, each streaming its own states
-//            a chunk ahead, their partial (max, total) and accumulators combined through shared
+//   kStates  a row's states shared by `groups` groups of threads, each taking its own states a
+//            chunk of loads at a time, their partial (max, total) and accumulators combined through shared
 //            memory (merge_states_kernel): split-KV decode, few rows and many states, where kRows
 //            would leave most of the GPU idle (state_groups says when).
 #pragma once
@@ -27,13 +27,14 @@ namespace attnmerge {
 #define ATTNMERGE_BLOCK_THREADS 256
 #endif
 #ifndef ATTNMERGE_PAIR_BLOCK_THREADS
-#define ATTNMERGE_PAIR_BLOCK_THREADS 512
+#define ATTNMERGE_PAIR_BLOCK_THREADS 256
 #endif
 #ifndef ATTNMERGE_STATE_CHUNK
 #define ATTNMERGE_STATE_CHUNK 8
 #endif
 // kRows: the widest block of the N-way kernels (their register cap leaves room for 3 or 4 of them
-// an SM) and of the two-state kernels (32 registers: 4 blocks of 512 an SM).
+// an SM) and of the two-state kernels (blocks of 512, FlashInfer's shape, were measured no faster
+// and slower for the in-place merge: benchmarks/NOTES.md).
 constexpr int kBlockThreads = ATTNMERGE_BLOCK_THREADS;
 constexpr int kPairBlockThreads = ATTNMERGE_PAIR_BLOCK_THREADS;
 // States of the N-way and variable-length merges whose LSE and O loads a thread keeps in flight:
@@ -44,10 +45,12 @@ constexpr int kSmallChunk = 4;
 // A decode-sized merge spreads over more SMs with narrower blocks, down to this width.
 constexpr int kMinBlockThreads = 128;
 // kStates: the widest block (whole rows, at most one row's packs x groups), the threads an SM
-// holds (the kernel's register cap: 4 blocks of 256), and the fewest states a group takes.
+// holds (the kernel's register cap: 4 blocks of 256), the fewest states a group takes and the
+// most groups a row has (more were slower at every size measured).
 constexpr int kStateBlockThreads = 256;
 constexpr int kStateThreadsPerSM = 1024;
 constexpr int kStatesPerGroup = 4;
+constexpr int kMaxStateGroups = 8;
 
 enum class Strategy : int32_t { kRows = 0, kStates = 1 };
 
@@ -65,6 +68,8 @@ struct CallFacts {
   int64_t bytes = 0;              // bytes the call moves, about
   bool lse_tokens_inner = false;  // an LSE has tokens as its faster axis (vLLM's [heads, tokens])
   bool pdl = false;               // the caller allows programmatic dependent launch
+  int groups = 0;                 // N-way and varlen: 0 the plan's strategy; 1 kRows; G > 1 kStates with G
+                                  // groups (where 32-bit offsets allow it): for benchmarks that compare them
 };
 
 struct LaunchDims {
@@ -131,9 +136,9 @@ int64_t states_per_row(const Source& src, const MergeShape& shape) {
   }
 }
 
-// Evict-first O accesses, as measured on an H200 against plain ones: 5 to 13% faster for two-way
-// merges moving 3 to 13 MB, for the N-way merge of S = 64 and for the variable-length merge; 2
-// to 6% slower for two-way merges of 51 to 818 MB and for S = 8.
+// Evict-first O accesses where they were measured faster than plain ones on an H200: calls
+// moving under 16 MB, N-way merges of more states than a chunk, variable-length merges
+// (benchmarks/NOTES.md).
 template <typename Source>
 bool stream_o(const Source& src, int64_t bytes) {
   if constexpr (std::is_same<Source, RangeSource>::value) {
@@ -141,7 +146,7 @@ bool stream_o(const Source& src, int64_t bytes) {
   } else if constexpr (std::is_same<Source, StackSource>::value) {
     if (src.states > kStateChunk) return true;
   }
-  return bytes < (int64_t{32} << 20);
+  return bytes < (int64_t{16} << 20);
 }
 
 }  // namespace plan_detail
@@ -150,13 +155,13 @@ bool stream_o(const Source& src, int64_t bytes) {
 // row has more states than one thread keeps in flight, and kRows (`rows` x `packs` threads) would
 // leave the GPU's threads (`sms` x kStateThreadsPerSM) unused: the groups double while each keeps
 // kStatesPerGroup states or more, the row's threads fit one block, and the launch still fits the
-// GPU at once.
+// GPU at once, up to kMaxStateGroups.
 inline int state_groups(int64_t states, int64_t packs, int64_t rows, int sms) {
   if (states <= kStateChunk) return 1;
   const int64_t capacity = int64_t{sms > 0 ? sms : 1} * kStateThreadsPerSM;
   int g = 1;
-  while (int64_t{2} * g * kStatesPerGroup <= states && packs * 2 * g <= kStateBlockThreads &&
-         rows * packs * 2 * g <= capacity)
+  while (2 * g <= kMaxStateGroups && int64_t{2} * g * kStatesPerGroup <= states &&
+         packs * 2 * g <= kStateBlockThreads && rows * packs * 2 * g <= capacity)
     g *= 2;
   return g;
 }
@@ -215,7 +220,10 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
   } else {
     s.stream = plan_detail::stream_o(src, facts.bytes);
     const int64_t states = plan_detail::states_per_row(src, s);
-    const int groups = plan.index32 ? state_groups(states, s.packs, s.rows, device.sms) : 1;
+    const int64_t most = std::max<int64_t>(1, kStateBlockThreads / std::max<int64_t>(s.packs, 1));  // a row a block
+    const int chosen = facts.groups > 0 ? static_cast<int>(std::min<int64_t>(facts.groups, most))
+                                        : state_groups(states, s.packs, s.rows, device.sms);
+    const int groups = plan.index32 ? chosen : 1;
     if (groups > 1) {
       plan.strategy = Strategy::kStates;
       plan.groups = groups;
@@ -223,10 +231,6 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     } else {
       plan.chunk = states <= kSmallChunk ? kSmallChunk : kStateChunk;
       plan.main = row_dims(s.packs, s.rows, device.sms);
-      // A row's threads share the reading of its LSEs where they are whole aligned lanes of a warp
-      // (a power of two of packs, one block wide): one LSE load a thread per `packs` states.
-      const bool lanes = s.packs <= 32 && (s.packs & (s.packs - 1)) == 0 && plan.main.grid[1] == 1;
-      s.lse_lanes = lanes ? static_cast<int>(s.packs) : 1;
     }
     return plan;
   }

@@ -18,9 +18,6 @@ struct MergeShape {
   int64_t packs;  // vector accesses per row (head_size / the launch's vector width): the plan's
   bool stream;    // evict-first O loads and stores: the plan's
   bool base2;
-  // kRows N-way: the row's threads that share the reading of its LSEs (consecutive lanes of one
-  // warp, a power of two), or 1: each reads them all.  The plan's.
-  int lse_lanes;
   // Row order.  Untiled (tile_shift < 0): row = token * heads + head.  Tiled: tokens taken
   // 2^tile_shift at a time, and a tile's rows head-major (row = (tile * heads + head) * 2^tile_shift
   // + token in the tile), so that a warp's rows are consecutive tokens of one head: with LSEs laid
@@ -34,7 +31,7 @@ struct MergeShape {
   int shift;
 
   ATTNMERGE_HD MergeShape(int64_t tokens_, int64_t heads_, int64_t head_size_, bool base2_)
-      : tokens(tokens_), heads(heads_), head_size(head_size_), rows(tokens_ * heads_), packs(head_size_), stream(false), base2(base2_), lse_lanes(1),
+      : tokens(tokens_), heads(heads_), head_size(head_size_), rows(tokens_ * heads_), packs(head_size_), stream(false), base2(base2_),
         tile_shift(-1), magic(0), shift(0) {
     set_divisor(heads);
   }
