@@ -14,7 +14,10 @@ FlashInfer conventions live in `attnmerge.compat`.
 import os as _os
 
 from . import _C
+from . import _torch_hook
 from ._merge import merge, merge_inplace, merge_states, merge_varlen
+
+_torch_hook.install()  # torch.ops.attnmerge.*, when torch is (or gets) imported
 
 __version__ = _C.version_string()
 __all__ = ["merge", "merge_inplace", "merge_states", "merge_varlen", "build_info", "last_launch", "cmake_dir", "include_dir",

@@ -1,0 +1,295 @@
+"""torch.ops.attnmerge: the merge family as registered PyTorch operators, so that torch.compile,
+torch.export, fake tensors and autograd see it.  Imported only once torch is (attnmerge._torch_hook).
+
+Operators (arguments named, shaped and typed as the public function of the same name; LSEs float32
+[tokens, heads] in any strides; base "e" (natural log) or "2"):
+
+    merge(o_a, lse_a, o_b, lse_b, *, out_dtype=None, output_scale=None, base="e", a_tokens=None,
+          pdl=False) -> (out [tokens, heads, head_size], out_lse [tokens, heads])
+    merge.out(o_a, lse_a, o_b, lse_b, *, out!, out_lse!=None, output_scale=None, base="e",
+              a_tokens=None, pdl=False) -> ()
+    merge_inplace(o!, lse!, o_other, lse_other, mask=None, *, base="e", pdl=False) -> ()
+    merge_inplace.functional(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False)
+        -> (o merged, lse merged), new tensors; o and lse unchanged
+    merge_states(o, lse, *, out_dtype=None, output_scale=None, base="e", states_axis=1, pdl=False)
+        -> (out, out_lse)                   o [tokens, S, heads, head_size] (states_axis=1) or [S, tokens, ...]
+    merge_states.out(o, lse, *, out!, out_lse!=None, output_scale=None, base="e", states_axis=1, pdl=False) -> ()
+    merge_varlen(o, lse, indptr, *, out_dtype=None, output_scale=None, base="e", pdl=False) -> (out, out_lse)
+    merge_varlen.out(o, lse, indptr, *, out!, out_lse!=None, output_scale=None, base="e", pdl=False) -> ()
+
+(`x!`: mutated in place, declared so in the schema.)  output_scale is a one-element float32 tensor.
+The kernels (CPU and CUDA) are attnmerge's own, run on torch's current stream (the capture stream
+under CUDA graph capture).  Autograd: see _register_autograd.
+
+The functions merge, merge_inplace, merge_states and merge_varlen below are what the public functions
+of attnmerge call while tracing (`takes`): they map the public arguments onto the operators.
+"""
+import torch
+
+from . import _C, _merge
+from ._arrays import default_stream, dtype_name
+
+_NS = "attnmerge"
+
+# The schemas: "(a!)" marks a tensor the op writes (so autograd, functionalization and the compilers
+# know), and the functional overloads return new tensors that alias no input.
+_OPTIONS = 'str base="e", bool pdl=False'
+_SCHEMAS = {
+    "merge": "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, *, ScalarType? out_dtype=None, "
+             f"Tensor? output_scale=None, SymInt? a_tokens=None, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
+    "merge.out": "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
+                 f"Tensor? output_scale=None, SymInt? a_tokens=None, {_OPTIONS}) -> ()",
+    "merge_inplace": f"(Tensor(a!) o, Tensor(b!) lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, *, "
+                     f"{_OPTIONS}) -> ()",
+    "merge_inplace.functional": f"(Tensor o, Tensor lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, *, "
+                                f"{_OPTIONS}) -> (Tensor o_merged, Tensor lse_merged)",
+    "merge_states": "(Tensor o, Tensor lse, *, ScalarType? out_dtype=None, Tensor? output_scale=None, "
+                    f"int states_axis=1, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
+    "merge_states.out": "(Tensor o, Tensor lse, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
+                        f"Tensor? output_scale=None, int states_axis=1, {_OPTIONS}) -> ()",
+    "merge_varlen": "(Tensor o, Tensor lse, Tensor indptr, *, ScalarType? out_dtype=None, "
+                    f"Tensor? output_scale=None, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
+    "merge_varlen.out": "(Tensor o, Tensor lse, Tensor indptr, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
+                        f"Tensor? output_scale=None, {_OPTIONS}) -> ()",
+}
+# The arguments each op writes (their versions are bumped, so autograd sees the change).
+_MUTATED = {"merge.out": ("out", "out_lse"), "merge_inplace": ("o", "lse"), "merge_states.out": ("out", "out_lse"),
+            "merge_varlen.out": ("out", "out_lse")}
+
+
+def _flags(base, pdl):
+    if base not in ("e", "2"):
+        raise ValueError(f"base: expected 'e' or '2', got {base!r}")
+    return _merge.lse_flags(2 if base == "2" else "e") | (_C.PDL if pdl else 0)
+
+
+def _new(like, shape, dtype):
+    """(out, out_lse) for a result of `shape` ([tokens, heads, head_size]), where `like` lives; also
+    the fake implementation's answer, so traced and real results agree."""
+    return (torch.empty(shape, dtype=dtype, device=like.device),
+            torch.empty(shape[:2], dtype=torch.float32, device=like.device))
+
+
+# ---- kernels (CPU and CUDA: the library picks the device from the pointers) ------------------------
+
+def _kernel_merge_out(o_a, lse_a, o_b, lse_b, *, out, out_lse=None, output_scale=None, a_tokens=None, base="e", pdl=False):
+    _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, _flags(base, pdl), _merge.a_tokens_arg(a_tokens), output_scale,
+             default_stream(o_b))
+
+
+def _kernel_merge(o_a, lse_a, o_b, lse_b, *, out_dtype=None, output_scale=None, a_tokens=None, base="e", pdl=False):
+    out, out_lse = _new(o_b, tuple(o_b.shape), out_dtype or o_a.dtype)
+    _kernel_merge_out(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse, output_scale=output_scale, a_tokens=a_tokens,
+               base=base, pdl=pdl)
+    return out, out_lse
+
+
+def _kernel_merge_inplace(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
+    _C.merge_inplace(o, lse, o_other, lse_other, mask, _flags(base, pdl), default_stream(o))
+
+
+def _kernel_merge_inplace_functional(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
+    o, lse = o.clone(), lse.clone()
+    _kernel_merge_inplace(o, lse, o_other, lse_other, mask, base=base, pdl=pdl)
+    return o, lse
+
+
+def _kernel_merge_states_out(o, lse, *, out, out_lse=None, output_scale=None, states_axis=1, base="e", pdl=False):
+    _C.merge_states(out, out_lse, o, lse, _flags(base, pdl), _states_first(states_axis), output_scale,
+                    default_stream(o))
+
+
+def _kernel_merge_states(o, lse, *, out_dtype=None, output_scale=None, states_axis=1, base="e", pdl=False):
+    out, out_lse = _new(o, _merge.states_shape(o, _states_axis(states_axis)), out_dtype or o.dtype)
+    _kernel_merge_states_out(o, lse, out=out, out_lse=out_lse, output_scale=output_scale, states_axis=states_axis,
+                      base=base, pdl=pdl)
+    return out, out_lse
+
+
+def _kernel_merge_varlen_out(o, lse, indptr, *, out, out_lse=None, output_scale=None, base="e", pdl=False):
+    _C.merge_varlen(out, out_lse, o, lse, indptr, _flags(base, pdl), output_scale, default_stream(o))
+
+
+def _kernel_merge_varlen(o, lse, indptr, *, out_dtype=None, output_scale=None, base="e", pdl=False):
+    out, out_lse = _new(o, _merge.varlen_shape(o, indptr), out_dtype or o.dtype)
+    _kernel_merge_varlen_out(o, lse, indptr, out=out, out_lse=out_lse, output_scale=output_scale, base=base, pdl=pdl)
+    return out, out_lse
+
+
+def _states_axis(states_axis):
+    if states_axis not in (0, 1):
+        raise ValueError(f"states_axis: expected 0 or 1, got {states_axis!r}")
+    return states_axis
+
+
+def _states_first(states_axis):
+    return _states_axis(states_axis) == 0
+
+
+_KERNELS = {"merge": _kernel_merge, "merge.out": _kernel_merge_out, "merge_inplace": _kernel_merge_inplace,
+            "merge_inplace.functional": _kernel_merge_inplace_functional, "merge_states": _kernel_merge_states,
+            "merge_states.out": _kernel_merge_states_out, "merge_varlen": _kernel_merge_varlen, "merge_varlen.out": _kernel_merge_varlen_out}
+
+
+# ---- fake (meta) implementations: shapes, dtypes and devices only ---------------------------------
+
+def _fake_nothing(*args, **kwargs):  # the mutating overloads return nothing
+    return None
+
+
+_FAKES = {
+    "merge": lambda o_a, lse_a, o_b, lse_b, *, out_dtype=None, **_: _new(o_b, tuple(o_b.shape), out_dtype or o_a.dtype),
+    "merge_inplace.functional": lambda o, lse, *_, **__: (torch.empty_like(o), torch.empty_like(lse)),
+    "merge_states": lambda o, lse, *, out_dtype=None, states_axis=1, **_: _new(
+        o, _merge.states_shape(o, _states_axis(states_axis)), out_dtype or o.dtype),
+    "merge_varlen": lambda o, lse, indptr, *, out_dtype=None, **_: _new(o, _merge.varlen_shape(o, indptr),
+                                                                        out_dtype or o.dtype),
+}
+
+
+# ---- autograd -------------------------------------------------------------------------------------
+
+def _register_autograd(lib):
+    """The one place autograd attaches to the ops.  Until attnmerge has backward kernels, every op
+    refuses inputs that require grad (no silently missing gradient); when they land, the functional
+    overloads (merge, merge_inplace.functional, merge_states, merge_varlen) take
+    torch.library.register_autograd(...) here instead.  The out and in-place overloads stay
+    non-differentiable, as PyTorch's own out= ops are."""
+    for name in _SCHEMAS:
+        lib.impl(name, _refuse_grad(name), "Autograd", with_keyset=True)
+
+
+def _refuse_grad(name):
+    op = _overload(name)
+    arg_names = [a.name for a in op._schema.arguments]
+    mutated = _MUTATED.get(name, ())
+    differentiable = name not in _MUTATED
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        if torch.is_grad_enabled():
+            values = dict(zip(arg_names, args), **kwargs)
+            wanting = [k for k, v in values.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+            if wanting:
+                why = ("attnmerge has no backward for it yet" if differentiable
+                       else "it writes its results into given tensors, which autograd cannot differentiate")
+                raise NotImplementedError(
+                    f"{_NS}::{name}: {', '.join(wanting)} requires grad, but {why}; call it under torch.no_grad() "
+                    f"or on detached tensors")
+        with torch._C._AutoDispatchBelowAutograd():
+            result = op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+        if mutated:
+            values = dict(zip(arg_names, args), **kwargs)
+            bump = [values[k] for k in mutated if values.get(k) is not None]
+            if bump:  # saved tensors that the op overwrote are caught by autograd later
+                torch.autograd.graph.increment_version(bump)
+        return result
+
+    return autograd_kernel
+
+
+# ---- registration ---------------------------------------------------------------------------------
+
+def _overload(name):
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(getattr(torch.ops, _NS), packet), overload or "default")
+
+
+def _register():
+    lib = torch.library.Library(_NS, "DEF")
+    for name, schema in _SCHEMAS.items():
+        lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    for name, kernel in _KERNELS.items():
+        lib.impl(name, kernel, "CPU")
+        lib.impl(name, kernel, "CUDA")
+    for name in _SCHEMAS:
+        torch.library.register_fake(f"{_NS}::{name}", _FAKES.get(name, _fake_nothing), lib=lib)
+    _register_autograd(lib)
+    return lib
+
+
+_LIB = _register()  # kept alive: the registrations last as long as the Library object
+
+
+# ---- what the public functions call while tracing -------------------------------------------------
+
+_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
+
+
+def takes(a, b, c, d):
+    """Whether a public call goes through torch.ops.attnmerge: while torch.compile or torch.export
+    traces it, and when autograd would record it (any of the arrays a..d, None allowed, requires
+    grad): the op then refuses it by name (or, once backward lands, differentiates it)."""
+    return _compiling() or (_grad_enabled() and (
+        (isinstance(a, _Tensor) and a.requires_grad) or (isinstance(b, _Tensor) and b.requires_grad)
+        or (isinstance(c, _Tensor) and c.requires_grad) or (isinstance(d, _Tensor) and d.requires_grad)))
+
+
+def _no_stream(stream):
+    if stream is not None:
+        raise ValueError(f"stream: expected None when traced by torch.compile or torch.export (the op runs on "
+                         f"torch's current stream; use torch.cuda.stream(...) to choose it), got {stream!r}")
+
+
+def _base(base):
+    _merge.lse_flags(base)  # the public function's check
+    return "e" if base == "e" else "2"
+
+
+def _scale(output_scale, like):
+    """A number becomes the one-element float32 tensor the ops take."""
+    if output_scale is None or isinstance(output_scale, torch.Tensor):
+        return output_scale
+    return torch.full((1,), float(output_scale), dtype=torch.float32, device=like.device)
+
+
+def _out_dtype(out_dtype):
+    if out_dtype is None or isinstance(out_dtype, torch.dtype):
+        return out_dtype
+    return getattr(torch, dtype_name(out_dtype, "out_dtype"))
+
+
+def _call(functional, out_variant, like, in_dtype_of, shape_of, out, out_lse, return_lse, out_dtype, *args,
+          **options):
+    """The functional overload when no output is given (the one autograd can attach to), else the
+    out= overload, with any missing output allocated as the eager path would."""
+    out_dtype = _out_dtype(out_dtype)
+    if out is None and out_lse is None:
+        res, res_lse = functional(*args, out_dtype=out_dtype, **options)
+        return res, (res_lse if return_lse else None)
+    if out is not None and out_dtype is not None:
+        _merge.check_out_dtype(out, out_dtype)
+    if out is None:
+        out = torch.empty(shape_of(), dtype=out_dtype or in_dtype_of.dtype, device=like.device)
+    if out_lse is None and return_lse:
+        out_lse = torch.empty(tuple(out.shape[:2]), dtype=torch.float32, device=out.device)
+    out_variant(*args, out=out, out_lse=out_lse, **options)
+    return out, out_lse
+
+
+def merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base, a_tokens, stream, pdl):
+    _no_stream(stream)
+    return _call(torch.ops.attnmerge.merge.default, torch.ops.attnmerge.merge.out, o_b, o_a, lambda: tuple(o_b.shape),
+                 out, out_lse, return_lse, out_dtype, o_a, lse_a, o_b, lse_b, output_scale=_scale(output_scale, o_b),
+                 a_tokens=a_tokens, base=_base(base), pdl=pdl)
+
+
+def merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl):
+    _no_stream(stream)
+    torch.ops.attnmerge.merge_inplace.default(o, lse, o_other, lse_other, mask, base=_base(base), pdl=pdl)
+    return o, lse
+
+
+def merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, states_axis, stream, pdl):
+    _no_stream(stream)
+    return _call(torch.ops.attnmerge.merge_states.default, torch.ops.attnmerge.merge_states.out, o, o,
+                 lambda: _merge.states_shape(o, states_axis), out, out_lse, return_lse, out_dtype, o, lse,
+                 output_scale=_scale(output_scale, o), states_axis=states_axis, base=_base(base), pdl=pdl)
+
+
+def merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, stream, pdl):
+    _no_stream(stream)
+    return _call(torch.ops.attnmerge.merge_varlen.default, torch.ops.attnmerge.merge_varlen.out, o, o,
+                 lambda: _merge.varlen_shape(o, indptr), out, out_lse, return_lse, out_dtype, o, lse, indptr,
+                 output_scale=_scale(output_scale, o), base=_base(base), pdl=pdl)
