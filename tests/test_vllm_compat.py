@@ -1,7 +1,7 @@
 """attnmerge.compat.vllm.merge_attn_states on the CPU (NumPy): vLLM's signature and conventions.
 
-merge_attn_states(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse,
-                  prefill_tokens_with_context=None)
+merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
+                  prefill_tokens_with_context=None, output_scale=None)
 writes into output (and output_lse unless None); natural log; every LSE laid out [heads, tokens];
 rows at or past prefill_tokens_with_context take the suffix state unchanged.
 """
@@ -50,7 +50,7 @@ def test_merges_into_output_and_output_lse(rng, dtype, head_size):
     t, h, d = x["prefix_output"].shape
     output = nan_array((t, h, d), dtype)
     output_lse = nan_array((h, t))
-    merge_attn_states(output, output_lse, **x)
+    merge_attn_states(output, **x, output_lse=output_lse)
     ref_o, ref_lse = reference(x)
     assert_o_close(output, ref_o, dtype, "output")
     assert_lse_close(output_lse.T, ref_lse, "output_lse")
@@ -60,7 +60,7 @@ def test_arguments_are_positional_in_vllm_order(rng):
     x = vllm_inputs(rng)
     output = nan_array(x["prefix_output"].shape, "float16")
     output_lse = nan_array(x["prefix_lse"].shape)
-    merge_attn_states(output, output_lse, x["prefix_output"], x["prefix_lse"], x["suffix_output"], x["suffix_lse"])
+    merge_attn_states(output, x["prefix_output"], x["prefix_lse"], x["suffix_output"], x["suffix_lse"], output_lse)
     assert_merge_matches(output, output_lse.T, reference(x), "float16", "output")
 
 
@@ -68,7 +68,7 @@ def test_arguments_are_positional_in_vllm_order(rng):
 def test_output_lse_may_be_none(rng, dtype):
     x = vllm_inputs(rng, dtype=dtype)
     output = nan_array(x["prefix_output"].shape, dtype)
-    merge_attn_states(output, None, **x)
+    merge_attn_states(output, **x, output_lse=None)
     assert_o_close(output, reference(x)[0], dtype, "output")
 
 
@@ -79,7 +79,7 @@ def test_rows_at_or_past_prefill_tokens_with_context_take_the_suffix(rng, k):
     x["prefix_lse"][:, k:] = np.nan
     output = nan_array(x["prefix_output"].shape, "bfloat16")
     output_lse = nan_array(x["prefix_lse"].shape)
-    merge_attn_states(output, output_lse, **x, prefill_tokens_with_context=k)
+    merge_attn_states(output, **x, output_lse=output_lse, prefill_tokens_with_context=k)
     assert_merge_matches(output, output_lse.T, reference(x, k), "bfloat16", "output")
     assert np.array_equal(to_f64(output[k:]), to_f64(x["suffix_output"][k:]))
     assert np.array_equal(output_lse[:, k:], x["suffix_lse"][:, k:])
@@ -89,7 +89,7 @@ def test_prefill_tokens_with_context_none_merges_every_row(rng):
     x = vllm_inputs(rng)
     output = nan_array(x["prefix_output"].shape, "float16")
     output_lse = nan_array(x["prefix_lse"].shape)
-    merge_attn_states(output, output_lse, **x, prefill_tokens_with_context=None)
+    merge_attn_states(output, **x, output_lse=output_lse, prefill_tokens_with_context=None)
     assert_merge_matches(output, output_lse.T, reference(x), "float16", "output")
 
 
@@ -106,7 +106,7 @@ def test_empty_and_nan_rows_follow_the_semantics(rng):
     x["suffix_lse"][0, 9] = np.nan  # NaN row
     output = nan_array(x["prefix_output"].shape, "float32")
     output_lse = nan_array(x["prefix_lse"].shape)
-    merge_attn_states(output, output_lse, **x)
+    merge_attn_states(output, **x, output_lse=output_lse)
     assert_merge_matches(output, output_lse.T, reference(x), "float32", "output")
     assert np.all(output[6, 2] == 0.0) and output_lse[2, 6] == -np.inf
     assert np.all(np.isnan(output[9, 0])) and np.isnan(output_lse[0, 9])
@@ -120,7 +120,7 @@ def test_output_may_be_a_strided_slice(rng):
     output = buf[:, :, 16:80]
     lse_buf = nan_array((4, 40))
     output_lse = lse_buf[:, :16]
-    merge_attn_states(output, output_lse, **x)
+    merge_attn_states(output, **x, output_lse=output_lse)
     assert_merge_matches(output, output_lse.T, reference(x), "float16", "output")
     assert all_nan(buf[:, :, :16]) and all_nan(buf[:, :, 80:]) and all_nan(lse_buf[:, 16:])
 
@@ -128,4 +128,4 @@ def test_output_may_be_a_strided_slice(rng):
 def test_zero_tokens(rng):
     x = vllm_inputs(rng, tokens=0)
     output = nan_array((0, 4, 128), "float16")
-    merge_attn_states(output, nan_array((4, 0)), **x)
+    merge_attn_states(output, **x, output_lse=nan_array((4, 0)))
