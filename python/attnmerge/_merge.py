@@ -2,10 +2,11 @@
 from . import _C
 from ._arrays import INPUT_DTYPES, default_stream, dtype_name, empty, family
 
-# attnmerge._torch_ops once torch is imported (attnmerge._torch_hook sets it).  Each function first
-# asks it whether the call must go through torch.ops.attnmerge (while torch.compile or torch.export
-# traces, or when autograd would record it); every other call keeps the direct path below.
+# attnmerge._torch_ops and its `takes` once torch is imported (attnmerge._torch_hook sets them).  Each
+# function first asks whether the call must go through torch.ops.attnmerge (while torch.compile or
+# torch.export traces, or when autograd would record it); every other call keeps the direct path.
 _torch_ops = None
+_takes = None
 
 
 def lse_flags(base):
@@ -89,9 +90,10 @@ def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like
     return out, out_lse, out_view, lse_view
 
 
-def _finish_jax(out, out_view, stream):
-    """JAX cannot wait on our stream: results it gets back on a GPU are complete first."""
-    if out is not out_view and family(out) == "jax":
+def _finish_jax(out, stream):
+    """JAX cannot wait on our stream: results it gets back on a GPU are complete first (`out` was
+    written through another view: _outputs)."""
+    if family(out) == "jax":
         device = next(iter(out.devices()))
         if device.platform in ("gpu", "cuda"):
             _C.stream_synchronize(device.id, stream or 0)
@@ -122,7 +124,7 @@ def merge(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None, return_lse=True, ou
     synchronized before they are returned).  Returns (out, out_lse); out_lse is None when
     return_lse is False and no out_lse was given.
     """
-    if _torch_ops is not None and _torch_ops.takes(o_a, lse_a, o_b, lse_b):
+    if _takes is not None and _takes(o_a, lse_a, o_b, lse_b):
         return _torch_ops.merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base,
                                 a_tokens, stream, pdl)
     flags = (0 if base == "e" else lse_flags(base)) | (_C.PDL if pdl else 0)
@@ -132,7 +134,8 @@ def merge(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None, return_lse=True, ou
     if stream is None:
         stream = default_stream(o_b)
     _C.merge(out_view, lse_view, o_a, lse_a, o_b, lse_b, flags, a_tok, output_scale, stream)
-    _finish_jax(out, out_view, stream)
+    if out is not out_view:
+        _finish_jax(out, stream)
     return out, out_lse
 
 
@@ -144,7 +147,7 @@ def merge_inplace(o, lse, o_other, lse_other, *, mask=None, base="e", stream=Non
     mask: None, or uint8 / bool [tokens]: rows of tokens whose mask is 0 are left untouched.
     stream, pdl: as for merge().  Returns (o, lse).
     """
-    if _torch_ops is not None and _torch_ops.takes(o, lse, o_other, lse_other):
+    if _takes is not None and _takes(o, lse, o_other, lse_other):
         return _torch_ops.merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl)
     _refuse_jax_output(o, "o")
     _refuse_jax_output(lse, "lse")
@@ -166,7 +169,7 @@ def merge_states(o, lse, *, out=None, out_lse=None, return_lse=True, out_dtype=N
     """
     if states_axis not in (0, 1) or isinstance(states_axis, bool):
         raise ValueError(f"states_axis: expected 0 or 1, got {states_axis!r}")
-    if _torch_ops is not None and _torch_ops.takes(o, lse, None, None):
+    if _takes is not None and _takes(o, lse, None, None):
         return _torch_ops.merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, states_axis,
                                        stream, pdl)
     flags = lse_flags(base) | (_C.PDL if pdl else 0)
@@ -177,7 +180,8 @@ def merge_states(o, lse, *, out=None, out_lse=None, return_lse=True, out_dtype=N
     if stream is None:
         stream = default_stream(o)
     _C.merge_states(out_view, lse_view, o, lse, flags, states_axis == 0, output_scale, stream)
-    _finish_jax(out, out_view, stream)
+    if out is not out_view:
+        _finish_jax(out, stream)
     return out, out_lse
 
 
@@ -192,7 +196,7 @@ def merge_varlen(o, lse, indptr, *, out=None, out_lse=None, return_lse=True, out
     clamp(indptr[r+1], that, total)): no out-of-bounds access, and a row whose bounds cross is empty.
     Returns (out, out_lse).
     """
-    if _torch_ops is not None and _torch_ops.takes(o, lse, None, None):
+    if _takes is not None and _takes(o, lse, None, None):
         return _torch_ops.merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, stream,
                                        pdl)
     flags = lse_flags(base) | (_C.PDL if pdl else 0)
@@ -203,5 +207,6 @@ def merge_varlen(o, lse, indptr, *, out=None, out_lse=None, return_lse=True, out
     if stream is None:
         stream = default_stream(o)
     _C.merge_varlen(out_view, lse_view, o, lse, indptr, flags, output_scale, stream)
-    _finish_jax(out, out_view, stream)
+    if out is not out_view:
+        _finish_jax(out, stream)
     return out, out_lse

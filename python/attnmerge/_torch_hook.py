@@ -17,7 +17,7 @@ def _register():
             return  # the eager path works as before; torch.compile sees a Python call
         from . import _merge, _torch_ops
 
-        _merge._torch_ops = _torch_ops
+        _merge._torch_ops, _merge._takes = _torch_ops, _torch_ops.takes
     except Exception as e:  # never break the user's `import torch`
         warnings.warn(f"attnmerge: torch.ops.attnmerge could not be registered ({type(e).__name__}: {e}); "
                       f"torch.compile and autograd will not see attnmerge's ops", RuntimeWarning, stacklevel=2)

@@ -25,8 +25,7 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     Runs on the current PyTorch stream for torch tensors (else as attnmerge.merge).
     """
     try:
-        if _merge._torch_ops is not None and _merge._torch_ops.takes(prefix_output, prefix_lse, suffix_output,
-                                                                      suffix_lse):
+        if _merge._takes is not None and _merge._takes(prefix_output, prefix_lse, suffix_output, suffix_lse):
             # traced or differentiated: through torch.ops.attnmerge, the [heads, tokens] LSEs as views
             _merge.merge(prefix_output, prefix_lse.T, suffix_output, suffix_lse.T, out=output,
                          out_lse=None if output_lse is None else output_lse.T, return_lse=False,
