@@ -517,20 +517,28 @@ def test_cuda_opcheck(rng, i):
 
 
 @pytest.mark.gpu
-def test_cuda_ops_run_on_the_current_stream(rng):
+@pytest.mark.parametrize("how", ["op", "compiled"])
+def test_cuda_ops_run_on_the_current_stream(rng, how):
+    """The inputs get new values on a side stream after a long sleep there; a merge on that stream
+    sees them, one on any other stream would read the old values."""
     _cuda()
-    h = pair(rng, tokens=4096, heads=8, head_size=128, dtype="bfloat16")
-    t = [put(x, "cuda") for x in h]
-    out, out_lse = poisoned((4096, 8, 128), "bfloat16", "cuda"), poisoned((4096, 8), device="cuda")
+    h_old, h_new = pair(rng, tokens=512, heads=8, head_size=128, dtype="bfloat16"), pair(rng, tokens=512, heads=8,
+                                                                                           head_size=128, dtype="bfloat16")
+    t, new = [put(x, "cuda") for x in h_old], [put(x, "cuda") for x in h_new]
+    out, out_lse = poisoned((512, 8, 128), "bfloat16", "cuda"), poisoned((512, 8), device="cuda")
+    merge = ops.merge.out
+    if how == "compiled":
+        merge, _ = compiled(lambda a, b, c, d, out, out_lse: attnmerge.merge(a, b, c, d, out=out, out_lse=out_lse))
+        merge(*t, out=out, out_lse=out_lse)  # compile first, outside the timed region
+    torch.cuda.synchronize()
     side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        torch.cuda._sleep(50_000_000)  # the side stream is busy: a merge on another stream would finish first
-        ops.merge.out(*t, out=out, out_lse=out_lse)
-        done = torch.cuda.Event()
-        done.record()
-    done.synchronize()
-    assert_merge_matches(get(out), get(out_lse), reference_merge(*h), "bfloat16")
+        torch.cuda._sleep(100_000_000)
+        for x, n in zip(t, new):
+            x.copy_(n)
+        merge(*t, out=out, out_lse=out_lse)
+    torch.cuda.synchronize()
+    assert_merge_matches(get(out), get(out_lse), reference_merge(*h_new), "bfloat16")
 
 
 @pytest.mark.gpu

@@ -3,7 +3,8 @@
 merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
                   prefill_tokens_with_context=None, output_scale=None)
 writes into output (and output_lse unless None); natural log; every LSE laid out [heads, tokens];
-rows at or past prefill_tokens_with_context take the suffix state unchanged.
+rows at or past prefill_tokens_with_context take the suffix state unchanged (an empty suffix there gives
+O = 0, LSE = -inf, where vLLM copies it).
 """
 
 from __future__ import annotations
@@ -129,3 +130,56 @@ def test_zero_tokens(rng):
     x = vllm_inputs(rng, tokens=0)
     output = nan_array((0, 4, 128), "float16")
     merge_attn_states(output, **x, output_lse=nan_array((4, 0)))
+
+
+# --------------------------------------------------------------------------------------------------
+# called exactly as vLLM's own code calls it
+
+
+def test_the_signature_is_that_of_vllms_python_functions():
+    import inspect
+
+    params = inspect.signature(merge_attn_states).parameters
+    assert list(params) == ["output", "prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "output_lse",
+                            "prefill_tokens_with_context", "output_scale"]
+    assert [p.default for p in params.values()][5:] == [None, None, None]
+    assert all(p.default is inspect.Parameter.empty for p in list(params.values())[:5])
+
+
+def test_as_cascade_attention_calls_it_five_positional_arguments_returning_none(rng):
+    """vllm/v1/attention/backends/flash_attn.py: merge_attn_states(output, prefix_output, prefix_lse,
+    suffix_output, suffix_lse)."""
+    x = vllm_inputs(rng, dtype="bfloat16")
+    output = nan_array(x["prefix_output"].shape, "bfloat16")
+    assert merge_attn_states(output, x["prefix_output"], x["prefix_lse"], x["suffix_output"], x["suffix_lse"]) is None
+    assert_o_close(output, reference(x)[0], "bfloat16", "output")
+
+
+def test_as_the_dispatcher_calls_it_six_positional_arguments(rng):
+    """vllm/v1/attention/ops/merge_attn_states.py: (output, prefix_output, prefix_lse, suffix_output,
+    suffix_lse, output_lse)."""
+    x = vllm_inputs(rng, dtype="float32")
+    output, output_lse = nan_array(x["prefix_output"].shape, "float32"), nan_array(x["prefix_lse"].shape)
+    assert merge_attn_states(output, x["prefix_output"], x["prefix_lse"], x["suffix_output"], x["suffix_lse"],
+                             output_lse) is None
+    assert_merge_matches(output, output_lse.T, reference(x), "float32", "output")
+
+
+def test_as_mla_chunked_prefill_calls_it_by_keyword(rng):
+    """vLLM's MLA prefill: merge_attn_states(output=, prefix_output=, prefix_lse=, suffix_output=,
+    suffix_lse=, prefill_tokens_with_context=), no output_lse."""
+    x = vllm_inputs(rng, tokens=24, dtype="float16")
+    output = nan_array(x["prefix_output"].shape, "float16")
+    merge_attn_states(output=output, prefix_output=x["prefix_output"], prefix_lse=x["prefix_lse"],
+                      suffix_output=x["suffix_output"], suffix_lse=x["suffix_lse"], prefill_tokens_with_context=10)
+    assert_o_close(output, reference(x, 10)[0], "float16", "output")
+
+
+def test_a_row_past_prefill_tokens_with_context_whose_suffix_is_empty_is_zero_and_minus_inf(rng):
+    """Where vLLM copies the suffix (O as it is, LSE +inf), attnmerge follows its semantics: an
+    all-empty row is O = 0, LSE = -inf."""
+    x = vllm_inputs(rng, tokens=8, heads=2, head_size=16, dtype="float32")
+    x["suffix_lse"][1, 6] = np.inf
+    output, output_lse = nan_array(x["prefix_output"].shape, "float32"), nan_array(x["prefix_lse"].shape)
+    merge_attn_states(output, x["prefix_output"], x["prefix_lse"], x["suffix_output"], x["suffix_lse"], output_lse, 4)
+    assert np.all(output[6, 1] == 0) and output_lse[1, 6] == -np.inf
