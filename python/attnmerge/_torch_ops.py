@@ -179,9 +179,9 @@ def _refuse_grad(name):
             result = op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
         if mutated:
             values = dict(zip(arg_names, args), **kwargs)
-            bump = [values[k] for k in mutated if values.get(k) is not None]
-            if bump:  # saved tensors that the op overwrote are caught by autograd later
-                torch.autograd.graph.increment_version(bump)
+            for k in mutated:  # so autograd catches a saved tensor that the op overwrote
+                if values.get(k) is not None:
+                    torch.autograd.graph.increment_version(values[k])
         return result
 
     return autograd_kernel
