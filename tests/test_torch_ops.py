@@ -339,6 +339,18 @@ def test_compiled_merge_into_given_outputs(rng):
     assert res.data_ptr() == out.data_ptr() and res_lse.data_ptr() == out_lse.data_ptr()
 
 
+def test_compiled_merge_allocates_a_missing_out_lse_and_checks_out_dtype(rng):
+    h = pair(rng)
+    f, graphs = compiled(lambda a, b, c, d, out: attnmerge.merge(a, b, c, d, out=out), "aot_eager")
+    out = poisoned((13, 4, 64))
+    res, res_lse = f(*[put(x) for x in h], out)
+    assert res is out and res_lse.shape == (13, 4) and res_lse.dtype == torch.float32
+    assert_merge_matches(get(out), get(res_lse), reference_merge(*h), "float32")
+    f, _ = compiled(lambda a, b, c, d, out: attnmerge.merge(a, b, c, d, out=out, out_dtype="bfloat16"), "aot_eager")
+    with pytest.raises(Exception, match="out_dtype: expected None or the dtype of out"):
+        f(*[put(x) for x in h], out)
+
+
 def test_compiled_merge_without_lse_and_a_number_as_fp8_scale(rng):
     from oracle import assert_fp8_close
 

@@ -39,13 +39,6 @@ def _refuse_jax_output(x, arg):
                          f"to get a new JAX array")
 
 
-def check_out_dtype(out, out_dtype):
-    """out_dtype, when given beside out, must name out's dtype."""
-    want, got = dtype_name(out_dtype, "out_dtype"), dtype_name(getattr(out, "dtype", None), "out")
-    if want != got:
-        raise ValueError(f"out_dtype: expected None or the dtype of out ({got}), got {want}")
-
-
 def states_shape(o, states_axis):
     """The [tokens, heads, head_size] of merge_states' result for stacked states o."""
     s = _shape(o, "o")
@@ -72,7 +65,9 @@ def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like
     _refuse_jax_output(out, "out")
     _refuse_jax_output(out_lse, "out_lse")
     if out is not None and out_dtype is not None:
-        check_out_dtype(out, out_dtype)
+        want, got = dtype_name(out_dtype, "out_dtype"), dtype_name(getattr(out, "dtype", None), "out")
+        if want != got:
+            raise ValueError(f"out_dtype: expected None or the dtype of out ({got}), got {want}")
     out_view, lse_view = out, out_lse
     if out is not None:  # a missing out_lse goes where out is, not where an odd input may be
         like, like_name = out, "out"

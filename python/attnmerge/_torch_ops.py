@@ -1,28 +1,19 @@
 """torch.ops.attnmerge: the merge family as registered PyTorch operators, so that torch.compile,
 torch.export, fake tensors and autograd see it.  Imported only once torch is (attnmerge._torch_hook).
 
-Operators (arguments named, shaped and typed as the public function of the same name; LSEs float32
-[tokens, heads] in any strides; base "e" (natural log) or "2"):
+Each public function has a functional overload returning new (out, out_lse) and a mutating one;
+arguments are named, shaped and typed as the public function's (the schemas are in _SCHEMAS, `(a!)`
+marking what an overload writes):
+    merge, merge.out                       two states; a_tokens as in attnmerge.merge
+    merge_inplace, merge_inplace.functional  (o, lse) <- merge, masked; the functional one leaves o, lse
+    merge_states, merge_states.out         S stacked states, states_axis 1 or 0
+    merge_varlen, merge_varlen.out         row r merges states indptr[r] .. indptr[r+1]-1
+LSEs are float32 [tokens, heads] in any strides, base "e" (natural log) or "2"; output_scale is a
+one-element float32 tensor.  The kernels (CPU and CUDA) are attnmerge's own and run on torch's
+current stream (the capture stream under CUDA graph capture).  Autograd: see _register_autograd.
 
-    merge(o_a, lse_a, o_b, lse_b, *, out_dtype=None, output_scale=None, base="e", a_tokens=None,
-          pdl=False) -> (out [tokens, heads, head_size], out_lse [tokens, heads])
-    merge.out(o_a, lse_a, o_b, lse_b, *, out!, out_lse!=None, output_scale=None, base="e",
-              a_tokens=None, pdl=False) -> ()
-    merge_inplace(o!, lse!, o_other, lse_other, mask=None, *, base="e", pdl=False) -> ()
-    merge_inplace.functional(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False)
-        -> (o merged, lse merged), new tensors; o and lse unchanged
-    merge_states(o, lse, *, out_dtype=None, output_scale=None, base="e", states_axis=1, pdl=False)
-        -> (out, out_lse)                   o [tokens, S, heads, head_size] (states_axis=1) or [S, tokens, ...]
-    merge_states.out(o, lse, *, out!, out_lse!=None, output_scale=None, base="e", states_axis=1, pdl=False) -> ()
-    merge_varlen(o, lse, indptr, *, out_dtype=None, output_scale=None, base="e", pdl=False) -> (out, out_lse)
-    merge_varlen.out(o, lse, indptr, *, out!, out_lse!=None, output_scale=None, base="e", pdl=False) -> ()
-
-(`x!`: mutated in place, declared so in the schema.)  output_scale is a one-element float32 tensor.
-The kernels (CPU and CUDA) are attnmerge's own, run on torch's current stream (the capture stream
-under CUDA graph capture).  Autograd: see _register_autograd.
-
-The functions merge, merge_inplace, merge_states and merge_varlen below are what the public functions
-of attnmerge call while tracing (`takes`): they map the public arguments onto the operators.
+merge, merge_inplace, merge_states and merge_varlen at the end are what the public functions call
+while traced (`takes`): they map the public arguments onto the overloads.
 """
 import torch
 
@@ -52,68 +43,14 @@ _SCHEMAS = {
     "merge_varlen.out": "(Tensor o, Tensor lse, Tensor indptr, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
                         f"Tensor? output_scale=None, {_OPTIONS}) -> ()",
 }
-# The arguments each op writes (their versions are bumped, so autograd sees the change).
-_MUTATED = {"merge.out": ("out", "out_lse"), "merge_inplace": ("o", "lse"), "merge_states.out": ("out", "out_lse"),
-            "merge_varlen.out": ("out", "out_lse")}
 
 
-def _flags(base, pdl):
-    if base not in ("e", "2"):
-        raise ValueError(f"base: expected 'e' or '2', got {base!r}")
-    return _merge.lse_flags(2 if base == "2" else "e") | (_C.PDL if pdl else 0)
-
+# ---- results: shapes, dtypes, devices (the fake implementations, and what the kernels allocate) ---
 
 def _new(like, shape, dtype):
-    """(out, out_lse) for a result of `shape` ([tokens, heads, head_size]), where `like` lives; also
-    the fake implementation's answer, so traced and real results agree."""
+    """(out [tokens, heads, head_size] of dtype, out_lse float32 [tokens, heads]) where `like` lives."""
     return (torch.empty(shape, dtype=dtype, device=like.device),
             torch.empty(shape[:2], dtype=torch.float32, device=like.device))
-
-
-# ---- kernels (CPU and CUDA: the library picks the device from the pointers) ------------------------
-
-def _kernel_merge_out(o_a, lse_a, o_b, lse_b, *, out, out_lse=None, output_scale=None, a_tokens=None, base="e", pdl=False):
-    _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, _flags(base, pdl), _merge.a_tokens_arg(a_tokens), output_scale,
-             default_stream(o_b))
-
-
-def _kernel_merge(o_a, lse_a, o_b, lse_b, *, out_dtype=None, output_scale=None, a_tokens=None, base="e", pdl=False):
-    out, out_lse = _new(o_b, tuple(o_b.shape), out_dtype or o_a.dtype)
-    _kernel_merge_out(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse, output_scale=output_scale, a_tokens=a_tokens,
-               base=base, pdl=pdl)
-    return out, out_lse
-
-
-def _kernel_merge_inplace(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
-    _C.merge_inplace(o, lse, o_other, lse_other, mask, _flags(base, pdl), default_stream(o))
-
-
-def _kernel_merge_inplace_functional(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
-    o, lse = o.clone(), lse.clone()
-    _kernel_merge_inplace(o, lse, o_other, lse_other, mask, base=base, pdl=pdl)
-    return o, lse
-
-
-def _kernel_merge_states_out(o, lse, *, out, out_lse=None, output_scale=None, states_axis=1, base="e", pdl=False):
-    _C.merge_states(out, out_lse, o, lse, _flags(base, pdl), _states_first(states_axis), output_scale,
-                    default_stream(o))
-
-
-def _kernel_merge_states(o, lse, *, out_dtype=None, output_scale=None, states_axis=1, base="e", pdl=False):
-    out, out_lse = _new(o, _merge.states_shape(o, _states_axis(states_axis)), out_dtype or o.dtype)
-    _kernel_merge_states_out(o, lse, out=out, out_lse=out_lse, output_scale=output_scale, states_axis=states_axis,
-                      base=base, pdl=pdl)
-    return out, out_lse
-
-
-def _kernel_merge_varlen_out(o, lse, indptr, *, out, out_lse=None, output_scale=None, base="e", pdl=False):
-    _C.merge_varlen(out, out_lse, o, lse, indptr, _flags(base, pdl), output_scale, default_stream(o))
-
-
-def _kernel_merge_varlen(o, lse, indptr, *, out_dtype=None, output_scale=None, base="e", pdl=False):
-    out, out_lse = _new(o, _merge.varlen_shape(o, indptr), out_dtype or o.dtype)
-    _kernel_merge_varlen_out(o, lse, indptr, out=out, out_lse=out_lse, output_scale=output_scale, base=base, pdl=pdl)
-    return out, out_lse
 
 
 def _states_axis(states_axis):
@@ -122,28 +59,68 @@ def _states_axis(states_axis):
     return states_axis
 
 
-def _states_first(states_axis):
-    return _states_axis(states_axis) == 0
+_RESULTS = {  # out_dtype None: that of the inputs, as in the public functions
+    "merge": lambda o_a, lse_a, o_b, lse_b, *, out_dtype=None, **_: _new(o_b, tuple(o_b.shape),
+                                                                         out_dtype or o_a.dtype),
+    "merge_states": lambda o, lse, *, out_dtype=None, states_axis=1, **_: _new(
+        o, _merge.states_shape(o, _states_axis(states_axis)), out_dtype or o.dtype),
+    "merge_varlen": lambda o, lse, indptr, *, out_dtype=None, **_: _new(o, _merge.varlen_shape(o, indptr),
+                                                                        out_dtype or o.dtype),
+    "merge_inplace.functional": lambda o, lse, *_, **__: (torch.empty_like(o), torch.empty_like(lse)),
+}
 
-
-_KERNELS = {"merge": _kernel_merge, "merge.out": _kernel_merge_out, "merge_inplace": _kernel_merge_inplace,
-            "merge_inplace.functional": _kernel_merge_inplace_functional, "merge_states": _kernel_merge_states,
-            "merge_states.out": _kernel_merge_states_out, "merge_varlen": _kernel_merge_varlen, "merge_varlen.out": _kernel_merge_varlen_out}
-
-
-# ---- fake (meta) implementations: shapes, dtypes and devices only ---------------------------------
 
 def _fake_nothing(*args, **kwargs):  # the mutating overloads return nothing
     return None
 
 
-_FAKES = {
-    "merge": lambda o_a, lse_a, o_b, lse_b, *, out_dtype=None, **_: _new(o_b, tuple(o_b.shape), out_dtype or o_a.dtype),
-    "merge_inplace.functional": lambda o, lse, *_, **__: (torch.empty_like(o), torch.empty_like(lse)),
-    "merge_states": lambda o, lse, *, out_dtype=None, states_axis=1, **_: _new(
-        o, _merge.states_shape(o, _states_axis(states_axis)), out_dtype or o.dtype),
-    "merge_varlen": lambda o, lse, indptr, *, out_dtype=None, **_: _new(o, _merge.varlen_shape(o, indptr),
-                                                                        out_dtype or o.dtype),
+# ---- kernels (CPU and CUDA: the library picks the device from the pointers) ------------------------
+
+def _flags(base, pdl):
+    if base not in ("e", "2"):
+        raise ValueError(f"base: expected 'e' or '2', got {base!r}")
+    return _merge.lse_flags(2 if base == "2" else "e") | (_C.PDL if pdl else 0)
+
+
+def _merge_out(o_a, lse_a, o_b, lse_b, *, out, out_lse=None, output_scale=None, a_tokens=None, base="e", pdl=False):
+    _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, _flags(base, pdl), _merge.a_tokens_arg(a_tokens), output_scale,
+             default_stream(o_b))
+
+
+def _merge_inplace(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
+    _C.merge_inplace(o, lse, o_other, lse_other, mask, _flags(base, pdl), default_stream(o))
+
+
+def _merge_inplace_functional(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
+    o, lse = o.clone(), lse.clone()  # the same strides as _RESULTS' empty_like
+    _merge_inplace(o, lse, o_other, lse_other, mask, base=base, pdl=pdl)
+    return o, lse
+
+
+def _merge_states_out(o, lse, *, out, out_lse=None, output_scale=None, states_axis=1, base="e", pdl=False):
+    _C.merge_states(out, out_lse, o, lse, _flags(base, pdl), _states_axis(states_axis) == 0, output_scale,
+                    default_stream(o))
+
+
+def _merge_varlen_out(o, lse, indptr, *, out, out_lse=None, output_scale=None, base="e", pdl=False):
+    _C.merge_varlen(out, out_lse, o, lse, indptr, _flags(base, pdl), output_scale, default_stream(o))
+
+
+def _functional(results, out_kernel):
+    """The functional kernel: the results allocated as the fake implementation says, then filled."""
+    def kernel(*args, out_dtype=None, **options):
+        out, out_lse = results(*args, out_dtype=out_dtype, **options)
+        out_kernel(*args, out=out, out_lse=out_lse, **options)
+        return out, out_lse
+
+    return kernel
+
+
+_KERNELS = {
+    "merge": _functional(_RESULTS["merge"], _merge_out), "merge.out": _merge_out,
+    "merge_inplace": _merge_inplace, "merge_inplace.functional": _merge_inplace_functional,
+    "merge_states": _functional(_RESULTS["merge_states"], _merge_states_out), "merge_states.out": _merge_states_out,
+    "merge_varlen": _functional(_RESULTS["merge_varlen"], _merge_varlen_out), "merge_varlen.out": _merge_varlen_out,
 }
 
 
@@ -162,8 +139,8 @@ def _register_autograd(lib):
 def _refuse_grad(name):
     op = _overload(name)
     arg_names = [a.name for a in op._schema.arguments]
-    mutated = _MUTATED.get(name, ())
-    differentiable = name not in _MUTATED
+    mutated = [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    differentiable = not mutated
 
     def autograd_kernel(keyset, *args, **kwargs):
         if torch.is_grad_enabled():
@@ -202,7 +179,7 @@ def _register():
         lib.impl(name, kernel, "CPU")
         lib.impl(name, kernel, "CUDA")
     for name in _SCHEMAS:
-        torch.library.register_fake(f"{_NS}::{name}", _FAKES.get(name, _fake_nothing), lib=lib)
+        torch.library.register_fake(f"{_NS}::{name}", _RESULTS.get(name, _fake_nothing), lib=lib)
     _register_autograd(lib)
     return lib
 
@@ -250,20 +227,15 @@ def _out_dtype(out_dtype):
     return getattr(torch, dtype_name(out_dtype, "out_dtype"))
 
 
-def _call(functional, out_variant, like, in_dtype_of, shape_of, out, out_lse, return_lse, out_dtype, *args,
+def _call(functional, out_variant, like, in_dtype_of, shape_of, names, out, out_lse, return_lse, out_dtype, *args,
           **options):
     """The functional overload when no output is given (the one autograd can attach to), else the
-    out= overload, with any missing output allocated as the eager path would."""
-    out_dtype = _out_dtype(out_dtype)
+    out= overload, any missing output allocated as the eager path allocates it."""
     if out is None and out_lse is None:
-        res, res_lse = functional(*args, out_dtype=out_dtype, **options)
+        res, res_lse = functional(*args, out_dtype=_out_dtype(out_dtype), **options)
         return res, (res_lse if return_lse else None)
-    if out is not None and out_dtype is not None:
-        _merge.check_out_dtype(out, out_dtype)
-    if out is None:
-        out = torch.empty(shape_of(), dtype=out_dtype or in_dtype_of.dtype, device=like.device)
-    if out_lse is None and return_lse:
-        out_lse = torch.empty(tuple(out.shape[:2]), dtype=torch.float32, device=out.device)
+    shape = shape_of() if out is None or (out_lse is None and return_lse) else None
+    out, out_lse, _, _ = _merge._outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, *names)
     out_variant(*args, out=out, out_lse=out_lse, **options)
     return out, out_lse
 
@@ -271,8 +243,8 @@ def _call(functional, out_variant, like, in_dtype_of, shape_of, out, out_lse, re
 def merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base, a_tokens, stream, pdl):
     _no_stream(stream)
     return _call(torch.ops.attnmerge.merge.default, torch.ops.attnmerge.merge.out, o_b, o_a, lambda: tuple(o_b.shape),
-                 out, out_lse, return_lse, out_dtype, o_a, lse_a, o_b, lse_b, output_scale=_scale(output_scale, o_b),
-                 a_tokens=a_tokens, base=_base(base), pdl=pdl)
+                 ("o_b", "o_a"), out, out_lse, return_lse, out_dtype, o_a, lse_a, o_b, lse_b,
+                 output_scale=_scale(output_scale, o_b), a_tokens=a_tokens, base=_base(base), pdl=pdl)
 
 
 def merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl):
@@ -284,12 +256,12 @@ def merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl):
 def merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, states_axis, stream, pdl):
     _no_stream(stream)
     return _call(torch.ops.attnmerge.merge_states.default, torch.ops.attnmerge.merge_states.out, o, o,
-                 lambda: _merge.states_shape(o, states_axis), out, out_lse, return_lse, out_dtype, o, lse,
+                 lambda: _merge.states_shape(o, states_axis), ("o", "o"), out, out_lse, return_lse, out_dtype, o, lse,
                  output_scale=_scale(output_scale, o), states_axis=states_axis, base=_base(base), pdl=pdl)
 
 
 def merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, stream, pdl):
     _no_stream(stream)
     return _call(torch.ops.attnmerge.merge_varlen.default, torch.ops.attnmerge.merge_varlen.out, o, o,
-                 lambda: _merge.varlen_shape(o, indptr), out, out_lse, return_lse, out_dtype, o, lse, indptr,
-                 output_scale=_scale(output_scale, o), base=_base(base), pdl=pdl)
+                 lambda: _merge.varlen_shape(o, indptr), ("o", "o"), out, out_lse, return_lse, out_dtype, o, lse,
+                 indptr, output_scale=_scale(output_scale, o), base=_base(base), pdl=pdl)
