@@ -434,18 +434,27 @@ def test_compiled_with_a_stream_argument_is_refused():
         f(o, lse)
 
 
-def test_export_records_the_op(rng):
-    class Merge(torch.nn.Module):
-        def forward(self, o_a, lse_a, o_b, lse_b):
-            return attnmerge.merge(o_a, lse_a, o_b, lse_b, base=2)
+class _Merge(torch.nn.Module):
+    def forward(self, o_a, lse_a, o_b, lse_b):
+        return attnmerge.merge(o_a, lse_a, o_b, lse_b, base=2)
 
+
+class _MergeInplace(torch.nn.Module):
+    def forward(self, o, lse, o_other, lse_other):
+        return attnmerge.merge_inplace(o, lse, o_other, lse_other, base=2)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("module, op", [(_Merge, "merge.default"), (_MergeInplace, "merge_inplace.default")])
+def test_export_records_the_op(rng, module, op, strict):
     h = pair(rng)
+    ep = torch.export.export(module(), tuple(put(x) for x in h), strict=strict)
+    assert [str(n.target) for n in ep.graph.nodes if str(n.target).startswith("attnmerge.")] == [f"attnmerge.{op}"]
     t = [put(x) for x in h]
-    for strict in (False, True):
-        ep = torch.export.export(Merge(), tuple(t), strict=strict)
-        assert "torch.ops.attnmerge.merge.default" in ep.graph_module.code
-        out, out_lse = ep.module()(*t)
-        assert_merge_matches(get(out), get(out_lse), reference_merge(*h, base=2), "float32")
+    out, out_lse = ep.module()(*t)
+    assert_merge_matches(get(out), get(out_lse), reference_merge(*h, base=2), "float32")
+    if module is _MergeInplace:  # the mutation of the inputs is part of the exported program
+        assert_merge_matches(get(t[0]), get(t[1]), reference_merge(*h, base=2), "float32")
 
 
 # --------------------------------------------------------------------------------------------------
