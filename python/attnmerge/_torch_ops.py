@@ -198,9 +198,18 @@ def takes(a, b, c, d):
     """Whether a public call goes through torch.ops.attnmerge: while torch.compile or torch.export
     traces it, and when autograd would record it (any of the arrays a..d, None allowed, requires
     grad): the op then refuses it by name (or, once backward lands, differentiates it)."""
-    return _compiling() or (_grad_enabled() and (
-        (isinstance(a, _Tensor) and a.requires_grad) or (isinstance(b, _Tensor) and b.requires_grad)
-        or (isinstance(c, _Tensor) and c.requires_grad) or (isinstance(d, _Tensor) and d.requires_grad)))
+    if _compiling():
+        return True
+    if not _grad_enabled():
+        return False
+    if type(a) is _Tensor:  # torch tensors throughout (None for c, d), the per-call case: no isinstance each
+        try:
+            return a.requires_grad or b.requires_grad or (c is not None and (c.requires_grad or d.requires_grad))
+        except AttributeError:  # mixed with another library's arrays
+            pass
+    # (not isinstance: torch.Tensor's metaclass makes it slow for other types)
+    return (getattr(a, "requires_grad", False) is True or getattr(b, "requires_grad", False) is True
+            or getattr(c, "requires_grad", False) is True or getattr(d, "requires_grad", False) is True)
 
 
 def _no_stream(stream):
