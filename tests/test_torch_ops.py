@@ -543,8 +543,8 @@ def test_cuda_ops_run_on_the_current_stream(rng, how):
     """The inputs get new values on a side stream after a long sleep there; a merge on that stream
     sees them, one on any other stream would read the old values."""
     _cuda()
-    h_old, h_new = pair(rng, tokens=512, heads=8, head_size=128, dtype="bfloat16"), pair(rng, tokens=512, heads=8,
-                                                                                           head_size=128, dtype="bfloat16")
+    h_old = pair(rng, tokens=512, heads=8, head_size=128, dtype="bfloat16")
+    h_new = pair(rng, tokens=512, heads=8, head_size=128, dtype="bfloat16")
     t, new = [put(x, "cuda") for x in h_old], [put(x, "cuda") for x in h_new]
     out, out_lse = poisoned((512, 8, 128), "bfloat16", "cuda"), poisoned((512, 8), device="cuda")
     merge = ops.merge.out
@@ -568,6 +568,10 @@ def test_cuda_graph_capture_and_replay(rng):
     h = pair(rng, dtype="float16")
     t = [put(x, "cuda") for x in h]
     out, out_lse = poisoned((13, 4, 64), "float16", "cuda"), poisoned((13, 4), device="cuda")
+    ops.merge.out(*t, out=out, out_lse=out_lse)  # warm-up outside the capture, as torch asks
+    torch.cuda.synchronize()
+    out.fill_(float("nan"))
+    out_lse.fill_(float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         ops.merge.out(*t, out=out, out_lse=out_lse)
