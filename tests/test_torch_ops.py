@@ -30,7 +30,6 @@ from attnmerge.compat import vllm  # noqa: E402
 from oracle import (  # noqa: E402
     DTYPES,
     assert_merge_matches,
-    nan_array,
     random_lse,
     random_o,
     random_stacked,
