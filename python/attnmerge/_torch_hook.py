@@ -57,7 +57,8 @@ def _remove():
 def install():
     torch = sys.modules.get("torch")
     if torch is None:
-        sys.meta_path.insert(0, _FINDER)
+        if _FINDER not in sys.meta_path:
+            sys.meta_path.insert(0, _FINDER)
     elif not getattr(getattr(torch, "__spec__", None), "_initializing", False):
         _register()
     # else: attnmerge is imported from within torch's own import; nothing is registered then
