@@ -545,7 +545,7 @@ def _():
 
 def _vllm(output, output_lse, po, pl, so, sl, **kw):
     def call():
-        vllm.merge_attn_states(output, output_lse, po, pl, so, sl, **kw)
+        vllm.merge_attn_states(output, po, pl, so, sl, output_lse, **kw)
 
     return call, [x for x in (output, output_lse, po, pl, so, sl) if isinstance(x, np.ndarray)]
 

@@ -268,7 +268,7 @@ def test_jax_arrays_are_refused_as_out(rng):
 # the vLLM layer names vLLM's arguments
 def _call_and_expect(x, output, output_lse, exc, *words, **kw):
     with pytest.raises(exc) as info:
-        merge_attn_states(output, output_lse, **x, **kw)
+        merge_attn_states(output, **x, output_lse=output_lse, **kw)
     msg = str(info.value)
     for w in words:
         assert names(w, msg), f"{w!r} not in the message {msg!r}"

@@ -337,7 +337,7 @@ def vllm_args(rng, dtype="float16"):
 def test_vllm_output_scale_with_a_non_fp8_output(rng):
     output, output_lse = nan_array((T, H, D), "float16"), nan_array((H, T))
     with pytest.raises(ValueError) as info:
-        merge_attn_states(output, output_lse, **vllm_args(rng), output_scale=np.array([0.5], np.float32))
+        merge_attn_states(output, **vllm_args(rng), output_lse=output_lse, output_scale=np.array([0.5], np.float32))
     check_message(str(info.value), ["output_scale"])
     assert all_nan(output) and all_nan(output_lse)
 
@@ -345,7 +345,7 @@ def test_vllm_output_scale_with_a_non_fp8_output(rng):
 def test_vllm_output_scale_of_two_elements(rng):
     output, output_lse = nan_array((T, H, D), fp8_dtype()), nan_array((H, T))
     with pytest.raises(ValueError) as info:
-        merge_attn_states(output, output_lse, **vllm_args(rng), output_scale=np.array([0.5, 1.0], np.float32))
+        merge_attn_states(output, **vllm_args(rng), output_lse=output_lse, output_scale=np.array([0.5, 1.0], np.float32))
     check_message(str(info.value), ["output_scale"])
     assert all_nan(output) and all_nan(output_lse)
 

@@ -202,3 +202,18 @@ def test_torch_cpu_tensors_in_torch_tensors_out(rng):
     tv, ts = torch.from_numpy(v_a.copy()), torch.from_numpy(s_a.copy())
     fi.merge_state_in_place(tv, ts, torch.from_numpy(v_b), torch.from_numpy(s_b), mask=torch.ones(11, dtype=torch.bool))
     assert_merge_matches(tv.numpy(), ts.numpy(), reference_merge(v_a, s_a, v_b, s_b, base=2), "float32", "v")
+
+
+# --------------------------------------------------------------------------------------------------
+# the signatures FlashInfer's callers rely on
+
+
+def test_signatures_are_flashinfers():
+    import inspect
+
+    names = {f: list(inspect.signature(getattr(fi, f)).parameters) for f in
+             ("merge_state", "merge_state_in_place", "merge_states", "variable_length_merge_states")}
+    assert names == {"merge_state": ["v_a", "s_a", "v_b", "s_b"],
+                     "merge_state_in_place": ["v", "s", "v_other", "s_other", "mask"],
+                     "merge_states": ["v", "s"], "variable_length_merge_states": ["v", "s", "indptr"]}
+    assert inspect.signature(fi.merge_state_in_place).parameters["mask"].default is None

@@ -200,7 +200,7 @@ def test_vllm_output_scale(rng, in_dtype, k):
     output = fp8_nan((t, h, d))
     output_lse = nan_array((h, t))
     scale = np.array([0.75], np.float32)
-    merge_attn_states(output, output_lse, **x, prefill_tokens_with_context=k, output_scale=scale)
+    merge_attn_states(output, **x, output_lse=output_lse, prefill_tokens_with_context=k, output_scale=scale)
     ref_o, ref_lse = reference_merge(
         x["prefix_output"], x["prefix_lse"].T, x["suffix_output"], x["suffix_lse"].T, a_tokens=k
     )
@@ -215,7 +215,7 @@ def test_vllm_output_scale_without_output_lse(rng):
         suffix_output=random_o(rng, (t, h, d), "float16"), suffix_lse=random_lse(rng, (h, t)),
     )
     output = fp8_nan((t, h, d))
-    merge_attn_states(output, None, **x, output_scale=np.array([2.0], np.float32))
+    merge_attn_states(output, **x, output_lse=None, output_scale=np.array([2.0], np.float32))
     ref_o, _ = reference_merge(x["prefix_output"], x["prefix_lse"].T, x["suffix_output"], x["suffix_lse"].T)
     assert_fp8_close(output, ref_o, 2.0, "output")
 

@@ -728,11 +728,11 @@ def test_vllm_merge_attn_states_on_torch(rng, torch, dtype, k):
     pl[1, 3] = float("inf")
     output = fw.put(nan_array((t, h, d), dtype))
     output_lse = fw.put(nan_array((h, t)))
-    merge_attn_states(output, output_lse, po, pl, so, sl, prefill_tokens_with_context=k)
+    merge_attn_states(output, po, pl, so, sl, output_lse, prefill_tokens_with_context=k)
     ref = reference_merge(fw.get(po), fw.get(pl).T, fw.get(so), fw.get(sl).T, a_tokens=k)
     assert_merge_matches(fw.get(output), fw.get(output_lse).T, ref, dtype, "output")
     output2 = fw.put(nan_array((t, h, d), dtype))
-    merge_attn_states(output2, None, po, pl, so, sl, prefill_tokens_with_context=k)
+    merge_attn_states(output2, po, pl, so, sl, None, prefill_tokens_with_context=k)
     assert torch.equal(output2, output)
 
 

@@ -448,7 +448,7 @@ def test_fp8_vllm_merge_attn_states(rng, torch, in_dtype):
     pl, sl = put(random_lse(rng, (h, t))), put(random_lse(rng, (h, t)))
     output = fp8_nan_tensor(torch, (t, h, d))
     output_lse = nan_tensor((h, t))
-    merge_attn_states(output, output_lse, po, pl, so, sl, prefill_tokens_with_context=40,
+    merge_attn_states(output, po, pl, so, sl, output_lse, prefill_tokens_with_context=40,
                       output_scale=torch.tensor([0.25], device=DEVICE))
     ref = reference_merge(get(po), get(pl).T, get(so), get(sl).T, a_tokens=40)
     assert_fp8_close(get(output), ref[0], 0.25, "output")

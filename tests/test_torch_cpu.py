@@ -77,7 +77,7 @@ def test_vllm_compat_on_torch_cpu(rng):
     so, sl = put(random_state(rng, t, h, d, "bfloat16")[0]), put(random_lse(rng, (h, t)))
     output = put(nan_array((t, h, d), "bfloat16"))
     output_lse = put(nan_array((h, t)))
-    merge_attn_states(output, output_lse, po, pl, so, sl, prefill_tokens_with_context=15)
+    merge_attn_states(output, po, pl, so, sl, output_lse, prefill_tokens_with_context=15)
     ref = reference_merge(get(po), get(pl).T, get(so), get(sl).T, a_tokens=15)
     assert_merge_matches(get(output), get(output_lse).T, ref, "bfloat16", "output")
 

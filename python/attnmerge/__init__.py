@@ -9,12 +9,17 @@ O = 0 and LSE = -inf; a part of weight zero is never read; a NaN LSE makes its r
 Ops: merge (two states), merge_inplace (into the first, optionally masked), merge_states (S
 stacked states in one pass) and merge_varlen (a per-row number of states given by indptr).  Arrays
 come from PyTorch, CuPy, JAX, Numba or NumPy (or as raw pointers: `attnmerge.raw`); the vLLM and
-FlashInfer conventions live in `attnmerge.compat`.
+FlashInfer conventions live in `attnmerge.compat`.  With torch imported (before or after attnmerge),
+the ops are also registered as torch.ops.attnmerge.*, which these functions become under torch.compile
+and torch.export (attnmerge._torch_ops).
 """
 import os as _os
 
 from . import _C
+from . import _torch_hook
 from ._merge import merge, merge_inplace, merge_states, merge_varlen
+
+_torch_hook.install()  # torch.ops.attnmerge.*, when torch is (or gets) imported
 
 __version__ = _C.version_string()
 __all__ = ["merge", "merge_inplace", "merge_states", "merge_varlen", "build_info", "last_launch", "cmake_dir", "include_dir",

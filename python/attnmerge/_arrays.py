@@ -129,9 +129,14 @@ def empty(like, shape, name, like_name):
 def default_stream(like):
     """The stream `stream=None` means for arrays like `like`, as a handle; None lets the binding ask
     the array's DLPack exchange API (PyTorch >= 2.10), which costs no Python call."""
+    if type(like) in _ASKS_THE_EXCHANGE_API:  # the per-call case, answered with one lookup
+        return None
     kind = family(like)
     if kind == "torch":
-        if _has_exchange_api(type(like)) or not like.is_cuda:
+        if _has_exchange_api(type(like)):
+            _ASKS_THE_EXCHANGE_API.add(type(like))
+            return None
+        if not like.is_cuda:
             return None
         import torch
 
@@ -148,6 +153,7 @@ def default_stream(like):
 
 
 _EXCHANGE_API = {}
+_ASKS_THE_EXCHANGE_API = set()  # torch tensor types with the exchange API: stream=None is theirs to resolve
 
 
 def _has_exchange_api(cls):

@@ -2,6 +2,12 @@
 from . import _C
 from ._arrays import INPUT_DTYPES, default_stream, dtype_name, empty, family
 
+# attnmerge._torch_ops and its `takes` once torch is imported (attnmerge._torch_hook sets them).  Each
+# function first asks whether the call must go through torch.ops.attnmerge (while torch.compile or
+# torch.export traces, or when autograd would record it); every other call keeps the direct path.
+_torch_ops = None
+_takes = None
+
 
 def lse_flags(base):
     """C ABI flags for an LSE base: 'e' (natural log, the default) or 2 (log2-sum-exp2)."""
@@ -33,6 +39,24 @@ def _refuse_jax_output(x, arg):
                          f"to get a new JAX array")
 
 
+def states_shape(o, states_axis):
+    """The [tokens, heads, head_size] of merge_states' result for stacked states o."""
+    s = _shape(o, "o")
+    if len(s) != 4:
+        raise ValueError(f"o: expected 4 dimensions, got {len(s)} (shape {list(s)})")
+    return (s[1 - states_axis], s[2], s[3])
+
+
+def varlen_shape(o, indptr):
+    """The [rows, heads, head_size] of merge_varlen's result for o [total, heads, head_size]."""
+    s, n = _shape(o, "o"), _shape(indptr, "indptr")
+    if len(s) != 3:
+        raise ValueError(f"o: expected 3 dimensions, got {len(s)} (shape {list(s)})")
+    if len(n) != 1 or n[0] < 1:
+        raise ValueError(f"indptr: expected shape [rows + 1] with rows >= 0, got {list(n)}")
+    return (n[0] - 1, s[1], s[2])
+
+
 def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like_name="o_b", src_name="o_a"):
     """(out, out_lse, the views handed to the library): given outputs as they are, missing ones
     allocated in the library of `like` with `shape` ([tokens, heads, head_size])."""
@@ -61,9 +85,10 @@ def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like
     return out, out_lse, out_view, lse_view
 
 
-def _finish_jax(out, out_view, stream):
-    """JAX cannot wait on our stream: results it gets back on a GPU are complete first."""
-    if out is not out_view and family(out) == "jax":
+def _finish_jax(out, stream):
+    """JAX cannot wait on our stream: results it gets back on a GPU are complete first (`out` was
+    written through another view: _outputs)."""
+    if family(out) == "jax":
         device = next(iter(out.devices()))
         if device.platform in ("gpu", "cuda"):
             _C.stream_synchronize(device.id, stream or 0)
@@ -94,6 +119,9 @@ def merge(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None, return_lse=True, ou
     synchronized before they are returned).  Returns (out, out_lse); out_lse is None when
     return_lse is False and no out_lse was given.
     """
+    if _takes is not None and _takes(o_a, lse_a, o_b, lse_b):
+        return _torch_ops.merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base,
+                                a_tokens, stream, pdl)
     flags = (0 if base == "e" else lse_flags(base)) | (_C.PDL if pdl else 0)
     a_tok = -1 if a_tokens is None else a_tokens_arg(a_tokens)
     shape = _shape(o_b, "o_b") if out is None or (out_lse is None and return_lse) else None
@@ -101,7 +129,8 @@ def merge(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None, return_lse=True, ou
     if stream is None:
         stream = default_stream(o_b)
     _C.merge(out_view, lse_view, o_a, lse_a, o_b, lse_b, flags, a_tok, output_scale, stream)
-    _finish_jax(out, out_view, stream)
+    if out is not out_view:
+        _finish_jax(out, stream)
     return out, out_lse
 
 
@@ -113,6 +142,8 @@ def merge_inplace(o, lse, o_other, lse_other, *, mask=None, base="e", stream=Non
     mask: None, or uint8 / bool [tokens]: rows of tokens whose mask is 0 are left untouched.
     stream, pdl: as for merge().  Returns (o, lse).
     """
+    if _takes is not None and _takes(o, lse, o_other, lse_other):
+        return _torch_ops.merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl)
     _refuse_jax_output(o, "o")
     _refuse_jax_output(lse, "lse")
     if stream is None:
@@ -133,18 +164,19 @@ def merge_states(o, lse, *, out=None, out_lse=None, return_lse=True, out_dtype=N
     """
     if states_axis not in (0, 1) or isinstance(states_axis, bool):
         raise ValueError(f"states_axis: expected 0 or 1, got {states_axis!r}")
+    if _takes is not None and _takes(o, lse, None, None):
+        return _torch_ops.merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, states_axis,
+                                       stream, pdl)
     flags = lse_flags(base) | (_C.PDL if pdl else 0)
     shape = None
     if out is None or (out_lse is None and return_lse):
-        s = _shape(o, "o")
-        if len(s) != 4:
-            raise ValueError(f"o: expected 4 dimensions, got {len(s)} (shape {list(s)})")
-        shape = (s[1 - states_axis], s[2], s[3])
+        shape = states_shape(o, states_axis)
     out, out_lse, out_view, lse_view = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o")
     if stream is None:
         stream = default_stream(o)
     _C.merge_states(out_view, lse_view, o, lse, flags, states_axis == 0, output_scale, stream)
-    _finish_jax(out, out_view, stream)
+    if out is not out_view:
+        _finish_jax(out, stream)
     return out, out_lse
 
 
@@ -159,18 +191,17 @@ def merge_varlen(o, lse, indptr, *, out=None, out_lse=None, return_lse=True, out
     clamp(indptr[r+1], that, total)): no out-of-bounds access, and a row whose bounds cross is empty.
     Returns (out, out_lse).
     """
+    if _takes is not None and _takes(o, lse, None, None):
+        return _torch_ops.merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, stream,
+                                       pdl)
     flags = lse_flags(base) | (_C.PDL if pdl else 0)
     shape = None
     if out is None or (out_lse is None and return_lse):
-        s, n = _shape(o, "o"), _shape(indptr, "indptr")
-        if len(s) != 3:
-            raise ValueError(f"o: expected 3 dimensions, got {len(s)} (shape {list(s)})")
-        if len(n) != 1 or n[0] < 1:
-            raise ValueError(f"indptr: expected shape [rows + 1] with rows >= 0, got {list(n)}")
-        shape = (n[0] - 1, s[1], s[2])
+        shape = varlen_shape(o, indptr)
     out, out_lse, out_view, lse_view = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o")
     if stream is None:
         stream = default_stream(o)
     _C.merge_varlen(out_view, lse_view, o, lse, indptr, flags, output_scale, stream)
-    _finish_jax(out, out_view, stream)
+    if out is not out_view:
+        _finish_jax(out, stream)
     return out, out_lse

@@ -177,8 +177,8 @@ def _host_overhead(torch):
     heads_first = [x.T for x in (out_lse, lse_a, lse_b)]  # vLLM's [heads, tokens] LSEs
     calls = {
         "attnmerge.merge (torch tensors)": lambda: attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse),
-        "compat.vllm.merge_attn_states (torch)": lambda: merge_attn_states(out, heads_first[0], o_a, heads_first[1],
-                                                                           o_b, heads_first[2]),
+        "compat.vllm.merge_attn_states (torch)": lambda: merge_attn_states(out, o_a, heads_first[1], o_b,
+                                                                           heads_first[2], heads_first[0]),
         "raw.merge (integer pointers)": lambda: raw.merge(
             tokens=t, heads=h, head_size=d, out=o_desc[0], out_lse=l_desc[0], o_a=o_desc[1], lse_a=l_desc[1],
             o_b=o_desc[2], lse_b=l_desc[2], device=device, stream=stream),

@@ -1,6 +1,6 @@
 """vLLM's merge_attn_states, signature and conventions kept: natural-log LSE laid out
 [heads, tokens], results written into `output` (and `output_lse` unless it is None)."""
-from .. import _C
+from .. import _C, _merge
 from .._arrays import default_stream
 from .._merge import a_tokens_arg
 from . import renamed
@@ -9,20 +9,31 @@ _NAMES = {"out": "output", "out_lse": "output_lse", "o_a": "prefix_output", "lse
           "o_b": "suffix_output", "lse_b": "suffix_lse", "a_tokens": "prefill_tokens_with_context"}
 
 
-def merge_attn_states(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse,
+def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
                       prefill_tokens_with_context=None, output_scale=None):
-    """output [tokens, heads, head_size] = merge of prefix and suffix states.
+    """output [tokens, heads, head_size] = merge of prefix and suffix states; returns None.
 
+    The order of vLLM's Python functions (vllm.v1.attention.ops.merge_attn_states,
+    vllm._custom_ops.merge_attn_states, the Triton op), positional or by keyword.
     prefix_output, suffix_output: [tokens, heads, head_size], float32, float16 or bfloat16.
     prefix_lse, suffix_lse, output_lse: float32 [heads, tokens], natural log; output_lse may be None.
-    prefill_tokens_with_context: rows at or past it take the suffix state unchanged.
+    prefill_tokens_with_context: rows at or past it take the suffix state alone, and prefix_*
+        need only that many tokens.  Unlike vLLM, such a row whose suffix is empty (LSE +-inf)
+        gets O = 0 and LSE = -inf, where vLLM copies the suffix (O as it is, LSE +inf).
     output_scale: with an FP8 (float8_e4m3fn) output, output = merged / output_scale, saturating;
         a one-element float32 tensor, read on the device (no host synchronization).
     Runs on the current PyTorch stream for torch tensors (else as attnmerge.merge).
     """
     try:
+        if _merge._takes is not None and _merge._takes(prefix_output, prefix_lse, suffix_output, suffix_lse):
+            # traced or differentiated: through torch.ops.attnmerge, the [heads, tokens] LSEs as views
+            _merge.merge(prefix_output, prefix_lse.T, suffix_output, suffix_lse.T, out=output,
+                         out_lse=None if output_lse is None else output_lse.T, return_lse=False,
+                         output_scale=output_scale, a_tokens=prefill_tokens_with_context)
+            return None
         a_tokens = a_tokens_arg(prefill_tokens_with_context, "prefill_tokens_with_context")
         _C.merge(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, _C.LSE_HEADS_FIRST,
                  a_tokens, output_scale, default_stream(suffix_output))
     except (ValueError, TypeError) as e:
         raise renamed(e, _NAMES) from None
+    return None

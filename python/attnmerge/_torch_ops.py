@@ -1,0 +1,276 @@
+"""torch.ops.attnmerge: the merge family as registered PyTorch operators, so that torch.compile,
+torch.export, fake tensors and autograd see it.  Imported only once torch is (attnmerge._torch_hook).
+
+Each public function has a functional overload returning new (out, out_lse) and a mutating one;
+arguments are named, shaped and typed as the public function's (the schemas are in _SCHEMAS, `(a!)`
+marking what an overload writes):
+    merge, merge.out                       two states; a_tokens as in attnmerge.merge
+    merge_inplace, merge_inplace.functional  (o, lse) <- merge, masked; the functional one leaves o, lse
+    merge_states, merge_states.out         S stacked states, states_axis 1 or 0
+    merge_varlen, merge_varlen.out         row r merges states indptr[r] .. indptr[r+1]-1
+LSEs are float32 [tokens, heads] in any strides, base "e" (natural log) or "2"; output_scale is a
+one-element float32 tensor.  The kernels (CPU and CUDA) are attnmerge's own and run on torch's
+current stream (the capture stream under CUDA graph capture).  Autograd: see _register_autograd.
+
+merge, merge_inplace, merge_states and merge_varlen at the end are what the public functions call
+while traced (`takes`): they map the public arguments onto the overloads.
+"""
+import torch
+
+from . import _C, _merge
+from ._arrays import default_stream, dtype_name
+
+_NS = "attnmerge"
+
+# The schemas: "(a!)" marks a tensor the op writes (so autograd, functionalization and the compilers
+# know), and the functional overloads return new tensors that alias no input.
+_OPTIONS = 'str base="e", bool pdl=False'
+_SCHEMAS = {
+    "merge": "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, *, ScalarType? out_dtype=None, "
+             f"Tensor? output_scale=None, SymInt? a_tokens=None, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
+    "merge.out": "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
+                 f"Tensor? output_scale=None, SymInt? a_tokens=None, {_OPTIONS}) -> ()",
+    "merge_inplace": f"(Tensor(a!) o, Tensor(b!) lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, *, "
+                     f"{_OPTIONS}) -> ()",
+    "merge_inplace.functional": f"(Tensor o, Tensor lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, *, "
+                                f"{_OPTIONS}) -> (Tensor o_merged, Tensor lse_merged)",
+    "merge_states": "(Tensor o, Tensor lse, *, ScalarType? out_dtype=None, Tensor? output_scale=None, "
+                    f"int states_axis=1, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
+    "merge_states.out": "(Tensor o, Tensor lse, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
+                        f"Tensor? output_scale=None, int states_axis=1, {_OPTIONS}) -> ()",
+    "merge_varlen": "(Tensor o, Tensor lse, Tensor indptr, *, ScalarType? out_dtype=None, "
+                    f"Tensor? output_scale=None, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
+    "merge_varlen.out": "(Tensor o, Tensor lse, Tensor indptr, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
+                        f"Tensor? output_scale=None, {_OPTIONS}) -> ()",
+}
+
+
+# ---- results: shapes, dtypes, devices (the fake implementations, and what the kernels allocate) ---
+
+def _new(like, shape, dtype):
+    """(out [tokens, heads, head_size] of dtype, out_lse float32 [tokens, heads]) where `like` lives."""
+    return (torch.empty(shape, dtype=dtype, device=like.device),
+            torch.empty(shape[:2], dtype=torch.float32, device=like.device))
+
+
+def _states_axis(states_axis):
+    if states_axis not in (0, 1):
+        raise ValueError(f"states_axis: expected 0 or 1, got {states_axis!r}")
+    return states_axis
+
+
+_RESULTS = {  # out_dtype None: that of the inputs, as in the public functions
+    "merge": lambda o_a, lse_a, o_b, lse_b, *, out_dtype=None, **_: _new(o_b, tuple(o_b.shape),
+                                                                         out_dtype or o_a.dtype),
+    "merge_states": lambda o, lse, *, out_dtype=None, states_axis=1, **_: _new(
+        o, _merge.states_shape(o, _states_axis(states_axis)), out_dtype or o.dtype),
+    "merge_varlen": lambda o, lse, indptr, *, out_dtype=None, **_: _new(o, _merge.varlen_shape(o, indptr),
+                                                                        out_dtype or o.dtype),
+    "merge_inplace.functional": lambda o, lse, *_, **__: (torch.empty_like(o), torch.empty_like(lse)),
+}
+
+
+def _fake_nothing(*args, **kwargs):  # the mutating overloads return nothing
+    return None
+
+
+# ---- kernels (CPU and CUDA: the library picks the device from the pointers) ------------------------
+
+def _flags(base, pdl):
+    if base not in ("e", "2"):
+        raise ValueError(f"base: expected 'e' or '2', got {base!r}")
+    return _merge.lse_flags(2 if base == "2" else "e") | (_C.PDL if pdl else 0)
+
+
+def _merge_out(o_a, lse_a, o_b, lse_b, *, out, out_lse=None, output_scale=None, a_tokens=None, base="e", pdl=False):
+    _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, _flags(base, pdl), _merge.a_tokens_arg(a_tokens), output_scale,
+             default_stream(o_b))
+
+
+def _merge_inplace(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
+    _C.merge_inplace(o, lse, o_other, lse_other, mask, _flags(base, pdl), default_stream(o))
+
+
+def _merge_inplace_functional(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
+    o, lse = o.clone(), lse.clone()  # the same strides as _RESULTS' empty_like
+    _merge_inplace(o, lse, o_other, lse_other, mask, base=base, pdl=pdl)
+    return o, lse
+
+
+def _merge_states_out(o, lse, *, out, out_lse=None, output_scale=None, states_axis=1, base="e", pdl=False):
+    _C.merge_states(out, out_lse, o, lse, _flags(base, pdl), _states_axis(states_axis) == 0, output_scale,
+                    default_stream(o))
+
+
+def _merge_varlen_out(o, lse, indptr, *, out, out_lse=None, output_scale=None, base="e", pdl=False):
+    _C.merge_varlen(out, out_lse, o, lse, indptr, _flags(base, pdl), output_scale, default_stream(o))
+
+
+def _functional(results, out_kernel):
+    """The functional kernel: the results allocated as the fake implementation says, then filled."""
+    def kernel(*args, out_dtype=None, **options):
+        out, out_lse = results(*args, out_dtype=out_dtype, **options)
+        out_kernel(*args, out=out, out_lse=out_lse, **options)
+        return out, out_lse
+
+    return kernel
+
+
+_KERNELS = {
+    "merge": _functional(_RESULTS["merge"], _merge_out), "merge.out": _merge_out,
+    "merge_inplace": _merge_inplace, "merge_inplace.functional": _merge_inplace_functional,
+    "merge_states": _functional(_RESULTS["merge_states"], _merge_states_out), "merge_states.out": _merge_states_out,
+    "merge_varlen": _functional(_RESULTS["merge_varlen"], _merge_varlen_out), "merge_varlen.out": _merge_varlen_out,
+}
+
+
+# ---- autograd -------------------------------------------------------------------------------------
+
+def _register_autograd(lib):
+    """The one place autograd attaches to the ops.  Until attnmerge has backward kernels, every op
+    refuses inputs that require grad (no silently missing gradient); when they land, the functional
+    overloads (merge, merge_inplace.functional, merge_states, merge_varlen) take
+    torch.library.register_autograd(...) here instead.  The out and in-place overloads stay
+    non-differentiable, as PyTorch's own out= ops are."""
+    for name in _SCHEMAS:
+        lib.impl(name, _refuse_grad(name), "Autograd", with_keyset=True)
+
+
+def _refuse_grad(name):
+    op = _overload(name)
+    arg_names = [a.name for a in op._schema.arguments]
+    mutated = [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    differentiable = not mutated
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        if torch.is_grad_enabled():
+            values = dict(zip(arg_names, args), **kwargs)
+            wanting = [k for k, v in values.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+            if wanting:
+                why = ("attnmerge has no backward for it yet" if differentiable
+                       else "it writes its results into given tensors, which autograd cannot differentiate")
+                raise NotImplementedError(
+                    f"{_NS}::{name}: {', '.join(wanting)} requires grad, but {why}; call it under torch.no_grad() "
+                    f"or on detached tensors")
+        with torch._C._AutoDispatchBelowAutograd():
+            result = op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+        if mutated:
+            values = dict(zip(arg_names, args), **kwargs)
+            for k in mutated:  # so autograd catches a saved tensor that the op overwrote
+                if values.get(k) is not None:
+                    torch.autograd.graph.increment_version(values[k])
+        return result
+
+    return autograd_kernel
+
+
+# ---- registration ---------------------------------------------------------------------------------
+
+def _overload(name):
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(getattr(torch.ops, _NS), packet), overload or "default")
+
+
+def _register():
+    lib = torch.library.Library(_NS, "DEF")
+    for name, schema in _SCHEMAS.items():
+        lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    for name, kernel in _KERNELS.items():
+        lib.impl(name, kernel, "CPU")
+        lib.impl(name, kernel, "CUDA")
+    for name in _SCHEMAS:
+        torch.library.register_fake(f"{_NS}::{name}", _RESULTS.get(name, _fake_nothing), lib=lib)
+    _register_autograd(lib)
+    return lib
+
+
+_LIB = _register()  # kept alive: the registrations last as long as the Library object
+
+
+# ---- what the public functions call while tracing -------------------------------------------------
+
+_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
+
+
+def takes(a, b, c, d):
+    """Whether a public call goes through torch.ops.attnmerge: while torch.compile or torch.export
+    traces it, and when autograd would record it (any of the arrays a..d, None allowed, requires
+    grad): the op then refuses it by name (or, once backward lands, differentiates it)."""
+    if _compiling():
+        return True
+    if not _grad_enabled():
+        return False
+    if type(a) is _Tensor:  # torch tensors throughout (None for c, d), the per-call case: no isinstance each
+        try:
+            return a.requires_grad or b.requires_grad or (c is not None and (c.requires_grad or d.requires_grad))
+        except AttributeError:  # mixed with another library's arrays
+            pass
+    # (not isinstance: torch.Tensor's metaclass makes it slow for other types)
+    return (getattr(a, "requires_grad", False) is True or getattr(b, "requires_grad", False) is True
+            or getattr(c, "requires_grad", False) is True or getattr(d, "requires_grad", False) is True)
+
+
+def _no_stream(stream):
+    if stream is not None:
+        raise ValueError(f"stream: expected None when traced by torch.compile or torch.export (the op runs on "
+                         f"torch's current stream; use torch.cuda.stream(...) to choose it), got {stream!r}")
+
+
+def _base(base):
+    _merge.lse_flags(base)  # the public function's check
+    return "e" if base == "e" else "2"
+
+
+def _scale(output_scale, like):
+    """A number becomes the one-element float32 tensor the ops take."""
+    if output_scale is None or isinstance(output_scale, torch.Tensor):
+        return output_scale
+    return torch.full((1,), float(output_scale), dtype=torch.float32, device=like.device)
+
+
+def _out_dtype(out_dtype):
+    if out_dtype is None or isinstance(out_dtype, torch.dtype):
+        return out_dtype
+    return getattr(torch, dtype_name(out_dtype, "out_dtype"))
+
+
+def _call(functional, out_variant, like, in_dtype_of, shape_of, names, out, out_lse, return_lse, out_dtype, *args,
+          **options):
+    """The functional overload when no output is given (the one autograd can attach to), else the
+    out= overload, any missing output allocated as the eager path allocates it."""
+    if out is None and out_lse is None:
+        res, res_lse = functional(*args, out_dtype=_out_dtype(out_dtype), **options)
+        return res, (res_lse if return_lse else None)
+    shape = shape_of() if out is None or (out_lse is None and return_lse) else None
+    out, out_lse, _, _ = _merge._outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, *names)
+    out_variant(*args, out=out, out_lse=out_lse, **options)
+    return out, out_lse
+
+
+def merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base, a_tokens, stream, pdl):
+    _no_stream(stream)
+    return _call(torch.ops.attnmerge.merge.default, torch.ops.attnmerge.merge.out, o_b, o_a, lambda: tuple(o_b.shape),
+                 ("o_b", "o_a"), out, out_lse, return_lse, out_dtype, o_a, lse_a, o_b, lse_b,
+                 output_scale=_scale(output_scale, o_b), a_tokens=a_tokens, base=_base(base), pdl=pdl)
+
+
+def merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl):
+    _no_stream(stream)
+    torch.ops.attnmerge.merge_inplace.default(o, lse, o_other, lse_other, mask, base=_base(base), pdl=pdl)
+    return o, lse
+
+
+def merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, states_axis, stream, pdl):
+    _no_stream(stream)
+    return _call(torch.ops.attnmerge.merge_states.default, torch.ops.attnmerge.merge_states.out, o, o,
+                 lambda: _merge.states_shape(o, states_axis), ("o", "o"), out, out_lse, return_lse, out_dtype, o, lse,
+                 output_scale=_scale(output_scale, o), states_axis=states_axis, base=_base(base), pdl=pdl)
+
+
+def merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, stream, pdl):
+    _no_stream(stream)
+    return _call(torch.ops.attnmerge.merge_varlen.default, torch.ops.attnmerge.merge_varlen.out, o, o,
+                 lambda: _merge.varlen_shape(o, indptr), ("o", "o"), out, out_lse, return_lse, out_dtype, o, lse,
+                 indptr, output_scale=_scale(output_scale, o), base=_base(base), pdl=pdl)
