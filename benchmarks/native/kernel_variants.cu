@@ -87,6 +87,7 @@ void tiles(int64_t tokens, int64_t heads, int64_t head_size, int sms, cudaStream
   // Both orders into set 1's outputs and set 0's, from set 0's inputs: the same bytes?
   run(sets[0], sets[0].out, sets[0].out_lse, false);
   run(sets[0], sets[1].out, sets[1].out_lse, true);
+  check_cuda(cudaStreamSynchronize(stream), "merge");  // cudaMemcpy does not wait for a non-blocking stream
   std::vector<char> a(o_bytes + lse_bytes), b(o_bytes + lse_bytes);
   check_cuda(cudaMemcpy(a.data(), sets[0].out, o_bytes, cudaMemcpyDeviceToHost), "copy");
   check_cuda(cudaMemcpy(a.data() + o_bytes, sets[0].out_lse, lse_bytes, cudaMemcpyDeviceToHost), "copy");

@@ -115,7 +115,15 @@ void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
   // Outputs against kRows' on set 0.
   std::vector<uint16_t> ref_o(out_elems), o(out_elems);
   std::vector<float> ref_l(tokens * kHeads), l(tokens * kHeads);
-  launch_one(rows, sets[0]);
+  // Outputs poisoned (0xff: NaN) before each launch, and the stream waited for before each copy:
+  // cudaMemcpy does not wait for a non-blocking stream.
+  const auto run_into_set0 = [&](const LaunchPlan& plan) {
+    check_cuda(cudaMemsetAsync(sets[0].out, 0xff, out_elems * 2, stream), "poison");
+    check_cuda(cudaMemsetAsync(sets[0].out_lse, 0xff, tokens * kHeads * 4, stream), "poison");
+    launch_one(plan, sets[0]);
+    check_cuda(cudaStreamSynchronize(stream), "merge");
+  };
+  run_into_set0(rows);
   check_cuda(cudaMemcpy(ref_o.data(), sets[0].out, out_elems * 2, cudaMemcpyDeviceToHost), "copy");
   check_cuda(cudaMemcpy(ref_l.data(), sets[0].out_lse, ref_l.size() * 4, cudaMemcpyDeviceToHost), "copy");
   std::printf("S=%-4lld %5lld tok %-9s %8.1f MB | plan %s", static_cast<long long>(states), static_cast<long long>(tokens),
@@ -123,7 +131,7 @@ void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
               library.strategy == Strategy::kStates ? ("G" + std::to_string(library.groups)).c_str() : "rows");
   const int calls = bytes > (int64_t{256} << 20) ? 10 : 50;
   for (Variant& v : vs) {
-    launch_one(v.plan, sets[0]);
+    run_into_set0(v.plan);
     check_cuda(cudaMemcpy(o.data(), sets[0].out, out_elems * 2, cudaMemcpyDeviceToHost), "copy");
     check_cuda(cudaMemcpy(l.data(), sets[0].out_lse, l.size() * 4, cudaMemcpyDeviceToHost), "copy");
     double d_o = 0, d_l = 0;
