@@ -1,6 +1,8 @@
-"""attnmerge.jax: the merges as XLA FFI custom calls under jax.jit, on the CPU and, on a GPU machine,
-on the GPU; checked against the float64 oracle.  Skipped where JAX is not installed."""
+"""attnmerge.jax: the merges as XLA FFI custom calls under jax.jit and jax.vmap, on the CPU and, on a
+GPU machine, on the GPU; checked against the float64 oracle.  Skipped where JAX is not installed."""
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
@@ -11,9 +13,12 @@ from oracle import (
     np_dtype,
     random_lse,
     random_o,
+    assert_fp8_close,
+    assert_lse_close,
     random_state,
     reference_merge,
     reference_merge_stacked,
+    reference_merge_varlen,
 )
 
 jax = pytest.importorskip("jax")
@@ -96,3 +101,110 @@ def test_a_bad_argument_is_named_when_the_call_runs(rng, dev):
         amj.merge(o, lse, o, lse, base=10)
     with pytest.raises(ValueError, match="^o: expected 4 dimensions"):
         amj.merge_states(o, lse)
+
+
+def ffi_calls(f, *args):
+    """The attnmerge custom calls in f's jaxpr, and whether it loops (a sequential vmap)."""
+    text = str(jax.make_jaxpr(f)(*args))
+    return text.count("attnmerge_"), "while[" in text or "scan[" in text
+
+
+def test_options_are_static_inside_a_jitted_function_and_refused_when_traced(rng, dev):
+    h = [put(x, dev) for x in random_state(rng, 6, 2, 32, "bfloat16") + random_state(rng, 6, 2, 32, "bfloat16")]
+    f = jax.jit(functools.partial(amj.merge, base=2, out_dtype=jnp.float32))
+    out, out_lse = f(*h)
+    assert out.dtype == np.float32
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), reference_merge(*map(np.asarray, h), base=2), "float32")
+    with pytest.raises(TypeError, match="^base: expected a Python value"):
+        jax.jit(amj.merge)(*h, base=2)
+    with pytest.raises(TypeError, match="^a_tokens: expected a Python value"):
+        jax.jit(amj.merge)(*h, a_tokens=3)
+
+
+@pytest.mark.parametrize("in_axes", [(0, 0, 0, 0), (0, 0, None, None)])
+def test_vmap_of_merge_is_one_call_over_the_batch(rng, dev, in_axes):
+    batch = 3
+    h = random_state(rng, 5, 4, 24) + random_state(rng, 5, 4, 24)
+    args = [np.stack([x * (i + 1) if x.ndim == 3 else x - i for i in range(batch)]) if ax == 0 else x
+            for x, ax in zip(h, in_axes)]
+    f = jax.vmap(amj.merge, in_axes=in_axes)
+    assert ffi_calls(f, *args) == (1, False)
+    out, out_lse = f(*[put(x, dev) for x in args])
+    for i in range(batch):
+        one = [x[i] if ax == 0 else x for x, ax in zip(args, in_axes)]
+        assert_merge_matches(np.asarray(out[i]), np.asarray(out_lse[i]), reference_merge(*one), "float32")
+
+
+def test_vmap_of_merge_states_is_one_call_and_of_varlen_a_loop(rng, dev):
+    o, lse = random_o(rng, (2, 7, 3, 2, 16), "float16"), random_lse(rng, (2, 7, 3, 2))
+    f = jax.vmap(amj.merge_states)
+    assert ffi_calls(f, o, lse) == (1, False)
+    out, out_lse = f(put(o, dev), put(lse, dev))
+    for i in range(2):
+        assert_merge_matches(np.asarray(out[i]), np.asarray(out_lse[i]), reference_merge_stacked(o[i], lse[i]),
+                             "float16")
+    ov, lv = random_o(rng, (2, 9, 2, 16)), random_lse(rng, (2, 9, 2))
+    indptr = np.array([[0, 3, 3, 9], [0, 1, 5, 9]], dtype=np.int32)
+    g = jax.vmap(amj.merge_varlen)
+    assert ffi_calls(g, ov, lv, indptr)[1]  # per-example indptr: once per element
+    out, out_lse = g(put(ov, dev), put(lv, dev), put(indptr, dev))
+    for i in range(2):
+        ref = reference_merge_varlen(ov[i], lv[i], indptr[i])
+        assert_merge_matches(np.asarray(out[i]), np.asarray(out_lse[i]), ref, "float32")
+
+
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_merge_varlen_under_jit(rng, dev, index_dtype):
+    counts = np.array([0, 1, 4, 0, 9, 2])
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(index_dtype)
+    o, lse = random_o(rng, (int(indptr[-1]), 3, 40), "bfloat16"), random_lse(rng, (int(indptr[-1]), 3))
+    lse[5] = -np.inf  # an empty part inside a row
+    out, out_lse = jax.jit(functools.partial(amj.merge_varlen, out_dtype=jnp.float32))(
+        put(o, dev), put(lse, dev), put(indptr, dev))
+    assert out.shape == (6, 3, 40) and out.dtype == np.float32
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), reference_merge_varlen(o, lse, indptr), "float32")
+
+
+def test_merge_with_a_tokens(rng, dev):
+    o_b, lse_b = random_state(rng, 9, 2, 32)
+    o_a, lse_a = random_state(rng, 4, 2, 32)  # a has only its first 4 tokens
+    out, out_lse = jax.jit(functools.partial(amj.merge, a_tokens=4))(*[put(x, dev) for x in (o_a, lse_a, o_b, lse_b)])
+    ref = reference_merge(o_a, lse_a, o_b, lse_b, a_tokens=4)
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), ref, "float32")
+
+
+@pytest.mark.parametrize("scale", [0.25, "array"])
+def test_fp8_outputs_with_an_output_scale(rng, dev, scale):
+    h = random_state(rng, 7, 3, 32) + random_state(rng, 7, 3, 32)
+    value = 0.25
+    arg = put(np.array([value], dtype=np.float32), dev) if scale == "array" else value
+    f = jax.jit(lambda *x: amj.merge(*x, out_dtype=jnp.float8_e4m3fn, output_scale=arg))
+    out, out_lse = f(*[put(x, dev) for x in h])
+    ref_o, ref_lse = reference_merge(*h)
+    assert_fp8_close(np.asarray(out), ref_o, value)
+    assert_lse_close(np.asarray(out_lse), ref_lse)
+    o, lse = random_o(rng, (7, 5, 3, 32)), random_lse(rng, (7, 5, 3))
+    out, _ = amj.merge_states(put(o, dev), put(lse, dev), out_dtype=jnp.float8_e4m3fn, output_scale=arg)
+    assert_fp8_close(np.asarray(out), reference_merge_stacked(o, lse)[0], value)
+
+
+def test_the_all_gather_layout(rng, dev):
+    o, lse = random_o(rng, (4, 6, 2, 16)), random_lse(rng, (4, 6, 2))  # [S, tokens, ...]
+    out, out_lse = amj.merge_states(put(o, dev), put(lse, dev), states_axis=0)
+    ref = reference_merge_stacked(o, lse, states_axis=0)
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), ref, "float32")
+
+
+def test_shapes_are_checked_when_traced(rng):
+    o, lse = random_state(rng, 5, 3, 16)
+    spec = jax.ShapeDtypeStruct
+    cases = [
+        (amj.merge, (o, lse, o, lse[:4]), "^lse_b: expected shape \\[5, 3\\]"),
+        (amj.merge, (o[:, :2], lse, o, lse), "^o_a: expected shape \\[5 or more, 3, 16\\]"),
+        (amj.merge, (o, lse, o[0], lse), "^o_b: expected 3 dimensions"),
+        (amj.merge_states, (o[:, None], lse[:, :1]), "^lse: expected shape \\[5, 1, 3\\]"),
+        (amj.merge_varlen, (o, lse, np.zeros((2, 2), np.int32)), "^indptr: expected 1 dimensions"),
+    ]
+    for f, args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            jax.eval_shape(f, *[spec(np.shape(x), x.dtype) for x in args])

@@ -1,13 +1,24 @@
 """attnmerge for JAX: the merges as XLA FFI custom calls (``jax.ffi``), traceable and usable under
-``jax.jit``, on the GPU (on the stream XLA gives the call) and on the CPU.
+``jax.jit`` and ``jax.vmap``, on the GPU (on the stream XLA gives the call) and on the CPU.
 
     import jax, attnmerge.jax
     out, out_lse = jax.jit(attnmerge.jax.merge)(o_a, lse_a, o_b, lse_b)
+    f = jax.jit(lambda *s: attnmerge.jax.merge(*s, base=2, out_dtype=jnp.float32))
 
-Importing this module registers the FFI targets ``attnmerge_merge`` and ``attnmerge_merge_states``
-for the CUDA and CPU platforms.  Arguments are checked by libattnmerge when the call runs (under
-``jax.jit``: when the compiled function runs); its message, naming the argument, comes back in
-the error XLA raises.  Under ``jax.vmap`` the call runs once per batch element.
+Importing this module registers the FFI targets ``attnmerge_merge``, ``attnmerge_merge_states`` and
+``attnmerge_merge_varlen`` for the CUDA and CPU platforms.
+
+Options (``base``, ``out_dtype``, ``a_tokens``, ``states_axis``, a float ``output_scale``) are static:
+Python values, fixed when the function is traced, so a jitted function passes them itself (as
+above, or with ``functools.partial``), and needs no ``static_argnames``.  A traced option is refused
+with a TypeError.  ``output_scale`` may also be a float32 JAX array of one element (read on the
+device, traced like any input).
+
+Shapes are checked when the call is traced (a ValueError naming the argument); everything else
+(dtypes, values) by libattnmerge when the call runs, whose message, naming the argument, comes back
+in the error XLA raises.  Under ``jax.vmap`` merge and merge_states are one call over the flattened
+batch; merge with ``a_tokens``, with an array ``output_scale``, and merge_varlen run once per batch
+element.
 """
 from __future__ import annotations
 
@@ -16,12 +27,14 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._merge import lse_flags
 
-__all__ = ["merge", "merge_states"]
+__all__ = ["merge", "merge_states", "merge_varlen"]
 
 _LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "libattnmerge_xla.so")
+_OPS = ("merge", "merge_states", "merge_varlen")
 
 
 def _register():
@@ -31,7 +44,7 @@ def _register():
             "(jaxlib was not installed at build time)"
         )
     lib = ctypes.CDLL(_LIB)
-    for op in ("merge", "merge_states"):
+    for op in _OPS:
         for platform, suffix in (("CUDA", "cuda"), ("cpu", "host")):
             handler = getattr(lib, f"attnmerge_xla_{op}_{suffix}")
             jax.ffi.register_ffi_target(f"attnmerge_{op}", jax.ffi.pycapsule(handler), platform=platform)
@@ -41,41 +54,116 @@ def _register():
 _lib = _register()
 
 
-def _base2(base) -> bool:
-    return lse_flags(base) != 0  # raises ValueError naming `base`
+def _static(name, value):
+    """`value` of the option `name`, refused when traced."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{name}: expected a Python value (a static option, fixed when the function is traced), got "
+                        f"a traced value: pass it from inside the jitted function or with functools.partial")
+    return value
+
+
+def _shape(x):
+    return list(jnp.shape(x))
+
+
+def _expect(name, x, shape, what):
+    if _shape(x) != list(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)} ({what}), got {_shape(x)}")
+
+
+def _expect_ndim(name, x, ndim, what):
+    if jnp.ndim(x) != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions ({what}), got {jnp.ndim(x)} (shape {_shape(x)})")
+
+
+def _call(op, outs, operands, *, base, output_scale, a_tokens=None, vectorized=True):
+    """The FFI call of `op` with the options as attributes; output_scale as a number or, for an
+    array, as the last operand."""
+    base2 = lse_flags(_static("base", base)) != 0  # raises ValueError naming `base`
+    scale_in_buffer = output_scale is not None and not isinstance(output_scale, (int, float, np.number))
+    if scale_in_buffer:
+        scale = jnp.reshape(jnp.asarray(output_scale, dtype=jnp.float32), (1,))
+        number = 0.0
+    else:
+        scale = jnp.ones((1,), jnp.float32)  # unread
+        number = 0.0 if output_scale is None else float(output_scale)
+    a = -1 if a_tokens is None else int(_static("a_tokens", a_tokens))
+    # One call over a flattened batch: every operand is broadcast to the batch (the handler folds
+    # leading dimensions into tokens), which per-example a_tokens, indptr or scale would break.
+    method = "broadcast_all" if vectorized and a < 0 and not scale_in_buffer else "sequential"
+    call = jax.ffi.ffi_call(f"attnmerge_{op}", outs, vmap_method=method)
+    return call(*operands, scale, base2=base2, a_tokens=np.int64(a), output_scale=np.float32(number),
+                scale_in_buffer=scale_in_buffer)
 
 
 def _out_dtype(out_dtype, like):
-    return like.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    return like.dtype if _static("out_dtype", out_dtype) is None else jnp.dtype(out_dtype)
 
 
-def merge(o_a, lse_a, o_b, lse_b, *, base="e", out_dtype=None):
+def _results(tokens, heads, head_size, dtype):
+    return (jax.ShapeDtypeStruct((tokens, heads, head_size), dtype), jax.ShapeDtypeStruct((tokens, heads), jnp.float32))
+
+
+def merge(o_a, lse_a, o_b, lse_b, *, base="e", out_dtype=None, a_tokens=None, output_scale=None):
     """Merge two attention states: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
 
     o_a, o_b: [tokens, heads, head_size] float32, float16 or bfloat16 (one dtype).
     lse_a, lse_b: float32 [tokens, heads], natural log (base="e") or base 2 (base=2).
-    out_dtype: the dtype of out (default that of o_b): float32, float16, bfloat16 or
-        float8_e4m3fn (unscaled).
+    out_dtype: the dtype of out (default that of o_b): float32, float16, bfloat16 or float8_e4m3fn.
+    a_tokens: only the first a_tokens tokens merge a with b (o_a, lse_a then need only a_tokens
+        tokens); the others take b alone (vLLM's prefill_tokens_with_context).
+    output_scale: FP8 outputs store value / output_scale: a float or a float32 array of one element.
     Returns (out [tokens, heads, head_size], out_lse float32 [tokens, heads], in the input's base).
     """
-    out = jax.ShapeDtypeStruct(jnp.shape(o_b), _out_dtype(out_dtype, o_b))
-    out_lse = jax.ShapeDtypeStruct(jnp.shape(lse_b), jnp.float32)
-    call = jax.ffi.ffi_call("attnmerge_merge", (out, out_lse), vmap_method="sequential")
-    return call(o_a, lse_a, o_b, lse_b, base2=_base2(base))
+    _expect_ndim("o_b", o_b, 3, "tokens, heads, head_size")
+    tokens, heads, head_size = _shape(o_b)
+    a = tokens if a_tokens is None else int(_static("a_tokens", a_tokens))
+    _expect("lse_b", lse_b, (tokens, heads), "tokens, heads of o_b")
+    _expect_ndim("o_a", o_a, 3, "tokens, heads, head_size")
+    if _shape(o_a)[0] < a or _shape(o_a)[1:] != [heads, head_size]:
+        raise ValueError(f"o_a: expected shape [{a} or more, {heads}, {head_size}] (tokens, heads, head_size of o_b), "
+                         f"got {_shape(o_a)}")
+    _expect("lse_a", lse_a, _shape(o_a)[:2], "tokens, heads of o_a")
+    outs = _results(tokens, heads, head_size, _out_dtype(out_dtype, o_b))
+    return _call("merge", outs, (o_a, lse_a, o_b, lse_b), base=base, output_scale=output_scale, a_tokens=a_tokens)
 
 
-def merge_states(o, lse, *, base="e", out_dtype=None):
+def merge_states(o, lse, *, base="e", out_dtype=None, output_scale=None, states_axis=1):
     """Merge S states in one pass, each input read once.
 
     o: [tokens, S, heads, head_size] float32, float16 or bfloat16; lse: float32 [tokens, S, heads]
-    (FlashInfer's layout; an all-gather's [S, tokens, ...] is ``jnp.swapaxes(x, 0, 1)`` of it).
+    (FlashInfer's layout); with states_axis=0, [S, tokens, heads, head_size] and [S, tokens, heads]
+    (an all-gather's).  Base, out_dtype and output_scale as in merge.
     Returns (out [tokens, heads, head_size], out_lse float32 [tokens, heads]); S = 0 gives O = 0 and
     LSE = -inf.
     """
-    shape = jnp.shape(o)
-    if len(shape) != 4:
-        raise ValueError(f"o: expected 4 dimensions, got {len(shape)} (shape {list(shape)})")
-    out = jax.ShapeDtypeStruct((shape[0], shape[2], shape[3]), _out_dtype(out_dtype, o))
-    out_lse = jax.ShapeDtypeStruct((shape[0], shape[2]), jnp.float32)
-    call = jax.ffi.ffi_call("attnmerge_merge_states", (out, out_lse), vmap_method="sequential")
-    return call(o, lse, base2=_base2(base))
+    axis = _static("states_axis", states_axis)
+    if axis not in (0, 1):
+        raise ValueError(f"states_axis: expected 0 or 1, got {axis!r}")
+    _expect_ndim("o", o, 4, "tokens, S, heads, head_size" if axis == 1 else "S, tokens, heads, head_size")
+    _expect("lse", lse, _shape(o)[:3], "the first three of o")
+    if axis == 0:  # XLA lays the transpose out for the call
+        o, lse = jnp.swapaxes(o, 0, 1), jnp.swapaxes(lse, 0, 1)
+    tokens, _, heads, head_size = _shape(o)
+    outs = _results(tokens, heads, head_size, _out_dtype(out_dtype, o))
+    return _call("merge_states", outs, (o, lse), base=base, output_scale=output_scale)
+
+
+def merge_varlen(o, lse, indptr, *, base="e", out_dtype=None, output_scale=None):
+    """Row r merges states indptr[r] .. indptr[r + 1] - 1 of a flat list.
+
+    o: [total, heads, head_size] float32, float16 or bfloat16; lse: float32 [total, heads];
+    indptr: int32 or int64 [rows + 1].  A row with no states gets O = 0, LSE = -inf; on the GPU bad
+    bounds are clamped into [0, total] (attnmerge.merge_varlen says how).  Base, out_dtype and
+    output_scale as in merge.
+    Returns (out [rows, heads, head_size], out_lse float32 [rows, heads]).
+    """
+    _expect_ndim("o", o, 3, "total, heads, head_size")
+    _expect("lse", lse, _shape(o)[:2], "total, heads of o")
+    _expect_ndim("indptr", indptr, 1, "rows + 1")
+    rows = _shape(indptr)[0] - 1
+    if rows < 0:
+        raise ValueError("indptr: expected rows + 1 >= 1 elements, got 0")
+    _, heads, head_size = _shape(o)
+    outs = _results(rows, heads, head_size, _out_dtype(out_dtype, o))
+    return _call("merge_varlen", outs, (o, lse, indptr), base=base, output_scale=output_scale, vectorized=False)

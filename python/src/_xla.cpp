@@ -23,25 +23,32 @@ int32_t dtype_of(ffi::DataType t) {
   }
 }
 
-// A dense row-major XLA buffer as a tensor on `device`.
-attnmerge_tensor tensor(const ffi::AnyBuffer& b, int32_t device) {
+// A dense row-major XLA buffer as a tensor on `device`, of `rank` dimensions: leading dimensions
+// beyond them are folded into the first (tokens), so that a batch of calls under jax.vmap is one
+// call over the flattened batch.
+attnmerge_tensor tensor(const ffi::AnyBuffer& b, int32_t device, int rank) {
   attnmerge_tensor t = {};
   const auto dims = b.dimensions();
   t.data = b.untyped_data();
-  t.ndim = static_cast<int32_t>(dims.size());
   t.dtype = dtype_of(b.element_type());
   t.device = device;
   t.flags = ATTNMERGE_DEVICE_KNOWN;  // XLA's own buffers on XLA's device
-  if (dims.size() > ATTNMERGE_MAX_NDIM) {
-    t.ndim = static_cast<int32_t>(dims.size());  // refused by the C ABI as the wrong ndim
+  const int ndim = static_cast<int>(dims.size());
+  if (ndim < rank || rank > ATTNMERGE_MAX_NDIM) {
+    t.ndim = ndim;  // refused by the C ABI as the wrong ndim
     return t;
   }
+  t.ndim = rank;
   int64_t stride = 1;
-  for (int i = static_cast<int>(dims.size()) - 1; i >= 0; --i) {
-    t.shape[i] = dims[i];
+  for (int i = rank - 1; i >= 1; --i) {
+    t.shape[i] = dims[ndim - rank + i];
     t.strides[i] = stride;
-    stride *= dims[i];
+    stride *= t.shape[i];
   }
+  int64_t first = 1;
+  for (int i = 0; i <= ndim - rank; ++i) first *= dims[i];
+  t.shape[0] = first;
+  t.strides[0] = stride;
   return t;
 }
 
@@ -52,44 +59,80 @@ ffi::Error result(attnmerge_status status) {
                                                                              : ffi::Error::InvalidArgument(message);
 }
 
-attnmerge_options options(bool base2) {
+// The options of a call: the LSE base, a_tokens (< 0: none), and the output scale as a number
+// (0: none) or, with scale_in_buffer, the float32 of the `scale` buffer (on the op's device).
+attnmerge_options options(bool base2, int64_t a_tokens, float output_scale, bool scale_in_buffer,
+                          const ffi::AnyBuffer& scale) {
   attnmerge_options opt = {};
   opt.flags = base2 ? ATTNMERGE_LSE_BASE2 : 0u;
+  if (a_tokens >= 0) {
+    opt.flags |= ATTNMERGE_A_TOKENS;
+    opt.a_tokens = a_tokens;
+  }
+  opt.output_scale = output_scale;
+  if (scale_in_buffer) opt.output_scale_ptr = static_cast<const float*>(scale.untyped_data());
   return opt;
 }
 
 ffi::Error merge(void* stream, int32_t device, ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a, ffi::AnyBuffer o_b,
-                 ffi::AnyBuffer lse_b, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
-                 bool base2) {
-  const attnmerge_tensor t_out = tensor(*out, device), t_out_lse = tensor(*out_lse, device);
-  const attnmerge_tensor t_oa = tensor(o_a, device), t_la = tensor(lse_a, device);
-  const attnmerge_tensor t_ob = tensor(o_b, device), t_lb = tensor(lse_b, device);
-  const attnmerge_options opt = options(base2);
+                 ffi::AnyBuffer lse_b, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
+                 ffi::Result<ffi::AnyBuffer> out_lse, bool base2, int64_t a_tokens, float output_scale,
+                 bool scale_in_buffer) {
+  const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
+  const attnmerge_tensor t_oa = tensor(o_a, device, 3), t_la = tensor(lse_a, device, 2);
+  const attnmerge_tensor t_ob = tensor(o_b, device, 3), t_lb = tensor(lse_b, device, 2);
+  const attnmerge_options opt = options(base2, a_tokens, output_scale, scale_in_buffer, scale);
   return result(attnmerge_merge(&t_out, &t_out_lse, &t_oa, &t_la, &t_ob, &t_lb, &opt, stream));
 }
 
-ffi::Error merge_states(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse,
-                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse, bool base2) {
-  const attnmerge_tensor t_out = tensor(*out, device), t_out_lse = tensor(*out_lse, device);
-  const attnmerge_tensor t_o = tensor(o, device), t_l = tensor(lse, device);
-  const attnmerge_options opt = options(base2);
+ffi::Error merge_states(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer scale,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse, bool base2,
+                        int64_t a_tokens, float output_scale, bool scale_in_buffer) {
+  const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
+  const attnmerge_tensor t_o = tensor(o, device, 4), t_l = tensor(lse, device, 3);
+  const attnmerge_options opt = options(base2, a_tokens, output_scale, scale_in_buffer, scale);
   return result(attnmerge_merge_states(&t_out, &t_out_lse, &t_o, &t_l, &opt, stream));
 }
 
+ffi::Error merge_varlen(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer indptr,
+                        ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
+                        bool base2, int64_t a_tokens, float output_scale, bool scale_in_buffer) {
+  attnmerge_tensor t_indptr = tensor(indptr, device, 1);
+  switch (indptr.element_type()) {
+    case ffi::DataType::S32: t_indptr.dtype = ATTNMERGE_INT32; break;
+    case ffi::DataType::S64: t_indptr.dtype = ATTNMERGE_INT64; break;
+    default: break;  // -1: refused by the C ABI, naming indptr
+  }
+  const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
+  const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 2);
+  const attnmerge_options opt = options(base2, a_tokens, output_scale, scale_in_buffer, scale);
+  return result(attnmerge_merge_varlen(&t_out, &t_out_lse, &t_o, &t_l, &t_indptr, &opt, stream));
+}
+
+// The host handlers: the same, on the CPU (no stream, device ATTNMERGE_HOST).
 ffi::Error merge_host(ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a, ffi::AnyBuffer o_b, ffi::AnyBuffer lse_b,
-                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse, bool base2) {
-  return merge(nullptr, ATTNMERGE_HOST, o_a, lse_a, o_b, lse_b, out, out_lse, base2);
+                      ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
+                      bool base2, int64_t a_tokens, float output_scale, bool scale_in_buffer) {
+  return merge(nullptr, ATTNMERGE_HOST, o_a, lse_a, o_b, lse_b, scale, out, out_lse, base2, a_tokens, output_scale,
+               scale_in_buffer);
 }
 
-ffi::Error merge_states_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::Result<ffi::AnyBuffer> out,
-                             ffi::Result<ffi::AnyBuffer> out_lse, bool base2) {
-  return merge_states(nullptr, ATTNMERGE_HOST, o, lse, out, out_lse, base2);
+ffi::Error merge_states_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer scale,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse, bool base2,
+                             int64_t a_tokens, float output_scale, bool scale_in_buffer) {
+  return merge_states(nullptr, ATTNMERGE_HOST, o, lse, scale, out, out_lse, base2, a_tokens, output_scale,
+                      scale_in_buffer);
 }
 
-// The bindings: the CUDA handlers take XLA's stream and device ordinal first; then `inputs`
-// buffers, the two results (out, out_lse) and the base attribute.
-// The bindings: CUDA handlers take XLA's stream and device ordinal first; then the input buffers,
-// the two results (out, out_lse) and the LSE base attribute.
+ffi::Error merge_varlen_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer indptr, ffi::AnyBuffer scale,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse, bool base2,
+                             int64_t a_tokens, float output_scale, bool scale_in_buffer) {
+  return merge_varlen(nullptr, ATTNMERGE_HOST, o, lse, indptr, scale, out, out_lse, base2, a_tokens, output_scale,
+                      scale_in_buffer);
+}
+
+// The bindings: CUDA handlers take XLA's stream and device ordinal first; then the input
+// buffers (the op's, then `scale`), the two results (out, out_lse) and the attributes.
 auto on_cuda() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<void*>>().Ctx<ffi::DeviceOrdinal>(); }
 
 auto on_host() { return ffi::Ffi::Bind(); }
@@ -97,8 +140,13 @@ auto on_host() { return ffi::Ffi::Bind(); }
 template <int kInputs, typename Binding>
 auto with_buffers(Binding binding) {
   if constexpr (kInputs == 0) {
-    return std::move(binding).template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>().template Attr<bool>(
-        "base2");
+    return std::move(binding)
+        .template Ret<ffi::AnyBuffer>()
+        .template Ret<ffi::AnyBuffer>()
+        .template Attr<bool>("base2")
+        .template Attr<int64_t>("a_tokens")
+        .template Attr<float>("output_scale")
+        .template Attr<bool>("scale_in_buffer");
   } else {
     return with_buffers<kInputs - 1>(std::move(binding).template Arg<ffi::AnyBuffer>());
   }
@@ -107,7 +155,9 @@ auto with_buffers(Binding binding) {
 }  // namespace
 
 // The handlers, exported with C linkage for attnmerge.jax to wrap in capsules (jax.ffi.pycapsule).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_cuda, merge, with_buffers<4>(on_cuda()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_host, merge_host, with_buffers<4>(on_host()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_cuda, merge_states, with_buffers<2>(on_cuda()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_host, merge_states_host, with_buffers<2>(on_host()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_cuda, merge, with_buffers<5>(on_cuda()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_host, merge_host, with_buffers<5>(on_host()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_cuda, merge_states, with_buffers<3>(on_cuda()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_host, merge_states_host, with_buffers<3>(on_host()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_cuda, merge_varlen, with_buffers<4>(on_cuda()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_host, merge_varlen_host, with_buffers<4>(on_host()));
