@@ -13,24 +13,23 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from . import _XLA_HOW, _XLA_LIB
 from ._merge import lse_flags
+from ._types import Base
 
 __all__ = ["merge", "merge_states"]
 
-_LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "libattnmerge_xla.so")
-
 
 def _register():
-    if not os.path.exists(_LIB):
-        raise ImportError(
-            f"attnmerge.jax: {_LIB} is missing: this attnmerge was built without XLA's FFI headers "
-            "(jaxlib was not installed at build time)"
-        )
-    lib = ctypes.CDLL(_LIB)
+    if not os.path.exists(_XLA_LIB):
+        raise ImportError(f"attnmerge.jax: this attnmerge was built without the JAX extension ({_XLA_LIB} "
+                          f"is missing); to get it, {_XLA_HOW}")
+    lib = ctypes.CDLL(_XLA_LIB)
     for op in ("merge", "merge_states"):
         for platform, suffix in (("CUDA", "cuda"), ("cpu", "host")):
             handler = getattr(lib, f"attnmerge_xla_{op}_{suffix}")
@@ -41,7 +40,7 @@ def _register():
 _lib = _register()
 
 
-def _base2(base) -> bool:
+def _base2(base: Base) -> bool:
     return lse_flags(base) != 0  # raises ValueError naming `base`
 
 
@@ -49,7 +48,8 @@ def _out_dtype(out_dtype, like):
     return like.dtype if out_dtype is None else jnp.dtype(out_dtype)
 
 
-def merge(o_a, lse_a, o_b, lse_b, *, base="e", out_dtype=None):
+def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *, base: Base = "e",
+          out_dtype: Any = None) -> tuple[jax.Array, jax.Array]:
     """Merge two attention states: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
 
     o_a, o_b: [tokens, heads, head_size] float32, float16 or bfloat16 (one dtype).
@@ -64,7 +64,7 @@ def merge(o_a, lse_a, o_b, lse_b, *, base="e", out_dtype=None):
     return call(o_a, lse_a, o_b, lse_b, base2=_base2(base))
 
 
-def merge_states(o, lse, *, base="e", out_dtype=None):
+def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_dtype: Any = None) -> tuple[jax.Array, jax.Array]:
     """Merge S states in one pass, each input read once.
 
     o: [tokens, S, heads, head_size] float32, float16 or bfloat16; lse: float32 [tokens, S, heads]
