@@ -585,7 +585,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("a_tokens"), py::arg("device"), py::arg("stream"), py::arg("device_known"));
   m.def("stream_synchronize", [](int device, uintptr_t stream) {
     call_library([&] { return attnmerge_stream_synchronize(device, reinterpret_cast<void*>(stream)); });
-  });
+  }, py::arg("device"), py::arg("stream"));
   m.def("last_launch", [] {
     attnmerge_launch_info info;
     attnmerge_last_launch(&info);
@@ -609,7 +609,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_driver_version", &attnmerge_cuda_driver_version);
   m.def("device_count", &attnmerge_device_count);
   m.def("library_path", &library_path);
-  m.def("pointer_device", [](uintptr_t ptr) { return attnmerge_pointer_device(reinterpret_cast<void*>(ptr)); });
+  m.def("pointer_device", [](uintptr_t ptr) { return attnmerge_pointer_device(reinterpret_cast<void*>(ptr)); },
+        py::arg("ptr"));
   m.attr("LSE_BASE2") = ATTNMERGE_LSE_BASE2;
   m.attr("LSE_HEADS_FIRST") = ATTNMERGE_LSE_HEADS_FIRST;
   m.attr("PDL") = ATTNMERGE_PDL;
