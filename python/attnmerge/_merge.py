@@ -84,8 +84,9 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
     out: [tokens, heads, head_size] in any of the three dtypes or float8_e4m3fn; allocated in the
         caller's array library when None, with dtype `out_dtype` (default: that of o_a).
     out_lse: float32 [tokens, heads], in the input's base; allocated when None and return_lse.
-    output_scale: FP8 outputs store value / output_scale (saturating to +-448): a number, or a
-        one-element float32 array on the arrays' device, read by the kernel (no host round trip).
+    output_scale: FP8 outputs store value / output_scale (saturating to +-448): None (no scale), a
+        finite number > 0, or a one-element float32 array on the arrays' device, read by the kernel
+        (no host round trip).  Other outputs take none (1 is accepted: it changes nothing).
     a_tokens: only the first a_tokens tokens merge a with b; later rows take b alone and a needs
         only a_tokens tokens (vLLM's prefill_tokens_with_context).
     stream: None (the current stream of the arrays' framework, else the legacy default stream), an
