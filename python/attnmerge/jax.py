@@ -61,7 +61,8 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *,
     out = jax.ShapeDtypeStruct(jnp.shape(o_b), _out_dtype(out_dtype, o_b))
     out_lse = jax.ShapeDtypeStruct(jnp.shape(lse_b), jnp.float32)
     call = jax.ffi.ffi_call("attnmerge_merge", (out, out_lse), vmap_method="sequential")
-    return call(o_a, lse_a, o_b, lse_b, base2=_base2(base))
+    merged, merged_lse = call(o_a, lse_a, o_b, lse_b, base2=_base2(base))
+    return merged, merged_lse
 
 
 def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_dtype: Any = None) -> tuple[jax.Array, jax.Array]:
@@ -78,4 +79,5 @@ def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_dtype: A
     out = jax.ShapeDtypeStruct((shape[0], shape[2], shape[3]), _out_dtype(out_dtype, o))
     out_lse = jax.ShapeDtypeStruct((shape[0], shape[2]), jnp.float32)
     call = jax.ffi.ffi_call("attnmerge_merge_states", (out, out_lse), vmap_method="sequential")
-    return call(o, lse, base2=_base2(base))
+    merged, merged_lse = call(o, lse, base2=_base2(base))
+    return merged, merged_lse
