@@ -452,6 +452,12 @@ def test_raw_error_a_dtype_object_instead_of_a_name(rng, framework):
     assert all_nan(out) and all_nan(out_lse), "output written before the error"
 
 
+def test_raw_error_a_negative_pointer(rng):
+    out, out_lse, kw, keep = _good(rng)
+    kw["o_b"] = (-64,) + kw["o_b"][1:]
+    _raises(ValueError, ["o_b", "ptr", "-64"], out, out_lse, **kw)
+
+
 def test_raw_error_a_stride_that_is_not_an_int(rng):
     out, out_lse, kw, keep = _good(rng)
     kw["lse_b"] = kw["lse_b"][:2] + (1.0,)

@@ -525,8 +525,6 @@ void merge_varlen(py::handle out, py::handle out_lse, py::handle o, py::handle l
   call_library([&] { return attnmerge_merge_varlen(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream); });
 }
 
-// Raw layer: O as (ptr, dtype, stride_token, stride_head), LSE as (ptr, stride_0, stride_1) in the
-// LSE's own layout, sizes given once.
 // A field of a raw descriptor that must be a Python int (pybind11's own cast error names no argument).
 py::handle raw_int(py::handle v, const char* name, const char* field) {
   if (!PyLong_Check(v.ptr()) || PyBool_Check(v.ptr()))
@@ -534,13 +532,24 @@ py::handle raw_int(py::handle v, const char* name, const char* field) {
   return v;
 }
 
+void* raw_pointer(py::handle v, const char* name) {
+  const unsigned long long ptr = PyLong_AsUnsignedLongLong(raw_int(v, name, "ptr").ptr());
+  if (ptr == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {  // negative, or past 64 bits
+    PyErr_Clear();
+    value_error(name, "expected a ptr >= 0, got " + std::string(py::repr(v)));
+  }
+  return reinterpret_cast<void*>(static_cast<uintptr_t>(ptr));
+}
+
+// Raw layer: O as (ptr, dtype, stride_token, stride_head), LSE as (ptr, stride_0, stride_1) in the
+// LSE's own layout, sizes given once.
 void raw_tensor(Arg& a, py::handle desc, bool is_o, int64_t d0, int64_t d1, int64_t head_size, int device,
                 bool device_known, const char* name) {
   if (!PyTuple_Check(desc.ptr()) || PyTuple_GET_SIZE(desc.ptr()) != (is_o ? 4 : 3))
     type_error(name, std::string("expected a tuple ") + (is_o ? "(ptr, dtype, stride_token, stride_head)" : "(ptr, stride_0, stride_1)") +
                          ", got " + std::string(py::repr(desc)));
   const py::tuple t = py::reinterpret_borrow<py::tuple>(desc);
-  a.t.data = reinterpret_cast<void*>(raw_int(t[0], name, "ptr").cast<uintptr_t>());
+  a.t.data = raw_pointer(t[0], name);
   a.t.device = device;
   a.t.flags = device_known ? ATTNMERGE_DEVICE_KNOWN : 0u;  // the caller vouches for `device`
   if (is_o && !PyUnicode_Check(t[1].ptr()))  // a name, not a framework's dtype object
