@@ -10,6 +10,11 @@ Every hook is scikit-build-core's.  Two are extended:
   (``CMAKE_CUDA_COMPILER``, ``CUDAToolkit_ROOT``, ``CUDA_CUDART``), so that nothing is picked up
   implicitly from ``/usr/local/cuda``.
 
+The JAX extension (the XLA FFI handlers of ``attnmerge.jax``) is built only on request:
+``ATTNMERGE_BUILD_JAX=1`` (or ``-C cmake.define.ATTNMERGE_BUILD_JAX=ON``) adds jaxlib, whose
+headers it needs, to the build requirements and turns the CMake option on.  A plain source build
+downloads no JAX package; the release wheels (cibuildwheel, pyproject.toml) ask for it.
+
 The wheels install under ``site-packages/nvidia/cu13/`` (``bin/nvcc``, ``nvvm/bin/cicc``,
 ``include/``, ``include/cccl/``, ``lib/libcudart_static.a``, ``lib/libcudart.so.13``).  nvcc wheels
 older than 13.3 carry an ``nvcc.profile`` that points at ``lib64`` and breaks CMake's detection,
@@ -38,6 +43,11 @@ from scikit_build_core.build import (  # noqa: F401  (re-exported PEP 517 hooks)
 CUDA_TOOLKIT_REQUIREMENTS = ["cuda-toolkit[nvcc,nvvm,crt,cudart,cccl]>=13.3,<14"]
 
 _ENV_FORCE = "ATTNMERGE_CUDA_FROM_PYPI"
+
+# XLA's FFI headers for the JAX extension come with jaxlib.
+JAX_REQUIREMENTS = ["jaxlib>=0.5; python_version >= '3.11'"]
+_ENV_JAX = "ATTNMERGE_BUILD_JAX"
+_JAX_DEFINE = "cmake.define.ATTNMERGE_BUILD_JAX"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -85,25 +95,49 @@ def _pypi_toolkit_root() -> Path | None:
     return None
 
 
-def _add_requires(requires: list[str]) -> list[str]:
+def _flag(value: str, name: str) -> bool:
+    value = value.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE or value == "":  # unset: off
+        return False
+    raise ValueError(f"attnmerge: {name}: expected one of {sorted(_TRUE | _FALSE)}, got {value!r}")
+
+
+def _build_jax(config_settings) -> bool:
+    """Whether the JAX extension is asked for: the CMake define if given, else the environment."""
+    setting = (config_settings or {}).get(_JAX_DEFINE)
+    if setting is not None:
+        return _flag(str(setting), _JAX_DEFINE)
+    return _flag(os.environ.get(_ENV_JAX, ""), _ENV_JAX)
+
+
+def _add_requires(requires: list[str], config_settings) -> list[str]:
     if _use_pypi_toolkit():
         why = f"{_ENV_FORCE} is set" if _system_nvcc() else "no nvcc on this machine"
         _log(f"{why}: the CUDA toolkit comes from PyPI ({', '.join(CUDA_TOOLKIT_REQUIREMENTS)})")
         requires = [*requires, *CUDA_TOOLKIT_REQUIREMENTS]
+    if _build_jax(config_settings):
+        _log(f"the JAX extension is asked for: {', '.join(JAX_REQUIREMENTS)}")
+        requires = [*requires, *JAX_REQUIREMENTS]
+    else:
+        _log(f"the JAX extension (attnmerge.jax) is not built; {_ENV_JAX}=1 builds it")
     return requires
 
 
 def get_requires_for_build_wheel(config_settings=None):
-    return _add_requires(list(_skbuild.get_requires_for_build_wheel(config_settings)))
+    return _add_requires(list(_skbuild.get_requires_for_build_wheel(config_settings)), config_settings)
 
 
 def get_requires_for_build_editable(config_settings=None):
-    return _add_requires(list(_skbuild.get_requires_for_build_editable(config_settings)))
+    return _add_requires(list(_skbuild.get_requires_for_build_editable(config_settings)), config_settings)
 
 
 def _toolkit_settings(config_settings):
-    """config_settings with CMake pointed at the PyPI toolkit, when that is the one to use."""
+    """config_settings with the JAX extension's switch, and CMake pointed at the PyPI toolkit when
+    that is the one to use."""
     settings = dict(config_settings or {})
+    settings[_JAX_DEFINE] = "ON" if _build_jax(config_settings) else "OFF"
     if not _use_pypi_toolkit():
         return settings
     root = _pypi_toolkit_root()

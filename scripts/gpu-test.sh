@@ -5,6 +5,7 @@
 # status is pytest's.
 #
 #   ATTNMERGE_CUDA_ARCHITECTURES  GPU architectures to build (default 90, the H200; "" for the release list)
+#   ATTNMERGE_BUILD_JAX           build the JAX extension (default 1: the GPU suite covers attnmerge.jax)
 #   PYTHON                        interpreter (default python3)
 #   OUT                           folder for the logs (build.log, info.txt, pytest.log); a temp folder if unset
 #   PYTEST_ARGS                   extra pytest arguments
@@ -13,6 +14,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PY="${PYTHON:-python3}"
 export ATTNMERGE_CUDA_ARCHITECTURES="${ATTNMERGE_CUDA_ARCHITECTURES-90}"
+export ATTNMERGE_BUILD_JAX="${ATTNMERGE_BUILD_JAX-1}"
 export PYTHONUNBUFFERED=1
 LOGS="${OUT:-$(mktemp -d)}"
 mkdir -p "$LOGS"

@@ -3,6 +3,7 @@ reports agrees with the installed header, the Python package and its distributio
 
 from __future__ import annotations
 
+import glob
 import importlib.metadata
 import os
 import re
@@ -99,3 +100,22 @@ def test_the_info_queries_answer_without_a_gpu():
     assert {s: lib.attnmerge_status_string(s).decode() for s in c_abi.STATUSES} == {
         0: "success", 1: "invalid value", 2: "invalid type", 3: "no CUDA device", 4: "CUDA runtime error"}
     assert lib.attnmerge_status_string(99).decode() == "unknown status"
+
+
+def dynamic_section(path: str) -> str:
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf (binutils) is not installed")
+    return subprocess.run([readelf, "-d", path], capture_output=True, text=True, check=True).stdout
+
+
+def test_the_library_has_a_versioned_soname_and_the_package_loads_it_by_it():
+    # The wheel ships the SONAME file alone; the binding and the CMake package both name it.
+    path = attnmerge.library_path()
+    assert os.path.basename(path) == "libattnmerge.so.0", path
+    assert "Library soname: [libattnmerge.so.0]" in dynamic_section(path)
+    from attnmerge import _C
+
+    assert "Shared library: [libattnmerge.so.0]" in dynamic_section(_C.__file__)
+    targets = "".join(open(f).read() for f in glob.glob(os.path.join(attnmerge.cmake_dir(), "attnmergeTargets*.cmake")))
+    assert "libattnmerge.so.0" in targets

@@ -23,6 +23,8 @@ def test_info_and_self_test_pass():
     assert attnmerge.__version__ in p.stdout
     assert "pass" in p.stdout.lower()
     assert "cpu" in p.stdout.lower()
+    assert ("JAX extension (attnmerge.jax): built" if attnmerge.build_info()["jax_extension"]
+            else "JAX extension (attnmerge.jax): not built; to get it") in p.stdout
 
 
 def test_cmake_dir_holds_the_cmake_package():

@@ -433,3 +433,50 @@ def test_raw_error_malformed_descriptor(rng):
     out, out_lse, kw, keep = _good(rng)
     kw["o_a"] = kw["o_a"][:2]
     _raises((TypeError, ValueError), ["o_a"], out, out_lse, **kw)
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_raw_error_a_dtype_object_instead_of_a_name(rng, framework):
+    out, out_lse, kw, keep = _good(rng)
+    if framework == "torch":
+        dtype = pytest.importorskip("torch").float32
+    else:
+        dtype = np.dtype("float32")
+    kw["o_a"] = (kw["o_a"][0], dtype) + kw["o_a"][2:]
+    with pytest.raises(TypeError) as info:
+        raw.merge(**kw)
+    msg = str(info.value)
+    for w in ["o_a", "float32", "float16", "bfloat16", "float8_e4m3fn", repr(dtype)]:
+        assert w in msg, f"{w!r} not in the message {msg!r}"
+    assert "C++" not in msg, msg
+    assert all_nan(out) and all_nan(out_lse), "output written before the error"
+
+
+def test_raw_error_a_negative_pointer(rng):
+    out, out_lse, kw, keep = _good(rng)
+    kw["o_b"] = (-64,) + kw["o_b"][1:]
+    _raises(ValueError, ["o_b", "ptr", "-64"], out, out_lse, **kw)
+
+
+def test_raw_error_a_stride_that_is_not_an_int(rng):
+    out, out_lse, kw, keep = _good(rng)
+    kw["lse_b"] = kw["lse_b"][:2] + (1.0,)
+    _raises(TypeError, ["lse_b", "stride_1", "1.0"], out, out_lse, **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# meta tensors: refused naming the caller's argument, with no C++ backtrace
+
+
+@pytest.mark.parametrize("meta", ["o_a", "o_b"])
+def test_a_meta_tensor_is_refused_by_its_own_name(rng, meta):
+    torch = pytest.importorskip("torch")
+    a = {k: torch.from_numpy(v) for k, v in good(rng).items()}
+    a[meta] = torch.empty(a[meta].shape, device="meta")
+    with pytest.raises(ValueError) as info:  # no out=: attnmerge allocates it like o_b, on the meta device
+        attnmerge.merge(a["o_a"], a["lse_a"], a["o_b"], a["lse_b"])
+    msg = str(info.value)
+    assert msg.startswith(f"{meta}: "), msg
+    assert "meta tensors are not supported outside torch.compile tracing" in msg, msg
+    assert not names("out", msg), f"the caller passed no out, yet the message blames it: {msg!r}"
+    assert "\n" not in msg and "frame #" not in msg, f"a backtrace in the message: {msg!r}"

@@ -477,3 +477,46 @@ def test_fi_variable_length_four_dimensional_v(rng):
     with pytest.raises(ValueError) as info:
         fi.variable_length_merge_states(v, s, np.array([0, 2, 6], np.int32))
     check_message(str(info.value), ["v"], absent=NATIVE_NAMES)
+
+
+# --------------------------------------------------------------------------------------------------
+# output_scale: one rule at every layer (a scale is a finite number > 0; None, in C 0, is no scale;
+# outputs other than FP8 take none, or 1)
+
+
+@pytest.mark.parametrize("scale,shown", [(0, "0"), (0.0, "0.0"), (-1.0, "-1"), (float("nan"), "nan"),
+                                         (float("inf"), "inf")])
+def test_every_bad_output_scale_states_the_same_rule(rng, scale, shown):
+    o_a, lse_a = random_state(rng, T, H, D)
+    o_b, lse_b = random_state(rng, T, H, D)
+    out = nan_array((T, H, D), fp8_dtype())
+    with pytest.raises(ValueError) as info:
+        attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, output_scale=scale)
+    msg = str(info.value)
+    assert msg.startswith("output_scale: expected "), msg
+    assert "a finite scale > 0" in msg, msg
+    check_message(msg, [shown])
+    assert np.isnan(out.astype(np.float32)).all(), "written before the error"
+
+
+def test_a_scale_of_0_is_none_to_the_python_layer_as_none_is(rng):
+    o_a, lse_a = random_state(rng, T, H, D)
+    o_b, lse_b = random_state(rng, T, H, D)
+    out = nan_array((T, H, D), fp8_dtype())
+    with pytest.raises(ValueError) as info:
+        attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, output_scale=0.0)
+    check_message(str(info.value), ["output_scale", "None", "0.0"])
+
+
+def test_a_non_fp8_output_takes_no_scale_but_1(rng):
+    o_a, lse_a = random_state(rng, T, H, D)
+    o_b, lse_b = random_state(rng, T, H, D)
+    out = nan_array((T, H, D))
+    with pytest.raises(ValueError) as info:
+        attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, output_scale=2.0)
+    msg = str(info.value)
+    check_message(msg, ["output_scale", "float32", "2"])
+    assert "0" not in msg.split("got")[0], f"the message offers 0, which Python refuses: {msg!r}"
+    attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, output_scale=1.0)  # accepted: changes nothing
+    want, _ = attnmerge.merge(o_a, lse_a, o_b, lse_b)
+    assert np.array_equal(out, want)

@@ -1,5 +1,7 @@
 """attnmerge.jax: the merges as XLA FFI custom calls under jax.jit and jax.vmap, on the CPU and, on a
-GPU machine, on the GPU; checked against the float64 oracle.  Skipped where JAX is not installed."""
+GPU machine, on the GPU; checked against the float64 oracle.  Skipped where JAX is not installed or
+attnmerge was built without the JAX extension (tests/test_jax_extension.py checks which it should
+have)."""
 from __future__ import annotations
 
 import functools
@@ -7,6 +9,7 @@ import functools
 import numpy as np
 import pytest
 
+import attnmerge
 from oracle import (
     DTYPES,
     assert_merge_matches,
@@ -24,7 +27,10 @@ from oracle import (
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-import attnmerge.jax as amj  # noqa: E402  (where JAX is installed, the FFI handlers must be built)
+if not attnmerge.build_info()["jax_extension"]:
+    pytest.skip("attnmerge was built without the JAX extension (ATTNMERGE_BUILD_JAX=1 builds it)",
+                allow_module_level=True)
+import attnmerge.jax as amj  # noqa: E402
 
 
 def devices():

@@ -249,7 +249,7 @@ attnmerge_status read_options(const attnmerge_options* options, uint32_t allowed
   const float scale = opt.output_scale;
   const bool fp8 = out.t->dtype == ATTNMERGE_FLOAT8_E4M3;
   if (scale != 0.0f && scale != 1.0f && !fp8)
-    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected none (0 or 1) for a %s output, got %g",
+    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected none (or 1) for a %s output, got %g",
                 dtype_name(out.t->dtype), scale);
   if (opt.output_scale_ptr != nullptr && !fp8)
     return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected none for a %s output, got a scale in memory",
@@ -260,7 +260,7 @@ attnmerge_status read_options(const attnmerge_options* options, uint32_t allowed
     return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected a pointer aligned to 4 bytes, got %p",
                 static_cast<const void*>(opt.output_scale_ptr));
   if (!(scale >= 0.0f) || std::isinf(scale))
-    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected a finite scale > 0 (or 0: none), got %g", scale);
+    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected a finite scale > 0, got %g", scale);
   inv_scale = scale == 0.0f ? 1.0f : 1.0f / scale;
   return ATTNMERGE_SUCCESS;
 }

@@ -13,7 +13,10 @@ FlashInfer conventions live in `attnmerge.compat`.  With torch imported (before 
 the ops are also registered as torch.ops.attnmerge.*, which these functions become under torch.compile
 and torch.export (attnmerge._torch_ops).
 """
+from __future__ import annotations
+
 import os as _os
+from typing import Any as _Any
 
 from . import _C
 from . import _torch_hook
@@ -27,11 +30,17 @@ __all__ = ["merge", "merge_inplace", "merge_states", "merge_varlen", "build_info
 
 # Where the compiled part lives: beside _C (in an editable install, not beside this file).
 _HERE = _os.path.dirname(_os.path.abspath(_C.__file__))
+# The XLA FFI handlers of attnmerge.jax, built on request (ATTNMERGE_BUILD_JAX=1; the release
+# wheels carry them).
+_XLA_LIB = _os.path.join(_HERE, "lib", "libattnmerge_xla.so")
+_XLA_HOW = ("install a release wheel, which carries it, or build from source with "
+            "ATTNMERGE_BUILD_JAX=1 pip install . (Python 3.11 or newer)")
 
 
-def build_info():
+def build_info() -> dict[str, _Any]:
     """The library's version, the CUDA toolkit it was built with, its compiled GPU architectures,
-    the driver's CUDA version (0 without a driver) and the number of usable GPUs."""
+    the driver's CUDA version (0 without a driver), the number of usable GPUs, the library's path
+    and whether the JAX extension (attnmerge.jax) was built."""
     return {
         "version": __version__,
         "cuda_build_version": _C.cuda_build_version(),
@@ -39,10 +48,11 @@ def build_info():
         "driver_version": _C.cuda_driver_version(),
         "device_count": _C.device_count(),
         "library": _C.library_path(),
+        "jax_extension": _os.path.exists(_XLA_LIB),
     }
 
 
-def last_launch():
+def last_launch() -> dict[str, _Any]:
     """What this thread's last attnmerge op enqueued on the GPU, as the launch plan chose it:
     `kernel` ("rows", "rows_plain", "rows_inplace", "states", or "none" for host, empty or refused
     calls), `launches` (0, 1 or 2), `state_groups` (groups of threads sharing a row's states under
@@ -51,16 +61,16 @@ def last_launch():
     return _C.last_launch()
 
 
-def cmake_dir():
+def cmake_dir() -> str:
     """The folder holding attnmergeConfig.cmake: pass it as attnmerge_DIR to find_package(attnmerge)."""
     return _os.path.join(_HERE, "lib", "cmake", "attnmerge")
 
 
-def include_dir():
+def include_dir() -> str:
     """The folder that holds attnmerge/attnmerge.h and the header-only kernels."""
     return _os.path.join(_HERE, "include")
 
 
-def library_path():
+def library_path() -> str:
     """The path of the libattnmerge shared library this package loaded."""
     return _C.library_path()

@@ -1,5 +1,6 @@
 """Which array library an argument belongs to: where new outputs are allocated, and which stream
 `stream=None` means.  Nothing here checks arguments; libattnmerge does."""
+from __future__ import annotations
 
 _DTYPE_NAMES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 _ALIASES = {"float8_e4m3": "float8_e4m3fn"}
@@ -7,7 +8,7 @@ _ALIASES = {"float8_e4m3": "float8_e4m3fn"}
 
 _FAMILIES = {"torch": "torch", "cupy": "cupy", "numpy": "numpy", "jax": "jax", "jaxlib": "jax", "numba": "numba",
              "numba_cuda": "numba"}
-_FAMILY_OF_TYPE = {}  # type -> family, for the types of the frameworks above (looked up every call)
+_FAMILY_OF_TYPE: dict[type, str] = {}  # type -> family, for the types of the frameworks above (looked up every call)
 
 
 def family(x):
@@ -24,7 +25,7 @@ def family(x):
     return None
 
 
-_NAME_OF_DTYPE = {}  # dtype object -> its name (NumPy's dtype.name is a Python property: ~2 us)
+_NAME_OF_DTYPE: dict[object, str] = {}  # dtype object -> its name (NumPy's dtype.name is a Python property: ~2 us)
 
 
 def _name_of(dtype):
@@ -56,7 +57,7 @@ def dtype_name(dtype, arg, names=_DTYPE_NAMES):
 INPUT_DTYPES = _DTYPE_NAMES[:3]
 
 
-_NUMPY_DTYPES = {}  # name -> NumPy dtype, once found
+_NUMPY_DTYPES: dict[str, object] = {}  # name -> NumPy dtype, once found
 
 
 def _numpy_dtype(name):
@@ -152,8 +153,8 @@ def default_stream(like):
     return 0
 
 
-_EXCHANGE_API = {}
-_ASKS_THE_EXCHANGE_API = set()  # torch tensor types with the exchange API: stream=None is theirs to resolve
+_EXCHANGE_API: dict[type, bool] = {}
+_ASKS_THE_EXCHANGE_API: set[type] = set()  # torch tensor types with the exchange API: stream=None is theirs to resolve
 
 
 def _has_exchange_api(cls):

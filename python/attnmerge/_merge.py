@@ -1,6 +1,9 @@
 """The native API: merge, merge_inplace, merge_states, merge_varlen."""
+from __future__ import annotations
+
 from . import _C
 from ._arrays import INPUT_DTYPES, default_stream, dtype_name, empty, family
+from ._types import Array, Base, DType, Stream
 
 # attnmerge._torch_ops and its `takes` once torch is imported (attnmerge._torch_hook sets them).  Each
 # function first asks whether the call must go through torch.ops.attnmerge (while torch.compile or
@@ -9,7 +12,7 @@ _torch_ops = None
 _takes = None
 
 
-def lse_flags(base):
+def lse_flags(base: Base) -> int:
     """C ABI flags for an LSE base: 'e' (natural log, the default) or 2 (log2-sum-exp2)."""
     if base == "e":
         return 0
@@ -18,7 +21,7 @@ def lse_flags(base):
     raise ValueError(f"base: expected 'e' or 2, got {base!r}")
 
 
-def a_tokens_arg(a_tokens, name="a_tokens"):
+def a_tokens_arg(a_tokens: int | None, name: str = "a_tokens") -> int:
     if a_tokens is None:
         return -1
     if not isinstance(a_tokens, int) or isinstance(a_tokens, bool) or a_tokens < 0:
@@ -94,8 +97,10 @@ def _finish_jax(out, stream):
             _C.stream_synchronize(device.id, stream or 0)
 
 
-def merge(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None, return_lse=True, out_dtype=None, output_scale=None,
-          base="e", a_tokens=None, stream=None, pdl=False):
+def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | None = None,
+          out_lse: Array | None = None, return_lse: bool = True, out_dtype: DType | None = None,
+          output_scale: float | Array | None = None, base: Base = "e", a_tokens: int | None = None,
+          stream: Stream = None, pdl: bool = False) -> tuple[Array, Array | None]:
     """Merge two attention states: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
 
     o_a, o_b: [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype for both).
@@ -104,8 +109,9 @@ def merge(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None, return_lse=True, ou
     out: [tokens, heads, head_size] in any of the three dtypes or float8_e4m3fn; allocated in the
         caller's array library when None, with dtype `out_dtype` (default: that of o_a).
     out_lse: float32 [tokens, heads], in the input's base; allocated when None and return_lse.
-    output_scale: FP8 outputs store value / output_scale (saturating to +-448): a number, or a
-        one-element float32 array on the arrays' device, read by the kernel (no host round trip).
+    output_scale: FP8 outputs store value / output_scale (saturating to +-448): None (no scale), a
+        finite number > 0, or a one-element float32 array on the arrays' device, read by the kernel
+        (no host round trip).  Other outputs take none (1 is accepted: it changes nothing).
     a_tokens: only the first a_tokens tokens merge a with b; later rows take b alone and a needs
         only a_tokens tokens (vLLM's prefill_tokens_with_context).
     stream: None (the current stream of the arrays' framework, else the legacy default stream), an
@@ -134,7 +140,8 @@ def merge(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None, return_lse=True, ou
     return out, out_lse
 
 
-def merge_inplace(o, lse, o_other, lse_other, *, mask=None, base="e", stream=None, pdl=False):
+def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mask: Array | None = None,
+                  base: Base = "e", stream: Stream = None, pdl: bool = False) -> tuple[Array, Array]:
     """(o, lse) <- merge((o, lse), (o_other, lse_other)), in place.
 
     o, o_other: [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype).
@@ -152,8 +159,10 @@ def merge_inplace(o, lse, o_other, lse_other, *, mask=None, base="e", stream=Non
     return o, lse
 
 
-def merge_states(o, lse, *, out=None, out_lse=None, return_lse=True, out_dtype=None, output_scale=None, base="e",
-                 states_axis=1, stream=None, pdl=False):
+def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Array | None = None,
+                 return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
+                 base: Base = "e", states_axis: int = 1, stream: Stream = None,
+                 pdl: bool = False) -> tuple[Array, Array | None]:
     """Merge S states in one pass, each input read once.
 
     states_axis=1: o [tokens, S, heads, head_size], lse float32 [tokens, S, heads] (FlashInfer's).
@@ -180,8 +189,9 @@ def merge_states(o, lse, *, out=None, out_lse=None, return_lse=True, out_dtype=N
     return out, out_lse
 
 
-def merge_varlen(o, lse, indptr, *, out=None, out_lse=None, return_lse=True, out_dtype=None, output_scale=None,
-                 base="e", stream=None, pdl=False):
+def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = None, out_lse: Array | None = None,
+                 return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
+                 base: Base = "e", stream: Stream = None, pdl: bool = False) -> tuple[Array, Array | None]:
     """Row r of the result merges states indptr[r] .. indptr[r+1]-1 of o.
 
     o: [total, heads, head_size], lse: float32 [total, heads]; indptr: int32 or int64 [rows + 1].

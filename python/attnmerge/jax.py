@@ -24,26 +24,26 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _XLA_HOW, _XLA_LIB
 from ._merge import lse_flags
+from ._types import Base
 
 __all__ = ["merge", "merge_states", "merge_varlen"]
 
-_LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "libattnmerge_xla.so")
 _OPS = ("merge", "merge_states", "merge_varlen")
 
 
 def _register():
-    if not os.path.exists(_LIB):
-        raise ImportError(
-            f"attnmerge.jax: {_LIB} is missing: this attnmerge was built without XLA's FFI headers "
-            "(jaxlib was not installed at build time)"
-        )
-    lib = ctypes.CDLL(_LIB)
+    if not os.path.exists(_XLA_LIB):
+        raise ImportError(f"attnmerge.jax: this attnmerge was built without the JAX extension ({_XLA_LIB} "
+                          f"is missing); to get it, {_XLA_HOW}")
+    lib = ctypes.CDLL(_XLA_LIB)
     for op in _OPS:
         for platform, suffix in (("CUDA", "cuda"), ("cpu", "host")):
             handler = getattr(lib, f"attnmerge_xla_{op}_{suffix}")
@@ -104,7 +104,9 @@ def _results(tokens, heads, head_size, dtype):
     return (jax.ShapeDtypeStruct((tokens, heads, head_size), dtype), jax.ShapeDtypeStruct((tokens, heads), jnp.float32))
 
 
-def merge(o_a, lse_a, o_b, lse_b, *, base="e", out_dtype=None, a_tokens=None, output_scale=None):
+def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *, base: Base = "e",
+          out_dtype: Any = None, a_tokens: int | None = None,
+          output_scale: float | jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Merge two attention states: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
 
     o_a, o_b: [tokens, heads, head_size] float32, float16 or bfloat16 (one dtype).
@@ -128,7 +130,8 @@ def merge(o_a, lse_a, o_b, lse_b, *, base="e", out_dtype=None, a_tokens=None, ou
     return _call("merge", outs, (o_a, lse_a, o_b, lse_b), base=base, output_scale=output_scale, a_tokens=a_tokens)
 
 
-def merge_states(o, lse, *, base="e", out_dtype=None, output_scale=None, states_axis=1):
+def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_dtype: Any = None,
+                 output_scale: float | jax.Array | None = None, states_axis: int = 1) -> tuple[jax.Array, jax.Array]:
     """Merge S states in one pass, each input read once.
 
     o: [tokens, S, heads, head_size] float32, float16 or bfloat16; lse: float32 [tokens, S, heads]
@@ -149,7 +152,8 @@ def merge_states(o, lse, *, base="e", out_dtype=None, output_scale=None, states_
     return _call("merge_states", outs, (o, lse), base=base, output_scale=output_scale)
 
 
-def merge_varlen(o, lse, indptr, *, base="e", out_dtype=None, output_scale=None):
+def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base = "e", out_dtype: Any = None,
+                 output_scale: float | jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Row r merges states indptr[r] .. indptr[r + 1] - 1 of a flat list.
 
     o: [total, heads, head_size] float32, float16 or bfloat16; lse: float32 [total, heads];

@@ -1,11 +1,22 @@
 """The raw layer: merge buffers given as integer pointers, strides and dtype names, for callers
 that manage memory themselves (C extensions, custom allocators, CUDA Python)."""
+from __future__ import annotations
+
+from typing import Literal, Tuple
+
 from . import _C
 from ._merge import a_tokens_arg, lse_flags
+from ._types import Base
+
+# (ptr, dtype name, stride_token, stride_head) and (ptr, stride_0, stride_1), strides in elements.
+ODesc = Tuple[int, str, int, int]
+LseDesc = Tuple[int, int, int]
 
 
-def merge(*, tokens, heads, head_size, out, o_a, lse_a, o_b, lse_b, out_lse=None, device, stream=0, base="e",
-          a_tokens=None, lse_heads_first=False, pdl=False, check_pointers=True):
+def merge(*, tokens: int, heads: int, head_size: int, out: ODesc, o_a: ODesc, lse_a: LseDesc, o_b: ODesc,
+          lse_b: LseDesc, out_lse: LseDesc | None = None, device: Literal["cpu"] | int, stream: int = 0,
+          base: Base = "e", a_tokens: int | None = None, lse_heads_first: bool = False, pdl: bool = False,
+          check_pointers: bool = True) -> None:
     """Two-way merge over raw pointers.
 
     out, o_a, o_b: (ptr, dtype, stride_token, stride_head) with dtype "float32", "float16" or

@@ -311,8 +311,15 @@ void describe(Arg& a, py::handle obj, void* stream, const char* expected, const 
     a.api = api;
     const auto refused = [&] {  // a tensor its framework cannot export (a meta tensor, say)
       py::error_already_set e;
+      const py::object is_meta = py::getattr(obj, "is_meta", py::none());
+      if (is_meta.ptr() == Py_True)
+        value_error(name, "expected a tensor with data, got a meta tensor (meta tensors are not supported outside "
+                          "torch.compile tracing)");
+      // The producer's first line: PyTorch appends its C++ backtrace to the message.
+      std::string why = py::str(e.value());
+      why = why.substr(0, why.find('\n'));
       value_error(name, std::string("expected a tensor with data, got one ") + type_name(obj) +
-                            " cannot export through DLPack (" + py::str(e.value()).cast<std::string>() + ")");
+                            " cannot export through DLPack (" + why + ")");
     };
     if (api->dltensor_from_py_object_no_sync) {
       DLTensor d;
@@ -416,10 +423,13 @@ struct Call {
   const attnmerge_tensor* t[N] = {};
   void* stream = nullptr;
 
-  Call(const Param (&params)[N], py::handle stream_obj) {
+  // The first `outputs` params are described last: an output the Python layer allocated like an
+  // input (a meta tensor's, say) must not take the blame for that input.
+  Call(const Param (&params)[N], py::handle stream_obj, int outputs = 0) {
     const bool explicit_stream = !stream_obj.is_none();
     if (explicit_stream) stream = stream_handle(stream_obj);
-    for (int i = 0; i < N; ++i) {
+    for (int k = 0; k < N; ++k) {
+      const int i = (k + outputs) % N;
       if (params[i].obj.is_none()) continue;
       describe(args[i], params[i].obj, stream, params[i].expected, params[i].name);
       t[i] = &args[i].t;
@@ -439,7 +449,9 @@ void set_output_scale(attnmerge_options& options, py::handle scale, Arg& holder,
   if (scale.is_none()) return;
   if (PyFloat_Check(scale.ptr()) || PyLong_Check(scale.ptr())) {
     options.output_scale = scale.cast<float>();
-    if (options.output_scale == 0.0f) value_error("output_scale", "expected a finite scale > 0, got 0");
+    // 0 is the C ABI's "no scale", which Python spells None: a number is a scale.
+    if (options.output_scale == 0.0f)
+      value_error("output_scale", "expected None or a finite scale > 0, got " + std::string(py::repr(scale)));
     return;
   }
   describe(holder, scale, stream, kF32, "output_scale");
@@ -473,7 +485,7 @@ void merge(py::handle out, py::handle out_lse, py::handle o_a, py::handle lse_a,
            uint32_t flags, int64_t a_tokens, py::handle output_scale, py::handle stream) {
   Call<6> c({{out, "out", kOut}, {out_lse, "out_lse", kF32}, {o_a, "o_a", kO}, {lse_a, "lse_a", kF32},
              {o_b, "o_b", kO}, {lse_b, "lse_b", kF32}},
-            stream);
+            stream, 2);
   attnmerge_options options = {flags | (a_tokens >= 0 ? ATTNMERGE_A_TOKENS : 0u), a_tokens, 0.0f, nullptr};
   Arg scale;
   set_output_scale(options, output_scale, scale, c.stream);
@@ -491,7 +503,7 @@ void merge_inplace(py::handle o, py::handle lse, py::handle o_other, py::handle 
 
 void merge_states(py::handle out, py::handle out_lse, py::handle o, py::handle lse, uint32_t flags, bool states_first,
                   py::handle output_scale, py::handle stream) {
-  Call<4> c({{out, "out", kOut}, {out_lse, "out_lse", kF32}, {o, "o", kO}, {lse, "lse", kF32}}, stream);
+  Call<4> c({{out, "out", kOut}, {out_lse, "out_lse", kF32}, {o, "o", kO}, {lse, "lse", kF32}}, stream, 2);
   if (states_first) {  // an all-gather's [S, tokens, ...], read through its strides
     swap_leading_axes(c.args[2]);
     swap_leading_axes(c.args[3]);
@@ -506,11 +518,27 @@ void merge_varlen(py::handle out, py::handle out_lse, py::handle o, py::handle l
                   py::handle output_scale, py::handle stream) {
   Call<5> c({{out, "out", kOut}, {out_lse, "out_lse", kF32}, {o, "o", kO}, {lse, "lse", kF32},
              {indptr, "indptr", kIndexDtypes}},
-            stream);
+            stream, 2);
   attnmerge_options options = {flags, 0, 0.0f, nullptr};
   Arg scale;
   set_output_scale(options, output_scale, scale, c.stream);
   call_library([&] { return attnmerge_merge_varlen(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream); });
+}
+
+// A field of a raw descriptor that must be a Python int (pybind11's own cast error names no argument).
+py::handle raw_int(py::handle v, const char* name, const char* field) {
+  if (!PyLong_Check(v.ptr()) || PyBool_Check(v.ptr()))
+    type_error(name, std::string("expected an int ") + field + ", got " + std::string(py::repr(v)) + " (" + type_name(v) + ")");
+  return v;
+}
+
+void* raw_pointer(py::handle v, const char* name) {
+  const unsigned long long ptr = PyLong_AsUnsignedLongLong(raw_int(v, name, "ptr").ptr());
+  if (ptr == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {  // negative, or past 64 bits
+    PyErr_Clear();
+    value_error(name, "expected a ptr >= 0, got " + std::string(py::repr(v)));
+  }
+  return reinterpret_cast<void*>(static_cast<uintptr_t>(ptr));
 }
 
 // Raw layer: O as (ptr, dtype, stride_token, stride_head), LSE as (ptr, stride_0, stride_1) in the
@@ -521,16 +549,19 @@ void raw_tensor(Arg& a, py::handle desc, bool is_o, int64_t d0, int64_t d1, int6
     type_error(name, std::string("expected a tuple ") + (is_o ? "(ptr, dtype, stride_token, stride_head)" : "(ptr, stride_0, stride_1)") +
                          ", got " + std::string(py::repr(desc)));
   const py::tuple t = py::reinterpret_borrow<py::tuple>(desc);
-  a.t.data = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
+  a.t.data = raw_pointer(t[0], name);
   a.t.device = device;
   a.t.flags = device_known ? ATTNMERGE_DEVICE_KNOWN : 0u;  // the caller vouches for `device`
+  if (is_o && !PyUnicode_Check(t[1].ptr()))  // a name, not a framework's dtype object
+    type_error(name, std::string("expected a dtype name, ") + kOut + ", got " + std::string(py::repr(t[1])) + " (" +
+                         type_name(t[1]) + ")");
   a.t.dtype = is_o ? dtype_from_name(t[1].cast<std::string>(), name) : ATTNMERGE_FLOAT32;
   a.t.ndim = is_o ? 3 : 2;
   a.t.shape[0] = d0;
   a.t.shape[1] = d1;
   a.t.shape[2] = head_size;
-  a.t.strides[0] = t[is_o ? 2 : 1].cast<int64_t>();
-  a.t.strides[1] = t[is_o ? 3 : 2].cast<int64_t>();
+  a.t.strides[0] = raw_int(t[is_o ? 2 : 1], name, is_o ? "stride_token" : "stride_0").cast<int64_t>();
+  a.t.strides[1] = raw_int(t[is_o ? 3 : 2], name, is_o ? "stride_head" : "stride_1").cast<int64_t>();
   a.t.strides[2] = 1;
 }
 
@@ -585,7 +616,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("a_tokens"), py::arg("device"), py::arg("stream"), py::arg("device_known"));
   m.def("stream_synchronize", [](int device, uintptr_t stream) {
     call_library([&] { return attnmerge_stream_synchronize(device, reinterpret_cast<void*>(stream)); });
-  });
+  }, py::arg("device"), py::arg("stream"));
   m.def("last_launch", [] {
     attnmerge_launch_info info;
     attnmerge_last_launch(&info);
@@ -609,7 +640,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_driver_version", &attnmerge_cuda_driver_version);
   m.def("device_count", &attnmerge_device_count);
   m.def("library_path", &library_path);
-  m.def("pointer_device", [](uintptr_t ptr) { return attnmerge_pointer_device(reinterpret_cast<void*>(ptr)); });
+  m.def("pointer_device", [](uintptr_t ptr) { return attnmerge_pointer_device(reinterpret_cast<void*>(ptr)); },
+        py::arg("ptr"));
   m.attr("LSE_BASE2") = ATTNMERGE_LSE_BASE2;
   m.attr("LSE_HEADS_FIRST") = ATTNMERGE_LSE_HEADS_FIRST;
   m.attr("PDL") = ATTNMERGE_PDL;

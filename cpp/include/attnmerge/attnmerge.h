@@ -108,8 +108,9 @@ typedef struct attnmerge_options {
    * with b; the others take b alone (its state unchanged; an empty b gives O = 0, LSE = -inf) and
    * never read a, which then needs only a_tokens tokens (vLLM's prefill_tokens_with_context). */
   int64_t a_tokens;
-  /* FP8 outputs store value / output_scale (vLLM's output_scale).  0 or 1: no scale.  Must be 0
-   * or 1 for other output dtypes. */
+  /* FP8 outputs store value / output_scale (vLLM's output_scale), a finite scale > 0; 0 (the
+   * zero-initialized default) means none.  Other output dtypes take none (1 is accepted: it
+   * changes nothing). */
   float output_scale;
   /* Or the scale as one float32 in the memory of the op's device (host memory for host tensors),
    * read by the kernel itself, so that no host synchronization is needed.  NULL: unused. */

@@ -1,7 +1,10 @@
 """vLLM's merge_attn_states, signature and conventions kept: natural-log LSE laid out
 [heads, tokens], results written into `output` (and `output_lse` unless it is None)."""
+from __future__ import annotations
+
 from .. import _C, _merge
 from .._arrays import default_stream
+from .._types import Array
 from .._merge import a_tokens_arg
 from . import renamed
 
@@ -9,8 +12,9 @@ _NAMES = {"out": "output", "out_lse": "output_lse", "o_a": "prefix_output", "lse
           "o_b": "suffix_output", "lse_b": "suffix_lse", "a_tokens": "prefill_tokens_with_context"}
 
 
-def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
-                      prefill_tokens_with_context=None, output_scale=None):
+def merge_attn_states(output: Array, prefix_output: Array, prefix_lse: Array, suffix_output: Array,
+                      suffix_lse: Array, output_lse: Array | None = None,
+                      prefill_tokens_with_context: int | None = None, output_scale: Array | None = None) -> None:
     """output [tokens, heads, head_size] = merge of prefix and suffix states; returns None.
 
     The order of vLLM's Python functions (vllm.v1.attention.ops.merge_attn_states,

@@ -1,0 +1,71 @@
+"""The package is typed: py.typed ships, the public API is annotated, and the stub of the compiled
+module (_C.pyi) names exactly what _C exports, with the same parameters in the same order."""
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import re
+
+import pytest
+
+import attnmerge
+from attnmerge import _C, raw
+from attnmerge.compat import flashinfer, vllm
+
+PACKAGE = os.path.dirname(os.path.abspath(attnmerge.__file__))
+
+
+def stub():
+    """{function: [parameter names]} and {attribute} declared in _C.pyi."""
+    path = os.path.join(PACKAGE, "_C.pyi")
+    assert os.path.isfile(path), f"no stub at {path}"
+    tree = ast.parse(open(path).read())
+    functions = {n.name: [a.arg for a in n.args.posonlyargs + n.args.args] for n in tree.body
+                 if isinstance(n, ast.FunctionDef)}
+    attributes = {n.target.id for n in tree.body if isinstance(n, ast.AnnAssign)}
+    return functions, attributes
+
+
+def exported():
+    """{function: [parameter names]} and {attribute} of the compiled module, from pybind11's signatures."""
+    functions, attributes = {}, set()
+    for name in dir(_C):
+        if name.startswith("__"):
+            continue
+        value = getattr(_C, name)
+        if callable(value):
+            m = re.match(rf"{name}\((.*)\) ->", value.__doc__ or "")
+            assert m, f"_C.{name} has no pybind11 signature: {value.__doc__!r}"
+            functions[name] = re.findall(r"(?:^|, )(\w+):", m.group(1))
+        else:
+            attributes.add(name)
+    return functions, attributes
+
+
+def test_the_package_is_marked_typed():
+    assert os.path.isfile(os.path.join(PACKAGE, "py.typed"))
+
+
+def test_the_stub_names_exactly_what_the_module_exports():
+    (stub_functions, stub_attributes), (functions, attributes) = stub(), exported()
+    assert set(stub_functions) == set(functions), (
+        f"only in _C: {sorted(set(functions) - set(stub_functions))}, "
+        f"only in _C.pyi: {sorted(set(stub_functions) - set(functions))}")
+    assert stub_attributes == attributes
+    for name, params in functions.items():
+        assert stub_functions[name] == params, f"_C.{name}: the stub says {stub_functions[name]}, _C {params}"
+
+
+PUBLIC = [attnmerge.merge, attnmerge.merge_inplace, attnmerge.merge_states, attnmerge.merge_varlen,
+          attnmerge.build_info, attnmerge.last_launch, attnmerge.cmake_dir, attnmerge.include_dir,
+          attnmerge.library_path, raw.merge, vllm.merge_attn_states, flashinfer.merge_state,
+          flashinfer.merge_state_in_place, flashinfer.merge_states, flashinfer.variable_length_merge_states]
+
+
+@pytest.mark.parametrize("fn", PUBLIC, ids=lambda f: f"{f.__module__}.{f.__name__}")
+def test_the_public_api_is_annotated(fn):
+    sig = inspect.signature(fn)
+    missing = [p for p in sig.parameters.values() if p.annotation is inspect.Parameter.empty]
+    assert not missing, f"{fn.__name__}: parameters without a type: {[p.name for p in missing]}"
+    assert sig.return_annotation is not inspect.Signature.empty, f"{fn.__name__} has no return type"
