@@ -1,0 +1,178 @@
+// The header-only CUDA kernel of the merges' backward (backward_params.h), its launch plan and its
+// launcher.  Like merge_kernels.cuh, the launcher validates nothing (libattnmerge's C ABI does)
+// and returns the launch's cudaError_t.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "attnmerge/backward_params.h"
+#include "attnmerge/merge_kernels.cuh"
+#include "attnmerge/plan.h"
+
+namespace attnmerge {
+
+constexpr int kBackwardBlockThreads = 256;
+
+// How a backward runs.  A row is taken by `lanes` consecutive, aligned lanes of one warp (a
+// power of two, the row's packs rounded up, at most 32), each lane one pack of VEC elements at a
+// time (packs lane, lane + lanes, ...): the dot <dO, O_i - O> is summed over the lanes by
+// shuffles, then lane c of the row writes dlse of the chunk's state c.  A row's states come
+// `chunk` at a time, their LSEs and O packs loaded together: 2 for the two-way merge, else the
+// forward's kSmallChunk (plan.h).
+struct BackwardPlan {
+  MergeShape shape;  // packs filled in
+  int vec = 1;
+  int lanes = 1;
+  int chunk = 2;
+  bool pdl = false;
+  int launches = 0;
+  LaunchDims dims;
+  explicit BackwardPlan(const MergeShape& s) : shape(s) {}
+};
+
+// `states`: a row's states (the mean, for the variable-length merge; 2 for the two-way one).
+inline BackwardPlan plan_backward(const MergeShape& shape, int vec, int64_t states, bool pair, bool pdl,
+                                  DeviceInfo device) {
+  BackwardPlan plan(shape);
+  plan.vec = vec;
+  plan.shape.packs = shape.head_size / vec;
+  plan.pdl = pdl && device.major >= 9;
+  while (plan.lanes < 32 && plan.lanes < plan.shape.packs) plan.lanes *= 2;
+  (void)states;
+  plan.chunk = pair ? 2 : kSmallChunk;
+  if (shape.rows == 0) return plan;
+  plan.launches = 1;
+  // Rows over the grid as the forward's kRows lays them out, `lanes` threads a row.
+  plan.dims = row_dims(plan.lanes, shape.rows, device.sms, kBackwardBlockThreads);
+  return plan;
+}
+
+// Registers: a chunk of 4 states holds 4 packs of O_i, their addresses (64-bit) and dots, and the
+// lane's first packs of dO and O: about 90 uncapped; 3 blocks of 256 an SM caps it at 85.  (A
+// chunk of 8 needed 135 to 140 uncapped and spilled 300 bytes at 85: not used.)  Two states: 54.
+template <int kChunk>
+constexpr int backward_min_blocks() {
+  return kChunk > 2 ? 3 : 4;
+}
+
+// One row per `lanes` threads (threadIdx.x the lane, threadIdx.y the row in the block, rows over
+// the x and, past 2^31 blocks, z grid axes).  For each chunk of the row's states: their LSEs give
+// p_i; then for each of the lane's packs, dO, O and the chunk's O_i packs are loaded together,
+// the lane's part of each dot summed and p_i dO stored; then the dots are summed over the row's
+// lanes and the dlse stored.  A state's gradient address that is null (a two-way merge's
+// gradient not asked for, the other's being) is not written.  dO and O are read once for rows of up to a chunk of states (once a
+// chunk beyond).  An empty part gets zeros, and a part of zero weight is loaded but not used
+// (its O may hold NaN), as in the forward.  64-bit offsets: the backward moves 2S + 2 vectors a
+// row, so the index arithmetic is not on its critical path (not measured against 32-bit yet).
+template <typename Src, typename TIn, typename TOut, int VEC, int kChunk>
+__global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<kChunk>())
+    merge_backward_kernel(const MergeShape shape, const BackwardArgs<Src> args) {
+  using I = int64_t;
+  pdl_wait_then_release();
+  const I row = (static_cast<I>(blockIdx.z) * gridDim.x + blockIdx.x) * blockDim.y + threadIdx.y;
+  if (row >= shape.rows) return;  // the row's lanes leave together
+  I token, head;
+  shape.split_row<false>(row, token, head);
+  const auto r = args.src.template row<TIn>(token, head);
+  const int lane = static_cast<int>(threadIdx.x), lanes = static_cast<int>(blockDim.x);
+  const unsigned warp_lane = (threadIdx.x + blockDim.x * threadIdx.y) & 31u;
+  const unsigned mask = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u) << (warp_lane & ~(lanes - 1u));
+  const TOut* const d_out = args.grad_out.template o_at<TOut>(token, head);
+  const TOut* const o_out = args.out.template o_at<TOut>(token, head);
+  float lse = -INFINITY, dlse = 0.0f;
+  if (r.has_out) {
+    lse = args.out.lse_at(token, head);
+    if (args.grad_out.lse != nullptr) dlse = args.grad_out.lse_at(token, head);
+  }
+  const GradWeights g(lse, dlse, shape.base2);
+  const I packs = static_cast<I>(shape.packs);
+  // The lane's first packs of dO and O, kept for every chunk: read once for rows of up to 32
+  // packs (256 16-bit or 128 float32 elements), whatever their states.
+  Pack<TOut, VEC> pd0{}, po0{};
+  if (r.has_out && lane < packs) {
+    pd0 = load_pack<TOut, VEC>(d_out + lane * VEC, false);
+    if (args.want_lse) po0 = load_pack<TOut, VEC>(o_out + lane * VEC, false);
+  }
+  for (int s0 = r.lo; s0 < r.hi; s0 += kChunk) {
+    float p[kChunk], dot[kChunk];
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) {
+      const int s = s0 + c;
+      p[c] = s < r.hi && r.live(s) ? g.p(r.in.lse(s)) : 0.0f;
+      dot[c] = 0.0f;
+    }
+    for (I k = lane; k < packs; k += lanes) {
+      Pack<TOut, VEC> pd = pd0, po = po0;
+      Pack<TIn, VEC> pi[kChunk];
+      if (r.has_out && k != lane) {
+        pd = load_pack<TOut, VEC>(d_out + k * VEC, false);
+        if (args.want_lse) po = load_pack<TOut, VEC>(o_out + k * VEC, false);
+      }
+      if (args.want_lse) {
+#pragma unroll
+        for (int c = 0; c < kChunk; ++c)
+          if (s0 + c < r.hi) pi[c] = load_pack<TIn, VEC>(r.in.template o_at<TIn>(s0 + c) + k * VEC, false);
+      }
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c) {
+        if (s0 + c >= r.hi) continue;
+        if (args.want_lse) {
+          float part = 0.0f;
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) part += pd.get(j) * (pi[c].get(j) - po.get(j));
+          dot[c] += part;
+        }
+        TIn* const y = r.grad.o_at(s0 + c);
+        if (args.want_o && y != nullptr) {
+          float v[VEC];
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) v[j] = GradWeights::grad_o(p[c], pd.get(j));
+          store_pack<TIn, VEC>(y + k * VEC, v, false);
+        }
+      }
+    }
+    if (args.want_lse) {
+      for (int offset = lanes >> 1; offset > 0; offset >>= 1) {
+#pragma unroll
+        for (int c = 0; c < kChunk; ++c) dot[c] += __shfl_xor_sync(mask, dot[c], offset);
+      }
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c)
+        if (s0 + c < r.hi && lane == c % lanes) {
+          float* const q = r.grad.lse_at(s0 + c);
+          if (q != nullptr) *q = g.grad_lse(p[c], dot[c]);
+        }
+    }
+  }
+}
+
+// The backward as `plan` (plan_backward of the same call) says.  TIn: the storage type of the
+// inputs' O and of their gradients; TOut: that of the forward's output and of its gradient dO;
+// VEC = plan.vec.
+template <typename TIn, typename TOut, int VEC, typename Src>
+cudaError_t launch_merge_backward(const BackwardPlan& plan, const BackwardArgs<Src>& args, cudaStream_t stream) {
+  if (plan.launches == 0) return cudaSuccess;
+  void (*kernel)(MergeShape, BackwardArgs<Src>);
+  if constexpr (Src::kMaxStates == 2) {
+    kernel = merge_backward_kernel<Src, TIn, TOut, VEC, 2>;
+  } else {
+    kernel = merge_backward_kernel<Src, TIn, TOut, VEC, kSmallChunk>;
+  }
+  cudaLaunchConfig_t config = {};
+  config.stream = stream;
+  config.gridDim = dim3(plan.dims.grid[0], plan.dims.grid[1], plan.dims.grid[2]);
+  config.blockDim = dim3(plan.dims.block[0], plan.dims.block[1], plan.dims.block[2]);
+  cudaLaunchAttribute attribute;
+  if (plan.pdl) {
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&config, kernel, plan.shape, args);
+}
+
+}  // namespace attnmerge
