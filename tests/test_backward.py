@@ -8,7 +8,8 @@ For a row with the forward's output O and LSE, the gradients dO and dLSE of them
 - an empty part (lse -inf or +inf), a part of zero weight and every part of an all-empty row get
   zero gradients, never NaN, whatever their O or dO hold;
 - a NaN LSE gives NaN to the gradients of its row's other parts (errors surface);
-- the forward's O and LSE are passed in as saved: the backward is a function of them;
+- the forward's O and LSE are passed in as saved: the backward is a function of them (without O,
+  <dO, O> comes from the states: sum_j p_j <dO, O_j>);
 - every dtype and stride the forward takes; gradients not asked for are not written.
 
 The oracle (oracle.reference_merge_states_backward) is float64 NumPy written from the formula, and is
@@ -349,6 +350,46 @@ def test_gradients_not_asked_for_are_not_computed(rng, dev):
     assert rel_l2(dev.get(grad_lse), want[1]) <= GRAD_LSE_RTOL
 
 
+@pytest.mark.parametrize("s", (2, 3, 8, 70))
+@pytest.mark.parametrize("in_dtype", ("float32", "bfloat16"))
+def test_without_out_the_dot_with_o_comes_from_the_states(rng, dev, in_dtype, s):
+    """out=None: <dO, O> is sum_j p_j <dO, O_j>, the exact O's (no O read); rows of more states than
+    a chunk (4 on the GPU, 64 on the CPU) finish their dots in a second pass."""
+    o, lse, _, out_lse, grad_out, grad_out_lse = case(rng, 6, s, 3, 40, in_dtype, in_dtype, 2)
+    exact_o = reference_merge_stacked(o, lse, base=2)[0]
+    lse[0, 0, 1] = -np.inf  # an empty part, NaN in its O: still zeros, and no NaN in its row
+    o[0, 0, 1] = np.nan
+    exact_o[0, 1] = reference_merge_stacked(o[:1], lse[:1], base=2)[0][0, 1]
+    out_lse[0, 1] = reference_merge_stacked(o[:1], lse[:1], base=2)[1][0, 1]
+    grad_o, grad_lse = dev.nan(o.shape, in_dtype), dev.nan(lse.shape)
+    attnmerge.merge_states_backward(dev.put(grad_out), dev.put(grad_out_lse), None, dev.put(out_lse), dev.put(o),
+                                    dev.put(lse), grad_o=grad_o, grad_lse=grad_lse, base=2)
+    assert_grads(dev.get(grad_o), dev.get(grad_lse),
+                 expected_states(o, lse, exact_o, out_lse, grad_out, grad_out_lse, 2), in_dtype)
+
+
+def test_without_out_two_way_and_varlen(rng, dev):
+    o, lse, _, out_lse, grad_out, grad_out_lse = case(rng, 7, 2, 3, 24, "float16", "float16", "e")
+    exact_o = reference_merge_stacked(o, lse)[0]
+    want = expected_states(o, lse, exact_o, out_lse, grad_out, grad_out_lse, "e")
+    res = attnmerge.merge_backward(dev.put(grad_out), dev.put(grad_out_lse), None, dev.put(out_lse), dev.put(o[:, 0]),
+                                   dev.put(lse[:, 0]), dev.put(o[:, 1]), dev.put(lse[:, 1]))
+    for i in range(2):
+        assert_grads(dev.get(res[2 * i]), dev.get(res[2 * i + 1]), (want[0][:, i], want[1][:, i]), "float16")
+    indptr = np.array([0, 3, 3, 9], np.int32)
+    v, sv = random_o(rng, (9, 2, 16)), random_lse(rng, (9, 2))
+    out, out_lse = attnmerge.merge_varlen(v, sv, indptr)
+    exact = np.zeros(out.shape)
+    for r in range(3):
+        if indptr[r + 1] > indptr[r]:
+            exact[r] = reference_merge_states(list(v[indptr[r]:indptr[r + 1], None]), list(sv[indptr[r]:indptr[r + 1], None]))[0][0]
+    grad_out, grad_out_lse = random_o(rng, out.shape), random_lse(rng, out_lse.shape, 1.0)
+    g = attnmerge.merge_varlen_backward(dev.put(grad_out), dev.put(grad_out_lse), None, dev.put(out_lse), dev.put(v),
+                                        dev.put(sv), dev.put(indptr))
+    assert_grads(dev.get(g[0]), dev.get(g[1]), varlen_expected(v, sv, indptr, exact, out_lse, grad_out, grad_out_lse, "e"),
+                 "float32")
+
+
 # --------------------------------------------------------------------------------------------------
 # merge_backward (two-way)
 
@@ -559,6 +600,34 @@ def test_the_c_abi_skips_absent_gradients_and_reads_no_o_without_lse_gradients(r
                                        t(lse)) == c_abi.SUCCESS
     assert_o_close(g, want[0], "float32")
     assert c_abi.merge_states_backward(None, None, t(grad_out), None, t(out), t(out_lse), t(o), t(lse)) == c_abi.SUCCESS
+
+
+def test_c_abi_two_way_with_lses_heads_first(rng):
+    """ATTNMERGE_LSE_HEADS_FIRST (vLLM's layout) applies to every LSE of the call, the gradients'
+    included; with ATTNMERGE_A_TOKENS a's gradients hold a_tokens tokens."""
+    tokens, h, d, a_tokens = 6, 3, 16, 4
+    o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, tokens, 2, h, d, "float32", "float32", "e")
+    lse[a_tokens:, 0] = -np.inf  # what a_tokens means: no state a past them
+    out, out_lse = forward_states(o, lse, "float32", "e")
+    want = expected_states(o, lse, out, out_lse, grad_out, grad_out_lse, "e")
+    ht = lambda x: np.ascontiguousarray(x.T)  # noqa: E731 - [heads, tokens]
+    t = c_abi.tensor_from
+    g_oa, g_ob = np.full((a_tokens, h, d), np.nan, np.float32), np.full((tokens, h, d), np.nan, np.float32)
+    g_la, g_lb = np.full((h, a_tokens), np.nan, np.float32), np.full((h, tokens), np.nan, np.float32)
+    o_a, o_b = np.ascontiguousarray(o[:a_tokens, 0]), np.ascontiguousarray(o[:, 1])
+    # (the arrays held here: a descriptor keeps only their pointers)
+    d_lse, s_lse, lse_a, lse_b = ht(grad_out_lse), ht(out_lse), ht(lse[:a_tokens, 0]), ht(lse[:, 1])
+    status = c_abi.merge_backward(t(g_oa), t(g_la), t(g_ob), t(g_lb), t(grad_out), t(d_lse), t(out), t(s_lse), t(o_a),
+                                  t(lse_a), t(o_b), t(lse_b),
+                                  c_abi.options(flags=c_abi.LSE_HEADS_FIRST | c_abi.A_TOKENS, a_tokens=a_tokens))
+    assert status == c_abi.SUCCESS, c_abi.last_error()
+    assert_grads(g_oa, g_la.T, (want[0][:a_tokens, 0], want[1][:a_tokens, 0]), "float32", "a: ")
+    assert_grads(g_ob, g_lb.T, (want[0][:, 1], want[1][:, 1]), "float32", "b: ")
+    other = g_ob.copy()
+    status = c_abi.merge_backward(t(g_ob), None, t(other), None, t(grad_out), None, t(out), t(s_lse), t(o_a), t(lse_a),
+                                  t(o_b), t(lse_b),
+                                  c_abi.options(flags=c_abi.LSE_HEADS_FIRST | c_abi.A_TOKENS, a_tokens=a_tokens))
+    assert status == c_abi.ERROR_VALUE and c_abi.last_error().startswith("grad_o_a: expected shape [4, 3, 16]")
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
 // The merges' backward (merge_backward_kernels.cuh) against the HBM roofline: T x S x 32 x 128
 // bfloat16 states ([tokens, S, heads, D]), the forward's O and LSE made by the library's own
 // forward, random dO and dLSE; the N-way backward at S = 2, 4, 8 and 16 and the two-way one
-// (S = 2 through PairBackward), by CUDA-graph replay through the header-only launcher.
+// (S = 2 through PairBackward), by CUDA-graph replay through the header-only launcher; each with
+// the forward's O passed in (the default) and without it (out = NULL), whose bytes omit O.
 //
 // bytes = read S O_i + dO + O + S lse_i + LSE + dLSE, write S dO_i + S dlse_i.  The roofline is a
 // device-to-device copy of 1 GiB on the same GPU (cudaMemcpyAsync, read + write bytes over time):
@@ -84,24 +85,31 @@ void run_case(int64_t tokens, int64_t states, bool pair, int sms, double roof, c
   const StateView grad_out_v{grad_out, kHeads * kHeadSize, kHeadSize, grad_out_lse, kHeads, 1};
   const StackSource grad{grad_o, o_st, o_ss, kHeadSize, grad_lse, l_st, kHeads, 1, states};
   const BackwardPlan plan = plan_backward(shape, 8, states, pair, false, DeviceInfo{sms, 9});
-  double us;
-  if (pair) {
-    const auto pair_of = [&](const StackSource& s) {
+  // The backward with the forward's O (the default) and without it (out = NULL: <dO, O> from the
+  // states' dots, one vector a row less to read).
+  const auto time_backward = [&](const StateView& saved) {
+    const auto call = [&](const auto& args) {
+      return graph_us(
+          [&](int) { check_cuda(launch_merge_backward<bfloat16_t, bfloat16_t, 8>(plan, args, stream), "backward"); },
+          stream, 10);
+    };
+    if (!pair) return call(BackwardArgs<StackBackward>{StackBackward{in, grad}, saved, grad_out_v, true, true});
+    const auto pair_of = [&](const StackSource& s) {  // states 0 and 1 of the stack as a and b
       return PairSource{StateView{s.o, s.o_st, s.o_sh, s.lse, s.lse_st, s.lse_sh},
                         StateView{static_cast<const uint16_t*>(s.o) + s.o_ss, s.o_st, s.o_sh, s.lse + s.lse_ss,
                                   s.lse_st, s.lse_sh},
                         tokens, nullptr, 0};
     };
-    const BackwardArgs<PairBackward> args{PairBackward{pair_of(in), pair_of(grad)}, out_v, grad_out_v, true, true};
-    us = graph_us([&](int) { check_cuda(launch_merge_backward<bfloat16_t, bfloat16_t, 8>(plan, args, stream), "backward"); },
-                  stream, 10);
-  } else {
-    const BackwardArgs<StackBackward> args{StackBackward{in, grad}, out_v, grad_out_v, true, true};
-    us = graph_us([&](int) { check_cuda(launch_merge_backward<bfloat16_t, bfloat16_t, 8>(plan, args, stream), "backward"); },
-                  stream, 10);
-  }
+    return call(BackwardArgs<PairBackward>{PairBackward{pair_of(in), pair_of(grad)}, saved, grad_out_v, true, true});
+  };
+  StateView no_o = out_v;
+  no_o.o = nullptr;
+  no_o.o_st = no_o.o_sh = 0;
+  const double us_no_o = time_backward(no_o);
+  const double us = time_backward(out_v);  // last: its gradients are the ones checked below
   const double bytes = 2.0 * (2 * o_elems + 2 * out_elems) + 4.0 * (2 * l_elems + 2 * row_elems);
   const double gbps = bytes / us / 1e3;
+  const double gbps_no_o = (bytes - 2.0 * out_elems) / us_no_o / 1e3;
 
   // A few rows against the formula on the host.
   std::vector<uint16_t> h_o(o_elems), h_go(o_elems), h_out(out_elems), h_gout(out_elems);
@@ -131,9 +139,10 @@ void run_case(int64_t tokens, int64_t states, bool pair, int sms, double roof, c
       worst = std::max(worst, std::abs(h_gl[t * l_st + s * kHeads + h] - want) / (std::abs(want) + 1e-3));
     }
   }
-  std::printf("%6lld tokens  S=%-3lld %-5s  %9.1f us  %7.1f GB/s  %5.1f%% of copy  block %ux%u grid %u  max rel err %.2e\n",
-              (long long)tokens, (long long)states, pair ? "pair" : "stack", us, gbps, 100.0 * gbps / roof,
-              plan.dims.block[0], plan.dims.block[1], plan.dims.grid[0], worst);
+  std::printf("%6lld tokens  S=%-3lld %-5s  %9.1f us  %7.1f GB/s  %5.1f%% of copy  | without O: %9.1f us  %7.1f GB/s"
+              "  | block %ux%u grid %u  max rel err %.2e\n",
+              (long long)tokens, (long long)states, pair ? "pair" : "stack", us, gbps, 100.0 * gbps / roof, us_no_o,
+              gbps_no_o, plan.dims.block[0], plan.dims.block[1], plan.dims.grid[0], worst);
   for (void* p : {static_cast<void*>(o), static_cast<void*>(grad_o), static_cast<void*>(out), static_cast<void*>(grad_out),
                   static_cast<void*>(lse), static_cast<void*>(grad_lse), static_cast<void*>(out_lse),
                   static_cast<void*>(grad_out_lse)})

@@ -493,9 +493,9 @@ attnmerge_status check_grads(std::initializer_list<const View*> grads, std::init
   return ATTNMERGE_SUCCESS;
 }
 
-// O [tokens, heads, ...] and an LSE that may be absent (null: never read).
+// O [tokens, heads, ...] and an LSE, either of which may be absent (null: never read).
 StateView state_of(const View& o, const View& lse) {
-  return StateView{o.t->data, o.strides[0], o.strides[1],
+  return StateView{o.present() ? o.t->data : nullptr, o.present() ? o.strides[0] : 0, o.present() ? o.strides[1] : 0,
                    lse.present() ? static_cast<const float*>(lse.t->data) : nullptr,
                    lse.present() ? lse.strides[0] : 0, lse.present() ? lse.strides[1] : 0};
 }
@@ -505,25 +505,28 @@ StateView state_of(const View& o, const View& lse) {
 const void* data_or_null(const View& v) { return v.present() ? v.t->data : nullptr; }
 int64_t stride_or_0(const View& v, int axis) { return v.present() ? v.strides[axis] : 0; }
 
-// The incoming gradients and the forward's outputs, described and checked against `out_shape`
-// ([rows, heads, head_size], sizes from `source`); the forward's `in` (its O inputs) give the
-// dtype of `grads_o`.
+// What every backward reads beside the forward's inputs: the incoming gradients (dO, dLSE) and
+// the forward's outputs (O, LSE), all [rows, heads, ...].
 struct BackwardViews {
   View grad_out, grad_out_lse, out, out_lse;
 };
 
+// Described: grad_out_lse optional (dLSE = 0), out optional (<dO, O> from the states instead);
+// grad_out in the dtype of out, which has a gradient: not FP8.
 attnmerge_status describe_backward_outputs(const attnmerge_tensor* grad_out, const attnmerge_tensor* grad_out_lse,
                                            const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
                                            bool heads_first, BackwardViews& v) {
   attnmerge_status s;
   if ((s = describe(grad_out, "grad_out", 3, kInputs, false, false, v.grad_out)) ||
       (s = describe(grad_out_lse, "grad_out_lse", 2, kLse, heads_first, true, v.grad_out_lse)) ||
-      (s = describe(out, "out", 3, kInputs, false, false, v.out)) ||
-      (s = describe(out_lse, "out_lse", 2, kLse, heads_first, false, v.out_lse)) || (s = check_dtype_of(v.grad_out, v.out)))
+      (s = describe(out, "out", 3, kInputs, false, true, v.out)) ||
+      (s = describe(out_lse, "out_lse", 2, kLse, heads_first, false, v.out_lse)) ||
+      (v.out.present() && (s = check_dtype_of(v.grad_out, v.out))))
     return s;
   return ATTNMERGE_SUCCESS;
 }
 
+// Each of them of `out_shape` (sizes from `source`).
 attnmerge_status check_backward_shapes(const BackwardViews& v, const int64_t (&out_shape)[3], const View& source) {
   attnmerge_status s;
   for (const View* w : {&v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse})
@@ -531,14 +534,16 @@ attnmerge_status check_backward_shapes(const BackwardViews& v, const int64_t (&o
   return ATTNMERGE_SUCCESS;
 }
 
-// The forward's output dtype has no gradient for an output scale: read_options refuses one for
-// the (never FP8) out.
+// An FP8 output, hence an output scale, has no gradient: read_options refuses a scale for the
+// (never FP8) grad_out.
 attnmerge_status read_backward_options(const attnmerge_options* options, uint32_t allowed, const View& out,
                                        attnmerge_options& opt) {
   float inv_scale;
   return read_options(options, allowed, out, opt, inv_scale);
 }
 
+// One device for every non-empty tensor, memory it can address, then the CPU loop or the launch
+// (nothing to do where no gradient is asked for).
 template <typename Src>
 attnmerge_status run_backward(std::initializer_list<const View*> views, const MergeShape& shape,
                               const BackwardArgs<Src>& args, int64_t states, int in_dtype, int out_dtype, int vec,
@@ -687,7 +692,7 @@ attnmerge_status attnmerge_merge_backward(const attnmerge_tensor* grad_o_a, cons
     return s;
   attnmerge_options opt;
   if ((s = read_backward_options(options, ATTNMERGE_LSE_BASE2 | ATTNMERGE_LSE_HEADS_FIRST | ATTNMERGE_A_TOKENS | ATTNMERGE_PDL,
-                                 v.out, opt)) ||
+                                 v.grad_out, opt)) ||
       (s = check_dtype_of(vb, va)) || (s = check_dtype_of(vga, va)) || (s = check_dtype_of(vgb, va)))
     return s;
   // Sizes come from o_b, as in the forward.
@@ -714,8 +719,9 @@ attnmerge_status attnmerge_merge_backward(const attnmerge_tensor* grad_o_a, cons
                                         state_of(v.grad_out, v.grad_out_lse), vga.present() || vgb.present(),
                                         vgla.present() || vglb.present()};
   return run_backward({&vga, &vgla, &vgb, &vglb, &v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse, &va, &vla, &vb, &vlb},
-                      shape, args, 2, o_a->dtype, out->dtype,
-                      choose_vec({vga.present() ? &vga : &va, vgb.present() ? &vgb : &vb, &v.grad_out, &v.out, &va, &vb},
+                      shape, args, 2, o_a->dtype, grad_out->dtype,
+                      choose_vec({vga.present() ? &vga : &va, vgb.present() ? &vgb : &vb, &v.grad_out,
+                                  v.out.present() ? &v.out : &v.grad_out, &va, &vb},
                                  head_size),
                       stream, opt.flags);
 }
@@ -735,7 +741,7 @@ attnmerge_status attnmerge_merge_states_backward(const attnmerge_tensor* grad_o,
       (s = describe(o, "o", 4, kInputs, false, false, vo)) || (s = describe(lse, "lse", 3, kLse, false, false, vl)))
     return s;
   attnmerge_options opt;
-  if ((s = read_backward_options(options, ATTNMERGE_LSE_BASE2 | ATTNMERGE_PDL, v.out, opt)) ||
+  if ((s = read_backward_options(options, ATTNMERGE_LSE_BASE2 | ATTNMERGE_PDL, v.grad_out, opt)) ||
       (s = check_dtype_of(vg, vo)))
     return s;
   const int64_t tokens = vo.shape[0], states = vo.shape[1], heads = vo.shape[2], head_size = vo.shape[3];
@@ -756,7 +762,8 @@ attnmerge_status attnmerge_merge_states_backward(const attnmerge_tensor* grad_o,
   const BackwardArgs<StackBackward> args{StackBackward{in, grad}, state_of(v.out, v.out_lse),
                                          state_of(v.grad_out, v.grad_out_lse), vg.present(), vgl.present()};
   return run_backward({&vg, &vgl, &v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse, &vo, &vl}, shape, args, states,
-                      o->dtype, out->dtype, choose_vec({vg.present() ? &vg : &vo, &v.grad_out, &v.out, &vo}, head_size),
+                      o->dtype, grad_out->dtype,
+                      choose_vec({vg.present() ? &vg : &vo, &v.grad_out, v.out.present() ? &v.out : &v.grad_out, &vo}, head_size),
                       stream, opt.flags);
 }
 
@@ -777,7 +784,7 @@ attnmerge_status attnmerge_merge_varlen_backward(const attnmerge_tensor* grad_o,
       (s = describe(indptr, "indptr", 1, kIndex, false, false, vi)))
     return s;
   attnmerge_options opt;
-  if ((s = read_backward_options(options, ATTNMERGE_LSE_BASE2 | ATTNMERGE_PDL, v.out, opt)) ||
+  if ((s = read_backward_options(options, ATTNMERGE_LSE_BASE2 | ATTNMERGE_PDL, v.grad_out, opt)) ||
       (s = check_dtype_of(vg, vo)))
     return s;
   const int64_t total = vo.shape[0], heads = vo.shape[1], head_size = vo.shape[2];
@@ -789,7 +796,7 @@ attnmerge_status attnmerge_merge_varlen_backward(const attnmerge_tensor* grad_o,
   if ((s = check_shape(vl, o_shape, vo)) || (s = check_shape(vg, o_shape, vo)) || (s = check_shape(vgl, o_shape, vo)) ||
       (s = check_backward_shapes(v, out_shape, vo)) ||
       (s = check_grads({&vg, &vgl}, {&v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse, &vo, &vl, &vi})) ||
-      (s = check_indptr(vi, out, rows, total)))
+      (s = check_indptr(vi, grad_out, rows, total)))
     return s;
   // With no rows, one row over every state writes their zeros (RangeBackward).
   const MergeShape shape{rows > 0 ? rows : total > 0 ? 1 : 0, heads, head_size, (opt.flags & ATTNMERGE_LSE_BASE2) != 0};
@@ -803,7 +810,8 @@ attnmerge_status attnmerge_merge_varlen_backward(const attnmerge_tensor* grad_o,
                                          state_of(v.grad_out, v.grad_out_lse), vg.present(), vgl.present()};
   const int64_t states = rows > 0 ? (total + rows - 1) / rows : total;
   return run_backward({&vg, &vgl, &v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse, &vo, &vl, &vi}, shape, args, states,
-                      o->dtype, out->dtype, choose_vec({vg.present() ? &vg : &vo, &v.grad_out, &v.out, &vo}, head_size),
+                      o->dtype, grad_out->dtype,
+                      choose_vec({vg.present() ? &vg : &vo, &v.grad_out, v.out.present() ? &v.out : &v.grad_out, &vo}, head_size),
                       stream, opt.flags);
 }
 

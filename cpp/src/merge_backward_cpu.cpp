@@ -31,6 +31,11 @@ ATTNMERGE_CPU_CLONES void backward_rows(const MergeShape& shape, const BackwardA
     const GradWeights g(lse, dlse, shape.base2);
     const TOut* const d_out = a.grad_out.template o_at<TOut>(token, head);
     const TOut* const o_out = a.out.template o_at<TOut>(token, head);
+    // Without the forward's O, <dO, O_i - O> is <dO, O_i> - sum_j p_j <dO, O_j>: the dots of a row
+    // of more than a block of states are stored raw, then finished once the sum is known.
+    const bool o_free = a.out.o == nullptr;
+    const bool two_pass = o_free && r.hi - r.lo > kBlock;
+    float dot_o = 0.0f;  // <dO, O>, or the part of sum_j p_j <dO, O_j> seen so far
     for (int s0 = r.lo; s0 < r.hi; s0 += kBlock) {
       const int m = std::min(kBlock, r.hi - s0);
       float p[kBlock], dot[kBlock];
@@ -43,7 +48,7 @@ ATTNMERGE_CPU_CLONES void backward_rows(const MergeShape& shape, const BackwardA
         float dv[kChunk] = {}, ov[kChunk] = {};  // zeros for a row with no output: every p is 0
         if (r.has_out) {
           for (int64_t d = 0; d < len; ++d) dv[d] = Convert<TOut>::load(d_out[d0 + d]);
-          if (a.want_lse)
+          if (a.want_lse && !o_free)
             for (int64_t d = 0; d < len; ++d) ov[d] = Convert<TOut>::load(o_out[d0 + d]);
         }
         for (int c = 0; c < m; ++c) {
@@ -62,10 +67,16 @@ ATTNMERGE_CPU_CLONES void backward_rows(const MergeShape& shape, const BackwardA
           }
         }
       }
-      if (a.want_lse)
+      if (a.want_lse) {
+        if (o_free)
+          for (int c = 0; c < m; ++c) dot_o += p[c] != 0.0f ? p[c] * dot[c] : 0.0f;
         for (int c = 0; c < m; ++c)
-          if (float* const q = r.grad.lse_at(s0 + c)) *q = g.grad_lse(p[c], dot[c]);
+          if (float* const q = r.grad.lse_at(s0 + c)) *q = two_pass ? dot[c] : g.grad_lse(p[c], dot[c] - dot_o);
+      }
     }
+    if (two_pass && a.want_lse)
+      for (int s = r.lo; s < r.hi; ++s)
+        if (float* const q = r.grad.lse_at(s)) *q = g.grad_lse(r.live(s) ? g.p(r.in.lse(s)) : 0.0f, *q - dot_o);
     if (++head == shape.heads) {
       head = 0;
       ++token;

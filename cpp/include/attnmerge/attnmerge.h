@@ -162,6 +162,10 @@ ATTNMERGE_API attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* ou
  *
  *   - out and out_lse are the forward's results, saved and passed in, not recomputed; the other
  *     inputs are the forward's inputs, as it took them (the same layouts, strides and options);
+ *   - out may be NULL: <dO, O_i - O> is then <dO, O_i> - sum_j p_j <dO, O_j> (equal in exact
+ *     arithmetic; O is not read, one vector a row less; the dots of rows of more than 4 states on
+ *     the GPU, 64 on the CPU, are stored in the LSE gradients and finished in a second pass over
+ *     them, a float a state);
  *   - an empty part (lse_i -inf or +inf) gets zero gradients, never NaN, whatever its O_i or dO
  *     holds; so does a part of zero weight, and every part of an all-empty row (LSE -inf);
  *   - a NaN lse_i, LSE or dLSE, or NaN in dO, O or O_i, gives NaN where the formula does: errors

@@ -162,7 +162,7 @@ struct RangeBackward {
 template <typename Src>
 struct BackwardArgs {
   Src src;
-  StateView out;       // O and LSE of the forward
+  StateView out;       // O and LSE of the forward (o null: O not read, see the C ABI's out = NULL)
   StateView grad_out;  // dO and dLSE (lse null: dLSE = 0)
   bool want_o, want_lse;
 };

@@ -89,12 +89,18 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<kCh
   }
   const GradWeights g(lse, dlse, shape.base2);
   const I packs = static_cast<I>(shape.packs);
+  // Without the forward's O, <dO, O_i - O> is <dO, O_i> - sum_j p_j <dO, O_j> (one vector a row
+  // less to read): the dots of a row of more than a chunk of states are stored raw, then
+  // finished once the sum is known.
+  const bool o_free = args.out.o == nullptr;
+  const bool two_pass = o_free && r.hi - r.lo > kChunk;
+  float dot_o = 0.0f;  // <dO, O>, or the part of sum_j p_j <dO, O_j> seen so far
   // The lane's first packs of dO and O, kept for every chunk: read once for rows of up to 32
   // packs (256 16-bit or 128 float32 elements), whatever their states.
   Pack<TOut, VEC> pd0{}, po0{};
   if (r.has_out && lane < packs) {
     pd0 = load_pack<TOut, VEC>(d_out + lane * VEC, false);
-    if (args.want_lse) po0 = load_pack<TOut, VEC>(o_out + lane * VEC, false);
+    if (args.want_lse && !o_free) po0 = load_pack<TOut, VEC>(o_out + lane * VEC, false);
   }
   for (int s0 = r.lo; s0 < r.hi; s0 += kChunk) {
     float p[kChunk], dot[kChunk];
@@ -109,7 +115,7 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<kCh
       Pack<TIn, VEC> pi[kChunk];
       if (r.has_out && k != lane) {
         pd = load_pack<TOut, VEC>(d_out + k * VEC, false);
-        if (args.want_lse) po = load_pack<TOut, VEC>(o_out + k * VEC, false);
+        if (args.want_lse && !o_free) po = load_pack<TOut, VEC>(o_out + k * VEC, false);
       }
       if (args.want_lse) {
 #pragma unroll
@@ -139,12 +145,26 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<kCh
 #pragma unroll
         for (int c = 0; c < kChunk; ++c) dot[c] += __shfl_xor_sync(mask, dot[c], offset);
       }
+      if (o_free) {
+#pragma unroll
+        for (int c = 0; c < kChunk; ++c) dot_o += p[c] != 0.0f ? p[c] * dot[c] : 0.0f;
+      }
 #pragma unroll
       for (int c = 0; c < kChunk; ++c)
         if (s0 + c < r.hi && lane == c % lanes) {
           float* const q = r.grad.lse_at(s0 + c);
-          if (q != nullptr) *q = g.grad_lse(p[c], dot[c]);
+          if (q != nullptr) *q = two_pass ? dot[c] : g.grad_lse(p[c], dot[c] - dot_o);
         }
+    }
+  }
+  if (two_pass && args.want_lse) {  // each lane finishes the dots it stored
+    for (int s0 = r.lo; s0 < r.hi; s0 += kChunk) {
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c) {
+        const int s = s0 + c;
+        float* const q = s < r.hi && lane == c % lanes ? r.grad.lse_at(s) : nullptr;
+        if (q != nullptr) *q = g.grad_lse(r.live(s) ? g.p(r.in.lse(s)) : 0.0f, *q - dot_o);
+      }
     }
   }
 }
