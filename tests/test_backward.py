@@ -638,8 +638,45 @@ def test_gpu_launch_is_one_backward_kernel(rng):
     o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 64, 8, 8, 128, "bfloat16", "bfloat16", "e")
     attnmerge.merge_states_backward(*(dev.put(x) for x in (grad_out, grad_out_lse, out, out_lse, o, lse)))
     info = attnmerge.last_launch()
-    assert (info["kernel"], info["launches"], info["vec"]) == ("backward", 1, 8)
+    assert (info["kernel"], info["launches"], info["vec"], info["pdl"]) == ("backward", 1, 8, False)
     assert info["block"][0] == 16  # 128 bfloat16 elements: 16 packs of 8, one lane each
+    attnmerge.merge_states_backward(*(dev.put(x) for x in (grad_out, grad_out_lse, out, out_lse, o, lse)), pdl=True)
+    major = dev.torch.cuda.get_device_capability()[0]
+    assert attnmerge.last_launch()["pdl"] == (major >= 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_gpu_gradients_match_the_cpus(rng, in_dtype):
+    """The same call on the GPU and on the CPU: the same gradients to the forward's tolerances."""
+    if not TORCH_DEVICE.startswith("cuda"):
+        pytest.skip("GPU-only behaviour")
+    gpu, host = torch_device(), Host()
+    o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 33, 5, 4, 96, in_dtype, "float32", 2)
+    args = (grad_out, grad_out_lse, out, out_lse, o, lse)
+    on_gpu = attnmerge.merge_states_backward(*(gpu.put(x) for x in args), base=2)
+    on_cpu = attnmerge.merge_states_backward(*(host.put(x) for x in args), base=2)
+    assert_o_close(gpu.get(on_gpu[0]), to_f64(on_cpu[0]), in_dtype)
+    assert rel_l2(gpu.get(on_gpu[1]), on_cpu[1]) <= GRAD_LSE_RTOL
+
+
+@pytest.mark.gpu
+def test_gpu_bad_indptr_stays_in_bounds_and_writes_every_state(rng):
+    """On the GPU a bad indptr is not read back: rows take the forward's clamped ranges, nothing is
+    accessed out of bounds, and every state's gradient is still written (states in two rows'
+    clamped ranges get one row's)."""
+    if not TORCH_DEVICE.startswith("cuda"):
+        pytest.skip("GPU-only behaviour")
+    dev = torch_device()
+    o, lse = random_o(rng, (8, 2, 16)), random_lse(rng, (8, 2))
+    grad_out, grad_out_lse = random_o(rng, (3, 2, 16)), random_lse(rng, (3, 2), 1.0)
+    for bad in ([0, 5, 2, 8], [-3, 4, 6, 99], [6, 1, 0, 2]):
+        indptr = dev.put(np.array(bad, np.int64))
+        out, out_lse = attnmerge.merge_varlen(dev.put(o), dev.put(lse), indptr)
+        grad_o, grad_lse = dev.nan(o.shape), dev.nan(lse.shape)
+        attnmerge.merge_varlen_backward(dev.put(grad_out), dev.put(grad_out_lse), out, out_lse, dev.put(o), dev.put(lse),
+                                        indptr, grad_o=grad_o, grad_lse=grad_lse)
+        assert np.isfinite(dev.get(grad_o)).all() and np.isfinite(dev.get(grad_lse)).all(), bad
 
 
 # --------------------------------------------------------------------------------------------------

@@ -556,8 +556,7 @@ attnmerge_status run_backward(std::initializer_list<const View*> views, const Me
     cpu_merge_backward(shape, args, states, in_dtype, out_dtype);
     return ATTNMERGE_SUCCESS;
   }
-  return gpu_merge_backward(shape, args, vec, states, (flags & ATTNMERGE_PDL) != 0, in_dtype, out_dtype, device,
-                            stream);
+  return gpu_merge_backward(shape, args, vec, (flags & ATTNMERGE_PDL) != 0, in_dtype, out_dtype, device, stream);
 }
 
 }  // namespace

@@ -89,8 +89,8 @@ using GpuJob = int (*)(const DeviceInfo& device, void* ctx, attnmerge_launch_inf
 attnmerge_status gpu_run(int device, GpuJob job, void* ctx, const char* what);
 // The backward on the GPU (merge_backward_gpu.cu): planned (plan_backward) and launched on `stream`.
 template <typename Src>
-attnmerge_status gpu_merge_backward(const MergeShape& shape, const BackwardArgs<Src>& args, int vec, int64_t states,
-                                    bool pdl, int in_dtype, int out_dtype, int device, void* stream);
+attnmerge_status gpu_merge_backward(const MergeShape& shape, const BackwardArgs<Src>& args, int vec, bool pdl,
+                                    int in_dtype, int out_dtype, int device, void* stream);
 
 }  // namespace detail
 }  // namespace attnmerge

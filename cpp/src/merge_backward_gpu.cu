@@ -15,7 +15,6 @@ struct BackwardJob {
   const MergeShape& shape;
   const BackwardArgs<Src>& args;
   int vec;
-  int64_t states;
   bool pdl;
   int in_dtype, out_dtype;
   cudaStream_t stream;
@@ -25,7 +24,7 @@ template <typename Src>
 int run_backward(const DeviceInfo& device, void* ctx, attnmerge_launch_info* info) {
   const BackwardJob<Src>& job = *static_cast<const BackwardJob<Src>*>(ctx);
   const BackwardPlan plan =
-      plan_backward(job.shape, job.vec, job.states, Src::kMaxStates == 2, job.pdl, device);
+      plan_backward(job.shape, job.vec, Src::kMaxStates == 2, job.pdl, device);
   cudaError_t err = cudaSuccess;
   dispatch_in_dtype(job.in_dtype, [&](auto in_tag) {
     dispatch_in_dtype(job.out_dtype, [&](auto out_tag) {
@@ -52,19 +51,19 @@ int run_backward(const DeviceInfo& device, void* ctx, attnmerge_launch_info* inf
 }  // namespace
 
 template <typename Src>
-attnmerge_status gpu_merge_backward(const MergeShape& shape, const BackwardArgs<Src>& args, int vec, int64_t states,
-                                    bool pdl, int in_dtype, int out_dtype, int device, void* stream) {
-  BackwardJob<Src> job{shape, args, vec, states, pdl, in_dtype, out_dtype, static_cast<cudaStream_t>(stream)};
+attnmerge_status gpu_merge_backward(const MergeShape& shape, const BackwardArgs<Src>& args, int vec, bool pdl,
+                                    int in_dtype, int out_dtype, int device, void* stream) {
+  BackwardJob<Src> job{shape, args, vec, pdl, in_dtype, out_dtype, static_cast<cudaStream_t>(stream)};
   return gpu_run(device, &run_backward<Src>, &job,
                  "launching the merge backward kernel (possibly an earlier, sticky error of other work)");
 }
 
-template attnmerge_status gpu_merge_backward<PairBackward>(const MergeShape&, const BackwardArgs<PairBackward>&, int,
-                                                           int64_t, bool, int, int, int, void*);
-template attnmerge_status gpu_merge_backward<StackBackward>(const MergeShape&, const BackwardArgs<StackBackward>&, int,
-                                                            int64_t, bool, int, int, int, void*);
-template attnmerge_status gpu_merge_backward<RangeBackward>(const MergeShape&, const BackwardArgs<RangeBackward>&, int,
-                                                            int64_t, bool, int, int, int, void*);
+template attnmerge_status gpu_merge_backward<PairBackward>(const MergeShape&, const BackwardArgs<PairBackward>&, int, bool,
+                                                           int, int, int, void*);
+template attnmerge_status gpu_merge_backward<StackBackward>(const MergeShape&, const BackwardArgs<StackBackward>&, int, bool,
+                                                           int, int, int, void*);
+template attnmerge_status gpu_merge_backward<RangeBackward>(const MergeShape&, const BackwardArgs<RangeBackward>&, int, bool,
+                                                           int, int, int, void*);
 
 }  // namespace detail
 }  // namespace attnmerge

@@ -33,15 +33,13 @@ struct BackwardPlan {
   explicit BackwardPlan(const MergeShape& s) : shape(s) {}
 };
 
-// `states`: a row's states (the mean, for the variable-length merge; 2 for the two-way one).
-inline BackwardPlan plan_backward(const MergeShape& shape, int vec, int64_t states, bool pair, bool pdl,
-                                  DeviceInfo device) {
+// `pair`: a two-state source (PairBackward).
+inline BackwardPlan plan_backward(const MergeShape& shape, int vec, bool pair, bool pdl, DeviceInfo device) {
   BackwardPlan plan(shape);
   plan.vec = vec;
   plan.shape.packs = shape.head_size / vec;
   plan.pdl = pdl && device.major >= 9;
   while (plan.lanes < 32 && plan.lanes < plan.shape.packs) plan.lanes *= 2;
-  (void)states;
   plan.chunk = pair ? 2 : kSmallChunk;
   if (shape.rows == 0) return plan;
   plan.launches = 1;
@@ -50,9 +48,10 @@ inline BackwardPlan plan_backward(const MergeShape& shape, int vec, int64_t stat
   return plan;
 }
 
-// Registers: a chunk of 4 states holds 4 packs of O_i, their addresses (64-bit) and dots, and the
-// lane's first packs of dO and O: about 90 uncapped; 3 blocks of 256 an SM caps it at 85.  (A
-// chunk of 8 needed 135 to 140 uncapped and spilled 300 bytes at 85: not used.)  Two states: 54.
+// Registers (sm_90): a chunk of 4 states holds 4 packs of O_i, their 64-bit addresses and dots,
+// and the lane's first packs of dO and O: about 90 uncapped, so 3 blocks of 256 an SM cap it at
+// 85 (some instantiations spill 8 to 40 bytes); a chunk of 8 needed 135 to 140 and spilled 300
+// bytes at 85: not used.  Two states: 46 to 64, no spills, 4 blocks an SM.
 template <int kChunk>
 constexpr int backward_min_blocks() {
   return kChunk > 2 ? 3 : 4;
@@ -63,10 +62,12 @@ constexpr int backward_min_blocks() {
 // p_i; then for each of the lane's packs, dO, O and the chunk's O_i packs are loaded together,
 // the lane's part of each dot summed and p_i dO stored; then the dots are summed over the row's
 // lanes and the dlse stored.  A state's gradient address that is null (a two-way merge's
-// gradient not asked for, the other's being) is not written.  dO and O are read once for rows of up to a chunk of states (once a
-// chunk beyond).  An empty part gets zeros, and a part of zero weight is loaded but not used
-// (its O may hold NaN), as in the forward.  64-bit offsets: the backward moves 2S + 2 vectors a
-// row, so the index arithmetic is not on its critical path (not measured against 32-bit yet).
+// gradient not asked for, the other's being) is not written.  The lane's first packs of dO and O
+// are kept for every chunk: each is read once for rows of up to 32 packs (256 16-bit or 128
+// float32 elements); wider rows read their further packs again for each chunk.  An empty part
+// gets zeros, and a part of zero weight is loaded but not used (its O may hold NaN), as in the
+// forward.  64-bit offsets: the backward moves 2S + 2 vectors a row, so the index arithmetic
+// should not be on its critical path (not measured against 32-bit yet).
 template <typename Src, typename TIn, typename TOut, int VEC, int kChunk>
 __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<kChunk>())
     merge_backward_kernel(const MergeShape shape, const BackwardArgs<Src> args) {
@@ -95,8 +96,7 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<kCh
   const bool o_free = args.out.o == nullptr;
   const bool two_pass = o_free && r.hi - r.lo > kChunk;
   float dot_o = 0.0f;  // <dO, O>, or the part of sum_j p_j <dO, O_j> seen so far
-  // The lane's first packs of dO and O, kept for every chunk: read once for rows of up to 32
-  // packs (256 16-bit or 128 float32 elements), whatever their states.
+  // The lane's first packs of dO and O, kept for every chunk.
   Pack<TOut, VEC> pd0{}, po0{};
   if (r.has_out && lane < packs) {
     pd0 = load_pack<TOut, VEC>(d_out + lane * VEC, false);
