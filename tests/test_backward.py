@@ -25,6 +25,8 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import attnmerge
 import c_abi
@@ -535,6 +537,109 @@ def test_merge_varlen_backward_strided(rng, dev):
     got_l, clean_l = dev.readback(glv, glb, tl, tlb)
     assert clean_o and clean_l
     assert_grads(got_o, got_l, want, "bfloat16")
+
+
+# --------------------------------------------------------------------------------------------------
+# any shape, layout and option at once
+
+
+@st.composite
+def layouts(draw, ndim, unit_last):
+    """strided_view arguments: a storage order of the axes, padding, an offset and steps (never on
+    the innermost stored axis of an O, which must stay unit-stride)."""
+    order = draw(st.permutations(range(ndim - 1)))
+    order = list(order) + [ndim - 1] if unit_last else list(draw(st.permutations(range(ndim))))
+    steps = {a: draw(st.integers(1, 3)) for a in order[:-1] if draw(st.booleans())}
+    if not unit_last and draw(st.booleans()):
+        steps[order[-1]] = draw(st.integers(2, 3))
+    return dict(order=order, pad=draw(st.integers(0, 3)), offset=draw(st.integers(0, 2)), steps=steps)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_merge_states_backward_any_layout_shape_and_option(dev, data):
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    t, s, h, d = (data.draw(st.integers(lo, hi)) for lo, hi in ((0, 5), (0, 6), (1, 3), (1, 40)))
+    in_dtype, out_dtype = data.draw(st.sampled_from(DTYPES)), data.draw(st.sampled_from(DTYPES))
+    base = data.draw(st.sampled_from(BASES))
+    o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, t, s, h, d, in_dtype, out_dtype, base)
+    empty = rng.random(lse.shape) < data.draw(st.sampled_from((0.0, 0.3, 1.0)))
+    lse[empty] = rng.choice([-np.inf, np.inf], size=int(empty.sum()))
+    o[empty] = np.nan  # an empty part's O is never used
+    out, out_lse = forward_states(o, lse, out_dtype, base)
+    without_out = data.draw(st.booleans())
+    if without_out:  # the dots then come from the states: compare with the exact O
+        out = reference_merge_stacked(o, lse, base=base)[0]
+    without_dlse = data.draw(st.booleans())
+    want = expected_states(o, lse, out, out_lse, grad_out, None if without_dlse else grad_out_lse, base)
+    needs = (data.draw(st.booleans()), data.draw(st.booleans()))
+
+    def put(x, unit_last):
+        view, buf = strided_view(x, **data.draw(layouts(x.ndim, unit_last)))
+        return dev.strided(view, buf)[0]
+
+    grad_views = []
+    for x, unit_last, need in ((np.zeros(o.shape, o.dtype), True, needs[0]), (np.zeros(lse.shape, np.float32), False,
+                                                                             needs[1])):
+        view, buf = strided_view(x, **data.draw(layouts(x.ndim, unit_last)))
+        view[...] = np.nan
+        grad_views.append((view, buf) + dev.strided(view, buf) if need else None)
+    res = attnmerge.merge_states_backward(
+        put(grad_out, True), None if without_dlse else put(grad_out_lse, False), None if without_out else put(out, True),
+        put(out_lse, False), put(o, True), put(lse, False),
+        grad_o=grad_views[0][2] if needs[0] else None, grad_lse=grad_views[1][2] if needs[1] else None,
+        needs_grad=needs, base=base)
+    for i, (g, need) in enumerate(zip(grad_views, needs)):
+        if not need:
+            assert res[i] is None
+            continue
+        got, clean = dev.readback(*g)
+        assert clean, "a gradient was written outside its view"
+        if i == 0:
+            assert_o_close(got, want[0], in_dtype, "grad_o")
+        else:
+            assert np.array_equal(np.isnan(got), np.isnan(want[1])) and rel_l2(got, want[1]) <= GRAD_LSE_RTOL
+    for g, need in zip(grad_views, needs):
+        if need:
+            assert np.all(to_f64(dev.readback(*g)[0])[empty] == 0), "an empty part's gradient is not zero"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_merge_varlen_backward_any_rows_layout_and_option(dev, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    counts = data.draw(st.lists(st.integers(0, 7), max_size=6))
+    before, after = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
+    indptr = np.concatenate([[before], before + np.cumsum(counts, dtype=np.int64)]).astype(data.draw(
+        st.sampled_from(("int32", "int64"))))
+    total, h, d = int(indptr[-1]) + after, data.draw(st.integers(1, 3)), data.draw(st.integers(1, 36))
+    in_dtype, base = data.draw(st.sampled_from(DTYPES)), data.draw(st.sampled_from(BASES))
+    o, lse = random_o(rng, (total, h, d), in_dtype), random_lse(rng, (total, h))
+    out, out_lse = attnmerge.merge_varlen(o, lse, indptr, base=base)
+    grad_out, grad_out_lse = random_o(rng, out.shape, in_dtype), random_lse(rng, out_lse.shape, 1.0)
+    without_out = data.draw(st.booleans())
+    exact = out.astype(np.float64)
+    if without_out:
+        for r in range(len(counts)):
+            lo, hi = indptr[r], indptr[r + 1]
+            if hi > lo:
+                exact[r] = reference_merge_states(list(o[lo:hi, None]), list(lse[lo:hi, None]), base=base)[0][0]
+    want = varlen_expected(o, lse, indptr, exact, out_lse, grad_out, grad_out_lse, base)
+    gov, gob = strided_view(np.zeros(o.shape, o.dtype), **data.draw(layouts(3, True)))
+    glv, glb = strided_view(np.zeros(lse.shape, np.float32), **data.draw(layouts(2, False)))
+    gov[...] = np.nan
+    glv[...] = np.nan
+    tg, tgb = dev.strided(gov, gob)
+    tl, tlb = dev.strided(glv, glb)
+    ov, ob = strided_view(o, **data.draw(layouts(3, True)))
+    attnmerge.merge_varlen_backward(dev.put(grad_out), dev.put(grad_out_lse), None if without_out else dev.put(out),
+                                    dev.put(out_lse), dev.strided(ov, ob)[0], dev.put(lse), dev.put(indptr),
+                                    grad_o=tg, grad_lse=tl, base=base)
+    got_o, clean_o = dev.readback(gov, gob, tg, tgb)
+    got_l, clean_l = dev.readback(glv, glb, tl, tlb)
+    assert clean_o and clean_l, "a gradient was written outside its view"
+    assert_grads(got_o, got_l, want, in_dtype)
 
 
 # --------------------------------------------------------------------------------------------------
