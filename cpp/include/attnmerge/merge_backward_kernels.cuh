@@ -48,20 +48,25 @@ inline BackwardPlan plan_backward(const MergeShape& shape, int vec, bool pair, b
   return plan;
 }
 
-// Registers (sm_90): a chunk of 4 states holds 4 packs of O_i, their 64-bit addresses and dots,
-// and the lane's first packs of dO and O: about 90 uncapped, so 3 blocks of 256 an SM cap it at
-// 85 (some instantiations spill 8 to 40 bytes); a chunk of 8 needed 135 to 140 and spilled 300
-// bytes at 85: not used.  Two states: 46 to 64, no spills, 4 blocks an SM.
+// Registers (sm_90): a chunk of 4 states keeps the chunk's LSEs, 4 packs of O_i with their
+// 64-bit addresses and dots, and the lane's first packs of dO and O: 70 to 114 uncapped (108 for
+// bfloat16 in 16-byte packs), so the N-way cap is 2 blocks of 256 an SM (128 registers, no
+// spills; at 3 blocks, 85 registers, up to 208 bytes spilled).  A chunk of 8 needed 135 to 140.
+// Two states: 46 to 64, no spills, 4 blocks an SM.  ATTNMERGE_BACKWARD_MIN_BLOCKS overrides the
+// N-way cap: an A/B knob for the native benchmark (neither setting measured yet).
+#ifndef ATTNMERGE_BACKWARD_MIN_BLOCKS
+#define ATTNMERGE_BACKWARD_MIN_BLOCKS 2
+#endif
 template <int kChunk>
 constexpr int backward_min_blocks() {
-  return kChunk > 2 ? 3 : 4;
+  return kChunk > 2 ? ATTNMERGE_BACKWARD_MIN_BLOCKS : 4;
 }
 
 // One row per `lanes` threads (threadIdx.x the lane, threadIdx.y the row in the block, rows over
-// the x and, past 2^31 blocks, z grid axes).  For each chunk of the row's states: their LSEs give
-// p_i; then for each of the lane's packs, dO, O and the chunk's O_i packs are loaded together,
-// the lane's part of each dot summed and p_i dO stored; then the dots are summed over the row's
-// lanes and the dlse stored.  A state's gradient address that is null (a two-way merge's
+// the x and, past 2^31 blocks, z grid axes).  For each chunk of the row's states: their LSEs and
+// O_i packs are loaded together (dO and O with the first chunk), then their LSEs give p_i; for
+// each of the lane's packs the lane's part of each dot is summed and p_i dO stored; then the dots
+// are summed over the row's lanes and the dlse stored.  A state's gradient address that is null (a two-way merge's
 // gradient not asked for, the other's being) is not written.  The lane's first packs of dO and O
 // are kept for every chunk: each is read once for rows of up to 32 packs (256 16-bit or 128
 // float32 elements); wider rows read their further packs again for each chunk.  An empty part
@@ -96,32 +101,34 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<kCh
   const bool o_free = args.out.o == nullptr;
   const bool two_pass = o_free && r.hi - r.lo > kChunk;
   float dot_o = 0.0f;  // <dO, O>, or the part of sum_j p_j <dO, O_j> seen so far
-  // The lane's first packs of dO and O, kept for every chunk.
+  // The lane's first packs of dO and O, kept for every chunk (loaded with the first chunk's).
   Pack<TOut, VEC> pd0{}, po0{};
   if (r.has_out && lane < packs) {
     pd0 = load_pack<TOut, VEC>(d_out + lane * VEC, false);
     if (args.want_lse && !o_free) po0 = load_pack<TOut, VEC>(o_out + lane * VEC, false);
   }
   for (int s0 = r.lo; s0 < r.hi; s0 += kChunk) {
-    float p[kChunk], dot[kChunk];
+    // The chunk's LSEs and the O_i packs of the lane's first pack, all in flight before any is
+    // used (p after the loads): one memory round trip a chunk, as in the forward.
+    float l[kChunk], p[kChunk], dot[kChunk];
+    Pack<TIn, VEC> pi[kChunk];
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c) {
-      const int s = s0 + c;
-      p[c] = s < r.hi && r.live(s) ? g.p(r.in.lse(s)) : 0.0f;
-      dot[c] = 0.0f;
-    }
-    for (I k = lane; k < packs; k += lanes) {
-      Pack<TOut, VEC> pd = pd0, po = po0;
-      Pack<TIn, VEC> pi[kChunk];
-      if (r.has_out && k != lane) {
-        pd = load_pack<TOut, VEC>(d_out + k * VEC, false);
-        if (args.want_lse && !o_free) po = load_pack<TOut, VEC>(o_out + k * VEC, false);
-      }
+    for (int c = 0; c < kChunk; ++c) l[c] = s0 + c < r.hi ? r.in.lse(s0 + c) : -INFINITY;
+    const auto load_states = [&](I k) {
       if (args.want_lse) {
 #pragma unroll
         for (int c = 0; c < kChunk; ++c)
           if (s0 + c < r.hi) pi[c] = load_pack<TIn, VEC>(r.in.template o_at<TIn>(s0 + c) + k * VEC, false);
       }
+    };
+    if (lane < packs) load_states(lane);
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) {
+      p[c] = r.live(s0 + c) ? g.p(l[c]) : 0.0f;
+      dot[c] = 0.0f;
+    }
+    // One pack of the row: the lane's part of each dot, and p_i dO stored.
+    const auto use_pack = [&](I k, const Pack<TOut, VEC>& pd, const Pack<TOut, VEC>& po) {
 #pragma unroll
       for (int c = 0; c < kChunk; ++c) {
         if (s0 + c >= r.hi) continue;
@@ -139,6 +146,16 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<kCh
           store_pack<TIn, VEC>(y + k * VEC, v, false);
         }
       }
+    };
+    if (lane < packs) use_pack(lane, pd0, po0);
+    for (I k = lane + lanes; k < packs; k += lanes) {  // rows wider than 32 packs
+      Pack<TOut, VEC> pd{}, po{};
+      if (r.has_out) {
+        pd = load_pack<TOut, VEC>(d_out + k * VEC, false);
+        if (args.want_lse && !o_free) po = load_pack<TOut, VEC>(o_out + k * VEC, false);
+      }
+      load_states(k);
+      use_pack(k, pd, po);
     }
     if (args.want_lse) {
       for (int offset = lanes >> 1; offset > 0; offset >>= 1) {
