@@ -2,7 +2,8 @@
 // bfloat16 states ([tokens, S, heads, D]), the forward's O and LSE made by the library's own
 // forward, random dO and dLSE; the N-way backward at S = 2, 4, 8 and 16 and the two-way one
 // (S = 2 through PairBackward), by CUDA-graph replay through the header-only launcher; each with
-// the forward's O passed in (the default) and without it (out = NULL), whose bytes omit O.
+// the forward's O passed in (the default) and without it (out = NULL), whose bytes omit O, and for
+// S > 4 the same kernel with 8 states in flight instead of 4 (an alternative, not the library's).
 //
 // bytes = read S O_i + dO + O + S lse_i + LSE + dLSE, write S dO_i + S dlse_i.  The roofline is a
 // device-to-device copy of 1 GiB on the same GPU (cudaMemcpyAsync, read + write bytes over time):
@@ -106,6 +107,23 @@ void run_case(int64_t tokens, int64_t states, bool pair, int sms, double roof, c
   no_o.o = nullptr;
   no_o.o_st = no_o.o_sh = 0;
   const double us_no_o = time_backward(no_o);
+  // An alternative for S > 4: the kernel with 8 states in flight (one round trip for S = 8, at
+  // the cost of registers), launched on the library's grid.
+  double us_chunk8 = 0;
+  if (!pair && states > kSmallChunk) {
+    const BackwardArgs<StackBackward> args{StackBackward{in, grad}, out_v, grad_out_v, true, true};
+    cudaLaunchConfig_t config = {};
+    config.stream = stream;
+    config.gridDim = dim3(plan.dims.grid[0], plan.dims.grid[1], plan.dims.grid[2]);
+    config.blockDim = dim3(plan.dims.block[0], plan.dims.block[1], plan.dims.block[2]);
+    us_chunk8 = graph_us(
+        [&](int) {
+          check_cuda(cudaLaunchKernelEx(&config, merge_backward_kernel<StackBackward, bfloat16_t, bfloat16_t, 8, 8>,
+                                        plan.shape, args),
+                     "backward, 8 states in flight");
+        },
+        stream, 10);
+  }
   const double us = time_backward(out_v);  // last: its gradients are the ones checked below
   const double bytes = 2.0 * (2 * o_elems + 2 * out_elems) + 4.0 * (2 * l_elems + 2 * row_elems);
   const double gbps = bytes / us / 1e3;
@@ -140,9 +158,9 @@ void run_case(int64_t tokens, int64_t states, bool pair, int sms, double roof, c
     }
   }
   std::printf("%6lld tokens  S=%-3lld %-5s  %9.1f us  %7.1f GB/s  %5.1f%% of copy  | without O: %9.1f us  %7.1f GB/s"
-              "  | block %ux%u grid %u  max rel err %.2e\n",
+              "  | 8 in flight: %9.1f us  | block %ux%u grid %u  max rel err %.2e\n",
               (long long)tokens, (long long)states, pair ? "pair" : "stack", us, gbps, 100.0 * gbps / roof, us_no_o,
-              gbps_no_o, plan.dims.block[0], plan.dims.block[1], plan.dims.grid[0], worst);
+              gbps_no_o, us_chunk8, plan.dims.block[0], plan.dims.block[1], plan.dims.grid[0], worst);
   for (void* p : {static_cast<void*>(o), static_cast<void*>(grad_o), static_cast<void*>(out), static_cast<void*>(grad_out),
                   static_cast<void*>(lse), static_cast<void*>(grad_lse), static_cast<void*>(out_lse),
                   static_cast<void*>(grad_out_lse)})
