@@ -217,7 +217,8 @@ def merge_backward(grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b,
     grad_out: [tokens, heads, head_size], the dtype of out; grad_out_lse: float32 [tokens, heads], or
         None (the forward's LSE unused: zero).
     out, out_lse: what merge() returned (saved, not recomputed): out float32, float16 or bfloat16
-        (an FP8 output has no gradient), out_lse float32 [tokens, heads].  out may be None: <dO, O>
+        (an FP8 output has no gradient), out_lse float32 [tokens, heads], needed even where the
+        caller of the forward did not ask for it (return_lse=False).  out may be None: <dO, O>
         is then sum_j p_j <dO, O_j> (the same in exact arithmetic, one vector a row less to read).
     o_a, lse_a, o_b, lse_b, a_tokens: the forward's inputs and option, as merge() took them.
     grad_o_*, grad_lse_*: where the gradients go (any strides; they may not overlap any input);

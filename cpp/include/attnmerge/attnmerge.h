@@ -171,8 +171,9 @@ ATTNMERGE_API attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* ou
  *   - a NaN lse_i, LSE or dLSE, or NaN in dO, O or O_i, gives NaN where the formula does: errors
  *     surface (apart from the zero-weight parts above);
  *   - arithmetic in float32 whatever the storage types (the dot accumulated in float32), each
- *     result rounded once; every O_i, dO and O is read once (for rows of up to 8 states; beyond,
- *     dO and O are read again for each further 8);
+ *     result rounded once; every O_i is read once, and dO and O once a row where head_size is at
+ *     most 256 16-bit or 128 float32 elements (the GPU reads the rest of wider rows again for
+ *     each 4 states, the CPU for each 64);
  *   - grad_out_lse may be NULL: dLSE = 0 (the forward's LSE was not used);
  *   - each gradient output may be NULL: not written.  Without the LSE gradients no O_i or O is
  *     read at all (dO_i needs only the LSEs and dO);
