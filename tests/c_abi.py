@@ -77,7 +77,7 @@ class LaunchInfo(Structure):
 
 
 # attnmerge_launch_info.kernel
-KERNEL_NONE, KERNEL_ROWS, KERNEL_ROWS_PLAIN, KERNEL_ROWS_INPLACE, KERNEL_STATES = 0, 1, 2, 3, 4
+KERNEL_NONE, KERNEL_ROWS, KERNEL_ROWS_PLAIN, KERNEL_ROWS_INPLACE, KERNEL_STATES, KERNEL_BACKWARD = 0, 1, 2, 3, 4, 5
 
 TensorP = POINTER(Tensor)
 OptionsP = POINTER(Options)
@@ -87,6 +87,9 @@ _SIGNATURES = {
     "attnmerge_merge_inplace": (c_int, [TensorP, TensorP, TensorP, TensorP, TensorP, OptionsP, c_void_p]),
     "attnmerge_merge_states": (c_int, [TensorP, TensorP, TensorP, TensorP, OptionsP, c_void_p]),
     "attnmerge_merge_varlen": (c_int, [TensorP, TensorP, TensorP, TensorP, TensorP, OptionsP, c_void_p]),
+    "attnmerge_merge_backward": (c_int, [TensorP] * 12 + [OptionsP, c_void_p]),
+    "attnmerge_merge_states_backward": (c_int, [TensorP] * 8 + [OptionsP, c_void_p]),
+    "attnmerge_merge_varlen_backward": (c_int, [TensorP] * 9 + [OptionsP, c_void_p]),
     "attnmerge_last_error": (c_char_p, []),
     "attnmerge_last_launch": (None, [POINTER(LaunchInfo)]),
     "attnmerge_status_string": (c_char_p, [c_int]),
@@ -209,3 +212,20 @@ def merge_states(out, out_lse, o, lse, opts=None, stream=None) -> int:
 
 def merge_varlen(out, out_lse, o, lse, indptr, opts=None, stream=None) -> int:
     return load().attnmerge_merge_varlen(ref(out), ref(out_lse), ref(o), ref(lse), ref(indptr), ref(opts), stream)
+
+
+def merge_backward(grad_o_a, grad_lse_a, grad_o_b, grad_lse_b, grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b,
+                   lse_b, opts=None, stream=None) -> int:
+    args = (grad_o_a, grad_lse_a, grad_o_b, grad_lse_b, grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b)
+    return load().attnmerge_merge_backward(*(ref(a) for a in args), ref(opts), stream)
+
+
+def merge_states_backward(grad_o, grad_lse, grad_out, grad_out_lse, out, out_lse, o, lse, opts=None, stream=None) -> int:
+    args = (grad_o, grad_lse, grad_out, grad_out_lse, out, out_lse, o, lse)
+    return load().attnmerge_merge_states_backward(*(ref(a) for a in args), ref(opts), stream)
+
+
+def merge_varlen_backward(grad_o, grad_lse, grad_out, grad_out_lse, out, out_lse, o, lse, indptr, opts=None,
+                          stream=None) -> int:
+    args = (grad_o, grad_lse, grad_out, grad_out_lse, out, out_lse, o, lse, indptr)
+    return load().attnmerge_merge_varlen_backward(*(ref(a) for a in args), ref(opts), stream)

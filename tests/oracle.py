@@ -456,3 +456,35 @@ def strided_view(x: np.ndarray, order=None, pad=0, offset=0, steps=None, fill=np
     assert view.shape == x.shape
     view[...] = x
     return view, buf
+
+
+# --------------------------------------------------------------------------------------------------
+# the backward (issue 16): gradients of the merges
+
+
+def reference_merge_states_backward(o, lse, out, out_lse, grad_out, grad_out_lse=None, *, base="e"):
+    """float64 gradients of the N-way merge from the formula of DESIGN.md ("Frameworks"):
+    p_i = b^(lse_i - LSE), dO_i = p_i dO, dlse_i = p_i (dLSE + ln(b) <dO, O_i - O>).
+
+    o [S, T, H, D] and lse [S, T, H]: the states; out [T, H, D] and out_lse [T, H]: the forward's
+    results as they were saved (the backward is a function of them, not of a recomputation);
+    grad_out [T, H, D], grad_out_lse [T, H] or None (zero).  An empty part (lse -inf or +inf) and a
+    part of weight exactly zero get zero gradients whatever their O or dO hold; a NaN anywhere
+    else gives NaN where the formula does.  Returns (grad_o [S, T, H, D], grad_lse [S, T, H]).
+    """
+    o, lse, out, out_lse, grad_out = (to_f64(x) for x in (o, lse, out, out_lse, grad_out))
+    dlse = np.zeros(out_lse.shape) if grad_out_lse is None else to_f64(grad_out_lse)
+    if base == "e":
+        power, ln_b = np.exp, 1.0
+    elif base in (2, "2"):
+        power, ln_b = np.exp2, LN2
+    else:
+        raise ValueError(f"base {base!r}")
+    lse = np.where(lse == np.inf, -np.inf, lse)
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.where(lse == -np.inf, 0.0, power(lse - out_lse[None]))  # [S, T, H]
+        zero = (p == 0.0)[..., None]
+        grad_o = np.where(zero, 0.0, p[..., None] * grad_out[None])
+        dot = np.sum(grad_out[None] * (np.where(zero, 0.0, o) - out[None]), axis=-1)
+        grad_lse = np.where(p == 0.0, 0.0, p * (dlse[None] + ln_b * dot))
+    return grad_o, grad_lse

@@ -1,4 +1,5 @@
-"""Fuzzing of the C ABI's validation (issue 6, item 6), in process, through ctypes, on the CPU path.
+"""Fuzzing of the C ABI's validation (issue 6, item 6; the backward's entry points too, issue 16), in
+process, through ctypes, on the CPU path.
 
 Each op gets FUZZ_N argument sets (20,000 in all by default, in a few seconds) from a seeded NumPy Generator: random ndim,
 shapes (0 and huge included), strides (negative, zero, huge), dtype codes (valid and not), devices
@@ -47,7 +48,10 @@ LSE = frozenset({FLOAT32})
 MASK = frozenset({UINT8, BOOL})
 INDEX = frozenset({INT32, INT64})
 SIZE = c_abi.DTYPE_SIZE
-ALLOWED_FLAGS = {"merge": 15, "inplace": 11, "states": 9, "varlen": 9}  # PDL (8) everywhere
+ALLOWED_FLAGS = {"merge": 15, "inplace": 11, "states": 9, "varlen": 9,  # PDL (8) everywhere
+                 "merge_backward": 15, "states_backward": 9, "varlen_backward": 9}
+BACKWARD = {"merge_backward": c_abi.merge_backward, "states_backward": c_abi.merge_states_backward,
+            "varlen_backward": c_abi.merge_varlen_backward}
 NO_GPU = c_abi.load().attnmerge_device_count() == 0
 WORK_CAP = 1 << 13  # elements an INBOUNDS view may have (zero strides could claim many more)
 
@@ -92,6 +96,22 @@ ROLES = {
                Role("o", 4, IN, is_o=True), Role("lse", 3, LSE)],
     "varlen": [Role("out", 3, OUT, True, True), Role("out_lse", 2, LSE, True, optional=True),
                Role("o", 3, IN, is_o=True), Role("lse", 2, LSE), Role("indptr", 1, INDEX)],
+    # The backward: gradients (outputs, each optional), dO and dLSE (optional), the forward's O
+    # (optional) and LSE, then the forward's inputs.
+    "merge_backward": [Role("grad_o_a", 3, IN, True, True, True), Role("grad_lse_a", 2, LSE, True, optional=True),
+                       Role("grad_o_b", 3, IN, True, True, True), Role("grad_lse_b", 2, LSE, True, optional=True),
+                       Role("grad_out", 3, IN, is_o=True), Role("grad_out_lse", 2, LSE, optional=True),
+                       Role("out", 3, IN, is_o=True, optional=True), Role("out_lse", 2, LSE),
+                       Role("o_a", 3, IN, is_o=True), Role("lse_a", 2, LSE), Role("o_b", 3, IN, is_o=True),
+                       Role("lse_b", 2, LSE)],
+    "states_backward": [Role("grad_o", 4, IN, True, True, True), Role("grad_lse", 3, LSE, True, optional=True),
+                        Role("grad_out", 3, IN, is_o=True), Role("grad_out_lse", 2, LSE, optional=True),
+                        Role("out", 3, IN, is_o=True, optional=True), Role("out_lse", 2, LSE),
+                        Role("o", 4, IN, is_o=True), Role("lse", 3, LSE)],
+    "varlen_backward": [Role("grad_o", 3, IN, True, True, True), Role("grad_lse", 2, LSE, True, optional=True),
+                        Role("grad_out", 3, IN, is_o=True), Role("grad_out_lse", 2, LSE, optional=True),
+                        Role("out", 3, IN, is_o=True, optional=True), Role("out_lse", 2, LSE),
+                        Role("o", 3, IN, is_o=True), Role("lse", 2, LSE), Role("indptr", 1, INDEX)],
 }
 
 EMPTY, INBOUNDS, REFUSED, UNSAFE = "empty", "inbounds", "refused", "unsafe"
@@ -267,6 +287,8 @@ class Call:
             return c_abi.merge_inplace(t["o"], t["lse"], t["o_other"], t["lse_other"], t["mask"], o)
         if self.op == "states":
             return c_abi.merge_states(t["out"], t["out_lse"], t["o"], t["lse"], o)
+        if self.op in BACKWARD:
+            return BACKWARD[self.op](*(t[r.name] for r in ROLES[self.op]), o)
         return c_abi.merge_varlen(t["out"], t["out_lse"], t["o"], t["lse"], t["indptr"], o)
 
     def __repr__(self):
@@ -299,7 +321,7 @@ def generate(rng, op):
     """One Call for `op`: logical sizes, valid-looking descriptors, random damage, then repairs."""
     opts, _ = _options(rng, op)
     flags = opts.flags if opts is not None else 0
-    heads_first = op in ("merge", "inplace") and bool(flags & c_abi.LSE_HEADS_FIRST)
+    heads_first = op in ("merge", "inplace", "merge_backward") and bool(flags & c_abi.LSE_HEADS_FIRST)
     T, H, D = _size(rng), _size(rng), _head_size(rng)
     in_dtype = int(rng.choice(sorted(IN)))
     out_dtype = int(rng.choice(sorted(OUT)))
@@ -318,9 +340,26 @@ def generate(rng, op):
     elif op == "states":
         S = _size(rng, (0, 1, 2, 3, 4))
         shapes = dict(out=[T, H, D], out_lse=[T, H], o=[T, S, H, D], lse=[T, S, H])
-    else:
+    elif op == "varlen":
         N, R = _size(rng, (0, 1, 2, 3, 5, 8)), _size(rng, (0, 1, 2, 3, 4))
         shapes = dict(out=[R, H, D], out_lse=[R, H], o=[N, H, D], lse=[N, H], indptr=[R + 1])
+    elif op == "merge_backward":
+        ta = ga = T  # a's tokens, and those of its gradients (only the a_tokens read)
+        if flags & c_abi.A_TOKENS and rng.random() < 0.7:
+            opts.a_tokens = ga = int(rng.integers(0, T + 1)) if T < 2**31 else T
+            ta = ga + int(rng.integers(0, 2))
+        lse_of = (lambda t: [H, t]) if heads_first else (lambda t: [t, H])
+        shapes = dict(grad_o_a=[ga, H, D], grad_lse_a=lse_of(ga), grad_o_b=[T, H, D], grad_lse_b=lse_of(T),
+                      grad_out=[T, H, D], grad_out_lse=lse_of(T), out=[T, H, D], out_lse=lse_of(T), o_a=[ta, H, D],
+                      lse_a=lse_of(ta), o_b=[T, H, D], lse_b=lse_of(T))
+    elif op == "states_backward":
+        S = _size(rng, (0, 1, 2, 3, 4))
+        shapes = dict(grad_o=[T, S, H, D], grad_lse=[T, S, H], grad_out=[T, H, D], grad_out_lse=[T, H], out=[T, H, D],
+                      out_lse=[T, H], o=[T, S, H, D], lse=[T, S, H])
+    else:
+        N, R = _size(rng, (0, 1, 2, 3, 5, 8)), _size(rng, (0, 1, 2, 3, 4))
+        shapes = dict(grad_o=[N, H, D], grad_lse=[N, H], grad_out=[R, H, D], grad_out_lse=[R, H], out=[R, H, D],
+                      out_lse=[R, H], o=[N, H, D], lse=[N, H], indptr=[R + 1])
     tensors, notes = {}, []
     device = int(rng.integers(0, 3)) if rng.random() < 0.06 else -1  # the whole call claims a GPU
     if device >= 0 and not NO_GPU:
@@ -331,6 +370,8 @@ def generate(rng, op):
             continue
         dtype = (out_dtype if role.name == "out" else FLOAT32 if role.dtypes == LSE else in_dtype if role.dtypes == IN
                  else int(rng.choice(sorted(role.dtypes))))
+        if op in BACKWARD and role.name in ("out", "grad_out"):  # the forward's output dtype, never FP8 here
+            dtype = out_dtype if out_dtype in IN else in_dtype
         if role.name == "o" and op == "inplace":
             dtype = in_dtype
         tensors[role.name] = _good(rng, shapes[role.name], dtype, role, device)
@@ -352,13 +393,12 @@ def generate(rng, op):
             notes.append(f"{role.name}: {cls} -> refused")
             assert classify(t, role) == REFUSED, (role, t)
     # indptr contents: mostly valid offsets into o, so that varlen gets past its host check
-    if op == "varlen":
-        _fill_indptr(rng, tensors["indptr"], tensors["o"], notes)
+    if op in ("varlen", "varlen_backward"):
+        _fill_indptr(rng, tensors["indptr"], tensors["o"], notes, next(r for r in ROLES[op] if r.name == "indptr"))
     return Call(op, tensors, opts, notes)
 
 
-def _fill_indptr(rng, ip, o, notes):
-    role = ROLES["varlen"][4]
+def _fill_indptr(rng, ip, o, notes, role):
     if ip is None or classify(ip, role) != INBOUNDS:
         return
     total = o.shape[0] if o is not None and 0 <= o.shape[0] < 2**31 else 0
@@ -397,7 +437,9 @@ def must_fail(call):
     if o is not None:
         if o.flags & ~ALLOWED_FLAGS[op]:
             reasons.append("options.flags")
-        if out is not None and out.dtype in OUT:
+        if op in BACKWARD and (o.output_scale not in (0.0, 1.0) or bool(o.output_scale_ptr)):
+            reasons.append("output_scale in a backward (no FP8 output has a gradient)")
+        if op not in BACKWARD and out is not None and out.dtype in OUT:
             scale, ptr = o.output_scale, bool(o.output_scale_ptr)
             if out.dtype != FLOAT8_E4M3 and (scale not in (0.0, 1.0) or ptr):
                 reasons.append("output_scale on a non-FP8 output")
@@ -406,12 +448,19 @@ def must_fail(call):
             ptr_addr = ctypes.cast(o.output_scale_ptr, ctypes.c_void_p).value if ptr else 0
             if ptr and ptr_addr % 4:
                 reasons.append("output_scale_ptr misaligned")
-        if op == "merge" and o.flags & c_abi.A_TOKENS and o.a_tokens < 0:
+        if op in ("merge", "merge_backward") and o.flags & c_abi.A_TOKENS and o.a_tokens < 0:
             reasons.append("a_tokens < 0")
     if op == "merge" and t["o_a"] is not None and t["o_b"] is not None and t["o_a"].dtype != t["o_b"].dtype:
         reasons.append("o_a / o_b dtypes")
     if op == "inplace" and t["o"] is not None and t["o_other"] is not None and t["o"].dtype != t["o_other"].dtype:
         reasons.append("o / o_other dtypes")
+    # the backward: the inputs' O and their gradients share a dtype, as do out and grad_out
+    pairs = {"merge_backward": [("o_a", "o_b"), ("o_a", "grad_o_a"), ("o_a", "grad_o_b"), ("out", "grad_out")],
+             "states_backward": [("o", "grad_o"), ("out", "grad_out")],
+             "varlen_backward": [("o", "grad_o"), ("out", "grad_out")]}.get(op, [])
+    for x, y in pairs:
+        if t[x] is not None and t[y] is not None and t[x].dtype != t[y].dtype:
+            reasons.append(f"{x} / {y} dtypes")
     return reasons
 
 

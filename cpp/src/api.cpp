@@ -276,6 +276,55 @@ attnmerge_status check_outputs(const View& out, const View& out_lse) {
   return ATTNMERGE_SUCCESS;
 }
 
+// One device for every non-empty tensor, and memory it can address (`scale`: the output scale in
+// memory, or null): `device` (ATTNMERGE_HOST for the CPU path).  go: there is work to do (some
+// tensor is not empty and no_rows is false); nothing is checked beyond the devices' agreement
+// where there is not.
+attnmerge_status locate(std::initializer_list<const View*> views, const float* scale, bool no_rows, int& device,
+                        bool& go) {
+  device = ATTNMERGE_HOST;
+  go = false;
+  const View* first = nullptr;
+  for (const View* v : views) {
+    if (!v->present() || v->empty) continue;  // an empty tensor is never touched, wherever it lives
+    if (first == nullptr) {
+      first = v;
+      device = v->t->device;
+    } else if (v->t->device != device) {
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected the device of %s (%d), got device %d (-1 is the host)", v->name,
+                  first->name, device, v->t->device);
+    }
+  }
+  go = first != nullptr && !no_rows;
+  if (!go) return ATTNMERGE_SUCCESS;
+  if (device == ATTNMERGE_HOST) {
+    // Device memory handed to the CPU path would crash the process: refuse it where CUDA can tell.
+    if (gpu_device_count() > 0)
+      for (const View* v : views)
+        if (v->present() && !v->empty && !(v->t->flags & ATTNMERGE_DEVICE_KNOWN) &&
+            gpu_pointer_device(v->t->data) != ATTNMERGE_HOST)
+          return fail(ATTNMERGE_ERROR_VALUE, "%s: expected host memory (device -1), got memory of CUDA device %d",
+                      v->name, gpu_pointer_device(v->t->data));
+    if (scale != nullptr && gpu_device_count() > 0 && gpu_pointer_device(scale) != ATTNMERGE_HOST)
+      return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected host memory (device -1), got memory of CUDA device %d",
+                  gpu_pointer_device(scale));
+    return ATTNMERGE_SUCCESS;
+  }
+  const int count = gpu_device_count();
+  if (count == 0)
+    return fail(ATTNMERGE_ERROR_NO_DEVICE, "%s: lives on CUDA device %d, but no CUDA driver or device is available",
+                first->name, device);
+  if (device >= count)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a CUDA device below %d, got device %d", first->name, count, device);
+  attnmerge_status s;
+  for (const View* v : views)
+    if (v->present() && !v->empty && !(v->t->flags & ATTNMERGE_DEVICE_KNOWN) &&
+        (s = gpu_check_pointer(v->t->data, device, v->name)))
+      return s;
+  if (scale != nullptr && (s = gpu_check_pointer(scale, device, "output_scale"))) return s;
+  return ATTNMERGE_SUCCESS;
+}
+
 // One device for every non-empty tensor, memory it can address, then the CPU path or a launch.
 template <typename Source>
 attnmerge_status run(std::initializer_list<const View*> views, const MergeShape& shape, const Source& src,
@@ -291,45 +340,14 @@ attnmerge_status run(std::initializer_list<const View*> views, const MergeShape&
     if (__builtin_add_overflow(facts.bytes, span, &facts.bytes)) facts.bytes = INT64_MAX;
     if (v->ndim == 2 && v->strides[0] < v->strides[1]) facts.lse_tokens_inner = true;
   }
-  int device = ATTNMERGE_HOST;
-  const View* first = nullptr;
-  for (const View* v : views) {
-    if (!v->present() || v->empty) continue;  // an empty tensor is never touched, wherever it lives
-    if (first == nullptr) {
-      first = v;
-      device = v->t->device;
-    } else if (v->t->device != device) {
-      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected the device of %s (%d), got device %d (-1 is the host)", v->name,
-                  first->name, device, v->t->device);
-    }
-  }
-  if (first == nullptr || shape.rows == 0) return ATTNMERGE_SUCCESS;
+  int device;
+  bool go;
+  attnmerge_status s = locate(views, out.scale, shape.rows == 0, device, go);
+  if (s || !go) return s;
   if (device == ATTNMERGE_HOST) {
-    // Device memory handed to the CPU path would crash the process: refuse it where CUDA can tell.
-    if (gpu_device_count() > 0)
-      for (const View* v : views)
-        if (v->present() && !v->empty && !(v->t->flags & ATTNMERGE_DEVICE_KNOWN) &&
-            gpu_pointer_device(v->t->data) != ATTNMERGE_HOST)
-          return fail(ATTNMERGE_ERROR_VALUE, "%s: expected host memory (device -1), got memory of CUDA device %d",
-                      v->name, gpu_pointer_device(v->t->data));
-    if (out.scale != nullptr && gpu_device_count() > 0 && gpu_pointer_device(out.scale) != ATTNMERGE_HOST)
-      return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected host memory (device -1), got memory of CUDA device %d",
-                  gpu_pointer_device(out.scale));
     cpu_merge(shape, src, out, in_dtype, out_dtype);
     return ATTNMERGE_SUCCESS;
   }
-  const int count = gpu_device_count();
-  if (count == 0)
-    return fail(ATTNMERGE_ERROR_NO_DEVICE, "%s: lives on CUDA device %d, but no CUDA driver or device is available",
-                first->name, device);
-  if (device >= count)
-    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a CUDA device below %d, got device %d", first->name, count, device);
-  attnmerge_status s;
-  for (const View* v : views)
-    if (v->present() && !v->empty && !(v->t->flags & ATTNMERGE_DEVICE_KNOWN) &&
-        (s = gpu_check_pointer(v->t->data, device, v->name)))
-      return s;
-  if (out.scale != nullptr && (s = gpu_check_pointer(out.scale, device, "output_scale"))) return s;
   return gpu_merge(shape, src, out, facts, in_dtype, out_dtype, device, stream);
 }
 
@@ -343,6 +361,29 @@ OutView out_view(const View& out, const View& out_lse, float inv_scale, const at
                  inv_scale,
                  opt.output_scale_ptr,
                  false};
+}
+
+// The shapes of a two-way merge's state a (o_a, lse_a), whose tokens are limited to
+// options.a_tokens with ATTNMERGE_A_TOKENS: `a_tokens` set to the tokens of a that are read.
+attnmerge_status check_a_shapes(const attnmerge_options& opt, const int64_t (&o_shape)[3], const View& vb, const View& va,
+                                const View& vla, int64_t& a_tokens) {
+  const int64_t tokens = o_shape[0], heads = o_shape[1], head_size = o_shape[2];
+  a_tokens = tokens;
+  if (!(opt.flags & ATTNMERGE_A_TOKENS)) {
+    attnmerge_status s;
+    if ((s = check_shape(va, o_shape, vb)) || (s = check_shape(vla, o_shape, vb))) return s;
+    return ATTNMERGE_SUCCESS;
+  }
+  if (opt.a_tokens < 0 || opt.a_tokens > tokens)
+    return fail(ATTNMERGE_ERROR_VALUE, "a_tokens: expected 0 to the %" PRId64 " tokens of %s, got %" PRId64, tokens,
+                vb.name, opt.a_tokens);
+  a_tokens = opt.a_tokens;
+  for (const View* v : {&va, &vla})  // a needs only its first a_tokens tokens
+    if (v->shape[0] < a_tokens || v->shape[1] != heads || (v->ndim == 3 && v->shape[2] != head_size))
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected at least %" PRId64 " tokens (a_tokens), %" PRId64 " heads%s, got shape %s",
+                  v->name, a_tokens, heads, v->ndim == 3 ? " and the head_size of o_b" : "",
+                  ShapeText(v->t->shape, v->ndim).text);
+  return ATTNMERGE_SUCCESS;
 }
 
 // Argument names of the two ops built on PairSource.
@@ -381,20 +422,8 @@ attnmerge_status merge_pair(const PairNames& n, const attnmerge_tensor* out, con
   if ((s = check_shape(vlb, o_shape, vb)) || (s = check_shape(vout, o_shape, vb)) ||
       (s = check_shape(vout_lse, o_shape, vb)) || (s = check_shape(vmask, o_shape, vb)))
     return s;
-  int64_t a_tokens = tokens;
-  if (opt.flags & ATTNMERGE_A_TOKENS) {
-    if (opt.a_tokens < 0 || opt.a_tokens > tokens)
-      return fail(ATTNMERGE_ERROR_VALUE, "a_tokens: expected 0 to the %" PRId64 " tokens of %s, got %" PRId64, tokens,
-                  n.o_b, opt.a_tokens);
-    a_tokens = opt.a_tokens;
-    for (View* v : {&va, &vla})  // a needs only its first a_tokens tokens
-      if (v->shape[0] < a_tokens || v->shape[1] != heads || (v->ndim == 3 && v->shape[2] != head_size))
-        return fail(ATTNMERGE_ERROR_VALUE, "%s: expected at least %" PRId64 " tokens (a_tokens), %" PRId64 " heads%s, got shape %s",
-                    v->name, a_tokens, heads, v->ndim == 3 ? " and the head_size of o_b" : "",
-                    ShapeText(v->t->shape, v->ndim).text);
-  } else if ((s = check_shape(va, o_shape, vb)) || (s = check_shape(vla, o_shape, vb))) {
-    return s;
-  }
+  int64_t a_tokens;
+  if ((s = check_a_shapes(opt, o_shape, vb, va, vla, a_tokens))) return s;
   if ((s = check_outputs(vout, vout_lse))) return s;
   // out may be o_a or o_b itself and out_lse lse_a or lse_b; nothing else may touch the outputs.
   for (const View* in : {&va, &vla, &vb, &vlb, &vmask})
@@ -413,6 +442,121 @@ attnmerge_status merge_pair(const PairNames& n, const attnmerge_tensor* out, con
                      ((vla.present() && !vla.empty && same_view(vout_lse, vla)) || (!vlb.empty && same_view(vout_lse, vlb)));
   return run({&vout, &vout_lse, &va, &vla, &vb, &vlb, &vmask}, shape, src, dst, o_a->dtype, out->dtype,
              choose_vec({&vout, &va, &vb}, head_size), stream, opt.flags);
+}
+
+// A variable-length merge's indptr [rows + 1] against the `total` states of o: on the host the
+// offsets can be checked before anything is written (on the GPU they are clamped, never read back).
+attnmerge_status check_indptr(const View& vi, const attnmerge_tensor* out, int64_t rows, int64_t total) {
+  const attnmerge_tensor* indptr = vi.t;
+  const bool wide = indptr->dtype == ATTNMERGE_INT64;
+  if (indptr->device == ATTNMERGE_HOST && out->device == ATTNMERGE_HOST &&
+      ((indptr->flags & ATTNMERGE_DEVICE_KNOWN) || gpu_pointer_device(indptr->data) == ATTNMERGE_HOST)) {
+    int64_t previous = 0;
+    for (int64_t r = 0; r <= rows; ++r) {
+      const int64_t v = wide ? static_cast<const int64_t*>(indptr->data)[r * vi.strides[0]]
+                             : static_cast<const int32_t*>(indptr->data)[r * vi.strides[0]];
+      if (v < previous || v > total)
+        return fail(ATTNMERGE_ERROR_VALUE,
+                    "indptr: expected non-decreasing offsets from 0 or more up to the %" PRId64
+                    " states of o, got indptr[%" PRId64 "] = %" PRId64 "%s",
+                    total, r, v, v > total ? " (past the end)" : r == 0 ? " (below 0)" : " (decreasing)");
+      previous = v;
+    }
+  }
+  return ATTNMERGE_SUCCESS;
+}
+
+// ---- the backward ---------------------------------------------------------------------------
+
+// `v` (if given) has the dtype of `like`.
+attnmerge_status check_dtype_of(const View& v, const View& like) {
+  if (!v.present() || v.t->dtype == like.t->dtype) return ATTNMERGE_SUCCESS;
+  return fail(ATTNMERGE_ERROR_TYPE, "%s: expected the dtype of %s (%s), got %s", v.name, like.name,
+              dtype_name(like.t->dtype), dtype_name(v.t->dtype));
+}
+
+// The gradients a backward writes: writable, no element written twice, apart from each other and
+// from every input (no in-place backward: dO and O are read again for rows of many states).
+attnmerge_status check_grads(std::initializer_list<const View*> grads, std::initializer_list<const View*> inputs) {
+  attnmerge_status s;
+  for (const View* g : grads) {
+    if (g->present() && (g->t->flags & ATTNMERGE_READ_ONLY))
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a writable tensor, got a read-only one", g->name);
+    if ((s = check_no_self_overlap(*g))) return s;
+  }
+  for (const View* g : grads) {
+    for (const View* h : grads)
+      if (h != g && (s = check_disjoint(*g, *h, false))) return s;
+    for (const View* in : inputs)
+      if ((s = check_disjoint(*g, *in, false))) return s;
+  }
+  return ATTNMERGE_SUCCESS;
+}
+
+// O [tokens, heads, ...] and an LSE, either of which may be absent (null: never read).
+StateView state_of(const View& o, const View& lse) {
+  return StateView{o.present() ? o.t->data : nullptr, o.present() ? o.strides[0] : 0, o.present() ? o.strides[1] : 0,
+                   lse.present() ? static_cast<const float*>(lse.t->data) : nullptr,
+                   lse.present() ? lse.strides[0] : 0, lse.present() ? lse.strides[1] : 0};
+}
+
+// A gradient's pointer and strides where it is given; null and zero strides where it is not, so
+// that every address of it a source computes is null (not written).
+const void* data_or_null(const View& v) { return v.present() ? v.t->data : nullptr; }
+int64_t stride_or_0(const View& v, int axis) { return v.present() ? v.strides[axis] : 0; }
+
+// What every backward reads beside the forward's inputs: the incoming gradients (dO, dLSE) and
+// the forward's outputs (O, LSE), all [rows, heads, ...].
+struct BackwardViews {
+  View grad_out, grad_out_lse, out, out_lse;
+};
+
+// Described: grad_out_lse optional (dLSE = 0), out optional (<dO, O> from the states instead);
+// grad_out in the dtype of out, which has a gradient: not FP8.
+attnmerge_status describe_backward_outputs(const attnmerge_tensor* grad_out, const attnmerge_tensor* grad_out_lse,
+                                           const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                           bool heads_first, BackwardViews& v) {
+  attnmerge_status s;
+  if ((s = describe(grad_out, "grad_out", 3, kInputs, false, false, v.grad_out)) ||
+      (s = describe(grad_out_lse, "grad_out_lse", 2, kLse, heads_first, true, v.grad_out_lse)) ||
+      (s = describe(out, "out", 3, kInputs, false, true, v.out)) ||
+      (s = describe(out_lse, "out_lse", 2, kLse, heads_first, false, v.out_lse)) ||
+      (v.out.present() && (s = check_dtype_of(v.grad_out, v.out))))
+    return s;
+  return ATTNMERGE_SUCCESS;
+}
+
+// Each of them of `out_shape` (sizes from `source`).
+attnmerge_status check_backward_shapes(const BackwardViews& v, const int64_t (&out_shape)[3], const View& source) {
+  attnmerge_status s;
+  for (const View* w : {&v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse})
+    if ((s = check_shape(*w, out_shape, source))) return s;
+  return ATTNMERGE_SUCCESS;
+}
+
+// An FP8 output, hence an output scale, has no gradient: read_options refuses a scale for the
+// (never FP8) grad_out.
+attnmerge_status read_backward_options(const attnmerge_options* options, uint32_t allowed, const View& out,
+                                       attnmerge_options& opt) {
+  float inv_scale;
+  return read_options(options, allowed, out, opt, inv_scale);
+}
+
+// One device for every non-empty tensor, memory it can address, then the CPU loop or the launch
+// (nothing to do where no gradient is asked for).
+template <typename Src>
+attnmerge_status run_backward(std::initializer_list<const View*> views, const MergeShape& shape,
+                              const BackwardArgs<Src>& args, int64_t states, int in_dtype, int out_dtype, int vec,
+                              void* stream, uint32_t flags) {
+  int device;
+  bool go;
+  attnmerge_status s = locate(views, nullptr, shape.rows == 0, device, go);
+  if (s || !go || (!args.want_o && !args.want_lse)) return s;
+  if (device == ATTNMERGE_HOST) {
+    cpu_merge_backward(shape, args, states, in_dtype, out_dtype);
+    return ATTNMERGE_SUCCESS;
+  }
+  return gpu_merge_backward(shape, args, vec, (flags & ATTNMERGE_PDL) != 0, in_dtype, out_dtype, device, stream);
 }
 
 }  // namespace
@@ -515,26 +659,159 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
     for (const View* w : {&vout, &vout_lse})
       if ((s = check_disjoint(*w, *v, false))) return s;
   const bool wide = indptr->dtype == ATTNMERGE_INT64;
-  if (indptr->device == ATTNMERGE_HOST && out->device == ATTNMERGE_HOST &&
-      ((indptr->flags & ATTNMERGE_DEVICE_KNOWN) || gpu_pointer_device(indptr->data) == ATTNMERGE_HOST)) {
-    // On the host the offsets can be checked before anything is written.
-    int64_t previous = 0;
-    for (int64_t r = 0; r <= rows; ++r) {
-      const int64_t v = wide ? static_cast<const int64_t*>(indptr->data)[r * vi.strides[0]]
-                             : static_cast<const int32_t*>(indptr->data)[r * vi.strides[0]];
-      if (v < previous || v > total)
-        return fail(ATTNMERGE_ERROR_VALUE,
-                    "indptr: expected non-decreasing offsets from 0 or more up to the %" PRId64
-                    " states of o, got indptr[%" PRId64 "] = %" PRId64 "%s",
-                    total, r, v, v > total ? " (past the end)" : r == 0 ? " (below 0)" : " (decreasing)");
-      previous = v;
-    }
-  }
+  if ((s = check_indptr(vi, out, rows, total))) return s;
   const MergeShape shape{rows, heads, head_size, (opt.flags & ATTNMERGE_LSE_BASE2) != 0};
   const RangeSource src{o->data,      vo.strides[0], vo.strides[1], static_cast<const float*>(lse->data),
                         vl.strides[0], vl.strides[1], indptr->data, vi.strides[0], wide, total};
   return run({&vout, &vout_lse, &vo, &vl, &vi}, shape, src, out_view(vout, vout_lse, inv_scale, opt), o->dtype,
              out->dtype, choose_vec({&vout, &vo}, head_size), stream, opt.flags);
+}
+
+attnmerge_status attnmerge_merge_backward(const attnmerge_tensor* grad_o_a, const attnmerge_tensor* grad_lse_a,
+                                          const attnmerge_tensor* grad_o_b, const attnmerge_tensor* grad_lse_b,
+                                          const attnmerge_tensor* grad_out, const attnmerge_tensor* grad_out_lse,
+                                          const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                          const attnmerge_tensor* o_a, const attnmerge_tensor* lse_a,
+                                          const attnmerge_tensor* o_b, const attnmerge_tensor* lse_b,
+                                          const attnmerge_options* options, void* stream) {
+  begin_call();
+  const bool heads_first = options && (options->flags & ATTNMERGE_LSE_HEADS_FIRST);
+  BackwardViews v;
+  View vga, vgla, vgb, vglb, va, vla, vb, vlb;
+  attnmerge_status s;
+  if ((s = describe(grad_o_a, "grad_o_a", 3, kInputs, false, true, vga)) ||
+      (s = describe(grad_lse_a, "grad_lse_a", 2, kLse, heads_first, true, vgla)) ||
+      (s = describe(grad_o_b, "grad_o_b", 3, kInputs, false, true, vgb)) ||
+      (s = describe(grad_lse_b, "grad_lse_b", 2, kLse, heads_first, true, vglb)) ||
+      (s = describe_backward_outputs(grad_out, grad_out_lse, out, out_lse, heads_first, v)) ||
+      (s = describe(o_a, "o_a", 3, kInputs, false, false, va)) ||
+      (s = describe(lse_a, "lse_a", 2, kLse, heads_first, false, vla)) ||
+      (s = describe(o_b, "o_b", 3, kInputs, false, false, vb)) ||
+      (s = describe(lse_b, "lse_b", 2, kLse, heads_first, false, vlb)))
+    return s;
+  attnmerge_options opt;
+  if ((s = read_backward_options(options, ATTNMERGE_LSE_BASE2 | ATTNMERGE_LSE_HEADS_FIRST | ATTNMERGE_A_TOKENS | ATTNMERGE_PDL,
+                                 v.grad_out, opt)) ||
+      (s = check_dtype_of(vb, va)) || (s = check_dtype_of(vga, va)) || (s = check_dtype_of(vgb, va)))
+    return s;
+  // Sizes come from o_b, as in the forward.
+  const int64_t tokens = vb.shape[0], heads = vb.shape[1], head_size = vb.shape[2];
+  if ((s = check_head_size("o_b", head_size))) return s;
+  const int64_t o_shape[3] = {tokens, heads, head_size};
+  int64_t a_tokens;
+  if ((s = check_shape(vlb, o_shape, vb)) || (s = check_backward_shapes(v, o_shape, vb)) ||
+      (s = check_shape(vgb, o_shape, vb)) || (s = check_shape(vglb, o_shape, vb)) ||
+      (s = check_a_shapes(opt, o_shape, vb, va, vla, a_tokens)))
+    return s;
+  const int64_t a_shape[3] = {a_tokens, heads, head_size};  // a's gradients: the tokens of a that were read
+  if ((s = check_shape(vga, a_shape, vb)) || (s = check_shape(vgla, a_shape, vb)) ||
+      (s = check_grads({&vga, &vgla, &vgb, &vglb}, {&v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse, &va, &vla, &vb, &vlb})))
+    return s;
+  const MergeShape shape{tokens, heads, head_size, (opt.flags & ATTNMERGE_LSE_BASE2) != 0};
+  const auto grad_state = [](const View& o, const View& l) {
+    return StateView{data_or_null(o), stride_or_0(o, 0), stride_or_0(o, 1), static_cast<const float*>(data_or_null(l)),
+                     stride_or_0(l, 0), stride_or_0(l, 1)};
+  };
+  const PairSource in{va.state(vla), vb.state(vlb), a_tokens, nullptr, 0};
+  const PairSource grad{grad_state(vga, vgla), grad_state(vgb, vglb), a_tokens, nullptr, 0};
+  const BackwardArgs<PairBackward> args{PairBackward{in, grad}, state_of(v.out, v.out_lse),
+                                        state_of(v.grad_out, v.grad_out_lse), vga.present() || vgb.present(),
+                                        vgla.present() || vglb.present()};
+  return run_backward({&vga, &vgla, &vgb, &vglb, &v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse, &va, &vla, &vb, &vlb},
+                      shape, args, 2, o_a->dtype, grad_out->dtype,
+                      choose_vec({vga.present() ? &vga : &va, vgb.present() ? &vgb : &vb, &v.grad_out,
+                                  v.out.present() ? &v.out : &v.grad_out, &va, &vb},
+                                 head_size),
+                      stream, opt.flags);
+}
+
+attnmerge_status attnmerge_merge_states_backward(const attnmerge_tensor* grad_o, const attnmerge_tensor* grad_lse,
+                                                 const attnmerge_tensor* grad_out, const attnmerge_tensor* grad_out_lse,
+                                                 const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                                 const attnmerge_tensor* o, const attnmerge_tensor* lse,
+                                                 const attnmerge_options* options, void* stream) {
+  begin_call();
+  BackwardViews v;
+  View vg, vgl, vo, vl;
+  attnmerge_status s;
+  if ((s = describe(grad_o, "grad_o", 4, kInputs, false, true, vg)) ||
+      (s = describe(grad_lse, "grad_lse", 3, kLse, false, true, vgl)) ||
+      (s = describe_backward_outputs(grad_out, grad_out_lse, out, out_lse, false, v)) ||
+      (s = describe(o, "o", 4, kInputs, false, false, vo)) || (s = describe(lse, "lse", 3, kLse, false, false, vl)))
+    return s;
+  attnmerge_options opt;
+  if ((s = read_backward_options(options, ATTNMERGE_LSE_BASE2 | ATTNMERGE_PDL, v.grad_out, opt)) ||
+      (s = check_dtype_of(vg, vo)))
+    return s;
+  const int64_t tokens = vo.shape[0], states = vo.shape[1], heads = vo.shape[2], head_size = vo.shape[3];
+  if ((s = check_head_size("o", head_size))) return s;
+  if (states > INT32_MAX) return fail(ATTNMERGE_ERROR_VALUE, "o: expected at most 2^31 - 1 states, got %" PRId64, states);
+  const int64_t lse_shape[3] = {tokens, states, heads};
+  const int64_t out_shape[3] = {tokens, heads, head_size};
+  if ((s = check_shape(vl, lse_shape, vo)) || (s = check_shape(vg, vo.shape, vo)) ||
+      (s = check_shape(vgl, lse_shape, vo)) || (s = check_backward_shapes(v, out_shape, vo)) ||
+      (s = check_grads({&vg, &vgl}, {&v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse, &vo, &vl})))
+    return s;
+  const MergeShape shape{tokens, heads, head_size, (opt.flags & ATTNMERGE_LSE_BASE2) != 0};
+  const StackSource in{o->data,      vo.strides[0], vo.strides[1], vo.strides[2], static_cast<const float*>(lse->data),
+                       vl.strides[0], vl.strides[1], vl.strides[2], states};
+  const StackSource grad{data_or_null(vg), stride_or_0(vg, 0), stride_or_0(vg, 1), stride_or_0(vg, 2),
+                         static_cast<const float*>(data_or_null(vgl)), stride_or_0(vgl, 0), stride_or_0(vgl, 1),
+                         stride_or_0(vgl, 2), states};
+  const BackwardArgs<StackBackward> args{StackBackward{in, grad}, state_of(v.out, v.out_lse),
+                                         state_of(v.grad_out, v.grad_out_lse), vg.present(), vgl.present()};
+  return run_backward({&vg, &vgl, &v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse, &vo, &vl}, shape, args, states,
+                      o->dtype, grad_out->dtype,
+                      choose_vec({vg.present() ? &vg : &vo, &v.grad_out, v.out.present() ? &v.out : &v.grad_out, &vo}, head_size),
+                      stream, opt.flags);
+}
+
+attnmerge_status attnmerge_merge_varlen_backward(const attnmerge_tensor* grad_o, const attnmerge_tensor* grad_lse,
+                                                 const attnmerge_tensor* grad_out, const attnmerge_tensor* grad_out_lse,
+                                                 const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                                 const attnmerge_tensor* o, const attnmerge_tensor* lse,
+                                                 const attnmerge_tensor* indptr, const attnmerge_options* options,
+                                                 void* stream) {
+  begin_call();
+  BackwardViews v;
+  View vg, vgl, vo, vl, vi;
+  attnmerge_status s;
+  if ((s = describe(grad_o, "grad_o", 3, kInputs, false, true, vg)) ||
+      (s = describe(grad_lse, "grad_lse", 2, kLse, false, true, vgl)) ||
+      (s = describe_backward_outputs(grad_out, grad_out_lse, out, out_lse, false, v)) ||
+      (s = describe(o, "o", 3, kInputs, false, false, vo)) || (s = describe(lse, "lse", 2, kLse, false, false, vl)) ||
+      (s = describe(indptr, "indptr", 1, kIndex, false, false, vi)))
+    return s;
+  attnmerge_options opt;
+  if ((s = read_backward_options(options, ATTNMERGE_LSE_BASE2 | ATTNMERGE_PDL, v.grad_out, opt)) ||
+      (s = check_dtype_of(vg, vo)))
+    return s;
+  const int64_t total = vo.shape[0], heads = vo.shape[1], head_size = vo.shape[2];
+  if ((s = check_head_size("o", head_size))) return s;
+  if (vi.shape[0] < 1) return fail(ATTNMERGE_ERROR_VALUE, "indptr: expected rows + 1 >= 1 entries, got 0");
+  const int64_t rows = vi.shape[0] - 1;
+  const int64_t o_shape[3] = {total, heads, head_size};
+  const int64_t out_shape[3] = {rows, heads, head_size};
+  if ((s = check_shape(vl, o_shape, vo)) || (s = check_shape(vg, o_shape, vo)) || (s = check_shape(vgl, o_shape, vo)) ||
+      (s = check_backward_shapes(v, out_shape, vo)) ||
+      (s = check_grads({&vg, &vgl}, {&v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse, &vo, &vl, &vi})) ||
+      (s = check_indptr(vi, grad_out, rows, total)))
+    return s;
+  // With no rows, one row over every state writes their zeros (RangeBackward).
+  const MergeShape shape{rows > 0 ? rows : total > 0 ? 1 : 0, heads, head_size, (opt.flags & ATTNMERGE_LSE_BASE2) != 0};
+  const bool wide = indptr->dtype == ATTNMERGE_INT64;
+  const RangeSource in{o->data,      vo.strides[0], vo.strides[1], static_cast<const float*>(lse->data),
+                       vl.strides[0], vl.strides[1], indptr->data, vi.strides[0], wide, total};
+  const RangeSource grad{data_or_null(vg), stride_or_0(vg, 0), stride_or_0(vg, 1),
+                         static_cast<const float*>(data_or_null(vgl)), stride_or_0(vgl, 0), stride_or_0(vgl, 1),
+                         indptr->data, vi.strides[0], wide, total};
+  const BackwardArgs<RangeBackward> args{RangeBackward{in, grad, rows}, state_of(v.out, v.out_lse),
+                                         state_of(v.grad_out, v.grad_out_lse), vg.present(), vgl.present()};
+  const int64_t states = rows > 0 ? (total + rows - 1) / rows : total;
+  return run_backward({&vg, &vgl, &v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse, &vo, &vl, &vi}, shape, args, states,
+                      o->dtype, grad_out->dtype,
+                      choose_vec({vg.present() ? &vg : &vo, &v.grad_out, v.out.present() ? &v.out : &v.grad_out, &vo}, head_size),
+                      stream, opt.flags);
 }
 
 const char* attnmerge_last_error(void) { return g_error; }

@@ -9,6 +9,7 @@
 #include "attnmerge/row.h"
 #include "attnmerge/sources.h"
 #include "attnmerge/views.h"
+#include "attnmerge/backward_params.h"
 #include "attnmerge/plan.h"
 
 namespace attnmerge {
@@ -61,6 +62,13 @@ void dispatch_vec(int vec, F&& f) {
 template <typename Source>
 void cpu_merge(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype, int out_dtype);
 
+// The backward on the CPU (merge_backward_cpu.cpp); `states`: a row's states (the mean for the
+// variable-length merge), for the thread count.  in_dtype: the inputs' O and their gradients';
+// out_dtype: the forward's output and dO.
+template <typename Src>
+void cpu_merge_backward(const MergeShape& shape, const BackwardArgs<Src>& args, int64_t states, int in_dtype,
+                        int out_dtype);
+
 // GPU path (merge_gpu.cu).  Every function restores the caller's current device.
 int gpu_build_version();  // CUDART_VERSION of the toolkit that compiled the library
 int gpu_device_count();
@@ -77,6 +85,15 @@ attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const Out
 void forget_launch();
 attnmerge_launch_info last_launch();
 attnmerge_status gpu_stream_synchronize(int device, void* stream);
+// For launches planned outside merge_gpu.cu: runs job(device's properties, ctx, info) with
+// `device` current (the caller's restored after), where job returns its cudaError_t; a failure is
+// reported naming `what`, a success records `info` for attnmerge_last_launch.
+using GpuJob = int (*)(const DeviceInfo& device, void* ctx, attnmerge_launch_info* info);
+attnmerge_status gpu_run(int device, GpuJob job, void* ctx, const char* what);
+// The backward on the GPU (merge_backward_gpu.cu): planned (plan_backward) and launched on `stream`.
+template <typename Src>
+attnmerge_status gpu_merge_backward(const MergeShape& shape, const BackwardArgs<Src>& args, int vec, bool pdl,
+                                    int in_dtype, int out_dtype, int device, void* stream);
 
 }  // namespace detail
 }  // namespace attnmerge

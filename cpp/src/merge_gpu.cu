@@ -113,5 +113,17 @@ attnmerge_status gpu_stream_synchronize(int device, void* stream) {
   return ATTNMERGE_SUCCESS;
 }
 
+attnmerge_status gpu_run(int device, GpuJob job, void* ctx, const char* what) {
+  DeviceGuard guard(device);
+  if (guard.error() != cudaSuccess)
+    return cuda_fail(guard.error(), "while selecting the device (an earlier error, not one of this call's arguments)");
+  const DeviceProps props = device_props(device);
+  attnmerge_launch_info info = {};
+  const cudaError_t err = static_cast<cudaError_t>(job(DeviceInfo{props.sms, props.major}, ctx, &info));
+  if (err != cudaSuccess) return cuda_fail(err, what);
+  g_last_launch = info;
+  return ATTNMERGE_SUCCESS;
+}
+
 }  // namespace detail
 }  // namespace attnmerge

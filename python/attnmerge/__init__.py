@@ -7,11 +7,12 @@ O = sum (w_i / W) O_i, LSE = m + log W.  +inf LSE marks an empty part; all parts
 O = 0 and LSE = -inf; a part of weight zero is never read; a NaN LSE makes its row NaN.
 
 Ops: merge (two states), merge_inplace (into the first, optionally masked), merge_states (S
-stacked states in one pass) and merge_varlen (a per-row number of states given by indptr).  Arrays
-come from PyTorch, CuPy, JAX, Numba or NumPy (or as raw pointers: `attnmerge.raw`); the vLLM and
-FlashInfer conventions live in `attnmerge.compat`.  With torch imported (before or after attnmerge),
-the ops are also registered as torch.ops.attnmerge.*, which these functions become under torch.compile
-and torch.export (attnmerge._torch_ops).
+stacked states in one pass) and merge_varlen (a per-row number of states given by indptr); the
+gradients of merge, merge_states and merge_varlen: merge_backward, merge_states_backward and
+merge_varlen_backward.  Arrays come from PyTorch, CuPy, JAX, Numba or NumPy (or as raw pointers:
+`attnmerge.raw`); the vLLM and FlashInfer conventions live in `attnmerge.compat`.  With torch
+imported (before or after attnmerge), the ops are also registered as torch.ops.attnmerge.*, which
+these functions become under torch.compile and torch.export (attnmerge._torch_ops).
 """
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ from typing import Any as _Any
 
 from . import _C
 from . import _torch_hook
-from ._merge import merge, merge_inplace, merge_states, merge_varlen
+from ._merge import (merge, merge_backward, merge_inplace, merge_states, merge_states_backward, merge_varlen,
+                     merge_varlen_backward)
 
 _torch_hook.install()  # torch.ops.attnmerge.*, when torch is (or gets) imported
 
 __version__ = _C.version_string()
-__all__ = ["merge", "merge_inplace", "merge_states", "merge_varlen", "build_info", "last_launch", "cmake_dir", "include_dir",
+__all__ = ["merge", "merge_inplace", "merge_states", "merge_varlen", "merge_backward", "merge_states_backward",
+           "merge_varlen_backward", "build_info", "last_launch", "cmake_dir", "include_dir",
            "library_path", "__version__"]
 
 # Where the compiled part lives: beside _C (in an editable install, not beside this file).
@@ -54,8 +57,8 @@ def build_info() -> dict[str, _Any]:
 
 def last_launch() -> dict[str, _Any]:
     """What this thread's last attnmerge op enqueued on the GPU, as the launch plan chose it:
-    `kernel` ("rows", "rows_plain", "rows_inplace", "states", or "none" for host, empty or refused
-    calls), `launches` (0, 1 or 2), `state_groups` (groups of threads sharing a row's states under
+    `kernel` ("rows", "rows_plain", "rows_inplace", "states", "backward", or "none" for host, empty
+    or refused calls), `launches` (0, 1 or 2), `state_groups` (groups of threads sharing a row's states under
     "states"), `index_bits` (32 or 64), `vec` (elements per vector access), `pdl`, `grid` and
     `block`.  For tests, benchmarks and tools that check which kernel a shape gets."""
     return _C.last_launch()

@@ -215,3 +215,127 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
     if out is not out_view:
         _finish_jax(out, stream)
     return out, out_lse
+
+
+# --------------------------------------------------------------------------------------------------
+# The backward: the gradients of a merge's inputs from those of its outputs (issue 16).
+
+
+def _needs(needs_grad, count):
+    needs = tuple(bool(n) for n in needs_grad)
+    if len(needs) != count:
+        raise ValueError(f"needs_grad: expected {count} flags, got {len(needs)}")
+    return needs
+
+
+def _grad_buffer(given, needed, like, shape, name, arg):
+    """(array returned, view handed to the library) for one gradient: as given, allocated in the
+    library of `like` with `shape` and dtype `name`, or (None, None) when not needed."""
+    if given is not None:
+        _refuse_jax_output(given, arg)
+        return given, given
+    if not needed:
+        return None, None
+    return empty(like, shape, name, arg)
+
+
+def _finish_grads(pairs, stream):
+    for array, view in pairs:
+        if array is not None and array is not view:  # written through another view
+            _finish_jax(array, stream)
+
+
+def merge_backward(grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, *, grad_o_a=None, grad_lse_a=None,
+                   grad_o_b=None, grad_lse_b=None, needs_grad=(True, True, True, True), base="e", a_tokens=None,
+                   stream=None, pdl=False):
+    """Gradients of merge(): (grad_o_a, grad_lse_a, grad_o_b, grad_lse_b), one pass over the data.
+
+    For a row with p_i = b^(lse_i - LSE) (b = e, or 2 with base=2, the forward's base):
+    dO_i = p_i * grad_out and dlse_i = p_i * (grad_out_lse + ln(b) * <grad_out, O_i - out>), the dot
+    over head_size in float32.  An empty part (lse_i = -inf or +inf), and every part of an
+    all-empty row, gets zero gradients, never NaN.
+
+    grad_out: [tokens, heads, head_size], the dtype of out; grad_out_lse: float32 [tokens, heads], or
+        None (the forward's LSE unused: zero).
+    out, out_lse: what merge() returned (saved, not recomputed): out float32, float16 or bfloat16
+        (an FP8 output has no gradient), out_lse float32 [tokens, heads], needed even where the
+        caller of the forward did not ask for it (return_lse=False).  out may be None: <dO, O>
+        is then sum_j p_j <dO, O_j> (the same in exact arithmetic, one vector a row less to read).
+    o_a, lse_a, o_b, lse_b, a_tokens: the forward's inputs and option, as merge() took them.
+    grad_o_*, grad_lse_*: where the gradients go (any strides; they may not overlap any input);
+        each None one is allocated like its input (grad_o_* the dtype of o_a, grad_lse_* float32
+        [tokens, heads]) unless its needs_grad flag, in the order (o_a, lse_a, o_b, lse_b), is
+        False: then it is neither computed nor returned (None).  Without the LSE gradients no O is
+        read at all.  With a_tokens, grad_o_a and grad_lse_a cover the first a_tokens tokens of a
+        ([a_tokens, heads, ...]): its later tokens were never read, their gradient is zero.
+    stream, pdl: as for merge().
+    """
+    flags = lse_flags(base) | (_C.PDL if pdl else 0)
+    a_tok = a_tokens_arg(a_tokens)
+    needs = _needs(needs_grad, 4)
+    shape = _shape(o_b, "o_b")
+    a_shape = shape if a_tokens is None else (a_tok,) + tuple(shape[1:])
+    name = dtype_name(getattr(o_a, "dtype", None), "o_a", INPUT_DTYPES)
+    grads = (_grad_buffer(grad_o_a, needs[0], o_b, a_shape, name, "grad_o_a"),
+             _grad_buffer(grad_lse_a, needs[1], o_b, a_shape[:2], "float32", "grad_lse_a"),
+             _grad_buffer(grad_o_b, needs[2], o_b, shape, name, "grad_o_b"),
+             _grad_buffer(grad_lse_b, needs[3], o_b, shape[:2], "float32", "grad_lse_b"))
+    if stream is None:
+        stream = default_stream(o_b)
+    _C.merge_backward(*(view for _, view in grads), grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b,
+                      flags, a_tok, stream)
+    _finish_grads(grads, stream)
+    return tuple(array for array, _ in grads)
+
+
+def merge_states_backward(grad_out, grad_out_lse, out, out_lse, o, lse, *, grad_o=None, grad_lse=None,
+                          needs_grad=(True, True), base="e", states_axis=1, stream=None, pdl=False):
+    """Gradients of merge_states(): (grad_o, grad_lse), one pass over the data.
+
+    The formula, empty parts, grad_out, grad_out_lse (None: zero), out, out_lse and the dtypes as
+    for merge_backward().  o, lse, states_axis: as merge_states() took them; grad_o and grad_lse
+    have the shapes of o and lse ([tokens, S, ...], or [S, tokens, ...] with states_axis=0), any
+    strides, allocated like them when None unless needs_grad (o, lse) says not.
+    """
+    if states_axis not in (0, 1) or isinstance(states_axis, bool):
+        raise ValueError(f"states_axis: expected 0 or 1, got {states_axis!r}")
+    flags = lse_flags(base) | (_C.PDL if pdl else 0)
+    needs = _needs(needs_grad, 2)
+    shape = _shape(o, "o")
+    if len(shape) != 4:
+        raise ValueError(f"o: expected 4 dimensions, got {len(shape)} (shape {list(shape)})")
+    name = dtype_name(getattr(o, "dtype", None), "o", INPUT_DTYPES)
+    grads = (_grad_buffer(grad_o, needs[0], o, shape, name, "grad_o"),
+             _grad_buffer(grad_lse, needs[1], o, shape[:3], "float32", "grad_lse"))
+    if stream is None:
+        stream = default_stream(o)
+    _C.merge_states_backward(*(view for _, view in grads), grad_out, grad_out_lse, out, out_lse, o, lse, flags,
+                             states_axis == 0, stream)
+    _finish_grads(grads, stream)
+    return tuple(array for array, _ in grads)
+
+
+def merge_varlen_backward(grad_out, grad_out_lse, out, out_lse, o, lse, indptr, *, grad_o=None, grad_lse=None,
+                          needs_grad=(True, True), base="e", stream=None, pdl=False):
+    """Gradients of merge_varlen(): (grad_o, grad_lse), one pass over the data.
+
+    The formula, empty parts, grad_out [rows, heads, head_size], grad_out_lse (None: zero), out,
+    out_lse and the dtypes as for merge_backward().  o [total, heads, head_size], lse, indptr: as
+    merge_varlen() took them; grad_o and grad_lse have the shapes of o and lse, allocated like them
+    when None unless needs_grad (o, lse) says not.  Every state's gradient is written: states no
+    row takes (before indptr[0], from indptr[rows] on) get zeros.
+    """
+    flags = lse_flags(base) | (_C.PDL if pdl else 0)
+    needs = _needs(needs_grad, 2)
+    shape = _shape(o, "o")
+    if len(shape) != 3:
+        raise ValueError(f"o: expected 3 dimensions, got {len(shape)} (shape {list(shape)})")
+    name = dtype_name(getattr(o, "dtype", None), "o", INPUT_DTYPES)
+    grads = (_grad_buffer(grad_o, needs[0], o, shape, name, "grad_o"),
+             _grad_buffer(grad_lse, needs[1], o, shape[:2], "float32", "grad_lse"))
+    if stream is None:
+        stream = default_stream(o)
+    _C.merge_varlen_backward(*(view for _, view in grads), grad_out, grad_out_lse, out, out_lse, o, lse, indptr, flags,
+                             stream)
+    _finish_grads(grads, stream)
+    return tuple(array for array, _ in grads)

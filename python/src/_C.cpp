@@ -541,6 +541,54 @@ void* raw_pointer(py::handle v, const char* name) {
   return reinterpret_cast<void*>(static_cast<uintptr_t>(ptr));
 }
 
+// The backward of the three merges: the gradients first (None: not computed), then the incoming
+// gradients, the forward's outputs and its inputs, as the C ABI takes them.
+void merge_backward(py::handle grad_o_a, py::handle grad_lse_a, py::handle grad_o_b, py::handle grad_lse_b,
+                    py::handle grad_out, py::handle grad_out_lse, py::handle out, py::handle out_lse, py::handle o_a,
+                    py::handle lse_a, py::handle o_b, py::handle lse_b, uint32_t flags, int64_t a_tokens,
+                    py::handle stream) {
+  Call<12> c({{grad_o_a, "grad_o_a", kO}, {grad_lse_a, "grad_lse_a", kF32}, {grad_o_b, "grad_o_b", kO},
+              {grad_lse_b, "grad_lse_b", kF32}, {grad_out, "grad_out", kO}, {grad_out_lse, "grad_out_lse", kF32},
+              {out, "out", kO}, {out_lse, "out_lse", kF32}, {o_a, "o_a", kO}, {lse_a, "lse_a", kF32},
+              {o_b, "o_b", kO}, {lse_b, "lse_b", kF32}},
+             stream);
+  const attnmerge_options options = {flags | (a_tokens >= 0 ? ATTNMERGE_A_TOKENS : 0u), a_tokens, 0.0f, nullptr};
+  call_library([&] {
+    return attnmerge_merge_backward(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], c.t[6], c.t[7], c.t[8], c.t[9],
+                                    c.t[10], c.t[11], &options, c.stream);
+  });
+}
+
+void merge_states_backward(py::handle grad_o, py::handle grad_lse, py::handle grad_out, py::handle grad_out_lse,
+                           py::handle out, py::handle out_lse, py::handle o, py::handle lse, uint32_t flags,
+                           bool states_first, py::handle stream) {
+  Call<8> c({{grad_o, "grad_o", kO}, {grad_lse, "grad_lse", kF32}, {grad_out, "grad_out", kO},
+             {grad_out_lse, "grad_out_lse", kF32}, {out, "out", kO}, {out_lse, "out_lse", kF32}, {o, "o", kO},
+             {lse, "lse", kF32}},
+            stream);
+  if (states_first)  // [S, tokens, ...] read through its strides, gradients likewise
+    for (int i : {0, 1, 6, 7}) swap_leading_axes(c.args[i]);
+  const attnmerge_options options = {flags, 0, 0.0f, nullptr};
+  call_library([&] {
+    return attnmerge_merge_states_backward(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], c.t[6], c.t[7], &options,
+                                           c.stream);
+  });
+}
+
+void merge_varlen_backward(py::handle grad_o, py::handle grad_lse, py::handle grad_out, py::handle grad_out_lse,
+                           py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle indptr,
+                           uint32_t flags, py::handle stream) {
+  Call<9> c({{grad_o, "grad_o", kO}, {grad_lse, "grad_lse", kF32}, {grad_out, "grad_out", kO},
+             {grad_out_lse, "grad_out_lse", kF32}, {out, "out", kO}, {out_lse, "out_lse", kF32}, {o, "o", kO},
+             {lse, "lse", kF32}, {indptr, "indptr", kIndexDtypes}},
+            stream);
+  const attnmerge_options options = {flags, 0, 0.0f, nullptr};
+  call_library([&] {
+    return attnmerge_merge_varlen_backward(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], c.t[6], c.t[7], c.t[8],
+                                           &options, c.stream);
+  });
+}
+
 // Raw layer: O as (ptr, dtype, stride_token, stride_head), LSE as (ptr, stride_0, stride_1) in the
 // LSE's own layout, sizes given once.
 void raw_tensor(Arg& a, py::handle desc, bool is_o, int64_t d0, int64_t d1, int64_t head_size, int device,
@@ -611,6 +659,16 @@ PYBIND11_MODULE(_C, m) {
         py::arg("flags"), py::arg("states_first"), py::arg("output_scale"), py::arg("stream"));
   m.def("merge_varlen", &merge_varlen, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
         py::arg("indptr"), py::arg("flags"), py::arg("output_scale"), py::arg("stream"));
+  m.def("merge_backward", &merge_backward, py::arg("grad_o_a"), py::arg("grad_lse_a"), py::arg("grad_o_b"),
+        py::arg("grad_lse_b"), py::arg("grad_out"), py::arg("grad_out_lse"), py::arg("out"), py::arg("out_lse"),
+        py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"), py::arg("lse_b"), py::arg("flags"), py::arg("a_tokens"),
+        py::arg("stream"));
+  m.def("merge_states_backward", &merge_states_backward, py::arg("grad_o"), py::arg("grad_lse"), py::arg("grad_out"),
+        py::arg("grad_out_lse"), py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"), py::arg("flags"),
+        py::arg("states_first"), py::arg("stream"));
+  m.def("merge_varlen_backward", &merge_varlen_backward, py::arg("grad_o"), py::arg("grad_lse"), py::arg("grad_out"),
+        py::arg("grad_out_lse"), py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"), py::arg("indptr"),
+        py::arg("flags"), py::arg("stream"));
   m.def("merge_raw", &merge_raw, py::arg("tokens"), py::arg("heads"), py::arg("head_size"), py::arg("out"),
         py::arg("out_lse"), py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"), py::arg("lse_b"), py::arg("flags"),
         py::arg("a_tokens"), py::arg("device"), py::arg("stream"), py::arg("device_known"));
@@ -620,8 +678,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("last_launch", [] {
     attnmerge_launch_info info;
     attnmerge_last_launch(&info);
-    static const char* const kernels[] = {"none", "rows", "rows_plain", "rows_inplace", "states"};
-    const bool known = info.kernel >= 0 && info.kernel <= ATTNMERGE_KERNEL_STATES;
+    static const char* const kernels[] = {"none", "rows", "rows_plain", "rows_inplace", "states", "backward"};
+    const bool known = info.kernel >= 0 && info.kernel <= ATTNMERGE_KERNEL_BACKWARD;
     py::dict d;
     d["kernel"] = known ? kernels[info.kernel] : "unknown";
     d["launches"] = info.launches;

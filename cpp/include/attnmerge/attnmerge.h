@@ -154,6 +154,72 @@ ATTNMERGE_API attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* ou
                                                       const attnmerge_tensor* indptr,
                                                       const attnmerge_options* options, void* stream);
 
+/* Backward of the merges: the gradients of a merge's inputs from those of its outputs, in one
+ * pass over the data.  For a row (token, head) with the forward's output O and LSE, the gradients
+ * dO (grad_out) and dLSE (grad_out_lse) of them, and the row's states i (O_i, lse_i):
+ *
+ *   p_i = b^(lse_i - LSE)      (b = e, or 2 with ATTNMERGE_LSE_BASE2: the forward's base)
+ *   dO_i = p_i dO,   dlse_i = p_i (dLSE + ln(b) <dO, O_i - O>)      (<,> over head_size)
+ *
+ *   - out and out_lse are the forward's results, saved and passed in, not recomputed; the other
+ *     inputs are the forward's inputs, as it took them (the same layouts, strides and options);
+ *   - out may be NULL: <dO, O_i - O> is then <dO, O_i> - sum_j p_j <dO, O_j> (equal in exact
+ *     arithmetic; O is not read, one vector a row less; the dots of rows of more than 4 states on
+ *     the GPU, 64 on the CPU, are stored in the LSE gradients and finished in a second pass over
+ *     them, a float a state);
+ *   - an empty part (lse_i -inf or +inf) gets zero gradients, never NaN, whatever its O_i or dO
+ *     holds; so does a part of zero weight, and every part of an all-empty row (LSE -inf);
+ *   - a NaN lse_i, LSE or dLSE, or NaN in dO, O or O_i, gives NaN where the formula does: errors
+ *     surface (apart from the zero-weight parts above);
+ *   - arithmetic in float32 whatever the storage types (the dot accumulated in float32), each
+ *     result rounded once; every O_i is read once, and dO and O once a row where head_size is at
+ *     most 256 16-bit or 128 float32 elements (the GPU reads the rest of wider rows again for
+ *     each 4 states, the CPU for each 64);
+ *   - grad_out_lse may be NULL: dLSE = 0 (the forward's LSE was not used);
+ *   - each gradient output may be NULL: not written.  Without the LSE gradients no O_i or O is
+ *     read at all (dO_i needs only the LSEs and dO);
+ *   - dtypes: the inputs' O and their gradients share one of float32, float16 or bfloat16; out and
+ *     grad_out share one (which may differ: a float32 merge of bfloat16 states, say); every LSE
+ *     and LSE gradient is float32.  FP8 outputs and an output scale have no gradient (refused);
+ *   - outputs may not overlap each other or any input (no in-place backward);
+ *   - options.flags: ATTNMERGE_LSE_BASE2 and ATTNMERGE_PDL; for the two-way merge also
+ *     ATTNMERGE_LSE_HEADS_FIRST (every LSE and LSE gradient of the call [heads, tokens]) and
+ *     ATTNMERGE_A_TOKENS.  The in-place merge has no backward: it overwrites the O_a it needs.
+ * Conventions otherwise those of the forward (status codes, the last error, streams, devices). */
+
+/* Two-way merge backward.  grad_o_a, grad_lse_a, grad_o_b, grad_lse_b: the gradients of o_a,
+ * lse_a, o_b, lse_b, shaped as o_b and lse_b ([tokens, heads, head_size], [tokens, heads]).  With
+ * ATTNMERGE_A_TOKENS the forward read only the first a_tokens tokens of a: grad_o_a and grad_lse_a
+ * are then [a_tokens, heads, head_size] and [a_tokens, heads] (the gradient of a's later tokens,
+ * if it has any, is zero and the caller's to write), and o_a, lse_a need at least a_tokens tokens. */
+ATTNMERGE_API attnmerge_status attnmerge_merge_backward(
+    const attnmerge_tensor* grad_o_a, const attnmerge_tensor* grad_lse_a, const attnmerge_tensor* grad_o_b,
+    const attnmerge_tensor* grad_lse_b, const attnmerge_tensor* grad_out, const attnmerge_tensor* grad_out_lse,
+    const attnmerge_tensor* out, const attnmerge_tensor* out_lse, const attnmerge_tensor* o_a,
+    const attnmerge_tensor* lse_a, const attnmerge_tensor* o_b, const attnmerge_tensor* lse_b,
+    const attnmerge_options* options, void* stream);
+
+/* N-way merge backward.  grad_o [tokens, S, heads, head_size] and grad_lse [tokens, S, heads]: the
+ * gradients of o and lse, any strides (like o and lse, which need not share them); grad_out, out
+ * [tokens, heads, head_size]; grad_out_lse, out_lse [tokens, heads]. */
+ATTNMERGE_API attnmerge_status attnmerge_merge_states_backward(
+    const attnmerge_tensor* grad_o, const attnmerge_tensor* grad_lse, const attnmerge_tensor* grad_out,
+    const attnmerge_tensor* grad_out_lse, const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+    const attnmerge_tensor* o, const attnmerge_tensor* lse, const attnmerge_options* options, void* stream);
+
+/* Variable-length merge backward.  grad_o [total, heads, head_size], grad_lse [total, heads]: the
+ * gradients of o and lse; grad_out, out [rows, heads, head_size]; grad_out_lse, out_lse [rows,
+ * heads]; indptr as the forward took it.  Every state's gradient is written: states that no row
+ * takes (before indptr[0], from indptr[rows] on, or all of them when rows = 0) get zeros.  indptr
+ * is checked on the host as in the forward; on the GPU each row takes the forward's clamped
+ * states, so a bad indptr cannot make an access leave the arrays (a state in two rows' clamped
+ * ranges then gets one of their gradients). */
+ATTNMERGE_API attnmerge_status attnmerge_merge_varlen_backward(
+    const attnmerge_tensor* grad_o, const attnmerge_tensor* grad_lse, const attnmerge_tensor* grad_out,
+    const attnmerge_tensor* grad_out_lse, const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+    const attnmerge_tensor* o, const attnmerge_tensor* lse, const attnmerge_tensor* indptr,
+    const attnmerge_options* options, void* stream);
+
 /* What the calling thread's last op enqueued on the GPU, for tests, benchmarks and tools that
  * check which kernel a shape gets (the launch plan, cpp/include/attnmerge/plan.h).  Host calls,
  * empty calls and refused calls enqueue nothing: launches = 0. */
@@ -162,6 +228,7 @@ ATTNMERGE_API attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* ou
 #define ATTNMERGE_KERNEL_ROWS_PLAIN 2    /* the same, two states, no mask, a_tokens, tiles or scale pointer */
 #define ATTNMERGE_KERNEL_ROWS_INPLACE 3  /* the same, the merged LSE written over an input's after a block barrier */
 #define ATTNMERGE_KERNEL_STATES 4        /* a row's states shared by groups of threads, combined in shared memory */
+#define ATTNMERGE_KERNEL_BACKWARD 5      /* the backward: lanes of a warp per row, the dots summed by shuffles */
 typedef struct attnmerge_launch_info {
   int32_t kernel;       /* ATTNMERGE_KERNEL_* of the first launch */
   int32_t launches;     /* kernels enqueued: 0, 1, or 2 (an in-place merge whose rows span blocks) */
