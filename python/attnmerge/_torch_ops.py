@@ -26,22 +26,33 @@ _NS = "attnmerge"
 # know), and the functional overloads return new tensors that alias no input.
 _OPTIONS = 'str base="e", bool pdl=False'
 _SCHEMAS = {
-    "merge": "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, *, ScalarType? out_dtype=None, "
-             f"Tensor? output_scale=None, SymInt? a_tokens=None, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
+    "merge": "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, Tensor? output_scale=None, *, "
+             f"ScalarType? out_dtype=None, SymInt? a_tokens=None, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
     "merge.out": "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
                  f"Tensor? output_scale=None, SymInt? a_tokens=None, {_OPTIONS}) -> ()",
     "merge_inplace": f"(Tensor(a!) o, Tensor(b!) lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, *, "
                      f"{_OPTIONS}) -> ()",
     "merge_inplace.functional": f"(Tensor o, Tensor lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, *, "
                                 f"{_OPTIONS}) -> (Tensor o_merged, Tensor lse_merged)",
-    "merge_states": "(Tensor o, Tensor lse, *, ScalarType? out_dtype=None, Tensor? output_scale=None, "
+    "merge_states": "(Tensor o, Tensor lse, Tensor? output_scale=None, *, ScalarType? out_dtype=None, "
                     f"int states_axis=1, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
     "merge_states.out": "(Tensor o, Tensor lse, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
                         f"Tensor? output_scale=None, int states_axis=1, {_OPTIONS}) -> ()",
-    "merge_varlen": "(Tensor o, Tensor lse, Tensor indptr, *, ScalarType? out_dtype=None, "
-                    f"Tensor? output_scale=None, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
+    "merge_varlen": "(Tensor o, Tensor lse, Tensor indptr, Tensor? output_scale=None, *, "
+                    f"ScalarType? out_dtype=None, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
     "merge_varlen.out": "(Tensor o, Tensor lse, Tensor indptr, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
                         f"Tensor? output_scale=None, {_OPTIONS}) -> ()",
+    # The gradients of the functional merges (what their registered autograd calls): inputs
+    # whose `needs` flag is False get an empty tensor (not computed).
+    "merge_backward": "(Tensor grad_out, Tensor? grad_out_lse, Tensor out, Tensor out_lse, Tensor o_a, Tensor lse_a, "
+                      "Tensor o_b, Tensor lse_b, *, bool[4] needs, SymInt? a_tokens=None, str base=\"e\") "
+                      "-> (Tensor grad_o_a, Tensor grad_lse_a, Tensor grad_o_b, Tensor grad_lse_b)",
+    "merge_states_backward": "(Tensor grad_out, Tensor? grad_out_lse, Tensor out, Tensor out_lse, Tensor o, "
+                             "Tensor lse, *, bool[2] needs, int states_axis=1, str base=\"e\") "
+                             "-> (Tensor grad_o, Tensor grad_lse)",
+    "merge_varlen_backward": "(Tensor grad_out, Tensor? grad_out_lse, Tensor out, Tensor out_lse, Tensor o, "
+                             "Tensor lse, Tensor indptr, *, bool[2] needs, str base=\"e\") "
+                             "-> (Tensor grad_o, Tensor grad_lse)",
 }
 
 
@@ -60,14 +71,26 @@ def _states_axis(states_axis):
 
 
 _RESULTS = {  # out_dtype None: that of the inputs, as in the public functions
-    "merge": lambda o_a, lse_a, o_b, lse_b, *, out_dtype=None, **_: _new(o_b, tuple(o_b.shape),
-                                                                         out_dtype or o_a.dtype),
-    "merge_states": lambda o, lse, *, out_dtype=None, states_axis=1, **_: _new(
+    # (output_scale, the functional overloads' last positional argument, plays no part)
+    "merge": lambda o_a, lse_a, o_b, lse_b, *_, out_dtype=None, **__: _new(o_b, tuple(o_b.shape),
+                                                                           out_dtype or o_a.dtype),
+    "merge_states": lambda o, lse, *_, out_dtype=None, states_axis=1, **__: _new(
         o, _merge.states_shape(o, _states_axis(states_axis)), out_dtype or o.dtype),
-    "merge_varlen": lambda o, lse, indptr, *, out_dtype=None, **_: _new(o, _merge.varlen_shape(o, indptr),
-                                                                        out_dtype or o.dtype),
+    "merge_varlen": lambda o, lse, indptr, *_, out_dtype=None, **__: _new(o, _merge.varlen_shape(o, indptr),
+                                                                          out_dtype or o.dtype),
     "merge_inplace.functional": lambda o, lse, *_, **__: (torch.empty_like(o), torch.empty_like(lse)),
+    "merge_backward": lambda grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, *, needs, **_: tuple(
+        _grad_like(x, need) for x, need in zip((o_a, lse_a, o_b, lse_b), needs)),
+    "merge_states_backward": lambda grad_out, grad_out_lse, out, out_lse, o, lse, *, needs, **_: tuple(
+        _grad_like(x, need) for x, need in zip((o, lse), needs)),
+    "merge_varlen_backward": lambda grad_out, grad_out_lse, out, out_lse, o, lse, indptr, *, needs, **_: tuple(
+        _grad_like(x, need) for x, need in zip((o, lse), needs)),
 }
+
+
+def _grad_like(x, needed):
+    """The gradient of input x: its shape and dtype, contiguous; empty where it is not needed."""
+    return torch.empty(x.shape if needed else (0,), dtype=x.dtype, device=x.device)
 
 
 def _fake_nothing(*args, **kwargs):  # the mutating overloads return nothing
@@ -106,34 +129,145 @@ def _merge_varlen_out(o, lse, indptr, *, out, out_lse=None, output_scale=None, b
     _C.merge_varlen(out, out_lse, o, lse, indptr, _flags(base, pdl), output_scale, default_stream(o))
 
 
-def _functional(results, out_kernel):
-    """The functional kernel: the results allocated as the fake implementation says, then filled."""
+def _merge_backward(grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, *, needs, a_tokens=None, base="e"):
+    grads = _RESULTS["merge_backward"](grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, needs=needs)
+    # With a_tokens the library writes a's gradients for its first a_tokens tokens: a's later
+    # tokens were never read, their gradient is zero.
+    k = o_a.shape[0] if a_tokens is None else min(int(a_tokens), o_a.shape[0])
+    for g, need in zip(grads[:2], needs[:2]):
+        if need and k < o_a.shape[0]:
+            g[k:].zero_()
+    given = [g[:k] if i < 2 else g for i, g in enumerate(grads)]
+    _merge.merge_backward(grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b,
+                          **{name: g if need else None for name, g, need in
+                             zip(("grad_o_a", "grad_lse_a", "grad_o_b", "grad_lse_b"), given, needs)},
+                          needs_grad=tuple(needs), base=2 if base == "2" else "e", a_tokens=a_tokens)
+    return grads
+
+
+def _merge_states_backward(grad_out, grad_out_lse, out, out_lse, o, lse, *, needs, states_axis=1, base="e"):
+    grads = _RESULTS["merge_states_backward"](grad_out, grad_out_lse, out, out_lse, o, lse, needs=needs)
+    _merge.merge_states_backward(grad_out, grad_out_lse, out, out_lse, o, lse,
+                                 grad_o=grads[0] if needs[0] else None, grad_lse=grads[1] if needs[1] else None,
+                                 needs_grad=tuple(needs), base=2 if base == "2" else "e",
+                                 states_axis=_states_axis(states_axis))
+    return grads
+
+
+def _merge_varlen_backward(grad_out, grad_out_lse, out, out_lse, o, lse, indptr, *, needs, base="e"):
+    grads = _RESULTS["merge_varlen_backward"](grad_out, grad_out_lse, out, out_lse, o, lse, indptr, needs=needs)
+    _merge.merge_varlen_backward(grad_out, grad_out_lse, out, out_lse, o, lse, indptr,
+                                 grad_o=grads[0] if needs[0] else None, grad_lse=grads[1] if needs[1] else None,
+                                 needs_grad=tuple(needs), base=2 if base == "2" else "e")
+    return grads
+
+
+def _functional(results, out_kernel, n_tensors):
+    """The functional kernel: the results allocated as the fake implementation says, then filled.
+    Its positional arguments: the op's `n_tensors` inputs, then output_scale (positional, so that
+    autograd can be registered: it takes no keyword-only tensors; the dispatcher may drop it when
+    it is None)."""
     def kernel(*args, out_dtype=None, **options):
-        out, out_lse = results(*args, out_dtype=out_dtype, **options)
-        out_kernel(*args, out=out, out_lse=out_lse, **options)
+        tensors = args[:n_tensors]
+        scale = args[n_tensors] if len(args) > n_tensors else options.pop("output_scale", None)
+        out, out_lse = results(*tensors, out_dtype=out_dtype, **options)
+        out_kernel(*tensors, out=out, out_lse=out_lse, output_scale=scale, **options)
         return out, out_lse
 
     return kernel
 
 
 _KERNELS = {
-    "merge": _functional(_RESULTS["merge"], _merge_out), "merge.out": _merge_out,
+    "merge": _functional(_RESULTS["merge"], _merge_out, 4), "merge.out": _merge_out,
     "merge_inplace": _merge_inplace, "merge_inplace.functional": _merge_inplace_functional,
-    "merge_states": _functional(_RESULTS["merge_states"], _merge_states_out), "merge_states.out": _merge_states_out,
-    "merge_varlen": _functional(_RESULTS["merge_varlen"], _merge_varlen_out), "merge_varlen.out": _merge_varlen_out,
+    "merge_states": _functional(_RESULTS["merge_states"], _merge_states_out, 2),
+    "merge_states.out": _merge_states_out,
+    "merge_varlen": _functional(_RESULTS["merge_varlen"], _merge_varlen_out, 3),
+    "merge_varlen.out": _merge_varlen_out,
+    "merge_backward": _merge_backward, "merge_states_backward": _merge_states_backward,
+    "merge_varlen_backward": _merge_varlen_backward,
 }
 
 
 # ---- autograd -------------------------------------------------------------------------------------
 
 def _register_autograd(lib):
-    """The one place autograd attaches to the ops.  Until attnmerge has backward kernels, every op
-    refuses inputs that require grad (no silently missing gradient); when they land, the functional
-    overloads (merge, merge_inplace.functional, merge_states, merge_varlen) take
-    torch.library.register_autograd(...) here instead.  The out and in-place overloads stay
-    non-differentiable, as PyTorch's own out= ops are."""
+    """The one place autograd attaches to the ops.  The functional merges (merge, merge_states,
+    merge_varlen) differentiate with respect to every O and LSE input through the backward ops,
+    from the saved inputs and results (no recomputation).  The out= and in-place overloads, the
+    in-place merge's functional form and the backward ops themselves refuse inputs that require
+    grad by name, as PyTorch's own out= ops do: never a silently missing gradient."""
     for name in _SCHEMAS:
-        lib.impl(name, _refuse_grad(name), "Autograd", with_keyset=True)
+        if name in _AUTOGRAD:
+            setup, backward = _AUTOGRAD[name]
+            torch.library.register_autograd(f"{_NS}::{name}", backward, setup_context=setup, lib=lib)
+        else:
+            lib.impl(name, _refuse_grad(name), "Autograd", with_keyset=True)
+
+
+def _no_fp8_gradient(name, inputs, scale, out):
+    """A gradient through a scaled or FP8 output is not defined here: refused when one is asked for."""
+    if out.dtype.itemsize == 1 or scale is not None:
+        if any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+            raise NotImplementedError(f"{_NS}::{name}: no gradient through an FP8 output or an output_scale; call it "
+                                      f"under torch.no_grad() or on detached tensors")
+
+
+def _setup(name, n_tensors):
+    """Saves the op's `n_tensors` tensor inputs (output_scale follows them) and its results."""
+    def setup_context(ctx, inputs, keyword_only_inputs, output):
+        out, out_lse = output
+        _no_fp8_gradient(name, inputs[:n_tensors], inputs[n_tensors] if len(inputs) > n_tensors else None, out)
+        ctx.save_for_backward(*inputs[:n_tensors], out, out_lse)
+        ctx.options = keyword_only_inputs
+    return setup_context
+
+
+def _grads_or_none(grads, needs):
+    return tuple(g if need else None for g, need in zip(grads, needs))
+
+
+def _incoming(grad_out, out):
+    """The incoming gradient of out as the library takes it: zeros where out was unused, and dense
+    where autograd hands an expanded one (stride 0 on head_size, from a sum)."""
+    return torch.zeros_like(out) if grad_out is None else grad_out.contiguous()
+
+
+def _incoming_lse(grad_out_lse):
+    return None if grad_out_lse is None else grad_out_lse.contiguous()
+
+
+def _merge_grad(ctx, grad_out, grad_out_lse):
+    o_a, lse_a, o_b, lse_b, out, out_lse = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:4])
+    grads = torch.ops.attnmerge.merge_backward(_incoming(grad_out, out), _incoming_lse(grad_out_lse), out, out_lse, o_a, lse_a, o_b,
+                                               lse_b, needs=needs, a_tokens=ctx.options.get("a_tokens"),
+                                               base=ctx.options.get("base", "e"))
+    return (*_grads_or_none(grads, needs), None)  # output_scale: none
+
+
+def _merge_states_grad(ctx, grad_out, grad_out_lse):
+    o, lse, out, out_lse = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:2])
+    grads = torch.ops.attnmerge.merge_states_backward(_incoming(grad_out, out), _incoming_lse(grad_out_lse), out, out_lse, o, lse,
+                                                      needs=needs, states_axis=ctx.options.get("states_axis", 1),
+                                                      base=ctx.options.get("base", "e"))
+    return (*_grads_or_none(grads, needs), None)
+
+
+def _merge_varlen_grad(ctx, grad_out, grad_out_lse):
+    o, lse, indptr, out, out_lse = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:2])
+    grads = torch.ops.attnmerge.merge_varlen_backward(_incoming(grad_out, out), _incoming_lse(grad_out_lse), out, out_lse, o, lse,
+                                                      indptr, needs=needs, base=ctx.options.get("base", "e"))
+    return (*_grads_or_none(grads, needs), None, None)  # indptr, output_scale: none
+
+
+_AUTOGRAD = {
+    "merge": (_setup("merge", 4), _merge_grad),
+    "merge_states": (_setup("merge_states", 2), _merge_states_grad),
+    "merge_varlen": (_setup("merge_varlen", 3), _merge_varlen_grad),
+}
 
 
 def _refuse_grad(name):
@@ -147,7 +281,8 @@ def _refuse_grad(name):
             values = dict(zip(arg_names, args), **kwargs)
             wanting = [k for k, v in values.items() if isinstance(v, torch.Tensor) and v.requires_grad]
             if wanting:
-                why = ("attnmerge has no backward for it yet" if differentiable
+                why = ("attnmerge has no gradient of it (the in-place merge and the backward ops are not "
+                       "differentiable)" if differentiable
                        else "it writes its results into given tensors, which autograd cannot differentiate")
                 raise NotImplementedError(
                     f"{_NS}::{name}: {', '.join(wanting)} requires grad, but {why}; call it under torch.no_grad() "
