@@ -1,7 +1,8 @@
 // The merges' backward (merge_backward_kernels.cuh) against the HBM roofline: T x S x 32 x 128
 // bfloat16 states ([tokens, S, heads, D]), the forward's O and LSE made by the library's own
 // forward, random dO and dLSE; the N-way backward at S = 2, 4, 8 and 16 and the two-way one
-// (S = 2 through PairBackward), by CUDA-graph replay through the header-only launcher; each with
+// (S = 2 through PairBackward, which the C ABI also takes for N-way calls of S = 2: the "stack"
+// row of S = 2 is the alternative), by CUDA-graph replay through the header-only launcher; each with
 // the forward's O passed in (the default) and without it (out = NULL), whose bytes omit O, and for
 // S > 4 the same kernel with 8 states in flight instead of 4 (an alternative, not the library's).
 //

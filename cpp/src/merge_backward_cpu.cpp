@@ -16,6 +16,21 @@ namespace {
 constexpr int64_t kChunk = 256;  // head_size elements of dO and O held as float32, on the stack
 constexpr int kBlock = 64;       // states whose dots are summed together
 
+// <dv, x - ov> over len elements, in kLanes partial sums: a single running sum is a chain of
+// dependent adds that the compiler may not reorder (no -ffast-math), so it would not vectorize.
+constexpr int kLanes = 8;
+template <typename TIn>
+inline float dot_chunk(const float* dv, const float* ov, const TIn* x, int64_t len) {
+  float part[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= len; d += kLanes)
+    for (int j = 0; j < kLanes; ++j) part[j] += dv[d + j] * (Convert<TIn>::load(x[d + j]) - ov[d + j]);
+  float sum = 0.0f;
+  for (int j = 0; j < kLanes; ++j) sum += part[j];
+  for (; d < len; ++d) sum += dv[d] * (Convert<TIn>::load(x[d]) - ov[d]);
+  return sum;
+}
+
 template <typename Src, typename TIn, typename TOut>
 ATTNMERGE_CPU_CLONES void backward_rows(const MergeShape& shape, const BackwardArgs<Src>& a, int64_t row_begin,
                                         int64_t row_end) {
@@ -45,19 +60,21 @@ ATTNMERGE_CPU_CLONES void backward_rows(const MergeShape& shape, const BackwardA
       }
       for (int64_t d0 = 0; d0 < shape.head_size; d0 += kChunk) {
         const int64_t len = std::min(kChunk, shape.head_size - d0);
-        float dv[kChunk] = {}, ov[kChunk] = {};  // zeros for a row with no output: every p is 0
+        float dv[kChunk], ov[kChunk];  // only [0, len) set: zeroing all 2 KB took as long as a row
         if (r.has_out) {
           for (int64_t d = 0; d < len; ++d) dv[d] = Convert<TOut>::load(d_out[d0 + d]);
-          if (a.want_lse && !o_free)
-            for (int64_t d = 0; d < len; ++d) ov[d] = Convert<TOut>::load(o_out[d0 + d]);
+        } else {
+          std::fill(dv, dv + len, 0.0f);  // a row with no output: every p is 0
+        }
+        if (r.has_out && a.want_lse && !o_free) {
+          for (int64_t d = 0; d < len; ++d) ov[d] = Convert<TOut>::load(o_out[d0 + d]);
+        } else {
+          std::fill(ov, ov + len, 0.0f);
         }
         for (int c = 0; c < m; ++c) {
           const int s = s0 + c;
           if (a.want_lse && p[c] != 0.0f) {
-            const TIn* const x = r.in.template o_at<TIn>(s) + d0;
-            float part = 0.0f;
-            for (int64_t d = 0; d < len; ++d) part += dv[d] * (Convert<TIn>::load(x[d]) - ov[d]);
-            dot[c] += part;
+            dot[c] += dot_chunk(dv, ov, r.in.template o_at<TIn>(s) + d0, len);
           }
           if (a.want_o && r.grad.o_at(s) != nullptr) {  // null: that gradient not asked for
             TIn* const y = r.grad.o_at(s) + d0;
