@@ -165,6 +165,22 @@ def test_as_the_dispatcher_calls_it_six_positional_arguments(rng):
     assert_merge_matches(output, output_lse.T, reference(x), "float32", "output")
 
 
+@pytest.mark.parametrize("with_lse", [True, False])
+def test_as_the_compiled_op_takes_them_output_and_output_lse_first(rng, with_lse):
+    """torch.ops._C.merge_attn_states' order (output, output_lse, prefix_output, prefix_lse,
+    suffix_output, suffix_lse, prefill_tokens_with_context, output_scale), which the seed kernel
+    and its harness use, recognised by the 2-D (or None) second argument."""
+    x = vllm_inputs(rng, tokens=20, dtype="float32")
+    output = nan_array(x["prefix_output"].shape, "float32")
+    output_lse = nan_array(x["prefix_lse"].shape) if with_lse else None
+    assert merge_attn_states(output, output_lse, x["prefix_output"], x["prefix_lse"], x["suffix_output"],
+                             x["suffix_lse"], 12) is None
+    ref = reference(x, 12)
+    assert_o_close(output, ref[0], "float32", "output")
+    if with_lse:
+        assert_lse_close(output_lse.T, ref[1], "output_lse")
+
+
 def test_as_mla_chunked_prefill_calls_it_by_keyword(rng):
     """vLLM's MLA prefill: merge_attn_states(output=, prefix_output=, prefix_lse=, suffix_output=,
     suffix_lse=, prefill_tokens_with_context=), no output_lse."""

@@ -29,6 +29,9 @@ _NAME_OF_DTYPE: dict[object, str] = {}  # dtype object -> its name (NumPy's dtyp
 
 
 def _name_of(dtype):
+    if type(dtype).__module__ == "torch":  # torch.dtype: str() is cheap; no cache, which torch.compile cannot trace
+        name = str(dtype).rpartition(".")[2]
+        return _ALIASES.get(name, name)
     try:
         return _NAME_OF_DTYPE[dtype]
     except (KeyError, TypeError):  # not seen yet, or not hashable

@@ -167,8 +167,8 @@ def _host_overhead(torch):
     o_a, o_b = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lse_a, lse_b = (torch.randn(t, h, device="cuda") for _ in range(2))
     out, out_lse = torch.empty_like(o_a), torch.empty_like(lse_a)
-    from . import raw
-    from .compat.vllm import merge_attn_states
+    from .. import raw
+    from ..compat.vllm import merge_attn_states
 
     stream = torch.cuda.current_stream().cuda_stream
     device = o_a.device.index or 0

@@ -27,7 +27,15 @@ def merge_attn_states(output: Array, prefix_output: Array, prefix_lse: Array, su
     output_scale: with an FP8 (float8_e4m3fn) output, output = merged / output_scale, saturating;
         a one-element float32 tensor, read on the device (no host synchronization).
     Runs on the current PyTorch stream for torch tensors (else as attnmerge.merge).
+
+    Also taken positionally in the order of vLLM's compiled op (torch.ops._C.merge_attn_states:
+    output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, ...), which the seed
+    kernel and its harness use: recognised by its second argument, an LSE (2-D) or None where this
+    order has prefix_output (3-D).
     """
+    if prefix_output is None or getattr(prefix_output, "ndim", 3) == 2:
+        (output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse) = (
+            prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse)
     try:
         if _merge._takes is not None and _merge._takes(prefix_output, prefix_lse, suffix_output, suffix_lse):
             # traced or differentiated: through torch.ops.attnmerge, the [heads, tokens] LSEs as views
