@@ -13,16 +13,18 @@ STATE_BLOCK = 256            # threads of a states-kernel block, at most one row
 STATE_THREADS_PER_SM = 1024  # threads of the states kernel an SM holds (kStateThreadsPerSM)
 STATES_PER_GROUP = 4         # the fewest states a group takes (kStatesPerGroup)
 MAX_STATE_GROUPS = 8         # the most groups a row has (kMaxStateGroups)
+ROWS_FILL_FOR_STATES = 4     # states kernel only where rows would fill <= 1/4 of the GPU (kRowsFillForStates)
 INDEX32_LIMIT = 1 << 30      # 32-bit offsets below this largest element offset
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def groups_for(states: int, packs: int, rows: int, sms: int) -> int:
     """Groups of threads a row's states are split into (1: the rows kernel): only for more states
-    than one thread keeps in flight, doubling up to MAX_STATE_GROUPS while each group keeps
+    than one thread keeps in flight where the rows kernel would fill at most a quarter of the GPU,
+    doubling up to MAX_STATE_GROUPS while each group keeps
     STATES_PER_GROUP states, the row's threads fit one block, and the launch fits the GPU's threads
     at once."""
-    if states <= STATE_CHUNK:
+    if states <= STATE_CHUNK or rows * packs * ROWS_FILL_FOR_STATES > max(sms, 1) * STATE_THREADS_PER_SM:
         return 1
     g = 1
     while 2 * g <= MAX_STATE_GROUPS and 2 * g * STATES_PER_GROUP <= states and packs * 2 * g <= STATE_BLOCK and \

@@ -97,9 +97,10 @@ def test_more_states_split_into_more_groups_until_the_gpu_is_full(probe):
     calls = [("stack", 16, 32, 128, s, 8, 132) for s in (9, 16, 32, 64, 128, 256)]
     groups = [p["groups"] for p in probe(calls)]
     assert groups == [2, 4, 8, 8, 8, 8]  # at most 8 groups
-    # rows x packs x groups within 132 SMs x 1024 threads: 128 tokens take two groups, 1056 x 4 heads too
-    calls = [("stack", 128, 32, 128, 64, 8, 132), ("stack", 1056, 4, 128, 64, 8, 132), ("stack", 1057, 4, 128, 64, 8, 132)]
-    assert [(p["strategy"], p["groups"]) for p in probe(calls)] == [("states", 2), ("states", 2), ("rows", 1)]
+    # only where the rows kernel (rows x packs threads) fills at most a quarter of 132 SMs x 1024
+    # threads: 528 tokens x 4 heads x 16 packs just do (four groups fill the GPU), 529 and 128 x 32 not
+    calls = [("stack", 528, 4, 128, 64, 8, 132), ("stack", 529, 4, 128, 64, 8, 132), ("stack", 128, 32, 128, 64, 8, 132)]
+    assert [(p["strategy"], p["groups"]) for p in probe(calls)] == [("states", 4), ("rows", 1), ("rows", 1)]
 
 
 @pytest.mark.parametrize("sms", SMS)

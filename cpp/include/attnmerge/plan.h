@@ -51,6 +51,9 @@ constexpr int kStateBlockThreads = 256;
 constexpr int kStateThreadsPerSM = 1024;
 constexpr int kStatesPerGroup = 4;
 constexpr int kMaxStateGroups = 8;
+// kStates only where kRows would fill at most this fraction (1 / it) of the GPU's threads: past it
+// kRows was as fast or faster (128 tokens x 32 heads of bfloat16, half the GPU, in benchmarks/NOTES.md).
+constexpr int kRowsFillForStates = 4;
 
 enum class Strategy : int32_t { kRows = 0, kStates = 1 };
 
@@ -153,12 +156,12 @@ bool stream_o(const Source& src, int64_t bytes) {
 
 // Groups of threads a row's `states` are split into under kStates; 1 means kRows.  Only where a
 // row has more states than one thread keeps in flight, and kRows (`rows` x `packs` threads) would
-// leave the GPU's threads (`sms` x kStateThreadsPerSM) unused: the groups double while each keeps
-// kStatesPerGroup states or more, the row's threads fit one block, and the launch still fits the
-// GPU at once, up to kMaxStateGroups.
+// fill at most 1 / kRowsFillForStates of the GPU's threads (`sms` x kStateThreadsPerSM): the
+// groups double while each keeps kStatesPerGroup states or more, the row's threads fit one block,
+// and the launch still fits the GPU at once, up to kMaxStateGroups.
 inline int state_groups(int64_t states, int64_t packs, int64_t rows, int sms) {
-  if (states <= kStateChunk) return 1;
   const int64_t capacity = int64_t{sms > 0 ? sms : 1} * kStateThreadsPerSM;
+  if (states <= kStateChunk || rows * packs * kRowsFillForStates > capacity) return 1;
   int g = 1;
   while (2 * g <= kMaxStateGroups && int64_t{2} * g * kStatesPerGroup <= states &&
          packs * 2 * g <= kStateBlockThreads && rows * packs * 2 * g <= capacity)
