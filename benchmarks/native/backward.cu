@@ -36,13 +36,6 @@ __global__ void fill_f32(float* x, int64_t n, uint32_t seed, float scale) {
     x[i] = scale * (float(hash_index(i, seed) & 0xffff) / 32768.0f - 1.0f);
 }
 
-float bf16(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 template <typename T>
 T* device_alloc(int64_t n) {
   void* p = nullptr;
@@ -150,9 +143,9 @@ void run_case(int64_t tokens, int64_t states, bool pair, int sms, double roof, c
       double dot = 0;
       for (int64_t d = 0; d < kHeadSize; ++d) {
         const int64_t i = t * o_st + s * o_ss + h * kHeadSize + d, j = row * kHeadSize + d;
-        dot += double(bf16(h_gout[j])) * (bf16(h_o[i]) - bf16(h_out[j]));
-        const double want = p * bf16(h_gout[j]);
-        worst = std::max(worst, std::abs(bf16(h_go[i]) - want) / (std::abs(want) + 1e-3));
+        dot += double(bf16_to_float(h_gout[j])) * (bf16_to_float(h_o[i]) - bf16_to_float(h_out[j]));
+        const double want = p * bf16_to_float(h_gout[j]);
+        worst = std::max(worst, std::abs(bf16_to_float(h_go[i]) - want) / (std::abs(want) + 1e-3));
       }
       const double want = p * (h_gol[row] + dot);
       worst = std::max(worst, std::abs(h_gl[t * l_st + s * kHeads + h] - want) / (std::abs(want) + 1e-3));

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 inline void check_cuda(cudaError_t e, const char* what) {
@@ -26,6 +27,14 @@ __host__ __device__ inline uint32_t hash_index(uint64_t i, uint32_t seed) {
   h *= 2246822519u;
   h ^= h >> 13;
   return h;
+}
+
+// The float value of bfloat16 bits (host side: checking a benchmark's output).
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
 }
 
 // Whether a CUDA device is visible; says so (as `program`) when not.

@@ -43,13 +43,6 @@ struct Set {
   float* out_lse;
 };
 
-float bf16_to_float(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 template <typename TIn>
 void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(TIn);

@@ -198,18 +198,7 @@ cudaError_t launch_merge_backward(const BackwardPlan& plan, const BackwardArgs<S
   } else {
     kernel = merge_backward_kernel<Src, TIn, TOut, VEC, kSmallChunk>;
   }
-  cudaLaunchConfig_t config = {};
-  config.stream = stream;
-  config.gridDim = dim3(plan.dims.grid[0], plan.dims.grid[1], plan.dims.grid[2]);
-  config.blockDim = dim3(plan.dims.block[0], plan.dims.block[1], plan.dims.block[2]);
-  cudaLaunchAttribute attribute;
-  if (plan.pdl) {
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-  }
-  return cudaLaunchKernelEx(&config, kernel, plan.shape, args);
+  return launch_kernel(kernel, plan.dims, plan.pdl, stream, plan.shape, args);
 }
 
 }  // namespace attnmerge

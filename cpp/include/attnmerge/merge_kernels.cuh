@@ -294,23 +294,31 @@ __global__ void __launch_bounds__(max_threads<Source>())
   out.store_lse(token, head, r.lse());
 }
 
-// One launch of `kernel` with the plan's dimensions and PDL.
-template <typename Source>
-cudaError_t launch(void (*kernel)(MergeShape, Source, OutView), const LaunchPlan& plan, const LaunchDims& dims,
-                   const Source& src, const OutView& out, cudaStream_t stream) {
+// One launch of `kernel` over `dims` on `stream`, with programmatic dependent launch where `pdl`
+// (the forward's and the backward's launches alike).
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), const LaunchDims& dims, bool pdl, cudaStream_t stream,
+                          const Args&... args) {
   cudaLaunchConfig_t config = {};
   config.stream = stream;
   config.gridDim = dim3(dims.grid[0], dims.grid[1], dims.grid[2]);
   config.blockDim = dim3(dims.block[0], dims.block[1], dims.block[2]);
   config.dynamicSmemBytes = dims.smem;
   cudaLaunchAttribute attribute;
-  if (plan.pdl) {
+  if (pdl) {
     attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute.val.programmaticStreamSerializationAllowed = 1;
     config.attrs = &attribute;
     config.numAttrs = 1;
   }
-  return cudaLaunchKernelEx(&config, kernel, plan.shape, src, out);
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+// One launch of a merge kernel with the plan's dimensions and PDL.
+template <typename Source>
+cudaError_t launch(void (*kernel)(MergeShape, Source, OutView), const LaunchPlan& plan, const LaunchDims& dims,
+                   const Source& src, const OutView& out, cudaStream_t stream) {
+  return launch_kernel(kernel, dims, plan.pdl, stream, plan.shape, src, out);
 }
 
 namespace launch_detail {
