@@ -21,6 +21,7 @@ from oracle import (
     random_state,
     reference_merge,
     reference_merge_stacked,
+    reference_merge_states_backward,
     reference_merge_varlen,
 )
 
@@ -214,3 +215,82 @@ def test_shapes_are_checked_when_traced(rng):
     for f, args, message in cases:
         with pytest.raises(ValueError, match=message):
             jax.eval_shape(f, *[spec(np.shape(x), x.dtype) for x in args])
+
+
+# --------------------------------------------------------------------------------------------------
+# gradients (custom_vjp over the fused backward)
+
+
+def _cotangents(rng, out, out_lse):
+    return (jnp.asarray(rng.standard_normal(out.shape).astype(np.float32)).astype(out.dtype),
+            jnp.asarray(rng.standard_normal(out_lse.shape).astype(np.float32)))
+
+
+@pytest.mark.parametrize("base", ["e", 2])
+def test_merge_states_gradients_are_the_oracles(rng, dev, base):
+    o, lse = random_o(rng, (6, 5, 3, 24)), random_lse(rng, (6, 5, 3))
+    lse[1, 2] = -np.inf  # an empty part: zero gradients
+    f = jax.jit(functools.partial(amj.merge_states, base=base))
+    (out, out_lse), vjp = jax.vjp(f, put(o, dev), put(lse, dev))
+    g_out, g_lse = _cotangents(rng, out, out_lse)
+    grad_o, grad_lse = vjp((g_out, g_lse))
+    ref = reference_merge_states_backward(np.swapaxes(o, 0, 1), np.swapaxes(lse, 0, 1), np.asarray(out),
+                                          np.asarray(out_lse), np.asarray(g_out), np.asarray(g_lse), base=base)
+    assert_merge_matches(np.asarray(grad_o), np.asarray(grad_lse),
+                         (np.swapaxes(ref[0], 0, 1), np.swapaxes(ref[1], 0, 1)), "float32", "grad")
+    assert np.all(np.asarray(grad_o)[1, 2] == 0) and np.all(np.asarray(grad_lse)[1, 2] == 0)
+
+
+@pytest.mark.parametrize("a_tokens", [None, 3])
+def test_merge_gradients_with_and_without_a_tokens(rng, dev, a_tokens):
+    o_b, lse_b = random_state(rng, 7, 2, 16)
+    o_a, lse_a = random_state(rng, 7 if a_tokens is None else 5, 2, 16)  # a longer than a_tokens
+    f = jax.jit(functools.partial(amj.merge, a_tokens=a_tokens))
+    args = [put(x, dev) for x in (o_a, lse_a, o_b, lse_b)]
+    (out, out_lse), vjp = jax.vjp(f, *args)
+    g = _cotangents(rng, out, out_lse)
+    grads = vjp(g)
+    k = 7 if a_tokens is None else a_tokens
+    la = np.full((7, 2), -np.inf, np.float32)
+    oa = np.zeros((7, 2, 16), np.float32)
+    la[:k], oa[:k] = lse_a[:k], o_a[:k]
+    ref_o, ref_l = reference_merge_states_backward(np.stack([oa, o_b]), np.stack([la, lse_b]), np.asarray(out),
+                                                   np.asarray(out_lse), np.asarray(g[0]), np.asarray(g[1]))
+    assert grads[0].shape == o_a.shape and np.all(np.asarray(grads[0])[k:] == 0)
+    assert_merge_matches(np.asarray(grads[0])[:k], np.asarray(grads[1])[:k], (ref_o[0][:k], ref_l[0][:k]), "float32")
+    assert_merge_matches(np.asarray(grads[2]), np.asarray(grads[3]), (ref_o[1], ref_l[1]), "float32")
+
+
+def test_merge_varlen_gradients_and_check_grads(rng, dev):
+    indptr = np.array([0, 2, 2, 6], dtype=np.int32)
+    o, lse = random_o(rng, (6, 2, 8)), random_lse(rng, (6, 2))
+    (out, out_lse), vjp = jax.vjp(lambda a, b: amj.merge_varlen(a, b, put(indptr, dev)), put(o, dev), put(lse, dev))
+    g = _cotangents(rng, out, out_lse)
+    grad_o, grad_lse = vjp(g)
+    for r in (0, 2):
+        lo, hi = indptr[r], indptr[r + 1]
+        ref = reference_merge_states_backward(o[lo:hi, None], lse[lo:hi, None], np.asarray(out)[r:r + 1],
+                                              np.asarray(out_lse)[r:r + 1], np.asarray(g[0])[r:r + 1],
+                                              np.asarray(g[1])[r:r + 1])
+        assert_merge_matches(np.asarray(grad_o)[lo:hi], np.asarray(grad_lse)[lo:hi], (ref[0][:, 0], ref[1][:, 0]),
+                             "float32", "grad")
+    from jax.test_util import check_grads
+
+    # float32 (the library takes no float64): a large step, loose tolerances
+    check_grads(lambda a, b: amj.merge_varlen(a, b, indptr[[0, 1, 3]]), (put(o, dev), put(lse, dev)), order=1,
+                modes=["rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
+    stacked = (put(o[:3, None].repeat(2, 1), dev), put(lse[:3, None].repeat(2, 1), dev))
+    check_grads(lambda a, b: amj.merge_states(a, b), stacked, order=1, modes=["rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
+def test_gradients_under_vmap_and_none_through_fp8(rng, dev):
+    o, lse = random_o(rng, (3, 4, 5, 2, 8)), random_lse(rng, (3, 4, 5, 2))
+    loss = lambda a, b: sum(x.sum() for x in amj.merge_states(a, b))  # noqa: E731
+    batched = jax.vmap(jax.grad(loss, argnums=(0, 1)))(put(o, dev), put(lse, dev))
+    for i in range(3):
+        one = jax.grad(loss, argnums=(0, 1))(put(o[i], dev), put(lse[i], dev))
+        for b, s in zip(batched, one):
+            np.testing.assert_allclose(np.asarray(b[i]), np.asarray(s), rtol=1e-6, atol=1e-7)
+    fp8 = lambda a, b: amj.merge_states(a, b, out_dtype=jnp.float8_e4m3fn)[1].sum()  # noqa: E731
+    with pytest.raises(NotImplementedError, match="attnmerge.jax.merge_states: no gradient through an FP8"):
+        jax.grad(fp8)(put(o[0], dev), put(lse[0], dev))

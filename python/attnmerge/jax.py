@@ -14,6 +14,11 @@ above, or with ``functools.partial``), and needs no ``static_argnames``.  A trac
 with a TypeError.  ``output_scale`` may also be a float32 JAX array of one element (read on the
 device, traced like any input).
 
+Gradients: merge, merge_states and merge_varlen are differentiable (``jax.grad``, ``jax.vjp``) with
+respect to every O and LSE input, through ``custom_vjp`` over attnmerge's fused backward (its own
+FFI calls, from the saved inputs and results); an empty part gets zero gradients.  An FP8 or
+scaled output has no gradient: asking for one raises NotImplementedError.
+
 Shapes are checked when the call is traced (a ValueError naming the argument); everything else
 (dtypes, values) by libattnmerge when the call runs, whose message, naming the argument, comes back
 in the error XLA raises.  Under ``jax.vmap`` merge and merge_states are one call over the flattened
@@ -23,6 +28,7 @@ element.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from typing import Any
 
@@ -36,7 +42,7 @@ from ._types import Base
 
 __all__ = ["merge", "merge_states", "merge_varlen"]
 
-_OPS = ("merge", "merge_states", "merge_varlen")
+_OPS = ("merge", "merge_states", "merge_varlen", "merge_backward", "merge_states_backward", "merge_varlen_backward")
 
 
 def _register():
@@ -126,8 +132,12 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *,
         raise ValueError(f"o_a: expected shape [{a} or more, {heads}, {head_size}] (tokens, heads, head_size of o_b), "
                          f"got {_shape(o_a)}")
     _expect("lse_a", lse_a, _shape(o_a)[:2], "tokens, heads of o_a")
-    outs = _results(tokens, heads, head_size, _out_dtype(out_dtype, o_b))
-    return _call("merge", outs, (o_a, lse_a, o_b, lse_b), base=base, output_scale=output_scale, a_tokens=a_tokens)
+    dtype = _out_dtype(out_dtype, o_b)
+    if output_scale is not None or dtype.itemsize == 1:
+        outs = _results(tokens, heads, head_size, dtype)
+        return _no_gradient("merge", lambda *x: _call("merge", outs, x[:4], base=base, output_scale=(
+            x[4] if len(x) > 4 else output_scale), a_tokens=a_tokens), o_a, lse_a, o_b, lse_b, *_arrays(output_scale))
+    return _merge_fn(_base_key(base), dtype, a_tokens)(o_a, lse_a, o_b, lse_b)
 
 
 def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_dtype: Any = None,
@@ -148,8 +158,12 @@ def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_dtype: A
     if axis == 0:  # XLA lays the transpose out for the call
         o, lse = jnp.swapaxes(o, 0, 1), jnp.swapaxes(lse, 0, 1)
     tokens, _, heads, head_size = _shape(o)
-    outs = _results(tokens, heads, head_size, _out_dtype(out_dtype, o))
-    return _call("merge_states", outs, (o, lse), base=base, output_scale=output_scale)
+    dtype = _out_dtype(out_dtype, o)
+    if output_scale is not None or dtype.itemsize == 1:
+        outs = _results(tokens, heads, head_size, dtype)
+        return _no_gradient("merge_states", lambda *x: _call("merge_states", outs, x[:2], base=base, output_scale=(
+            x[2] if len(x) > 2 else output_scale)), o, lse, *_arrays(output_scale))
+    return _merge_states_fn(_base_key(base), dtype)(o, lse)
 
 
 def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base = "e", out_dtype: Any = None,
@@ -168,6 +182,119 @@ def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base 
     rows = _shape(indptr)[0] - 1
     if rows < 0:
         raise ValueError("indptr: expected rows + 1 >= 1 elements, got 0")
-    _, heads, head_size = _shape(o)
-    outs = _results(rows, heads, head_size, _out_dtype(out_dtype, o))
-    return _call("merge_varlen", outs, (o, lse, indptr), base=base, output_scale=output_scale, vectorized=False)
+    dtype = _out_dtype(out_dtype, o)
+    if output_scale is not None or dtype.itemsize == 1:
+        _, heads, head_size = _shape(o)
+        outs = _results(rows, heads, head_size, dtype)
+        return _no_gradient("merge_varlen", lambda *x: _call("merge_varlen", outs, x[:3], base=base, output_scale=(
+            x[3] if len(x) > 3 else output_scale), vectorized=False), o, lse, indptr, *_arrays(output_scale))
+    return _merge_varlen_fn(_base_key(base), dtype)(o, lse, indptr)
+
+
+# ---- gradients ------------------------------------------------------------------------------------
+
+def _base_key(base):
+    """The base as a cache key ("e" or 2), checked (a ValueError naming `base`)."""
+    lse_flags(_static("base", base))
+    return "e" if base == "e" else 2
+
+
+def _arrays(output_scale):
+    """output_scale among the differentiated function's arguments where it is an array."""
+    return () if output_scale is None or isinstance(output_scale, (int, float, np.number)) else (output_scale,)
+
+
+def _no_gradient(op, call, *args):
+    """call(*args) under a custom_vjp whose backward refuses: no gradient through an FP8 or scaled
+    output (JAX would otherwise name only its ffi_call)."""
+    f = jax.custom_vjp(call)
+
+    def refuse(*_):
+        raise NotImplementedError(f"attnmerge.jax.{op}: no gradient through an FP8 output or an output_scale")
+
+    f.defvjp(lambda *x: (call(*x), None), refuse)
+    return f(*args)
+
+
+def _backward(op, grads, operands, *, base, a_tokens=None, vectorized=True):
+    """The FFI call of `op`'s backward: `grads` the gradients' shapes and dtypes."""
+    a = -1 if a_tokens is None else int(a_tokens)
+    method = "broadcast_all" if vectorized and a < 0 else "sequential"
+    call = jax.ffi.ffi_call(f"attnmerge_{op}_backward", grads, vmap_method=method)
+    return call(*operands, base2=lse_flags(base) != 0, a_tokens=np.int64(a))
+
+
+def _like(x):
+    return jax.ShapeDtypeStruct(jnp.shape(x), x.dtype)
+
+
+def _with_vjp(forward, backward):
+    """forward(*inputs) -> (out, out_lse) with backward(inputs, out, out_lse, grad_out, grad_out_lse)
+    -> the inputs' gradients, the inputs and results saved."""
+    f = jax.custom_vjp(forward)
+
+    def fwd(*inputs):
+        out, out_lse = forward(*inputs)
+        return (out, out_lse), (inputs, out, out_lse)
+
+    def bwd(saved, cotangents):
+        inputs, out, out_lse = saved
+        grad_out, grad_out_lse = cotangents
+        return backward(inputs, out, out_lse, grad_out.astype(out.dtype), grad_out_lse.astype(jnp.float32))
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+@functools.lru_cache(maxsize=None)
+def _merge_fn(base, dtype, a_tokens):
+    def forward(o_a, lse_a, o_b, lse_b):
+        tokens, heads, head_size = _shape(o_b)
+        return _call("merge", _results(tokens, heads, head_size, dtype), (o_a, lse_a, o_b, lse_b), base=base,
+                     output_scale=None, a_tokens=a_tokens)
+
+    def backward(inputs, out, out_lse, grad_out, grad_out_lse):
+        o_a, lse_a, o_b, lse_b = inputs
+        k = _shape(o_a)[0] if a_tokens is None else int(a_tokens)  # a's later tokens are never read
+        heads, head_size = _shape(o_b)[1:]
+        grads = (jax.ShapeDtypeStruct((k, heads, head_size), o_a.dtype), jax.ShapeDtypeStruct((k, heads), jnp.float32),
+                 _like(o_b), _like(lse_b))
+        g_oa, g_la, g_ob, g_lb = _backward("merge", grads, (grad_out, grad_out_lse, out, out_lse, *inputs), base=base,
+                                           a_tokens=a_tokens)
+        pad = _shape(o_a)[0] - k
+        if pad:
+            g_oa = jnp.concatenate([g_oa, jnp.zeros((pad, heads, head_size), g_oa.dtype)])
+            g_la = jnp.concatenate([g_la, jnp.zeros((pad, heads), g_la.dtype)])
+        return g_oa, g_la, g_ob, g_lb
+
+    return _with_vjp(forward, backward)
+
+
+@functools.lru_cache(maxsize=None)
+def _merge_states_fn(base, dtype):
+    def forward(o, lse):
+        tokens, _, heads, head_size = _shape(o)
+        return _call("merge_states", _results(tokens, heads, head_size, dtype), (o, lse), base=base, output_scale=None)
+
+    def backward(inputs, out, out_lse, grad_out, grad_out_lse):
+        o, lse = inputs
+        return _backward("merge_states", (_like(o), _like(lse)), (grad_out, grad_out_lse, out, out_lse, o, lse),
+                         base=base)
+
+    return _with_vjp(forward, backward)
+
+
+@functools.lru_cache(maxsize=None)
+def _merge_varlen_fn(base, dtype):
+    def forward(o, lse, indptr):
+        _, heads, head_size = _shape(o)
+        return _call("merge_varlen", _results(_shape(indptr)[0] - 1, heads, head_size, dtype), (o, lse, indptr),
+                     base=base, output_scale=None, vectorized=False)
+
+    def backward(inputs, out, out_lse, grad_out, grad_out_lse):
+        o, lse, indptr = inputs
+        g_o, g_l = _backward("merge_varlen", (_like(o), _like(lse)),
+                             (grad_out, grad_out_lse, out, out_lse, o, lse, indptr), base=base, vectorized=False)
+        return g_o, g_l, None  # indptr: integers, no gradient
+
+    return _with_vjp(forward, backward)

@@ -52,6 +52,17 @@ attnmerge_tensor tensor(const ffi::AnyBuffer& b, int32_t device, int rank) {
   return t;
 }
 
+// indptr: int32 or int64 [rows + 1].
+attnmerge_tensor index_tensor(const ffi::AnyBuffer& indptr, int32_t device) {
+  attnmerge_tensor t = tensor(indptr, device, 1);
+  switch (indptr.element_type()) {
+    case ffi::DataType::S32: t.dtype = ATTNMERGE_INT32; break;
+    case ffi::DataType::S64: t.dtype = ATTNMERGE_INT64; break;
+    default: break;  // -1: refused by the C ABI, naming indptr
+  }
+  return t;
+}
+
 ffi::Error result(attnmerge_status status) {
   if (status == ATTNMERGE_SUCCESS) return ffi::Error::Success();
   const std::string message = std::string("attnmerge: ") + attnmerge_last_error();
@@ -97,16 +108,66 @@ ffi::Error merge_states(void* stream, int32_t device, ffi::AnyBuffer o, ffi::Any
 ffi::Error merge_varlen(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer indptr,
                         ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
                         bool base2, int64_t a_tokens, float output_scale, bool scale_in_buffer) {
-  attnmerge_tensor t_indptr = tensor(indptr, device, 1);
-  switch (indptr.element_type()) {
-    case ffi::DataType::S32: t_indptr.dtype = ATTNMERGE_INT32; break;
-    case ffi::DataType::S64: t_indptr.dtype = ATTNMERGE_INT64; break;
-    default: break;  // -1: refused by the C ABI, naming indptr
-  }
+  const attnmerge_tensor t_indptr = index_tensor(indptr, device);
   const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
   const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 2);
   const attnmerge_options opt = options(base2, a_tokens, output_scale, scale_in_buffer, scale);
   return result(attnmerge_merge_varlen(&t_out, &t_out_lse, &t_o, &t_l, &t_indptr, &opt, stream));
+}
+
+// The backward of each merge (attnmerge.jax's custom_vjp): the incoming gradients, the forward's
+// results and inputs, then the inputs' gradients as results.
+attnmerge_options grad_options(bool base2, int64_t a_tokens) {
+  attnmerge_options opt = {};
+  opt.flags = base2 ? ATTNMERGE_LSE_BASE2 : 0u;
+  if (a_tokens >= 0) {
+    opt.flags |= ATTNMERGE_A_TOKENS;
+    opt.a_tokens = a_tokens;
+  }
+  return opt;
+}
+
+ffi::Error merge_backward(void* stream, int32_t device, ffi::AnyBuffer grad_out, ffi::AnyBuffer grad_out_lse,
+                          ffi::AnyBuffer out, ffi::AnyBuffer out_lse, ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a,
+                          ffi::AnyBuffer o_b, ffi::AnyBuffer lse_b, ffi::Result<ffi::AnyBuffer> grad_o_a,
+                          ffi::Result<ffi::AnyBuffer> grad_lse_a, ffi::Result<ffi::AnyBuffer> grad_o_b,
+                          ffi::Result<ffi::AnyBuffer> grad_lse_b, bool base2, int64_t a_tokens) {
+  const attnmerge_tensor t_goa = tensor(*grad_o_a, device, 3), t_gla = tensor(*grad_lse_a, device, 2);
+  const attnmerge_tensor t_gob = tensor(*grad_o_b, device, 3), t_glb = tensor(*grad_lse_b, device, 2);
+  const attnmerge_tensor t_go = tensor(grad_out, device, 3), t_gl = tensor(grad_out_lse, device, 2);
+  const attnmerge_tensor t_out = tensor(out, device, 3), t_out_lse = tensor(out_lse, device, 2);
+  const attnmerge_tensor t_oa = tensor(o_a, device, 3), t_la = tensor(lse_a, device, 2);
+  const attnmerge_tensor t_ob = tensor(o_b, device, 3), t_lb = tensor(lse_b, device, 2);
+  const attnmerge_options opt = grad_options(base2, a_tokens);
+  return result(attnmerge_merge_backward(&t_goa, &t_gla, &t_gob, &t_glb, &t_go, &t_gl, &t_out, &t_out_lse, &t_oa,
+                                         &t_la, &t_ob, &t_lb, &opt, stream));
+}
+
+ffi::Error merge_states_backward(void* stream, int32_t device, ffi::AnyBuffer grad_out, ffi::AnyBuffer grad_out_lse,
+                                 ffi::AnyBuffer out, ffi::AnyBuffer out_lse, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+                                 ffi::Result<ffi::AnyBuffer> grad_o, ffi::Result<ffi::AnyBuffer> grad_lse, bool base2,
+                                 int64_t a_tokens) {
+  const attnmerge_tensor t_gr = tensor(*grad_o, device, 4), t_grl = tensor(*grad_lse, device, 3);
+  const attnmerge_tensor t_go = tensor(grad_out, device, 3), t_gl = tensor(grad_out_lse, device, 2);
+  const attnmerge_tensor t_out = tensor(out, device, 3), t_out_lse = tensor(out_lse, device, 2);
+  const attnmerge_tensor t_o = tensor(o, device, 4), t_l = tensor(lse, device, 3);
+  const attnmerge_options opt = grad_options(base2, a_tokens);
+  return result(attnmerge_merge_states_backward(&t_gr, &t_grl, &t_go, &t_gl, &t_out, &t_out_lse, &t_o, &t_l, &opt,
+                                                stream));
+}
+
+ffi::Error merge_varlen_backward(void* stream, int32_t device, ffi::AnyBuffer grad_out, ffi::AnyBuffer grad_out_lse,
+                                 ffi::AnyBuffer out, ffi::AnyBuffer out_lse, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+                                 ffi::AnyBuffer indptr, ffi::Result<ffi::AnyBuffer> grad_o,
+                                 ffi::Result<ffi::AnyBuffer> grad_lse, bool base2, int64_t a_tokens) {
+  const attnmerge_tensor t_gr = tensor(*grad_o, device, 3), t_grl = tensor(*grad_lse, device, 2);
+  const attnmerge_tensor t_go = tensor(grad_out, device, 3), t_gl = tensor(grad_out_lse, device, 2);
+  const attnmerge_tensor t_out = tensor(out, device, 3), t_out_lse = tensor(out_lse, device, 2);
+  const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 2);
+  const attnmerge_tensor t_indptr = index_tensor(indptr, device);
+  const attnmerge_options opt = grad_options(base2, a_tokens);
+  return result(attnmerge_merge_varlen_backward(&t_gr, &t_grl, &t_go, &t_gl, &t_out, &t_out_lse, &t_o, &t_l,
+                                                &t_indptr, &opt, stream));
 }
 
 // The host handlers: the same, on the CPU (no stream, device ATTNMERGE_HOST).
@@ -131,6 +192,31 @@ ffi::Error merge_varlen_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffe
                       scale_in_buffer);
 }
 
+ffi::Error merge_backward_host(ffi::AnyBuffer grad_out, ffi::AnyBuffer grad_out_lse, ffi::AnyBuffer out,
+                               ffi::AnyBuffer out_lse, ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a, ffi::AnyBuffer o_b,
+                               ffi::AnyBuffer lse_b, ffi::Result<ffi::AnyBuffer> grad_o_a,
+                               ffi::Result<ffi::AnyBuffer> grad_lse_a, ffi::Result<ffi::AnyBuffer> grad_o_b,
+                               ffi::Result<ffi::AnyBuffer> grad_lse_b, bool base2, int64_t a_tokens) {
+  return merge_backward(nullptr, ATTNMERGE_HOST, grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b,
+                        grad_o_a, grad_lse_a, grad_o_b, grad_lse_b, base2, a_tokens);
+}
+
+ffi::Error merge_states_backward_host(ffi::AnyBuffer grad_out, ffi::AnyBuffer grad_out_lse, ffi::AnyBuffer out,
+                                      ffi::AnyBuffer out_lse, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+                                      ffi::Result<ffi::AnyBuffer> grad_o, ffi::Result<ffi::AnyBuffer> grad_lse,
+                                      bool base2, int64_t a_tokens) {
+  return merge_states_backward(nullptr, ATTNMERGE_HOST, grad_out, grad_out_lse, out, out_lse, o, lse, grad_o,
+                               grad_lse, base2, a_tokens);
+}
+
+ffi::Error merge_varlen_backward_host(ffi::AnyBuffer grad_out, ffi::AnyBuffer grad_out_lse, ffi::AnyBuffer out,
+                                      ffi::AnyBuffer out_lse, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+                                      ffi::AnyBuffer indptr, ffi::Result<ffi::AnyBuffer> grad_o,
+                                      ffi::Result<ffi::AnyBuffer> grad_lse, bool base2, int64_t a_tokens) {
+  return merge_varlen_backward(nullptr, ATTNMERGE_HOST, grad_out, grad_out_lse, out, out_lse, o, lse, indptr, grad_o,
+                               grad_lse, base2, a_tokens);
+}
+
 // The bindings: CUDA handlers take XLA's stream and device ordinal first; then the input
 // buffers (the op's, then `scale`), the two results (out, out_lse) and the attributes.
 auto on_cuda() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<void*>>().Ctx<ffi::DeviceOrdinal>(); }
@@ -152,6 +238,18 @@ auto with_buffers(Binding binding) {
   }
 }
 
+// The backward's: `kInputs` buffers, `kResults` gradients, then the base and a_tokens.
+template <int kInputs, int kResults, typename Binding>
+auto with_grads(Binding binding) {
+  if constexpr (kInputs > 0) {
+    return with_grads<kInputs - 1, kResults>(std::move(binding).template Arg<ffi::AnyBuffer>());
+  } else if constexpr (kResults > 0) {
+    return with_grads<0, kResults - 1>(std::move(binding).template Ret<ffi::AnyBuffer>());
+  } else {
+    return std::move(binding).template Attr<bool>("base2").template Attr<int64_t>("a_tokens");
+  }
+}
+
 }  // namespace
 
 // The handlers, exported with C linkage for attnmerge.jax to wrap in capsules (jax.ffi.pycapsule).
@@ -161,3 +259,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_cuda, merge_states, wit
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_host, merge_states_host, with_buffers<3>(on_host()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_cuda, merge_varlen, with_buffers<4>(on_cuda()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_host, merge_varlen_host, with_buffers<4>(on_host()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_backward_cuda, merge_backward, (with_grads<8, 4>(on_cuda())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_backward_host, merge_backward_host, (with_grads<8, 4>(on_host())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_backward_cuda, merge_states_backward,
+                              (with_grads<6, 2>(on_cuda())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_backward_host, merge_states_backward_host,
+                              (with_grads<6, 2>(on_host())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_backward_cuda, merge_varlen_backward,
+                              (with_grads<7, 2>(on_cuda())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_backward_host, merge_varlen_backward_host,
+                              (with_grads<7, 2>(on_host())));
