@@ -143,7 +143,7 @@ class Numba:
     mutable = True
 
     def __init__(self):
-        numba = pytest.importorskip("numba")
+        pytest.importorskip("numba")
         from numba import cuda
 
         self.cuda = cuda

@@ -41,7 +41,8 @@ def check(to_device, from_device, timer, label):
         lse_ok = np.allclose(out_lse, want_lse, rtol=1e-5, atol=1e-5, equal_nan=True)
         good = err <= tol and lse_ok and np.isfinite(np.asarray(out, np.float64)).all()
         ok &= bool(good)
-        print(f"  {label:<8} {dtype:<8} rel err {err:.1e}  lse {'ok' if lse_ok else 'WRONG'}  {'pass' if good else 'FAIL'}")
+        verdict = "pass" if good else "FAIL"
+        print(f"  {label:<8} {dtype:<8} rel err {err:.1e}  lse {'ok' if lse_ok else 'WRONG'}  {verdict}")
     tokens, heads, dim = 2048, 32, 128
     o_a, lse_a, o_b, lse_b = (to_device(x) for x in _inputs(rng, tokens, heads, dim))
     out, out_lse = attnmerge.merge(o_a, lse_a, o_b, lse_b)

@@ -63,7 +63,8 @@ def varlen_shape(o, indptr):
 def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like_name="o_b", src_name="o_a"):
     """(out, out_lse, the views handed to the library): given outputs as they are, missing ones
     allocated in the library of `like` with `shape` ([tokens, heads, head_size])."""
-    if out is not None and out_lse is not None and out_dtype is None and family(out) != "jax" and family(out_lse) != "jax":
+    if (out is not None and out_lse is not None and out_dtype is None and family(out) != "jax"
+            and family(out_lse) != "jax"):
         return out, out_lse, out, out_lse  # the per-step decode call: nothing to allocate
     _refuse_jax_output(out, "out")
     _refuse_jax_output(out_lse, "out_lse")

@@ -240,7 +240,8 @@ def _incoming_lse(grad_out_lse):
 def _merge_grad(ctx, grad_out, grad_out_lse):
     o_a, lse_a, o_b, lse_b, out, out_lse = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:4])
-    grads = torch.ops.attnmerge.merge_backward(_incoming(grad_out, out), _incoming_lse(grad_out_lse), out, out_lse, o_a, lse_a, o_b,
+    grads = torch.ops.attnmerge.merge_backward(_incoming(grad_out, out), _incoming_lse(grad_out_lse), out, out_lse,
+                                               o_a, lse_a, o_b,
                                                lse_b, needs=needs, a_tokens=ctx.options.get("a_tokens"),
                                                base=ctx.options.get("base", "e"))
     return (*_grads_or_none(grads, needs), None)  # output_scale: none
@@ -249,7 +250,8 @@ def _merge_grad(ctx, grad_out, grad_out_lse):
 def _merge_states_grad(ctx, grad_out, grad_out_lse):
     o, lse, out, out_lse = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:2])
-    grads = torch.ops.attnmerge.merge_states_backward(_incoming(grad_out, out), _incoming_lse(grad_out_lse), out, out_lse, o, lse,
+    grads = torch.ops.attnmerge.merge_states_backward(_incoming(grad_out, out), _incoming_lse(grad_out_lse), out,
+                                                      out_lse, o, lse,
                                                       needs=needs, states_axis=ctx.options.get("states_axis", 1),
                                                       base=ctx.options.get("base", "e"))
     return (*_grads_or_none(grads, needs), None)
@@ -258,7 +260,8 @@ def _merge_states_grad(ctx, grad_out, grad_out_lse):
 def _merge_varlen_grad(ctx, grad_out, grad_out_lse):
     o, lse, indptr, out, out_lse = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:2])
-    grads = torch.ops.attnmerge.merge_varlen_backward(_incoming(grad_out, out), _incoming_lse(grad_out_lse), out, out_lse, o, lse,
+    grads = torch.ops.attnmerge.merge_varlen_backward(_incoming(grad_out, out), _incoming_lse(grad_out_lse), out,
+                                                      out_lse, o, lse,
                                                       indptr, needs=needs, base=ctx.options.get("base", "e"))
     return (*_grads_or_none(grads, needs), None, None)  # indptr, output_scale: none
 

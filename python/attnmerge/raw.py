@@ -20,8 +20,8 @@ def merge(*, tokens: int, heads: int, head_size: int, out: ODesc, o_a: ODesc, ls
     """Two-way merge over raw pointers.
 
     out, o_a, o_b: (ptr, dtype, stride_token, stride_head) with dtype "float32", "float16" or
-        "bfloat16" ("float8_e4m3fn" for out too), strides in elements; head_size is contiguous.  o_a has a_tokens tokens when
-        a_tokens is given (see attnmerge.merge), else `tokens`.
+        "bfloat16" ("float8_e4m3fn" for out too), strides in elements; head_size is contiguous.  o_a
+        has a_tokens tokens when a_tokens is given (see attnmerge.merge), else `tokens`.
     lse_a, lse_b, out_lse: (ptr, stride_0, stride_1), float32, laid out [tokens, heads], or
         [heads, tokens] with lse_heads_first=True; out_lse may be None.
     device: "cpu" for host memory, else the CUDA device ordinal that owns every pointer.

@@ -132,7 +132,8 @@ def run_gpu(shapes):
                     states += [torch.randn(t, h, d, device="cuda", dtype=dtype), 3 * torch.randn(t, h, device="cuda")]
             else:
                 states = [torch.randn(t, s, h, d, device="cuda", dtype=dtype), 3 * torch.randn(t, s, h, device="cuda")]
-            sets.append((op, torch.empty(t, h, d, device="cuda", dtype=dtype), torch.empty(t, h, device="cuda"), *states))
+            out = torch.empty(t, h, d, device="cuda", dtype=dtype)
+            sets.append((op, out, torch.empty(t, h, device="cuda"), *states))
         for name, fn in impls.items():
             row = dict(op=op, tokens=t, heads=h, head_size=d, dtype=dt, states=s, impl=name, bytes=nbytes)
             try:
@@ -146,7 +147,8 @@ def run_gpu(shapes):
             row["roof_pct"] = 100 * row["GBps"] / roof
             rows.append(row)
             print(f"{op:>12} S={s} {t:>6}x{h:>3}x{d:>3} {dt:>8} {nbytes / 1e6:>8.1f} MB | {name:<12} graph "
-                  f"{row['graph_us']:>8.2f} us {row['GBps']:>6.0f} GB/s {row['roof_pct']:>5.1f}% | eager {row['eager_us']:>7.2f} us",
+                  f"{row['graph_us']:>8.2f} us {row['GBps']:>6.0f} GB/s {row['roof_pct']:>5.1f}% | "
+                  f"eager {row['eager_us']:>7.2f} us",
                   flush=True)
         del sets
         add_us = _same_size_add_us(torch, nbytes)
