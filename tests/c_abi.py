@@ -58,6 +58,7 @@ class Options(Structure):
         ("a_tokens", c_int64),
         ("output_scale", c_float),
         ("output_scale_ptr", POINTER(c_float)),
+        ("struct_size", c_uint32),
     ]
 
 

@@ -119,3 +119,29 @@ def test_the_library_has_a_versioned_soname_and_the_package_loads_it_by_it():
     assert "Shared library: [libattnmerge.so.0]" in dynamic_section(_C.__file__)
     targets = "".join(open(f).read() for f in glob.glob(os.path.join(attnmerge.cmake_dir(), "attnmergeTargets*.cmake")))
     assert "libattnmerge.so.0" in targets
+
+
+def test_options_carry_their_layouts_size_and_a_size_not_this_layouts_is_refused():
+    """attnmerge_options.struct_size: 0 or sizeof(attnmerge_options) is this layout (the ctypes
+    binding's, which must match the header's); any other size is refused before anything is
+    written, naming the field."""
+    import ctypes
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    o = rng.standard_normal((3, 2, 2, 8)).astype(np.float32)
+    lse = rng.standard_normal((3, 2, 2)).astype(np.float32)
+    size = ctypes.sizeof(c_abi.Options)
+    for struct_size, ok in ((0, True), (size, True), (size - 8, False), (size + 8, False), (1, False)):
+        out, out_lse = np.full((3, 2, 8), np.nan, np.float32), np.full((3, 2), np.nan, np.float32)
+        opts = c_abi.options()
+        opts.struct_size = struct_size
+        t = c_abi.tensor_from
+        status = c_abi.merge_states(t(out), t(out_lse), t(o), t(lse), opts)
+        if ok:
+            assert status == c_abi.SUCCESS and np.isfinite(out).all(), struct_size
+        else:
+            assert status == c_abi.ERROR_VALUE and c_abi.last_error() == (
+                f"options.struct_size: expected 0 or {size} (this library's attnmerge_options), got {struct_size}")
+            assert np.isnan(out).all() and np.isnan(out_lse).all()

@@ -243,6 +243,9 @@ int choose_vec(std::initializer_list<const View*> os, int64_t head_size) {
 attnmerge_status read_options(const attnmerge_options* options, uint32_t allowed, const View& out,
                               attnmerge_options& opt, float& inv_scale) {
   opt = options ? *options : attnmerge_options{};
+  if (opt.struct_size != 0 && opt.struct_size != sizeof(attnmerge_options))
+    return fail(ATTNMERGE_ERROR_VALUE, "options.struct_size: expected 0 or %u (this library's attnmerge_options), got %u",
+                static_cast<unsigned>(sizeof(attnmerge_options)), opt.struct_size);
   if (opt.flags & ~allowed)
     return fail(ATTNMERGE_ERROR_VALUE, "options.flags: expected flags within 0x%x for this op, got 0x%x", allowed,
                 opt.flags);

@@ -115,6 +115,10 @@ typedef struct attnmerge_options {
   /* Or the scale as one float32 in the memory of the op's device (host memory for host tensors),
    * read by the kernel itself, so that no host synchronization is needed.  NULL: unused. */
   const float* output_scale_ptr;
+  /* The layout's size: 0 (or sizeof(attnmerge_options)) for this one.  Later versions add fields
+   * after this one and read them only where struct_size covers them, so that a caller built
+   * against an older header keeps working. */
+  uint32_t struct_size;
 } attnmerge_options;
 
 /* Two-way merge: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
