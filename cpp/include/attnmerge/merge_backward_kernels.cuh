@@ -1,6 +1,6 @@
-// The header-only CUDA kernel of the merges' backward (backward_params.h), its launch plan and its
-// launcher.  Like merge_kernels.cuh, the launcher validates nothing (libattnmerge's C ABI does)
-// and returns the launch's cudaError_t.
+// The header-only CUDA kernel of the merges' backward (backward_params.h) and its launcher (its
+// plan is plan_backward, plan.h).  Like merge_kernels.cuh, the launcher validates nothing
+// (libattnmerge's C ABI does) and returns the launch's cudaError_t.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,40 +13,6 @@
 #include "attnmerge/plan.h"
 
 namespace attnmerge {
-
-constexpr int kBackwardBlockThreads = 256;
-
-// How a backward runs.  A row is taken by `lanes` consecutive, aligned lanes of one warp (a
-// power of two, the row's packs rounded up, at most 32), each lane one pack of VEC elements at a
-// time (packs lane, lane + lanes, ...): the dot <dO, O_i - O> is summed over the lanes by
-// shuffles, then lane c of the row writes dlse of the chunk's state c.  A row's states come
-// `chunk` at a time, their LSEs and O packs loaded together: 2 for the two-way merge, else the
-// forward's kSmallChunk (plan.h).
-struct BackwardPlan {
-  MergeShape shape;  // packs filled in
-  int vec = 1;
-  int lanes = 1;
-  int chunk = 2;
-  bool pdl = false;
-  int launches = 0;
-  LaunchDims dims;
-  explicit BackwardPlan(const MergeShape& s) : shape(s) {}
-};
-
-// `pair`: a two-state source (PairBackward).
-inline BackwardPlan plan_backward(const MergeShape& shape, int vec, bool pair, bool pdl, DeviceInfo device) {
-  BackwardPlan plan(shape);
-  plan.vec = vec;
-  plan.shape.packs = shape.head_size / vec;
-  plan.pdl = pdl && device.major >= 9;
-  while (plan.lanes < 32 && plan.lanes < plan.shape.packs) plan.lanes *= 2;
-  plan.chunk = pair ? 2 : kSmallChunk;
-  if (shape.rows == 0) return plan;
-  plan.launches = 1;
-  // Rows over the grid as the forward's kRows lays them out, `lanes` threads a row.
-  plan.dims = row_dims(plan.lanes, shape.rows, device.sms, kBackwardBlockThreads);
-  return plan;
-}
 
 // Registers (sm_90): a chunk of 4 states keeps the chunk's LSEs, 4 packs of O_i with their
 // 64-bit addresses and dots, and the lane's first packs of dO and O: 70 to 114 uncapped (108 for

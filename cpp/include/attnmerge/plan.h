@@ -1,17 +1,18 @@
-// The launch plan: every decision of how a GPU merge runs, taken in one place from the call's
-// sizes, the sources and the GPU: index width, row order (tiles), source kind, evict-first
-// accesses, strategy, grid, block, shared memory, programmatic dependent launch and the number of
-// launches.  Host code only, no CUDA: the C ABI, the header launchers (merge_kernels.cuh) and the
-// native benchmarks all plan through plan_merge, so a header-only caller gets the library's kernel.
+// The launch plan: every decision of how a GPU merge (and its backward: plan_backward) runs,
+// taken in one place from the call's sizes, the sources and the GPU: index width, row order
+// (tiles), source kind, evict-first accesses, strategy, grid, block, shared memory, programmatic
+// dependent launch and the number of launches.  Host code only, no CUDA: the C ABI, the header
+// launchers (merge_kernels.cuh) and the native benchmarks all plan through plan_merge, so a
+// header-only caller gets the library's kernel.
 //
 // Strategies:
 //   kRows    one thread per pack of one row walks the row's states, a chunk of them in flight
 //            (merge_kernel): every two-way merge, and N-way or variable-length merges with enough
 //            rows to fill the GPU or few states a row;
 //   kStates  a row's states shared by `groups` groups of threads, each taking its own states a
-//            chunk of loads at a time, their partial (max, total) and accumulators combined through shared
-//            memory (merge_states_kernel): split-KV decode, few rows and many states, where kRows
-//            would leave most of the GPU idle (state_groups says when).
+//            chunk of loads at a time, their partial (max, total) and accumulators combined
+//            through shared memory (merge_states_kernel): split-KV decode, few rows and many
+//            states, where kRows would leave most of the GPU idle (state_groups says when).
 #pragma once
 
 #include <algorithm>
@@ -237,6 +238,42 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     }
     return plan;
   }
+}
+
+// ---- the backward (merge_backward_kernels.cuh) ------------------------------------------------
+
+constexpr int kBackwardBlockThreads = 256;
+
+// How a backward runs.  A row is taken by `lanes` consecutive, aligned lanes of one warp (a
+// power of two, the row's packs rounded up, at most 32), each lane one pack of VEC elements at a
+// time (packs lane, lane + lanes, ...): the dot <dO, O_i - O> is summed over the lanes by
+// shuffles, then lane c of the row writes dlse of the chunk's state c.  A row's states come
+// `chunk` at a time, their LSEs and O packs loaded together: 2 for the two-way merge, else the
+// forward's kSmallChunk.
+struct BackwardPlan {
+  MergeShape shape;  // packs filled in
+  int vec = 1;
+  int lanes = 1;
+  int chunk = 2;
+  bool pdl = false;
+  int launches = 0;
+  LaunchDims dims;
+  explicit BackwardPlan(const MergeShape& s) : shape(s) {}
+};
+
+// `pair`: a two-state source (PairBackward).
+inline BackwardPlan plan_backward(const MergeShape& shape, int vec, bool pair, bool pdl, DeviceInfo device) {
+  BackwardPlan plan(shape);
+  plan.vec = vec;
+  plan.shape.packs = shape.head_size / vec;
+  plan.pdl = pdl && device.major >= 9;
+  while (plan.lanes < 32 && plan.lanes < plan.shape.packs) plan.lanes *= 2;
+  plan.chunk = pair ? 2 : kSmallChunk;
+  if (shape.rows == 0) return plan;
+  plan.launches = 1;
+  // Rows over the grid as the forward's kRows lays them out, `lanes` threads a row.
+  plan.dims = row_dims(plan.lanes, shape.rows, device.sms, kBackwardBlockThreads);
+  return plan;
 }
 
 }  // namespace attnmerge
