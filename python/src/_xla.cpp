@@ -70,16 +70,22 @@ ffi::Error result(attnmerge_status status) {
                                                                              : ffi::Error::InvalidArgument(message);
 }
 
-// The options of a call: the LSE base, a_tokens (< 0: none), and the output scale as a number
-// (0: none) or, with scale_in_buffer, the float32 of the `scale` buffer (on the op's device).
-attnmerge_options options(bool base2, int64_t a_tokens, float output_scale, bool scale_in_buffer,
-                          const ffi::AnyBuffer& scale) {
+// The options every call takes: the LSE base and a_tokens (< 0: none).
+attnmerge_options base_options(bool base2, int64_t a_tokens) {
   attnmerge_options opt = {};
   opt.flags = base2 ? ATTNMERGE_LSE_BASE2 : 0u;
   if (a_tokens >= 0) {
     opt.flags |= ATTNMERGE_A_TOKENS;
     opt.a_tokens = a_tokens;
   }
+  return opt;
+}
+
+// A forward's: those, and the output scale as a number (0: none) or, with scale_in_buffer, the
+// float32 of the `scale` buffer (on the op's device).
+attnmerge_options options(bool base2, int64_t a_tokens, float output_scale, bool scale_in_buffer,
+                          const ffi::AnyBuffer& scale) {
+  attnmerge_options opt = base_options(base2, a_tokens);
   opt.output_scale = output_scale;
   if (scale_in_buffer) opt.output_scale_ptr = static_cast<const float*>(scale.untyped_data());
   return opt;
@@ -117,15 +123,6 @@ ffi::Error merge_varlen(void* stream, int32_t device, ffi::AnyBuffer o, ffi::Any
 
 // The backward of each merge (attnmerge.jax's custom_vjp): the incoming gradients, the forward's
 // results and inputs, then the inputs' gradients as results.
-attnmerge_options grad_options(bool base2, int64_t a_tokens) {
-  attnmerge_options opt = {};
-  opt.flags = base2 ? ATTNMERGE_LSE_BASE2 : 0u;
-  if (a_tokens >= 0) {
-    opt.flags |= ATTNMERGE_A_TOKENS;
-    opt.a_tokens = a_tokens;
-  }
-  return opt;
-}
 
 ffi::Error merge_backward(void* stream, int32_t device, ffi::AnyBuffer grad_out, ffi::AnyBuffer grad_out_lse,
                           ffi::AnyBuffer out, ffi::AnyBuffer out_lse, ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a,
@@ -138,7 +135,7 @@ ffi::Error merge_backward(void* stream, int32_t device, ffi::AnyBuffer grad_out,
   const attnmerge_tensor t_out = tensor(out, device, 3), t_out_lse = tensor(out_lse, device, 2);
   const attnmerge_tensor t_oa = tensor(o_a, device, 3), t_la = tensor(lse_a, device, 2);
   const attnmerge_tensor t_ob = tensor(o_b, device, 3), t_lb = tensor(lse_b, device, 2);
-  const attnmerge_options opt = grad_options(base2, a_tokens);
+  const attnmerge_options opt = base_options(base2, a_tokens);
   return result(attnmerge_merge_backward(&t_goa, &t_gla, &t_gob, &t_glb, &t_go, &t_gl, &t_out, &t_out_lse, &t_oa,
                                          &t_la, &t_ob, &t_lb, &opt, stream));
 }
@@ -151,7 +148,7 @@ ffi::Error merge_states_backward(void* stream, int32_t device, ffi::AnyBuffer gr
   const attnmerge_tensor t_go = tensor(grad_out, device, 3), t_gl = tensor(grad_out_lse, device, 2);
   const attnmerge_tensor t_out = tensor(out, device, 3), t_out_lse = tensor(out_lse, device, 2);
   const attnmerge_tensor t_o = tensor(o, device, 4), t_l = tensor(lse, device, 3);
-  const attnmerge_options opt = grad_options(base2, a_tokens);
+  const attnmerge_options opt = base_options(base2, a_tokens);
   return result(attnmerge_merge_states_backward(&t_gr, &t_grl, &t_go, &t_gl, &t_out, &t_out_lse, &t_o, &t_l, &opt,
                                                 stream));
 }
@@ -165,7 +162,7 @@ ffi::Error merge_varlen_backward(void* stream, int32_t device, ffi::AnyBuffer gr
   const attnmerge_tensor t_out = tensor(out, device, 3), t_out_lse = tensor(out_lse, device, 2);
   const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 2);
   const attnmerge_tensor t_indptr = index_tensor(indptr, device);
-  const attnmerge_options opt = grad_options(base2, a_tokens);
+  const attnmerge_options opt = base_options(base2, a_tokens);
   return result(attnmerge_merge_varlen_backward(&t_gr, &t_grl, &t_go, &t_gl, &t_out, &t_out_lse, &t_o, &t_l,
                                                 &t_indptr, &opt, stream));
 }
