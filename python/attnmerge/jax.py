@@ -82,11 +82,16 @@ def _expect_ndim(name, x, ndim, what):
         raise ValueError(f"{name}: expected {ndim} dimensions ({what}), got {jnp.ndim(x)} (shape {_shape(x)})")
 
 
+def _scale_is_array(output_scale):
+    """An output_scale given as an array (an operand, read on the device) rather than a number."""
+    return output_scale is not None and not isinstance(output_scale, (int, float, np.number))
+
+
 def _call(op, outs, operands, *, base, output_scale, a_tokens=None, vectorized=True):
     """The FFI call of `op` with the options as attributes; output_scale as a number or, for an
     array, as the last operand."""
     base2 = lse_flags(_static("base", base)) != 0  # raises ValueError naming `base`
-    scale_in_buffer = output_scale is not None and not isinstance(output_scale, (int, float, np.number))
+    scale_in_buffer = _scale_is_array(output_scale)
     if scale_in_buffer:
         scale = jnp.reshape(jnp.asarray(output_scale, dtype=jnp.float32), (1,))
         number = 0.0
@@ -133,11 +138,8 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *,
                          f"got {_shape(o_a)}")
     _expect("lse_a", lse_a, _shape(o_a)[:2], "tokens, heads of o_a")
     dtype = _out_dtype(out_dtype, o_b)
-    if output_scale is not None or dtype.itemsize == 1:
-        outs = _results(tokens, heads, head_size, dtype)
-        return _no_gradient("merge", lambda *x: _call("merge", outs, x[:4], base=base, output_scale=(
-            x[4] if len(x) > 4 else output_scale), a_tokens=a_tokens), o_a, lse_a, o_b, lse_b, *_arrays(output_scale))
-    return _merge_fn(_base_key(base), dtype, a_tokens)(o_a, lse_a, o_b, lse_b)
+    return _merged("merge", (tokens, heads, head_size), dtype, (o_a, lse_a, o_b, lse_b), base, output_scale,
+                   lambda: _merge_fn(_base_key(base), dtype, a_tokens), a_tokens=a_tokens)
 
 
 def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_dtype: Any = None,
@@ -159,11 +161,8 @@ def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_dtype: A
         o, lse = jnp.swapaxes(o, 0, 1), jnp.swapaxes(lse, 0, 1)
     tokens, _, heads, head_size = _shape(o)
     dtype = _out_dtype(out_dtype, o)
-    if output_scale is not None or dtype.itemsize == 1:
-        outs = _results(tokens, heads, head_size, dtype)
-        return _no_gradient("merge_states", lambda *x: _call("merge_states", outs, x[:2], base=base, output_scale=(
-            x[2] if len(x) > 2 else output_scale)), o, lse, *_arrays(output_scale))
-    return _merge_states_fn(_base_key(base), dtype)(o, lse)
+    return _merged("merge_states", (tokens, heads, head_size), dtype, (o, lse), base, output_scale,
+                   lambda: _merge_states_fn(_base_key(base), dtype))
 
 
 def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base = "e", out_dtype: Any = None,
@@ -183,12 +182,9 @@ def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base 
     if rows < 0:
         raise ValueError("indptr: expected rows + 1 >= 1 elements, got 0")
     dtype = _out_dtype(out_dtype, o)
-    if output_scale is not None or dtype.itemsize == 1:
-        _, heads, head_size = _shape(o)
-        outs = _results(rows, heads, head_size, dtype)
-        return _no_gradient("merge_varlen", lambda *x: _call("merge_varlen", outs, x[:3], base=base, output_scale=(
-            x[3] if len(x) > 3 else output_scale), vectorized=False), o, lse, indptr, *_arrays(output_scale))
-    return _merge_varlen_fn(_base_key(base), dtype)(o, lse, indptr)
+    _, heads, head_size = _shape(o)
+    return _merged("merge_varlen", (rows, heads, head_size), dtype, (o, lse, indptr), base, output_scale,
+                   lambda: _merge_varlen_fn(_base_key(base), dtype), vectorized=False)
 
 
 # ---- gradients ------------------------------------------------------------------------------------
@@ -199,21 +195,27 @@ def _base_key(base):
     return "e" if base == "e" else 2
 
 
-def _arrays(output_scale):
-    """output_scale among the differentiated function's arguments where it is an array."""
-    return () if output_scale is None or isinstance(output_scale, (int, float, np.number)) else (output_scale,)
+def _merged(op, shape, dtype, operands, base, output_scale, differentiable, **options):
+    """The merge `op` of `operands` into (out of `shape` [rows, heads, head_size] and `dtype`,
+    out_lse): differentiable() (a custom_vjp over the backward) unless the output is FP8 or scaled;
+    such a call runs under a custom_vjp whose backward refuses by name (JAX would otherwise name
+    only its ffi_call), with an array output_scale among its arguments."""
+    if output_scale is None and dtype.itemsize != 1:
+        return differentiable()(*operands)
+    outs = _results(*shape, dtype)
+    n = len(operands)
+    scale_array = _scale_is_array(output_scale)
 
+    def call(*x):
+        return _call(op, outs, x[:n], base=base, output_scale=x[n] if scale_array else output_scale, **options)
 
-def _no_gradient(op, call, *args):
-    """call(*args) under a custom_vjp whose backward refuses: no gradient through an FP8 or scaled
-    output (JAX would otherwise name only its ffi_call)."""
     f = jax.custom_vjp(call)
 
     def refuse(*_):
         raise NotImplementedError(f"attnmerge.jax.{op}: no gradient through an FP8 output or an output_scale")
 
     f.defvjp(lambda *x: (call(*x), None), refuse)
-    return f(*args)
+    return f(*operands, *((output_scale,) if scale_array else ()))
 
 
 def _backward(op, grads, operands, *, base, a_tokens=None, vectorized=True):
