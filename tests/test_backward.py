@@ -41,6 +41,7 @@ from oracle import (
     reference_merge_stacked,
     reference_merge_states,
     reference_merge_states_backward,
+    reference_merge_varlen,
     rel_l2,
     strided_view,
     to_f64,
@@ -381,10 +382,7 @@ def test_without_out_two_way_and_varlen(rng, dev):
     indptr = np.array([0, 3, 3, 9], np.int32)
     v, sv = random_o(rng, (9, 2, 16)), random_lse(rng, (9, 2))
     out, out_lse = attnmerge.merge_varlen(v, sv, indptr)
-    exact = np.zeros(out.shape)
-    for r in range(3):
-        if indptr[r + 1] > indptr[r]:
-            exact[r] = reference_merge_states(list(v[indptr[r]:indptr[r + 1], None]), list(sv[indptr[r]:indptr[r + 1], None]))[0][0]
+    exact = reference_merge_varlen(v, sv, indptr)[0]
     grad_out, grad_out_lse = random_o(rng, out.shape), random_lse(rng, out_lse.shape, 1.0)
     g = attnmerge.merge_varlen_backward(dev.put(grad_out), dev.put(grad_out_lse), None, dev.put(out_lse), dev.put(v),
                                         dev.put(sv), dev.put(indptr))
@@ -619,12 +617,7 @@ def test_merge_varlen_backward_any_rows_layout_and_option(dev, data):
     out, out_lse = attnmerge.merge_varlen(o, lse, indptr, base=base)
     grad_out, grad_out_lse = random_o(rng, out.shape, in_dtype), random_lse(rng, out_lse.shape, 1.0)
     without_out = data.draw(st.booleans())
-    exact = out.astype(np.float64)
-    if without_out:
-        for r in range(len(counts)):
-            lo, hi = indptr[r], indptr[r + 1]
-            if hi > lo:
-                exact[r] = reference_merge_states(list(o[lo:hi, None]), list(lse[lo:hi, None]), base=base)[0][0]
+    exact = reference_merge_varlen(o, lse, indptr, base=base)[0] if without_out else out.astype(np.float64)
     want = varlen_expected(o, lse, indptr, exact, out_lse, grad_out, grad_out_lse, base)
     gov, gob = strided_view(np.zeros(o.shape, o.dtype), **data.draw(layouts(3, True)))
     glv, glb = strided_view(np.zeros(lse.shape, np.float32), **data.draw(layouts(2, False)))
