@@ -1,7 +1,7 @@
 // Launch choices of the two-way merge side by side, by CUDA-graph replay through the header-only
 // launcher (merge_kernels.cuh), on 1 to 32768 x 32 x 128 bfloat16 with input sets rotated past L2:
-//   blocks    up to 512 threads (the library's) or up to 256, narrowed so that a small grid covers
-//             the SMs;
+//   flat      the plan's rows taken flat (one offset a view, no row division) against split into
+//             token and head;
 //   evict     evict-first O loads and stores: the library's choice (< 32 MB), always, never;
 //   pdl       a chain of two dependent merges with and without programmatic dependent launch;
 //   tiles     with vLLM's [heads, tokens] LSEs, rows in tiles of 8 tokens (MergeShape::tile) against
@@ -41,11 +41,11 @@ Case make_case(int64_t tokens) {
 void free_case(Case& c) { free_pair_sets(c.sets); }
 
 // The launch knobs timed here: the SM count the plan sizes blocks for, programmatic dependent
-// launch, and the widest block (0: the plan's, kPairBlockThreads).
+// launch, and whether the plan may take rows flat (PlainPairSource's kFlatRows).
 struct Knobs {
   int sms;
   bool pdl;
-  int width = 0;
+  bool unflat = false;
 };
 
 // One merge of set `s` (a_o/a_lse may be another set's output, for the chain) as the library plans
@@ -58,7 +58,7 @@ cudaError_t merge(const void* o_a, const float* lse_a, const Set& s, void* out, 
                        tokens, nullptr, 0};
   const OutView dst{out, st, kHeadSize, out_lse, kHeads, 1, 1.0f, nullptr, false};
   LaunchPlan plan = bf16_plan(shape, src, dst, claimed_bytes, knobs.sms, knobs.pdl);
-  if (knobs.width > 0) plan.main = row_dims(plan.shape.packs, plan.shape.rows, knobs.sms, knobs.width);
+  if (knobs.unflat) plan.flat = false;
   return launch_merge<bfloat16_t, bfloat16_t, 8>(plan, src, dst, stream);
 }
 
@@ -110,7 +110,7 @@ int main() {
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   const int sms = prop.multiProcessorCount;
   std::printf("%s (%d SMs), two-way merge T x 32 x 128 bfloat16, us per merge by graph replay (median)\n", prop.name, sms);
-  std::printf("%7s %9s | %10s %10s %8s | %10s %10s %10s\n", "tokens", "MB", "library", "256 max", "ratio",
+  std::printf("%7s %9s | %10s %10s %8s | %10s %10s %10s\n", "tokens", "MB", "library", "not flat", "ratio",
               "evict-1st", "plain", "ratio");
   const int64_t always = 0, never = INT64_MAX;
   for (int64_t tokens : {1, 16, 128, 512, 1024, 2048, 4096, 8192, 32768}) {
@@ -123,7 +123,7 @@ int main() {
           },
           stream);
     };
-    const Knobs lib{sms, false}, wide{sms, false, 256};
+    const Knobs lib{sms, false}, wide{sms, false, true};
     const double t_lib = time(c.bytes, lib), t_wide = time(c.bytes, wide);
     const double t_evict = time(always, lib), t_plain = time(never, lib);
     std::printf("%7lld %9.1f | %10.2f %10.2f %8.3f | %10.2f %10.2f %10.3f\n", static_cast<long long>(tokens),
