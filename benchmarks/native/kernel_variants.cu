@@ -4,6 +4,7 @@
 //             token and head;
 //   evict     evict-first O loads and stores: the library's choice (< 32 MB), always, never;
 //   pdl       a chain of two dependent merges with and without programmatic dependent launch;
+//   in place  the in-place merge, unmasked and half masked, in the plan's blocks and in blocks of 512;
 //   tiles     with vLLM's [heads, tokens] LSEs, rows in tiles of 8 tokens (MergeShape::tile) against
 //             the token-major order, at several head sizes; the two outputs compared byte for byte.
 // Prints us per merge and the ratio to the library's choice; figures go to benchmarks/NOTES.md.
@@ -100,6 +101,45 @@ void tiles(int64_t tokens, int64_t heads, int64_t head_size, int sms, cudaStream
   free_pair_sets(sets);
 }
 
+// The in-place merge of T x 32 x 128 bfloat16 (a's O and LSE overwritten), with no mask or with
+// about half the tokens' rows masked out: blocks of the plan's widest (kPairBlockThreads: build
+// with -DATTNMERGE_PAIR_BLOCK_THREADS=512 for FlashInfer's launch, one token a block) against half
+// that, each timed twice.
+void in_place(int64_t tokens, bool masked, int sms, cudaStream_t stream) {
+  const size_t o_bytes = tokens * kHeads * kHeadSize * 2, lse_bytes = tokens * kHeads * 4;
+  const int64_t bytes = 3 * int64_t(o_bytes + lse_bytes);
+  const int64_t n = rotation(bytes);
+  std::vector<Set> sets = alloc_pair_sets(n, o_bytes, lse_bytes);
+  uint8_t* mask = nullptr;
+  if (masked) {
+    std::vector<uint8_t> host(tokens);
+    for (int64_t t = 0; t < tokens; ++t) host[t] = (hash_index(t, 7) & 1) || t == 0;
+    check_cuda(cudaMalloc(&mask, tokens), "cudaMalloc");
+    check_cuda(cudaMemcpy(mask, host.data(), tokens, cudaMemcpyHostToDevice), "copy");
+  }
+  const auto run = [&](const Set& s, int width) {
+    const MergeShape shape{tokens, kHeads, kHeadSize, false};
+    const int64_t st = kHeads * kHeadSize;
+    const PairSource src{StateView{s.o_a, st, kHeadSize, s.lse_a, kHeads, 1}, StateView{s.o_b, st, kHeadSize, s.lse_b, kHeads, 1},
+                         tokens, mask, 1};
+    const OutView dst{s.o_a, st, kHeadSize, s.lse_a, kHeads, 1, 1.0f, nullptr, true};
+    LaunchPlan plan = bf16_plan(shape, src, dst, bytes, sms);
+    if (width > 0) {
+      plan.main = row_dims(plan.shape.packs, plan.shape.rows, sms, width, plan.shape.packs);
+      plan.warp_rows = 32 % plan.main.block[0] == 0;
+    }
+    check_cuda(launch_merge<bfloat16_t, bfloat16_t, 8>(plan, src, dst, stream), "launch");
+  };
+  double t[2][2];
+  for (int round = 0; round < 2; ++round)
+    for (int w = 0; w < 2; ++w) t[round][w] = graph_us([&](int i) { run(sets[i % n], w == 0 ? 0 : kPairBlockThreads / 2); }, stream);
+  std::printf("%7lld %s %7.1f MB: library %8.2f %8.2f us | blocks of half %8.2f %8.2f us | %.3fx\n",
+              static_cast<long long>(tokens), masked ? "half masked" : "no mask    ", bytes / 1e6, t[0][0], t[1][0], t[0][1],
+              t[1][1], (t[0][1] + t[1][1]) / (t[0][0] + t[1][0]));
+  if (mask) cudaFree(mask);
+  free_pair_sets(sets);
+}
+
 }  // namespace
 
 int main() {
@@ -148,6 +188,9 @@ int main() {
     std::printf("%7lld tokens: plain %7.2f  pdl %7.2f  (%.3fx)\n", static_cast<long long>(tokens), t[0], t[1], t[0] / t[1]);
     free_case(c);
   }
+  std::printf("in-place merge, blocks of up to %d threads against half that (each timed twice)\n", kPairBlockThreads);
+  for (int64_t tokens : {1, 512, 8192})
+    for (bool masked : {false, true}) in_place(tokens, masked, sms, stream);
   std::printf("[heads, tokens] LSEs, rows token-major against tiles of 8 tokens (each timed twice)\n");
   for (const auto& shape : {std::array<int64_t, 3>{16384, 64, 64}, {8192, 32, 128}, {8192, 32, 80}, {16384, 16, 256},
                             {2048, 32, 128}, {512, 32, 128}})
