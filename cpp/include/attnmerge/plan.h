@@ -257,8 +257,8 @@ constexpr int kBackwardBlockThreads = 256;
 // power of two, the row's packs rounded up, at most 32), each lane one pack of VEC elements at a
 // time (packs lane, lane + lanes, ...): the dot <dO, O_i - O> is summed over the lanes by
 // shuffles, then lane c of the row writes dlse of the chunk's state c.  A row's states come
-// `chunk` at a time, their LSEs and O packs loaded together: 2 for the two-way merge, else the
-// forward's kSmallChunk.
+// `chunk` at a time, their LSEs and O packs loaded together: 2 for rows of at most two states,
+// else the forward's kSmallChunk.
 struct BackwardPlan {
   MergeShape shape;  // packs filled in
   int vec = 1;
@@ -270,14 +270,16 @@ struct BackwardPlan {
   explicit BackwardPlan(const MergeShape& s) : shape(s) {}
 };
 
-// `pair`: a two-state source (PairBackward).
-inline BackwardPlan plan_backward(const MergeShape& shape, int vec, bool pair, bool pdl, DeviceInfo device) {
+// `max_states`: the most states a row has (2 for the two-way merge, S for the N-way one; 0 not
+// known, the variable-length merge; max_states() of the source, backward_params.h): rows of at
+// most 2 take the kernel of 2 in flight (fewer registers, more threads an SM).
+inline BackwardPlan plan_backward(const MergeShape& shape, int vec, int64_t max_states, bool pdl, DeviceInfo device) {
   BackwardPlan plan(shape);
   plan.vec = vec;
   plan.shape.packs = shape.head_size / vec;
   plan.pdl = pdl && device.major >= 9;
   while (plan.lanes < 32 && plan.lanes < plan.shape.packs) plan.lanes *= 2;
-  plan.chunk = pair ? 2 : kSmallChunk;
+  plan.chunk = max_states > 0 && max_states <= 2 ? 2 : kSmallChunk;
   if (shape.rows == 0) return plan;
   plan.launches = 1;
   // Rows over the grid as the forward's kRows lays them out, `lanes` threads a row.
