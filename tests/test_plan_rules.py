@@ -120,10 +120,13 @@ def test_two_state_kernels(probe, sms):
         for flags, plan in zip(flag_sets, plans):
             plain = flags in ("-", "p") or (flags == "t" and tokens < 64)
             assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (int(plain), 0, 1), (flags, tokens)
-        for plan in plans[-2:]:  # in place: one launch, the LSE after a barrier, a row's lanes' where they share a warp
-            assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (0, 1, 1), tokens
+        # in place: one launch, the LSE after a barrier (a row's lanes' where they share a warp);
+        # the plain source, rows flat, unless masked
+        for plan, plain in zip(plans[-2:], (1, 0)):
+            assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (plain, 1, 1), tokens
+            assert plan["flat"] == plain
             assert plan["warp_rows"] == int(32 % plan["bx"] == 0), (tokens, head_size)
-        for flags, plan in zip(flag_sets, plans):  # dense views: the plain kernel takes its rows flat
+        for flags, plan in zip(flag_sets, plans[:-2]):  # dense views: the plain kernel takes its rows flat
             assert plan["flat"] == int(plan["plain"] == 1 and flags != "t"), (flags, tokens, head_size)
         for plan in plans:
             threads = plan["bx"] * plan["by"]

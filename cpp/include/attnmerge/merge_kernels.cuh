@@ -404,6 +404,21 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
       return plan.shape.stream
                  ? launch_detail::rows<PlainPairSource<true>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream)
                  : launch_detail::rows<PlainPairSource<false>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream);
+    if (plan.fused_lse && plan.plain) {  // flat rows, 32-bit offsets (the plan's condition)
+      const PlainPairSource<false, true> flat{flat_rows(src.a), flat_rows(src.b)};
+      const OutView o = flat_rows(out);
+      using Warp = InPlaceSource<true, PlainPairSource<false, true>>;
+      using Block = InPlaceSource<false, PlainPairSource<false, true>>;
+      if (plan.shape.stream) {
+        using WarpS = InPlaceSource<true, PlainPairSource<true, true>>;
+        using BlockS = InPlaceSource<false, PlainPairSource<true, true>>;
+        const PlainPairSource<true, true> flat_s{flat.a, flat.b};
+        return plan.warp_rows ? launch_detail::rows<WarpS, TIn, TOut, VEC, int32_t, 2>(plan, {flat_s}, o, stream)
+                              : launch_detail::rows<BlockS, TIn, TOut, VEC, int32_t, 2>(plan, {flat_s}, o, stream);
+      }
+      return plan.warp_rows ? launch_detail::rows<Warp, TIn, TOut, VEC, int32_t, 2>(plan, {flat}, o, stream)
+                            : launch_detail::rows<Block, TIn, TOut, VEC, int32_t, 2>(plan, {flat}, o, stream);
+    }
     if (plan.fused_lse)
       return plan.warp_rows ? launch_detail::rows<InPlaceSource<true>, TIn, TOut, VEC>(plan, {src}, out, stream)
                             : launch_detail::rows<InPlaceSource<false>, TIn, TOut, VEC>(plan, {src}, out, stream);

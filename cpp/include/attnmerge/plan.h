@@ -93,7 +93,7 @@ struct LaunchPlan {
   int groups = 1;        // kStates: groups of threads sharing a row's states
   bool ahead = false;    // kStates: each group's next chunk of loads issued before it uses the current one
   bool index32 = false;  // 32-bit offsets: every element offset of the call fits in 30 bits
-  bool plain = false;    // PairSource: the plain kernel (PlainPairSource)
+  bool plain = false;    // PairSource: the plain kernel (PlainPairSource; in place, under InPlaceSource)
   bool flat = false;     // plain, 32-bit offsets and every view flattens (views.h): rows taken flat
   bool fused_lse = false;  // out.lse is an input's LSE, written in the same launch (InPlaceSource)
   bool warp_rows = false;  // fused_lse: each row's threads lie in one warp (its barrier is the row's lanes)
@@ -212,10 +212,8 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     // a tile would mostly be padding.
     if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
     s.stream = plan_detail::stream_o(src, facts.bytes);
-    plan.plain = src.mask == nullptr && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr &&
-                 !out.lse_in_place;
-    plan.flat = plan.plain && plan.index32 && flattens(src.a, s.heads) && flattens(src.b, s.heads) &&
-                flattens(out, s.heads);
+    const bool plain = src.mask == nullptr && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr;
+    const bool dense = plan.index32 && flattens(src.a, s.heads) && flattens(src.b, s.heads) && flattens(out, s.heads);
     const bool lse_in_place = out.lse_in_place && out.lse != nullptr;
     // Every thread of a row reads the old LSE of an in-place merge and one writes the new one: in
     // one launch when the row's threads share a block (a barrier between; blocks not narrowed
@@ -229,6 +227,9 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
         plan.lse = row_dims(1, s.rows, device.sms, kPairBlockThreads);
       }
     }
+    // The plain source in place only with its rows flat, in one launch.
+    plan.plain = plain && (!out.lse_in_place || (plan.fused_lse && dense));
+    plan.flat = plan.plain && dense;
     return plan;
   } else {
     s.stream = plan_detail::stream_o(src, facts.bytes);
