@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cmath>
-#include <cstdarg>
 #include <cstdio>
 #include <cstring>
 #include <type_traits>
@@ -19,22 +18,12 @@ namespace attnmerge {
 namespace detail {
 
 namespace {
-thread_local char g_error[1024] = "";
-
 // The start of every op: no error, nothing launched yet.
 void begin_call() {
-  g_error[0] = '\0';
+  clear_error();
   forget_launch();
 }
 }  // namespace
-
-attnmerge_status fail(attnmerge_status status, const char* fmt, ...) {
-  va_list args;
-  va_start(args, fmt);
-  std::vsnprintf(g_error, sizeof g_error, fmt, args);
-  va_end(args);
-  return status;
-}
 
 const char* dtype_name(int dtype) {
   switch (dtype) {
@@ -830,21 +819,8 @@ attnmerge_status attnmerge_merge_varlen_backward(const attnmerge_tensor* grad_o,
                       stream, opt.flags);
 }
 
-const char* attnmerge_last_error(void) { return g_error; }
-
 void attnmerge_last_launch(attnmerge_launch_info* info) {
   if (info != nullptr) *info = last_launch();
-}
-
-const char* attnmerge_status_string(attnmerge_status status) {
-  switch (status) {
-    case ATTNMERGE_SUCCESS: return "success";
-    case ATTNMERGE_ERROR_VALUE: return "invalid value";
-    case ATTNMERGE_ERROR_TYPE: return "invalid type";
-    case ATTNMERGE_ERROR_NO_DEVICE: return "no CUDA device";
-    case ATTNMERGE_ERROR_CUDA: return "CUDA runtime error";
-  }
-  return "unknown status";
 }
 
 int attnmerge_version(void) { return ATTNMERGE_VERSION_NUMBER; }
@@ -856,7 +832,7 @@ int attnmerge_device_count(void) { return gpu_device_count(); }
 int attnmerge_pointer_device(const void* ptr) { return gpu_pointer_device(ptr); }
 
 attnmerge_status attnmerge_stream_synchronize(int32_t device, void* stream) {
-  g_error[0] = '\0';
+  clear_error();
   if (device < 0 || device >= gpu_device_count())
     return fail(ATTNMERGE_ERROR_VALUE, "device: expected a CUDA device below %d, got %d", gpu_device_count(), device);
   return gpu_stream_synchronize(device, stream);

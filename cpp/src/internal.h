@@ -11,12 +11,10 @@
 #include "attnmerge/views.h"
 #include "attnmerge/backward_params.h"
 #include "attnmerge/plan.h"
+#include "errors.h"
 
 namespace attnmerge {
 namespace detail {
-
-// Records the calling thread's error message (printf-style) and returns `status`.
-attnmerge_status fail(attnmerge_status status, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
 
 inline std::size_t dtype_size(int dtype) {
   switch (dtype) {
