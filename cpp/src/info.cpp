@@ -20,6 +20,7 @@ int attnmerge_cuda_build_version(void) { return gpu_build_version(); }
 int attnmerge_cuda_driver_version(void) { return gpu_driver_version(); }
 int attnmerge_device_count(void) { return gpu_device_count(); }
 int attnmerge_pointer_device(const void* ptr) { return gpu_pointer_device(ptr); }
+const attnmerge_dtype_info* attnmerge_dtype_info_of(int32_t dtype) { return dtype_info(dtype); }
 
 attnmerge_status attnmerge_stream_synchronize(int32_t device, void* stream) {
   clear_error();

@@ -9,31 +9,23 @@
 namespace attnmerge {
 namespace detail {
 
-const char* dtype_name(int dtype) {
-  switch (dtype) {
-    case ATTNMERGE_FLOAT32: return "float32";
-    case ATTNMERGE_FLOAT16: return "float16";
-    case ATTNMERGE_BFLOAT16: return "bfloat16";
-    case ATTNMERGE_FLOAT8_E4M3: return "float8_e4m3";
-    case ATTNMERGE_UINT8: return "uint8";
-    case ATTNMERGE_BOOL: return "bool";
-    case ATTNMERGE_INT32: return "int32";
-    case ATTNMERGE_INT64: return "int64";
-    default: return "unknown";
-  }
-}
-
 namespace {
 
-const char* dtypes_text(uint32_t set) {
-  switch (set) {
-    case kInputs: return "float32, float16 or bfloat16";
-    case kOutputs: return "float32, float16, bfloat16 or float8_e4m3";
-    case kLse: return "float32";
-    case kMask: return "uint8 or bool";
-    default: return "int32 or int64";
+// "float32, float16 or bfloat16": the names of a set of dtypes, for error messages.
+struct DtypesText {
+  char text[128];
+  explicit DtypesText(uint32_t set) {
+    int count = 0, n = 0;
+    for (int i = 0; i < kDtypeCount; ++i) count += in_set(set, i);
+    text[0] = '\0';
+    for (int i = 0, k = 0; i < kDtypeCount && n < static_cast<int>(sizeof text); ++i) {
+      if (!in_set(set, i)) continue;
+      const char* separator = k == 0 ? "" : k == count - 1 ? " or " : ", ";
+      n += std::snprintf(text + n, sizeof text - n, "%s%s", separator, dtype_name(i));
+      ++k;
+    }
   }
-}
+};
 
 // "[4, 8, 128]" for error messages.
 struct ShapeText {
@@ -60,8 +52,9 @@ attnmerge_status describe(const attnmerge_tensor* t, const char* name, int ndim,
   v.ndim = ndim;
   v.transposed = transpose;
   if (t->ndim != ndim) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected %d dimensions, got %d", name, ndim, t->ndim);
-  if (t->dtype < 0 || t->dtype >= 32 || !(dtypes & bit(t->dtype)))
-    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected dtype %s, got %s", name, dtypes_text(dtypes), dtype_name(t->dtype));
+  if (!in_set(dtypes, t->dtype))
+    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected dtype %s, got %s", name, DtypesText(dtypes).text,
+                dtype_name(t->dtype));
   constexpr uint32_t kTensorFlags = ATTNMERGE_READ_ONLY | ATTNMERGE_DEVICE_KNOWN;
   if (t->flags & ~kTensorFlags)
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected flags within 0x%x, got 0x%x", name, kTensorFlags, t->flags);

@@ -10,13 +10,12 @@
 namespace attnmerge {
 namespace detail {
 
-// Sets of dtypes an argument may have, and how a message names them.
-constexpr uint32_t bit(int dtype) { return 1u << dtype; }
-constexpr uint32_t kInputs = bit(ATTNMERGE_FLOAT32) | bit(ATTNMERGE_FLOAT16) | bit(ATTNMERGE_BFLOAT16);
-constexpr uint32_t kOutputs = kInputs | bit(ATTNMERGE_FLOAT8_E4M3);
-constexpr uint32_t kLse = bit(ATTNMERGE_FLOAT32);
-constexpr uint32_t kMask = bit(ATTNMERGE_UINT8) | bit(ATTNMERGE_BOOL);
-constexpr uint32_t kIndex = bit(ATTNMERGE_INT32) | bit(ATTNMERGE_INT64);
+// Sets of dtypes an argument may have (dtypes.h).
+constexpr uint32_t kInputs = dtypes_of(ATTNMERGE_ROLE_O_IN);
+constexpr uint32_t kOutputs = dtypes_of(ATTNMERGE_ROLE_O_OUT);
+constexpr uint32_t kLse = dtypes_of(ATTNMERGE_ROLE_LSE);
+constexpr uint32_t kMask = dtypes_of(ATTNMERGE_ROLE_MASK);
+constexpr uint32_t kIndex = dtypes_of(ATTNMERGE_ROLE_INDPTR);
 
 // A tensor as an op reads it: shape and strides in the op's logical axis order.
 struct View {
