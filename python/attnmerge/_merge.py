@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from . import _C
-from ._arrays import INPUT_DTYPES, default_stream, dtype_name, empty, family
-from ._types import Array, Base, DType, Stream
+from ._arrays import default_stream, dtype_name, empty, family
+from ._types import O_IN_DTYPES, Array, Base, DType, Stream
 
 # attnmerge._torch_ops and its `takes` once torch is imported (attnmerge._torch_hook sets them).  Each
 # function first asks whether the call must go through torch.ops.attnmerge (while torch.compile or
@@ -80,7 +80,7 @@ def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like
             dtype = getattr(in_dtype_of, "dtype", None)
             if dtype is None:
                 raise TypeError(f"{src_name}: expected an array, got {type(in_dtype_of).__qualname__}")
-            name = dtype_name(dtype, src_name, INPUT_DTYPES)
+            name = dtype_name(dtype, src_name, O_IN_DTYPES)
         else:
             name = dtype_name(out_dtype, "out_dtype")
         out, out_view = empty(like, shape, name, like_name)
@@ -276,7 +276,7 @@ def merge_backward(grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b,
     needs = _needs(needs_grad, 4)
     shape = _shape(o_b, "o_b")
     a_shape = shape if a_tokens is None else (a_tok,) + tuple(shape[1:])
-    name = dtype_name(getattr(o_a, "dtype", None), "o_a", INPUT_DTYPES)
+    name = dtype_name(getattr(o_a, "dtype", None), "o_a", O_IN_DTYPES)
     grads = (_grad_buffer(grad_o_a, needs[0], o_b, a_shape, name, "grad_o_a"),
              _grad_buffer(grad_lse_a, needs[1], o_b, a_shape[:2], "float32", "grad_lse_a"),
              _grad_buffer(grad_o_b, needs[2], o_b, shape, name, "grad_o_b"),
@@ -305,7 +305,7 @@ def merge_states_backward(grad_out, grad_out_lse, out, out_lse, o, lse, *, grad_
     shape = _shape(o, "o")
     if len(shape) != 4:
         raise ValueError(f"o: expected 4 dimensions, got {len(shape)} (shape {list(shape)})")
-    name = dtype_name(getattr(o, "dtype", None), "o", INPUT_DTYPES)
+    name = dtype_name(getattr(o, "dtype", None), "o", O_IN_DTYPES)
     grads = (_grad_buffer(grad_o, needs[0], o, shape, name, "grad_o"),
              _grad_buffer(grad_lse, needs[1], o, shape[:3], "float32", "grad_lse"))
     if stream is None:
@@ -331,7 +331,7 @@ def merge_varlen_backward(grad_out, grad_out_lse, out, out_lse, o, lse, indptr, 
     shape = _shape(o, "o")
     if len(shape) != 3:
         raise ValueError(f"o: expected 3 dimensions, got {len(shape)} (shape {list(shape)})")
-    name = dtype_name(getattr(o, "dtype", None), "o", INPUT_DTYPES)
+    name = dtype_name(getattr(o, "dtype", None), "o", O_IN_DTYPES)
     grads = (_grad_buffer(grad_o, needs[0], o, shape, name, "grad_o"),
              _grad_buffer(grad_lse, needs[1], o, shape[:2], "float32", "grad_lse"))
     if stream is None:

@@ -38,7 +38,7 @@ import numpy as np
 
 from . import _XLA_HOW, _XLA_LIB
 from ._merge import lse_flags
-from ._types import Base
+from ._types import NO_GRADIENT_DTYPES, Base
 
 __all__ = ["merge", "merge_states", "merge_varlen"]
 
@@ -200,7 +200,7 @@ def _merged(op, shape, dtype, operands, base, output_scale, differentiable, **op
     out_lse): differentiable() (a custom_vjp over the backward) unless the output is FP8 or scaled;
     such a call runs under a custom_vjp whose backward refuses by name (JAX would otherwise name
     only its ffi_call), with an array output_scale among its arguments."""
-    if output_scale is None and dtype.itemsize != 1:
+    if output_scale is None and dtype.name not in NO_GRADIENT_DTYPES:
         return differentiable()(*operands)
     outs = _results(*shape, dtype)
     n = len(operands)
