@@ -1,104 +1,261 @@
-// The C ABI's ops: each entry point validates its arguments (validate.h), once, before anything is
-// written, assembles one of the sources of sources.h and hands the call to route.h.
+// The C ABI's ops.  Each reads as: its contract (a table of its arguments, validate.h), its shape
+// equations, the source its rows read (sources.h, backward_params.h), and route.h.  Every argument
+// is validated once, before anything is written.
 #include <cinttypes>
 
 #include "route.h"
 
 namespace attnmerge {
 namespace detail {
-
 namespace {
+
 // The start of every op: no error, nothing launched yet.
 void begin_call() {
   clear_error();
   forget_launch();
 }
-}  // namespace
 
-namespace {
+// ---- shape equations ------------------------------------------------------------------------
 
-OutView out_view(const View& out, const View& out_lse, float inv_scale, const attnmerge_options& opt) {
+// A two-way merge's (and the in-place merge's): sizes from the input that always covers every
+// token (o_b, o_other), and the tokens of a that are read.
+attnmerge_status pair_sizes(Views, const View& b, const attnmerge_options& opt, Sizes& n) {
+  n.tokens = b.shape[0];
+  n.heads = b.shape[1];
+  n.head_size = b.shape[2];
+  attnmerge_status s;
+  if ((s = check_head_size(b.name, n.head_size)) || (s = read_a_tokens(opt, b, n))) return s;
+  return ATTNMERGE_SUCCESS;
+}
+
+// An N-way merge's: o [tokens, S, heads, head_size].
+attnmerge_status stack_sizes(Views, const View& o, const attnmerge_options&, Sizes& n) {
+  n.tokens = o.shape[0];
+  n.states = o.shape[1];
+  n.heads = o.shape[2];
+  n.head_size = o.shape[3];
+  if (attnmerge_status s = check_head_size(o.name, n.head_size)) return s;
+  if (n.states > INT32_MAX)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected at most 2^31 - 1 states, got %" PRId64, o.name, n.states);
+  return ATTNMERGE_SUCCESS;
+}
+
+// A variable-length merge's: o [total, heads, head_size], indptr [rows + 1].
+attnmerge_status range_sizes(Views views, const View& o, const attnmerge_options&, Sizes& n) {
+  n.total = o.shape[0];
+  n.heads = o.shape[1];
+  n.head_size = o.shape[2];
+  if (attnmerge_status s = check_head_size(o.name, n.head_size)) return s;
+  for (const View& v : views)
+    if (v.spec->role == ATTNMERGE_ROLE_INDPTR) {
+      if (v.shape[0] < 1) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected rows + 1 >= 1 entries, got 0", v.name);
+      n.rows = v.shape[0] - 1;
+    }
+  return ATTNMERGE_SUCCESS;
+}
+
+// ---- the ops' contracts -----------------------------------------------------------------------
+
+constexpr uint32_t kOIn = ATTNMERGE_ROLE_O_IN, kOOut = ATTNMERGE_ROLE_O_OUT, kLse = ATTNMERGE_ROLE_LSE,
+                   kMask = ATTNMERGE_ROLE_MASK, kIndptr = ATTNMERGE_ROLE_INDPTR;
+// The tables' axes: tokens, heads, head_size, S, the total states and rows of a variable-length
+// merge (R1 = rows + 1), the tokens of a that are read, and a itself (Dim).
+constexpr Dim T = Dim::kTokens, H = Dim::kHeads, D = Dim::kHeadSize, S = Dim::kStates, N = Dim::kTotal, R = Dim::kRows,
+              R1 = Dim::kRowsPlus1, A = Dim::kATokens, AOrMore = Dim::kATokensOrMore;
+constexpr Use kRead = Use::kRead, kWrite = Use::kWrite, kReadWrite = Use::kReadWrite;
+constexpr Presence kRequired = Presence::kRequired, kOptional = Presence::kOptional;
+constexpr Alias kMayBeOutput = Alias::kMayBeOutput, kNoAlias = Alias::kNone;
+
+constexpr uint32_t kBase2 = ATTNMERGE_LSE_BASE2, kHeadsFirst = ATTNMERGE_LSE_HEADS_FIRST, kATokens = ATTNMERGE_A_TOKENS,
+                   kPdl = ATTNMERGE_PDL;
+
+// Each op: its arguments' table, then make_op(table, the options.flags it takes, the argument whose
+// dtype allows an output scale, the state its sizes come from and that state's LSE, its shape
+// equations).
+// clang-format off
+// (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)); out may be o_a or o_b itself, out_lse lse_a or lse_b.
+constexpr ArgSpec kMergeArgs[] = {
+    // name      role   shape            use     presence    alias          dtype of
+    {"out",      kOOut, {T, H, D},       kWrite, kRequired},
+    {"out_lse",  kLse,  {T, H},          kWrite, kOptional},
+    {"o_a",      kOIn,  {AOrMore, H, D}, kRead,  kRequired,  kMayBeOutput},
+    {"lse_a",    kLse,  {AOrMore, H},    kRead,  kRequired,  kMayBeOutput},
+    {"o_b",      kOIn,  {T, H, D},       kRead,  kRequired,  kMayBeOutput,  "o_a"},
+    {"lse_b",    kLse,  {T, H},          kRead,  kRequired,  kMayBeOutput},
+};
+constexpr OpSpec kMerge =
+    make_op(kMergeArgs, kBase2 | kHeadsFirst | kATokens | kPdl, "out", "o_b", "lse_b", pair_sizes);
+static_assert(names_resolve(kMerge), "kMerge names its own arguments");
+
+// (o, lse) <- merge((o, lse), (o_other, lse_other)) on the rows whose mask is not 0.
+constexpr ArgSpec kInplaceArgs[] = {
+    {"o",         kOIn,  {T, H, D}, kReadWrite, kRequired},
+    {"lse",       kLse,  {T, H},    kReadWrite, kRequired},
+    {"o_other",   kOIn,  {T, H, D}, kRead,      kRequired, kMayBeOutput, "o"},
+    {"lse_other", kLse,  {T, H},    kRead,      kRequired, kMayBeOutput},
+    {"mask",      kMask, {T},       kRead,      kOptional},
+};
+constexpr OpSpec kInplace = make_op(kInplaceArgs, kBase2 | kHeadsFirst | kPdl, "o", "o_other", "lse_other", pair_sizes);
+static_assert(names_resolve(kInplace), "kInplace names its own arguments");
+
+// (out, out_lse) = merge of the S states of o, lse.
+constexpr ArgSpec kStatesArgs[] = {
+    {"out",     kOOut, {T, H, D},    kWrite, kRequired},
+    {"out_lse", kLse,  {T, H},       kWrite, kOptional},
+    {"o",       kOIn,  {T, S, H, D}, kRead,  kRequired},
+    {"lse",     kLse,  {T, S, H},    kRead,  kRequired},
+};
+constexpr OpSpec kStates = make_op(kStatesArgs, kBase2 | kPdl, "out", "o", "lse", stack_sizes);
+static_assert(names_resolve(kStates), "kStates names its own arguments");
+
+// Row r of (out, out_lse) = merge of states indptr[r] to indptr[r + 1] - 1 of o, lse.
+constexpr ArgSpec kVarlenArgs[] = {
+    {"out",     kOOut,   {R, H, D}, kWrite, kRequired},
+    {"out_lse", kLse,    {R, H},    kWrite, kOptional},
+    {"o",       kOIn,    {N, H, D}, kRead,  kRequired},
+    {"lse",     kLse,    {N, H},    kRead,  kRequired},
+    {"indptr",  kIndptr, {R1},      kRead,  kRequired},
+};
+constexpr OpSpec kVarlen = make_op(kVarlenArgs, kBase2 | kPdl, "out", "o", "lse", range_sizes);
+static_assert(names_resolve(kVarlen), "kVarlen names its own arguments");
+
+// The backward: the gradients (each optional: not written), dO and dLSE (optional: 0), the
+// forward's O (optional: <dO, O> from the states) and LSE, then the forward's inputs.  No output
+// aliases an input: dO and O are read again for rows of many states.  grad_out's dtype says that
+// no output scale applies (it has none: a scaled FP8 output has no gradient).
+constexpr ArgSpec kMergeBackwardArgs[] = {
+    {"grad_o_a",     kOIn, {A, H, D},       kWrite, kOptional, kNoAlias, "o_a"},
+    {"grad_lse_a",   kLse, {A, H},          kWrite, kOptional},
+    {"grad_o_b",     kOIn, {T, H, D},       kWrite, kOptional, kNoAlias, "o_a"},
+    {"grad_lse_b",   kLse, {T, H},          kWrite, kOptional},
+    {"grad_out",     kOIn, {T, H, D},       kRead,  kRequired, kNoAlias, "out"},
+    {"grad_out_lse", kLse, {T, H},          kRead,  kOptional},
+    {"out",          kOIn, {T, H, D},       kRead,  kOptional},
+    {"out_lse",      kLse, {T, H},          kRead,  kRequired},
+    {"o_a",          kOIn, {AOrMore, H, D}, kRead,  kRequired},
+    {"lse_a",        kLse, {AOrMore, H},    kRead,  kRequired},
+    {"o_b",          kOIn, {T, H, D},       kRead,  kRequired, kNoAlias, "o_a"},
+    {"lse_b",        kLse, {T, H},          kRead,  kRequired},
+};
+constexpr OpSpec kMergeBackward =
+    make_op(kMergeBackwardArgs, kBase2 | kHeadsFirst | kATokens | kPdl, "grad_out", "o_b", "lse_b", pair_sizes);
+static_assert(names_resolve(kMergeBackward), "kMergeBackward names its own arguments");
+
+constexpr ArgSpec kStatesBackwardArgs[] = {
+    {"grad_o",       kOIn, {T, S, H, D}, kWrite, kOptional, kNoAlias, "o"},
+    {"grad_lse",     kLse, {T, S, H},    kWrite, kOptional},
+    {"grad_out",     kOIn, {T, H, D},    kRead,  kRequired, kNoAlias, "out"},
+    {"grad_out_lse", kLse, {T, H},       kRead,  kOptional},
+    {"out",          kOIn, {T, H, D},    kRead,  kOptional},
+    {"out_lse",      kLse, {T, H},       kRead,  kRequired},
+    {"o",            kOIn, {T, S, H, D}, kRead,  kRequired},
+    {"lse",          kLse, {T, S, H},    kRead,  kRequired},
+};
+constexpr OpSpec kStatesBackward = make_op(kStatesBackwardArgs, kBase2 | kPdl, "grad_out", "o", "lse", stack_sizes);
+static_assert(names_resolve(kStatesBackward), "kStatesBackward names its own arguments");
+
+constexpr ArgSpec kVarlenBackwardArgs[] = {
+    {"grad_o",       kOIn,    {N, H, D}, kWrite, kOptional, kNoAlias, "o"},
+    {"grad_lse",     kLse,    {N, H},    kWrite, kOptional},
+    {"grad_out",     kOIn,    {R, H, D}, kRead,  kRequired, kNoAlias, "out"},
+    {"grad_out_lse", kLse,    {R, H},    kRead,  kOptional},
+    {"out",          kOIn,    {R, H, D}, kRead,  kOptional},
+    {"out_lse",      kLse,    {R, H},    kRead,  kRequired},
+    {"o",            kOIn,    {N, H, D}, kRead,  kRequired},
+    {"lse",          kLse,    {N, H},    kRead,  kRequired},
+    {"indptr",       kIndptr, {R1},      kRead,  kRequired},
+};
+constexpr OpSpec kVarlenBackward = make_op(kVarlenBackwardArgs, kBase2 | kPdl, "grad_out", "o", "lse", range_sizes);
+static_assert(names_resolve(kVarlenBackward), "kVarlenBackward names its own arguments");
+// clang-format on
+
+// ---- sources ------------------------------------------------------------------------------------
+
+// A view's pointer and strides where it is given; null and zero strides where it is not, so that
+// every address of it a source computes is null (not read, not written).
+const void* data_or_null(const View& v) { return v.present() ? v.t->data : nullptr; }
+int64_t stride_or_0(const View& v, int axis) { return v.present() ? v.strides[axis] : 0; }
+
+// O [tokens, heads, ...] and an LSE, either of which may be absent.
+StateView state_of(const View& o, const View& lse) {
+  return StateView{data_or_null(o),     stride_or_0(o, 0),
+                   stride_or_0(o, 1),   static_cast<const float*>(data_or_null(lse)),
+                   stride_or_0(lse, 0), stride_or_0(lse, 1)};
+}
+
+// o [tokens, S, heads, ...] and lse [tokens, S, heads], either of which may be absent.
+StackSource stack_of(const View& o, const View& lse, int64_t states) {
+  return StackSource{data_or_null(o),
+                     stride_or_0(o, 0),
+                     stride_or_0(o, 1),
+                     stride_or_0(o, 2),
+                     static_cast<const float*>(data_or_null(lse)),
+                     stride_or_0(lse, 0),
+                     stride_or_0(lse, 1),
+                     stride_or_0(lse, 2),
+                     states};
+}
+
+// Two stacked states as a pair, for the two-way merge's kernel: the same weights, fewer registers
+// (no offset from the pointer of an empty tensor, which may be null and is never read).
+// `empty_o`, `empty_lse`: those of x's views (an absent one counts as empty); `dtype`: x's O's.
+PairSource pair_of(const StackSource& x, int dtype, bool empty_o, bool empty_lse, int64_t tokens) {
+  const char* o1 = static_cast<const char*>(x.o) + (empty_o ? 0 : x.o_ss * static_cast<int64_t>(dtype_size(dtype)));
+  return PairSource{StateView{x.o, x.o_st, x.o_sh, x.lse, x.lse_st, x.lse_sh},
+                    StateView{o1, x.o_st, x.o_sh, x.lse + (empty_lse ? 0 : x.lse_ss), x.lse_st, x.lse_sh}, tokens,
+                    nullptr, 0};
+}
+
+// o [total, heads, ...] and lse [total, heads], either of which may be absent, with indptr.
+RangeSource range_of(const View& o, const View& lse, const View& indptr, int64_t total) {
+  return RangeSource{data_or_null(o),
+                     stride_or_0(o, 0),
+                     stride_or_0(o, 1),
+                     static_cast<const float*>(data_or_null(lse)),
+                     stride_or_0(lse, 0),
+                     stride_or_0(lse, 1),
+                     indptr.t->data,
+                     indptr.strides[0],
+                     indptr.t->dtype == ATTNMERGE_INT64,
+                     total};
+}
+
+OutView out_view(const View& out, const View& out_lse, const Checked& c) {
   return OutView{out.t->data,
                  out.strides[0],
                  out.strides[1],
                  out_lse.present() ? static_cast<float*>(out_lse.t->data) : nullptr,
-                 out_lse.present() ? out_lse.strides[0] : 0,
-                 out_lse.present() ? out_lse.strides[1] : 0,
-                 inv_scale,
-                 opt.output_scale_ptr,
+                 stride_or_0(out_lse, 0),
+                 stride_or_0(out_lse, 1),
+                 c.inv_scale,
+                 c.opt.output_scale_ptr,
                  false};
 }
 
-// Argument names of the two ops built on PairSource.
-struct PairNames {
-  const char *out, *out_lse, *o_a, *lse_a, *o_b, *lse_b, *mask;
-};
+// out_lse is the very LSE of an input it merges (read by every thread of a row, written by one).
+bool lse_in_place(const View& out_lse, const View& lse_a, const View& lse_b) {
+  if (!out_lse.present() || out_lse.empty) return false;
+  return (lse_a.present() && !lse_a.empty && same_view(out_lse, lse_a)) || (!lse_b.empty && same_view(out_lse, lse_b));
+}
 
-// The two-way and in-place merges: (out, out_lse) = merge(a, b), rows optionally masked.
-attnmerge_status merge_pair(const PairNames& n, const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
-                            const attnmerge_tensor* o_a, const attnmerge_tensor* lse_a, const attnmerge_tensor* o_b,
-                            const attnmerge_tensor* lse_b, const attnmerge_tensor* mask,
-                            const attnmerge_options* options, uint32_t allowed_flags, void* stream) {
-  begin_call();
-  const bool heads_first = options && (options->flags & ATTNMERGE_LSE_HEADS_FIRST);
-  View vout, vout_lse, va, vla, vb, vlb, vmask;
-  attnmerge_status s;
-  if ((s = describe(out, n.out, 3, kOutputs, false, false, vout)) ||
-      (s = describe(out_lse, n.out_lse, 2, kLse, heads_first, true, vout_lse)) ||
-      (s = describe(o_a, n.o_a, 3, kInputs, false, false, va)) ||
-      (s = describe(lse_a, n.lse_a, 2, kLse, heads_first, false, vla)) ||
-      (s = describe(o_b, n.o_b, 3, kInputs, false, false, vb)) ||
-      (s = describe(lse_b, n.lse_b, 2, kLse, heads_first, false, vlb)) ||
-      (s = describe(mask, n.mask, 1, kMask, false, true, vmask)))
-    return s;
-  attnmerge_options opt;
-  float inv_scale;
-  if ((s = read_options(options, allowed_flags, vout, opt, inv_scale))) return s;
-  if (o_a->dtype != o_b->dtype)
-    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected the dtype of %s (%s), got %s", n.o_b, n.o_a, dtype_name(o_a->dtype),
-                dtype_name(o_b->dtype));
+// `tokens`: the output's first axis (a variable-length merge's rows).
+MergeShape merge_shape(int64_t tokens, const Sizes& n, const Checked& c) {
+  return MergeShape{tokens, n.heads, n.head_size, (c.opt.flags & ATTNMERGE_LSE_BASE2) != 0};
+}
 
-  // Sizes come from o_b, the one input that always covers every token; the rest must agree.
-  const int64_t tokens = vb.shape[0], heads = vb.shape[1], head_size = vb.shape[2];
-  if ((s = check_head_size(n.o_b, head_size))) return s;
-  const int64_t o_shape[3] = {tokens, heads, head_size};
-  if ((s = check_shape(vlb, o_shape, vb)) || (s = check_shape(vout, o_shape, vb)) ||
-      (s = check_shape(vout_lse, o_shape, vb)) || (s = check_shape(vmask, o_shape, vb)))
-    return s;
-  int64_t a_tokens;
-  if ((s = check_a_shapes(opt, o_shape, vb, va, vla, a_tokens))) return s;
-  if ((s = check_outputs(vout, vout_lse))) return s;
-  // out may be o_a or o_b itself and out_lse lse_a or lse_b; nothing else may touch the outputs.
-  for (const View* in : {&va, &vla, &vb, &vlb, &vmask})
-    if ((s = check_disjoint(vout, *in, in == &va || in == &vb)) ||
-        (s = check_disjoint(vout_lse, *in, in == &vla || in == &vlb)))
-      return s;
-
-  const MergeShape shape{tokens, heads, head_size, (opt.flags & ATTNMERGE_LSE_BASE2) != 0};
-  PairSource src{va.state(vla), vb.state(vlb), a_tokens, nullptr, 0};
-  if (vmask.present() && !vmask.empty) {
-    src.mask = static_cast<const uint8_t*>(mask->data);
-    src.mask_stride = vmask.strides[0];
+// The two-way and in-place merges' common end: a = (o_a, lse_a), b = (o_b, lse_b).
+attnmerge_status run_pair(Checked& c, const View& out, const View& out_lse, const View& o_a, const View& lse_a,
+                          const View& o_b, const View& lse_b, const View* mask, void* stream) {
+  PairSource src{state_of(o_a, lse_a), state_of(o_b, lse_b), c.sizes.a_tokens, nullptr, 0};
+  if (mask != nullptr && mask->present() && !mask->empty) {
+    src.mask = static_cast<const uint8_t*>(mask->t->data);
+    src.mask_stride = mask->strides[0];
   }
-  OutView dst = out_view(vout, vout_lse, inv_scale, opt);
-  dst.lse_in_place =
-      vout_lse.present() && !vout_lse.empty &&
-      ((vla.present() && !vla.empty && same_view(vout_lse, vla)) || (!vlb.empty && same_view(vout_lse, vlb)));
-  return run({&vout, &vout_lse, &va, &vla, &vb, &vlb, &vmask}, shape, src, dst, o_a->dtype, out->dtype,
-             choose_vec({&vout, &va, &vb}, head_size), stream, opt.flags);
+  OutView dst = out_view(out, out_lse, c);
+  dst.lse_in_place = lse_in_place(out_lse, lse_a, lse_b);
+  return run(c.all(), merge_shape(c.sizes.tokens, c.sizes, c), src, dst, o_a.t->dtype, out.t->dtype, stream,
+             c.opt.flags);
 }
-
-// O [tokens, heads, ...] and an LSE, either of which may be absent (null: never read).
-StateView state_of(const View& o, const View& lse) {
-  return StateView{o.present() ? o.t->data : nullptr,  o.present() ? o.strides[0] : 0,
-                   o.present() ? o.strides[1] : 0,     lse.present() ? static_cast<const float*>(lse.t->data) : nullptr,
-                   lse.present() ? lse.strides[0] : 0, lse.present() ? lse.strides[1] : 0};
-}
-
-// A gradient's pointer and strides where it is given; null and zero strides where it is not, so
-// that every address of it a source computes is null (not written).
-const void* data_or_null(const View& v) { return v.present() ? v.t->data : nullptr; }
-int64_t stride_or_0(const View& v, int axis) { return v.present() ? v.strides[axis] : 0; }
 
 }  // namespace
 }  // namespace detail
@@ -113,66 +270,41 @@ attnmerge_status attnmerge_merge(const attnmerge_tensor* out, const attnmerge_te
                                  const attnmerge_tensor* o_a, const attnmerge_tensor* lse_a,
                                  const attnmerge_tensor* o_b, const attnmerge_tensor* lse_b,
                                  const attnmerge_options* options, void* stream) {
-  static const PairNames names = {"out", "out_lse", "o_a", "lse_a", "o_b", "lse_b", "mask"};
-  return merge_pair(names, out, out_lse, o_a, lse_a, o_b, lse_b, nullptr, options,
-                    ATTNMERGE_LSE_BASE2 | ATTNMERGE_LSE_HEADS_FIRST | ATTNMERGE_A_TOKENS | ATTNMERGE_PDL, stream);
+  begin_call();
+  Checked c;
+  const attnmerge_tensor* const args[] = {out, out_lse, o_a, lse_a, o_b, lse_b};
+  if (attnmerge_status s = validate(kMerge, args, options, c)) return s;
+  const View* v = c.views;
+  return run_pair(c, v[0], v[1], v[2], v[3], v[4], v[5], nullptr, stream);
 }
 
 attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnmerge_tensor* lse,
                                          const attnmerge_tensor* o_other, const attnmerge_tensor* lse_other,
                                          const attnmerge_tensor* mask, const attnmerge_options* options, void* stream) {
-  static const PairNames names = {"o", "lse", "o", "lse", "o_other", "lse_other", "mask"};
-  if (o != nullptr && lse == nullptr) {
-    begin_call();
-    return fail(ATTNMERGE_ERROR_TYPE, "lse: expected a tensor, got NULL");
-  }
-  return merge_pair(names, o, lse, o, lse, o_other, lse_other, mask, options,
-                    ATTNMERGE_LSE_BASE2 | ATTNMERGE_LSE_HEADS_FIRST | ATTNMERGE_PDL, stream);
+  begin_call();
+  Checked c;
+  const attnmerge_tensor* const args[] = {o, lse, o_other, lse_other, mask};
+  if (attnmerge_status s = validate(kInplace, args, options, c)) return s;
+  const View* v = c.views;
+  return run_pair(c, v[0], v[1], v[0], v[1], v[2], v[3], &v[4], stream);  // (o, lse) is a and the output
 }
 
 attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
                                         const attnmerge_tensor* o, const attnmerge_tensor* lse,
                                         const attnmerge_options* options, void* stream) {
   begin_call();
-  View vout, vout_lse, vo, vl;
-  attnmerge_status s;
-  if ((s = describe(out, "out", 3, kOutputs, false, false, vout)) ||
-      (s = describe(out_lse, "out_lse", 2, kLse, false, true, vout_lse)) ||
-      (s = describe(o, "o", 4, kInputs, false, false, vo)) || (s = describe(lse, "lse", 3, kLse, false, false, vl)))
-    return s;
-  attnmerge_options opt;
-  float inv_scale;
-  if ((s = read_options(options, ATTNMERGE_LSE_BASE2 | ATTNMERGE_PDL, vout, opt, inv_scale))) return s;
-  const int64_t tokens = vo.shape[0], states = vo.shape[1], heads = vo.shape[2], head_size = vo.shape[3];
-  if ((s = check_head_size("o", head_size))) return s;
-  if (states > INT32_MAX)
-    return fail(ATTNMERGE_ERROR_VALUE, "o: expected at most 2^31 - 1 states, got %" PRId64, states);
-  const int64_t lse_shape[3] = {tokens, states, heads};
-  const int64_t out_shape[3] = {tokens, heads, head_size};
-  if ((s = check_shape(vl, lse_shape, vo)) || (s = check_shape(vout, out_shape, vo)) ||
-      (s = check_shape(vout_lse, out_shape, vo)) || (s = check_outputs(vout, vout_lse)))
-    return s;
-  for (const View* v : {&vo, &vl})
-    for (const View* w : {&vout, &vout_lse})
-      if ((s = check_disjoint(*w, *v, false))) return s;
-  const MergeShape shape{tokens, heads, head_size, (opt.flags & ATTNMERGE_LSE_BASE2) != 0};
-  const OutView dst = out_view(vout, vout_lse, inv_scale, opt);
-  if (states == 2) {  // the two-way merge's kernel: the same weights, fewer registers
-    // (no offset from the pointer of an empty tensor, which may be null and is never read)
-    const char* o1 =
-        static_cast<const char*>(o->data) + (vo.empty ? 0 : vo.strides[1] * static_cast<int64_t>(dtype_size(o->dtype)));
-    const float* l0 = static_cast<const float*>(lse->data);
-    const StateView a{o->data, vo.strides[0], vo.strides[2], l0, vl.strides[0], vl.strides[2]};
-    const StateView b{o1,           vo.strides[0], vo.strides[2], l0 + (vl.empty ? 0 : vl.strides[1]), vl.strides[0],
-                      vl.strides[2]};
-    return run({&vout, &vout_lse, &vo, &vl}, shape, PairSource{a, b, tokens, nullptr, 0}, dst, o->dtype, out->dtype,
-               choose_vec({&vout, &vo}, head_size), stream, opt.flags);
-  }
-  const StackSource src{
-      o->data,       vo.strides[0], vo.strides[1], vo.strides[2], static_cast<const float*>(lse->data),
-      vl.strides[0], vl.strides[1], vl.strides[2], states};
-  return run({&vout, &vout_lse, &vo, &vl}, shape, src, dst, o->dtype, out->dtype, choose_vec({&vout, &vo}, head_size),
-             stream, opt.flags);
+  Checked c;
+  const attnmerge_tensor* const args[] = {out, out_lse, o, lse};
+  if (attnmerge_status s = validate(kStates, args, options, c)) return s;
+  const View &vout = c.views[0], &vout_lse = c.views[1], &vo = c.views[2], &vl = c.views[3];
+  const Sizes& n = c.sizes;
+  const MergeShape shape = merge_shape(n.tokens, n, c);
+  const OutView dst = out_view(vout, vout_lse, c);
+  const StackSource src = stack_of(vo, vl, n.states);
+  if (n.states == 2)
+    return run(c.all(), shape, pair_of(src, o->dtype, vo.empty, vl.empty, n.tokens), dst, o->dtype, out->dtype, stream,
+               c.opt.flags);
+  return run(c.all(), shape, src, dst, o->dtype, out->dtype, stream, c.opt.flags);
 }
 
 attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
@@ -180,36 +312,15 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
                                         const attnmerge_tensor* indptr, const attnmerge_options* options,
                                         void* stream) {
   begin_call();
-  View vout, vout_lse, vo, vl, vi;
+  Checked c;
+  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, indptr};
   attnmerge_status s;
-  if ((s = describe(out, "out", 3, kOutputs, false, false, vout)) ||
-      (s = describe(out_lse, "out_lse", 2, kLse, false, true, vout_lse)) ||
-      (s = describe(o, "o", 3, kInputs, false, false, vo)) || (s = describe(lse, "lse", 2, kLse, false, false, vl)) ||
-      (s = describe(indptr, "indptr", 1, kIndex, false, false, vi)))
-    return s;
-  attnmerge_options opt;
-  float inv_scale;
-  if ((s = read_options(options, ATTNMERGE_LSE_BASE2 | ATTNMERGE_PDL, vout, opt, inv_scale))) return s;
-  const int64_t total = vo.shape[0], heads = vo.shape[1], head_size = vo.shape[2];
-  if ((s = check_head_size("o", head_size))) return s;
-  if (vi.shape[0] < 1) return fail(ATTNMERGE_ERROR_VALUE, "indptr: expected rows + 1 >= 1 entries, got 0");
-  const int64_t rows = vi.shape[0] - 1;
-  const int64_t lse_shape[2] = {total, heads};
-  const int64_t out_shape[3] = {rows, heads, head_size};
-  if ((s = check_shape(vl, lse_shape, vo)) || (s = check_shape(vout, out_shape, vo)) ||
-      (s = check_shape(vout_lse, out_shape, vo)) || (s = check_outputs(vout, vout_lse)))
-    return s;
-  for (const View* v : {&vo, &vl, &vi})
-    for (const View* w : {&vout, &vout_lse})
-      if ((s = check_disjoint(*w, *v, false))) return s;
-  const bool wide = indptr->dtype == ATTNMERGE_INT64;
-  if ((s = check_indptr(vi, out, rows, total))) return s;
-  const MergeShape shape{rows, heads, head_size, (opt.flags & ATTNMERGE_LSE_BASE2) != 0};
-  const RangeSource src{o->data,       vo.strides[0], vo.strides[1], static_cast<const float*>(lse->data),
-                        vl.strides[0], vl.strides[1], indptr->data,  vi.strides[0],
-                        wide,          total};
-  return run({&vout, &vout_lse, &vo, &vl, &vi}, shape, src, out_view(vout, vout_lse, inv_scale, opt), o->dtype,
-             out->dtype, choose_vec({&vout, &vo}, head_size), stream, opt.flags);
+  if ((s = validate(kVarlen, args, options, c))) return s;
+  const View &vout = c.views[0], &vout_lse = c.views[1], &vo = c.views[2], &vl = c.views[3], &vi = c.views[4];
+  const Sizes& n = c.sizes;
+  if ((s = check_indptr(vi, out, n.rows, n.total))) return s;
+  return run(c.all(), merge_shape(n.rows, n, c), range_of(vo, vl, vi, n.total), out_view(vout, vout_lse, c), o->dtype,
+             out->dtype, stream, c.opt.flags);
 }
 
 attnmerge_status attnmerge_merge_backward(const attnmerge_tensor* grad_o_a, const attnmerge_tensor* grad_lse_a,
@@ -220,58 +331,19 @@ attnmerge_status attnmerge_merge_backward(const attnmerge_tensor* grad_o_a, cons
                                           const attnmerge_tensor* o_b, const attnmerge_tensor* lse_b,
                                           const attnmerge_options* options, void* stream) {
   begin_call();
-  const bool heads_first = options && (options->flags & ATTNMERGE_LSE_HEADS_FIRST);
-  BackwardViews v;
-  View vga, vgla, vgb, vglb, va, vla, vb, vlb;
-  attnmerge_status s;
-  if ((s = describe(grad_o_a, "grad_o_a", 3, kInputs, false, true, vga)) ||
-      (s = describe(grad_lse_a, "grad_lse_a", 2, kLse, heads_first, true, vgla)) ||
-      (s = describe(grad_o_b, "grad_o_b", 3, kInputs, false, true, vgb)) ||
-      (s = describe(grad_lse_b, "grad_lse_b", 2, kLse, heads_first, true, vglb)) ||
-      (s = describe_backward_outputs(grad_out, grad_out_lse, out, out_lse, heads_first, v)) ||
-      (s = describe(o_a, "o_a", 3, kInputs, false, false, va)) ||
-      (s = describe(lse_a, "lse_a", 2, kLse, heads_first, false, vla)) ||
-      (s = describe(o_b, "o_b", 3, kInputs, false, false, vb)) ||
-      (s = describe(lse_b, "lse_b", 2, kLse, heads_first, false, vlb)))
-    return s;
-  attnmerge_options opt;
-  if ((s = read_backward_options(options,
-                                 ATTNMERGE_LSE_BASE2 | ATTNMERGE_LSE_HEADS_FIRST | ATTNMERGE_A_TOKENS | ATTNMERGE_PDL,
-                                 v.grad_out, opt)) ||
-      (s = check_dtype_of(vb, va)) || (s = check_dtype_of(vga, va)) || (s = check_dtype_of(vgb, va)))
-    return s;
-  // Sizes come from o_b, as in the forward.
-  const int64_t tokens = vb.shape[0], heads = vb.shape[1], head_size = vb.shape[2];
-  if ((s = check_head_size("o_b", head_size))) return s;
-  const int64_t o_shape[3] = {tokens, heads, head_size};
-  int64_t a_tokens;
-  if ((s = check_shape(vlb, o_shape, vb)) || (s = check_backward_shapes(v, o_shape, vb)) ||
-      (s = check_shape(vgb, o_shape, vb)) || (s = check_shape(vglb, o_shape, vb)) ||
-      (s = check_a_shapes(opt, o_shape, vb, va, vla, a_tokens)))
-    return s;
-  const int64_t a_shape[3] = {a_tokens, heads, head_size};  // a's gradients: the tokens of a that were read
-  if ((s = check_shape(vga, a_shape, vb)) || (s = check_shape(vgla, a_shape, vb)) ||
-      (s = check_grads({&vga, &vgla, &vgb, &vglb},
-                       {&v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse, &va, &vla, &vb, &vlb})))
-    return s;
-  const MergeShape shape{tokens, heads, head_size, (opt.flags & ATTNMERGE_LSE_BASE2) != 0};
-  const auto grad_state = [](const View& o, const View& l) {
-    return StateView{data_or_null(o),   stride_or_0(o, 0),
-                     stride_or_0(o, 1), static_cast<const float*>(data_or_null(l)),
-                     stride_or_0(l, 0), stride_or_0(l, 1)};
-  };
-  const PairSource in{va.state(vla), vb.state(vlb), a_tokens, nullptr, 0};
-  const PairSource grad{grad_state(vga, vgla), grad_state(vgb, vglb), a_tokens, nullptr, 0};
-  const BackwardArgs<PairBackward> args{PairBackward{in, grad}, state_of(v.out, v.out_lse),
-                                        state_of(v.grad_out, v.grad_out_lse), vga.present() || vgb.present(),
-                                        vgla.present() || vglb.present()};
-  return run_backward(
-      {&vga, &vgla, &vgb, &vglb, &v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse, &va, &vla, &vb, &vlb}, shape, args,
-      2, o_a->dtype, grad_out->dtype,
-      choose_vec({vga.present() ? &vga : &va, vgb.present() ? &vgb : &vb, &v.grad_out,
-                  v.out.present() ? &v.out : &v.grad_out, &va, &vb},
-                 head_size),
-      stream, opt.flags);
+  Checked c;
+  const attnmerge_tensor* const args[] = {grad_o_a, grad_lse_a, grad_o_b, grad_lse_b, grad_out, grad_out_lse,
+                                          out,      out_lse,    o_a,      lse_a,      o_b,      lse_b};
+  if (attnmerge_status s = validate(kMergeBackward, args, options, c)) return s;
+  const View* v = c.views;
+  const View &vga = v[0], &vgla = v[1], &vgb = v[2], &vglb = v[3];
+  const int64_t a_tokens = c.sizes.a_tokens;
+  const PairSource in{state_of(v[8], v[9]), state_of(v[10], v[11]), a_tokens, nullptr, 0};
+  const PairSource grad{state_of(vga, vgla), state_of(vgb, vglb), a_tokens, nullptr, 0};
+  const BackwardArgs<PairBackward> back{PairBackward{in, grad}, state_of(v[6], v[7]), state_of(v[4], v[5]),
+                                        vga.present() || vgb.present(), vgla.present() || vglb.present()};
+  return run_backward(c.all(), merge_shape(c.sizes.tokens, c.sizes, c), back, 2, o_a->dtype, grad_out->dtype, stream,
+                      c.opt.flags);
 }
 
 attnmerge_status attnmerge_merge_states_backward(const attnmerge_tensor* grad_o, const attnmerge_tensor* grad_lse,
@@ -280,60 +352,23 @@ attnmerge_status attnmerge_merge_states_backward(const attnmerge_tensor* grad_o,
                                                  const attnmerge_tensor* o, const attnmerge_tensor* lse,
                                                  const attnmerge_options* options, void* stream) {
   begin_call();
-  BackwardViews v;
-  View vg, vgl, vo, vl;
-  attnmerge_status s;
-  if ((s = describe(grad_o, "grad_o", 4, kInputs, false, true, vg)) ||
-      (s = describe(grad_lse, "grad_lse", 3, kLse, false, true, vgl)) ||
-      (s = describe_backward_outputs(grad_out, grad_out_lse, out, out_lse, false, v)) ||
-      (s = describe(o, "o", 4, kInputs, false, false, vo)) || (s = describe(lse, "lse", 3, kLse, false, false, vl)))
-    return s;
-  attnmerge_options opt;
-  if ((s = read_backward_options(options, ATTNMERGE_LSE_BASE2 | ATTNMERGE_PDL, v.grad_out, opt)) ||
-      (s = check_dtype_of(vg, vo)))
-    return s;
-  const int64_t tokens = vo.shape[0], states = vo.shape[1], heads = vo.shape[2], head_size = vo.shape[3];
-  if ((s = check_head_size("o", head_size))) return s;
-  if (states > INT32_MAX)
-    return fail(ATTNMERGE_ERROR_VALUE, "o: expected at most 2^31 - 1 states, got %" PRId64, states);
-  const int64_t lse_shape[3] = {tokens, states, heads};
-  const int64_t out_shape[3] = {tokens, heads, head_size};
-  if ((s = check_shape(vl, lse_shape, vo)) || (s = check_shape(vg, vo.shape, vo)) ||
-      (s = check_shape(vgl, lse_shape, vo)) || (s = check_backward_shapes(v, out_shape, vo)) ||
-      (s = check_grads({&vg, &vgl}, {&v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse, &vo, &vl})))
-    return s;
-  const MergeShape shape{tokens, heads, head_size, (opt.flags & ATTNMERGE_LSE_BASE2) != 0};
-  const std::initializer_list<const View*> views = {&vg,    &vgl,       &v.grad_out, &v.grad_out_lse,
-                                                    &v.out, &v.out_lse, &vo,         &vl};
-  const int vec =
-      choose_vec({vg.present() ? &vg : &vo, &v.grad_out, v.out.present() ? &v.out : &v.grad_out, &vo}, head_size);
-  const StackSource in{o->data,       vo.strides[0], vo.strides[1], vo.strides[2], static_cast<const float*>(lse->data),
-                       vl.strides[0], vl.strides[1], vl.strides[2], states};
-  const StackSource grad{data_or_null(vg),
-                         stride_or_0(vg, 0),
-                         stride_or_0(vg, 1),
-                         stride_or_0(vg, 2),
-                         static_cast<const float*>(data_or_null(vgl)),
-                         stride_or_0(vgl, 0),
-                         stride_or_0(vgl, 1),
-                         stride_or_0(vgl, 2),
-                         states};
-  if (states == 2) {  // the two-way merge's kernel, as in the forward: 64 registers against 108
-    // (no offset from the pointer of an empty tensor, which may be null and is never read)
-    const auto pair = [&](const StackSource& x, int dtype, bool empty_o, bool empty_lse) {
-      const char* o1 = static_cast<const char*>(x.o) + (empty_o ? 0 : x.o_ss * static_cast<int64_t>(dtype_size(dtype)));
-      return PairSource{StateView{x.o, x.o_st, x.o_sh, x.lse, x.lse_st, x.lse_sh},
-                        StateView{o1, x.o_st, x.o_sh, x.lse + (empty_lse ? 0 : x.lse_ss), x.lse_st, x.lse_sh}, tokens,
-                        nullptr, 0};
-    };
-    const BackwardArgs<PairBackward> args{
-        PairBackward{pair(in, o->dtype, vo.empty, vl.empty), pair(grad, o->dtype, vg.empty, vgl.empty)},
-        state_of(v.out, v.out_lse), state_of(v.grad_out, v.grad_out_lse), vg.present(), vgl.present()};
-    return run_backward(views, shape, args, states, o->dtype, grad_out->dtype, vec, stream, opt.flags);
+  Checked c;
+  const attnmerge_tensor* const args[] = {grad_o, grad_lse, grad_out, grad_out_lse, out, out_lse, o, lse};
+  if (attnmerge_status s = validate(kStatesBackward, args, options, c)) return s;
+  const View* v = c.views;
+  const View &vg = v[0], &vgl = v[1], &vo = v[6], &vl = v[7];
+  const Sizes& n = c.sizes;
+  const MergeShape shape = merge_shape(n.tokens, n, c);
+  const StackSource in = stack_of(vo, vl, n.states), grad = stack_of(vg, vgl, n.states);
+  const StateView fwd = state_of(v[4], v[5]), incoming = state_of(v[2], v[3]);
+  if (n.states == 2) {  // the two-way merge's kernel, as in the forward: 64 registers against 108
+    const BackwardArgs<PairBackward> back{PairBackward{pair_of(in, o->dtype, vo.empty, vl.empty, n.tokens),
+                                                       pair_of(grad, o->dtype, vg.empty, vgl.empty, n.tokens)},
+                                          fwd, incoming, vg.present(), vgl.present()};
+    return run_backward(c.all(), shape, back, n.states, o->dtype, grad_out->dtype, stream, c.opt.flags);
   }
-  const BackwardArgs<StackBackward> args{StackBackward{in, grad}, state_of(v.out, v.out_lse),
-                                         state_of(v.grad_out, v.grad_out_lse), vg.present(), vgl.present()};
-  return run_backward(views, shape, args, states, o->dtype, grad_out->dtype, vec, stream, opt.flags);
+  const BackwardArgs<StackBackward> back{StackBackward{in, grad}, fwd, incoming, vg.present(), vgl.present()};
+  return run_backward(c.all(), shape, back, n.states, o->dtype, grad_out->dtype, stream, c.opt.flags);
 }
 
 attnmerge_status attnmerge_merge_varlen_backward(const attnmerge_tensor* grad_o, const attnmerge_tensor* grad_lse,
@@ -343,54 +378,21 @@ attnmerge_status attnmerge_merge_varlen_backward(const attnmerge_tensor* grad_o,
                                                  const attnmerge_tensor* indptr, const attnmerge_options* options,
                                                  void* stream) {
   begin_call();
-  BackwardViews v;
-  View vg, vgl, vo, vl, vi;
+  Checked c;
+  const attnmerge_tensor* const args[] = {grad_o, grad_lse, grad_out, grad_out_lse, out, out_lse, o, lse, indptr};
   attnmerge_status s;
-  if ((s = describe(grad_o, "grad_o", 3, kInputs, false, true, vg)) ||
-      (s = describe(grad_lse, "grad_lse", 2, kLse, false, true, vgl)) ||
-      (s = describe_backward_outputs(grad_out, grad_out_lse, out, out_lse, false, v)) ||
-      (s = describe(o, "o", 3, kInputs, false, false, vo)) || (s = describe(lse, "lse", 2, kLse, false, false, vl)) ||
-      (s = describe(indptr, "indptr", 1, kIndex, false, false, vi)))
-    return s;
-  attnmerge_options opt;
-  if ((s = read_backward_options(options, ATTNMERGE_LSE_BASE2 | ATTNMERGE_PDL, v.grad_out, opt)) ||
-      (s = check_dtype_of(vg, vo)))
-    return s;
-  const int64_t total = vo.shape[0], heads = vo.shape[1], head_size = vo.shape[2];
-  if ((s = check_head_size("o", head_size))) return s;
-  if (vi.shape[0] < 1) return fail(ATTNMERGE_ERROR_VALUE, "indptr: expected rows + 1 >= 1 entries, got 0");
-  const int64_t rows = vi.shape[0] - 1;
-  const int64_t o_shape[3] = {total, heads, head_size};
-  const int64_t out_shape[3] = {rows, heads, head_size};
-  if ((s = check_shape(vl, o_shape, vo)) || (s = check_shape(vg, o_shape, vo)) || (s = check_shape(vgl, o_shape, vo)) ||
-      (s = check_backward_shapes(v, out_shape, vo)) ||
-      (s = check_grads({&vg, &vgl}, {&v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse, &vo, &vl, &vi})) ||
-      (s = check_indptr(vi, grad_out, rows, total)))
-    return s;
+  if ((s = validate(kVarlenBackward, args, options, c))) return s;
+  const View* v = c.views;
+  const View &vg = v[0], &vgl = v[1], &vo = v[6], &vl = v[7], &vi = v[8];
+  const Sizes& n = c.sizes;
+  if ((s = check_indptr(vi, grad_out, n.rows, n.total))) return s;
   // With no rows, one row over every state writes their zeros (RangeBackward).
-  const MergeShape shape{rows > 0 ? rows : total > 0 ? 1 : 0, heads, head_size, (opt.flags & ATTNMERGE_LSE_BASE2) != 0};
-  const bool wide = indptr->dtype == ATTNMERGE_INT64;
-  const RangeSource in{o->data,       vo.strides[0], vo.strides[1], static_cast<const float*>(lse->data),
-                       vl.strides[0], vl.strides[1], indptr->data,  vi.strides[0],
-                       wide,          total};
-  const RangeSource grad{data_or_null(vg),
-                         stride_or_0(vg, 0),
-                         stride_or_0(vg, 1),
-                         static_cast<const float*>(data_or_null(vgl)),
-                         stride_or_0(vgl, 0),
-                         stride_or_0(vgl, 1),
-                         indptr->data,
-                         vi.strides[0],
-                         wide,
-                         total};
-  const BackwardArgs<RangeBackward> args{RangeBackward{in, grad, rows}, state_of(v.out, v.out_lse),
-                                         state_of(v.grad_out, v.grad_out_lse), vg.present(), vgl.present()};
-  const int64_t states = rows > 0 ? (total + rows - 1) / rows : total;
-  return run_backward(
-      {&vg, &vgl, &v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse, &vo, &vl, &vi}, shape, args, states, o->dtype,
-      grad_out->dtype,
-      choose_vec({vg.present() ? &vg : &vo, &v.grad_out, v.out.present() ? &v.out : &v.grad_out, &vo}, head_size),
-      stream, opt.flags);
+  const MergeShape shape = merge_shape(n.rows > 0 ? n.rows : n.total > 0 ? 1 : 0, n, c);
+  const BackwardArgs<RangeBackward> back{
+      RangeBackward{range_of(vo, vl, vi, n.total), range_of(vg, vgl, vi, n.total), n.rows}, state_of(v[4], v[5]),
+      state_of(v[2], v[3]), vg.present(), vgl.present()};
+  const int64_t states = n.rows > 0 ? (n.total + n.rows - 1) / n.rows : n.total;
+  return run_backward(c.all(), shape, back, states, o->dtype, grad_out->dtype, stream, c.opt.flags);
 }
 
 }  // extern "C"

@@ -38,14 +38,99 @@ struct ShapeText {
   }
 };
 
-}  // namespace
+// v's logical shape must be `expected`, the sizes taken from `source`.
+attnmerge_status check_shape(const View& v, const int64_t* expected, const View& source) {
+  if (!v.present() || std::equal(expected, expected + v.ndim, v.shape)) return ATTNMERGE_SUCCESS;
+  int64_t want[ATTNMERGE_MAX_NDIM] = {};
+  std::copy(expected, expected + v.ndim, want);
+  if (v.transposed) std::swap(want[0], want[1]);  // speak in the caller's layout
+  return fail(ATTNMERGE_ERROR_VALUE, "%s: expected shape %s (the sizes of %s, shape %s), got %s", v.name,
+              ShapeText(want, v.ndim).text, source.name, ShapeText(source.t->shape, source.ndim).text,
+              ShapeText(v.t->shape, v.ndim).text);
+}
 
-attnmerge_status describe(const attnmerge_tensor* t, const char* name, int ndim, uint32_t dtypes, bool transpose,
-                          bool optional, View& v) {
+// An output must not write one element twice: after sorting its axes by stride, each stride must
+// clear the extent of the axes inside it.
+attnmerge_status check_no_self_overlap(const View& v) {
+  if (!v.present() || v.empty) return ATTNMERGE_SUCCESS;
+  int order[ATTNMERGE_MAX_NDIM] = {0, 1, 2, 3};
+  for (int i = 1; i < v.ndim; ++i)  // insertion sort of at most 4 axes by stride
+    for (int j = i; j > 0 && v.strides[order[j]] < v.strides[order[j - 1]]; --j) std::swap(order[j], order[j - 1]);
+  int64_t extent = 1;
+  for (int k = 0; k < v.ndim; ++k) {
+    const int i = order[k];
+    if (v.shape[i] <= 1) continue;
+    if (v.strides[i] < extent)
+      return fail(ATTNMERGE_ERROR_VALUE,
+                  "%s: expected an output whose elements do not overlap, got stride %" PRId64
+                  " on an axis of size %" PRId64 " (shape %s)",
+                  v.name, v.strides[i], v.shape[i], ShapeText(v.t->shape, v.ndim).text);
+    extent = v.strides[i] * (v.shape[i] - 1) + extent;
+  }
+  return ATTNMERGE_SUCCESS;
+}
+
+// `out` apart from `other`, or (`alias`) the very same view.
+attnmerge_status check_disjoint(const View& out, const View& other, Alias alias) {
+  if (!out.present() || !other.present() || out.empty || other.empty) return ATTNMERGE_SUCCESS;
+  const bool may_alias = alias == Alias::kMayBeOutput;
+  if (may_alias && same_view(out, other)) return ATTNMERGE_SUCCESS;
+  uintptr_t lo1, hi1, lo2, hi2;
+  out.byte_range(lo1, hi1);
+  other.byte_range(lo2, hi2);
+  if (lo1 < hi2 && lo2 < hi1)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory disjoint from %s%s, got overlapping ranges", out.name,
+                other.name, may_alias ? " (or the very same view)" : "");
+  return ATTNMERGE_SUCCESS;
+}
+
+// a (kATokensOrMore) under ATTNMERGE_A_TOKENS: at least the a_tokens tokens read, the sizes of
+// `source` otherwise.
+attnmerge_status check_a_shape(const View& v, const Sizes& n, const View& source) {
+  if (v.shape[0] >= n.a_tokens && v.shape[1] == n.heads && (v.ndim != 3 || v.shape[2] == n.head_size))
+    return ATTNMERGE_SUCCESS;
+  return fail(ATTNMERGE_ERROR_VALUE,
+              "%s: expected at least %" PRId64 " tokens (a_tokens), %" PRId64 " heads%s%s, got shape %s", v.name,
+              n.a_tokens, n.heads, v.ndim == 3 ? " and the head_size of " : "", v.ndim == 3 ? source.name : "",
+              ShapeText(v.t->shape, v.ndim).text);
+}
+
+int64_t size_of(Dim d, const Sizes& n) {
+  switch (d) {
+    case Dim::kTokens: return n.tokens;
+    case Dim::kHeads: return n.heads;
+    case Dim::kHeadSize: return n.head_size;
+    case Dim::kStates: return n.states;
+    case Dim::kTotal: return n.total;
+    case Dim::kRows: return n.rows;
+    case Dim::kRowsPlus1: return n.rows + 1;
+    case Dim::kATokens:
+    case Dim::kATokensOrMore: return n.a_tokens;
+    case Dim::kNone: break;
+  }
+  return 0;
+}
+
+// How a call lays out its two-axis LSEs: [tokens, heads], or [heads, tokens] where the op takes
+// ATTNMERGE_LSE_HEADS_FIRST and the options ask for it.
+enum class LseLayout : uint8_t { kTokensFirst, kHeadsFirst };
+
+LseLayout lse_layout(const attnmerge_options* options, uint32_t op_flags) {
+  const uint32_t flags = options ? options->flags : 0u;
+  return (op_flags & flags & ATTNMERGE_LSE_HEADS_FIRST) ? LseLayout::kHeadsFirst : LseLayout::kTokensFirst;
+}
+
+// One tensor against its spec, into `v` (swapping the two axes of an LSE given [heads, tokens]).
+attnmerge_status describe_one(const attnmerge_tensor* t, const ArgSpec& spec, LseLayout layout, View& v) {
   v = View{};
-  v.name = name;
+  v.spec = &spec;
+  v.name = spec.name;
+  const char* name = spec.name;
+  const int ndim = spec.ndim();
+  const uint32_t dtypes = dtypes_of(spec.role);
+  const bool transpose = spec.role == ATTNMERGE_ROLE_LSE && ndim == 2 && layout == LseLayout::kHeadsFirst;
   if (t == nullptr) {
-    if (optional) return ATTNMERGE_SUCCESS;
+    if (spec.presence == Presence::kOptional) return ATTNMERGE_SUCCESS;
     return fail(ATTNMERGE_ERROR_TYPE, "%s: expected a tensor, got NULL", name);
   }
   v.t = t;
@@ -78,8 +163,7 @@ attnmerge_status describe(const attnmerge_tensor* t, const char* name, int ndim,
     if (t->strides[i] < 0)
       return fail(ATTNMERGE_ERROR_VALUE, "%s: expected strides >= 0, got %" PRId64 " on axis %d", name, t->strides[i],
                   i);
-  const bool is_o = dtypes == kInputs || dtypes == kOutputs;  // head_size is the last axis
-  if (is_o && t->strides[ndim - 1] != 1 && t->shape[ndim - 1] > 1)
+  if (spec.is_o() && t->strides[ndim - 1] != 1 && t->shape[ndim - 1] > 1)
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a unit stride on the head_size axis, got stride %" PRId64, name,
                 t->strides[ndim - 1]);
   if (t->data == nullptr) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a data pointer, got NULL", name);
@@ -96,70 +180,25 @@ attnmerge_status describe(const attnmerge_tensor* t, const char* name, int ndim,
   return ATTNMERGE_SUCCESS;
 }
 
-// The largest head_size: a row's packs span at most 65535 blocks of 256 threads.
-constexpr int64_t kMaxHeadSize = int64_t{65535} * 256;
-
-attnmerge_status check_head_size(const char* name, int64_t head_size) {
-  if (head_size >= 1 && head_size <= kMaxHeadSize) return ATTNMERGE_SUCCESS;
-  return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a head_size from 1 to %" PRId64 ", got %" PRId64, name, kMaxHeadSize,
-              head_size);
-}
-
-attnmerge_status check_shape(const View& v, const int64_t* expected, const View& source) {
-  if (!v.present() || std::equal(expected, expected + v.ndim, v.shape)) return ATTNMERGE_SUCCESS;
-  int64_t want[ATTNMERGE_MAX_NDIM] = {};
-  std::copy(expected, expected + v.ndim, want);
-  if (v.transposed) std::swap(want[0], want[1]);  // speak in the caller's layout
-  return fail(ATTNMERGE_ERROR_VALUE, "%s: expected shape %s (the sizes of %s, shape %s), got %s", v.name,
-              ShapeText(want, v.ndim).text, source.name, ShapeText(source.t->shape, source.ndim).text,
-              ShapeText(v.t->shape, v.ndim).text);
-}
-
-attnmerge_status check_no_self_overlap(const View& v) {
-  if (!v.present() || v.empty) return ATTNMERGE_SUCCESS;
-  int order[ATTNMERGE_MAX_NDIM] = {0, 1, 2, 3};
-  for (int i = 1; i < v.ndim; ++i)  // insertion sort of at most 4 axes by stride
-    for (int j = i; j > 0 && v.strides[order[j]] < v.strides[order[j - 1]]; --j) std::swap(order[j], order[j - 1]);
-  int64_t extent = 1;
-  for (int k = 0; k < v.ndim; ++k) {
-    const int i = order[k];
-    if (v.shape[i] <= 1) continue;
-    if (v.strides[i] < extent)
-      return fail(ATTNMERGE_ERROR_VALUE,
-                  "%s: expected an output whose elements do not overlap, got stride %" PRId64
-                  " on an axis of size %" PRId64 " (shape %s)",
-                  v.name, v.strides[i], v.shape[i], ShapeText(v.t->shape, v.ndim).text);
-    extent = v.strides[i] * (v.shape[i] - 1) + extent;
-  }
+// Step 1: tensors[i] against specs[i], each alone, into views[i], in table order.
+attnmerge_status describe(const ArgSpec* specs, const attnmerge_tensor* const* tensors, int n, LseLayout layout,
+                          View* views) {
+  for (int i = 0; i < n; ++i)
+    if (attnmerge_status s = describe_one(tensors[i], specs[i], layout, views[i])) return s;
   return ATTNMERGE_SUCCESS;
 }
 
-bool same_view(const View& x, const View& y) {
-  return x.t->data == y.t->data && x.t->dtype == y.t->dtype && x.ndim == y.ndim &&
-         std::equal(x.shape, x.shape + x.ndim, y.shape) && std::equal(x.strides, x.strides + x.ndim, y.strides);
-}
-
-attnmerge_status check_disjoint(const View& out, const View& other, bool may_alias) {
-  if (!out.present() || !other.present() || out.empty || other.empty) return ATTNMERGE_SUCCESS;
-  if (may_alias && same_view(out, other)) return ATTNMERGE_SUCCESS;
-  uintptr_t lo1, hi1, lo2, hi2;
-  out.byte_range(lo1, hi1);
-  other.byte_range(lo2, hi2);
-  if (lo1 < hi2 && lo2 < hi1)
-    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory disjoint from %s%s, got overlapping ranges", out.name,
-                other.name, may_alias ? " (or the very same view)" : "");
-  return ATTNMERGE_SUCCESS;
-}
-
-attnmerge_status read_options(const attnmerge_options* options, uint32_t allowed, const View& out,
+// Step 2: the options every op shares.  `op_flags` are the flags the op understands; the dtype of
+// `out` decides whether an output scale is allowed (FP8 only).
+attnmerge_status read_options(const attnmerge_options* options, uint32_t op_flags, const View& out,
                               attnmerge_options& opt, float& inv_scale) {
   opt = options ? *options : attnmerge_options{};
   if (opt.struct_size != 0 && opt.struct_size != sizeof(attnmerge_options))
     return fail(ATTNMERGE_ERROR_VALUE,
                 "options.struct_size: expected 0 or %u (this library's attnmerge_options), got %u",
                 static_cast<unsigned>(sizeof(attnmerge_options)), opt.struct_size);
-  if (opt.flags & ~allowed)
-    return fail(ATTNMERGE_ERROR_VALUE, "options.flags: expected flags within 0x%x for this op, got 0x%x", allowed,
+  if (opt.flags & ~op_flags)
+    return fail(ATTNMERGE_ERROR_VALUE, "options.flags: expected flags within 0x%x for this op, got 0x%x", op_flags,
                 opt.flags);
   const float scale = opt.output_scale;
   const bool fp8 = out.t->dtype == ATTNMERGE_FLOAT8_E4M3;
@@ -180,36 +219,96 @@ attnmerge_status read_options(const attnmerge_options* options, uint32_t allowed
   return ATTNMERGE_SUCCESS;
 }
 
-attnmerge_status check_outputs(const View& out, const View& out_lse) {
-  for (const View* v : {&out, &out_lse})
-    if (v->present() && (v->t->flags & ATTNMERGE_READ_ONLY))
-      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a writable tensor, got a read-only one", v->name);
-  attnmerge_status s;
-  if ((s = check_no_self_overlap(out)) || (s = check_no_self_overlap(out_lse)) ||
-      (s = check_disjoint(out_lse, out, false)))
-    return s;
+// Step 3: every ArgSpec::dtype_of, where both are given.
+attnmerge_status check_dtypes(const OpSpec& op, Views views) {
+  for (int i = 0; i < op.count; ++i) {
+    const View& v = views.v[i];
+    if (op.dtype_of[i] < 0 || !v.present()) continue;
+    const View& like = views.v[op.dtype_of[i]];
+    if (like.present() && like.t->dtype != v.t->dtype)
+      return fail(ATTNMERGE_ERROR_TYPE, "%s: expected the dtype of %s (%s), got %s", v.name, like.name,
+                  dtype_name(like.t->dtype), dtype_name(v.t->dtype));
+  }
   return ATTNMERGE_SUCCESS;
 }
 
-attnmerge_status check_a_shapes(const attnmerge_options& opt, const int64_t (&o_shape)[3], const View& vb,
-                                const View& va, const View& vla, int64_t& a_tokens) {
-  const int64_t tokens = o_shape[0], heads = o_shape[1], head_size = o_shape[2];
-  a_tokens = tokens;
-  if (!(opt.flags & ATTNMERGE_A_TOKENS)) {
-    attnmerge_status s;
-    if ((s = check_shape(va, o_shape, vb)) || (s = check_shape(vla, o_shape, vb))) return s;
-    return ATTNMERGE_SUCCESS;
+}  // namespace
+
+// The largest head_size: a row's packs span at most 65535 blocks of 256 threads.
+constexpr int64_t kMaxHeadSize = int64_t{65535} * 256;
+
+attnmerge_status check_head_size(const char* name, int64_t head_size) {
+  if (head_size >= 1 && head_size <= kMaxHeadSize) return ATTNMERGE_SUCCESS;
+  return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a head_size from 1 to %" PRId64 ", got %" PRId64, name, kMaxHeadSize,
+              head_size);
+}
+
+attnmerge_status read_a_tokens(const attnmerge_options& opt, const View& source, Sizes& n) {
+  n.a_tokens = n.tokens;
+  n.a_tokens_given = (opt.flags & ATTNMERGE_A_TOKENS) != 0;
+  if (!n.a_tokens_given) return ATTNMERGE_SUCCESS;
+  if (opt.a_tokens < 0 || opt.a_tokens > n.tokens)
+    return fail(ATTNMERGE_ERROR_VALUE, "a_tokens: expected 0 to the %" PRId64 " tokens of %s, got %" PRId64, n.tokens,
+                source.name, opt.a_tokens);
+  n.a_tokens = opt.a_tokens;
+  return ATTNMERGE_SUCCESS;
+}
+
+namespace {
+
+// Step 4: every given argument has the shape its Dims give in `sizes` (read off `source`), `first`
+// before the others.
+attnmerge_status check_shape_of(const View& v, const Sizes& sizes, const View& source) {
+  if (!v.present()) return ATTNMERGE_SUCCESS;
+  if (v.spec->shape[0] == Dim::kATokensOrMore && sizes.a_tokens_given) return check_a_shape(v, sizes, source);
+  int64_t expected[ATTNMERGE_MAX_NDIM] = {};
+  for (int i = 0; i < v.ndim; ++i) expected[i] = size_of(v.spec->shape[i], sizes);
+  return check_shape(v, expected, source);
+}
+
+attnmerge_status check_shapes(Views views, const Sizes& sizes, const View& source, const View& first) {
+  if (attnmerge_status s = check_shape_of(first, sizes, source)) return s;
+  for (const View& v : views)
+    if (&v != &first)
+      if (attnmerge_status s = check_shape_of(v, sizes, source)) return s;
+  return ATTNMERGE_SUCCESS;
+}
+
+// Step 5: the outputs, against themselves, the outputs before them and every input.
+attnmerge_status check_outputs(Views views) {
+  for (const View& w : views)
+    if (w.spec->is_output() && w.present() && (w.t->flags & ATTNMERGE_READ_ONLY))
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a writable tensor, got a read-only one", w.name);
+  attnmerge_status s;
+  for (const View& w : views)
+    if (w.spec->is_output() && (s = check_no_self_overlap(w))) return s;
+  for (const View* w = views.begin(); w != views.end(); ++w)
+    for (const View* u = views.begin(); u != w; ++u)
+      if (w->spec->is_output() && u->spec->is_output() && (s = check_disjoint(*w, *u, Alias::kNone))) return s;
+  for (const View& in : views) {
+    if (in.spec->is_output()) continue;
+    for (const View& w : views) {
+      if (!w.spec->is_output()) continue;
+      const bool same_kind = in.spec->is_o() == w.spec->is_o();
+      if ((s = check_disjoint(w, in, same_kind ? in.spec->alias : Alias::kNone))) return s;
+    }
   }
-  if (opt.a_tokens < 0 || opt.a_tokens > tokens)
-    return fail(ATTNMERGE_ERROR_VALUE, "a_tokens: expected 0 to the %" PRId64 " tokens of %s, got %" PRId64, tokens,
-                vb.name, opt.a_tokens);
-  a_tokens = opt.a_tokens;
-  for (const View* v : {&va, &vla})  // a needs only its first a_tokens tokens
-    if (v->shape[0] < a_tokens || v->shape[1] != heads || (v->ndim == 3 && v->shape[2] != head_size))
-      return fail(ATTNMERGE_ERROR_VALUE,
-                  "%s: expected at least %" PRId64 " tokens (a_tokens), %" PRId64 " heads%s, got shape %s", v->name,
-                  a_tokens, heads, v->ndim == 3 ? " and the head_size of o_b" : "",
-                  ShapeText(v->t->shape, v->ndim).text);
+  return ATTNMERGE_SUCCESS;
+}
+
+}  // namespace
+
+attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tensors, const attnmerge_options* options,
+                          Checked& call) {
+  call.count = op.count;
+  const Views views = call.all();
+  attnmerge_status s;
+  if ((s = describe(op.args, tensors, op.count, lse_layout(options, op.flags), call.views))) return s;
+  const View& source = call.views[op.sizes_from];
+  if ((s = read_options(options, op.flags, call.views[op.scale_of], call.opt, call.inv_scale)) ||
+      (s = check_dtypes(op, views)) || (s = op.equations(views, source, call.opt, call.sizes)) ||
+      (s = check_shapes(views, call.sizes, source, call.views[op.sizes_lse])) || (s = check_outputs(views)))
+    return s;
   return ATTNMERGE_SUCCESS;
 }
 
@@ -236,52 +335,9 @@ attnmerge_status check_indptr(const View& vi, const attnmerge_tensor* out, int64
   return ATTNMERGE_SUCCESS;
 }
 
-attnmerge_status check_dtype_of(const View& v, const View& like) {
-  if (!v.present() || v.t->dtype == like.t->dtype) return ATTNMERGE_SUCCESS;
-  return fail(ATTNMERGE_ERROR_TYPE, "%s: expected the dtype of %s (%s), got %s", v.name, like.name,
-              dtype_name(like.t->dtype), dtype_name(v.t->dtype));
-}
-
-attnmerge_status check_grads(std::initializer_list<const View*> grads, std::initializer_list<const View*> inputs) {
-  attnmerge_status s;
-  for (const View* g : grads) {
-    if (g->present() && (g->t->flags & ATTNMERGE_READ_ONLY))
-      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a writable tensor, got a read-only one", g->name);
-    if ((s = check_no_self_overlap(*g))) return s;
-  }
-  for (const View* g : grads) {
-    for (const View* h : grads)
-      if (h != g && (s = check_disjoint(*g, *h, false))) return s;
-    for (const View* in : inputs)
-      if ((s = check_disjoint(*g, *in, false))) return s;
-  }
-  return ATTNMERGE_SUCCESS;
-}
-
-attnmerge_status describe_backward_outputs(const attnmerge_tensor* grad_out, const attnmerge_tensor* grad_out_lse,
-                                           const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
-                                           bool heads_first, BackwardViews& v) {
-  attnmerge_status s;
-  if ((s = describe(grad_out, "grad_out", 3, kInputs, false, false, v.grad_out)) ||
-      (s = describe(grad_out_lse, "grad_out_lse", 2, kLse, heads_first, true, v.grad_out_lse)) ||
-      (s = describe(out, "out", 3, kInputs, false, true, v.out)) ||
-      (s = describe(out_lse, "out_lse", 2, kLse, heads_first, false, v.out_lse)) ||
-      (v.out.present() && (s = check_dtype_of(v.grad_out, v.out))))
-    return s;
-  return ATTNMERGE_SUCCESS;
-}
-
-attnmerge_status check_backward_shapes(const BackwardViews& v, const int64_t (&out_shape)[3], const View& source) {
-  attnmerge_status s;
-  for (const View* w : {&v.grad_out, &v.grad_out_lse, &v.out, &v.out_lse})
-    if ((s = check_shape(*w, out_shape, source))) return s;
-  return ATTNMERGE_SUCCESS;
-}
-
-attnmerge_status read_backward_options(const attnmerge_options* options, uint32_t allowed, const View& out,
-                                       attnmerge_options& opt) {
-  float inv_scale;
-  return read_options(options, allowed, out, opt, inv_scale);
+bool same_view(const View& x, const View& y) {
+  return x.t->data == y.t->data && x.t->dtype == y.t->dtype && x.ndim == y.ndim &&
+         std::equal(x.shape, x.shape + x.ndim, y.shape) && std::equal(x.strides, x.strides + x.ndim, y.strides);
 }
 
 }  // namespace detail

@@ -1,109 +1,195 @@
-// Argument rules of the C ABI: a tensor described against what its argument must be, shapes,
-// overlaps, aliasing and options; every check names the argument and writes nothing.
+// Argument rules of the C ABI, declared per op: a table gives each argument's contract (ArgSpec:
+// name, role, shape, use, presence, aliasing, dtype agreement), and validate() reads it, in one
+// order for every op.  Every check names the argument and writes nothing; nothing aborts or prints.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
-#include <initializer_list>
 
 #include "internal.h"
 
 namespace attnmerge {
 namespace detail {
 
-// Sets of dtypes an argument may have (dtypes.h).
-constexpr uint32_t kInputs = dtypes_of(ATTNMERGE_ROLE_O_IN);
-constexpr uint32_t kOutputs = dtypes_of(ATTNMERGE_ROLE_O_OUT);
-constexpr uint32_t kLse = dtypes_of(ATTNMERGE_ROLE_LSE);
-constexpr uint32_t kMask = dtypes_of(ATTNMERGE_ROLE_MASK);
-constexpr uint32_t kIndex = dtypes_of(ATTNMERGE_ROLE_INDPTR);
+// An axis of an argument, in the sizes of its op (Sizes).
+enum class Dim : uint8_t {
+  kNone,  // past the last axis
+  kTokens,
+  kHeads,
+  kHeadSize,
+  kStates,  // S of an N-way merge
+  kTotal,  // the states of a variable-length merge
+  kRows,  // the rows of a variable-length merge
+  kRowsPlus1,  // indptr's entries
+  kATokens,  // the tokens of a two-way merge's a that are read: options.a_tokens, or tokens
+  kATokensOrMore,  // a itself: at least those with ATTNMERGE_A_TOKENS (only they are read), else exactly
+};
+
+enum class Use : uint8_t {
+  kRead,  // an input
+  kWrite,  // an output: writable, no element written twice, apart from every other argument
+  kReadWrite,  // the in-place merge's state: an output that is read first
+};
+
+enum class Presence : uint8_t {
+  kRequired,  // NULL is refused
+  kOptional,  // NULL: not given (not read, or not written)
+};
+
+enum class Alias : uint8_t {
+  kNone,
+  kMayBeOutput,  // an output of its kind (O or LSE) may be this very view: element i is read before it is written
+};
+
+// What one argument of an op must be.
+struct ArgSpec {
+  const char* name;
+  uint32_t role;  // ATTNMERGE_ROLE_*: the dtypes it may have (dtypes.h), and whether it is an O
+  Dim shape[ATTNMERGE_MAX_NDIM];
+  Use use;
+  Presence presence;
+  Alias alias = Alias::kNone;
+  const char* dtype_of = nullptr;  // the argument whose dtype it shares, where both are given
+
+  constexpr int ndim() const {
+    int n = 0;
+    while (n < ATTNMERGE_MAX_NDIM && shape[n] != Dim::kNone) ++n;
+    return n;
+  }
+  // O [..., head_size], whose head_size axis is unit-stride; otherwise an LSE, mask or indptr.
+  constexpr bool is_o() const { return (role & (ATTNMERGE_ROLE_O_IN | ATTNMERGE_ROLE_O_OUT)) != 0; }
+  constexpr bool is_output() const { return use != Use::kRead; }
+};
 
 // A tensor as an op reads it: shape and strides in the op's logical axis order.
 struct View {
-  const attnmerge_tensor* t = nullptr;
+  const ArgSpec* spec = nullptr;
+  const attnmerge_tensor* t = nullptr;  // null where an optional argument is not given
   const char* name = "";
   int64_t shape[ATTNMERGE_MAX_NDIM] = {};
   int64_t strides[ATTNMERGE_MAX_NDIM] = {};
   int ndim = 0;
   bool transposed = false;  // an LSE given [heads, tokens]
-
-  bool present() const { return t != nullptr; }
   bool empty = true;  // some size is 0 (set by describe, which also bounds the element count)
   int64_t last = 0;  // the largest element offset, when not empty
+
+  bool present() const { return t != nullptr; }
   // [first byte, one past the last byte] the view spans; not empty.
   void byte_range(uintptr_t& lo, uintptr_t& hi) const {
-    int64_t last = 0;
-    for (int i = 0; i < ndim; ++i) last += (shape[i] - 1) * strides[i];
     lo = reinterpret_cast<uintptr_t>(t->data);
     hi = lo + static_cast<uintptr_t>(last + 1) * dtype_size(t->dtype);
   }
-  StateView state(const View& lse) const {
-    return StateView{t->data,        strides[0],    strides[1], static_cast<const float*>(lse.t->data),
-                     lse.strides[0], lse.strides[1]};
-  }
 };
 
-// What every backward reads beside the forward's inputs: the incoming gradients (dO, dLSE) and
-// the forward's outputs (O, LSE), all [rows, heads, ...].
-struct BackwardViews {
-  View grad_out, grad_out_lse, out, out_lse;
+// The views of one call, in the order of its ArgSpec table.
+struct Views {
+  View* v;
+  int n;
+  View* begin() const { return v; }
+  View* end() const { return v + n; }
 };
 
-// Checks what one tensor can be checked for alone and fills `v` (swapping the two axes of an LSE
-// given [heads, tokens]).  A NULL descriptor is an error unless the argument is optional.
-attnmerge_status describe(const attnmerge_tensor* t, const char* name, int ndim, uint32_t dtypes, bool transpose,
-                          bool optional, View& v);
+// The sizes of an op's shape equations, which every argument's Dims are read in.
+struct Sizes {
+  int64_t tokens = 0, heads = 0, head_size = 0, states = 0, total = 0, rows = 0;
+  int64_t a_tokens = 0;  // kATokens
+  bool a_tokens_given = false;  // ATTNMERGE_A_TOKENS: kATokensOrMore means at least a_tokens
+};
 
+// The largest head_size: a row's packs span at most 65535 blocks of 256 threads.
 attnmerge_status check_head_size(const char* name, int64_t head_size);
 
-// v's logical shape must be `expected`, the sizes taken from `source`.
-attnmerge_status check_shape(const View& v, const int64_t* expected, const View& source);
+// options.a_tokens (with ATTNMERGE_A_TOKENS: 0 to sizes.tokens) into sizes.a_tokens.
+attnmerge_status read_a_tokens(const attnmerge_options& opt, const View& source, Sizes& sizes);
 
-// An output must not write one element twice: after sorting its axes by stride, each stride must
-// clear the extent of the axes inside it.
-attnmerge_status check_no_self_overlap(const View& v);
+// An op's shape equations: its Sizes, read off `source` (and for a variable-length merge indptr),
+// with the checks on them that no single argument's shape states (head_size, the states' count).
+using Equations = attnmerge_status (*)(Views views, const View& source, const attnmerge_options& opt, Sizes& sizes);
 
-bool same_view(const View& x, const View& y);
+// The largest number of arguments of an op (the two-way merge's backward).
+constexpr int kMaxArgs = 12;
 
-// An output may be an input itself where `may_alias` (element i is written after element i was
-// read), never a partial overlap of one, nor overlap another output.
-attnmerge_status check_disjoint(const View& out, const View& other, bool may_alias);
+// An op's contract: its arguments' table and what validate() needs beside it, the names of the
+// table resolved to indices (-1: none) when the OpSpec is built (make_op).
+struct OpSpec {
+  const ArgSpec* args;
+  int count;
+  uint32_t flags;  // the options.flags it takes
+  // The argument whose dtype says whether it takes an output scale (FP8 only).
+  int scale_of;
+  // The argument its sizes are read off, named where a shape disagrees, and that state's LSE,
+  // whose shape is checked first: a state at odds with its own LSE is named as such, not through
+  // every other argument that disagrees with it.
+  int sizes_from, sizes_lse;
+  int dtype_of[kMaxArgs];  // ArgSpec::dtype_of
+  Equations equations;
+};
 
-// Options every op shares, validated.  `allowed` are the flags the op understands.
-attnmerge_status read_options(const attnmerge_options* options, uint32_t allowed, const View& out,
-                              attnmerge_options& opt, float& inv_scale);
+constexpr bool same_name(const char* a, const char* b) {
+  while (*a != '\0' && *a == *b) ++a, ++b;
+  return *a == *b;
+}
 
-// Outputs: writable, no element written twice, out and out_lse apart.
-attnmerge_status check_outputs(const View& out, const View& out_lse);
+constexpr int index_of(const ArgSpec* args, int count, const char* name) {
+  for (int i = 0; name != nullptr && i < count; ++i)
+    if (same_name(args[i].name, name)) return i;
+  return -1;
+}
 
-// The shapes of a two-way merge's state a (o_a, lse_a), whose tokens are limited to
-// options.a_tokens with ATTNMERGE_A_TOKENS: `a_tokens` set to the tokens of a that are read.
-attnmerge_status check_a_shapes(const attnmerge_options& opt, const int64_t (&o_shape)[3], const View& vb,
-                                const View& va, const View& vla, int64_t& a_tokens);
+template <std::size_t K>
+constexpr OpSpec make_op(const ArgSpec (&args)[K], uint32_t flags, const char* scale_of, const char* sizes_from,
+                         const char* sizes_lse, Equations equations) {
+  static_assert(K <= kMaxArgs, "Checked holds kMaxArgs views");
+  const int count = static_cast<int>(K);
+  OpSpec op{args,
+            count,
+            flags,
+            index_of(args, count, scale_of),
+            index_of(args, count, sizes_from),
+            index_of(args, count, sizes_lse),
+            {},
+            equations};
+  for (int i = 0; i < kMaxArgs; ++i) op.dtype_of[i] = i < count ? index_of(args, count, args[i].dtype_of) : -1;
+  return op;
+}
+
+// Every name an OpSpec was built from is one of its arguments (for a static_assert).
+constexpr bool names_resolve(const OpSpec& op) {
+  if (op.scale_of < 0 || op.sizes_from < 0 || op.sizes_lse < 0) return false;
+  for (int i = 0; i < op.count; ++i)
+    if (op.args[i].dtype_of != nullptr && op.dtype_of[i] < 0) return false;
+  return true;
+}
+
+// A call checked against its OpSpec.
+struct Checked {
+  View views[kMaxArgs];
+  int count = 0;
+  attnmerge_options opt{};
+  float inv_scale = 1.0f;
+  Sizes sizes;
+  Views all() { return Views{views, count}; }
+};
+
+// Validates tensors[i] against op.args[i] into call.views[i], in one order for every op:
+//   1. each tensor alone: NULL, ndim, dtype, flags, device, sizes, strides, the unit-stride
+//      head_size axis of an O, pointer, alignment, a span within 2^63 bytes;
+//   2. the options (op.flags; an output scale only where op.scale_of is FP8);
+//   3. every ArgSpec::dtype_of, where both are given;
+//   4. op.equations, then every given argument's shape against its Dims (op.sizes_lse first, then
+//      in table order);
+//   5. the outputs: writable, no element written twice, apart from the outputs before them and
+//      from every input (an input with Alias::kMayBeOutput may be the very same view as an output
+//      of its kind).
+attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tensors, const attnmerge_options* options,
+                          Checked& call);
 
 // A variable-length merge's indptr [rows + 1] against the `total` states of o: on the host the
 // offsets can be checked before anything is written (on the GPU they are clamped, never read back).
-attnmerge_status check_indptr(const View& vi, const attnmerge_tensor* out, int64_t rows, int64_t total);
+// `out`: an output of the call, which tells whether it runs on the host.
+attnmerge_status check_indptr(const View& indptr, const attnmerge_tensor* out, int64_t rows, int64_t total);
 
-// `v` (if given) has the dtype of `like`.
-attnmerge_status check_dtype_of(const View& v, const View& like);
-
-// The gradients a backward writes: writable, no element written twice, apart from each other and
-// from every input (no in-place backward: dO and O are read again for rows of many states).
-attnmerge_status check_grads(std::initializer_list<const View*> grads, std::initializer_list<const View*> inputs);
-
-// Described: grad_out_lse optional (dLSE = 0), out optional (<dO, O> from the states instead);
-// grad_out in the dtype of out, which has a gradient: not FP8.
-attnmerge_status describe_backward_outputs(const attnmerge_tensor* grad_out, const attnmerge_tensor* grad_out_lse,
-                                           const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
-                                           bool heads_first, BackwardViews& v);
-
-// Each of them of `out_shape` (sizes from `source`).
-attnmerge_status check_backward_shapes(const BackwardViews& v, const int64_t (&out_shape)[3], const View& source);
-
-// An FP8 output, hence an output scale, has no gradient: read_options refuses a scale for the
-// (never FP8) grad_out.
-attnmerge_status read_backward_options(const attnmerge_options* options, uint32_t allowed, const View& out,
-                                       attnmerge_options& opt);
+bool same_view(const View& x, const View& y);
 
 }  // namespace detail
 }  // namespace attnmerge
