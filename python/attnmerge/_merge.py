@@ -29,6 +29,16 @@ def a_tokens_arg(a_tokens: int | None, name: str = "a_tokens") -> int:
     return a_tokens
 
 
+def output_scale_arg(output_scale):
+    """output_scale as every layer below takes it: None (no scale), an array (read on the device), or
+    a number, which is a scale.  The C ABI spells "no scale" 0 and Python None, so a number 0 is
+    refused here, for every path (the binding, torch.ops, attnmerge.jax); the C ABI checks the rest
+    (a finite scale > 0; outputs other than FP8 take none, or 1)."""
+    if isinstance(output_scale, (int, float)) and not isinstance(output_scale, bool) and output_scale == 0:
+        raise ValueError(f"output_scale: expected None or a finite scale > 0, got {output_scale!r}")
+    return output_scale
+
+
 def _shape(x, arg):
     shape = getattr(x, "shape", None)
     if shape is None:
@@ -135,6 +145,8 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
     out, out_lse, out_view, lse_view = _outputs(o_b, o_a, shape, out, out_lse, return_lse, out_dtype)
     if stream is None:
         stream = default_stream(o_b)
+    if output_scale is not None:
+        output_scale = output_scale_arg(output_scale)
     _C.merge(out_view, lse_view, o_a, lse_a, o_b, lse_b, flags, a_tok, output_scale, stream)
     if out is not out_view:
         _finish_jax(out, stream)
@@ -184,6 +196,8 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
     out, out_lse, out_view, lse_view = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o")
     if stream is None:
         stream = default_stream(o)
+    if output_scale is not None:
+        output_scale = output_scale_arg(output_scale)
     _C.merge_states(out_view, lse_view, o, lse, flags, states_axis == 0, output_scale, stream)
     if out is not out_view:
         _finish_jax(out, stream)
@@ -212,6 +226,8 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
     out, out_lse, out_view, lse_view = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o")
     if stream is None:
         stream = default_stream(o)
+    if output_scale is not None:
+        output_scale = output_scale_arg(output_scale)
     _C.merge_varlen(out_view, lse_view, o, lse, indptr, flags, output_scale, stream)
     if out is not out_view:
         _finish_jax(out, stream)

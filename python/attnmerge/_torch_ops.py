@@ -366,7 +366,7 @@ def _scale(output_scale, like):
     """A number becomes the one-element float32 tensor the ops take."""
     if output_scale is None or isinstance(output_scale, torch.Tensor):
         return output_scale
-    return torch.full((1,), float(output_scale), dtype=torch.float32, device=like.device)
+    return torch.full((1,), float(_merge.output_scale_arg(output_scale)), dtype=torch.float32, device=like.device)
 
 
 def _out_dtype(out_dtype):

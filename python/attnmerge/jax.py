@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _XLA_HOW, _XLA_LIB
-from ._merge import lse_flags
+from ._merge import lse_flags, output_scale_arg
 from ._types import NO_GRADIENT_DTYPES, Base
 
 __all__ = ["merge", "merge_states", "merge_varlen"]
@@ -97,7 +97,7 @@ def _call(op, outs, operands, *, base, output_scale, a_tokens=None, vectorized=T
         number = 0.0
     else:
         scale = jnp.ones((1,), jnp.float32)  # unread
-        number = 0.0 if output_scale is None else float(output_scale)
+        number = 0.0 if output_scale is None else float(output_scale_arg(output_scale))  # 0.0: the C ABI's none
     a = -1 if a_tokens is None else int(_static("a_tokens", a_tokens))
     # One call over a flattened batch: every operand is broadcast to the batch (the handler folds
     # leading dimensions into tokens), which per-example a_tokens, indptr or scale would break.

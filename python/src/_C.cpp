@@ -459,10 +459,9 @@ struct Call {
 void set_output_scale(attnmerge_options& options, py::handle scale, Arg& holder, void* stream) {
   if (scale.is_none()) return;
   if (PyFloat_Check(scale.ptr()) || PyLong_Check(scale.ptr())) {
+    // A scale, as given: the Python layer (attnmerge._merge.output_scale_arg) refuses 0, the C ABI's
+    // "no scale", which Python spells None; the C ABI checks the rest.
     options.output_scale = scale.cast<float>();
-    // 0 is the C ABI's "no scale", which Python spells None: a number is a scale.
-    if (options.output_scale == 0.0f)
-      value_error("output_scale", "expected None or a finite scale > 0, got " + std::string(py::repr(scale)));
     return;
   }
   describe(holder, scale, stream, kF32, "output_scale");
