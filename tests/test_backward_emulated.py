@@ -64,7 +64,7 @@ def call(fn, sizes, in_dtype, out_dtype, base, vec, sms, *arrays, tail=()):
 
 
 def widest_vec(head_size, *arrays):
-    """The vector width the C ABI chooses (api.cpp, choose_vec): 16 bytes of the widest dtype,
+    """The vector width the C ABI chooses (route.cpp, choose_vec): 16 bytes of the widest dtype,
     halved until head_size, every pointer and every non-innermost stride allow it."""
     arrays = [x for x in arrays if x is not None]
     vec = 16 // max(x.itemsize for x in arrays)

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from . import _C
-from ._arrays import INPUT_DTYPES, default_stream, dtype_name, empty, family
-from ._types import Array, Base, DType, Stream
+from ._arrays import default_stream, dtype_name, empty, family
+from ._types import O_IN_DTYPES, Array, Base, DType, Stream
 
 # attnmerge._torch_ops and its `takes` once torch is imported (attnmerge._torch_hook sets them).  Each
 # function first asks whether the call must go through torch.ops.attnmerge (while torch.compile or
@@ -27,6 +27,16 @@ def a_tokens_arg(a_tokens: int | None, name: str = "a_tokens") -> int:
     if not isinstance(a_tokens, int) or isinstance(a_tokens, bool) or a_tokens < 0:
         raise ValueError(f"{name}: expected None or an int >= 0, got {a_tokens!r}")
     return a_tokens
+
+
+def output_scale_arg(output_scale):
+    """output_scale as every layer below takes it: None (no scale), an array (read on the device), or
+    a number, which is a scale.  The C ABI spells "no scale" 0 and Python None, so a number 0 is
+    refused here, for every path (the binding, torch.ops, attnmerge.jax); the C ABI checks the rest
+    (a finite scale > 0; outputs other than FP8 take none, or 1)."""
+    if isinstance(output_scale, (int, float)) and not isinstance(output_scale, bool) and output_scale == 0:
+        raise ValueError(f"output_scale: expected None or a finite scale > 0, got {output_scale!r}")
+    return output_scale
 
 
 def _shape(x, arg):
@@ -80,7 +90,7 @@ def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like
             dtype = getattr(in_dtype_of, "dtype", None)
             if dtype is None:
                 raise TypeError(f"{src_name}: expected an array, got {type(in_dtype_of).__qualname__}")
-            name = dtype_name(dtype, src_name, INPUT_DTYPES)
+            name = dtype_name(dtype, src_name, O_IN_DTYPES)
         else:
             name = dtype_name(out_dtype, "out_dtype")
         out, out_view = empty(like, shape, name, like_name)
@@ -135,6 +145,8 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
     out, out_lse, out_view, lse_view = _outputs(o_b, o_a, shape, out, out_lse, return_lse, out_dtype)
     if stream is None:
         stream = default_stream(o_b)
+    if output_scale is not None:
+        output_scale = output_scale_arg(output_scale)
     _C.merge(out_view, lse_view, o_a, lse_a, o_b, lse_b, flags, a_tok, output_scale, stream)
     if out is not out_view:
         _finish_jax(out, stream)
@@ -184,6 +196,8 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
     out, out_lse, out_view, lse_view = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o")
     if stream is None:
         stream = default_stream(o)
+    if output_scale is not None:
+        output_scale = output_scale_arg(output_scale)
     _C.merge_states(out_view, lse_view, o, lse, flags, states_axis == 0, output_scale, stream)
     if out is not out_view:
         _finish_jax(out, stream)
@@ -212,6 +226,8 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
     out, out_lse, out_view, lse_view = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o")
     if stream is None:
         stream = default_stream(o)
+    if output_scale is not None:
+        output_scale = output_scale_arg(output_scale)
     _C.merge_varlen(out_view, lse_view, o, lse, indptr, flags, output_scale, stream)
     if out is not out_view:
         _finish_jax(out, stream)
@@ -276,7 +292,7 @@ def merge_backward(grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b,
     needs = _needs(needs_grad, 4)
     shape = _shape(o_b, "o_b")
     a_shape = shape if a_tokens is None else (a_tok,) + tuple(shape[1:])
-    name = dtype_name(getattr(o_a, "dtype", None), "o_a", INPUT_DTYPES)
+    name = dtype_name(getattr(o_a, "dtype", None), "o_a", O_IN_DTYPES)
     grads = (_grad_buffer(grad_o_a, needs[0], o_b, a_shape, name, "grad_o_a"),
              _grad_buffer(grad_lse_a, needs[1], o_b, a_shape[:2], "float32", "grad_lse_a"),
              _grad_buffer(grad_o_b, needs[2], o_b, shape, name, "grad_o_b"),
@@ -305,7 +321,7 @@ def merge_states_backward(grad_out, grad_out_lse, out, out_lse, o, lse, *, grad_
     shape = _shape(o, "o")
     if len(shape) != 4:
         raise ValueError(f"o: expected 4 dimensions, got {len(shape)} (shape {list(shape)})")
-    name = dtype_name(getattr(o, "dtype", None), "o", INPUT_DTYPES)
+    name = dtype_name(getattr(o, "dtype", None), "o", O_IN_DTYPES)
     grads = (_grad_buffer(grad_o, needs[0], o, shape, name, "grad_o"),
              _grad_buffer(grad_lse, needs[1], o, shape[:3], "float32", "grad_lse"))
     if stream is None:
@@ -331,7 +347,7 @@ def merge_varlen_backward(grad_out, grad_out_lse, out, out_lse, o, lse, indptr, 
     shape = _shape(o, "o")
     if len(shape) != 3:
         raise ValueError(f"o: expected 3 dimensions, got {len(shape)} (shape {list(shape)})")
-    name = dtype_name(getattr(o, "dtype", None), "o", INPUT_DTYPES)
+    name = dtype_name(getattr(o, "dtype", None), "o", O_IN_DTYPES)
     grads = (_grad_buffer(grad_o, needs[0], o, shape, name, "grad_o"),
              _grad_buffer(grad_lse, needs[1], o, shape[:2], "float32", "grad_lse"))
     if stream is None:

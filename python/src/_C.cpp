@@ -8,6 +8,7 @@
 #include <cstring>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "attnmerge/attnmerge.h"
 
@@ -120,25 +121,34 @@ int dtype_from_dl(DLDataType dt, const char* expected, const char* name) {
   type_error(name, std::string("expected dtype ") + expected + ", got " + dl_dtype_name(dt));
 }
 
-// The library's code for a dtype's name as NumPy, ml_dtypes and the raw layer spell it; -1 for
-// any other.
+// The library's code for a dtype's name as NumPy, ml_dtypes and the raw layer spell it (the C ABI's
+// table, attnmerge_dtype_info_of); -1 for any other.
 int code_of_name(const std::string& s) {
-  static const std::pair<const char*, int> names[] = {
-      {"float32", ATTNMERGE_FLOAT32}, {"float16", ATTNMERGE_FLOAT16}, {"bfloat16", ATTNMERGE_BFLOAT16},
-      {"float8_e4m3fn", ATTNMERGE_FLOAT8_E4M3}, {"uint8", ATTNMERGE_UINT8}, {"bool", ATTNMERGE_BOOL},
-      {"int32", ATTNMERGE_INT32}, {"int64", ATTNMERGE_INT64}};
-  for (const auto& n : names)
-    if (s == n.first) return n.second;
+  for (int32_t code = 0; const attnmerge_dtype_info* d = attnmerge_dtype_info_of(code); ++code)
+    if (s == d->array_name) return code;
   return -1;
 }
 
-// An O dtype of the raw layer, by name ("float8_e4m3" there is float8_e4m3fn; an ml_dtypes array
-// of that name is another type).
+// "float32, float16 or bfloat16": the names of the dtypes of `role` as array libraries spell them,
+// for messages about dtypes the library has no code for.
+const char* dtype_names(uint32_t role) {
+  static std::unordered_map<uint32_t, std::string> texts;  // one per role, built at import
+  std::string& text = texts[role];
+  if (!text.empty()) return text.c_str();
+  std::vector<const char*> names;
+  for (int32_t code = 0; const attnmerge_dtype_info* d = attnmerge_dtype_info_of(code); ++code)
+    if (d->roles & role) names.push_back(d->array_name);
+  for (std::size_t i = 0; i < names.size(); ++i)
+    text += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + std::string(names[i]);
+  return text.c_str();
+}
+
+// An output O dtype of the raw layer, by name: the array libraries' or the C ABI's ("float8_e4m3"
+// there is float8_e4m3fn; an ml_dtypes array of that name is another type).
 int dtype_from_name(const std::string& s, const char* name) {
-  const int code = code_of_name(s == "float8_e4m3" ? "float8_e4m3fn" : s);
-  if (code == ATTNMERGE_FLOAT32 || code == ATTNMERGE_FLOAT16 || code == ATTNMERGE_BFLOAT16 || code == ATTNMERGE_FLOAT8_E4M3)
-    return code;
-  type_error(name, "expected dtype float32, float16, bfloat16 or float8_e4m3fn, got " + s);
+  for (int32_t code = 0; const attnmerge_dtype_info* d = attnmerge_dtype_info_of(code); ++code)
+    if ((s == d->array_name || s == d->name) && (d->roles & ATTNMERGE_ROLE_O_OUT)) return code;
+  type_error(name, std::string("expected dtype ") + dtype_names(ATTNMERGE_ROLE_O_OUT) + ", got " + s);
 }
 
 // The code of a dtype object (NumPy's, ml_dtypes'), from its name, asked once per object: the
@@ -401,12 +411,13 @@ void check(attnmerge_status status) {
   }
 }
 
-// What an argument may be, for messages about dtypes the library has no code for.
-constexpr const char* kO = "float32, float16 or bfloat16";
-constexpr const char* kOut = "float32, float16, bfloat16 or float8_e4m3fn";
-constexpr const char* kF32 = "float32";
-constexpr const char* kMaskDtypes = "uint8 or bool";
-constexpr const char* kIndexDtypes = "int32 or int64";
+// What an argument may be, for messages about dtypes the library has no code for (kF32 is also
+// output_scale's: the C ABI's const float*).
+const char* const kO = dtype_names(ATTNMERGE_ROLE_O_IN);
+const char* const kOut = dtype_names(ATTNMERGE_ROLE_O_OUT);
+const char* const kF32 = dtype_names(ATTNMERGE_ROLE_LSE);
+const char* const kMaskDtypes = dtype_names(ATTNMERGE_ROLE_MASK);
+const char* const kIndexDtypes = dtype_names(ATTNMERGE_ROLE_INDPTR);
 
 struct Param {
   py::handle obj;
@@ -448,10 +459,9 @@ struct Call {
 void set_output_scale(attnmerge_options& options, py::handle scale, Arg& holder, void* stream) {
   if (scale.is_none()) return;
   if (PyFloat_Check(scale.ptr()) || PyLong_Check(scale.ptr())) {
+    // A scale, as given: the Python layer (attnmerge._merge.output_scale_arg) refuses 0, the C ABI's
+    // "no scale", which Python spells None; the C ABI checks the rest.
     options.output_scale = scale.cast<float>();
-    // 0 is the C ABI's "no scale", which Python spells None: a number is a scale.
-    if (options.output_scale == 0.0f)
-      value_error("output_scale", "expected None or a finite scale > 0, got " + std::string(py::repr(scale)));
     return;
   }
   describe(holder, scale, stream, kF32, "output_scale");
@@ -700,6 +710,16 @@ PYBIND11_MODULE(_C, m) {
   m.def("library_path", &library_path);
   m.def("pointer_device", [](uintptr_t ptr) { return attnmerge_pointer_device(reinterpret_cast<void*>(ptr)); },
         py::arg("ptr"));
+  // The C ABI's dtype table, rows (code, name, array_name, size, roles), which attnmerge._types reads.
+  py::list dtypes;
+  for (int32_t code = 0; const attnmerge_dtype_info* d = attnmerge_dtype_info_of(code); ++code)
+    dtypes.append(py::make_tuple(code, d->name, d->array_name, d->size, d->roles));
+  m.attr("DTYPES") = py::tuple(dtypes);
+  m.attr("ROLE_O_IN") = ATTNMERGE_ROLE_O_IN;
+  m.attr("ROLE_O_OUT") = ATTNMERGE_ROLE_O_OUT;
+  m.attr("ROLE_LSE") = ATTNMERGE_ROLE_LSE;
+  m.attr("ROLE_MASK") = ATTNMERGE_ROLE_MASK;
+  m.attr("ROLE_INDPTR") = ATTNMERGE_ROLE_INDPTR;
   m.attr("LSE_BASE2") = ATTNMERGE_LSE_BASE2;
   m.attr("LSE_HEADS_FIRST") = ATTNMERGE_LSE_HEADS_FIRST;
   m.attr("PDL") = ATTNMERGE_PDL;
