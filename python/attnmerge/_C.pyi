@@ -1,8 +1,9 @@
 """attnmerge's binding of libattnmerge (python/src/_C.cpp); internal: use the attnmerge package.
 
-Arrays are any object the binding can describe: the DLPack C exchange API, __dlpack__,
-__cuda_array_interface__ or NumPy's array interface.  tests/test_typing.py keeps this stub to
-exactly the names and parameters the module exports."""
+Arrays are any object the binding can describe (python/src/array_view.h): the DLPack C exchange
+API, __dlpack__, __cuda_array_interface__ or NumPy's array interface.  `stream` None is the current
+stream of the framework that owns the array outputs are allocated like (o_b, else o), resolved
+there.  tests/test_typing.py keeps this stub to exactly the names and parameters the module exports."""
 from typing import Any
 
 def merge(out: Any, out_lse: Any, o_a: Any, lse_a: Any, o_b: Any, lse_b: Any, flags: int, a_tokens: int,

@@ -1,5 +1,6 @@
-"""Which array library an argument belongs to: where new outputs are allocated, and which stream
-`stream=None` means.  Nothing here checks arguments; libattnmerge does."""
+"""Which array library an argument belongs to, and where new outputs are allocated.  Nothing here
+checks arguments (libattnmerge does), and `stream=None` is resolved by the binding, which reads the
+arrays (python/src/array_view.h)."""
 from __future__ import annotations
 
 _DTYPE_NAMES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
@@ -128,40 +129,3 @@ def empty(like, shape, name, like_name):
         return x, x
     raise TypeError(f"{like_name}: expected an array of NumPy, PyTorch, CuPy, JAX or Numba to allocate outputs like, "
                     f"got {type(like).__qualname__} (pass out= and out_lse=)")
-
-
-def default_stream(like):
-    """The stream `stream=None` means for arrays like `like`, as a handle; None lets the binding ask
-    the array's DLPack exchange API (PyTorch >= 2.10), which costs no Python call."""
-    if type(like) in _ASKS_THE_EXCHANGE_API:  # the per-call case, answered with one lookup
-        return None
-    kind = family(like)
-    if kind == "torch":
-        if _has_exchange_api(type(like)):
-            _ASKS_THE_EXCHANGE_API.add(type(like))
-            return None
-        if not like.is_cuda:
-            return None
-        import torch
-
-        return torch.cuda.current_stream(like.device).cuda_stream
-    if kind == "cupy":
-        import cupy
-
-        return cupy.cuda.get_current_stream().ptr
-    if kind == "numba":
-        # __cuda_array_interface__ v3: the stream the producer works on (1: legacy default, 2: per-thread).
-        stream = like.__cuda_array_interface__.get("stream")
-        return 0 if stream in (None, 1) else stream
-    return 0
-
-
-_EXCHANGE_API: dict[type, bool] = {}
-_ASKS_THE_EXCHANGE_API: set[type] = set()  # torch tensor types with the exchange API: stream=None is theirs to resolve
-
-
-def _has_exchange_api(cls):
-    has = _EXCHANGE_API.get(cls)
-    if has is None:
-        has = _EXCHANGE_API[cls] = hasattr(cls, "__dlpack_c_exchange_api__")
-    return has

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from . import _C
-from ._arrays import INPUT_DTYPES, default_stream, dtype_name, empty, family
+from ._arrays import INPUT_DTYPES, dtype_name, empty, family
 from ._types import Array, Base, DType, Stream
 
 # attnmerge._torch_ops and its `takes` once torch is imported (attnmerge._torch_hook sets them).  Each
@@ -133,8 +133,6 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
     a_tok = -1 if a_tokens is None else a_tokens_arg(a_tokens)
     shape = _shape(o_b, "o_b") if out is None or (out_lse is None and return_lse) else None
     out, out_lse, out_view, lse_view = _outputs(o_b, o_a, shape, out, out_lse, return_lse, out_dtype)
-    if stream is None:
-        stream = default_stream(o_b)
     _C.merge(out_view, lse_view, o_a, lse_a, o_b, lse_b, flags, a_tok, output_scale, stream)
     if out is not out_view:
         _finish_jax(out, stream)
@@ -154,8 +152,6 @@ def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mas
         return _torch_ops.merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl)
     _refuse_jax_output(o, "o")
     _refuse_jax_output(lse, "lse")
-    if stream is None:
-        stream = default_stream(o)
     _C.merge_inplace(o, lse, o_other, lse_other, mask, lse_flags(base) | (_C.PDL if pdl else 0), stream)
     return o, lse
 
@@ -182,8 +178,6 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
     if out is None or (out_lse is None and return_lse):
         shape = states_shape(o, states_axis)
     out, out_lse, out_view, lse_view = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o")
-    if stream is None:
-        stream = default_stream(o)
     _C.merge_states(out_view, lse_view, o, lse, flags, states_axis == 0, output_scale, stream)
     if out is not out_view:
         _finish_jax(out, stream)
@@ -210,8 +204,6 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
     if out is None or (out_lse is None and return_lse):
         shape = varlen_shape(o, indptr)
     out, out_lse, out_view, lse_view = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o")
-    if stream is None:
-        stream = default_stream(o)
     _C.merge_varlen(out_view, lse_view, o, lse, indptr, flags, output_scale, stream)
     if out is not out_view:
         _finish_jax(out, stream)
@@ -281,8 +273,6 @@ def merge_backward(grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b,
              _grad_buffer(grad_lse_a, needs[1], o_b, a_shape[:2], "float32", "grad_lse_a"),
              _grad_buffer(grad_o_b, needs[2], o_b, shape, name, "grad_o_b"),
              _grad_buffer(grad_lse_b, needs[3], o_b, shape[:2], "float32", "grad_lse_b"))
-    if stream is None:
-        stream = default_stream(o_b)
     _C.merge_backward(*(view for _, view in grads), grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b,
                       flags, a_tok, stream)
     _finish_grads(grads, stream)
@@ -308,8 +298,6 @@ def merge_states_backward(grad_out, grad_out_lse, out, out_lse, o, lse, *, grad_
     name = dtype_name(getattr(o, "dtype", None), "o", INPUT_DTYPES)
     grads = (_grad_buffer(grad_o, needs[0], o, shape, name, "grad_o"),
              _grad_buffer(grad_lse, needs[1], o, shape[:3], "float32", "grad_lse"))
-    if stream is None:
-        stream = default_stream(o)
     _C.merge_states_backward(*(view for _, view in grads), grad_out, grad_out_lse, out, out_lse, o, lse, flags,
                              states_axis == 0, stream)
     _finish_grads(grads, stream)
@@ -334,8 +322,6 @@ def merge_varlen_backward(grad_out, grad_out_lse, out, out_lse, o, lse, indptr, 
     name = dtype_name(getattr(o, "dtype", None), "o", INPUT_DTYPES)
     grads = (_grad_buffer(grad_o, needs[0], o, shape, name, "grad_o"),
              _grad_buffer(grad_lse, needs[1], o, shape[:2], "float32", "grad_lse"))
-    if stream is None:
-        stream = default_stream(o)
     _C.merge_varlen_backward(*(view for _, view in grads), grad_out, grad_out_lse, out, out_lse, o, lse, indptr, flags,
                              stream)
     _finish_grads(grads, stream)

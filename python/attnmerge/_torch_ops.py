@@ -18,7 +18,7 @@ while traced (`takes`): they map the public arguments onto the overloads.
 import torch
 
 from . import _C, _merge
-from ._arrays import default_stream, dtype_name
+from ._arrays import dtype_name
 
 _NS = "attnmerge"
 
@@ -107,11 +107,11 @@ def _flags(base, pdl):
 
 def _merge_out(o_a, lse_a, o_b, lse_b, *, out, out_lse=None, output_scale=None, a_tokens=None, base="e", pdl=False):
     _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, _flags(base, pdl), _merge.a_tokens_arg(a_tokens), output_scale,
-             default_stream(o_b))
+             None)
 
 
 def _merge_inplace(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
-    _C.merge_inplace(o, lse, o_other, lse_other, mask, _flags(base, pdl), default_stream(o))
+    _C.merge_inplace(o, lse, o_other, lse_other, mask, _flags(base, pdl), None)
 
 
 def _merge_inplace_functional(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
@@ -121,12 +121,11 @@ def _merge_inplace_functional(o, lse, o_other, lse_other, mask=None, *, base="e"
 
 
 def _merge_states_out(o, lse, *, out, out_lse=None, output_scale=None, states_axis=1, base="e", pdl=False):
-    _C.merge_states(out, out_lse, o, lse, _flags(base, pdl), _states_axis(states_axis) == 0, output_scale,
-                    default_stream(o))
+    _C.merge_states(out, out_lse, o, lse, _flags(base, pdl), _states_axis(states_axis) == 0, output_scale, None)
 
 
 def _merge_varlen_out(o, lse, indptr, *, out, out_lse=None, output_scale=None, base="e", pdl=False):
-    _C.merge_varlen(out, out_lse, o, lse, indptr, _flags(base, pdl), output_scale, default_stream(o))
+    _C.merge_varlen(out, out_lse, o, lse, indptr, _flags(base, pdl), output_scale, None)
 
 
 def _merge_backward(grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, *, needs, a_tokens=None, base="e"):

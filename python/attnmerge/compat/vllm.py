@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from .. import _C, _merge
-from .._arrays import default_stream
 from .._types import Array
 from .._merge import a_tokens_arg
 from . import renamed
@@ -45,7 +44,7 @@ def merge_attn_states(output: Array, prefix_output: Array, prefix_lse: Array, su
             return None
         a_tokens = a_tokens_arg(prefill_tokens_with_context, "prefill_tokens_with_context")
         _C.merge(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, _C.LSE_HEADS_FIRST,
-                 a_tokens, output_scale, default_stream(suffix_output))
+                 a_tokens, output_scale, None)
     except (ValueError, TypeError) as e:
         raise renamed(e, _NAMES) from None
     return None
