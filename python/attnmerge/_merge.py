@@ -1,6 +1,8 @@
 """The native API: merge, merge_inplace, merge_states, merge_varlen."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from . import _C
 from ._arrays import INPUT_DTYPES, dtype_name, empty, family
 from ._types import Array, Base, DType, Stream
@@ -29,6 +31,13 @@ def a_tokens_arg(a_tokens: int | None, name: str = "a_tokens") -> int:
     return a_tokens
 
 
+def _named(names, arg):
+    """The caller's name of the argument `arg`: a compat layer's (`names`, {native: its own}), else
+    `arg`.  Every message names arguments through it, so that a compat layer's caller reads its own
+    names (vLLM's prefix_output for o_a)."""
+    return arg if names is None else names.get(arg, arg)
+
+
 def _shape(x, arg):
     shape = getattr(x, "shape", None)
     if shape is None:
@@ -42,39 +51,43 @@ def _refuse_jax_output(x, arg):
                          f"to get a new JAX array")
 
 
-def states_shape(o, states_axis):
+def states_shape(o, states_axis, names=None):
     """The [tokens, heads, head_size] of merge_states' result for stacked states o."""
-    s = _shape(o, "o")
+    s = _shape(o, _named(names, "o"))
     if len(s) != 4:
-        raise ValueError(f"o: expected 4 dimensions, got {len(s)} (shape {list(s)})")
+        raise ValueError(f"{_named(names, 'o')}: expected 4 dimensions, got {len(s)} (shape {list(s)})")
     return (s[1 - states_axis], s[2], s[3])
 
 
-def varlen_shape(o, indptr):
+def varlen_shape(o, indptr, names=None):
     """The [rows, heads, head_size] of merge_varlen's result for o [total, heads, head_size]."""
-    s, n = _shape(o, "o"), _shape(indptr, "indptr")
+    s, n = _shape(o, _named(names, "o")), _shape(indptr, _named(names, "indptr"))
     if len(s) != 3:
-        raise ValueError(f"o: expected 3 dimensions, got {len(s)} (shape {list(s)})")
+        raise ValueError(f"{_named(names, 'o')}: expected 3 dimensions, got {len(s)} (shape {list(s)})")
     if len(n) != 1 or n[0] < 1:
-        raise ValueError(f"indptr: expected shape [rows + 1] with rows >= 0, got {list(n)}")
+        raise ValueError(f"{_named(names, 'indptr')}: expected shape [rows + 1] with rows >= 0, got {list(n)}")
     return (n[0] - 1, s[1], s[2])
 
 
-def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like_name="o_b", src_name="o_a"):
+def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like_name="o_b", src_name="o_a",
+             names=None):
     """(out, out_lse, the views handed to the library): given outputs as they are, missing ones
-    allocated in the library of `like` with `shape` ([tokens, heads, head_size])."""
+    allocated in the library of `like` (the argument `like_name`) with `shape` ([tokens, heads,
+    head_size]) and the dtype of `in_dtype_of` (`src_name`) or out_dtype."""
     if (out is not None and out_lse is not None and out_dtype is None and family(out) != "jax"
             and family(out_lse) != "jax"):
         return out, out_lse, out, out_lse  # the per-step decode call: nothing to allocate
-    _refuse_jax_output(out, "out")
-    _refuse_jax_output(out_lse, "out_lse")
+    like_name, src_name = _named(names, like_name), _named(names, src_name)
+    out_name, dtype_arg = _named(names, "out"), _named(names, "out_dtype")
+    _refuse_jax_output(out, out_name)
+    _refuse_jax_output(out_lse, _named(names, "out_lse"))
     if out is not None and out_dtype is not None:
-        want, got = dtype_name(out_dtype, "out_dtype"), dtype_name(getattr(out, "dtype", None), "out")
+        want, got = dtype_name(out_dtype, dtype_arg), dtype_name(getattr(out, "dtype", None), out_name)
         if want != got:
-            raise ValueError(f"out_dtype: expected None or the dtype of out ({got}), got {want}")
+            raise ValueError(f"{dtype_arg}: expected None or the dtype of {out_name} ({got}), got {want}")
     out_view, lse_view = out, out_lse
     if out is not None:  # a missing out_lse goes where out is, not where an odd input may be
-        like, like_name = out, "out"
+        like, like_name = out, out_name
     if out is None:
         if out_dtype is None:  # that of the inputs
             dtype = getattr(in_dtype_of, "dtype", None)
@@ -82,7 +95,7 @@ def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like
                 raise TypeError(f"{src_name}: expected an array, got {type(in_dtype_of).__qualname__}")
             name = dtype_name(dtype, src_name, INPUT_DTYPES)
         else:
-            name = dtype_name(out_dtype, "out_dtype")
+            name = dtype_name(out_dtype, dtype_arg)
         out, out_view = empty(like, shape, name, like_name)
     if out_lse is None and return_lse:
         out_lse, lse_view = empty(like, shape[:2], "float32", like_name)
@@ -101,7 +114,8 @@ def _finish_jax(out, stream):
 def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | None = None,
           out_lse: Array | None = None, return_lse: bool = True, out_dtype: DType | None = None,
           output_scale: float | Array | None = None, base: Base = "e", a_tokens: int | None = None,
-          stream: Stream = None, pdl: bool = False) -> tuple[Array, Array | None]:
+          stream: Stream = None, pdl: bool = False,
+          _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
     """Merge two attention states: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
 
     o_a, o_b: [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype for both).
@@ -125,22 +139,26 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
     on the CPU; CUDA arrays on the GPU they live on, asynchronously on `stream` (JAX outputs are
     synchronized before they are returned).  Returns (out, out_lse); out_lse is None when
     return_lse is False and no out_lse was given.
+
+    _names (attnmerge's own layers): {argument: the caller's name for it}, which every message then
+    uses (attnmerge.compat passes vLLM's and FlashInfer's names).  The same in the functions below.
     """
     if _takes is not None and _takes(o_a, lse_a, o_b, lse_b):
         return _torch_ops.merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base,
-                                a_tokens, stream, pdl)
+                                a_tokens, stream, pdl, _names)
     flags = (0 if base == "e" else lse_flags(base)) | (_C.PDL if pdl else 0)
-    a_tok = -1 if a_tokens is None else a_tokens_arg(a_tokens)
-    shape = _shape(o_b, "o_b") if out is None or (out_lse is None and return_lse) else None
-    out, out_lse, out_view, lse_view = _outputs(o_b, o_a, shape, out, out_lse, return_lse, out_dtype)
-    _C.merge(out_view, lse_view, o_a, lse_a, o_b, lse_b, flags, a_tok, output_scale, stream)
+    a_tok = -1 if a_tokens is None else a_tokens_arg(a_tokens, _named(_names, "a_tokens"))
+    shape = _shape(o_b, _named(_names, "o_b")) if out is None or (out_lse is None and return_lse) else None
+    out, out_lse, out_view, lse_view = _outputs(o_b, o_a, shape, out, out_lse, return_lse, out_dtype, names=_names)
+    _C.merge(out_view, lse_view, o_a, lse_a, o_b, lse_b, flags, a_tok, output_scale, stream, _names)
     if out is not out_view:
         _finish_jax(out, stream)
     return out, out_lse
 
 
 def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mask: Array | None = None,
-                  base: Base = "e", stream: Stream = None, pdl: bool = False) -> tuple[Array, Array]:
+                  base: Base = "e", stream: Stream = None, pdl: bool = False,
+                  _names: Mapping[str, str] | None = None) -> tuple[Array, Array]:
     """(o, lse) <- merge((o, lse), (o_other, lse_other)), in place.
 
     o, o_other: [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype).
@@ -149,17 +167,17 @@ def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mas
     stream, pdl: as for merge().  Returns (o, lse).
     """
     if _takes is not None and _takes(o, lse, o_other, lse_other):
-        return _torch_ops.merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl)
-    _refuse_jax_output(o, "o")
-    _refuse_jax_output(lse, "lse")
-    _C.merge_inplace(o, lse, o_other, lse_other, mask, lse_flags(base) | (_C.PDL if pdl else 0), stream)
+        return _torch_ops.merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl, _names)
+    _refuse_jax_output(o, _named(_names, "o"))
+    _refuse_jax_output(lse, _named(_names, "lse"))
+    _C.merge_inplace(o, lse, o_other, lse_other, mask, lse_flags(base) | (_C.PDL if pdl else 0), stream, _names)
     return o, lse
 
 
 def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Array | None = None,
                  return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
-                 base: Base = "e", states_axis: int = 1, stream: Stream = None,
-                 pdl: bool = False) -> tuple[Array, Array | None]:
+                 base: Base = "e", states_axis: int = 1, stream: Stream = None, pdl: bool = False,
+                 _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
     """Merge S states in one pass, each input read once.
 
     states_axis=1: o [tokens, S, heads, head_size], lse float32 [tokens, S, heads] (FlashInfer's).
@@ -172,13 +190,13 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
         raise ValueError(f"states_axis: expected 0 or 1, got {states_axis!r}")
     if _takes is not None and _takes(o, lse, None, None):
         return _torch_ops.merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, states_axis,
-                                       stream, pdl)
+                                       stream, pdl, _names)
     flags = lse_flags(base) | (_C.PDL if pdl else 0)
     shape = None
     if out is None or (out_lse is None and return_lse):
-        shape = states_shape(o, states_axis)
-    out, out_lse, out_view, lse_view = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o")
-    _C.merge_states(out_view, lse_view, o, lse, flags, states_axis == 0, output_scale, stream)
+        shape = states_shape(o, states_axis, _names)
+    out, out_lse, out_view, lse_view = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
+    _C.merge_states(out_view, lse_view, o, lse, flags, states_axis == 0, output_scale, stream, _names)
     if out is not out_view:
         _finish_jax(out, stream)
     return out, out_lse
@@ -186,7 +204,8 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
 
 def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = None, out_lse: Array | None = None,
                  return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
-                 base: Base = "e", stream: Stream = None, pdl: bool = False) -> tuple[Array, Array | None]:
+                 base: Base = "e", stream: Stream = None, pdl: bool = False,
+                 _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
     """Row r of the result merges states indptr[r] .. indptr[r+1]-1 of o.
 
     o: [total, heads, head_size], lse: float32 [total, heads]; indptr: int32 or int64 [rows + 1].
@@ -198,13 +217,13 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
     """
     if _takes is not None and _takes(o, lse, None, None):
         return _torch_ops.merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, stream,
-                                       pdl)
+                                       pdl, _names)
     flags = lse_flags(base) | (_C.PDL if pdl else 0)
     shape = None
     if out is None or (out_lse is None and return_lse):
-        shape = varlen_shape(o, indptr)
-    out, out_lse, out_view, lse_view = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o")
-    _C.merge_varlen(out_view, lse_view, o, lse, indptr, flags, output_scale, stream)
+        shape = varlen_shape(o, indptr, _names)
+    out, out_lse, out_view, lse_view = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
+    _C.merge_varlen(out_view, lse_view, o, lse, indptr, flags, output_scale, stream, _names)
     if out is not out_view:
         _finish_jax(out, stream)
     return out, out_lse

@@ -4,6 +4,7 @@
 #include <dlfcn.h>
 #include <pybind11/pybind11.h>
 
+#include <cctype>
 #include <string>
 
 #include "array_view.h"
@@ -20,24 +21,67 @@ using attnmerge_py::type_error;
 using attnmerge_py::type_name;
 using attnmerge_py::value_error;
 
-void check(attnmerge_status status) {
+// The caller's names of an op's arguments: a dict from the binding's names ("o_a", "a_tokens") to
+// the caller's (vLLM's "prefix_output"), handed down by a compat layer so that every message names
+// what its caller wrote; None keeps the binding's own.
+class Names {
+ public:
+  explicit Names(py::handle table) {
+    if (table.is_none()) return;
+    if (!PyDict_Check(table.ptr())) type_error("names", "expected None or a dict, got " + type_name(table));
+    table_ = table.ptr();
+  }
+  const char* operator()(const char* name) const {
+    PyObject* v = table_ ? PyDict_GetItemString(table_, name) : nullptr;  // borrowed: the table holds it
+    const char* renamed = v ? PyUnicode_AsUTF8(v) : nullptr;
+    if (renamed == nullptr && PyErr_Occurred()) PyErr_Clear();
+    return renamed ? renamed : name;
+  }
+  // The C ABI's message, which names its arguments by the binding's names, with every whole word
+  // the table holds given the caller's name.  The C ABI takes no names (a field of attnmerge_options
+  // could carry them, once its validation reads names from a table): this is the one place where
+  // they meet its text.
+  std::string message(const char* text) const {
+    if (!table_) return text;
+    std::string out;
+    // Word characters as Python's \w has them in ASCII; any byte of a UTF-8 sequence counts as one.
+    const auto word_char = [](unsigned char c) { return std::isalnum(c) || c == '_' || c >= 0x80; };
+    for (const char* p = text; *p;) {
+      const char* q = p;
+      while (*q && word_char(*q)) ++q;
+      if (q == p) {
+        out += *p++;
+        continue;
+      }
+      const std::string word(p, q);
+      out += (*this)(word.c_str());
+      p = q;
+    }
+    return out;
+  }
+
+ private:
+  PyObject* table_ = nullptr;
+};
+
+void check(attnmerge_status status, const Names& names) {
   switch (status) {
     case ATTNMERGE_SUCCESS: return;
-    case ATTNMERGE_ERROR_TYPE: throw py::type_error(attnmerge_last_error());
-    case ATTNMERGE_ERROR_VALUE: throw py::value_error(attnmerge_last_error());
-    default: throw std::runtime_error(attnmerge_last_error());
+    case ATTNMERGE_ERROR_TYPE: throw py::type_error(names.message(attnmerge_last_error()));
+    case ATTNMERGE_ERROR_VALUE: throw py::value_error(names.message(attnmerge_last_error()));
+    default: throw std::runtime_error(names.message(attnmerge_last_error()));
   }
 }
 
 // The C call without the GIL (the CPU path may run long), then its status as an exception.
 template <typename F>
-void call_library(F&& f) {
+void call_library(F&& f, const Names& names = Names(py::none())) {
   attnmerge_status status;
   {
     py::gil_scoped_release release;
     status = f();
   }
-  check(status);
+  check(status, names);
 }
 
 // What an argument may be, for messages about dtypes the library has no code for.
@@ -67,61 +111,68 @@ void set_output_scale(attnmerge_options& options, py::handle scale, ArrayView& h
   options.output_scale_ptr = static_cast<const float*>(holder.t.data);
 }
 
-// ---- the ops: arguments as the C ABI takes them, then flags, options and the stream (None: that
-// of the framework of the array outputs are allocated like) --------------------------------------
+// ---- the ops: arguments as the C ABI takes them, then flags, options, the stream (None: that of
+// the framework of the array outputs are allocated like, `like`) and the caller's names ----------
 
 void merge(py::handle out, py::handle out_lse, py::handle o_a, py::handle lse_a, py::handle o_b, py::handle lse_b,
-           uint32_t flags, int64_t a_tokens, py::handle output_scale, py::handle stream) {
-  CallArrays<6> c({{out, "out", kOut},
-                   {out_lse, "out_lse", kF32},
-                   {o_a, "o_a", kO},
-                   {lse_a, "lse_a", kF32},
-                   {o_b, "o_b", kO},
-                   {lse_b, "lse_b", kF32}},
+           uint32_t flags, int64_t a_tokens, py::handle output_scale, py::handle stream, py::handle names_table) {
+  const Names n(names_table);
+  CallArrays<6> c({{out, n("out"), kOut},
+                   {out_lse, n("out_lse"), kF32},
+                   {o_a, n("o_a"), kO},
+                   {lse_a, n("lse_a"), kF32},
+                   {o_b, n("o_b"), kO},
+                   {lse_b, n("lse_b"), kF32}},
                   stream, 4, 2);
   attnmerge_options options = {flags | (a_tokens >= 0 ? ATTNMERGE_A_TOKENS : 0u), a_tokens, 0.0f, nullptr};
   ArrayView scale;
-  set_output_scale(options, output_scale, scale, c.stream(), "output_scale");
-  call_library([&] { return attnmerge_merge(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], &options, c.stream()); });
+  set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
+  call_library([&] { return attnmerge_merge(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], &options, c.stream()); },
+               n);
 }
 
 void merge_inplace(py::handle o, py::handle lse, py::handle o_other, py::handle lse_other, py::handle mask,
-                   uint32_t flags, py::handle stream) {
-  CallArrays<5> c({{o, "o", kO},
-                   {lse, "lse", kF32},
-                   {o_other, "o_other", kO},
-                   {lse_other, "lse_other", kF32},
-                   {mask, "mask", kMaskDtypes}},
+                   uint32_t flags, py::handle stream, py::handle names_table) {
+  const Names n(names_table);
+  CallArrays<5> c({{o, n("o"), kO},
+                   {lse, n("lse"), kF32},
+                   {o_other, n("o_other"), kO},
+                   {lse_other, n("lse_other"), kF32},
+                   {mask, n("mask"), kMaskDtypes}},
                   stream, 0);
   const attnmerge_options options = {flags, 0, 0.0f, nullptr};
-  call_library([&] { return attnmerge_merge_inplace(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream()); });
+  call_library([&] { return attnmerge_merge_inplace(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream()); },
+               n);
 }
 
 void merge_states(py::handle out, py::handle out_lse, py::handle o, py::handle lse, uint32_t flags, bool states_first,
-                  py::handle output_scale, py::handle stream) {
-  CallArrays<4> c({{out, "out", kOut}, {out_lse, "out_lse", kF32}, {o, "o", kO}, {lse, "lse", kF32}}, stream, 2, 2);
+                  py::handle output_scale, py::handle stream, py::handle names_table) {
+  const Names n(names_table);
+  CallArrays<4> c({{out, n("out"), kOut}, {out_lse, n("out_lse"), kF32}, {o, n("o"), kO}, {lse, n("lse"), kF32}},
+                  stream, 2, 2);
   if (states_first) {  // an all-gather's [S, tokens, ...], read through its strides
     c.views[2].swap_leading_axes();
     c.views[3].swap_leading_axes();
   }
   attnmerge_options options = {flags, 0, 0.0f, nullptr};
   ArrayView scale;
-  set_output_scale(options, output_scale, scale, c.stream(), "output_scale");
-  call_library([&] { return attnmerge_merge_states(c.t[0], c.t[1], c.t[2], c.t[3], &options, c.stream()); });
+  set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
+  call_library([&] { return attnmerge_merge_states(c.t[0], c.t[1], c.t[2], c.t[3], &options, c.stream()); }, n);
 }
 
 void merge_varlen(py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle indptr, uint32_t flags,
-                  py::handle output_scale, py::handle stream) {
-  CallArrays<5> c({{out, "out", kOut},
-                   {out_lse, "out_lse", kF32},
-                   {o, "o", kO},
-                   {lse, "lse", kF32},
-                   {indptr, "indptr", kIndexDtypes}},
+                  py::handle output_scale, py::handle stream, py::handle names_table) {
+  const Names n(names_table);
+  CallArrays<5> c({{out, n("out"), kOut},
+                   {out_lse, n("out_lse"), kF32},
+                   {o, n("o"), kO},
+                   {lse, n("lse"), kF32},
+                   {indptr, n("indptr"), kIndexDtypes}},
                   stream, 2, 2);
   attnmerge_options options = {flags, 0, 0.0f, nullptr};
   ArrayView scale;
-  set_output_scale(options, output_scale, scale, c.stream(), "output_scale");
-  call_library([&] { return attnmerge_merge_varlen(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream()); });
+  set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
+  call_library([&] { return attnmerge_merge_varlen(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream()); }, n);
 }
 
 // A field of a raw descriptor that must be a Python int (pybind11's own cast error names no argument).
@@ -282,13 +333,15 @@ std::string library_path() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "attnmerge's binding of libattnmerge (internal; use the attnmerge package)";
   m.def("merge", &merge, py::arg("out"), py::arg("out_lse"), py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"),
-        py::arg("lse_b"), py::arg("flags"), py::arg("a_tokens"), py::arg("output_scale"), py::arg("stream"));
+        py::arg("lse_b"), py::arg("flags"), py::arg("a_tokens"), py::arg("output_scale"), py::arg("stream"),
+        py::arg("names") = py::none());
   m.def("merge_inplace", &merge_inplace, py::arg("o"), py::arg("lse"), py::arg("o_other"), py::arg("lse_other"),
-        py::arg("mask"), py::arg("flags"), py::arg("stream"));
+        py::arg("mask"), py::arg("flags"), py::arg("stream"), py::arg("names") = py::none());
   m.def("merge_states", &merge_states, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
-        py::arg("flags"), py::arg("states_first"), py::arg("output_scale"), py::arg("stream"));
+        py::arg("flags"), py::arg("states_first"), py::arg("output_scale"), py::arg("stream"),
+        py::arg("names") = py::none());
   m.def("merge_varlen", &merge_varlen, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
-        py::arg("indptr"), py::arg("flags"), py::arg("output_scale"), py::arg("stream"));
+        py::arg("indptr"), py::arg("flags"), py::arg("output_scale"), py::arg("stream"), py::arg("names") = py::none());
   m.def("merge_backward", &merge_backward, py::arg("grad_o_a"), py::arg("grad_lse_a"), py::arg("grad_o_b"),
         py::arg("grad_lse_b"), py::arg("grad_out"), py::arg("grad_out_lse"), py::arg("out"), py::arg("out_lse"),
         py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"), py::arg("lse_b"), py::arg("flags"), py::arg("a_tokens"),
