@@ -82,50 +82,30 @@ def _numpy_dtype(name):
     return dtype
 
 
-class _DeviceBuffer:
-    """A bare __cuda_array_interface__ over a buffer the caller's library allocated (JAX arrays are
-    immutable to DLPack consumers, so their fresh outputs are written through this)."""
-
-    def __init__(self, ptr, shape, name):
-        self.dtype = name
-        typestr = {"float32": "<f4", "float16": "<f2", "bfloat16": "<V2", "float8_e4m3fn": "|V1"}[name]
-        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, False),
-                                         "strides": None, "version": 3}
-
-
 def empty(like, shape, name, like_name):
     """A new array of `shape` and dtype `name` in the library and on the device of `like` (the
-    argument `like_name`).  Returns (array, writable view to hand to the library)."""
+    argument `like_name`).  JAX arrays, immutable, are never allocated here: attnmerge.jax makes
+    its results itself."""
     kind = family(like)
     if kind == "torch":
         import torch
 
-        x = torch.empty(shape, dtype=getattr(torch, name), device=like.device)
-        return x, x
+        return torch.empty(shape, dtype=getattr(torch, name), device=like.device)
     if kind == "cupy":
         import cupy
 
         with like.device:
-            x = cupy.empty(shape, dtype=_numpy_dtype(name))
-        return x, x
-    if kind == "jax":
-        import jax.numpy as jnp
-
-        x = jnp.empty(shape, dtype=getattr(jnp, name), device=like.device)
-        x.block_until_ready()  # the buffer must exist before the merge writes it
-        return x, _DeviceBuffer(x.unsafe_buffer_pointer(), shape, name)
+            return cupy.empty(shape, dtype=_numpy_dtype(name))
     if kind == "numba":
         from numba import cuda
 
         from . import _C
 
         with cuda.gpus[_C.pointer_device(like.__cuda_array_interface__["data"][0])]:
-            x = cuda.device_array(shape, dtype=_numpy_dtype(name))
-        return x, x
+            return cuda.device_array(shape, dtype=_numpy_dtype(name))
     if kind == "numpy":
         import numpy as np
 
-        x = np.empty(shape, dtype=_numpy_dtype(name))
-        return x, x
+        return np.empty(shape, dtype=_numpy_dtype(name))
     raise TypeError(f"{like_name}: expected an array of NumPy, PyTorch, CuPy, JAX or Numba to allocate outputs like, "
                     f"got {type(like).__qualname__} (pass out= and out_lse=)")

@@ -104,7 +104,7 @@ def _fake_nothing(*args, **kwargs):  # the mutating overloads return nothing
 
 # The caller's names of the arguments of the public call being run (a compat layer's: _merge's
 # `_names`).  The dispatcher carries no such argument to the kernels, so the public call sets it
-# around the op (_named) and the kernels read it; None: the ops' own names.
+# around the op (_names_for_kernels) and the kernels read it; None: the ops' own names.
 _NAMES = contextvars.ContextVar("attnmerge_names", default=None)
 
 def _flags(base, pdl):
@@ -388,18 +388,18 @@ def _call(functional, out_variant, like, in_dtype_of, shape_of, arg_names, names
     """The functional overload when no output is given (the one autograd can attach to), else the
     out= overload, any missing output allocated as the eager path allocates it; `names` (the
     caller's, or None) reach the kernels."""
-    with _named(names):
+    with _names_for_kernels(names):
         if out is None and out_lse is None:
             res, res_lse = functional(*args, out_dtype=_out_dtype(out_dtype), **options)
             return res, (res_lse if return_lse else None)
         shape = shape_of() if out is None or (out_lse is None and return_lse) else None
-        out, out_lse, _, _ = _merge._outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, *arg_names,
-                                             names)
+        out, out_lse = _merge._outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, *arg_names,
+                                       names)
         out_variant(*args, out=out, out_lse=out_lse, **options)
         return out, out_lse
 
 
-def _named(names):
+def _names_for_kernels(names):
     """`names` set for the kernels of the ops run inside (_NAMES); nothing while torch.compile
     traces, which runs no kernel."""
     if names is None or _compiling():
@@ -428,7 +428,7 @@ def merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_sc
 
 def merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl, names=None):
     _no_stream(stream)
-    with _named(names):
+    with _names_for_kernels(names):
         torch.ops.attnmerge.merge_inplace.default(o, lse, o_other, lse_other, mask, base=_base(base), pdl=pdl)
     return o, lse
 

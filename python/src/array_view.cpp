@@ -278,6 +278,45 @@ void from_numpy(attnmerge_tensor& t, py::handle obj, const char* expected, const
   t.flags = (arr.writeable() ? 0u : ATTNMERGE_READ_ONLY) | ATTNMERGE_DEVICE_KNOWN;
 }
 
+// The frameworks the reader treats apart: those whose current stream is asked of the framework
+// itself (no exchange API), and JAX, whose arrays are immutable.
+enum class Framework { kOther, kTorch, kCuPy, kNumba, kJax };
+
+// The framework of a type, from the top-level package of its module, looked up once per type (at
+// most 64 types, each held so that its address stays its own).  Under the GIL.
+Framework framework_of(PyTypeObject* type) {
+  static std::unordered_map<PyTypeObject*, Framework> cache;
+  const auto it = cache.find(type);
+  if (it != cache.end()) return it->second;
+  Framework f = Framework::kOther;
+  PyObject* module = PyObject_GetAttrString(reinterpret_cast<PyObject*>(type), "__module__");
+  if (module == nullptr) {
+    PyErr_Clear();
+  } else {
+    if (PyUnicode_Check(module)) {
+      const char* m = PyUnicode_AsUTF8(module);
+      const std::string top = m ? std::string(m).substr(0, std::string(m).find('.')) : std::string();
+      if (top == "torch") f = Framework::kTorch;
+      if (top == "cupy") f = Framework::kCuPy;
+      if (top == "numba" || top == "numba_cuda") f = Framework::kNumba;
+      if (top == "jax" || top == "jaxlib") f = Framework::kJax;
+    }
+    if (PyErr_Occurred()) PyErr_Clear();
+    Py_DECREF(module);
+  }
+  if (cache.size() < 64) {
+    cache.emplace(type, f);
+    Py_INCREF(reinterpret_cast<PyObject*>(type));
+  }
+  return f;
+}
+
+// JAX arrays are immutable, though JAX exports them with no read-only flag: read-only for the C
+// ABI, which then refuses them as outputs.
+void mark_immutable(attnmerge_tensor& t, py::handle obj) {
+  if (framework_of(Py_TYPE(obj.ptr())) == Framework::kJax) t.flags |= ATTNMERGE_READ_ONLY;
+}
+
 // DLPack's stream argument for a consumer stream handle: 1 is the legacy default stream.
 py::object dlpack_stream_arg(void* stream) {
   return py::int_(stream == nullptr ? uintptr_t{1} : reinterpret_cast<uintptr_t>(stream));
@@ -359,20 +398,23 @@ void ArrayView::read(py::handle obj, void* consumer_stream, const char* name, co
         versioned_ = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(c, "dltensor_versioned"));
         PyCapsule_SetName(c, "used_dltensor_versioned");
         if (versioned_->version.major != 1) value_error(name, "expected DLPack major version 1");
-        return from_dltensor(t, versioned_->dl_tensor, versioned_->flags & kDLReadOnly, expected, name);
+        from_dltensor(t, versioned_->dl_tensor, versioned_->flags & kDLReadOnly, expected, name);
+        return mark_immutable(t, obj);
       }
       if (PyCapsule_IsValid(c, "dltensor")) {
         legacy_ = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(c, "dltensor"));
         PyCapsule_SetName(c, "used_dltensor");
-        return from_dltensor(t, legacy_->dl_tensor, false, expected, name);
+        from_dltensor(t, legacy_->dl_tensor, false, expected, name);
+        return mark_immutable(t, obj);
       }
       value_error(name, "__dlpack__ returned no DLPack capsule");
     }
   }
-  if (py::hasattr(obj, "__cuda_array_interface__"))
-    return from_interface(t, obj, obj.attr("__cuda_array_interface__"), true, expected, name);
-  if (py::hasattr(obj, "__array_interface__"))
-    return from_interface(t, obj, obj.attr("__array_interface__"), false, expected, name);
+  const bool cuda = py::hasattr(obj, "__cuda_array_interface__");
+  if (cuda || py::hasattr(obj, "__array_interface__")) {
+    from_interface(t, obj, obj.attr(cuda ? "__cuda_array_interface__" : "__array_interface__"), cuda, expected, name);
+    return mark_immutable(t, obj);
+  }
   type_error(name, "expected an array (DLPack, __cuda_array_interface__ or NumPy), got " + type_name(obj));
 }
 
@@ -388,37 +430,6 @@ void* stream_handle(py::handle s) {
   if (py::hasattr(s, "cuda_stream")) return reinterpret_cast<void*>(s.attr("cuda_stream").cast<uintptr_t>());
   if (py::hasattr(s, "ptr")) return reinterpret_cast<void*>(s.attr("ptr").cast<uintptr_t>());
   type_error("stream", "expected None, an int handle or an object with .cuda_stream or .ptr, got " + type_name(s));
-}
-
-// The frameworks whose current stream is asked of the framework itself (no exchange API).
-enum class Framework { kOther, kTorch, kCuPy, kNumba };
-
-// The framework of a type, from the top-level package of its module, looked up once per type (at
-// most 64 types, each held so that its address stays its own).  Under the GIL.
-Framework framework_of(PyTypeObject* type) {
-  static std::unordered_map<PyTypeObject*, Framework> cache;
-  const auto it = cache.find(type);
-  if (it != cache.end()) return it->second;
-  Framework f = Framework::kOther;
-  PyObject* module = PyObject_GetAttrString(reinterpret_cast<PyObject*>(type), "__module__");
-  if (module == nullptr) {
-    PyErr_Clear();
-  } else {
-    if (PyUnicode_Check(module)) {
-      const char* m = PyUnicode_AsUTF8(module);
-      const std::string top = m ? std::string(m).substr(0, std::string(m).find('.')) : std::string();
-      if (top == "torch") f = Framework::kTorch;
-      if (top == "cupy") f = Framework::kCuPy;
-      if (top == "numba" || top == "numba_cuda") f = Framework::kNumba;
-    }
-    if (PyErr_Occurred()) PyErr_Clear();
-    Py_DECREF(module);
-  }
-  if (cache.size() < 64) {
-    cache.emplace(type, f);
-    Py_INCREF(reinterpret_cast<PyObject*>(type));
-  }
-  return f;
 }
 
 // A function of a framework's module: the one in sys.modules (the framework of an array at hand is
