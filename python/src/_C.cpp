@@ -14,6 +14,7 @@ namespace py = pybind11;
 
 namespace {
 
+using attnmerge_py::ArgName;
 using attnmerge_py::ArrayView;
 using attnmerge_py::CallArrays;
 using attnmerge_py::code_of_name;
@@ -31,12 +32,7 @@ class Names {
     if (!PyDict_Check(table.ptr())) type_error("names", "expected None or a dict, got " + type_name(table));
     table_ = table.ptr();
   }
-  const char* operator()(const char* name) const {
-    PyObject* v = table_ ? PyDict_GetItemString(table_, name) : nullptr;  // borrowed: the table holds it
-    const char* renamed = v ? PyUnicode_AsUTF8(v) : nullptr;
-    if (renamed == nullptr && PyErr_Occurred()) PyErr_Clear();
-    return renamed ? renamed : name;
-  }
+  ArgName operator()(const char* name) const { return ArgName(name, table_); }
   // The C ABI's message, which names its arguments by the binding's names, with every whole word
   // the table holds given the caller's name.  The C ABI takes no names (a field of attnmerge_options
   // could carry them, once its validation reads names from a table): this is the one place where
@@ -54,7 +50,7 @@ class Names {
         continue;
       }
       const std::string word(p, q);
-      out += (*this)(word.c_str());
+      out += ArgName(word.c_str(), table_).str();
       p = q;
     }
     return out;
@@ -93,7 +89,8 @@ constexpr const char* kIndexDtypes = "int32 or int64";
 
 // output_scale: None, a number, or a one-element float32 array on the op's device (read by the
 // kernel, so no host synchronization).  `holder` keeps the array's view alive.
-void set_output_scale(attnmerge_options& options, py::handle scale, ArrayView& holder, void* stream, const char* name) {
+void set_output_scale(attnmerge_options& options, py::handle scale, ArrayView& holder, void* stream,
+                      const ArgName& name) {
   if (scale.is_none()) return;
   if (PyFloat_Check(scale.ptr()) || PyLong_Check(scale.ptr())) {
     options.output_scale = scale.cast<float>();

@@ -60,8 +60,19 @@ struct DLPackExchangeAPI {
   int (*current_work_stream)(int32_t device_type, int32_t device_id, void** out_stream);
 };
 
-void type_error(const char* name, const std::string& what) { throw py::type_error(std::string(name) + ": " + what); }
-void value_error(const char* name, const std::string& what) { throw py::value_error(std::string(name) + ": " + what); }
+const char* ArgName::str() const {
+  PyObject* v = table_ ? PyDict_GetItemString(table_, name_) : nullptr;  // borrowed: the table holds it
+  const char* renamed = v ? PyUnicode_AsUTF8(v) : nullptr;
+  if (renamed == nullptr && PyErr_Occurred()) PyErr_Clear();
+  return renamed ? renamed : name_;
+}
+
+void type_error(const ArgName& name, const std::string& what) {
+  throw py::type_error(std::string(name.str()) + ": " + what);
+}
+void value_error(const ArgName& name, const std::string& what) {
+  throw py::value_error(std::string(name.str()) + ": " + what);
+}
 
 std::string type_name(py::handle obj) { return py::str(py::type::handle_of(obj).attr("__qualname__")); }
 
@@ -89,7 +100,7 @@ std::string dl_dtype_name(DLDataType dt) {
 
 // The library's code for a DLPack dtype; dtypes it has no code for fail here, naming what the
 // argument expects (`expected`), and every other check is the C ABI's.
-int dtype_from_dl(DLDataType dt, const char* expected, const char* name) {
+int dtype_from_dl(DLDataType dt, const char* expected, const ArgName& name) {
   if (dt.lanes == 1) {
     switch (dt.code) {
       case kDLFloat:
@@ -132,14 +143,14 @@ int code_of_dtype(py::handle dtype) {
   return code;
 }
 
-void set_ndim(attnmerge_tensor& t, int64_t ndim, const char* name) {
+void set_ndim(attnmerge_tensor& t, int64_t ndim, const ArgName& name) {
   if (ndim > ATTNMERGE_MAX_NDIM)
     value_error(name,
                 "expected at most " + std::to_string(ATTNMERGE_MAX_NDIM) + " dimensions, got " + std::to_string(ndim));
   t.ndim = static_cast<int32_t>(ndim);
 }
 
-void from_dltensor(attnmerge_tensor& t, const DLTensor& d, bool read_only, const char* expected, const char* name) {
+void from_dltensor(attnmerge_tensor& t, const DLTensor& d, bool read_only, const char* expected, const ArgName& name) {
   switch (d.device.device_type) {
     case kDLCPU:
     case kDLCUDAHost: t.device = ATTNMERGE_HOST; break;
@@ -203,7 +214,7 @@ bool is_numpy_array(py::handle obj) {
 
 // Dict-based interfaces (__cuda_array_interface__, __array_interface__): strides in bytes or None.
 void from_interface(attnmerge_tensor& t, py::handle obj, const py::dict& iface, bool cuda, const char* expected,
-                    const char* name) {
+                    const ArgName& name) {
   const std::string typestr = py::str(iface["typestr"]);
   if (!typestr.empty() && typestr[0] == '>') type_error(name, "expected native byte order, got big-endian " + typestr);
   const std::string kind = typestr.size() > 1 ? typestr.substr(1) : typestr;
@@ -252,14 +263,14 @@ void from_interface(attnmerge_tensor& t, py::handle obj, const py::dict& iface, 
 // at run time: no build dependency), which costs less than a __dlpack__ round trip or
 // __array_interface__ (which ml_dtypes' types would need, as NumPy will not export them through
 // DLPack).
-int numpy_dtype(const py::dtype& dt, const char* expected, const char* name) {
+int numpy_dtype(const py::dtype& dt, const char* expected, const ArgName& name) {
   const int code = code_of_dtype(dt);
   if (code >= 0) return code;
   if (dt.byteorder() == '>') type_error(name, "expected native byte order, got big-endian " + std::string(py::str(dt)));
   type_error(name, std::string("expected dtype ") + expected + ", got " + std::string(py::str(dt)));
 }
 
-void from_numpy(attnmerge_tensor& t, py::handle obj, const char* expected, const char* name) {
+void from_numpy(attnmerge_tensor& t, py::handle obj, const char* expected, const ArgName& name) {
   const auto arr = py::reinterpret_borrow<py::array>(obj);
   const py::dtype dt = arr.dtype();
   t.dtype = numpy_dtype(dt, expected, name);
@@ -335,7 +346,7 @@ void ArrayView::swap_leading_axes() {
   std::swap(t.strides[0], t.strides[1]);
 }
 
-void ArrayView::read(py::handle obj, void* consumer_stream, const char* name, const char* expected) {
+void ArrayView::read(py::handle obj, void* consumer_stream, const ArgName& name, const char* expected) {
   stream = consumer_stream;
   PyObject* o = obj.ptr();
   if (const DLPackExchangeAPI* api = exchange_api(Py_TYPE(o))) {

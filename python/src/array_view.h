@@ -16,9 +16,23 @@ namespace attnmerge_py {
 
 namespace py = pybind11;
 
+// An argument's name in messages: the binding's own, or the caller's from `table` (a dict from the
+// binding's names to a compat layer's, say vLLM's prefix_output for o_a), looked up only when a
+// message is worded, so that a call that fails nothing pays nothing for it.
+class ArgName {
+ public:
+  // Implicit: a plain name is the binding's own.
+  ArgName(const char* name, PyObject* table = nullptr) : name_(name), table_(table) {}
+  const char* str() const;  // the caller's name
+
+ private:
+  const char* name_;
+  PyObject* table_;
+};
+
 // Errors worded "name: what", naming the argument.
-[[noreturn]] void type_error(const char* name, const std::string& what);
-[[noreturn]] void value_error(const char* name, const std::string& what);
+[[noreturn]] void type_error(const ArgName& name, const std::string& what);
+[[noreturn]] void value_error(const ArgName& name, const std::string& what);
 std::string type_name(py::handle obj);  // the __qualname__ of obj's type
 
 // The library's code for a dtype's name as NumPy, ml_dtypes and the raw layer spell it; -1 for any
@@ -40,7 +54,7 @@ class ArrayView {
 
   // Reads `obj`, an array, for the consumer stream `stream` (what __dlpack__ is told); `name` and
   // `expected` (the dtypes the argument takes, in words) word the errors.
-  void read(py::handle obj, void* stream, const char* name, const char* expected);
+  void read(py::handle obj, void* stream, const ArgName& name, const char* expected);
 
   // [S, tokens, ...] read as [tokens, S, ...], through the strides (an all-gather's layout).
   void swap_leading_axes();
@@ -74,7 +88,7 @@ class StreamRequest {
 // One argument of a call: the object, its name and the dtypes it takes (for messages).
 struct Param {
   py::handle obj;
-  const char* name;
+  ArgName name;
   const char* expected;
 };
 
