@@ -107,6 +107,7 @@ def _fake_nothing(*args, **kwargs):  # the mutating overloads return nothing
 # around the op (_names_for_kernels) and the kernels read it; None: the ops' own names.
 _NAMES = contextvars.ContextVar("attnmerge_names", default=None)
 
+
 def _flags(base, pdl):
     if base not in ("e", "2"):
         raise ValueError(f"base: expected 'e' or '2', got {base!r}")
