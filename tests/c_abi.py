@@ -18,9 +18,8 @@ import numpy as np
 SUCCESS, ERROR_VALUE, ERROR_TYPE, ERROR_NO_DEVICE, ERROR_CUDA = 0, 1, 2, 3, 4
 STATUSES = (SUCCESS, ERROR_VALUE, ERROR_TYPE, ERROR_NO_DEVICE, ERROR_CUDA)
 
-# attnmerge_dtype
+# attnmerge_dtype (the library's table, dtypes(), says what each is; test_abi_exports holds these to it)
 FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3, UINT8, BOOL, INT32, INT64 = range(8)
-DTYPE_SIZE = {FLOAT32: 4, FLOAT16: 2, BFLOAT16: 2, FLOAT8_E4M3: 1, UINT8: 1, BOOL: 1, INT32: 4, INT64: 8}
 
 HOST = -1
 MAX_NDIM = 4
@@ -77,6 +76,17 @@ class LaunchInfo(Structure):
     ]
 
 
+class DtypeInfo(Structure):
+    """attnmerge_dtype_info."""
+
+    _fields_ = [
+        ("name", c_char_p),
+        ("array_name", c_char_p),
+        ("size", c_uint32),
+        ("roles", c_uint32),
+    ]
+
+
 # attnmerge_launch_info.kernel
 KERNEL_NONE, KERNEL_ROWS, KERNEL_ROWS_PLAIN, KERNEL_ROWS_INPLACE, KERNEL_STATES, KERNEL_BACKWARD = 0, 1, 2, 3, 4, 5
 
@@ -101,6 +111,7 @@ _SIGNATURES = {
     "attnmerge_cuda_driver_version": (c_int, []),
     "attnmerge_device_count": (c_int, []),
     "attnmerge_pointer_device": (c_int, [c_void_p]),
+    "attnmerge_dtype_info_of": (POINTER(DtypeInfo), [c_int32]),
     "attnmerge_stream_synchronize": (c_int, [c_int32, c_void_p]),
 }
 FUNCTIONS = tuple(_SIGNATURES)
@@ -137,25 +148,32 @@ def last_launch() -> LaunchInfo:
     return info
 
 
-_NP_DTYPES = {
-    np.dtype(np.float32): FLOAT32,
-    np.dtype(np.float16): FLOAT16,
-    np.dtype(np.uint8): UINT8,
-    np.dtype(np.bool_): BOOL,
-    np.dtype(np.int32): INT32,
-    np.dtype(np.int64): INT64,
-}
+_DTYPES: dict = {}
+
+
+def dtypes() -> dict:
+    """{code: (name, array_name, size, roles)} from the library's table (attnmerge_dtype_info_of)."""
+    if not _DTYPES:
+        code = 0
+        while info := load().attnmerge_dtype_info_of(code):
+            d = info.contents
+            _DTYPES[code] = (d.name.decode(), d.array_name.decode(), d.size, d.roles)
+            code += 1
+    return _DTYPES
+
+
+def dtype_sizes() -> dict:
+    """{code: bytes an element}."""
+    return {code: d[2] for code, d in dtypes().items()}
 
 
 def dtype_code(dtype) -> int:
-    """The attnmerge_dtype of a NumPy dtype (ml_dtypes' bfloat16 and float8_e4m3fn included)."""
-    dtype = np.dtype(dtype)
-    if dtype in _NP_DTYPES:
-        return _NP_DTYPES[dtype]
-    if dtype.name == "bfloat16":
-        return BFLOAT16
-    if dtype.name == "float8_e4m3fn":
-        return FLOAT8_E4M3
+    """The attnmerge_dtype of a NumPy dtype (ml_dtypes' bfloat16 and float8_e4m3fn included): the one
+    whose array name is NumPy's name of it."""
+    name = np.dtype(dtype).name
+    for code, d in dtypes().items():
+        if d[1] == name:
+            return code
     raise TypeError(f"no attnmerge dtype for {dtype}")
 
 

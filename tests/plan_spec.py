@@ -10,7 +10,7 @@ BLOCK_THREADS = 256          # the widest N-way rows block (kBlockThreads)
 PAIR_BLOCK_THREADS = 256     # the widest two-state block (kPairBlockThreads)
 MIN_BLOCK_THREADS = 128      # blocks narrow down to this where the grid would not cover the SMs
 STATE_BLOCK = 256            # threads of a states-kernel block, at most one row's (kStateBlockThreads)
-STATE_THREADS_PER_SM = 1024  # threads of the states kernel an SM holds (kStateThreadsPerSM)
+STATE_THREADS_PER_SM = 512  # threads of the states kernel an SM holds (kStateThreadsPerSM)
 STATES_PER_GROUP = 4         # the fewest states a group takes (kStatesPerGroup)
 MAX_STATE_GROUPS = 8         # the most groups a row has (kMaxStateGroups)
 ROWS_FILL_FOR_STATES = 4     # states kernel only where rows would fill <= 1/4 of the GPU (kRowsFillForStates)

@@ -38,7 +38,7 @@ def emu(tmp_path_factory):
                             os.path.join(HERE, "native", "emulated_cuda"), "-I", attnmerge.include_dir(),
                             os.path.join(HERE, "native", "backward_emulator.cpp"), "-o", str(lib)],
                            capture_output=True, text=True, timeout=300)
-    if build.returncode != 0 and "barrier" in build.stderr:
+    if build.returncode != 0 and "<barrier>" in build.stderr:
         pytest.skip("the C++ compiler has no C++20 <barrier>")
     assert build.returncode == 0, build.stderr[-3000:]
     return ctypes.CDLL(str(lib))
@@ -64,7 +64,7 @@ def call(fn, sizes, in_dtype, out_dtype, base, vec, sms, *arrays, tail=()):
 
 
 def widest_vec(head_size, *arrays):
-    """The vector width the C ABI chooses (api.cpp, choose_vec): 16 bytes of the widest dtype,
+    """The vector width the C ABI chooses (route.cpp, choose_vec): 16 bytes of the widest dtype,
     halved until head_size, every pointer and every non-innermost stride allow it."""
     arrays = [x for x in arrays if x is not None]
     vec = 16 // max(x.itemsize for x in arrays)

@@ -47,7 +47,7 @@ OUT = IN | {FLOAT8_E4M3}
 LSE = frozenset({FLOAT32})
 MASK = frozenset({UINT8, BOOL})
 INDEX = frozenset({INT32, INT64})
-SIZE = c_abi.DTYPE_SIZE
+SIZE = c_abi.dtype_sizes()
 ALLOWED_FLAGS = {"merge": 15, "inplace": 11, "states": 9, "varlen": 9,  # PDL (8) everywhere
                  "merge_backward": 15, "states_backward": 9, "varlen_backward": 9}
 BACKWARD = {"merge_backward": c_abi.merge_backward, "states_backward": c_abi.merge_states_backward,

@@ -508,6 +508,34 @@ def test_a_scale_of_0_is_none_to_the_python_layer_as_none_is(rng):
     check_message(str(info.value), ["output_scale", "None", "0.0"])
 
 
+def _scale_0_through(path, o_a, lse_a, o_b, lse_b):
+    if path == "jax":
+        jax = pytest.importorskip("jax")
+        if not attnmerge.build_info()["jax_extension"]:
+            pytest.skip("attnmerge was built without the JAX extension")
+        import attnmerge.jax as amj
+
+        x = [jax.numpy.asarray(v) for v in (o_a, lse_a, o_b, lse_b)]
+        return amj.merge(*x, out_dtype=jax.numpy.float8_e4m3fn, output_scale=0.0)
+    torch = pytest.importorskip("torch")
+    a, la, b, lb = (torch.from_numpy(v) for v in (o_a, lse_a, o_b, lse_b))
+    if path == "torch.ops":  # taken for tensors that require grad
+        return attnmerge.merge(a.requires_grad_(), la, b, lb, out_dtype=torch.float8_e4m3fn, output_scale=0.0)
+    out = torch.zeros((T, H, D)).to(torch.float8_e4m3fn)
+    return merge_attn_states(out, a, la.T.contiguous(), b, lb.T.contiguous(), output_scale=0.0)
+
+
+@pytest.mark.parametrize("path", ["torch.ops", "jax", "vllm"])
+def test_a_scale_of_0_is_refused_on_every_path(rng, path):
+    """attnmerge.jax, the torch.ops path and the vLLM layer turn a number into a scale as the direct
+    path does: 0 is not Python's none."""
+    o_a, lse_a = random_state(rng, T, H, D)
+    o_b, lse_b = random_state(rng, T, H, D)
+    with pytest.raises(ValueError) as info:
+        _scale_0_through(path, o_a, lse_a, o_b, lse_b)
+    assert str(info.value) == "output_scale: expected None or a finite scale > 0, got 0.0"
+
+
 def test_a_non_fp8_output_takes_no_scale_but_1(rng):
     o_a, lse_a = random_state(rng, T, H, D)
     o_b, lse_b = random_state(rng, T, H, D)

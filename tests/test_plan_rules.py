@@ -17,14 +17,16 @@ from plan_spec import (
     INDEX32_LIMIT,
     MIN_BLOCK_THREADS,
     PAIR_BLOCK_THREADS,
+    ROWS_FILL_FOR_STATES,
     STATE_BLOCK,
+    STATE_THREADS_PER_SM,
     chunk_for,
     groups_for,
 )
 
 PROBE = os.path.join(os.path.dirname(__file__), "native", "plan_probe.cpp")
 FIELDS = ("strategy", "chunk", "groups", "launches", "plain", "fused_lse", "index32",
-          "gx", "gy", "gz", "bx", "by", "bz", "smem")
+          "gx", "gy", "gz", "bx", "by", "bz", "smem", "flat", "warp_rows")
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +99,12 @@ def test_more_states_split_into_more_groups_until_the_gpu_is_full(probe):
     calls = [("stack", 16, 32, 128, s, 8, 132) for s in (9, 16, 32, 64, 128, 256)]
     groups = [p["groups"] for p in probe(calls)]
     assert groups == [2, 4, 8, 8, 8, 8]  # at most 8 groups
-    # only where the rows kernel (rows x packs threads) fills at most a quarter of 132 SMs x 1024
-    # threads: 528 tokens x 4 heads x 16 packs just do (four groups fill the GPU), 529 and 128 x 32 not
-    calls = [("stack", 528, 4, 128, 64, 8, 132), ("stack", 529, 4, 128, 64, 8, 132), ("stack", 128, 32, 128, 64, 8, 132)]
+    # only where the rows kernel (rows x packs threads) fills at most a quarter of 132 SMs x
+    # STATE_THREADS_PER_SM threads: `edge` tokens x 4 heads x 16 packs just do (four groups fill
+    # the GPU), one token more and 128 x 32 not
+    edge = 132 * STATE_THREADS_PER_SM // (ROWS_FILL_FOR_STATES * 4 * 16)
+    calls = [("stack", edge, 4, 128, 64, 8, 132), ("stack", edge + 1, 4, 128, 64, 8, 132),
+             ("stack", 128, 32, 128, 64, 8, 132)]
     assert [(p["strategy"], p["groups"]) for p in probe(calls)] == [("states", 4), ("rows", 1), ("rows", 1)]
 
 
@@ -115,12 +120,27 @@ def test_two_state_kernels(probe, sms):
         for flags, plan in zip(flag_sets, plans):
             plain = flags in ("-", "p") or (flags == "t" and tokens < 64)
             assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (int(plain), 0, 1), (flags, tokens)
-        for plan in plans[-2:]:  # in place: one launch, the LSE after a barrier
-            assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (0, 1, 1), tokens
+        # in place: one launch, the LSE after a barrier (a row's lanes' where they share a warp);
+        # the plain source, rows flat, unless masked
+        for plan, plain in zip(plans[-2:], (1, 0)):
+            assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (plain, 1, 1), tokens
+            assert plan["flat"] == plain
+            assert plan["warp_rows"] == int(32 % plan["bx"] == 0), (tokens, head_size)
+        for flags, plan in zip(flag_sets, plans[:-2]):  # dense views: the plain kernel takes its rows flat
+            assert plan["flat"] == int(plan["plain"] == 1 and flags != "t"), (flags, tokens, head_size)
         for plan in plans:
             threads = plan["bx"] * plan["by"]
             assert MIN_BLOCK_THREADS <= threads <= PAIR_BLOCK_THREADS or plan["bx"] == head_size // vec < MIN_BLOCK_THREADS
             assert plan["gy"] == 1
+
+
+def test_rows_flat_only_where_every_view_is_dense(probe):
+    # a gap between tokens (g) or [heads, tokens] LSEs (t, below the tiles' 64 tokens) keep the row split
+    dense, gapped, heads_major = probe([("pair", 16, HEADS, 128, 2, 8, 132, "-"), ("pair", 16, HEADS, 128, 2, 8, 132, "g"),
+                                        ("pair", 16, HEADS, 128, 2, 8, 132, "t")])
+    assert (dense["plain"], dense["flat"]) == (1, 1)
+    assert (gapped["plain"], gapped["flat"]) == (1, 0)
+    assert (heads_major["plain"], heads_major["flat"]) == (1, 0)
 
 
 def test_in_place_rows_wider_than_a_block_take_two_launches(probe):

@@ -79,7 +79,7 @@ void run_case(int64_t tokens, int64_t states, bool pair, int sms, double roof, c
   const StateView out_v{out, kHeads * kHeadSize, kHeadSize, out_lse, kHeads, 1};
   const StateView grad_out_v{grad_out, kHeads * kHeadSize, kHeadSize, grad_out_lse, kHeads, 1};
   const StackSource grad{grad_o, o_st, o_ss, kHeadSize, grad_lse, l_st, kHeads, 1, states};
-  const BackwardPlan plan = plan_backward(shape, 8, pair, false, DeviceInfo{sms, 9});
+  const BackwardPlan plan = plan_backward(shape, 8, states, false, DeviceInfo{sms, 9});
   // The backward with the forward's O (the default) and without it (out = NULL: <dO, O> from the
   // states' dots, one vector a row less to read).
   const auto time_backward = [&](const StateView& saved) {

@@ -1,9 +1,10 @@
 // Launch choices of the two-way merge side by side, by CUDA-graph replay through the header-only
 // launcher (merge_kernels.cuh), on 1 to 32768 x 32 x 128 bfloat16 with input sets rotated past L2:
-//   blocks    up to 512 threads (the library's) or up to 256, narrowed so that a small grid covers
-//             the SMs;
+//   flat      the plan's rows taken flat (one offset a view, no row division) against split into
+//             token and head;
 //   evict     evict-first O loads and stores: the library's choice (< 32 MB), always, never;
 //   pdl       a chain of two dependent merges with and without programmatic dependent launch;
+//   in place  the in-place merge, unmasked and half masked, in the plan's blocks and in blocks of 512;
 //   tiles     with vLLM's [heads, tokens] LSEs, rows in tiles of 8 tokens (MergeShape::tile) against
 //             the token-major order, at several head sizes; the two outputs compared byte for byte.
 // Prints us per merge and the ratio to the library's choice; figures go to benchmarks/NOTES.md.
@@ -41,11 +42,11 @@ Case make_case(int64_t tokens) {
 void free_case(Case& c) { free_pair_sets(c.sets); }
 
 // The launch knobs timed here: the SM count the plan sizes blocks for, programmatic dependent
-// launch, and the widest block (0: the plan's, kPairBlockThreads).
+// launch, and whether the plan may take rows flat (PlainPairSource's kFlatRows).
 struct Knobs {
   int sms;
   bool pdl;
-  int width = 0;
+  bool unflat = false;
 };
 
 // One merge of set `s` (a_o/a_lse may be another set's output, for the chain) as the library plans
@@ -58,7 +59,7 @@ cudaError_t merge(const void* o_a, const float* lse_a, const Set& s, void* out, 
                        tokens, nullptr, 0};
   const OutView dst{out, st, kHeadSize, out_lse, kHeads, 1, 1.0f, nullptr, false};
   LaunchPlan plan = bf16_plan(shape, src, dst, claimed_bytes, knobs.sms, knobs.pdl);
-  if (knobs.width > 0) plan.main = row_dims(plan.shape.packs, plan.shape.rows, knobs.sms, knobs.width);
+  if (knobs.unflat) plan.flat = false;
   return launch_merge<bfloat16_t, bfloat16_t, 8>(plan, src, dst, stream);
 }
 
@@ -100,6 +101,47 @@ void tiles(int64_t tokens, int64_t heads, int64_t head_size, int sms, cudaStream
   free_pair_sets(sets);
 }
 
+// The in-place merge of T x 32 x 128 bfloat16 (a's O and LSE overwritten), with no mask or with
+// about half the tokens' rows masked out: the plan's launch (blocks of up to kPairBlockThreads:
+// build with -DATTNMERGE_PAIR_BLOCK_THREADS=512 for FlashInfer's launch, one token a block)
+// against blocks of half that width and against the general source (PairSource) where the plan
+// took the plain one, each timed twice.
+void in_place(int64_t tokens, bool masked, int sms, cudaStream_t stream) {
+  const size_t o_bytes = tokens * kHeads * kHeadSize * 2, lse_bytes = tokens * kHeads * 4;
+  const int64_t bytes = 3 * int64_t(o_bytes + lse_bytes);
+  const int64_t n = rotation(bytes);
+  std::vector<Set> sets = alloc_pair_sets(n, o_bytes, lse_bytes);
+  uint8_t* mask = nullptr;
+  if (masked) {
+    std::vector<uint8_t> host(tokens);
+    for (int64_t t = 0; t < tokens; ++t) host[t] = (hash_index(t, 7) & 1) || t == 0;
+    check_cuda(cudaMalloc(&mask, tokens), "cudaMalloc");
+    check_cuda(cudaMemcpy(mask, host.data(), tokens, cudaMemcpyHostToDevice), "copy");
+  }
+  const auto run = [&](const Set& s, int variant) {  // 0 the plan's, 1 blocks of half its width, 2 not plain
+    const MergeShape shape{tokens, kHeads, kHeadSize, false};
+    const int64_t st = kHeads * kHeadSize;
+    const PairSource src{StateView{s.o_a, st, kHeadSize, s.lse_a, kHeads, 1}, StateView{s.o_b, st, kHeadSize, s.lse_b, kHeads, 1},
+                         tokens, mask, 1};
+    const OutView dst{s.o_a, st, kHeadSize, s.lse_a, kHeads, 1, 1.0f, nullptr, true};
+    LaunchPlan plan = bf16_plan(shape, src, dst, bytes, sms);
+    if (variant == 1) {
+      plan.main = row_dims(plan.shape.packs, plan.shape.rows, sms, kPairBlockThreads / 2, plan.shape.packs);
+      plan.warp_rows = 32 % plan.main.block[0] == 0;
+    }
+    if (variant == 2) plan.plain = plan.flat = false;
+    check_cuda(launch_merge<bfloat16_t, bfloat16_t, 8>(plan, src, dst, stream), "launch");
+  };
+  double t[2][3];
+  for (int round = 0; round < 2; ++round)
+    for (int v = 0; v < 3; ++v) t[round][v] = graph_us([&](int i) { run(sets[i % n], v); }, stream);
+  std::printf("%7lld %s %7.1f MB: library %8.2f %8.2f us | blocks of half %8.2f %8.2f us | general source %8.2f %8.2f us\n",
+              static_cast<long long>(tokens), masked ? "half masked" : "no mask    ", bytes / 1e6, t[0][0], t[1][0], t[0][1],
+              t[1][1], t[0][2], t[1][2]);
+  if (mask) cudaFree(mask);
+  free_pair_sets(sets);
+}
+
 }  // namespace
 
 int main() {
@@ -110,7 +152,7 @@ int main() {
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   const int sms = prop.multiProcessorCount;
   std::printf("%s (%d SMs), two-way merge T x 32 x 128 bfloat16, us per merge by graph replay (median)\n", prop.name, sms);
-  std::printf("%7s %9s | %10s %10s %8s | %10s %10s %10s\n", "tokens", "MB", "library", "256 max", "ratio",
+  std::printf("%7s %9s | %10s %10s %8s | %10s %10s %10s\n", "tokens", "MB", "library", "not flat", "ratio",
               "evict-1st", "plain", "ratio");
   const int64_t always = 0, never = INT64_MAX;
   for (int64_t tokens : {1, 16, 128, 512, 1024, 2048, 4096, 8192, 32768}) {
@@ -123,7 +165,7 @@ int main() {
           },
           stream);
     };
-    const Knobs lib{sms, false}, wide{sms, false, 256};
+    const Knobs lib{sms, false}, wide{sms, false, true};
     const double t_lib = time(c.bytes, lib), t_wide = time(c.bytes, wide);
     const double t_evict = time(always, lib), t_plain = time(never, lib);
     std::printf("%7lld %9.1f | %10.2f %10.2f %8.3f | %10.2f %10.2f %10.3f\n", static_cast<long long>(tokens),
@@ -148,6 +190,9 @@ int main() {
     std::printf("%7lld tokens: plain %7.2f  pdl %7.2f  (%.3fx)\n", static_cast<long long>(tokens), t[0], t[1], t[0] / t[1]);
     free_case(c);
   }
+  std::printf("in-place merge, blocks of up to %d threads against half that (each timed twice)\n", kPairBlockThreads);
+  for (int64_t tokens : {1, 512, 8192})
+    for (bool masked : {false, true}) in_place(tokens, masked, sms, stream);
   std::printf("[heads, tokens] LSEs, rows token-major against tiles of 8 tokens (each timed twice)\n");
   for (const auto& shape : {std::array<int64_t, 3>{16384, 64, 64}, {8192, 32, 128}, {8192, 32, 80}, {16384, 16, 256},
                             {2048, 32, 128}, {512, 32, 128}})

@@ -1,6 +1,6 @@
 // The N-way merge's two strategies side by side (plan.h): kRows (one thread per pack walks a row's
 // states, 8 or 4 in flight, blocks of up to 256 or of 128 threads) against kStates with 2 to 16
-// groups of threads a row, and the plan's own choice with and without evict-first accesses, by
+// groups of threads a row (each with and without its next chunk of loads issued ahead: `Ga`), and the plan's own choice with and without evict-first accesses, by
 // CUDA-graph replay through the header-only launcher on T x S x 32 x 128 states ([tokens, S,
 // heads, D], FlashInfer's layout) with bfloat16 or float32 partials into a bfloat16 output, input
 // sets rotated past L2.  Each variant's output is compared with kRows' (max |difference| of O and
@@ -101,6 +101,9 @@ void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
   for (int g = 2; g <= 32; g *= 2) {
     if (rows.shape.packs * g > kStateBlockThreads) break;
     vs.push_back({"G" + std::to_string(g), planned(g)});
+    LaunchPlan ahead = planned(g);  // each group's next chunk in flight while it uses the current one
+    ahead.ahead = true;
+    vs.push_back({"G" + std::to_string(g) + "a", ahead});
   }
   const auto launch_one = [&](const LaunchPlan& plan, const Set& s) {
     check_cuda(launch_merge<TIn, bfloat16_t, kVec>(plan, source(s), dest(s), stream), "launch");
@@ -119,6 +122,33 @@ void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
   run_into_set0(rows);
   check_cuda(cudaMemcpy(ref_o.data(), sets[0].out, out_elems * 2, cudaMemcpyDeviceToHost), "copy");
   check_cuda(cudaMemcpy(ref_l.data(), sets[0].out_lse, ref_l.size() * 4, cudaMemcpyDeviceToHost), "copy");
+  // kRows itself against a float64 merge on the host, over the first tokens.
+  {
+    const int64_t check_tokens = std::min<int64_t>(tokens, 4), per_token = states * kHeads * kHeadSize;
+    std::vector<TIn> hin(check_tokens * per_token);
+    std::vector<float> hl(check_tokens * states * kHeads);
+    check_cuda(cudaMemcpy(hin.data(), sets[0].o, hin.size() * sizeof(TIn), cudaMemcpyDeviceToHost), "copy");
+    check_cuda(cudaMemcpy(hl.data(), sets[0].lse, hl.size() * 4, cudaMemcpyDeviceToHost), "copy");
+    double worst_o = 0, worst_l = 0;
+    for (int64_t t = 0; t < check_tokens; ++t)
+      for (int64_t h = 0; h < kHeads; ++h) {
+        double m = -INFINITY, total = 0;
+        for (int64_t s = 0; s < states; ++s) m = std::max(m, double(hl[(t * states + s) * kHeads + h]));
+        for (int64_t s = 0; s < states; ++s) total += std::exp2(double(hl[(t * states + s) * kHeads + h]) - m);
+        worst_l = std::max(worst_l, std::fabs(m + std::log2(total) - ref_l[t * kHeads + h]));
+        for (int64_t d = 0; d < kHeadSize; ++d) {
+          double acc = 0;
+          for (int64_t s = 0; s < states; ++s) {
+            const TIn x = hin[((t * states + s) * kHeads + h) * kHeadSize + d];
+            const double v = f32 ? double(reinterpret_cast<const float&>(x)) : double(bf16_to_float(reinterpret_cast<const uint16_t&>(x)));
+            acc += std::exp2(double(hl[(t * states + s) * kHeads + h]) - m) / total * v;
+          }
+          worst_o = std::max(worst_o, std::fabs(acc - bf16_to_float(ref_o[(t * kHeads + h) * kHeadSize + d])));
+        }
+      }
+    if (worst_o > 1e-2 || worst_l > 1e-3)
+      std::printf("rows WRONG against the host merge: |dO| %.2e |dLSE| %.2e\n", worst_o, worst_l);
+  }
   std::printf("S=%-4lld %5lld tok %-9s %8.1f MB | plan %s", static_cast<long long>(states), static_cast<long long>(tokens),
               f32 ? "f32->bf16" : "bf16", bytes / 1e6,
               library.strategy == Strategy::kStates ? ("G" + std::to_string(library.groups)).c_str() : "rows");

@@ -11,24 +11,11 @@
 #include "attnmerge/views.h"
 #include "attnmerge/backward_params.h"
 #include "attnmerge/plan.h"
+#include "dtypes.h"
+#include "errors.h"
 
 namespace attnmerge {
 namespace detail {
-
-// Records the calling thread's error message (printf-style) and returns `status`.
-attnmerge_status fail(attnmerge_status status, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
-
-inline std::size_t dtype_size(int dtype) {
-  switch (dtype) {
-    case ATTNMERGE_FLOAT32:
-    case ATTNMERGE_INT32: return 4;
-    case ATTNMERGE_FLOAT16:
-    case ATTNMERGE_BFLOAT16: return 2;
-    case ATTNMERGE_INT64: return 8;
-    default: return 1;
-  }
-}
-const char* dtype_name(int dtype);
 
 // The one dispatch idiom: calls f with a value of the storage type of `dtype` (validated), so that
 // `using T = decltype(tag)` names it.  Inputs are float32, float16 or bfloat16; outputs also FP8.

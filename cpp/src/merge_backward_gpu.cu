@@ -24,7 +24,7 @@ template <typename Src>
 int run_backward(const DeviceInfo& device, void* ctx, attnmerge_launch_info* info) {
   const BackwardJob<Src>& job = *static_cast<const BackwardJob<Src>*>(ctx);
   const BackwardPlan plan =
-      plan_backward(job.shape, job.vec, Src::kMaxStates == 2, job.pdl, device);
+      plan_backward(job.shape, job.vec, max_states(job.args.src), job.pdl, device);
   cudaError_t err = cudaSuccess;
   dispatch_in_dtype(job.in_dtype, [&](auto in_tag) {
     dispatch_in_dtype(job.out_dtype, [&](auto out_tag) {

@@ -92,8 +92,8 @@ void record_launch(const LaunchPlan& plan) {
   info.launches = plan.launches;
   info.kernel = plan.launches == 0                      ? ATTNMERGE_KERNEL_NONE
                 : plan.strategy == Strategy::kStates ? ATTNMERGE_KERNEL_STATES
-                : plan.plain                         ? ATTNMERGE_KERNEL_ROWS_PLAIN
                 : plan.fused_lse                     ? ATTNMERGE_KERNEL_ROWS_INPLACE
+                : plan.plain                         ? ATTNMERGE_KERNEL_ROWS_PLAIN
                                                      : ATTNMERGE_KERNEL_ROWS;
   info.state_groups = plan.groups;
   info.index_bits = plan.index32 ? 32 : 64;

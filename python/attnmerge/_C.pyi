@@ -37,6 +37,13 @@ def device_count() -> int: ...
 def library_path() -> str: ...
 def pointer_device(ptr: int) -> int: ...
 
+# The C ABI's dtype table: (code, name, array_name, size, roles) a row; attnmerge._types reads it.
+DTYPES: tuple[tuple[int, str, str, int, int], ...]
+ROLE_O_IN: int
+ROLE_O_OUT: int
+ROLE_LSE: int
+ROLE_MASK: int
+ROLE_INDPTR: int
 LSE_BASE2: int
 LSE_HEADS_FIRST: int
 PDL: int

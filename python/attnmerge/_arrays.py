@@ -3,8 +3,7 @@ checks arguments (libattnmerge does), and `stream=None` is resolved by the bindi
 arrays (python/src/array_view.h)."""
 from __future__ import annotations
 
-_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
-_ALIASES = {"float8_e4m3": "float8_e4m3fn"}
+from ._types import ALIASES, O_OUT_DTYPES
 
 
 _FAMILIES = {"torch": "torch", "cupy": "cupy", "numpy": "numpy", "jax": "jax", "jaxlib": "jax", "numba": "numba",
@@ -29,10 +28,11 @@ def family(x):
 _NAME_OF_DTYPE: dict[object, str] = {}  # dtype object -> its name (NumPy's dtype.name is a Python property: ~2 us)
 
 
-def _name_of(dtype):
+def name_of(dtype):
+    """The name of any framework's dtype object, as the array libraries spell it (not checked)."""
     if type(dtype).__module__ == "torch":  # torch.dtype: str() is cheap; no cache, which torch.compile cannot trace
         name = str(dtype).rpartition(".")[2]
-        return _ALIASES.get(name, name)
+        return ALIASES.get(name, name)
     try:
         return _NAME_OF_DTYPE[dtype]
     except (KeyError, TypeError):  # not seen yet, or not hashable
@@ -40,25 +40,22 @@ def _name_of(dtype):
     name = getattr(dtype, "name", None) or str(dtype).rpartition(".")[2]
     if isinstance(dtype, type):  # NumPy scalar types such as numpy.float16
         name = getattr(dtype, "__name__", name)
-    name = _ALIASES.get(name, name)
+    name = ALIASES.get(name, name)
     try:
-        if name in _DTYPE_NAMES:
+        if name in O_OUT_DTYPES:
             _NAME_OF_DTYPE[dtype] = name
     except TypeError:
         pass
     return name
 
 
-def dtype_name(dtype, arg, names=_DTYPE_NAMES):
-    """One of `names` ('float32', 'float16', 'bfloat16', 'float8_e4m3fn') from a string or any
+def dtype_name(dtype, arg, names=O_OUT_DTYPES):
+    """One of `names` (by default those of an output O, _types.O_OUT_DTYPES) from a string or any
     framework's dtype."""
-    name = _ALIASES.get(dtype, dtype) if isinstance(dtype, str) else _name_of(dtype)
+    name = ALIASES.get(dtype, dtype) if isinstance(dtype, str) else name_of(dtype)
     if name not in names:
         raise TypeError(f"{arg}: expected dtype {', '.join(names[:-1])} or {names[-1]}, got {dtype!r}")
     return name
-
-
-INPUT_DTYPES = _DTYPE_NAMES[:3]
 
 
 _NUMPY_DTYPES: dict[str, object] = {}  # name -> NumPy dtype, once found

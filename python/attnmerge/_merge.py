@@ -4,8 +4,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from . import _C
-from ._arrays import INPUT_DTYPES, dtype_name, empty, family
-from ._types import Array, Base, DType, Stream
+from ._arrays import dtype_name, empty, family
+from ._types import O_IN_DTYPES, Array, Base, DType, Stream
 
 # attnmerge._torch_ops and its `takes` once torch is imported (attnmerge._torch_hook sets them).  Each
 # function first asks whether the call must go through torch.ops.attnmerge (while torch.compile or
@@ -29,6 +29,16 @@ def a_tokens_arg(a_tokens: int | None, name: str = "a_tokens") -> int:
     if not isinstance(a_tokens, int) or isinstance(a_tokens, bool) or a_tokens < 0:
         raise ValueError(f"{name}: expected None or an int >= 0, got {a_tokens!r}")
     return a_tokens
+
+
+def output_scale_arg(output_scale):
+    """output_scale as every layer below takes it: None (no scale), an array (read on the device), or
+    a number, which is a scale.  The C ABI spells "no scale" 0 and Python None, so a number 0 is
+    refused here, for every path (the binding, the JAX road, torch.ops, attnmerge.jax, the vLLM
+    layer); the C ABI checks the rest (a finite scale > 0; outputs other than FP8 take none, or 1)."""
+    if isinstance(output_scale, (int, float)) and not isinstance(output_scale, bool) and output_scale == 0:
+        raise ValueError(f"output_scale: expected None or a finite scale > 0, got {output_scale!r}")
+    return output_scale
 
 
 def _named(names, arg):
@@ -116,7 +126,7 @@ def _result_dtype(out_dtype, in_dtype_of, src_name, names):
     dtype = getattr(in_dtype_of, "dtype", None)
     if dtype is None:
         raise TypeError(f"{src_name}: expected an array, got {type(in_dtype_of).__qualname__}")
-    return dtype_name(dtype, src_name, INPUT_DTYPES)
+    return dtype_name(dtype, src_name, O_IN_DTYPES)
 
 
 def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like_name="o_b", src_name="o_a",
@@ -189,10 +199,12 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
     if out is None and _is_jax(o_b):
         out, out_lse = _jax_road("merge", out_lse, stream, _names)(
             o_a, lse_a, o_b, lse_b, base=base, out_dtype=_result_dtype(out_dtype, o_a, "o_a", _names),
-            a_tokens=a_tokens, output_scale=output_scale)
+            a_tokens=a_tokens, output_scale=output_scale_arg(output_scale))
         return out, (out_lse if return_lse else None)
     shape = _shape(o_b, "o_b", _names) if out is None or (out_lse is None and return_lse) else None
     out, out_lse = _outputs(o_b, o_a, shape, out, out_lse, return_lse, out_dtype, names=_names)
+    if output_scale is not None:
+        output_scale = output_scale_arg(output_scale)
     _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, flags, a_tok, output_scale, stream, _names)
     return out, out_lse
 
@@ -238,13 +250,15 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
         _refuse_jax_outputs(out, out_lse, "merge_states", _names)
     if out is None and _is_jax(o):
         out, out_lse = _jax_road("merge_states", out_lse, stream, _names)(
-            o, lse, base=base, out_dtype=_result_dtype(out_dtype, o, "o", _names), output_scale=output_scale,
-            states_axis=states_axis)
+            o, lse, base=base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
+            output_scale=output_scale_arg(output_scale), states_axis=states_axis)
         return out, (out_lse if return_lse else None)
     shape = None
     if out is None or (out_lse is None and return_lse):
         shape = states_shape(o, states_axis, _names)
     out, out_lse = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
+    if output_scale is not None:
+        output_scale = output_scale_arg(output_scale)
     _C.merge_states(out, out_lse, o, lse, flags, states_axis == 0, output_scale, stream, _names)
     return out, out_lse
 
@@ -270,12 +284,15 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
         _refuse_jax_outputs(out, out_lse, "merge_varlen", _names)
     if out is None and _is_jax(o):
         out, out_lse = _jax_road("merge_varlen", out_lse, stream, _names)(
-            o, lse, indptr, base=base, out_dtype=_result_dtype(out_dtype, o, "o", _names), output_scale=output_scale)
+            o, lse, indptr, base=base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
+            output_scale=output_scale_arg(output_scale))
         return out, (out_lse if return_lse else None)
     shape = None
     if out is None or (out_lse is None and return_lse):
         shape = varlen_shape(o, indptr, _names)
     out, out_lse = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
+    if output_scale is not None:
+        output_scale = output_scale_arg(output_scale)
     _C.merge_varlen(out, out_lse, o, lse, indptr, flags, output_scale, stream, _names)
     return out, out_lse
 
@@ -336,7 +353,7 @@ def merge_backward(grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b,
     needs = _needs(needs_grad, 4)
     shape = _shape(o_b, "o_b")
     a_shape = shape if a_tokens is None else (a_tok,) + tuple(shape[1:])
-    name = dtype_name(getattr(o_a, "dtype", None), "o_a", INPUT_DTYPES)
+    name = dtype_name(getattr(o_a, "dtype", None), "o_a", O_IN_DTYPES)
     grads = (_grad_buffer(grad_o_a, needs[0], o_b, a_shape, name, "grad_o_a", "merge", "o_b"),
              _grad_buffer(grad_lse_a, needs[1], o_b, a_shape[:2], "float32", "grad_lse_a", "merge", "o_b"),
              _grad_buffer(grad_o_b, needs[2], o_b, shape, name, "grad_o_b", "merge", "o_b"),
@@ -361,7 +378,7 @@ def merge_states_backward(grad_out, grad_out_lse, out, out_lse, o, lse, *, grad_
     shape = _shape(o, "o")
     if len(shape) != 4:
         raise ValueError(f"o: expected 4 dimensions, got {len(shape)} (shape {list(shape)})")
-    name = dtype_name(getattr(o, "dtype", None), "o", INPUT_DTYPES)
+    name = dtype_name(getattr(o, "dtype", None), "o", O_IN_DTYPES)
     grads = (_grad_buffer(grad_o, needs[0], o, shape, name, "grad_o", "merge_states", "o"),
              _grad_buffer(grad_lse, needs[1], o, shape[:3], "float32", "grad_lse", "merge_states", "o"))
     _C.merge_states_backward(*grads, grad_out, grad_out_lse, out, out_lse, o, lse, flags, states_axis == 0, stream)
@@ -383,7 +400,7 @@ def merge_varlen_backward(grad_out, grad_out_lse, out, out_lse, o, lse, indptr, 
     shape = _shape(o, "o")
     if len(shape) != 3:
         raise ValueError(f"o: expected 3 dimensions, got {len(shape)} (shape {list(shape)})")
-    name = dtype_name(getattr(o, "dtype", None), "o", INPUT_DTYPES)
+    name = dtype_name(getattr(o, "dtype", None), "o", O_IN_DTYPES)
     grads = (_grad_buffer(grad_o, needs[0], o, shape, name, "grad_o", "merge_varlen", "o"),
              _grad_buffer(grad_lse, needs[1], o, shape[:2], "float32", "grad_lse", "merge_varlen", "o"))
     _C.merge_varlen_backward(*grads, grad_out, grad_out_lse, out, out_lse, o, lse, indptr, flags, stream)

@@ -21,7 +21,8 @@ import contextvars
 import torch
 
 from . import _C, _merge
-from ._arrays import dtype_name
+from ._arrays import dtype_name, name_of
+from ._types import NO_GRADIENT_DTYPES
 
 _NS = "attnmerge"
 
@@ -217,7 +218,7 @@ def _register_autograd(lib):
 
 def _no_fp8_gradient(name, inputs, scale, out):
     """A gradient through a scaled or FP8 output is not defined here: refused when one is asked for."""
-    if out.dtype.itemsize == 1 or scale is not None:
+    if name_of(out.dtype) in NO_GRADIENT_DTYPES or scale is not None:
         if any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
             raise NotImplementedError(f"{_NS}::{name}: no gradient through an FP8 output or an output_scale; call it "
                                       f"under torch.no_grad() or on detached tensors")
@@ -375,7 +376,7 @@ def _scale(output_scale, like):
     """A number becomes the one-element float32 tensor the ops take."""
     if output_scale is None or isinstance(output_scale, torch.Tensor):
         return output_scale
-    return torch.full((1,), float(output_scale), dtype=torch.float32, device=like.device)
+    return torch.full((1,), float(_merge.output_scale_arg(output_scale)), dtype=torch.float32, device=like.device)
 
 
 def _out_dtype(out_dtype):

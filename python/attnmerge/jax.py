@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _XLA_HOW, _XLA_LIB
-from ._merge import lse_flags
-from ._types import Base
+from ._merge import lse_flags, output_scale_arg
+from ._types import NO_GRADIENT_DTYPES, Base
 
 __all__ = ["merge", "merge_states", "merge_varlen"]
 
@@ -101,7 +101,7 @@ def _call(op, outs, operands, *, base, output_scale, a_tokens=None, vectorized=T
         number = 0.0
     else:
         scale = jnp.ones((1,), jnp.float32)  # unread
-        number = 0.0 if output_scale is None else float(output_scale)
+        number = 0.0 if output_scale is None else float(output_scale_arg(output_scale))  # 0.0: the C ABI's none
     a = -1 if a_tokens is None else int(_static("a_tokens", a_tokens))
     # One call over a flattened batch: every operand is broadcast to the batch (the handler folds
     # leading dimensions into tokens), which per-example a_tokens, indptr or scale would break.
@@ -204,7 +204,7 @@ def _merged(op, shape, dtype, operands, base, output_scale, differentiable, **op
     out_lse): differentiable() (a custom_vjp over the backward) unless the output is FP8 or scaled;
     such a call runs under a custom_vjp whose backward refuses by name (JAX would otherwise name
     only its ffi_call), with an array output_scale among its arguments."""
-    if output_scale is None and dtype.itemsize != 1:
+    if output_scale is None and dtype.name not in NO_GRADIENT_DTYPES:
         return differentiable()(*operands)
     outs = _results(*shape, dtype)
     n = len(operands)

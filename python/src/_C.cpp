@@ -17,7 +17,8 @@ namespace {
 using attnmerge_py::ArgName;
 using attnmerge_py::ArrayView;
 using attnmerge_py::CallArrays;
-using attnmerge_py::code_of_name;
+using attnmerge_py::dtype_from_name;
+using attnmerge_py::dtype_names;
 using attnmerge_py::type_error;
 using attnmerge_py::type_name;
 using attnmerge_py::value_error;
@@ -80,12 +81,13 @@ void call_library(F&& f, const Names& names = Names(py::none())) {
   check(status, names);
 }
 
-// What an argument may be, for messages about dtypes the library has no code for.
-constexpr const char* kO = "float32, float16 or bfloat16";
-constexpr const char* kOut = "float32, float16, bfloat16 or float8_e4m3fn";
-constexpr const char* kF32 = "float32";
-constexpr const char* kMaskDtypes = "uint8 or bool";
-constexpr const char* kIndexDtypes = "int32 or int64";
+// What an argument may be, for messages about dtypes the library has no code for (kF32 is also
+// output_scale's: the C ABI's const float*).
+const char* const kO = dtype_names(ATTNMERGE_ROLE_O_IN);
+const char* const kOut = dtype_names(ATTNMERGE_ROLE_O_OUT);
+const char* const kF32 = dtype_names(ATTNMERGE_ROLE_LSE);
+const char* const kMaskDtypes = dtype_names(ATTNMERGE_ROLE_MASK);
+const char* const kIndexDtypes = dtype_names(ATTNMERGE_ROLE_INDPTR);
 
 // output_scale: None, a number, or a one-element float32 array on the op's device (read by the
 // kernel, so no host synchronization).  `holder` keeps the array's view alive.
@@ -93,10 +95,9 @@ void set_output_scale(attnmerge_options& options, py::handle scale, ArrayView& h
                       const ArgName& name) {
   if (scale.is_none()) return;
   if (PyFloat_Check(scale.ptr()) || PyLong_Check(scale.ptr())) {
+    // A scale, as given: the Python layer (attnmerge._merge.output_scale_arg) refuses 0, the C ABI's
+    // "no scale", which Python spells None; the C ABI checks the rest.
     options.output_scale = scale.cast<float>();
-    // 0 is the C ABI's "no scale", which Python spells None: a number is a scale.
-    if (options.output_scale == 0.0f)
-      value_error(name, "expected None or a finite scale > 0, got " + std::string(py::repr(scale)));
     return;
   }
   holder.read(scale, stream, name, kF32);
@@ -256,16 +257,6 @@ void merge_varlen_backward(py::handle grad_o, py::handle grad_lse, py::handle gr
   });
 }
 
-// An O dtype of the raw layer, by name ("float8_e4m3" there is float8_e4m3fn; an ml_dtypes array
-// of that name is another type).
-int dtype_from_name(const std::string& s, const char* name) {
-  const int code = code_of_name(s == "float8_e4m3" ? "float8_e4m3fn" : s);
-  if (code == ATTNMERGE_FLOAT32 || code == ATTNMERGE_FLOAT16 || code == ATTNMERGE_BFLOAT16 ||
-      code == ATTNMERGE_FLOAT8_E4M3)
-    return code;
-  type_error(name, "expected dtype float32, float16, bfloat16 or float8_e4m3fn, got " + s);
-}
-
 // Raw layer: O as (ptr, dtype, stride_token, stride_head), LSE as (ptr, stride_0, stride_1) in the
 // LSE's own layout, sizes given once.
 void raw_tensor(attnmerge_tensor& dst, py::handle desc, bool is_o, int64_t d0, int64_t d1, int64_t head_size,
@@ -384,6 +375,16 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "pointer_device", [](uintptr_t ptr) { return attnmerge_pointer_device(reinterpret_cast<void*>(ptr)); },
       py::arg("ptr"));
+  // The C ABI's dtype table, rows (code, name, array_name, size, roles), which attnmerge._types reads.
+  py::list dtypes;
+  for (int32_t code = 0; const attnmerge_dtype_info* d = attnmerge_dtype_info_of(code); ++code)
+    dtypes.append(py::make_tuple(code, d->name, d->array_name, d->size, d->roles));
+  m.attr("DTYPES") = py::tuple(dtypes);
+  m.attr("ROLE_O_IN") = ATTNMERGE_ROLE_O_IN;
+  m.attr("ROLE_O_OUT") = ATTNMERGE_ROLE_O_OUT;
+  m.attr("ROLE_LSE") = ATTNMERGE_ROLE_LSE;
+  m.attr("ROLE_MASK") = ATTNMERGE_ROLE_MASK;
+  m.attr("ROLE_INDPTR") = ATTNMERGE_ROLE_INDPTR;
   m.attr("LSE_BASE2") = ATTNMERGE_LSE_BASE2;
   m.attr("LSE_HEADS_FIRST") = ATTNMERGE_LSE_HEADS_FIRST;
   m.attr("PDL") = ATTNMERGE_PDL;

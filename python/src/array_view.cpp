@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace attnmerge_py {
 
@@ -77,14 +78,27 @@ void value_error(const ArgName& name, const std::string& what) {
 std::string type_name(py::handle obj) { return py::str(py::type::handle_of(obj).attr("__qualname__")); }
 
 int code_of_name(const std::string& s) {
-  static const std::pair<const char*, int> names[] = {
-      {"float32", ATTNMERGE_FLOAT32},   {"float16", ATTNMERGE_FLOAT16},
-      {"bfloat16", ATTNMERGE_BFLOAT16}, {"float8_e4m3fn", ATTNMERGE_FLOAT8_E4M3},
-      {"uint8", ATTNMERGE_UINT8},       {"bool", ATTNMERGE_BOOL},
-      {"int32", ATTNMERGE_INT32},       {"int64", ATTNMERGE_INT64}};
-  for (const auto& n : names)
-    if (s == n.first) return n.second;
+  for (int32_t code = 0; const attnmerge_dtype_info* d = attnmerge_dtype_info_of(code); ++code)
+    if (s == d->array_name) return code;
   return -1;
+}
+
+const char* dtype_names(uint32_t role) {
+  static std::unordered_map<uint32_t, std::string> texts;  // one per role, built at import
+  std::string& text = texts[role];
+  if (!text.empty()) return text.c_str();
+  std::vector<const char*> names;
+  for (int32_t code = 0; const attnmerge_dtype_info* d = attnmerge_dtype_info_of(code); ++code)
+    if (d->roles & role) names.push_back(d->array_name);
+  for (std::size_t i = 0; i < names.size(); ++i)
+    text += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + std::string(names[i]);
+  return text.c_str();
+}
+
+int dtype_from_name(const std::string& s, const ArgName& name) {
+  for (int32_t code = 0; const attnmerge_dtype_info* d = attnmerge_dtype_info_of(code); ++code)
+    if ((s == d->array_name || s == d->name) && (d->roles & ATTNMERGE_ROLE_O_OUT)) return code;
+  type_error(name, std::string("expected dtype ") + dtype_names(ATTNMERGE_ROLE_O_OUT) + ", got " + s);
 }
 
 namespace {

@@ -35,9 +35,19 @@ class ArgName {
 [[noreturn]] void value_error(const ArgName& name, const std::string& what);
 std::string type_name(py::handle obj);  // the __qualname__ of obj's type
 
-// The library's code for a dtype's name as NumPy, ml_dtypes and the raw layer spell it; -1 for any
-// other.
+// The dtypes, all read from the C ABI's one table (attnmerge_dtype_info_of): nothing here restates
+// a dtype's code, name or roles.
+//
+// The library's code for a dtype's name as NumPy, ml_dtypes and the raw layer spell it
+// (array_name); -1 for any other.
 int code_of_name(const std::string& name);
+// "float32, float16 or bfloat16": the names, as array libraries spell them, of the dtypes of
+// `role` (ATTNMERGE_ROLE_* bits), for messages about dtypes the library has no code for.  The text
+// lives as long as the process.  Under the GIL.
+const char* dtype_names(uint32_t role);
+// An output O dtype of the raw layer, by name: the array libraries' or the C ABI's ("float8_e4m3"
+// there is float8_e4m3fn; an ml_dtypes array of that name is another type).
+int dtype_from_name(const std::string& s, const ArgName& name);
 
 struct DLPackExchangeAPI;
 struct DLManagedTensor;

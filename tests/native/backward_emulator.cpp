@@ -26,7 +26,6 @@ thread_local Exchange* t_exchange = nullptr;
 // Runs every row of `plan` (one host thread a lane), `rows_at_once` rows at a time.
 template <typename Src, typename TIn, typename TOut, int VEC>
 void run(const BackwardPlan& plan, const BackwardArgs<Src>& args) {
-  constexpr int kChunk = Src::kMaxStates == 2 ? 2 : kSmallChunk;
   const int lanes = plan.lanes, by = static_cast<int>(plan.dims.block[1]);
   for (int64_t row = 0; row < plan.shape.rows; ++row) {
     Exchange ex(lanes);
@@ -39,7 +38,10 @@ void run(const BackwardPlan& plan, const BackwardArgs<Src>& args) {
         const int64_t block = row / by;
         blockIdx = dim3(static_cast<unsigned>(block % gridDim.x), 0, static_cast<unsigned>(block / gridDim.x));
         threadIdx = dim3(lane, static_cast<unsigned>(row % by), 0);
-        merge_backward_kernel<Src, TIn, TOut, VEC, kChunk>(plan.shape, args);
+        if constexpr (Src::kTwoAtOnce) {  // the plan's chunk, as launch_merge_backward takes it
+          if (plan.chunk == 2) return merge_backward_kernel<Src, TIn, TOut, VEC, 2>(plan.shape, args);
+        }
+        merge_backward_kernel<Src, TIn, TOut, VEC, kSmallChunk>(plan.shape, args);
       });
     for (std::thread& t : threads) t.join();
   }
@@ -110,7 +112,7 @@ void emulate_states_backward(int64_t tokens, int64_t states, int64_t heads, int6
   const BackwardArgs<StackBackward> args{StackBackward{in, grad}, state(out, out_s, out_lse, ol_s),
                                          state(grad_out, d_s, grad_out_lse, dl_s), grad_o != nullptr,
                                          grad_lse != nullptr};
-  dispatch(in_dtype, out_dtype, plan_backward(shape, vec, false, false, DeviceInfo{sms, 9}), args);
+  dispatch(in_dtype, out_dtype, plan_backward(shape, vec, max_states(args.src), false, DeviceInfo{sms, 9}), args);
 }
 
 // Variable length: o [N, H, D], lse [N, H] and their gradients; indptr int64 [rows + 1]; out,
@@ -128,7 +130,7 @@ void emulate_varlen_backward(int64_t rows, int64_t total, int64_t heads, int64_t
   const BackwardArgs<RangeBackward> args{RangeBackward{in, grad, rows}, state(out, out_s, out_lse, ol_s),
                                          state(grad_out, d_s, grad_out_lse, dl_s), grad_o != nullptr,
                                          grad_lse != nullptr};
-  dispatch(in_dtype, out_dtype, plan_backward(shape, vec, false, false, DeviceInfo{sms, 9}), args);
+  dispatch(in_dtype, out_dtype, plan_backward(shape, vec, max_states(args.src), false, DeviceInfo{sms, 9}), args);
 }
 
 // Two-way: o_a [>= a_tokens, H, D], o_b [T, H, D] and LSEs; grad_o_a [a_tokens, H, D] ...
@@ -147,7 +149,7 @@ void emulate_merge_backward(int64_t tokens, int64_t a_tokens, int64_t heads, int
   const BackwardArgs<PairBackward> args{PairBackward{in, grad}, state(out, out_s, out_lse, ol_s),
                                         state(grad_out, d_s, grad_out_lse, dl_s), grad_o_a || grad_o_b,
                                         grad_lse_a || grad_lse_b};
-  dispatch(in_dtype, out_dtype, plan_backward(shape, vec, true, false, DeviceInfo{sms, 9}), args);
+  dispatch(in_dtype, out_dtype, plan_backward(shape, vec, max_states(args.src), false, DeviceInfo{sms, 9}), args);
 }
 
 }  // extern "C"

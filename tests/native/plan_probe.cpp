@@ -3,8 +3,10 @@
 //
 //   in:  op tokens heads head_size states vec sms [flags]
 //        op: pair | inplace | stack | range (states: the range's total over `tokens` rows);
-//        flags: any of m (masked), a (a_tokens < tokens), t (LSEs [heads, tokens]), p (PDL)
+//        flags: any of m (masked), a (a_tokens < tokens), t (LSEs [heads, tokens]), p (PDL),
+//        g (a gap between tokens: O's token stride one head longer than its heads)
 //   out: strategy chunk groups launches plain fused_lse index32  grid.x grid.y grid.z  block.x block.y block.z  smem
+//        flat warp_rows
 #include <attnmerge/plan.h>
 
 #include <algorithm>
@@ -20,9 +22,10 @@ namespace {
 template <typename Source>
 void print(const MergeShape& shape, const Source& src, const OutView& out, const CallFacts& facts, int sms) {
   const LaunchPlan p = plan_merge(shape, src, out, facts, DeviceInfo{sms, 9});
-  std::printf("%s %d %d %d %d %d %d  %u %u %u  %u %u %u  %u\n", p.strategy == Strategy::kStates ? "states" : "rows",
+  std::printf("%s %d %d %d %d %d %d  %u %u %u  %u %u %u  %u  %d %d\n", p.strategy == Strategy::kStates ? "states" : "rows",
               p.chunk, p.groups, p.launches, p.plain, p.fused_lse, p.index32, p.main.grid[0],
-              p.main.grid[1], p.main.grid[2], p.main.block[0], p.main.block[1], p.main.block[2], p.main.smem);
+              p.main.grid[1], p.main.grid[2], p.main.block[0], p.main.block[1], p.main.block[2], p.main.smem, p.flat,
+              p.warp_rows);
 }
 
 }  // namespace
@@ -45,8 +48,12 @@ int main() {
     facts.lse_tokens_inner = flags.find('t') != std::string::npos;
     facts.pdl = flags.find('p') != std::string::npos;
     const MergeShape shape{tokens, heads, head_size, false};
-    OutView out{&lse, 0, 0, &lse, 0, 0, 1.0f, nullptr, op == "inplace"};
-    const StateView view{&lse, 0, 0, &lse, 0, 0};
+    // [tokens, heads, head_size] O and [tokens, heads] LSEs (or [heads, tokens]: t), dense unless g.
+    const bool tokens_inner = facts.lse_tokens_inner, gap = flags.find('g') != std::string::npos;
+    const int64_t o_st = (heads + (gap ? 1 : 0)) * head_size;
+    const int64_t lse_st = tokens_inner ? 1 : heads, lse_sh = tokens_inner ? tokens : 1;
+    OutView out{&lse, o_st, head_size, &lse, lse_st, lse_sh, 1.0f, nullptr, op == "inplace"};
+    const StateView view{&lse, o_st, head_size, &lse, lse_st, lse_sh};
     if (op == "pair" || op == "inplace") {
       PairSource src{view, view, flags.find('a') != std::string::npos ? tokens - 1 : tokens, nullptr, 0};
       if (flags.find('m') != std::string::npos) src.mask = &mask_byte;

@@ -65,6 +65,28 @@ typedef enum attnmerge_dtype {
   ATTNMERGE_INT64 = 7        /* indptr */
 } attnmerge_dtype;
 
+/* The arguments a dtype may be (attnmerge_dtype_info.roles): ROLE_O_IN an O a merge reads, the
+ * in-place merge's O and every O of a backward; ROLE_O_OUT the O a two-way, N-way or variable-length
+ * merge writes; ROLE_LSE every LSE and LSE gradient; ROLE_MASK the in-place merge's mask;
+ * ROLE_INDPTR the variable-length merges' indptr. */
+#define ATTNMERGE_ROLE_O_IN 1u
+#define ATTNMERGE_ROLE_O_OUT 2u
+#define ATTNMERGE_ROLE_LSE 4u
+#define ATTNMERGE_ROLE_MASK 8u
+#define ATTNMERGE_ROLE_INDPTR 16u
+
+/* What a dtype code is called, how large its elements are and which arguments take it: the
+ * library's one table of dtypes, for callers that describe arrays by name (the Python binding,
+ * tools), so that none of them restates it.  `name` is this library's spelling, in its messages
+ * ("float8_e4m3"); `array_name` that of NumPy, ml_dtypes, PyTorch and JAX ("float8_e4m3fn");
+ * `size` the bytes of an element; `roles` ATTNMERGE_ROLE_* bits. */
+typedef struct attnmerge_dtype_info {
+  const char* name;
+  const char* array_name;
+  uint32_t size;
+  uint32_t roles;
+} attnmerge_dtype_info;
+
 /* The device of host memory. */
 #define ATTNMERGE_HOST (-1)
 
@@ -244,6 +266,10 @@ typedef struct attnmerge_launch_info {
   uint32_t block[3];
 } attnmerge_launch_info;
 ATTNMERGE_API void attnmerge_last_launch(attnmerge_launch_info* info);
+
+/* The dtype of code `dtype` (an attnmerge_dtype), or NULL where `dtype` is none: the codes run from
+ * 0 up to the first that gives NULL.  The table lives as long as the library. */
+ATTNMERGE_API const attnmerge_dtype_info* attnmerge_dtype_info_of(int32_t dtype);
 
 /* The error message of the calling thread's last call ("" after a success), valid until its next call. */
 ATTNMERGE_API const char* attnmerge_last_error(void);

@@ -72,6 +72,7 @@ struct StridedGradRow {
 // gradient not asked for has a null pointer and zero strides: its addresses are null, not written.
 struct PairBackward {
   static constexpr int kMaxStates = 2;
+  static constexpr bool kTwoAtOnce = true;  // rows may take the kernel of 2 in flight (plan_backward)
   PairSource in, grad;
 
   template <typename T, typename I>
@@ -100,6 +101,7 @@ struct PairBackward {
 // StackSource's geometry.
 struct StackBackward {
   static constexpr int kMaxStates = 0;
+  static constexpr bool kTwoAtOnce = true;  // where S <= 2
   StackSource in, grad;
 
   template <typename T, typename I>
@@ -125,6 +127,7 @@ struct StackBackward {
 // no rows at all, the walk has one row (rows == 0 here) over every state, all zeros.
 struct RangeBackward {
   static constexpr int kMaxStates = 0;
+  static constexpr bool kTwoAtOnce = false;  // its rows' lengths are not known before the launch
   RangeSource in, grad;
   int64_t rows;  // of the forward's output
 
@@ -156,6 +159,11 @@ struct RangeBackward {
     return r;
   }
 };
+
+// The most states a row of each source has, for plan_backward (0: not known before the launch).
+inline int64_t max_states(const PairBackward&) { return 2; }
+inline int64_t max_states(const StackBackward& s) { return s.in.states; }
+inline int64_t max_states(const RangeBackward&) { return 0; }
 
 // What a backward reads beside its states and where it writes: the forward's output (O and LSE)
 // and the gradients dO and dLSE of them, each [tokens, heads, ...] (dLSE may be absent: zero).

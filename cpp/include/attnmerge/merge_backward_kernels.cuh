@@ -18,14 +18,15 @@ namespace attnmerge {
 // 64-bit addresses and dots, and the lane's first packs of dO and O: 70 to 114 uncapped (108 for
 // bfloat16 in 16-byte packs), so the N-way cap is 2 blocks of 256 an SM (128 registers, no
 // spills; at 3 blocks, 85 registers, up to 208 bytes spilled).  A chunk of 8 needed 135 to 140.
-// Two states: 46 to 64, no spills, 4 blocks an SM.  ATTNMERGE_BACKWARD_MIN_BLOCKS overrides the
+// Two states: 46 to 64, no spills, 4 blocks an SM (N-way rows of two states: 3 blocks, whose
+// strided addresses spill at 64).  ATTNMERGE_BACKWARD_MIN_BLOCKS overrides the
 // N-way cap: an A/B knob for the native benchmark (neither setting measured yet).
 #ifndef ATTNMERGE_BACKWARD_MIN_BLOCKS
 #define ATTNMERGE_BACKWARD_MIN_BLOCKS 2
 #endif
-template <int kChunk>
+template <typename Src, int kChunk>
 constexpr int backward_min_blocks() {
-  return kChunk > 2 ? ATTNMERGE_BACKWARD_MIN_BLOCKS : 4;
+  return kChunk > 2 ? ATTNMERGE_BACKWARD_MIN_BLOCKS : Src::kMaxStates == 2 ? 4 : 3;
 }
 
 // One row per `lanes` threads (threadIdx.x the lane, threadIdx.y the row in the block, rows over
@@ -40,7 +41,7 @@ constexpr int backward_min_blocks() {
 // forward.  64-bit offsets: the backward moves 2S + 2 vectors a row, so the index arithmetic
 // should not be on its critical path (not measured against 32-bit yet).
 template <typename Src, typename TIn, typename TOut, int VEC, int kChunk>
-__global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<kChunk>())
+__global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src, kChunk>())
     merge_backward_kernel(const MergeShape shape, const BackwardArgs<Src> args) {
   using I = int64_t;
   pdl_wait_then_release();
@@ -158,9 +159,12 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<kCh
 template <typename TIn, typename TOut, int VEC, typename Src>
 cudaError_t launch_merge_backward(const BackwardPlan& plan, const BackwardArgs<Src>& args, cudaStream_t stream) {
   if (plan.launches == 0) return cudaSuccess;
-  void (*kernel)(MergeShape, BackwardArgs<Src>);
+  void (*kernel)(MergeShape, BackwardArgs<Src>) = nullptr;
   if constexpr (Src::kMaxStates == 2) {
     kernel = merge_backward_kernel<Src, TIn, TOut, VEC, 2>;
+  } else if constexpr (Src::kTwoAtOnce) {
+    kernel = plan.chunk == 2 ? merge_backward_kernel<Src, TIn, TOut, VEC, 2>
+                             : merge_backward_kernel<Src, TIn, TOut, VEC, kSmallChunk>;
   } else {
     kernel = merge_backward_kernel<Src, TIn, TOut, VEC, kSmallChunk>;
   }

@@ -30,65 +30,72 @@ constexpr int min_blocks() {
   return Source::kMaxStates == 2 ? 1 : kChunk <= kSmallChunk ? 4 : 3;
 }
 
-// A row's (or a group's) partial max and total weight over its states 0 .. n-1 into `r`: the
-// first kChunk LSEs given in `l`, the later ones read a chunk at a time, every load of a chunk
-// issued before any is used.
-template <int kChunk, typename LseOf>
-__device__ __forceinline__ void walk_lses(int n, const float (&l)[kChunk], LseOf lse_of, RowMerge& r) {
+// The weights of a row of at most kChunk states into `r` (see, weigh, finish: row.h), from their
+// LSEs in `l` (-inf past the row's states); their weights go to `w`.  Shared by merge_kernel and
+// merge_lse_kernel.
+template <int kChunk>
+__device__ __forceinline__ void weigh_row(const float (&l)[kChunk], float (&w)[kChunk], float factor, RowMerge& r) {
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) r.see(l[c]);
-  for (int s = kChunk; s < n; s += kChunk) {
-    float m[kChunk];
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c) m[c] = s + c < n ? lse_of(s + c) : -INFINITY;
-#pragma unroll
-    for (int c = 0; c < kChunk; ++c) r.see(m[c]);
+  for (int c = 0; c < kChunk; ++c) {
+    w[c] = r.weight(l[c]);
+    r.total += w[c];
   }
-#pragma unroll
-  for (int c = 0; c < kChunk; ++c) r.total += r.weight(l[c]);
-  for (int s = kChunk; s < n; s += kChunk) {
-    float m[kChunk];
-#pragma unroll
-    for (int c = 0; c < kChunk; ++c) m[c] = s + c < n ? lse_of(s + c) : -INFINITY;
-#pragma unroll
-    for (int c = 0; c < kChunk; ++c) r.total += r.weight(m[c]);
-  }
-}
-
-// The weights of a row's states into `r` (see, weigh, finish: row.h): `l` holds the LSEs of
-// the first kChunk states (-inf past n), their weights go to `w`; the LSEs of later states are
-// read again from `states`.  Shared by merge_kernel and merge_lse_kernel.
-template <int kChunk, typename Row>
-__device__ __forceinline__ void weigh_row(const Row& states, int n, const float (&l)[kChunk], float (&w)[kChunk],
-                                          float factor, RowMerge& r) {
-  walk_lses(n, l, [&](int s) { return states.lse(s); }, r);
-#pragma unroll
-  for (int c = 0; c < kChunk; ++c) w[c] = r.weight(l[c]);
   r.finish(factor);
 }
 
-// acc += the weighted O packs of states 0 .. n-1, the first kChunk loaded already (packs in `o`,
-// LSEs in `l`), each later chunk's LSEs and packs loaded together before any is used, so that a
-// chunk of loads is in flight at once (measured against streaming each next load as a pack is
-// used, which was slower on long rows: benchmarks/NOTES.md).  lse_of(s) and o_of(s): state s's
-// LSE and this thread's pack of its O; r: the row's finished weights.
-template <int kChunk, typename TIn, int VEC, typename LseOf, typename OOf>
-__device__ __forceinline__ void accumulate_states(int n, const float (&l)[kChunk], Pack<TIn, VEC> (&o)[kChunk],
-                                                  LseOf lse_of, OOf o_of, const RowMerge& r, bool stream,
+// A row's (or a group's) states 0 .. n-1 in one pass: `r` keeps the running max and total weight
+// and `acc` the O packs weighted against that max, both rescaled when a chunk raises the max, so
+// that the LSEs are read once and every memory round trip carries O (a first walk of the LSEs for
+// the max was measured slower on long rows: benchmarks/NOTES.md).  The first chunk is loaded
+// already (LSEs in `l`, -inf past n, packs in `o`); each later chunk's LSEs and packs are loaded
+// together before any is used.  lse_of(s) and o_of(s): state s's LSE and this thread's pack of its
+// O.  After it, r.finish(factor) and acc[i] * r.inv give the merged row; a zero-weight part is
+// dropped unread as in the one-chunk path, and a NaN LSE makes the row NaN.
+template <int kChunk, bool kAhead, typename TIn, int VEC, typename LseOf, typename OOf>
+__device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pack<TIn, VEC> (&o)[kChunk],
+                                                  LseOf lse_of, OOf o_of, bool stream, RowMerge& r,
                                                   float (&acc)[VEC]) {
-#pragma unroll
-  for (int c = 0; c < kChunk; ++c)
-    if (c < n) accumulate(acc, o[c], r.scale(r.weight(l[c])));
-  for (int s = kChunk; s < n; s += kChunk) {
-    float m[kChunk];
+  using P = Pack<TIn, VEC>;
+  const auto fetch = [&](int s, float (&fl)[kChunk], P (&fo)[kChunk]) {
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) {
-      m[c] = s + c < n ? lse_of(s + c) : -INFINITY;
-      if (s + c < n) o[c] = load_pack<TIn, VEC>(o_of(s + c), stream);
+      fl[c] = s + c < n ? lse_of(s + c) : -INFINITY;
+      if (s + c < n) fo[c] = load_pack<TIn, VEC>(o_of(s + c), stream);
     }
+  };
+  for (int s = 0;;) {
+    const int next = s + kChunk;
+    // kAhead: the next chunk's loads issued before this one is used (twice the registers).
+    float nl[kAhead ? kChunk : 1];
+    P no[kAhead ? kChunk : 1];
+    if constexpr (kAhead) {
+      if (next < n) fetch(next, nl, no);
+    }
+    const float before = r.m;
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c)
-      if (s + c < n) accumulate(acc, o[c], r.scale(r.weight(m[c])));
+    for (int c = 0; c < kChunk; ++c) r.see(l[c]);
+    const float keep = r.weight(before);  // 0 while nothing was seen: acc and total are 0 then
+    r.total *= keep;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] *= keep;
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) {
+      if (s + c < n) {
+        const float w = r.weight(l[c]);
+        r.total += w;
+        accumulate(acc, o[c], w);
+      }
+    }
+    if (next >= n) break;
+    if constexpr (kAhead) {
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c) l[c] = nl[c], o[c] = no[c];
+    } else {
+      fetch(next, l, o);
+    }
+    s = next;
   }
 }
 
@@ -99,6 +106,19 @@ __device__ __forceinline__ void pdl_wait_then_release() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
+}
+
+// The in-place merge's barrier between reading a row's old LSEs and writing its new one: the
+// row's lanes where a row lies in one warp (blockDim.x, its threads, divides 32), else the block.
+template <typename Source>
+__device__ __forceinline__ void row_barrier() {
+  if constexpr (Source::kRowInWarp) {
+    const unsigned width = blockDim.x, lane = threadIdx.x + threadIdx.y * width;  // width | 32
+    const unsigned lanes = width == 32 ? ~0u : ((1u << width) - 1u) << (lane % 32 / width * width);
+    __syncwarp(lanes);
+  } else {
+    __syncthreads();
+  }
 }
 
 // The row (token, head) of this thread under kRows.  With I = int32_t the grid has no z extent
@@ -115,7 +135,11 @@ __device__ __forceinline__ I launch_row() {
 template <typename Source, typename I>
 __device__ __forceinline__ bool locate_row(const MergeShape& shape, I row, I& token, I& head) {
   if constexpr (Source::kPlain) {
-    shape.split_row<false>(row, token, head);
+    if constexpr (Source::kFlat) {
+      token = row, head = 0;
+    } else {
+      shape.split_row<false>(row, token, head);
+    }
     return true;
   } else {
     shape.split_row(row, token, head);
@@ -133,13 +157,13 @@ __device__ __forceinline__ bool locate_row(const MergeShape& shape, I row, I& to
 // come kChunk at a time, the LSEs and O packs of a chunk all loaded before any is used and without
 // a branch between them (a source gives every state of a row an O address it may read), so that a
 // row of up to kChunk states costs one memory round trip; a zero-weight part is then dropped
-// without being used.  Rows of more states first walk their LSEs (max and total weight), then
-// their O packs with the LSEs again.  The output scale and a NaN LSE are folded into the
+// without being used.  Rows of more states take theirs in one pass against a running max
+// (accumulate_online), each further chunk one round trip.  The output scale and a NaN LSE are folded into the
 // weights, so the O path is one multiply-add per element and state.  A masked-out row reads its
 // mask byte and nothing else.
 //
 // An InPlaceSource (kFusedLse) writes the merged LSE over an input's: every thread reaches one
-// block barrier after it has read its row's LSEs, and only then is the LSE stored, so the
+// barrier (row_barrier) after it has read its row's LSEs, and only then is the LSE stored, so the
 // launch's rows lie inside blocks (the plan's condition) and no thread leaves before the barrier.
 template <typename Source, typename TIn, typename TOut, int VEC, typename I, int kChunk>
 __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kChunk>()))
@@ -178,39 +202,42 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   // is on it.
   TOut* const dst = out.o_at<TOut>(token, head) + k * VEC;
   float* const lse_dst = k == 0 ? out.lse_at(token, head) : nullptr;
-  float w[kChunk];
   RowMerge r(shape.base2);
   const float factor = Source::kPlain ? out.inv_scale : out.inverse_scale();
-  weigh_row<kChunk>(states, n, l, w, factor, r);
-  if constexpr (kFused) {
-    __syncthreads();  // every thread of the block has read its row's old LSEs
-    if (!live) return;
-  }
-  if (lse_dst != nullptr) *lse_dst = r.lse();  // its latency hidden behind the O math
   float acc[VEC] = {};
-  if (n <= kChunk) {
+  constexpr bool kFew = Source::kMaxStates > 0 && Source::kMaxStates <= kChunk;  // at most a chunk, always
+  if (kFew || n <= kChunk) {  // one round trip, the weights from the row's own max
+    float w[kChunk];
+    weigh_row<kChunk>(l, w, factor, r);
+    if constexpr (kFused) {
+      row_barrier<Source>();  // every thread of the row has read its old LSEs
+      if (!live) return;
+    }
+    if (lse_dst != nullptr) *lse_dst = r.lse();  // its latency hidden behind the O math
 #pragma unroll
     for (int c = 0; c < kChunk; ++c)
       if (c < n) accumulate(acc, o[c], r.scale(w[c]));
-  } else {
-    accumulate_states(
+  } else if constexpr (!kFew) {
+    accumulate_online<kChunk, false>(
         n, l, o, [&](int s) { return states.lse(s); },
-        [&](int s) { return states.template o_at<TIn>(s) + k * VEC; }, r, stream, acc);
+        [&](int s) { return states.template o_at<TIn>(s) + k * VEC; }, stream, r, acc);
+    r.finish(factor);
+    if (lse_dst != nullptr) *lse_dst = r.lse();
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] *= r.inv;
   }
   store_pack<TOut, VEC>(dst, acc, stream);
 }
 
 // kStates.  A block holds whole rows: threadIdx.x the pack, threadIdx.y the group, threadIdx.z
 // the row within the block.  Group g of a row takes the row's states g, g + G, g + 2G, ... (G =
-// blockDim.y): it loads the O packs of its first kStateChunk with their LSEs, walks its LSEs for
-// their partial max and total weight, and the groups' partials meet in shared memory, where every
-// thread reads the row's max and total, so that each state gets the same weight exp(lse - max)
-// that kRows gives it (a zero-weight part is dropped unread, a NaN LSE makes the row NaN, an
-// all-empty row gives O = 0 and LSE -inf).  Then each group accumulates its packs a chunk of
-// loads at a time.  The groups' accumulators are summed by group 0 in a
-// fixed order, which stores the row: bit-identical results from run to run.  32-bit offsets only
-// (the plan's condition).  Every thread reaches both barriers: none leaves early.
-template <typename Source, typename TIn, typename TOut, int VEC>
+// blockDim.y) in one pass, a chunk of loads at a time (accumulate_online): its partial max,
+// total weight and accumulators against that max.  The groups' partials meet in shared memory,
+// where group 0 rescales them to the row's max and sums them in a fixed order, then stores the
+// row: bit-identical results from run to run, and the semantics of kRows (a zero-weight part is
+// dropped unread, a NaN LSE makes the row NaN, an all-empty row gives O = 0 and LSE -inf).  32-bit
+// offsets only (the plan's condition).  Every thread reaches the barrier: none leaves early.
+template <typename Source, typename TIn, typename TOut, int VEC, bool kAhead>
 __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStateBlockThreads)
     merge_states_kernel(const MergeShape shape, const Source src, const OutView out) {
   using I = int32_t;
@@ -236,38 +263,43 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
     l[c] = c < mine ? lse_of(c) : -INFINITY;
     if (c < mine) o[c] = load_pack<TIn, VEC>(o_of(c), stream);
   }
-  // The group's partial max and total (its later LSEs read again).
   RowMerge part(shape.base2);
-  walk_lses(mine, l, lse_of, part);
-  // The row's max and total from its groups' partials (a NaN LSE travels as a NaN total).
+  float acc[VEC] = {};
+  accumulate_online<kChunk, kAhead>(mine, l, o, lse_of, o_of, stream, part, acc);
   extern __shared__ float shared[];
   const int slot = static_cast<int>(threadIdx.z) * groups;
   const int slots = static_cast<int>(blockDim.z) * groups;
   float* const part_max = shared;
   float* const part_total = shared + slots;
   float* const part_acc = shared + 2 * slots;  // [slot][VEC][packs]
-  if (k == 0) {
-    part_max[slot + g] = part.m;
-    part_total[slot + g] = part.nan ? NAN : part.total;
-  }
-  __syncthreads();
-  RowMerge r(shape.base2);
-  for (int j = 0; j < groups; ++j) r.m = fmaxf(r.m, part_max[slot + j]);
-  for (int j = 0; j < groups; ++j) r.total += part_total[slot + j] * r.weight(part_max[slot + j]);
-  r.nan = is_nan(r.total);
-  r.finish(out.inverse_scale());
-  float acc[VEC] = {};
-  accumulate_states(mine, l, o, lse_of, o_of, r, stream, acc);
   if (g > 0) {
+    if (k == 0) {
+      part_max[slot + g] = part.m;
+      part_total[slot + g] = part.nan ? NAN : part.total;  // a NaN LSE travels as a NaN total
+    }
 #pragma unroll
     for (int i = 0; i < VEC; ++i) part_acc[((slot + g) * VEC + i) * packs + k] = acc[i];
   }
   __syncthreads();
   if (g != 0 || !live) return;
-  for (int j = 1; j < groups; ++j) {
+  RowMerge r(shape.base2);
+  r.m = part.m;
+  for (int j = 1; j < groups; ++j) r.m = fmaxf(r.m, part_max[slot + j]);
+  const float own = r.weight(part.m);
+  r.total = part.total * own;
+  r.nan = part.nan;
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[i] += part_acc[((slot + j) * VEC + i) * packs + k];
+  for (int i = 0; i < VEC; ++i) acc[i] *= own;
+  for (int j = 1; j < groups; ++j) {
+    const float f = r.weight(part_max[slot + j]);
+    r.total += part_total[slot + j] * f;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] += f * part_acc[((slot + j) * VEC + i) * packs + k];
   }
+  r.nan |= is_nan(r.total);
+  r.finish(out.inverse_scale());
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) acc[i] *= r.inv;
   store_pack<TOut, VEC>(out.o_at<TOut>(token, head) + k * VEC, acc, stream);
   if (k == 0) out.store_lse(token, head, r.lse());
 }
@@ -290,7 +322,7 @@ __global__ void __launch_bounds__(max_threads<Source>())
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) l[c] = c < n ? states.lse(c) : -INFINITY;
   RowMerge r(shape.base2);
-  weigh_row<kChunk>(states, n, l, w, 1.0f, r);
+  weigh_row<kChunk>(l, w, 1.0f, r);
   out.store_lse(token, head, r.lse());
 }
 
@@ -361,14 +393,39 @@ template <typename TIn, typename TOut, int VEC, typename Source>
 cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutView& out, cudaStream_t stream) {
   if (plan.launches == 0) return cudaSuccess;
   if constexpr (std::is_same<Source, PairSource>::value) {
+    if (plan.plain && plan.flat) {
+      const StateView a = flat_rows(src.a), b = flat_rows(src.b);
+      const OutView o = flat_rows(out);
+      return plan.shape.stream
+                 ? launch_detail::rows<PlainPairSource<true, true>, TIn, TOut, VEC, int32_t, 2>(plan, {a, b}, o, stream)
+                 : launch_detail::rows<PlainPairSource<false, true>, TIn, TOut, VEC, int32_t, 2>(plan, {a, b}, o, stream);
+    }
     if (plan.plain)
       return plan.shape.stream
                  ? launch_detail::rows<PlainPairSource<true>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream)
                  : launch_detail::rows<PlainPairSource<false>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream);
-    if (plan.fused_lse) return launch_detail::rows<InPlaceSource, TIn, TOut, VEC>(plan, InPlaceSource{src}, out, stream);
+    if (plan.fused_lse && plan.plain) {  // flat rows, 32-bit offsets (the plan's condition)
+      const PlainPairSource<false, true> flat{flat_rows(src.a), flat_rows(src.b)};
+      const OutView o = flat_rows(out);
+      using Warp = InPlaceSource<true, PlainPairSource<false, true>>;
+      using Block = InPlaceSource<false, PlainPairSource<false, true>>;
+      if (plan.shape.stream) {
+        using WarpS = InPlaceSource<true, PlainPairSource<true, true>>;
+        using BlockS = InPlaceSource<false, PlainPairSource<true, true>>;
+        const PlainPairSource<true, true> flat_s{flat.a, flat.b};
+        return plan.warp_rows ? launch_detail::rows<WarpS, TIn, TOut, VEC, int32_t, 2>(plan, {flat_s}, o, stream)
+                              : launch_detail::rows<BlockS, TIn, TOut, VEC, int32_t, 2>(plan, {flat_s}, o, stream);
+      }
+      return plan.warp_rows ? launch_detail::rows<Warp, TIn, TOut, VEC, int32_t, 2>(plan, {flat}, o, stream)
+                            : launch_detail::rows<Block, TIn, TOut, VEC, int32_t, 2>(plan, {flat}, o, stream);
+    }
+    if (plan.fused_lse)
+      return plan.warp_rows ? launch_detail::rows<InPlaceSource<true>, TIn, TOut, VEC>(plan, {src}, out, stream)
+                            : launch_detail::rows<InPlaceSource<false>, TIn, TOut, VEC>(plan, {src}, out, stream);
   } else {
     if (plan.strategy == Strategy::kStates)
-      return launch(merge_states_kernel<Source, TIn, TOut, VEC>, plan, plan.main, src, out, stream);
+      return plan.ahead ? launch(merge_states_kernel<Source, TIn, TOut, VEC, true>, plan, plan.main, src, out, stream)
+                        : launch(merge_states_kernel<Source, TIn, TOut, VEC, false>, plan, plan.main, src, out, stream);
   }
   return launch_detail::rows<Source, TIn, TOut, VEC>(plan, src, out, stream);
 }

@@ -49,7 +49,10 @@ constexpr int kMinBlockThreads = 128;
 // holds (the kernel's register cap: 4 blocks of 256), the fewest states a group takes and the
 // most groups a row has (more were slower at every size measured).
 constexpr int kStateBlockThreads = 256;
-constexpr int kStateThreadsPerSM = 1024;
+#ifndef ATTNMERGE_STATE_THREADS_PER_SM
+#define ATTNMERGE_STATE_THREADS_PER_SM 512
+#endif
+constexpr int kStateThreadsPerSM = ATTNMERGE_STATE_THREADS_PER_SM;
 constexpr int kStatesPerGroup = 4;
 constexpr int kMaxStateGroups = 8;
 // kStates only where kRows would fill at most this fraction (1 / it) of the GPU's threads: past it
@@ -88,9 +91,12 @@ struct LaunchPlan {
   int vec = 1;
   int chunk = 2;         // kRows: states a thread keeps in flight (2 for two-state sources, else 4 or 8)
   int groups = 1;        // kStates: groups of threads sharing a row's states
+  bool ahead = false;    // kStates: each group's next chunk of loads issued before it uses the current one
   bool index32 = false;  // 32-bit offsets: every element offset of the call fits in 30 bits
-  bool plain = false;    // PairSource: the plain kernel (PlainPairSource)
+  bool plain = false;    // PairSource: the plain kernel (PlainPairSource; in place, under InPlaceSource)
+  bool flat = false;     // plain, 32-bit offsets and every view flattens (views.h): rows taken flat
   bool fused_lse = false;  // out.lse is an input's LSE, written in the same launch (InPlaceSource)
+  bool warp_rows = false;  // fused_lse: each row's threads lie in one warp (its barrier is the row's lanes)
   bool pdl = false;
   int launches = 0;   // 0 (nothing to do), 1, or 2 (an in-place merge whose rows span blocks: the LSEs after)
   LaunchDims main;    // the merge
@@ -206,8 +212,8 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     // a tile would mostly be padding.
     if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
     s.stream = plan_detail::stream_o(src, facts.bytes);
-    plan.plain = src.mask == nullptr && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr &&
-                 !out.lse_in_place;
+    const bool plain = src.mask == nullptr && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr;
+    const bool dense = plan.index32 && flattens(src.a, s.heads) && flattens(src.b, s.heads) && flattens(out, s.heads);
     const bool lse_in_place = out.lse_in_place && out.lse != nullptr;
     // Every thread of a row reads the old LSE of an in-place merge and one writes the new one: in
     // one launch when the row's threads share a block (a barrier between; blocks not narrowed
@@ -215,11 +221,15 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     plan.main = row_dims(s.packs, s.rows, device.sms, kPairBlockThreads, lse_in_place ? s.packs : 0);
     if (lse_in_place) {
       plan.fused_lse = plan.main.grid[1] == 1;
+      plan.warp_rows = plan.fused_lse && 32 % plan.main.block[0] == 0;
       if (!plan.fused_lse) {
         plan.launches = 2;
         plan.lse = row_dims(1, s.rows, device.sms, kPairBlockThreads);
       }
     }
+    // The plain source in place only with its rows flat, in one launch.
+    plan.plain = plain && (!out.lse_in_place || (plan.fused_lse && dense));
+    plan.flat = plan.plain && dense;
     return plan;
   } else {
     s.stream = plan_detail::stream_o(src, facts.bytes);
@@ -248,8 +258,8 @@ constexpr int kBackwardBlockThreads = 256;
 // power of two, the row's packs rounded up, at most 32), each lane one pack of VEC elements at a
 // time (packs lane, lane + lanes, ...): the dot <dO, O_i - O> is summed over the lanes by
 // shuffles, then lane c of the row writes dlse of the chunk's state c.  A row's states come
-// `chunk` at a time, their LSEs and O packs loaded together: 2 for the two-way merge, else the
-// forward's kSmallChunk.
+// `chunk` at a time, their LSEs and O packs loaded together: 2 for rows of at most two states,
+// else the forward's kSmallChunk.
 struct BackwardPlan {
   MergeShape shape;  // packs filled in
   int vec = 1;
@@ -261,14 +271,16 @@ struct BackwardPlan {
   explicit BackwardPlan(const MergeShape& s) : shape(s) {}
 };
 
-// `pair`: a two-state source (PairBackward).
-inline BackwardPlan plan_backward(const MergeShape& shape, int vec, bool pair, bool pdl, DeviceInfo device) {
+// `max_states`: the most states a row has (2 for the two-way merge, S for the N-way one; 0 not
+// known, the variable-length merge; max_states() of the source, backward_params.h): rows of at
+// most 2 take the kernel of 2 in flight (fewer registers, more threads an SM).
+inline BackwardPlan plan_backward(const MergeShape& shape, int vec, int64_t max_states, bool pdl, DeviceInfo device) {
   BackwardPlan plan(shape);
   plan.vec = vec;
   plan.shape.packs = shape.head_size / vec;
   plan.pdl = pdl && device.major >= 9;
   while (plan.lanes < 32 && plan.lanes < plan.shape.packs) plan.lanes *= 2;
-  plan.chunk = pair ? 2 : kSmallChunk;
+  plan.chunk = max_states > 0 && max_states <= 2 ? 2 : kSmallChunk;
   if (shape.rows == 0) return plan;
   plan.launches = 1;
   // Rows over the grid as the forward's kRows lays them out, `lanes` threads a row.

@@ -5,8 +5,9 @@
 //                (the two-way merge and the in-place merge);
 //   PlainPairSource  two states of every token, no mask, on an untiled launch whose output scale
 //                is a number (not a pointer): the common two-way merge, without those steps;
-//   InPlaceSource  PairSource whose merged LSE overwrites an input's, on a launch that keeps each
-//                row inside one block: the LSE is written after a block barrier, in the same launch;
+//   InPlaceSource  a two-state source whose merged LSE overwrites an input's, on a launch that
+//                keeps each row inside one block: the LSE is written after a barrier, in the same
+//                launch;
 //   StackSource  S states stacked along a strided axis (the N-way merge);
 //   RangeSource  states [indptr[r], indptr[r+1]) of a flat list (the variable-length merge).
 #pragma once
@@ -66,12 +67,16 @@ struct PairSource {
 // no output scale pointer (kPlain), and its evict-first choice is made at compile time (kStream),
 // so that no access is compiled twice: the common call does not pay for those options
 // (benchmarks/NOTES.md has the figures).
-template <bool kStreamO>
+// kFlatRows: every array is [rows, head_size] and [rows] in effect (heads dense within tokens, the
+// plan's `flat`), its views flattened so (flat_rows): a row is (token = row, head = 0), with no
+// division of the row into token and head, and one offset a view.
+template <bool kStreamO, bool kFlatRows = false>
 struct PlainPairSource {
   static constexpr int kMaxStates = 2;
   static constexpr bool kPlain = true;
   static constexpr bool kFusedLse = false;
   static constexpr int kStream = kStreamO ? 1 : 0;
+  static constexpr bool kFlat = kFlatRows;
   StateView a, b;
 
   template <typename I>
@@ -88,11 +93,15 @@ struct PlainPairSource {
   }
 };
 
-// PairSource whose out.lse is an input's LSE (the in-place merge), launched so that every row lies
-// inside one block: the kernel writes the merged LSE after a block barrier, once every thread of
-// the row has read the old one, instead of in a second launch.
-struct InPlaceSource : PairSource {
+// A two-state source (PairSource, or PlainPairSource with flat rows) whose out.lse is an input's
+// LSE (the in-place merge), launched so that every row lies inside one block: the kernel writes
+// the merged LSE after a barrier, once every thread of the row has read the old one, instead of in
+// a second launch.  kWarpRows: each row's threads lie in one warp (the plan's warp_rows), so the
+// barrier is the row's lanes alone, not the block's.
+template <bool kWarpRows, typename Base = PairSource>
+struct InPlaceSource : Base {
   static constexpr bool kFusedLse = true;
+  static constexpr bool kRowInWarp = kWarpRows;
 };
 
 // n states from o0 and l0 on, o_ss and l_ss elements apart.

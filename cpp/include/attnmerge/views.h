@@ -133,4 +133,21 @@ struct StateView {
   }
 };
 
+// A view whose heads lie dense within its tokens (token stride = heads x head stride, for O and
+// LSE) as one of rows: row r = token * heads + head at r * the head stride.  `heads`: the call's.
+inline bool flattens(const StateView& v, int64_t heads) {
+  return v.o_st == heads * v.o_sh && v.lse_st == heads * v.lse_sh;
+}
+inline bool flattens(const OutView& v, int64_t heads) {
+  return v.o_st == heads * v.o_sh && (v.lse == nullptr || v.lse_st == heads * v.lse_sh);
+}
+inline StateView flat_rows(StateView v) {
+  v.o_st = v.o_sh, v.lse_st = v.lse_sh;
+  return v;
+}
+inline OutView flat_rows(OutView v) {
+  v.o_st = v.o_sh, v.lse_st = v.lse_sh;
+  return v;
+}
+
 }  // namespace attnmerge

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import _C, _merge
 from .._types import Array
-from .._merge import a_tokens_arg
+from .._merge import a_tokens_arg, output_scale_arg
 
 _NAMES = {"out": "output", "out_lse": "output_lse", "o_a": "prefix_output", "lse_a": "prefix_lse",
           "o_b": "suffix_output", "lse_b": "suffix_lse", "a_tokens": "prefill_tokens_with_context"}
@@ -44,5 +44,5 @@ def merge_attn_states(output: Array, prefix_output: Array, prefix_lse: Array, su
     # LSEs' shapes as vLLM lays them out.
     a_tokens = a_tokens_arg(prefill_tokens_with_context, _NAMES["a_tokens"])
     _C.merge(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, _C.LSE_HEADS_FIRST, a_tokens,
-             output_scale, None, _NAMES)
+             output_scale_arg(output_scale), None, _NAMES)
     return None

@@ -54,6 +54,7 @@ cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t*, Kernel, Args&&...) {
 }
 
 inline void __syncthreads() {}
+inline void __syncwarp(unsigned = 0xffffffffu) {}
 
 // The exchange of the calling lane's row (set by the emulator).
 float emulated_shfl_xor(float v, int offset);

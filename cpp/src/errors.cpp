@@ -1,0 +1,42 @@
+// The calling thread's last error message and the names of the status codes.
+#include "errors.h"
+
+#include <cstdarg>
+#include <cstdio>
+
+namespace attnmerge {
+namespace detail {
+
+namespace {
+thread_local char g_error[1024] = "";
+}  // namespace
+
+attnmerge_status fail(attnmerge_status status, const char* fmt, ...) {
+  va_list args;
+  va_start(args, fmt);
+  std::vsnprintf(g_error, sizeof g_error, fmt, args);
+  va_end(args);
+  return status;
+}
+
+void clear_error() { g_error[0] = '\0'; }
+
+}  // namespace detail
+}  // namespace attnmerge
+
+extern "C" {
+
+const char* attnmerge_last_error(void) { return attnmerge::detail::g_error; }
+
+const char* attnmerge_status_string(attnmerge_status status) {
+  switch (status) {
+    case ATTNMERGE_SUCCESS: return "success";
+    case ATTNMERGE_ERROR_VALUE: return "invalid value";
+    case ATTNMERGE_ERROR_TYPE: return "invalid type";
+    case ATTNMERGE_ERROR_NO_DEVICE: return "no CUDA device";
+    case ATTNMERGE_ERROR_CUDA: return "CUDA runtime error";
+  }
+  return "unknown status";
+}
+
+}  // extern "C"

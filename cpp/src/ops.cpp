@@ -1,0 +1,398 @@
+// The C ABI's ops.  Each reads as: its contract (a table of its arguments, validate.h), its shape
+// equations, the source its rows read (sources.h, backward_params.h), and route.h.  Every argument
+// is validated once, before anything is written.
+#include <cinttypes>
+
+#include "route.h"
+
+namespace attnmerge {
+namespace detail {
+namespace {
+
+// The start of every op: no error, nothing launched yet.
+void begin_call() {
+  clear_error();
+  forget_launch();
+}
+
+// ---- shape equations ------------------------------------------------------------------------
+
+// A two-way merge's (and the in-place merge's): sizes from the input that always covers every
+// token (o_b, o_other), and the tokens of a that are read.
+attnmerge_status pair_sizes(Views, const View& b, const attnmerge_options& opt, Sizes& n) {
+  n.tokens = b.shape[0];
+  n.heads = b.shape[1];
+  n.head_size = b.shape[2];
+  attnmerge_status s;
+  if ((s = check_head_size(b.name, n.head_size)) || (s = read_a_tokens(opt, b, n))) return s;
+  return ATTNMERGE_SUCCESS;
+}
+
+// An N-way merge's: o [tokens, S, heads, head_size].
+attnmerge_status stack_sizes(Views, const View& o, const attnmerge_options&, Sizes& n) {
+  n.tokens = o.shape[0];
+  n.states = o.shape[1];
+  n.heads = o.shape[2];
+  n.head_size = o.shape[3];
+  if (attnmerge_status s = check_head_size(o.name, n.head_size)) return s;
+  if (n.states > INT32_MAX)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected at most 2^31 - 1 states, got %" PRId64, o.name, n.states);
+  return ATTNMERGE_SUCCESS;
+}
+
+// A variable-length merge's: o [total, heads, head_size], indptr [rows + 1].
+attnmerge_status range_sizes(Views views, const View& o, const attnmerge_options&, Sizes& n) {
+  n.total = o.shape[0];
+  n.heads = o.shape[1];
+  n.head_size = o.shape[2];
+  if (attnmerge_status s = check_head_size(o.name, n.head_size)) return s;
+  for (const View& v : views)
+    if (v.spec->role == ATTNMERGE_ROLE_INDPTR) {
+      if (v.shape[0] < 1) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected rows + 1 >= 1 entries, got 0", v.name);
+      n.rows = v.shape[0] - 1;
+    }
+  return ATTNMERGE_SUCCESS;
+}
+
+// ---- the ops' contracts -----------------------------------------------------------------------
+
+constexpr uint32_t kOIn = ATTNMERGE_ROLE_O_IN, kOOut = ATTNMERGE_ROLE_O_OUT, kLse = ATTNMERGE_ROLE_LSE,
+                   kMask = ATTNMERGE_ROLE_MASK, kIndptr = ATTNMERGE_ROLE_INDPTR;
+// The tables' axes: tokens, heads, head_size, S, the total states and rows of a variable-length
+// merge (R1 = rows + 1), the tokens of a that are read, and a itself (Dim).
+constexpr Dim T = Dim::kTokens, H = Dim::kHeads, D = Dim::kHeadSize, S = Dim::kStates, N = Dim::kTotal, R = Dim::kRows,
+              R1 = Dim::kRowsPlus1, A = Dim::kATokens, AOrMore = Dim::kATokensOrMore;
+constexpr Use kRead = Use::kRead, kWrite = Use::kWrite, kReadWrite = Use::kReadWrite;
+constexpr Presence kRequired = Presence::kRequired, kOptional = Presence::kOptional;
+constexpr Alias kMayBeOutput = Alias::kMayBeOutput, kNoAlias = Alias::kNone;
+
+constexpr uint32_t kBase2 = ATTNMERGE_LSE_BASE2, kHeadsFirst = ATTNMERGE_LSE_HEADS_FIRST, kATokens = ATTNMERGE_A_TOKENS,
+                   kPdl = ATTNMERGE_PDL;
+
+// Each op: its arguments' table, then make_op(table, the options.flags it takes, the argument whose
+// dtype allows an output scale, the state its sizes come from and that state's LSE, its shape
+// equations).
+// clang-format off
+// (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)); out may be o_a or o_b itself, out_lse lse_a or lse_b.
+constexpr ArgSpec kMergeArgs[] = {
+    // name      role   shape            use     presence    alias          dtype of
+    {"out",      kOOut, {T, H, D},       kWrite, kRequired},
+    {"out_lse",  kLse,  {T, H},          kWrite, kOptional},
+    {"o_a",      kOIn,  {AOrMore, H, D}, kRead,  kRequired,  kMayBeOutput},
+    {"lse_a",    kLse,  {AOrMore, H},    kRead,  kRequired,  kMayBeOutput},
+    {"o_b",      kOIn,  {T, H, D},       kRead,  kRequired,  kMayBeOutput,  "o_a"},
+    {"lse_b",    kLse,  {T, H},          kRead,  kRequired,  kMayBeOutput},
+};
+constexpr OpSpec kMerge =
+    make_op(kMergeArgs, kBase2 | kHeadsFirst | kATokens | kPdl, "out", "o_b", "lse_b", pair_sizes);
+static_assert(names_resolve(kMerge), "kMerge names its own arguments");
+
+// (o, lse) <- merge((o, lse), (o_other, lse_other)) on the rows whose mask is not 0.
+constexpr ArgSpec kInplaceArgs[] = {
+    {"o",         kOIn,  {T, H, D}, kReadWrite, kRequired},
+    {"lse",       kLse,  {T, H},    kReadWrite, kRequired},
+    {"o_other",   kOIn,  {T, H, D}, kRead,      kRequired, kMayBeOutput, "o"},
+    {"lse_other", kLse,  {T, H},    kRead,      kRequired, kMayBeOutput},
+    {"mask",      kMask, {T},       kRead,      kOptional},
+};
+constexpr OpSpec kInplace = make_op(kInplaceArgs, kBase2 | kHeadsFirst | kPdl, "o", "o_other", "lse_other", pair_sizes);
+static_assert(names_resolve(kInplace), "kInplace names its own arguments");
+
+// (out, out_lse) = merge of the S states of o, lse.
+constexpr ArgSpec kStatesArgs[] = {
+    {"out",     kOOut, {T, H, D},    kWrite, kRequired},
+    {"out_lse", kLse,  {T, H},       kWrite, kOptional},
+    {"o",       kOIn,  {T, S, H, D}, kRead,  kRequired},
+    {"lse",     kLse,  {T, S, H},    kRead,  kRequired},
+};
+constexpr OpSpec kStates = make_op(kStatesArgs, kBase2 | kPdl, "out", "o", "lse", stack_sizes);
+static_assert(names_resolve(kStates), "kStates names its own arguments");
+
+// Row r of (out, out_lse) = merge of states indptr[r] to indptr[r + 1] - 1 of o, lse.
+constexpr ArgSpec kVarlenArgs[] = {
+    {"out",     kOOut,   {R, H, D}, kWrite, kRequired},
+    {"out_lse", kLse,    {R, H},    kWrite, kOptional},
+    {"o",       kOIn,    {N, H, D}, kRead,  kRequired},
+    {"lse",     kLse,    {N, H},    kRead,  kRequired},
+    {"indptr",  kIndptr, {R1},      kRead,  kRequired},
+};
+constexpr OpSpec kVarlen = make_op(kVarlenArgs, kBase2 | kPdl, "out", "o", "lse", range_sizes);
+static_assert(names_resolve(kVarlen), "kVarlen names its own arguments");
+
+// The backward: the gradients (each optional: not written), dO and dLSE (optional: 0), the
+// forward's O (optional: <dO, O> from the states) and LSE, then the forward's inputs.  No output
+// aliases an input: dO and O are read again for rows of many states.  grad_out's dtype says that
+// no output scale applies (it has none: a scaled FP8 output has no gradient).
+constexpr ArgSpec kMergeBackwardArgs[] = {
+    {"grad_o_a",     kOIn, {A, H, D},       kWrite, kOptional, kNoAlias, "o_a"},
+    {"grad_lse_a",   kLse, {A, H},          kWrite, kOptional},
+    {"grad_o_b",     kOIn, {T, H, D},       kWrite, kOptional, kNoAlias, "o_a"},
+    {"grad_lse_b",   kLse, {T, H},          kWrite, kOptional},
+    {"grad_out",     kOIn, {T, H, D},       kRead,  kRequired, kNoAlias, "out"},
+    {"grad_out_lse", kLse, {T, H},          kRead,  kOptional},
+    {"out",          kOIn, {T, H, D},       kRead,  kOptional},
+    {"out_lse",      kLse, {T, H},          kRead,  kRequired},
+    {"o_a",          kOIn, {AOrMore, H, D}, kRead,  kRequired},
+    {"lse_a",        kLse, {AOrMore, H},    kRead,  kRequired},
+    {"o_b",          kOIn, {T, H, D},       kRead,  kRequired, kNoAlias, "o_a"},
+    {"lse_b",        kLse, {T, H},          kRead,  kRequired},
+};
+constexpr OpSpec kMergeBackward =
+    make_op(kMergeBackwardArgs, kBase2 | kHeadsFirst | kATokens | kPdl, "grad_out", "o_b", "lse_b", pair_sizes);
+static_assert(names_resolve(kMergeBackward), "kMergeBackward names its own arguments");
+
+constexpr ArgSpec kStatesBackwardArgs[] = {
+    {"grad_o",       kOIn, {T, S, H, D}, kWrite, kOptional, kNoAlias, "o"},
+    {"grad_lse",     kLse, {T, S, H},    kWrite, kOptional},
+    {"grad_out",     kOIn, {T, H, D},    kRead,  kRequired, kNoAlias, "out"},
+    {"grad_out_lse", kLse, {T, H},       kRead,  kOptional},
+    {"out",          kOIn, {T, H, D},    kRead,  kOptional},
+    {"out_lse",      kLse, {T, H},       kRead,  kRequired},
+    {"o",            kOIn, {T, S, H, D}, kRead,  kRequired},
+    {"lse",          kLse, {T, S, H},    kRead,  kRequired},
+};
+constexpr OpSpec kStatesBackward = make_op(kStatesBackwardArgs, kBase2 | kPdl, "grad_out", "o", "lse", stack_sizes);
+static_assert(names_resolve(kStatesBackward), "kStatesBackward names its own arguments");
+
+constexpr ArgSpec kVarlenBackwardArgs[] = {
+    {"grad_o",       kOIn,    {N, H, D}, kWrite, kOptional, kNoAlias, "o"},
+    {"grad_lse",     kLse,    {N, H},    kWrite, kOptional},
+    {"grad_out",     kOIn,    {R, H, D}, kRead,  kRequired, kNoAlias, "out"},
+    {"grad_out_lse", kLse,    {R, H},    kRead,  kOptional},
+    {"out",          kOIn,    {R, H, D}, kRead,  kOptional},
+    {"out_lse",      kLse,    {R, H},    kRead,  kRequired},
+    {"o",            kOIn,    {N, H, D}, kRead,  kRequired},
+    {"lse",          kLse,    {N, H},    kRead,  kRequired},
+    {"indptr",       kIndptr, {R1},      kRead,  kRequired},
+};
+constexpr OpSpec kVarlenBackward = make_op(kVarlenBackwardArgs, kBase2 | kPdl, "grad_out", "o", "lse", range_sizes);
+static_assert(names_resolve(kVarlenBackward), "kVarlenBackward names its own arguments");
+// clang-format on
+
+// ---- sources ------------------------------------------------------------------------------------
+
+// A view's pointer and strides where it is given; null and zero strides where it is not, so that
+// every address of it a source computes is null (not read, not written).
+const void* data_or_null(const View& v) { return v.present() ? v.t->data : nullptr; }
+int64_t stride_or_0(const View& v, int axis) { return v.present() ? v.strides[axis] : 0; }
+
+// O [tokens, heads, ...] and an LSE, either of which may be absent.
+StateView state_of(const View& o, const View& lse) {
+  return StateView{data_or_null(o),     stride_or_0(o, 0),
+                   stride_or_0(o, 1),   static_cast<const float*>(data_or_null(lse)),
+                   stride_or_0(lse, 0), stride_or_0(lse, 1)};
+}
+
+// o [tokens, S, heads, ...] and lse [tokens, S, heads], either of which may be absent.
+StackSource stack_of(const View& o, const View& lse, int64_t states) {
+  return StackSource{data_or_null(o),
+                     stride_or_0(o, 0),
+                     stride_or_0(o, 1),
+                     stride_or_0(o, 2),
+                     static_cast<const float*>(data_or_null(lse)),
+                     stride_or_0(lse, 0),
+                     stride_or_0(lse, 1),
+                     stride_or_0(lse, 2),
+                     states};
+}
+
+// Two stacked states as a pair, for the two-way merge's kernel: the same weights, fewer registers
+// (no offset from the pointer of an empty tensor, which may be null and is never read).
+// `empty_o`, `empty_lse`: those of x's views (an absent one counts as empty); `dtype`: x's O's.
+PairSource pair_of(const StackSource& x, int dtype, bool empty_o, bool empty_lse, int64_t tokens) {
+  const char* o1 = static_cast<const char*>(x.o) + (empty_o ? 0 : x.o_ss * static_cast<int64_t>(dtype_size(dtype)));
+  return PairSource{StateView{x.o, x.o_st, x.o_sh, x.lse, x.lse_st, x.lse_sh},
+                    StateView{o1, x.o_st, x.o_sh, x.lse + (empty_lse ? 0 : x.lse_ss), x.lse_st, x.lse_sh}, tokens,
+                    nullptr, 0};
+}
+
+// o [total, heads, ...] and lse [total, heads], either of which may be absent, with indptr.
+RangeSource range_of(const View& o, const View& lse, const View& indptr, int64_t total) {
+  return RangeSource{data_or_null(o),
+                     stride_or_0(o, 0),
+                     stride_or_0(o, 1),
+                     static_cast<const float*>(data_or_null(lse)),
+                     stride_or_0(lse, 0),
+                     stride_or_0(lse, 1),
+                     indptr.t->data,
+                     indptr.strides[0],
+                     indptr.t->dtype == ATTNMERGE_INT64,
+                     total};
+}
+
+OutView out_view(const View& out, const View& out_lse, const Checked& c) {
+  return OutView{out.t->data,
+                 out.strides[0],
+                 out.strides[1],
+                 out_lse.present() ? static_cast<float*>(out_lse.t->data) : nullptr,
+                 stride_or_0(out_lse, 0),
+                 stride_or_0(out_lse, 1),
+                 c.inv_scale,
+                 c.opt.output_scale_ptr,
+                 false};
+}
+
+// out_lse is the very LSE of an input it merges (read by every thread of a row, written by one).
+bool lse_in_place(const View& out_lse, const View& lse_a, const View& lse_b) {
+  if (!out_lse.present() || out_lse.empty) return false;
+  return (lse_a.present() && !lse_a.empty && same_view(out_lse, lse_a)) || (!lse_b.empty && same_view(out_lse, lse_b));
+}
+
+// `tokens`: the output's first axis (a variable-length merge's rows).
+MergeShape merge_shape(int64_t tokens, const Sizes& n, const Checked& c) {
+  return MergeShape{tokens, n.heads, n.head_size, (c.opt.flags & ATTNMERGE_LSE_BASE2) != 0};
+}
+
+// The two-way and in-place merges' common end: a = (o_a, lse_a), b = (o_b, lse_b).
+attnmerge_status run_pair(Checked& c, const View& out, const View& out_lse, const View& o_a, const View& lse_a,
+                          const View& o_b, const View& lse_b, const View* mask, void* stream) {
+  PairSource src{state_of(o_a, lse_a), state_of(o_b, lse_b), c.sizes.a_tokens, nullptr, 0};
+  if (mask != nullptr && mask->present() && !mask->empty) {
+    src.mask = static_cast<const uint8_t*>(mask->t->data);
+    src.mask_stride = mask->strides[0];
+  }
+  OutView dst = out_view(out, out_lse, c);
+  dst.lse_in_place = lse_in_place(out_lse, lse_a, lse_b);
+  return run(c.all(), merge_shape(c.sizes.tokens, c.sizes, c), src, dst, o_a.t->dtype, out.t->dtype, stream,
+             c.opt.flags);
+}
+
+}  // namespace
+}  // namespace detail
+}  // namespace attnmerge
+
+using namespace attnmerge;
+using namespace attnmerge::detail;
+
+extern "C" {
+
+attnmerge_status attnmerge_merge(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                 const attnmerge_tensor* o_a, const attnmerge_tensor* lse_a,
+                                 const attnmerge_tensor* o_b, const attnmerge_tensor* lse_b,
+                                 const attnmerge_options* options, void* stream) {
+  begin_call();
+  Checked c;
+  const attnmerge_tensor* const args[] = {out, out_lse, o_a, lse_a, o_b, lse_b};
+  if (attnmerge_status s = validate(kMerge, args, options, c)) return s;
+  const View* v = c.views;
+  return run_pair(c, v[0], v[1], v[2], v[3], v[4], v[5], nullptr, stream);
+}
+
+attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnmerge_tensor* lse,
+                                         const attnmerge_tensor* o_other, const attnmerge_tensor* lse_other,
+                                         const attnmerge_tensor* mask, const attnmerge_options* options, void* stream) {
+  begin_call();
+  Checked c;
+  const attnmerge_tensor* const args[] = {o, lse, o_other, lse_other, mask};
+  if (attnmerge_status s = validate(kInplace, args, options, c)) return s;
+  const View* v = c.views;
+  return run_pair(c, v[0], v[1], v[0], v[1], v[2], v[3], &v[4], stream);  // (o, lse) is a and the output
+}
+
+attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                        const attnmerge_tensor* o, const attnmerge_tensor* lse,
+                                        const attnmerge_options* options, void* stream) {
+  begin_call();
+  Checked c;
+  const attnmerge_tensor* const args[] = {out, out_lse, o, lse};
+  if (attnmerge_status s = validate(kStates, args, options, c)) return s;
+  const View &vout = c.views[0], &vout_lse = c.views[1], &vo = c.views[2], &vl = c.views[3];
+  const Sizes& n = c.sizes;
+  const MergeShape shape = merge_shape(n.tokens, n, c);
+  const OutView dst = out_view(vout, vout_lse, c);
+  const StackSource src = stack_of(vo, vl, n.states);
+  if (n.states == 2)
+    return run(c.all(), shape, pair_of(src, o->dtype, vo.empty, vl.empty, n.tokens), dst, o->dtype, out->dtype, stream,
+               c.opt.flags);
+  return run(c.all(), shape, src, dst, o->dtype, out->dtype, stream, c.opt.flags);
+}
+
+attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                        const attnmerge_tensor* o, const attnmerge_tensor* lse,
+                                        const attnmerge_tensor* indptr, const attnmerge_options* options,
+                                        void* stream) {
+  begin_call();
+  Checked c;
+  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, indptr};
+  attnmerge_status s;
+  if ((s = validate(kVarlen, args, options, c))) return s;
+  const View &vout = c.views[0], &vout_lse = c.views[1], &vo = c.views[2], &vl = c.views[3], &vi = c.views[4];
+  const Sizes& n = c.sizes;
+  if ((s = check_indptr(vi, out, n.rows, n.total))) return s;
+  return run(c.all(), merge_shape(n.rows, n, c), range_of(vo, vl, vi, n.total), out_view(vout, vout_lse, c), o->dtype,
+             out->dtype, stream, c.opt.flags);
+}
+
+attnmerge_status attnmerge_merge_backward(const attnmerge_tensor* grad_o_a, const attnmerge_tensor* grad_lse_a,
+                                          const attnmerge_tensor* grad_o_b, const attnmerge_tensor* grad_lse_b,
+                                          const attnmerge_tensor* grad_out, const attnmerge_tensor* grad_out_lse,
+                                          const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                          const attnmerge_tensor* o_a, const attnmerge_tensor* lse_a,
+                                          const attnmerge_tensor* o_b, const attnmerge_tensor* lse_b,
+                                          const attnmerge_options* options, void* stream) {
+  begin_call();
+  Checked c;
+  const attnmerge_tensor* const args[] = {grad_o_a, grad_lse_a, grad_o_b, grad_lse_b, grad_out, grad_out_lse,
+                                          out,      out_lse,    o_a,      lse_a,      o_b,      lse_b};
+  if (attnmerge_status s = validate(kMergeBackward, args, options, c)) return s;
+  const View* v = c.views;
+  const View &vga = v[0], &vgla = v[1], &vgb = v[2], &vglb = v[3];
+  const int64_t a_tokens = c.sizes.a_tokens;
+  const PairSource in{state_of(v[8], v[9]), state_of(v[10], v[11]), a_tokens, nullptr, 0};
+  const PairSource grad{state_of(vga, vgla), state_of(vgb, vglb), a_tokens, nullptr, 0};
+  const BackwardArgs<PairBackward> back{PairBackward{in, grad}, state_of(v[6], v[7]), state_of(v[4], v[5]),
+                                        vga.present() || vgb.present(), vgla.present() || vglb.present()};
+  return run_backward(c.all(), merge_shape(c.sizes.tokens, c.sizes, c), back, 2, o_a->dtype, grad_out->dtype, stream,
+                      c.opt.flags);
+}
+
+attnmerge_status attnmerge_merge_states_backward(const attnmerge_tensor* grad_o, const attnmerge_tensor* grad_lse,
+                                                 const attnmerge_tensor* grad_out, const attnmerge_tensor* grad_out_lse,
+                                                 const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                                 const attnmerge_tensor* o, const attnmerge_tensor* lse,
+                                                 const attnmerge_options* options, void* stream) {
+  begin_call();
+  Checked c;
+  const attnmerge_tensor* const args[] = {grad_o, grad_lse, grad_out, grad_out_lse, out, out_lse, o, lse};
+  if (attnmerge_status s = validate(kStatesBackward, args, options, c)) return s;
+  const View* v = c.views;
+  const View &vg = v[0], &vgl = v[1], &vo = v[6], &vl = v[7];
+  const Sizes& n = c.sizes;
+  const MergeShape shape = merge_shape(n.tokens, n, c);
+  const StackSource in = stack_of(vo, vl, n.states), grad = stack_of(vg, vgl, n.states);
+  const StateView fwd = state_of(v[4], v[5]), incoming = state_of(v[2], v[3]);
+  if (n.states == 2) {  // the two-way merge's kernel, as in the forward: 64 registers against 108
+    const BackwardArgs<PairBackward> back{PairBackward{pair_of(in, o->dtype, vo.empty, vl.empty, n.tokens),
+                                                       pair_of(grad, o->dtype, vg.empty, vgl.empty, n.tokens)},
+                                          fwd, incoming, vg.present(), vgl.present()};
+    return run_backward(c.all(), shape, back, n.states, o->dtype, grad_out->dtype, stream, c.opt.flags);
+  }
+  const BackwardArgs<StackBackward> back{StackBackward{in, grad}, fwd, incoming, vg.present(), vgl.present()};
+  return run_backward(c.all(), shape, back, n.states, o->dtype, grad_out->dtype, stream, c.opt.flags);
+}
+
+attnmerge_status attnmerge_merge_varlen_backward(const attnmerge_tensor* grad_o, const attnmerge_tensor* grad_lse,
+                                                 const attnmerge_tensor* grad_out, const attnmerge_tensor* grad_out_lse,
+                                                 const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                                 const attnmerge_tensor* o, const attnmerge_tensor* lse,
+                                                 const attnmerge_tensor* indptr, const attnmerge_options* options,
+                                                 void* stream) {
+  begin_call();
+  Checked c;
+  const attnmerge_tensor* const args[] = {grad_o, grad_lse, grad_out, grad_out_lse, out, out_lse, o, lse, indptr};
+  attnmerge_status s;
+  if ((s = validate(kVarlenBackward, args, options, c))) return s;
+  const View* v = c.views;
+  const View &vg = v[0], &vgl = v[1], &vo = v[6], &vl = v[7], &vi = v[8];
+  const Sizes& n = c.sizes;
+  if ((s = check_indptr(vi, grad_out, n.rows, n.total))) return s;
+  // With no rows, one row over every state writes their zeros (RangeBackward).
+  const MergeShape shape = merge_shape(n.rows > 0 ? n.rows : n.total > 0 ? 1 : 0, n, c);
+  const BackwardArgs<RangeBackward> back{
+      RangeBackward{range_of(vo, vl, vi, n.total), range_of(vg, vgl, vi, n.total), n.rows}, state_of(v[4], v[5]),
+      state_of(v[2], v[3]), vg.present(), vgl.present()};
+  const int64_t states = n.rows > 0 ? (n.total + n.rows - 1) / n.rows : n.total;
+  return run_backward(c.all(), shape, back, states, o->dtype, grad_out->dtype, stream, c.opt.flags);
+}
+
+}  // extern "C"

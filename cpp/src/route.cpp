@@ -1,0 +1,87 @@
+// Where a validated call runs (route.h).
+#include "route.h"
+
+#include <algorithm>
+
+namespace attnmerge {
+namespace detail {
+
+attnmerge_status locate(Views views, const float* scale, bool no_rows, int& device, bool& go) {
+  device = ATTNMERGE_HOST;
+  go = false;
+  const View* first = nullptr;
+  for (const View& v : views) {
+    if (!v.present() || v.empty) continue;  // an empty tensor is never touched, wherever it lives
+    if (first == nullptr) {
+      first = &v;
+      device = v.t->device;
+    } else if (v.t->device != device) {
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected the device of %s (%d), got device %d (-1 is the host)", v.name,
+                  first->name, device, v.t->device);
+    }
+  }
+  go = first != nullptr && !no_rows;
+  if (!go) return ATTNMERGE_SUCCESS;
+  if (device == ATTNMERGE_HOST) {
+    // Device memory handed to the CPU path would crash the process: refuse it where CUDA can tell.
+    if (gpu_device_count() > 0)
+      for (const View& v : views)
+        if (v.present() && !v.empty && !(v.t->flags & ATTNMERGE_DEVICE_KNOWN) &&
+            gpu_pointer_device(v.t->data) != ATTNMERGE_HOST)
+          return fail(ATTNMERGE_ERROR_VALUE, "%s: expected host memory (device -1), got memory of CUDA device %d",
+                      v.name, gpu_pointer_device(v.t->data));
+    if (scale != nullptr && gpu_device_count() > 0 && gpu_pointer_device(scale) != ATTNMERGE_HOST)
+      return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected host memory (device -1), got memory of CUDA device %d",
+                  gpu_pointer_device(scale));
+    return ATTNMERGE_SUCCESS;
+  }
+  const int count = gpu_device_count();
+  if (count == 0)
+    return fail(ATTNMERGE_ERROR_NO_DEVICE, "%s: lives on CUDA device %d, but no CUDA driver or device is available",
+                first->name, device);
+  if (device >= count)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a CUDA device below %d, got device %d", first->name, count,
+                device);
+  attnmerge_status s;
+  for (const View& v : views)
+    if (v.present() && !v.empty && !(v.t->flags & ATTNMERGE_DEVICE_KNOWN) &&
+        (s = gpu_check_pointer(v.t->data, device, v.name)))
+      return s;
+  if (scale != nullptr && (s = gpu_check_pointer(scale, device, "output_scale"))) return s;
+  return ATTNMERGE_SUCCESS;
+}
+
+CallFacts call_facts(Views views, int64_t head_size, uint32_t flags) {
+  CallFacts facts;
+  facts.vec = choose_vec(views, head_size);
+  facts.pdl = (flags & ATTNMERGE_PDL) != 0;
+  for (const View& v : views) {
+    if (!v.present() || v.empty) continue;
+    facts.max_offset = std::max(facts.max_offset, v.last);
+    // The bytes moved: each view's span, twice for one that is read and written (in place).
+    const int64_t span = (v.last + 1) * static_cast<int64_t>(dtype_size(v.t->dtype));  // < 2^63 (describe)
+    for (int pass = v.spec->use == Use::kReadWrite ? 2 : 1; pass > 0; --pass)
+      if (__builtin_add_overflow(facts.bytes, span, &facts.bytes)) facts.bytes = INT64_MAX;
+    if (v.ndim == 2 && v.strides[0] < v.strides[1]) facts.lse_tokens_inner = true;  // a two-axis LSE
+  }
+  return facts;
+}
+
+int choose_vec(Views views, int64_t head_size) {
+  std::size_t widest = 0;
+  for (const View& v : views)
+    if (v.present() && v.spec->is_o()) widest = std::max(widest, dtype_size(v.t->dtype));
+  for (int vec = static_cast<int>(16 / widest); vec > 1; vec /= 2) {
+    bool ok = head_size % vec == 0;
+    for (const View& v : views) {
+      if (!ok || !v.present() || !v.spec->is_o() || v.empty) continue;
+      ok = reinterpret_cast<uintptr_t>(v.t->data) % (vec * dtype_size(v.t->dtype)) == 0;
+      for (int axis = 0; ok && axis < v.ndim - 1; ++axis) ok = v.shape[axis] <= 1 || v.strides[axis] % vec == 0;
+    }
+    if (ok) return vec;
+  }
+  return 1;
+}
+
+}  // namespace detail
+}  // namespace attnmerge

@@ -1,0 +1,56 @@
+// Where a validated call runs: one device for every tensor and memory it can address, then the CPU
+// path or a GPU launch, with what the launch plan (plan.h) needs to know of the arrays.
+#pragma once
+
+#include "validate.h"
+
+namespace attnmerge {
+namespace detail {
+
+// One device for every non-empty tensor, and memory it can address (`scale`: the output scale in
+// memory, or null): `device` (ATTNMERGE_HOST for the CPU path).  go: there is work to do (some
+// tensor is not empty and no_rows is false); nothing is checked beyond the devices' agreement
+// where there is not.
+attnmerge_status locate(Views views, const float* scale, bool no_rows, int& device, bool& go);
+
+// What the launch plan needs to know of the arrays of a forward call (plan.h).
+CallFacts call_facts(Views views, int64_t head_size, uint32_t flags);
+
+// The widest vector (elements) that the pointer and strides of every O of the call and head_size
+// allow, within 16 bytes per access.
+int choose_vec(Views views, int64_t head_size);
+
+// A forward merge: on its device, the CPU path or a launch.
+template <typename Source>
+attnmerge_status run(Views views, const MergeShape& shape, const Source& src, const OutView& out, int in_dtype,
+                     int out_dtype, void* stream, uint32_t flags) {
+  int device;
+  bool go;
+  attnmerge_status s = locate(views, out.scale, shape.rows == 0, device, go);
+  if (s || !go) return s;
+  if (device == ATTNMERGE_HOST) {
+    cpu_merge(shape, src, out, in_dtype, out_dtype);
+    return ATTNMERGE_SUCCESS;
+  }
+  return gpu_merge(shape, src, out, call_facts(views, shape.head_size, flags), in_dtype, out_dtype, device, stream);
+}
+
+// A backward: on its device, the CPU loop or the launch (nothing to do where no gradient is asked
+// for).  `states`: a row's states (the mean for the variable-length merge), for the CPU's threads.
+template <typename Src>
+attnmerge_status run_backward(Views views, const MergeShape& shape, const BackwardArgs<Src>& args, int64_t states,
+                              int in_dtype, int out_dtype, void* stream, uint32_t flags) {
+  int device;
+  bool go;
+  attnmerge_status s = locate(views, nullptr, shape.rows == 0, device, go);
+  if (s || !go || (!args.want_o && !args.want_lse)) return s;
+  if (device == ATTNMERGE_HOST) {
+    cpu_merge_backward(shape, args, states, in_dtype, out_dtype);
+    return ATTNMERGE_SUCCESS;
+  }
+  return gpu_merge_backward(shape, args, choose_vec(views, shape.head_size), (flags & ATTNMERGE_PDL) != 0, in_dtype,
+                            out_dtype, device, stream);
+}
+
+}  // namespace detail
+}  // namespace attnmerge

@@ -1,0 +1,344 @@
+// Argument rules of the C ABI (validate.h).
+#include "validate.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+
+namespace attnmerge {
+namespace detail {
+
+namespace {
+
+// "float32, float16 or bfloat16": the names of a set of dtypes, for error messages.
+struct DtypesText {
+  char text[128];
+  explicit DtypesText(uint32_t set) {
+    int count = 0, n = 0;
+    for (int i = 0; i < kDtypeCount; ++i) count += in_set(set, i);
+    text[0] = '\0';
+    for (int i = 0, k = 0; i < kDtypeCount && n < static_cast<int>(sizeof text); ++i) {
+      if (!in_set(set, i)) continue;
+      const char* separator = k == 0 ? "" : k == count - 1 ? " or " : ", ";
+      n += std::snprintf(text + n, sizeof text - n, "%s%s", separator, dtype_name(i));
+      ++k;
+    }
+  }
+};
+
+// "[4, 8, 128]" for error messages.
+struct ShapeText {
+  char text[128];
+  ShapeText(const int64_t* shape, int ndim) {
+    int n = std::snprintf(text, sizeof text, "[");
+    for (int i = 0; i < ndim && n < static_cast<int>(sizeof text); ++i)
+      n += std::snprintf(text + n, sizeof text - n, i ? ", %" PRId64 : "%" PRId64, shape[i]);
+    if (n < static_cast<int>(sizeof text)) std::snprintf(text + n, sizeof text - n, "]");
+  }
+};
+
+// v's logical shape must be `expected`, the sizes taken from `source`.
+attnmerge_status check_shape(const View& v, const int64_t* expected, const View& source) {
+  if (!v.present() || std::equal(expected, expected + v.ndim, v.shape)) return ATTNMERGE_SUCCESS;
+  int64_t want[ATTNMERGE_MAX_NDIM] = {};
+  std::copy(expected, expected + v.ndim, want);
+  if (v.transposed) std::swap(want[0], want[1]);  // speak in the caller's layout
+  return fail(ATTNMERGE_ERROR_VALUE, "%s: expected shape %s (the sizes of %s, shape %s), got %s", v.name,
+              ShapeText(want, v.ndim).text, source.name, ShapeText(source.t->shape, source.ndim).text,
+              ShapeText(v.t->shape, v.ndim).text);
+}
+
+// An output must not write one element twice: after sorting its axes by stride, each stride must
+// clear the extent of the axes inside it.
+attnmerge_status check_no_self_overlap(const View& v) {
+  if (!v.present() || v.empty) return ATTNMERGE_SUCCESS;
+  int order[ATTNMERGE_MAX_NDIM] = {0, 1, 2, 3};
+  for (int i = 1; i < v.ndim; ++i)  // insertion sort of at most 4 axes by stride
+    for (int j = i; j > 0 && v.strides[order[j]] < v.strides[order[j - 1]]; --j) std::swap(order[j], order[j - 1]);
+  int64_t extent = 1;
+  for (int k = 0; k < v.ndim; ++k) {
+    const int i = order[k];
+    if (v.shape[i] <= 1) continue;
+    if (v.strides[i] < extent)
+      return fail(ATTNMERGE_ERROR_VALUE,
+                  "%s: expected an output whose elements do not overlap, got stride %" PRId64
+                  " on an axis of size %" PRId64 " (shape %s)",
+                  v.name, v.strides[i], v.shape[i], ShapeText(v.t->shape, v.ndim).text);
+    extent = v.strides[i] * (v.shape[i] - 1) + extent;
+  }
+  return ATTNMERGE_SUCCESS;
+}
+
+// `out` apart from `other`, or (`alias`) the very same view.
+attnmerge_status check_disjoint(const View& out, const View& other, Alias alias) {
+  if (!out.present() || !other.present() || out.empty || other.empty) return ATTNMERGE_SUCCESS;
+  const bool may_alias = alias == Alias::kMayBeOutput;
+  if (may_alias && same_view(out, other)) return ATTNMERGE_SUCCESS;
+  uintptr_t lo1, hi1, lo2, hi2;
+  out.byte_range(lo1, hi1);
+  other.byte_range(lo2, hi2);
+  if (lo1 < hi2 && lo2 < hi1)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory disjoint from %s%s, got overlapping ranges", out.name,
+                other.name, may_alias ? " (or the very same view)" : "");
+  return ATTNMERGE_SUCCESS;
+}
+
+// a (kATokensOrMore) under ATTNMERGE_A_TOKENS: at least the a_tokens tokens read, the sizes of
+// `source` otherwise.
+attnmerge_status check_a_shape(const View& v, const Sizes& n, const View& source) {
+  if (v.shape[0] >= n.a_tokens && v.shape[1] == n.heads && (v.ndim != 3 || v.shape[2] == n.head_size))
+    return ATTNMERGE_SUCCESS;
+  return fail(ATTNMERGE_ERROR_VALUE,
+              "%s: expected at least %" PRId64 " tokens (a_tokens), %" PRId64 " heads%s%s, got shape %s", v.name,
+              n.a_tokens, n.heads, v.ndim == 3 ? " and the head_size of " : "", v.ndim == 3 ? source.name : "",
+              ShapeText(v.t->shape, v.ndim).text);
+}
+
+int64_t size_of(Dim d, const Sizes& n) {
+  switch (d) {
+    case Dim::kTokens: return n.tokens;
+    case Dim::kHeads: return n.heads;
+    case Dim::kHeadSize: return n.head_size;
+    case Dim::kStates: return n.states;
+    case Dim::kTotal: return n.total;
+    case Dim::kRows: return n.rows;
+    case Dim::kRowsPlus1: return n.rows + 1;
+    case Dim::kATokens:
+    case Dim::kATokensOrMore: return n.a_tokens;
+    case Dim::kNone: break;
+  }
+  return 0;
+}
+
+// How a call lays out its two-axis LSEs: [tokens, heads], or [heads, tokens] where the op takes
+// ATTNMERGE_LSE_HEADS_FIRST and the options ask for it.
+enum class LseLayout : uint8_t { kTokensFirst, kHeadsFirst };
+
+LseLayout lse_layout(const attnmerge_options* options, uint32_t op_flags) {
+  const uint32_t flags = options ? options->flags : 0u;
+  return (op_flags & flags & ATTNMERGE_LSE_HEADS_FIRST) ? LseLayout::kHeadsFirst : LseLayout::kTokensFirst;
+}
+
+// One tensor against its spec, into `v` (swapping the two axes of an LSE given [heads, tokens]).
+attnmerge_status describe_one(const attnmerge_tensor* t, const ArgSpec& spec, LseLayout layout, View& v) {
+  v = View{};
+  v.spec = &spec;
+  v.name = spec.name;
+  const char* name = spec.name;
+  const int ndim = spec.ndim();
+  const uint32_t dtypes = dtypes_of(spec.role);
+  const bool transpose = spec.role == ATTNMERGE_ROLE_LSE && ndim == 2 && layout == LseLayout::kHeadsFirst;
+  if (t == nullptr) {
+    if (spec.presence == Presence::kOptional) return ATTNMERGE_SUCCESS;
+    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected a tensor, got NULL", name);
+  }
+  v.t = t;
+  v.ndim = ndim;
+  v.transposed = transpose;
+  if (t->ndim != ndim) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected %d dimensions, got %d", name, ndim, t->ndim);
+  if (!in_set(dtypes, t->dtype))
+    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected dtype %s, got %s", name, DtypesText(dtypes).text,
+                dtype_name(t->dtype));
+  constexpr uint32_t kTensorFlags = ATTNMERGE_READ_ONLY | ATTNMERGE_DEVICE_KNOWN;
+  if (t->flags & ~kTensorFlags)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected flags within 0x%x, got 0x%x", name, kTensorFlags, t->flags);
+  if (t->device < ATTNMERGE_HOST)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a device >= -1 (the host), got %d", name, t->device);
+  for (int i = 0; i < ndim; ++i) {
+    const int src = transpose ? 1 - i : i;
+    v.shape[i] = t->shape[src];
+    v.strides[i] = t->strides[src];
+    if (t->shape[i] < 0)
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected sizes >= 0, got shape %s", name, ShapeText(t->shape, ndim).text);
+  }
+  v.empty = std::find(v.shape, v.shape + ndim, 0) != v.shape + ndim;
+  if (v.empty) return ATTNMERGE_SUCCESS;  // never addressed: its strides and pointer do not matter
+  int64_t count = 1;
+  for (int i = 0; i < ndim; ++i)
+    if (__builtin_mul_overflow(count, v.shape[i], &count))
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected fewer than 2^63 elements, got shape %s", name,
+                  ShapeText(t->shape, ndim).text);
+  for (int i = 0; i < ndim; ++i)
+    if (t->strides[i] < 0)
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected strides >= 0, got %" PRId64 " on axis %d", name, t->strides[i],
+                  i);
+  if (spec.is_o() && t->strides[ndim - 1] != 1 && t->shape[ndim - 1] > 1)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a unit stride on the head_size axis, got stride %" PRId64, name,
+                t->strides[ndim - 1]);
+  if (t->data == nullptr) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a data pointer, got NULL", name);
+  const std::size_t size = dtype_size(t->dtype);
+  if (reinterpret_cast<uintptr_t>(t->data) % size != 0)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a data pointer aligned to %zu bytes, got %p", name, size, t->data);
+  int64_t last = 0, term;  // the largest byte offset must fit in 63 bits
+  for (int i = 0; i < ndim; ++i)
+    if (__builtin_mul_overflow(v.shape[i] - 1, v.strides[i], &term) || __builtin_add_overflow(last, term, &last) ||
+        __builtin_add_overflow(last, 1, &term) || __builtin_mul_overflow(term, static_cast<int64_t>(size), &term))
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: shape %s with these strides spans more than 2^63 bytes", name,
+                  ShapeText(t->shape, ndim).text);
+  v.last = last;
+  return ATTNMERGE_SUCCESS;
+}
+
+// Step 1: tensors[i] against specs[i], each alone, into views[i], in table order.
+attnmerge_status describe(const ArgSpec* specs, const attnmerge_tensor* const* tensors, int n, LseLayout layout,
+                          View* views) {
+  for (int i = 0; i < n; ++i)
+    if (attnmerge_status s = describe_one(tensors[i], specs[i], layout, views[i])) return s;
+  return ATTNMERGE_SUCCESS;
+}
+
+// Step 2: the options every op shares.  `op_flags` are the flags the op understands; the dtype of
+// `out` decides whether an output scale is allowed (FP8 only).
+attnmerge_status read_options(const attnmerge_options* options, uint32_t op_flags, const View& out,
+                              attnmerge_options& opt, float& inv_scale) {
+  opt = options ? *options : attnmerge_options{};
+  if (opt.struct_size != 0 && opt.struct_size != sizeof(attnmerge_options))
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "options.struct_size: expected 0 or %u (this library's attnmerge_options), got %u",
+                static_cast<unsigned>(sizeof(attnmerge_options)), opt.struct_size);
+  if (opt.flags & ~op_flags)
+    return fail(ATTNMERGE_ERROR_VALUE, "options.flags: expected flags within 0x%x for this op, got 0x%x", op_flags,
+                opt.flags);
+  const float scale = opt.output_scale;
+  const bool fp8 = out.t->dtype == ATTNMERGE_FLOAT8_E4M3;
+  if (scale != 0.0f && scale != 1.0f && !fp8)
+    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected none (or 1) for a %s output, got %g",
+                dtype_name(out.t->dtype), scale);
+  if (opt.output_scale_ptr != nullptr && !fp8)
+    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected none for a %s output, got a scale in memory",
+                dtype_name(out.t->dtype));
+  if (opt.output_scale_ptr != nullptr && scale != 0.0f)
+    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected a value or a pointer, got both");
+  if (reinterpret_cast<uintptr_t>(opt.output_scale_ptr) % alignof(float) != 0)
+    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected a pointer aligned to 4 bytes, got %p",
+                static_cast<const void*>(opt.output_scale_ptr));
+  if (!(scale >= 0.0f) || std::isinf(scale))
+    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected a finite scale > 0, got %g", scale);
+  inv_scale = scale == 0.0f ? 1.0f : 1.0f / scale;
+  return ATTNMERGE_SUCCESS;
+}
+
+// Step 3: every ArgSpec::dtype_of, where both are given.
+attnmerge_status check_dtypes(const OpSpec& op, Views views) {
+  for (int i = 0; i < op.count; ++i) {
+    const View& v = views.v[i];
+    if (op.dtype_of[i] < 0 || !v.present()) continue;
+    const View& like = views.v[op.dtype_of[i]];
+    if (like.present() && like.t->dtype != v.t->dtype)
+      return fail(ATTNMERGE_ERROR_TYPE, "%s: expected the dtype of %s (%s), got %s", v.name, like.name,
+                  dtype_name(like.t->dtype), dtype_name(v.t->dtype));
+  }
+  return ATTNMERGE_SUCCESS;
+}
+
+}  // namespace
+
+// The largest head_size: a row's packs span at most 65535 blocks of 256 threads.
+constexpr int64_t kMaxHeadSize = int64_t{65535} * 256;
+
+attnmerge_status check_head_size(const char* name, int64_t head_size) {
+  if (head_size >= 1 && head_size <= kMaxHeadSize) return ATTNMERGE_SUCCESS;
+  return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a head_size from 1 to %" PRId64 ", got %" PRId64, name, kMaxHeadSize,
+              head_size);
+}
+
+attnmerge_status read_a_tokens(const attnmerge_options& opt, const View& source, Sizes& n) {
+  n.a_tokens = n.tokens;
+  n.a_tokens_given = (opt.flags & ATTNMERGE_A_TOKENS) != 0;
+  if (!n.a_tokens_given) return ATTNMERGE_SUCCESS;
+  if (opt.a_tokens < 0 || opt.a_tokens > n.tokens)
+    return fail(ATTNMERGE_ERROR_VALUE, "a_tokens: expected 0 to the %" PRId64 " tokens of %s, got %" PRId64, n.tokens,
+                source.name, opt.a_tokens);
+  n.a_tokens = opt.a_tokens;
+  return ATTNMERGE_SUCCESS;
+}
+
+namespace {
+
+// Step 4: every given argument has the shape its Dims give in `sizes` (read off `source`), `first`
+// before the others.
+attnmerge_status check_shape_of(const View& v, const Sizes& sizes, const View& source) {
+  if (!v.present()) return ATTNMERGE_SUCCESS;
+  if (v.spec->shape[0] == Dim::kATokensOrMore && sizes.a_tokens_given) return check_a_shape(v, sizes, source);
+  int64_t expected[ATTNMERGE_MAX_NDIM] = {};
+  for (int i = 0; i < v.ndim; ++i) expected[i] = size_of(v.spec->shape[i], sizes);
+  return check_shape(v, expected, source);
+}
+
+attnmerge_status check_shapes(Views views, const Sizes& sizes, const View& source, const View& first) {
+  if (attnmerge_status s = check_shape_of(first, sizes, source)) return s;
+  for (const View& v : views)
+    if (&v != &first)
+      if (attnmerge_status s = check_shape_of(v, sizes, source)) return s;
+  return ATTNMERGE_SUCCESS;
+}
+
+// Step 5: the outputs, against themselves, the outputs before them and every input.
+attnmerge_status check_outputs(Views views) {
+  for (const View& w : views)
+    if (w.spec->is_output() && w.present() && (w.t->flags & ATTNMERGE_READ_ONLY))
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a writable tensor, got a read-only one", w.name);
+  attnmerge_status s;
+  for (const View& w : views)
+    if (w.spec->is_output() && (s = check_no_self_overlap(w))) return s;
+  for (const View* w = views.begin(); w != views.end(); ++w)
+    for (const View* u = views.begin(); u != w; ++u)
+      if (w->spec->is_output() && u->spec->is_output() && (s = check_disjoint(*w, *u, Alias::kNone))) return s;
+  for (const View& in : views) {
+    if (in.spec->is_output()) continue;
+    for (const View& w : views) {
+      if (!w.spec->is_output()) continue;
+      const bool same_kind = in.spec->is_o() == w.spec->is_o();
+      if ((s = check_disjoint(w, in, same_kind ? in.spec->alias : Alias::kNone))) return s;
+    }
+  }
+  return ATTNMERGE_SUCCESS;
+}
+
+}  // namespace
+
+attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tensors, const attnmerge_options* options,
+                          Checked& call) {
+  call.count = op.count;
+  const Views views = call.all();
+  attnmerge_status s;
+  if ((s = describe(op.args, tensors, op.count, lse_layout(options, op.flags), call.views))) return s;
+  const View& source = call.views[op.sizes_from];
+  if ((s = read_options(options, op.flags, call.views[op.scale_of], call.opt, call.inv_scale)) ||
+      (s = check_dtypes(op, views)) || (s = op.equations(views, source, call.opt, call.sizes)) ||
+      (s = check_shapes(views, call.sizes, source, call.views[op.sizes_lse])) || (s = check_outputs(views)))
+    return s;
+  return ATTNMERGE_SUCCESS;
+}
+
+attnmerge_status check_indptr(const View& vi, const attnmerge_tensor* out, int64_t rows, int64_t total) {
+  const attnmerge_tensor* indptr = vi.t;
+  const bool wide = indptr->dtype == ATTNMERGE_INT64;
+  if (indptr->device == ATTNMERGE_HOST && out->device == ATTNMERGE_HOST &&
+      ((indptr->flags & ATTNMERGE_DEVICE_KNOWN) || gpu_pointer_device(indptr->data) == ATTNMERGE_HOST)) {
+    int64_t previous = 0;
+    for (int64_t r = 0; r <= rows; ++r) {
+      const int64_t v = wide ? static_cast<const int64_t*>(indptr->data)[r * vi.strides[0]]
+                             : static_cast<const int32_t*>(indptr->data)[r * vi.strides[0]];
+      if (v < previous || v > total)
+        return fail(ATTNMERGE_ERROR_VALUE,
+                    "indptr: expected non-decreasing offsets from 0 or more up to the %" PRId64
+                    " states of o, got indptr[%" PRId64 "] = %" PRId64 "%s",
+                    total, r, v,
+                    v > total ? " (past the end)"
+                    : r == 0  ? " (below 0)"
+                              : " (decreasing)");
+      previous = v;
+    }
+  }
+  return ATTNMERGE_SUCCESS;
+}
+
+bool same_view(const View& x, const View& y) {
+  return x.t->data == y.t->data && x.t->dtype == y.t->dtype && x.ndim == y.ndim &&
+         std::equal(x.shape, x.shape + x.ndim, y.shape) && std::equal(x.strides, x.strides + x.ndim, y.strides);
+}
+
+}  // namespace detail
+}  // namespace attnmerge

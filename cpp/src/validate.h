@@ -1,0 +1,195 @@
+// Argument rules of the C ABI, declared per op: a table gives each argument's contract (ArgSpec:
+// name, role, shape, use, presence, aliasing, dtype agreement), and validate() reads it, in one
+// order for every op.  Every check names the argument and writes nothing; nothing aborts or prints.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "internal.h"
+
+namespace attnmerge {
+namespace detail {
+
+// An axis of an argument, in the sizes of its op (Sizes).
+enum class Dim : uint8_t {
+  kNone,  // past the last axis
+  kTokens,
+  kHeads,
+  kHeadSize,
+  kStates,  // S of an N-way merge
+  kTotal,  // the states of a variable-length merge
+  kRows,  // the rows of a variable-length merge
+  kRowsPlus1,  // indptr's entries
+  kATokens,  // the tokens of a two-way merge's a that are read: options.a_tokens, or tokens
+  kATokensOrMore,  // a itself: at least those with ATTNMERGE_A_TOKENS (only they are read), else exactly
+};
+
+enum class Use : uint8_t {
+  kRead,  // an input
+  kWrite,  // an output: writable, no element written twice, apart from every other argument
+  kReadWrite,  // the in-place merge's state: an output that is read first
+};
+
+enum class Presence : uint8_t {
+  kRequired,  // NULL is refused
+  kOptional,  // NULL: not given (not read, or not written)
+};
+
+enum class Alias : uint8_t {
+  kNone,
+  kMayBeOutput,  // an output of its kind (O or LSE) may be this very view: element i is read before it is written
+};
+
+// What one argument of an op must be.
+struct ArgSpec {
+  const char* name;
+  uint32_t role;  // ATTNMERGE_ROLE_*: the dtypes it may have (dtypes.h), and whether it is an O
+  Dim shape[ATTNMERGE_MAX_NDIM];
+  Use use;
+  Presence presence;
+  Alias alias = Alias::kNone;
+  const char* dtype_of = nullptr;  // the argument whose dtype it shares, where both are given
+
+  constexpr int ndim() const {
+    int n = 0;
+    while (n < ATTNMERGE_MAX_NDIM && shape[n] != Dim::kNone) ++n;
+    return n;
+  }
+  // O [..., head_size], whose head_size axis is unit-stride; otherwise an LSE, mask or indptr.
+  constexpr bool is_o() const { return (role & (ATTNMERGE_ROLE_O_IN | ATTNMERGE_ROLE_O_OUT)) != 0; }
+  constexpr bool is_output() const { return use != Use::kRead; }
+};
+
+// A tensor as an op reads it: shape and strides in the op's logical axis order.
+struct View {
+  const ArgSpec* spec = nullptr;
+  const attnmerge_tensor* t = nullptr;  // null where an optional argument is not given
+  const char* name = "";
+  int64_t shape[ATTNMERGE_MAX_NDIM] = {};
+  int64_t strides[ATTNMERGE_MAX_NDIM] = {};
+  int ndim = 0;
+  bool transposed = false;  // an LSE given [heads, tokens]
+  bool empty = true;  // some size is 0 (set by describe, which also bounds the element count)
+  int64_t last = 0;  // the largest element offset, when not empty
+
+  bool present() const { return t != nullptr; }
+  // [first byte, one past the last byte] the view spans; not empty.
+  void byte_range(uintptr_t& lo, uintptr_t& hi) const {
+    lo = reinterpret_cast<uintptr_t>(t->data);
+    hi = lo + static_cast<uintptr_t>(last + 1) * dtype_size(t->dtype);
+  }
+};
+
+// The views of one call, in the order of its ArgSpec table.
+struct Views {
+  View* v;
+  int n;
+  View* begin() const { return v; }
+  View* end() const { return v + n; }
+};
+
+// The sizes of an op's shape equations, which every argument's Dims are read in.
+struct Sizes {
+  int64_t tokens = 0, heads = 0, head_size = 0, states = 0, total = 0, rows = 0;
+  int64_t a_tokens = 0;  // kATokens
+  bool a_tokens_given = false;  // ATTNMERGE_A_TOKENS: kATokensOrMore means at least a_tokens
+};
+
+// The largest head_size: a row's packs span at most 65535 blocks of 256 threads.
+attnmerge_status check_head_size(const char* name, int64_t head_size);
+
+// options.a_tokens (with ATTNMERGE_A_TOKENS: 0 to sizes.tokens) into sizes.a_tokens.
+attnmerge_status read_a_tokens(const attnmerge_options& opt, const View& source, Sizes& sizes);
+
+// An op's shape equations: its Sizes, read off `source` (and for a variable-length merge indptr),
+// with the checks on them that no single argument's shape states (head_size, the states' count).
+using Equations = attnmerge_status (*)(Views views, const View& source, const attnmerge_options& opt, Sizes& sizes);
+
+// The largest number of arguments of an op (the two-way merge's backward).
+constexpr int kMaxArgs = 12;
+
+// An op's contract: its arguments' table and what validate() needs beside it, the names of the
+// table resolved to indices (-1: none) when the OpSpec is built (make_op).
+struct OpSpec {
+  const ArgSpec* args;
+  int count;
+  uint32_t flags;  // the options.flags it takes
+  // The argument whose dtype says whether it takes an output scale (FP8 only).
+  int scale_of;
+  // The argument its sizes are read off, named where a shape disagrees, and that state's LSE,
+  // whose shape is checked first: a state at odds with its own LSE is named as such, not through
+  // every other argument that disagrees with it.
+  int sizes_from, sizes_lse;
+  int dtype_of[kMaxArgs];  // ArgSpec::dtype_of
+  Equations equations;
+};
+
+constexpr bool same_name(const char* a, const char* b) {
+  while (*a != '\0' && *a == *b) ++a, ++b;
+  return *a == *b;
+}
+
+constexpr int index_of(const ArgSpec* args, int count, const char* name) {
+  for (int i = 0; name != nullptr && i < count; ++i)
+    if (same_name(args[i].name, name)) return i;
+  return -1;
+}
+
+template <std::size_t K>
+constexpr OpSpec make_op(const ArgSpec (&args)[K], uint32_t flags, const char* scale_of, const char* sizes_from,
+                         const char* sizes_lse, Equations equations) {
+  static_assert(K <= kMaxArgs, "Checked holds kMaxArgs views");
+  const int count = static_cast<int>(K);
+  OpSpec op{args,
+            count,
+            flags,
+            index_of(args, count, scale_of),
+            index_of(args, count, sizes_from),
+            index_of(args, count, sizes_lse),
+            {},
+            equations};
+  for (int i = 0; i < kMaxArgs; ++i) op.dtype_of[i] = i < count ? index_of(args, count, args[i].dtype_of) : -1;
+  return op;
+}
+
+// Every name an OpSpec was built from is one of its arguments (for a static_assert).
+constexpr bool names_resolve(const OpSpec& op) {
+  if (op.scale_of < 0 || op.sizes_from < 0 || op.sizes_lse < 0) return false;
+  for (int i = 0; i < op.count; ++i)
+    if (op.args[i].dtype_of != nullptr && op.dtype_of[i] < 0) return false;
+  return true;
+}
+
+// A call checked against its OpSpec.
+struct Checked {
+  View views[kMaxArgs];
+  int count = 0;
+  attnmerge_options opt{};
+  float inv_scale = 1.0f;
+  Sizes sizes;
+  Views all() { return Views{views, count}; }
+};
+
+// Validates tensors[i] against op.args[i] into call.views[i], in one order for every op:
+//   1. each tensor alone: NULL, ndim, dtype, flags, device, sizes, strides, the unit-stride
+//      head_size axis of an O, pointer, alignment, a span within 2^63 bytes;
+//   2. the options (op.flags; an output scale only where op.scale_of is FP8);
+//   3. every ArgSpec::dtype_of, where both are given;
+//   4. op.equations, then every given argument's shape against its Dims (op.sizes_lse first, then
+//      in table order);
+//   5. the outputs: writable, no element written twice, apart from the outputs before them and
+//      from every input (an input with Alias::kMayBeOutput may be the very same view as an output
+//      of its kind).
+attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tensors, const attnmerge_options* options,
+                          Checked& call);
+
+// A variable-length merge's indptr [rows + 1] against the `total` states of o: on the host the
+// offsets can be checked before anything is written (on the GPU they are clamped, never read back).
+// `out`: an output of the call, which tells whether it runs on the host.
+attnmerge_status check_indptr(const View& indptr, const attnmerge_tensor* out, int64_t rows, int64_t total);
+
+bool same_view(const View& x, const View& y);
+
+}  // namespace detail
+}  // namespace attnmerge

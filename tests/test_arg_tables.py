@@ -1,0 +1,59 @@
+"""Rules of the C ABI that follow from its one table of arguments per op (cpp/src/ops.cpp, read by
+cpp/src/validate.cpp), each stated once for every op, with the full message it gives."""
+from __future__ import annotations
+
+import numpy as np
+
+import c_abi
+
+T, H, D = 4, 3, 8
+t = c_abi.tensor_from
+
+
+def state(rng, tokens=T):
+    return rng.random((tokens, H, D), np.float32) + 0.5, rng.standard_normal((tokens, H)).astype(np.float32)
+
+
+def refused(status, message):
+    assert status != c_abi.SUCCESS
+    assert c_abi.last_error() == message
+
+
+def test_the_in_place_state_takes_the_dtypes_of_a_read_o(rng):
+    _, lse = state(rng)
+    o = np.ones((T, H, D), np.uint8)
+    o_other, lse_other = state(rng)
+    status = c_abi.merge_inplace(t(o), t(lse), t(o_other), t(lse_other))
+    refused(status, "o: expected dtype float32, float16 or bfloat16, got uint8")
+    assert (o == 1).all()
+
+
+def test_an_output_is_kept_apart_from_the_outputs_before_it_and_named_first(rng):
+    o_a, lse_a = state(rng)
+    o_b, lse_b = state(rng)
+    out = np.full((T, H, D), np.nan, np.float32)
+    out_lse = out.reshape(-1)[: T * H].reshape(T, H)  # inside out
+    status = c_abi.merge(t(out), t(out_lse), t(o_a), t(lse_a), t(o_b), t(lse_b))
+    refused(status, "out_lse: expected memory disjoint from out, got overlapping ranges")
+    assert np.isnan(out).all()
+    # the same rule in a backward, whose outputs are its gradients
+    grad_o_b = np.full((T, H, D), np.nan, np.float32)
+    grad_lse_b = grad_o_b.reshape(-1)[: T * H].reshape(T, H)
+    out, out_lse = o_b.copy(), lse_b.copy()
+    status = c_abi.merge_backward(None, None, t(grad_o_b), t(grad_lse_b), t(o_b.copy()), None, t(out), t(out_lse),
+                                  t(o_a), t(lse_a), t(o_b), t(lse_b))
+    refused(status, "grad_lse_b: expected memory disjoint from grad_o_b, got overlapping ranges")
+    assert np.isnan(grad_o_b).all()
+
+
+def test_a_state_at_odds_with_its_own_lse_names_that_lse_first(rng):
+    # sizes come from o_b; with one token too many, every other argument disagrees with it, and the
+    # message names the state's own LSE
+    o_a, lse_a = state(rng)
+    _, lse_b = state(rng)
+    o_b, _ = state(rng, T + 1)
+    out = np.full((T, H, D), np.nan, np.float32)
+    status = c_abi.merge(t(out), None, t(o_a), t(lse_a), t(o_b), t(lse_b))
+    refused(status, f"lse_b: expected shape [{T + 1}, {H}] (the sizes of o_b, shape [{T + 1}, {H}, {D}]), "
+                    f"got [{T}, {H}]")
+    assert np.isnan(out).all()
