@@ -1,5 +1,6 @@
-"""Which array library an argument belongs to: where new outputs are allocated, and which stream
-`stream=None` means.  Nothing here checks arguments; libattnmerge does."""
+"""Which array library an argument belongs to, and where new outputs are allocated.  Nothing here
+checks arguments (libattnmerge does), and `stream=None` is resolved by the binding, which reads the
+arrays (python/src/array_view.h)."""
 from __future__ import annotations
 
 from ._types import ALIASES, O_OUT_DTYPES
@@ -78,87 +79,30 @@ def _numpy_dtype(name):
     return dtype
 
 
-class _DeviceBuffer:
-    """A bare __cuda_array_interface__ over a buffer the caller's library allocated (JAX arrays are
-    immutable to DLPack consumers, so their fresh outputs are written through this)."""
-
-    def __init__(self, ptr, shape, name):
-        self.dtype = name
-        typestr = _numpy_dtype(name).str  # "<f4", "<V2" for ml_dtypes' bfloat16: the name tells the binding
-        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, False),
-                                         "strides": None, "version": 3}
-
-
 def empty(like, shape, name, like_name):
     """A new array of `shape` and dtype `name` in the library and on the device of `like` (the
-    argument `like_name`).  Returns (array, writable view to hand to the library)."""
+    argument `like_name`).  JAX arrays, immutable, are never allocated here: attnmerge.jax makes
+    its results itself."""
     kind = family(like)
     if kind == "torch":
         import torch
 
-        x = torch.empty(shape, dtype=getattr(torch, name), device=like.device)
-        return x, x
+        return torch.empty(shape, dtype=getattr(torch, name), device=like.device)
     if kind == "cupy":
         import cupy
 
         with like.device:
-            x = cupy.empty(shape, dtype=_numpy_dtype(name))
-        return x, x
-    if kind == "jax":
-        import jax.numpy as jnp
-
-        x = jnp.empty(shape, dtype=getattr(jnp, name), device=like.device)
-        x.block_until_ready()  # the buffer must exist before the merge writes it
-        return x, _DeviceBuffer(x.unsafe_buffer_pointer(), shape, name)
+            return cupy.empty(shape, dtype=_numpy_dtype(name))
     if kind == "numba":
         from numba import cuda
 
         from . import _C
 
         with cuda.gpus[_C.pointer_device(like.__cuda_array_interface__["data"][0])]:
-            x = cuda.device_array(shape, dtype=_numpy_dtype(name))
-        return x, x
+            return cuda.device_array(shape, dtype=_numpy_dtype(name))
     if kind == "numpy":
         import numpy as np
 
-        x = np.empty(shape, dtype=_numpy_dtype(name))
-        return x, x
+        return np.empty(shape, dtype=_numpy_dtype(name))
     raise TypeError(f"{like_name}: expected an array of NumPy, PyTorch, CuPy, JAX or Numba to allocate outputs like, "
                     f"got {type(like).__qualname__} (pass out= and out_lse=)")
-
-
-def default_stream(like):
-    """The stream `stream=None` means for arrays like `like`, as a handle; None lets the binding ask
-    the array's DLPack exchange API (PyTorch >= 2.10), which costs no Python call."""
-    if type(like) in _ASKS_THE_EXCHANGE_API:  # the per-call case, answered with one lookup
-        return None
-    kind = family(like)
-    if kind == "torch":
-        if _has_exchange_api(type(like)):
-            _ASKS_THE_EXCHANGE_API.add(type(like))
-            return None
-        if not like.is_cuda:
-            return None
-        import torch
-
-        return torch.cuda.current_stream(like.device).cuda_stream
-    if kind == "cupy":
-        import cupy
-
-        return cupy.cuda.get_current_stream().ptr
-    if kind == "numba":
-        # __cuda_array_interface__ v3: the stream the producer works on (1: legacy default, 2: per-thread).
-        stream = like.__cuda_array_interface__.get("stream")
-        return 0 if stream in (None, 1) else stream
-    return 0
-
-
-_EXCHANGE_API: dict[type, bool] = {}
-_ASKS_THE_EXCHANGE_API: set[type] = set()  # torch tensor types with the exchange API: stream=None is theirs to resolve
-
-
-def _has_exchange_api(cls):
-    has = _EXCHANGE_API.get(cls)
-    if has is None:
-        has = _EXCHANGE_API[cls] = hasattr(cls, "__dlpack_c_exchange_api__")
-    return has

@@ -1,8 +1,10 @@
 """The native API: merge, merge_inplace, merge_states, merge_varlen."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from . import _C
-from ._arrays import default_stream, dtype_name, empty, family
+from ._arrays import dtype_name, empty, family
 from ._types import O_IN_DTYPES, Array, Base, DType, Stream
 
 # attnmerge._torch_ops and its `takes` once torch is imported (attnmerge._torch_hook sets them).  Each
@@ -32,86 +34,129 @@ def a_tokens_arg(a_tokens: int | None, name: str = "a_tokens") -> int:
 def output_scale_arg(output_scale):
     """output_scale as every layer below takes it: None (no scale), an array (read on the device), or
     a number, which is a scale.  The C ABI spells "no scale" 0 and Python None, so a number 0 is
-    refused here, for every path (the binding, torch.ops, attnmerge.jax); the C ABI checks the rest
-    (a finite scale > 0; outputs other than FP8 take none, or 1)."""
+    refused here, for every path (the binding, the JAX road, torch.ops, attnmerge.jax, the vLLM
+    layer); the C ABI checks the rest (a finite scale > 0; outputs other than FP8 take none, or 1)."""
     if isinstance(output_scale, (int, float)) and not isinstance(output_scale, bool) and output_scale == 0:
         raise ValueError(f"output_scale: expected None or a finite scale > 0, got {output_scale!r}")
     return output_scale
 
 
-def _shape(x, arg):
+def _named(names, arg):
+    """The caller's name of the argument `arg`: a compat layer's (`names`, {native: its own}), else
+    `arg`.  Every message names arguments through it, so that a compat layer's caller reads its own
+    names (vLLM's prefix_output for o_a)."""
+    return arg if names is None else names.get(arg, arg)
+
+
+def _shape(x, arg, names=None):
     shape = getattr(x, "shape", None)
     if shape is None:
-        raise TypeError(f"{arg}: expected an array, got {type(x).__qualname__}")
+        raise TypeError(f"{_named(names, arg)}: expected an array, got {type(x).__qualname__}")
     return tuple(shape)
 
 
-def _refuse_jax_output(x, arg):
-    if x is not None and family(x) == "jax":
-        raise ValueError(f"{arg}: expected a writable array, got a JAX array (immutable); leave {arg}=None "
-                         f"to get a new JAX array")
+_IS_JAX: dict[type, bool] = {}  # type -> whether it is JAX's (an array or a tracer), looked up every call
 
 
-def states_shape(o, states_axis):
+def _is_jax(x):
+    """Whether x is a JAX array or tracer, by its type.  JAX arrays are immutable: never written,
+    and results allocated like one come from attnmerge.jax (_jax_road)."""
+    try:
+        return _IS_JAX[type(x)]
+    except KeyError:
+        jax = family(x) == "jax"
+        if len(_IS_JAX) < 256:
+            _IS_JAX[type(x)] = jax
+        return jax
+
+
+def _refuse_jax(arg, op, hint):
+    """A JAX array handed over to be written: refused, pointing to attnmerge.jax's functional form."""
+    raise ValueError(f"{arg}: expected a writable array, got a JAX array (immutable); JAX arrays are merged by "
+                     f"attnmerge.jax.{op}, which returns new ones ({hint})")
+
+
+def _refuse_jax_outputs(out, out_lse, op, names):
+    out_name, lse_name = _named(names, "out"), _named(names, "out_lse")
+    _refuse_jax(out_name if _is_jax(out) else lse_name, op, f"leave {out_name}=None and {lse_name}=None")
+
+
+def _jax_road(op, out_lse, stream, names):
+    """attnmerge.jax's `op`: the road of a call whose results would be allocated like a JAX array.
+    Its results are new JAX arrays on XLA's buffers and stream, so nothing may be handed over to be
+    written and no stream chosen."""
+    if out_lse is not None:
+        arg = _named(names, "out_lse")
+        raise ValueError(f"{arg}: expected None, got {type(out_lse).__qualname__}: results allocated like a JAX "
+                         f"array come from attnmerge.jax.{op}, which returns new ones (leave {arg}=None)")
+    if stream is not None:
+        raise ValueError(f"stream: expected None for JAX arrays (attnmerge.jax runs on the stream XLA gives the "
+                         f"call), got {stream!r}")
+    try:
+        from . import jax as attnmerge_jax
+    except ImportError as e:
+        raise ImportError(f"attnmerge.{op} on JAX arrays runs attnmerge.jax, which is not available: {e}") from e
+    return getattr(attnmerge_jax, op)
+
+
+def states_shape(o, states_axis, names=None):
     """The [tokens, heads, head_size] of merge_states' result for stacked states o."""
-    s = _shape(o, "o")
+    s = _shape(o, "o", names)
     if len(s) != 4:
-        raise ValueError(f"o: expected 4 dimensions, got {len(s)} (shape {list(s)})")
+        raise ValueError(f"{_named(names, 'o')}: expected 4 dimensions, got {len(s)} (shape {list(s)})")
     return (s[1 - states_axis], s[2], s[3])
 
 
-def varlen_shape(o, indptr):
+def varlen_shape(o, indptr, names=None):
     """The [rows, heads, head_size] of merge_varlen's result for o [total, heads, head_size]."""
-    s, n = _shape(o, "o"), _shape(indptr, "indptr")
+    s, n = _shape(o, "o", names), _shape(indptr, "indptr", names)
     if len(s) != 3:
-        raise ValueError(f"o: expected 3 dimensions, got {len(s)} (shape {list(s)})")
+        raise ValueError(f"{_named(names, 'o')}: expected 3 dimensions, got {len(s)} (shape {list(s)})")
     if len(n) != 1 or n[0] < 1:
-        raise ValueError(f"indptr: expected shape [rows + 1] with rows >= 0, got {list(n)}")
+        raise ValueError(f"{_named(names, 'indptr')}: expected shape [rows + 1] with rows >= 0, got {list(n)}")
     return (n[0] - 1, s[1], s[2])
 
 
-def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like_name="o_b", src_name="o_a"):
-    """(out, out_lse, the views handed to the library): given outputs as they are, missing ones
-    allocated in the library of `like` with `shape` ([tokens, heads, head_size])."""
-    if (out is not None and out_lse is not None and out_dtype is None and family(out) != "jax"
-            and family(out_lse) != "jax"):
-        return out, out_lse, out, out_lse  # the per-step decode call: nothing to allocate
-    _refuse_jax_output(out, "out")
-    _refuse_jax_output(out_lse, "out_lse")
+def _result_dtype(out_dtype, in_dtype_of, src_name, names):
+    """The dtype name of a merge's O result: out_dtype, else that of `in_dtype_of` (the input
+    `src_name`)."""
+    if out_dtype is not None:
+        return dtype_name(out_dtype, _named(names, "out_dtype"))
+    src_name = src_name if names is None else names.get(src_name, src_name)  # not _named: every allocating call
+    dtype = getattr(in_dtype_of, "dtype", None)
+    if dtype is None:
+        raise TypeError(f"{src_name}: expected an array, got {type(in_dtype_of).__qualname__}")
+    return dtype_name(dtype, src_name, O_IN_DTYPES)
+
+
+def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like_name="o_b", src_name="o_a",
+             names=None):
+    """(out, out_lse): given outputs as they are, missing ones allocated in the library of `like`
+    (the argument `like_name`) with `shape` ([tokens, heads, head_size]) and the dtype of
+    `in_dtype_of` (`src_name`) or out_dtype."""
+    if out is not None and out_lse is not None and out_dtype is None:
+        return out, out_lse  # the per-step decode call: nothing to allocate
     if out is not None and out_dtype is not None:
-        want, got = dtype_name(out_dtype, "out_dtype"), dtype_name(getattr(out, "dtype", None), "out")
+        out_name, dtype_arg = _named(names, "out"), _named(names, "out_dtype")
+        want, got = dtype_name(out_dtype, dtype_arg), dtype_name(getattr(out, "dtype", None), out_name)
         if want != got:
-            raise ValueError(f"out_dtype: expected None or the dtype of out ({got}), got {want}")
-    out_view, lse_view = out, out_lse
+            raise ValueError(f"{dtype_arg}: expected None or the dtype of {out_name} ({got}), got {want}")
     if out is not None:  # a missing out_lse goes where out is, not where an odd input may be
         like, like_name = out, "out"
+    if names is not None:
+        like_name = names.get(like_name, like_name)
     if out is None:
-        if out_dtype is None:  # that of the inputs
-            dtype = getattr(in_dtype_of, "dtype", None)
-            if dtype is None:
-                raise TypeError(f"{src_name}: expected an array, got {type(in_dtype_of).__qualname__}")
-            name = dtype_name(dtype, src_name, O_IN_DTYPES)
-        else:
-            name = dtype_name(out_dtype, "out_dtype")
-        out, out_view = empty(like, shape, name, like_name)
+        out = empty(like, shape, _result_dtype(out_dtype, in_dtype_of, src_name, names), like_name)
     if out_lse is None and return_lse:
-        out_lse, lse_view = empty(like, shape[:2], "float32", like_name)
-    return out, out_lse, out_view, lse_view
-
-
-def _finish_jax(out, stream):
-    """JAX cannot wait on our stream: results it gets back on a GPU are complete first (`out` was
-    written through another view: _outputs)."""
-    if family(out) == "jax":
-        device = next(iter(out.devices()))
-        if device.platform in ("gpu", "cuda"):
-            _C.stream_synchronize(device.id, stream or 0)
+        out_lse = empty(like, shape[:2], "float32", like_name)
+    return out, out_lse
 
 
 def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | None = None,
           out_lse: Array | None = None, return_lse: bool = True, out_dtype: DType | None = None,
           output_scale: float | Array | None = None, base: Base = "e", a_tokens: int | None = None,
-          stream: Stream = None, pdl: bool = False) -> tuple[Array, Array | None]:
+          stream: Stream = None, pdl: bool = False,
+          _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
     """Merge two attention states: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
 
     o_a, o_b: [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype for both).
@@ -132,29 +177,41 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
         same results, less latency between dependent kernels.
 
     Every array may have any strides >= 0, except that head_size is unit-stride.  Host arrays run
-    on the CPU; CUDA arrays on the GPU they live on, asynchronously on `stream` (JAX outputs are
-    synchronized before they are returned).  Returns (out, out_lse); out_lse is None when
-    return_lse is False and no out_lse was given.
+    on the CPU; CUDA arrays on the GPU they live on, asynchronously on `stream`.  Returns (out,
+    out_lse); out_lse is None when return_lse is False and no out_lse was given.
+
+    JAX arrays are immutable, so they are never written: given as out or out_lse they are refused,
+    and a call whose results would be allocated like one (out=None and o_b a JAX array or tracer) is
+    attnmerge.jax.merge's, which returns new JAX arrays on the stream XLA gives it (out_lse and
+    stream then stay None; pdl does not apply; errors found when the call runs come back as XLA's).
+    The same in the functions below.
+
+    _names (attnmerge's own layers): {argument: the caller's name for it}, which every message then
+    uses (attnmerge.compat passes vLLM's and FlashInfer's names).  The same in the functions below.
     """
     if _takes is not None and _takes(o_a, lse_a, o_b, lse_b):
         return _torch_ops.merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base,
-                                a_tokens, stream, pdl)
+                                a_tokens, stream, pdl, _names)
     flags = (0 if base == "e" else lse_flags(base)) | (_C.PDL if pdl else 0)
-    a_tok = -1 if a_tokens is None else a_tokens_arg(a_tokens)
-    shape = _shape(o_b, "o_b") if out is None or (out_lse is None and return_lse) else None
-    out, out_lse, out_view, lse_view = _outputs(o_b, o_a, shape, out, out_lse, return_lse, out_dtype)
-    if stream is None:
-        stream = default_stream(o_b)
+    a_tok = -1 if a_tokens is None else a_tokens_arg(a_tokens, _named(_names, "a_tokens"))
+    if _is_jax(out) or _is_jax(out_lse):
+        _refuse_jax_outputs(out, out_lse, "merge", _names)
+    if out is None and _is_jax(o_b):
+        out, out_lse = _jax_road("merge", out_lse, stream, _names)(
+            o_a, lse_a, o_b, lse_b, base=base, out_dtype=_result_dtype(out_dtype, o_a, "o_a", _names),
+            a_tokens=a_tokens, output_scale=output_scale_arg(output_scale))
+        return out, (out_lse if return_lse else None)
+    shape = _shape(o_b, "o_b", _names) if out is None or (out_lse is None and return_lse) else None
+    out, out_lse = _outputs(o_b, o_a, shape, out, out_lse, return_lse, out_dtype, names=_names)
     if output_scale is not None:
         output_scale = output_scale_arg(output_scale)
-    _C.merge(out_view, lse_view, o_a, lse_a, o_b, lse_b, flags, a_tok, output_scale, stream)
-    if out is not out_view:
-        _finish_jax(out, stream)
+    _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, flags, a_tok, output_scale, stream, _names)
     return out, out_lse
 
 
 def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mask: Array | None = None,
-                  base: Base = "e", stream: Stream = None, pdl: bool = False) -> tuple[Array, Array]:
+                  base: Base = "e", stream: Stream = None, pdl: bool = False,
+                  _names: Mapping[str, str] | None = None) -> tuple[Array, Array]:
     """(o, lse) <- merge((o, lse), (o_other, lse_other)), in place.
 
     o, o_other: [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype).
@@ -163,19 +220,18 @@ def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mas
     stream, pdl: as for merge().  Returns (o, lse).
     """
     if _takes is not None and _takes(o, lse, o_other, lse_other):
-        return _torch_ops.merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl)
-    _refuse_jax_output(o, "o")
-    _refuse_jax_output(lse, "lse")
-    if stream is None:
-        stream = default_stream(o)
-    _C.merge_inplace(o, lse, o_other, lse_other, mask, lse_flags(base) | (_C.PDL if pdl else 0), stream)
+        return _torch_ops.merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl, _names)
+    if _is_jax(o) or _is_jax(lse):
+        _refuse_jax(_named(_names, "o" if _is_jax(o) else "lse"), "merge",
+                    "o, lse = attnmerge.merge(o, lse, o_other, lse_other); a mask is a jnp.where")
+    _C.merge_inplace(o, lse, o_other, lse_other, mask, lse_flags(base) | (_C.PDL if pdl else 0), stream, _names)
     return o, lse
 
 
 def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Array | None = None,
                  return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
-                 base: Base = "e", states_axis: int = 1, stream: Stream = None,
-                 pdl: bool = False) -> tuple[Array, Array | None]:
+                 base: Base = "e", states_axis: int = 1, stream: Stream = None, pdl: bool = False,
+                 _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
     """Merge S states in one pass, each input read once.
 
     states_axis=1: o [tokens, S, heads, head_size], lse float32 [tokens, S, heads] (FlashInfer's).
@@ -188,25 +244,29 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
         raise ValueError(f"states_axis: expected 0 or 1, got {states_axis!r}")
     if _takes is not None and _takes(o, lse, None, None):
         return _torch_ops.merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, states_axis,
-                                       stream, pdl)
+                                       stream, pdl, _names)
     flags = lse_flags(base) | (_C.PDL if pdl else 0)
+    if _is_jax(out) or _is_jax(out_lse):
+        _refuse_jax_outputs(out, out_lse, "merge_states", _names)
+    if out is None and _is_jax(o):
+        out, out_lse = _jax_road("merge_states", out_lse, stream, _names)(
+            o, lse, base=base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
+            output_scale=output_scale_arg(output_scale), states_axis=states_axis)
+        return out, (out_lse if return_lse else None)
     shape = None
     if out is None or (out_lse is None and return_lse):
-        shape = states_shape(o, states_axis)
-    out, out_lse, out_view, lse_view = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o")
-    if stream is None:
-        stream = default_stream(o)
+        shape = states_shape(o, states_axis, _names)
+    out, out_lse = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
     if output_scale is not None:
         output_scale = output_scale_arg(output_scale)
-    _C.merge_states(out_view, lse_view, o, lse, flags, states_axis == 0, output_scale, stream)
-    if out is not out_view:
-        _finish_jax(out, stream)
+    _C.merge_states(out, out_lse, o, lse, flags, states_axis == 0, output_scale, stream, _names)
     return out, out_lse
 
 
 def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = None, out_lse: Array | None = None,
                  return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
-                 base: Base = "e", stream: Stream = None, pdl: bool = False) -> tuple[Array, Array | None]:
+                 base: Base = "e", stream: Stream = None, pdl: bool = False,
+                 _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
     """Row r of the result merges states indptr[r] .. indptr[r+1]-1 of o.
 
     o: [total, heads, head_size], lse: float32 [total, heads]; indptr: int32 or int64 [rows + 1].
@@ -218,19 +278,22 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
     """
     if _takes is not None and _takes(o, lse, None, None):
         return _torch_ops.merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, stream,
-                                       pdl)
+                                       pdl, _names)
     flags = lse_flags(base) | (_C.PDL if pdl else 0)
+    if _is_jax(out) or _is_jax(out_lse):
+        _refuse_jax_outputs(out, out_lse, "merge_varlen", _names)
+    if out is None and _is_jax(o):
+        out, out_lse = _jax_road("merge_varlen", out_lse, stream, _names)(
+            o, lse, indptr, base=base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
+            output_scale=output_scale_arg(output_scale))
+        return out, (out_lse if return_lse else None)
     shape = None
     if out is None or (out_lse is None and return_lse):
-        shape = varlen_shape(o, indptr)
-    out, out_lse, out_view, lse_view = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o")
-    if stream is None:
-        stream = default_stream(o)
+        shape = varlen_shape(o, indptr, _names)
+    out, out_lse = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
     if output_scale is not None:
         output_scale = output_scale_arg(output_scale)
-    _C.merge_varlen(out_view, lse_view, o, lse, indptr, flags, output_scale, stream)
-    if out is not out_view:
-        _finish_jax(out, stream)
+    _C.merge_varlen(out, out_lse, o, lse, indptr, flags, output_scale, stream, _names)
     return out, out_lse
 
 
@@ -245,21 +308,19 @@ def _needs(needs_grad, count):
     return needs
 
 
-def _grad_buffer(given, needed, like, shape, name, arg):
-    """(array returned, view handed to the library) for one gradient: as given, allocated in the
-    library of `like` with `shape` and dtype `name`, or (None, None) when not needed."""
-    if given is not None:
-        _refuse_jax_output(given, arg)
-        return given, given
-    if not needed:
-        return None, None
+def _grad_buffer(given, needed, like, shape, name, arg, op, like_name):
+    """One gradient: as given, allocated in the library of `like` (the input `like_name`) with
+    `shape` and dtype `name`, or None when not needed.  JAX arrays are neither written nor
+    allocated like: JAX differentiates attnmerge.jax's merges itself."""
+    if given is not None and not _is_jax(given):
+        return given
+    if given is None and not needed:
+        return None
+    if given is not None or _is_jax(like):
+        raise ValueError(f"{arg if given is not None else like_name}: expected an array attnmerge may write or "
+                         f"allocate like, got a JAX array (immutable); the gradients of attnmerge.jax.{op} come "
+                         f"from jax.grad or jax.vjp (its custom_vjp runs this backward)")
     return empty(like, shape, name, arg)
-
-
-def _finish_grads(pairs, stream):
-    for array, view in pairs:
-        if array is not None and array is not view:  # written through another view
-            _finish_jax(array, stream)
 
 
 def merge_backward(grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, *, grad_o_a=None, grad_lse_a=None,
@@ -293,16 +354,12 @@ def merge_backward(grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b,
     shape = _shape(o_b, "o_b")
     a_shape = shape if a_tokens is None else (a_tok,) + tuple(shape[1:])
     name = dtype_name(getattr(o_a, "dtype", None), "o_a", O_IN_DTYPES)
-    grads = (_grad_buffer(grad_o_a, needs[0], o_b, a_shape, name, "grad_o_a"),
-             _grad_buffer(grad_lse_a, needs[1], o_b, a_shape[:2], "float32", "grad_lse_a"),
-             _grad_buffer(grad_o_b, needs[2], o_b, shape, name, "grad_o_b"),
-             _grad_buffer(grad_lse_b, needs[3], o_b, shape[:2], "float32", "grad_lse_b"))
-    if stream is None:
-        stream = default_stream(o_b)
-    _C.merge_backward(*(view for _, view in grads), grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b,
-                      flags, a_tok, stream)
-    _finish_grads(grads, stream)
-    return tuple(array for array, _ in grads)
+    grads = (_grad_buffer(grad_o_a, needs[0], o_b, a_shape, name, "grad_o_a", "merge", "o_b"),
+             _grad_buffer(grad_lse_a, needs[1], o_b, a_shape[:2], "float32", "grad_lse_a", "merge", "o_b"),
+             _grad_buffer(grad_o_b, needs[2], o_b, shape, name, "grad_o_b", "merge", "o_b"),
+             _grad_buffer(grad_lse_b, needs[3], o_b, shape[:2], "float32", "grad_lse_b", "merge", "o_b"))
+    _C.merge_backward(*grads, grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, flags, a_tok, stream)
+    return grads
 
 
 def merge_states_backward(grad_out, grad_out_lse, out, out_lse, o, lse, *, grad_o=None, grad_lse=None,
@@ -322,14 +379,10 @@ def merge_states_backward(grad_out, grad_out_lse, out, out_lse, o, lse, *, grad_
     if len(shape) != 4:
         raise ValueError(f"o: expected 4 dimensions, got {len(shape)} (shape {list(shape)})")
     name = dtype_name(getattr(o, "dtype", None), "o", O_IN_DTYPES)
-    grads = (_grad_buffer(grad_o, needs[0], o, shape, name, "grad_o"),
-             _grad_buffer(grad_lse, needs[1], o, shape[:3], "float32", "grad_lse"))
-    if stream is None:
-        stream = default_stream(o)
-    _C.merge_states_backward(*(view for _, view in grads), grad_out, grad_out_lse, out, out_lse, o, lse, flags,
-                             states_axis == 0, stream)
-    _finish_grads(grads, stream)
-    return tuple(array for array, _ in grads)
+    grads = (_grad_buffer(grad_o, needs[0], o, shape, name, "grad_o", "merge_states", "o"),
+             _grad_buffer(grad_lse, needs[1], o, shape[:3], "float32", "grad_lse", "merge_states", "o"))
+    _C.merge_states_backward(*grads, grad_out, grad_out_lse, out, out_lse, o, lse, flags, states_axis == 0, stream)
+    return grads
 
 
 def merge_varlen_backward(grad_out, grad_out_lse, out, out_lse, o, lse, indptr, *, grad_o=None, grad_lse=None,
@@ -348,11 +401,7 @@ def merge_varlen_backward(grad_out, grad_out_lse, out, out_lse, o, lse, indptr, 
     if len(shape) != 3:
         raise ValueError(f"o: expected 3 dimensions, got {len(shape)} (shape {list(shape)})")
     name = dtype_name(getattr(o, "dtype", None), "o", O_IN_DTYPES)
-    grads = (_grad_buffer(grad_o, needs[0], o, shape, name, "grad_o"),
-             _grad_buffer(grad_lse, needs[1], o, shape[:2], "float32", "grad_lse"))
-    if stream is None:
-        stream = default_stream(o)
-    _C.merge_varlen_backward(*(view for _, view in grads), grad_out, grad_out_lse, out, out_lse, o, lse, indptr, flags,
-                             stream)
-    _finish_grads(grads, stream)
-    return tuple(array for array, _ in grads)
+    grads = (_grad_buffer(grad_o, needs[0], o, shape, name, "grad_o", "merge_varlen", "o"),
+             _grad_buffer(grad_lse, needs[1], o, shape[:2], "float32", "grad_lse", "merge_varlen", "o"))
+    _C.merge_varlen_backward(*grads, grad_out, grad_out_lse, out, out_lse, o, lse, indptr, flags, stream)
+    return grads

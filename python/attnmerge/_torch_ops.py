@@ -15,10 +15,13 @@ current stream (the capture stream under CUDA graph capture).  Autograd: see _re
 merge, merge_inplace, merge_states and merge_varlen at the end are what the public functions call
 while traced (`takes`): they map the public arguments onto the overloads.
 """
+import contextlib
+import contextvars
+
 import torch
 
 from . import _C, _merge
-from ._arrays import default_stream, dtype_name, name_of
+from ._arrays import dtype_name, name_of
 from ._types import NO_GRADIENT_DTYPES
 
 _NS = "attnmerge"
@@ -76,9 +79,9 @@ _RESULTS = {  # out_dtype None: that of the inputs, as in the public functions
     "merge": lambda o_a, lse_a, o_b, lse_b, *_, out_dtype=None, **__: _new(o_b, tuple(o_b.shape),
                                                                            out_dtype or o_a.dtype),
     "merge_states": lambda o, lse, *_, out_dtype=None, states_axis=1, **__: _new(
-        o, _merge.states_shape(o, _states_axis(states_axis)), out_dtype or o.dtype),
-    "merge_varlen": lambda o, lse, indptr, *_, out_dtype=None, **__: _new(o, _merge.varlen_shape(o, indptr),
-                                                                          out_dtype or o.dtype),
+        o, _merge.states_shape(o, _states_axis(states_axis), _NAMES.get()), out_dtype or o.dtype),
+    "merge_varlen": lambda o, lse, indptr, *_, out_dtype=None, **__: _new(
+        o, _merge.varlen_shape(o, indptr, _NAMES.get()), out_dtype or o.dtype),
     "merge_inplace.functional": lambda o, lse, *_, **__: (torch.empty_like(o), torch.empty_like(lse)),
     "merge_backward": lambda grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, *, needs, **_: tuple(
         _grad_like(x, need) for x, need in zip((o_a, lse_a, o_b, lse_b), needs)),
@@ -100,6 +103,12 @@ def _fake_nothing(*args, **kwargs):  # the mutating overloads return nothing
 
 # ---- kernels (CPU and CUDA: the library picks the device from the pointers) ------------------------
 
+# The caller's names of the arguments of the public call being run (a compat layer's: _merge's
+# `_names`).  The dispatcher carries no such argument to the kernels, so the public call sets it
+# around the op (_names_for_kernels) and the kernels read it; None: the ops' own names.
+_NAMES = contextvars.ContextVar("attnmerge_names", default=None)
+
+
 def _flags(base, pdl):
     if base not in ("e", "2"):
         raise ValueError(f"base: expected 'e' or '2', got {base!r}")
@@ -107,12 +116,13 @@ def _flags(base, pdl):
 
 
 def _merge_out(o_a, lse_a, o_b, lse_b, *, out, out_lse=None, output_scale=None, a_tokens=None, base="e", pdl=False):
-    _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, _flags(base, pdl), _merge.a_tokens_arg(a_tokens), output_scale,
-             default_stream(o_b))
+    names = _NAMES.get()
+    _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, _flags(base, pdl),
+             _merge.a_tokens_arg(a_tokens, _merge._named(names, "a_tokens")), output_scale, None, names)
 
 
 def _merge_inplace(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
-    _C.merge_inplace(o, lse, o_other, lse_other, mask, _flags(base, pdl), default_stream(o))
+    _C.merge_inplace(o, lse, o_other, lse_other, mask, _flags(base, pdl), None, _NAMES.get())
 
 
 def _merge_inplace_functional(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
@@ -122,12 +132,12 @@ def _merge_inplace_functional(o, lse, o_other, lse_other, mask=None, *, base="e"
 
 
 def _merge_states_out(o, lse, *, out, out_lse=None, output_scale=None, states_axis=1, base="e", pdl=False):
-    _C.merge_states(out, out_lse, o, lse, _flags(base, pdl), _states_axis(states_axis) == 0, output_scale,
-                    default_stream(o))
+    _C.merge_states(out, out_lse, o, lse, _flags(base, pdl), _states_axis(states_axis) == 0, output_scale, None,
+                    _NAMES.get())
 
 
 def _merge_varlen_out(o, lse, indptr, *, out, out_lse=None, output_scale=None, base="e", pdl=False):
-    _C.merge_varlen(out, out_lse, o, lse, indptr, _flags(base, pdl), output_scale, default_stream(o))
+    _C.merge_varlen(out, out_lse, o, lse, indptr, _flags(base, pdl), output_scale, None, _NAMES.get())
 
 
 def _merge_backward(grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, *, needs, a_tokens=None, base="e"):
@@ -375,41 +385,67 @@ def _out_dtype(out_dtype):
     return getattr(torch, dtype_name(out_dtype, "out_dtype"))
 
 
-def _call(functional, out_variant, like, in_dtype_of, shape_of, names, out, out_lse, return_lse, out_dtype, *args,
-          **options):
+def _call(functional, out_variant, like, in_dtype_of, shape_of, arg_names, names, out, out_lse, return_lse, out_dtype,
+          *args, **options):
     """The functional overload when no output is given (the one autograd can attach to), else the
-    out= overload, any missing output allocated as the eager path allocates it."""
-    if out is None and out_lse is None:
-        res, res_lse = functional(*args, out_dtype=_out_dtype(out_dtype), **options)
-        return res, (res_lse if return_lse else None)
-    shape = shape_of() if out is None or (out_lse is None and return_lse) else None
-    out, out_lse, _, _ = _merge._outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, *names)
-    out_variant(*args, out=out, out_lse=out_lse, **options)
-    return out, out_lse
+    out= overload, any missing output allocated as the eager path allocates it; `names` (the
+    caller's, or None) reach the kernels."""
+    with _names_for_kernels(names):
+        if out is None and out_lse is None:
+            res, res_lse = functional(*args, out_dtype=_out_dtype(out_dtype), **options)
+            return res, (res_lse if return_lse else None)
+        shape = shape_of() if out is None or (out_lse is None and return_lse) else None
+        out, out_lse = _merge._outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, *arg_names,
+                                       names)
+        out_variant(*args, out=out, out_lse=out_lse, **options)
+        return out, out_lse
 
 
-def merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base, a_tokens, stream, pdl):
+def _names_for_kernels(names):
+    """`names` set for the kernels of the ops run inside (_NAMES); nothing while torch.compile
+    traces, which runs no kernel."""
+    if names is None or _compiling():
+        return contextlib.nullcontext()
+    return _Named(names)
+
+
+class _Named:
+    def __init__(self, names):
+        self.names = names
+
+    def __enter__(self):
+        self.token = _NAMES.set(self.names)
+
+    def __exit__(self, *exc):
+        _NAMES.reset(self.token)
+
+
+def merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base, a_tokens, stream, pdl,
+          names=None):
     _no_stream(stream)
     return _call(torch.ops.attnmerge.merge.default, torch.ops.attnmerge.merge.out, o_b, o_a, lambda: tuple(o_b.shape),
-                 ("o_b", "o_a"), out, out_lse, return_lse, out_dtype, o_a, lse_a, o_b, lse_b,
+                 ("o_b", "o_a"), names, out, out_lse, return_lse, out_dtype, o_a, lse_a, o_b, lse_b,
                  output_scale=_scale(output_scale, o_b), a_tokens=a_tokens, base=_base(base), pdl=pdl)
 
 
-def merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl):
+def merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl, names=None):
     _no_stream(stream)
-    torch.ops.attnmerge.merge_inplace.default(o, lse, o_other, lse_other, mask, base=_base(base), pdl=pdl)
+    with _names_for_kernels(names):
+        torch.ops.attnmerge.merge_inplace.default(o, lse, o_other, lse_other, mask, base=_base(base), pdl=pdl)
     return o, lse
 
 
-def merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, states_axis, stream, pdl):
+def merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, states_axis, stream, pdl,
+                 names=None):
     _no_stream(stream)
     return _call(torch.ops.attnmerge.merge_states.default, torch.ops.attnmerge.merge_states.out, o, o,
-                 lambda: _merge.states_shape(o, states_axis), ("o", "o"), out, out_lse, return_lse, out_dtype, o, lse,
-                 output_scale=_scale(output_scale, o), states_axis=states_axis, base=_base(base), pdl=pdl)
+                 lambda: _merge.states_shape(o, states_axis, names), ("o", "o"), names, out, out_lse, return_lse,
+                 out_dtype, o, lse, output_scale=_scale(output_scale, o), states_axis=states_axis, base=_base(base),
+                 pdl=pdl)
 
 
-def merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, stream, pdl):
+def merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, stream, pdl, names=None):
     _no_stream(stream)
     return _call(torch.ops.attnmerge.merge_varlen.default, torch.ops.attnmerge.merge_varlen.out, o, o,
-                 lambda: _merge.varlen_shape(o, indptr), ("o", "o"), out, out_lse, return_lse, out_dtype, o, lse,
-                 indptr, output_scale=_scale(output_scale, o), base=_base(base), pdl=pdl)
+                 lambda: _merge.varlen_shape(o, indptr, names), ("o", "o"), names, out, out_lse, return_lse,
+                 out_dtype, o, lse, indptr, output_scale=_scale(output_scale, o), base=_base(base), pdl=pdl)

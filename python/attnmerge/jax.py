@@ -6,7 +6,11 @@
     f = jax.jit(lambda *s: attnmerge.jax.merge(*s, base=2, out_dtype=jnp.float32))
 
 Importing this module registers the FFI targets ``attnmerge_merge``, ``attnmerge_merge_states`` and
-``attnmerge_merge_varlen`` for the CUDA and CPU platforms.
+``attnmerge_merge_varlen`` (and their backwards) for the CUDA and CPU platforms.
+
+This is the one road of JAX arrays: ``attnmerge.merge``, ``merge_states`` and ``merge_varlen`` call
+these functions for a call whose results would be allocated like a JAX array, and attnmerge never
+writes a JAX array (they are immutable).
 
 Options (``base``, ``out_dtype``, ``a_tokens``, ``states_axis``, a float ``output_scale``) are static:
 Python values, fixed when the function is traced, so a jitted function passes them itself (as

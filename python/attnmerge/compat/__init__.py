@@ -1,8 +1,3 @@
-"""Drop-in layers that keep other libraries' signatures and conventions exactly."""
-import re
-
-
-def renamed(error, names):
-    """`error` again, with the native argument names in its message replaced by `names`' values."""
-    pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
-    return type(error)(pattern.sub(lambda m: names[m.group(1)], str(error)))
+"""Drop-in layers that keep other libraries' signatures and conventions exactly.  Each passes its
+argument names down to the native functions (their `_names`), so that every error names the
+caller's argument (vLLM's prefix_output, FlashInfer's v_a)."""

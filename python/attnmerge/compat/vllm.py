@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from .. import _C, _merge
-from .._arrays import default_stream
 from .._types import Array
 from .._merge import a_tokens_arg, output_scale_arg
-from . import renamed
 
 _NAMES = {"out": "output", "out_lse": "output_lse", "o_a": "prefix_output", "lse_a": "prefix_lse",
           "o_b": "suffix_output", "lse_b": "suffix_lse", "a_tokens": "prefill_tokens_with_context"}
@@ -36,16 +34,15 @@ def merge_attn_states(output: Array, prefix_output: Array, prefix_lse: Array, su
     if prefix_output is None or getattr(prefix_output, "ndim", 3) == 2:
         (output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse) = (
             prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse)
-    try:
-        if _merge._takes is not None and _merge._takes(prefix_output, prefix_lse, suffix_output, suffix_lse):
-            # traced or differentiated: through torch.ops.attnmerge, the [heads, tokens] LSEs as views
-            _merge.merge(prefix_output, prefix_lse.T, suffix_output, suffix_lse.T, out=output,
-                         out_lse=None if output_lse is None else output_lse.T, return_lse=False,
-                         output_scale=output_scale, a_tokens=prefill_tokens_with_context)
-            return None
-        a_tokens = a_tokens_arg(prefill_tokens_with_context, "prefill_tokens_with_context")
-        _C.merge(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, _C.LSE_HEADS_FIRST,
-                 a_tokens, output_scale_arg(output_scale), default_stream(suffix_output))
-    except (ValueError, TypeError) as e:
-        raise renamed(e, _NAMES) from None
+    if _merge._takes is not None and _merge._takes(prefix_output, prefix_lse, suffix_output, suffix_lse):
+        # traced or differentiated: through torch.ops.attnmerge, the [heads, tokens] LSEs as views
+        _merge.merge(prefix_output, prefix_lse.T, suffix_output, suffix_lse.T, out=output,
+                     out_lse=None if output_lse is None else output_lse.T, return_lse=False,
+                     output_scale=output_scale, a_tokens=prefill_tokens_with_context, _names=_NAMES)
+        return None
+    # The binding directly, with the C ABI's [heads, tokens] LSE flag: its messages then give the
+    # LSEs' shapes as vLLM lays them out.
+    a_tokens = a_tokens_arg(prefill_tokens_with_context, _NAMES["a_tokens"])
+    _C.merge(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, _C.LSE_HEADS_FIRST, a_tokens,
+             output_scale_arg(output_scale), None, _NAMES)
     return None
