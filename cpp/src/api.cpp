@@ -9,6 +9,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cuda_builds.h"
 #include "internal.h"
 
 #ifndef ATTNMERGE_CUDA_ARCHS
@@ -314,9 +315,13 @@ attnmerge_status locate(std::initializer_list<const View*> views, const float* s
     return ATTNMERGE_SUCCESS;
   }
   const int count = gpu_device_count();
-  if (count == 0)
+  if (count == 0) {
+    char why[512];
+    if (describe_old_driver(why, sizeof why, gpu_driver_version(), gpu_build_version()))
+      return fail(ATTNMERGE_ERROR_NO_DEVICE, "%s: lives on CUDA device %d, but %s", first->name, device, why);
     return fail(ATTNMERGE_ERROR_NO_DEVICE, "%s: lives on CUDA device %d, but no CUDA driver or device is available",
                 first->name, device);
+  }
   if (device >= count)
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a CUDA device below %d, got device %d", first->name, count, device);
   attnmerge_status s;
@@ -857,6 +862,9 @@ int attnmerge_pointer_device(const void* ptr) { return gpu_pointer_device(ptr); 
 
 attnmerge_status attnmerge_stream_synchronize(int32_t device, void* stream) {
   g_error[0] = '\0';
+  char why[512];
+  if (gpu_device_count() == 0 && describe_old_driver(why, sizeof why, gpu_driver_version(), gpu_build_version()))
+    return fail(ATTNMERGE_ERROR_NO_DEVICE, "device %d: %s", device, why);
   if (device < 0 || device >= gpu_device_count())
     return fail(ATTNMERGE_ERROR_VALUE, "device: expected a CUDA device below %d, got %d", gpu_device_count(), device);
   return gpu_stream_synchronize(device, stream);
