@@ -109,14 +109,18 @@ def _system_nvcc() -> str | None:
     return None
 
 
-def _nvcc_major(nvcc: str) -> int | None:
-    """The CUDA major version of `nvcc` (None if it does not say)."""
+def _major_version(program: str, pattern: str) -> int | None:
+    """The major version `program --version` prints after `pattern` (None if it does not run or say)."""
     try:
-        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run([program, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    m = re.search(r"release (\d+)\.", out)
+    m = re.search(pattern + r" (\d+)\.", out)
     return int(m.group(1)) if m else None
+
+
+def _nvcc_major(nvcc: str) -> int | None:
+    return _major_version(nvcc, "release")
 
 
 def _flavor() -> str | None:
@@ -145,12 +149,7 @@ def _use_pypi_toolkit() -> bool:
 
 
 def _clang_major(clang: str) -> int | None:
-    try:
-        out = subprocess.run([clang, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    m = re.search(r"clang version (\d+)\.", out)
-    return int(m.group(1)) if m else None
+    return _major_version(clang, "clang version")
 
 
 def _find_clang() -> str:
@@ -217,7 +216,8 @@ def _pypi_requirements() -> list[str]:
 def _add_requires(requires: list[str], config_settings) -> list[str]:
     flavor = _flavor()
     if flavor is not None:
-        _log(f"{_ENV_FLAVOR}={flavor}: a CUDA {FLAVORS[flavor]['major']} build, named {FLAVORS[flavor]['distribution']}")
+        build = FLAVORS[flavor]
+        _log(f"{_ENV_FLAVOR}={flavor}: a CUDA {build['major']} build, named {build['distribution']}")
     if _use_pypi_toolkit():
         nvcc = _system_nvcc()
         why = (f"{_ENV_FORCE} is set" if os.environ.get(_ENV_FORCE, "").strip().lower() in _TRUE

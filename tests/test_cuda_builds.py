@@ -112,23 +112,29 @@ def _cuobjdump():
     return None
 
 
-@pytest.fixture(scope="module")
-def cubins():
-    """(sm, ELF ABI, toolkit "major.minor") of every cubin in libattnmerge."""
+def _dump(what):
+    """cuobjdump's `what` (-elf, -ptx) of the installed libattnmerge; skips without cuobjdump."""
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump (pip install nvidia-cuda-cuobjdump, or a CUDA toolkit)")
-    run = subprocess.run([tool, "-elf", attnmerge.build_info()["library"]], capture_output=True, text=True,
+    run = subprocess.run([tool, what, attnmerge.build_info()["library"]], capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+@pytest.fixture(scope="module")
+def cubins():
+    """(sm, ELF ABI, toolkit "major.minor") of every cubin in libattnmerge."""
+    text = _dump("-elf")
     found = []
     # CUDA 12's cuobjdump prints "64bit elf: type=2, abi=7, sm=90, toolkit=129", CUDA 13's
     # "64-bit ELF: type=ET_EXEC, ABI=8, sm=100, toolkit=12.9".
-    for m in re.finditer(r"64-?bit elf: type=\w+, abi=(\d+), sm=(\d+), toolkit=(\d+)\.?(\d*)", run.stdout, re.I):
+    for m in re.finditer(r"64-?bit elf: type=\w+, abi=(\d+), sm=(\d+), toolkit=(\d+)\.?(\d*)", text, re.I):
         abi, sm, major, minor = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
         toolkit = f"{major}.{minor}" if minor else f"{major[:-1]}.{major[-1]}"
         found.append((sm, abi, toolkit))
-    assert found, run.stdout[:2000]
+    assert found, text[:2000]
     return found
 
 
@@ -157,13 +163,7 @@ def test_the_cubins_carry_the_elf_abi_of_the_builds_cuda(cubins):
 
 
 def test_the_ptx_is_of_an_isa_the_builds_drivers_read():
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("no cuobjdump (pip install nvidia-cuda-cuobjdump, or a CUDA toolkit)")
-    run = subprocess.run([tool, "-ptx", attnmerge.build_info()["library"]], capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr
-    versions = {tuple(int(x) for x in v) for v in re.findall(r"^\.version (\d+)\.(\d+)", run.stdout, re.M)}
+    versions = {tuple(int(x) for x in v) for v in re.findall(r"^\.version (\d+)\.(\d+)", _dump("-ptx"), re.M)}
     assert versions, "no PTX in the library"
     major, _ = _build_release()
     # CUDA 12.x drivers JIT PTX ISA 8.x (12.9's is 8.8); CUDA 13's is 9.x.

@@ -12,8 +12,8 @@ namespace attnmerge {
 namespace detail {
 
 struct CudaBuild {
-  int major;                 // the CUDA major version the build was compiled with
-  const char* driver;        // the oldest driver branch of that CUDA major (CUDA x.0's)
+  int major;  // the CUDA major version the build was compiled with
+  const char* driver;  // the oldest driver branch of that CUDA major (CUDA x.0's)
   const char* distribution;  // the Python distribution that ships it
 };
 

@@ -25,8 +25,8 @@ struct Pack {
 // marks them evict-first where the launch chose so (see launch_merge).
 #if defined(__CUDA_ARCH__) && !defined(__NVCC__)
 // clang's CUDA headers have no __ldcs / __stcs (the CUDA 12 build is compiled by clang): the same
-// evict-first accesses, in PTX, as CUDA's headers spell them for nvcc.  volatile keeps a streaming load before a later store to the same
-// address (the in-place merge); the stores clobber memory like any store.
+// evict-first accesses, in PTX, as CUDA's headers spell them for nvcc.  volatile keeps a streaming
+// load before a later store to the same address (the in-place merge); the stores clobber memory.
 __device__ __forceinline__ uint4 load_evict_first(const uint4* p) {
   uint4 v;
   asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
