@@ -1,9 +1,12 @@
 # Included before project(): refuses an unsupported CUDA toolkit in one line, before CMake's own
 # compiler checks (which would fail later, and at length, on an old nvcc or an SM it does not know).
 # The nvcc checked is the one the build then uses: it is handed to project() as CMAKE_CUDA_COMPILER.
+# With ATTNMERGE_CUDA_CLANG the CUDA sources are compiled by clang instead
+# (cmake/attnmerge_clang_cuda.cmake), and the toolkit checked is the one in ATTNMERGE_CUDA_ROOT.
 #
 # Supported: CUDA 12.0 to 13.x (the kernels use cudaLaunchKernelEx and griddepcontrol, CUDA 12's);
-# an SM needs the first toolkit that knows it (below).  Other CUDA compilers (clang) are not checked.
+# an SM needs the first toolkit that knows it (below).  ATTNMERGE_CUDA_FLAVOR=cu12 or cu13 narrows
+# that to one major version: what a build named attnmerge-cu12 or attnmerge-cu13 must be.
 
 # SM -> the first CUDA release that compiles it.
 set(_attnmerge_sm_min_100 "12.8")
@@ -13,11 +16,48 @@ set(_attnmerge_sm_min_110 "13.0")
 set(_attnmerge_sm_min_120 "12.8")
 set(_attnmerge_sm_min_121 "12.9")
 
+set(ATTNMERGE_CUDA_FLAVOR "" CACHE STRING "cu12 or cu13: accept only a CUDA 12.x or 13.x toolkit ('': 12.0 to 13.x)")
+set(ATTNMERGE_CUDA_CLANG "" CACHE FILEPATH
+    "clang++ to compile the CUDA sources with instead of nvcc, against the toolkit in ATTNMERGE_CUDA_ROOT")
+set(ATTNMERGE_CUDA_ROOT "" CACHE STRING
+    "with ATTNMERGE_CUDA_CLANG: the CUDA toolkit's root, or several roots merged (PyPI's nvidia/cuda_nvcc, ...)")
+if(NOT ATTNMERGE_CUDA_FLAVOR MATCHES "^(|cu12|cu13)$")
+  message(FATAL_ERROR " attnmerge: ATTNMERGE_CUDA_FLAVOR: expected cu12, cu13 or nothing, got '${ATTNMERGE_CUDA_FLAVOR}'")
+endif()
+
 # One line (a message that starts with a space is not re-wrapped by CMake), ending in the ways out.
 function(_attnmerge_refuse_toolkit what)
   message(FATAL_ERROR " attnmerge: ${what}; use another with CUDACXX=/path/to/nvcc or "
-                      "-DCMAKE_CUDA_COMPILER=/path/to/nvcc, or ATTNMERGE_CUDA_FROM_PYPI=1 for CUDA 13 from PyPI")
+                      "-DCMAKE_CUDA_COMPILER=/path/to/nvcc, or ATTNMERGE_CUDA_FROM_PYPI=1 for CUDA 13 from PyPI "
+                      "(ATTNMERGE_CUDA_FLAVOR=cu12 for CUDA 12 from PyPI, compiled by clang)")
 endfunction()
+
+# The version `release` (major.minor) of the toolkit `what`: in the range, the flavor, and new
+# enough for every SM of the list.
+function(_attnmerge_check_release release what)
+  if(release VERSION_LESS 12.0 OR release VERSION_GREATER_EQUAL 14.0)
+    _attnmerge_refuse_toolkit("CUDA ${release} (${what}) is not supported (CUDA 12.0 to 13.x are)")
+  endif()
+  string(REGEX MATCH "^[0-9]+" _major "${release}")
+  if(ATTNMERGE_CUDA_FLAVOR AND NOT ATTNMERGE_CUDA_FLAVOR STREQUAL "cu${_major}")
+    string(SUBSTRING "${ATTNMERGE_CUDA_FLAVOR}" 2 -1 _wanted)
+    _attnmerge_refuse_toolkit("CUDA ${release} (${what}) is not supported by ATTNMERGE_CUDA_FLAVOR=${ATTNMERGE_CUDA_FLAVOR} \
+(CUDA ${_wanted}.x is)")
+  endif()
+  foreach(_arch IN LISTS CMAKE_CUDA_ARCHITECTURES)
+    string(REGEX REPLACE "[^0-9].*$" "" _sm "${_arch}")
+    if(DEFINED _attnmerge_sm_min_${_sm} AND release VERSION_LESS _attnmerge_sm_min_${_sm})
+      _attnmerge_refuse_toolkit("CUDA ${release} (${what}) cannot compile sm_${_sm} (CUDA \
+${_attnmerge_sm_min_${_sm}} or newer can; ATTNMERGE_CUDA_ARCHITECTURES=... drops it)")
+    endif()
+  endforeach()
+endfunction()
+
+if(ATTNMERGE_CUDA_CLANG)
+  include("${CMAKE_CURRENT_LIST_DIR}/attnmerge_clang_cuda.cmake")
+  attnmerge_clang_cuda_check()
+  return()
+endif()
 
 set(_attnmerge_nvcc "")
 if(DEFINED CMAKE_CUDA_COMPILER AND NOT CMAKE_CUDA_COMPILER STREQUAL "")
@@ -46,17 +86,7 @@ if(NOT _attnmerge_nvcc STREQUAL "")
     _attnmerge_refuse_toolkit("the CUDA compiler ${_attnmerge_nvcc} does not run (${_attnmerge_nvcc_rc})")
   endif()
   if(_attnmerge_nvcc_out MATCHES "Cuda compilation tools, release ([0-9]+\\.[0-9]+)")
-    set(_attnmerge_cuda "${CMAKE_MATCH_1}")
-    if(_attnmerge_cuda VERSION_LESS 12.0 OR _attnmerge_cuda VERSION_GREATER_EQUAL 14.0)
-      _attnmerge_refuse_toolkit("CUDA ${_attnmerge_cuda} (${_attnmerge_nvcc}) is not supported (CUDA 12.0 to 13.x are)")
-    endif()
-    foreach(_arch IN LISTS CMAKE_CUDA_ARCHITECTURES)
-      string(REGEX REPLACE "[^0-9].*$" "" _sm "${_arch}")
-      if(DEFINED _attnmerge_sm_min_${_sm} AND _attnmerge_cuda VERSION_LESS _attnmerge_sm_min_${_sm})
-        _attnmerge_refuse_toolkit("CUDA ${_attnmerge_cuda} (${_attnmerge_nvcc}) cannot compile sm_${_sm} (CUDA \
-${_attnmerge_sm_min_${_sm}} or newer can; ATTNMERGE_CUDA_ARCHITECTURES=... drops it)")
-      endif()
-    endforeach()
+    _attnmerge_check_release("${CMAKE_MATCH_1}" "${_attnmerge_nvcc}")
     set(CMAKE_CUDA_COMPILER "${_attnmerge_nvcc}" CACHE FILEPATH "CUDA compiler (checked by attnmerge)")
   endif()
 endif()

@@ -1,4 +1,5 @@
 // The C ABI's queries: version, build, driver and devices, the last launch, and a stream wait.
+#include "cuda_builds.h"
 #include "internal.h"
 
 #ifndef ATTNMERGE_CUDA_ARCHS
@@ -24,6 +25,9 @@ const attnmerge_dtype_info* attnmerge_dtype_info_of(int32_t dtype) { return dtyp
 
 attnmerge_status attnmerge_stream_synchronize(int32_t device, void* stream) {
   clear_error();
+  char why[512];
+  if (gpu_device_count() == 0 && describe_old_driver(why, sizeof why, gpu_driver_version(), gpu_build_version()))
+    return fail(ATTNMERGE_ERROR_NO_DEVICE, "device %d: %s", device, why);
   if (device < 0 || device >= gpu_device_count())
     return fail(ATTNMERGE_ERROR_VALUE, "device: expected a CUDA device below %d, got %d", gpu_device_count(), device);
   return gpu_stream_synchronize(device, stream);

@@ -1,6 +1,8 @@
 // Where a validated call runs (route.h).
 #include "route.h"
 
+#include "cuda_builds.h"
+
 #include <algorithm>
 
 namespace attnmerge {
@@ -36,9 +38,13 @@ attnmerge_status locate(Views views, const float* scale, bool no_rows, int& devi
     return ATTNMERGE_SUCCESS;
   }
   const int count = gpu_device_count();
-  if (count == 0)
+  if (count == 0) {
+    char why[512];
+    if (describe_old_driver(why, sizeof why, gpu_driver_version(), gpu_build_version()))
+      return fail(ATTNMERGE_ERROR_NO_DEVICE, "%s: lives on CUDA device %d, but %s", first->name, device, why);
     return fail(ATTNMERGE_ERROR_NO_DEVICE, "%s: lives on CUDA device %d, but no CUDA driver or device is available",
                 first->name, device);
+  }
   if (device >= count)
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a CUDA device below %d, got device %d", first->name, count,
                 device);

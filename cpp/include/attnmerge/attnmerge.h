@@ -279,8 +279,9 @@ ATTNMERGE_API const char* attnmerge_status_string(attnmerge_status status);
 ATTNMERGE_API int attnmerge_version(void);
 ATTNMERGE_API const char* attnmerge_version_string(void);
 
-/* The GPU architectures compiled in, as "75;80;86;89;90;100;120" (SASS for each, PTX for the last),
- * and the CUDA toolkit version the library was built with (e.g. 13000). */
+/* The GPU architectures compiled in, as "75;80;86;89;90;100;120" (SASS for each, PTX for the last;
+ * a CUDA 12 build compiled by clang carries sm_90's PTX instead), and the CUDA toolkit version the
+ * library was built with (e.g. 13000; 12090 for the CUDA 12 build, attnmerge-cu12). */
 ATTNMERGE_API const char* attnmerge_cuda_architectures(void);
 ATTNMERGE_API int attnmerge_cuda_build_version(void);
 

@@ -23,16 +23,72 @@ struct Pack {
 // The kernels' accesses are vector loads and stores of the pack's width, spelled with CUDA's
 // vector types (the compiler would otherwise split a 16-byte store into 4-byte pieces); `stream`
 // marks them evict-first where the launch chose so (see launch_merge).
+#if defined(__CUDA_ARCH__) && !defined(__NVCC__)
+// clang's CUDA headers have no __ldcs / __stcs (the CUDA 12 build is compiled by clang): the same
+// evict-first accesses, in PTX, as CUDA's headers spell them for nvcc.  volatile keeps a streaming
+// load before a later store to the same address (the in-place merge); the stores clobber memory.
+__device__ __forceinline__ uint4 load_evict_first(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 load_evict_first(const uint2* p) {
+  uint2 v;
+  asm volatile("ld.global.cs.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ unsigned int load_evict_first(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.global.cs.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ unsigned short load_evict_first(const unsigned short* p) {
+  unsigned short v;
+  asm volatile("ld.global.cs.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ unsigned char load_evict_first(const unsigned char* p) {
+  unsigned short v;
+  asm volatile("ld.global.cs.u8 %0, [%1];" : "=h"(v) : "l"(p));
+  return static_cast<unsigned char>(v);
+}
+__device__ __forceinline__ void store_evict_first(uint4* p, uint4 v) {
+  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ void store_evict_first(uint2* p, uint2 v) {
+  asm volatile("st.global.cs.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+__device__ __forceinline__ void store_evict_first(unsigned int* p, unsigned int v) {
+  asm volatile("st.global.cs.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void store_evict_first(unsigned short* p, unsigned short v) {
+  asm volatile("st.global.cs.u16 [%0], %1;" ::"l"(p), "h"(v) : "memory");
+}
+__device__ __forceinline__ void store_evict_first(unsigned char* p, unsigned char v) {
+  asm volatile("st.global.cs.u8 [%0], %1;" ::"l"(p), "h"(static_cast<unsigned short>(v)) : "memory");
+}
+#elif defined(__CUDA_ARCH__)
+template <typename V>
+__device__ __forceinline__ V load_evict_first(const V* p) {
+  return __ldcs(p);
+}
+template <typename V>
+__device__ __forceinline__ void store_evict_first(V* p, V v) {
+  __stcs(p, v);
+}
+#endif
+
 #if defined(__CUDA_ARCH__)
 // A load or store of one vector, streaming (evict first) or cached as usual.
 template <typename V>
 __device__ __forceinline__ V load_bits(const V* p, bool stream) {
-  return stream ? __ldcs(p) : *p;
+  return stream ? load_evict_first(p) : *p;
 }
 template <typename V>
 __device__ __forceinline__ void store_bits(V* p, V v, bool stream) {
   if (stream) {
-    __stcs(p, v);
+    store_evict_first(p, v);
   } else {
     *p = v;
   }
