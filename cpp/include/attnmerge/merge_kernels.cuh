@@ -76,10 +76,13 @@ __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pac
     const float before = r.m;
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) r.see(l[c]);
+    // What was accumulated against the old max, rescaled to the new one; where that underflows to
+    // 0 it is dropped whole (a select: a NaN O of a part whose weight is now 0 must not survive as
+    // 0 * NaN, as the one-chunk path never reads such a part).
     const float keep = r.weight(before);  // 0 while nothing was seen: acc and total are 0 then
     r.total *= keep;
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[i] *= keep;
+    for (int i = 0; i < VEC; ++i) acc[i] = keep != 0.0f ? acc[i] * keep : 0.0f;
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) {
       if (s + c < n) {
@@ -285,16 +288,18 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
   RowMerge r(shape.base2);
   r.m = part.m;
   for (int j = 1; j < groups; ++j) r.m = fmaxf(r.m, part_max[slot + j]);
+  // Each group's partial rescaled to the row's max, one whose factor underflows to 0 dropped whole
+  // (as accumulate_online drops its own).
   const float own = r.weight(part.m);
   r.total = part.total * own;
   r.nan = part.nan;
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) acc[i] *= own;
+  for (int i = 0; i < VEC; ++i) acc[i] = own != 0.0f ? acc[i] * own : 0.0f;
   for (int j = 1; j < groups; ++j) {
     const float f = r.weight(part_max[slot + j]);
     r.total += part_total[slot + j] * f;
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[i] += f * part_acc[((slot + j) * VEC + i) * packs + k];
+    for (int i = 0; i < VEC; ++i) acc[i] += f != 0.0f ? f * part_acc[((slot + j) * VEC + i) * packs + k] : 0.0f;
   }
   r.nan |= is_nan(r.total);
   r.finish(out.inverse_scale());
