@@ -26,7 +26,7 @@ from plan_spec import (
 
 PROBE = os.path.join(os.path.dirname(__file__), "native", "plan_probe.cpp")
 FIELDS = ("strategy", "chunk", "groups", "launches", "plain", "fused_lse", "index32",
-          "gx", "gy", "gz", "bx", "by", "bz", "smem", "flat", "warp_rows")
+          "gx", "gy", "gz", "bx", "by", "bz", "smem", "flat")
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +116,17 @@ def test_two_state_kernels(probe, sms):
         calls = [("pair", tokens, HEADS, head_size, 2, vec, sms, f) for f in flag_sets]
         calls.append(("inplace", tokens, HEADS, head_size, 2, vec, sms, "-"))
         calls.append(("inplace", tokens, HEADS, head_size, 2, vec, sms, "m"))
+        calls.append(("inplace", tokens, HEADS, head_size, 2, vec, sms, "s"))
         plans = probe(calls)
         for flags, plan in zip(flag_sets, plans):
             plain = flags in ("-", "p") or (flags == "t" and tokens < 64)
             assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (int(plain), 0, 1), (flags, tokens)
-        # in place: one launch, the LSE after a barrier (a row's lanes' where they share a warp);
-        # the plain source, rows flat, unless masked
-        for plan, plain in zip(plans[-2:], (1, 0)):
+        # in place: one launch, the LSE after a block barrier; the plain source, rows flat, only
+        # in a small (evict-first) call without a mask
+        for plan, plain in zip(plans[-3:], (0, 0, 1)):
             assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (plain, 1, 1), tokens
             assert plan["flat"] == plain
-            assert plan["warp_rows"] == int(32 % plan["bx"] == 0), (tokens, head_size)
-        for flags, plan in zip(flag_sets, plans[:-2]):  # dense views: the plain kernel takes its rows flat
+        for flags, plan in zip(flag_sets, plans[:-3]):  # dense views: the plain kernel takes its rows flat
             assert plan["flat"] == int(plan["plain"] == 1 and flags != "t"), (flags, tokens, head_size)
         for plan in plans:
             threads = plan["bx"] * plan["by"]

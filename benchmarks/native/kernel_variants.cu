@@ -127,7 +127,6 @@ void in_place(int64_t tokens, bool masked, int sms, cudaStream_t stream) {
     LaunchPlan plan = bf16_plan(shape, src, dst, bytes, sms);
     if (variant == 1) {
       plan.main = row_dims(plan.shape.packs, plan.shape.rows, sms, kPairBlockThreads / 2, plan.shape.packs);
-      plan.warp_rows = 32 % plan.main.block[0] == 0;
     }
     if (variant == 2) plan.plain = plan.flat = false;
     check_cuda(launch_merge<bfloat16_t, bfloat16_t, 8>(plan, src, dst, stream), "launch");

@@ -111,19 +111,6 @@ __device__ __forceinline__ void pdl_wait_then_release() {
 #endif
 }
 
-// The in-place merge's barrier between reading a row's old LSEs and writing its new one: the
-// row's lanes where a row lies in one warp (blockDim.x, its threads, divides 32), else the block.
-template <typename Source>
-__device__ __forceinline__ void row_barrier() {
-  if constexpr (Source::kRowInWarp) {
-    const unsigned width = blockDim.x, lane = threadIdx.x + threadIdx.y * width;  // width | 32
-    const unsigned lanes = width == 32 ? ~0u : ((1u << width) - 1u) << (lane % 32 / width * width);
-    __syncwarp(lanes);
-  } else {
-    __syncthreads();
-  }
-}
-
 // The row (token, head) of this thread under kRows.  With I = int32_t the grid has no z extent
 // (rows < 2^31) and these products fit.
 template <typename I>
@@ -166,7 +153,7 @@ __device__ __forceinline__ bool locate_row(const MergeShape& shape, I row, I& to
 // mask byte and nothing else.
 //
 // An InPlaceSource (kFusedLse) writes the merged LSE over an input's: every thread reaches one
-// barrier (row_barrier) after it has read its row's LSEs, and only then is the LSE stored, so the
+// block barrier after it has read its row's LSEs, and only then is the LSE stored, so the
 // launch's rows lie inside blocks (the plan's condition) and no thread leaves before the barrier.
 template <typename Source, typename TIn, typename TOut, int VEC, typename I, int kChunk>
 __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kChunk>()))
@@ -213,7 +200,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
     float w[kChunk];
     weigh_row<kChunk>(l, w, factor, r);
     if constexpr (kFused) {
-      row_barrier<Source>();  // every thread of the row has read its old LSEs
+      __syncthreads();  // every thread of the block has read its row's old LSEs
       if (!live) return;
     }
     if (lse_dst != nullptr) *lse_dst = r.lse();  // its latency hidden behind the O math
@@ -409,24 +396,12 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
       return plan.shape.stream
                  ? launch_detail::rows<PlainPairSource<true>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream)
                  : launch_detail::rows<PlainPairSource<false>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream);
-    if (plan.fused_lse && plan.plain) {  // flat rows, 32-bit offsets (the plan's condition)
-      const PlainPairSource<false, true> flat{flat_rows(src.a), flat_rows(src.b)};
-      const OutView o = flat_rows(out);
-      using Warp = InPlaceSource<true, PlainPairSource<false, true>>;
-      using Block = InPlaceSource<false, PlainPairSource<false, true>>;
-      if (plan.shape.stream) {
-        using WarpS = InPlaceSource<true, PlainPairSource<true, true>>;
-        using BlockS = InPlaceSource<false, PlainPairSource<true, true>>;
-        const PlainPairSource<true, true> flat_s{flat.a, flat.b};
-        return plan.warp_rows ? launch_detail::rows<WarpS, TIn, TOut, VEC, int32_t, 2>(plan, {flat_s}, o, stream)
-                              : launch_detail::rows<BlockS, TIn, TOut, VEC, int32_t, 2>(plan, {flat_s}, o, stream);
-      }
-      return plan.warp_rows ? launch_detail::rows<Warp, TIn, TOut, VEC, int32_t, 2>(plan, {flat}, o, stream)
-                            : launch_detail::rows<Block, TIn, TOut, VEC, int32_t, 2>(plan, {flat}, o, stream);
+    if (plan.fused_lse && plan.plain) {  // flat rows, 32-bit offsets, evict-first (the plan's conditions)
+      const PlainPairSource<true, true> flat{flat_rows(src.a), flat_rows(src.b)};
+      return launch_detail::rows<InPlaceSource<PlainPairSource<true, true>>, TIn, TOut, VEC, int32_t, 2>(
+          plan, {flat}, flat_rows(out), stream);
     }
-    if (plan.fused_lse)
-      return plan.warp_rows ? launch_detail::rows<InPlaceSource<true>, TIn, TOut, VEC>(plan, {src}, out, stream)
-                            : launch_detail::rows<InPlaceSource<false>, TIn, TOut, VEC>(plan, {src}, out, stream);
+    if (plan.fused_lse) return launch_detail::rows<InPlaceSource<>, TIn, TOut, VEC>(plan, {src}, out, stream);
   } else {
     if (plan.strategy == Strategy::kStates)
       return plan.ahead ? launch(merge_states_kernel<Source, TIn, TOut, VEC, true>, plan, plan.main, src, out, stream)

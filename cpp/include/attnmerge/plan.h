@@ -96,7 +96,6 @@ struct LaunchPlan {
   bool plain = false;    // PairSource: the plain kernel (PlainPairSource; in place, under InPlaceSource)
   bool flat = false;     // plain, 32-bit offsets and every view flattens (views.h): rows taken flat
   bool fused_lse = false;  // out.lse is an input's LSE, written in the same launch (InPlaceSource)
-  bool warp_rows = false;  // fused_lse: each row's threads lie in one warp (its barrier is the row's lanes)
   bool pdl = false;
   int launches = 0;   // 0 (nothing to do), 1, or 2 (an in-place merge whose rows span blocks: the LSEs after)
   LaunchDims main;    // the merge
@@ -221,14 +220,14 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     plan.main = row_dims(s.packs, s.rows, device.sms, kPairBlockThreads, lse_in_place ? s.packs : 0);
     if (lse_in_place) {
       plan.fused_lse = plan.main.grid[1] == 1;
-      plan.warp_rows = plan.fused_lse && 32 % plan.main.block[0] == 0;
       if (!plan.fused_lse) {
         plan.launches = 2;
         plan.lse = row_dims(1, s.rows, device.sms, kPairBlockThreads);
       }
     }
-    // The plain source in place only with its rows flat, in one launch.
-    plan.plain = plain && (!out.lse_in_place || (plan.fused_lse && dense));
+    // The plain source in place only with its rows flat, in one launch, and where its accesses
+    // are evict-first (calls under 16 MB: faster there, 1.6% slower at 204 MB: benchmarks/NOTES.md).
+    plan.plain = plain && (!out.lse_in_place || (plan.fused_lse && dense && s.stream));
     plan.flat = plan.plain && dense;
     return plan;
   } else {

@@ -6,8 +6,8 @@
 //   PlainPairSource  two states of every token, no mask, on an untiled launch whose output scale
 //                is a number (not a pointer): the common two-way merge, without those steps;
 //   InPlaceSource  a two-state source whose merged LSE overwrites an input's, on a launch that
-//                keeps each row inside one block: the LSE is written after a barrier, in the same
-//                launch;
+//                keeps each row inside one block: the LSE is written after a block barrier, in
+//                the same launch;
 //   StackSource  S states stacked along a strided axis (the N-way merge);
 //   RangeSource  states [indptr[r], indptr[r+1]) of a flat list (the variable-length merge).
 #pragma once
@@ -95,13 +95,11 @@ struct PlainPairSource {
 
 // A two-state source (PairSource, or PlainPairSource with flat rows) whose out.lse is an input's
 // LSE (the in-place merge), launched so that every row lies inside one block: the kernel writes
-// the merged LSE after a barrier, once every thread of the row has read the old one, instead of in
-// a second launch.  kWarpRows: each row's threads lie in one warp (the plan's warp_rows), so the
-// barrier is the row's lanes alone, not the block's.
-template <bool kWarpRows, typename Base = PairSource>
+// the merged LSE after a block barrier, once every thread of the row has read the old one, instead
+// of in a second launch.
+template <typename Base = PairSource>
 struct InPlaceSource : Base {
   static constexpr bool kFusedLse = true;
-  static constexpr bool kRowInWarp = kWarpRows;
 };
 
 // n states from o0 and l0 on, o_ss and l_ss elements apart.
