@@ -49,6 +49,10 @@ from oracle import (
 
 #: dlse is float32 whatever the O dtypes: rel L2 against the oracle (a dot over head_size in float32)
 GRAD_LSE_RTOL = 1e-5
+#: ... without the forward's O (out None): <dO, O_i - O> is then <dO, O_i> - sum_j p_j <dO, O_j>, a
+#: difference of float32 dots whose rounding is relative to the dots, not to their difference
+#: (Hypothesis found rows at 3.9e-5 and 5.9e-5 with 1e-5)
+GRAD_LSE_RTOL_WITHOUT_O = 1e-4
 
 BASES = ("e", 2)
 
@@ -156,13 +160,13 @@ def expected_states(o, lse, out, out_lse, grad_out, grad_out_lse, base):
     return np.moveaxis(g_o, 0, 1), np.moveaxis(g_l, 0, 1)
 
 
-def assert_grads(grad_o, grad_lse, expected, in_dtype, what=""):
+def assert_grads(grad_o, grad_lse, expected, in_dtype, what="", lse_rtol=GRAD_LSE_RTOL):
     assert_o_close(grad_o, expected[0], in_dtype, what + "grad_o")
     a, e = to_f64(grad_lse), expected[1]
     assert np.array_equal(np.isnan(a), np.isnan(e)), f"{what}grad_lse: NaN pattern differs"
     ok = ~np.isnan(e)
     err = rel_l2(a[ok], e[ok])
-    assert err <= GRAD_LSE_RTOL, f"{what}grad_lse: rel L2 error {err:.3g} > {GRAD_LSE_RTOL:g}"
+    assert err <= lse_rtol, f"{what}grad_lse: rel L2 error {err:.3g} > {lse_rtol:g}"
 
 
 def case(rng, tokens, s, heads, head_size, in_dtype, out_dtype, base, lse_scale=3.0):
@@ -597,7 +601,8 @@ def test_merge_states_backward_any_layout_shape_and_option(dev, data):
         if i == 0:
             assert_o_close(got, want[0], in_dtype, "grad_o")
         else:
-            assert np.array_equal(np.isnan(got), np.isnan(want[1])) and rel_l2(got, want[1]) <= GRAD_LSE_RTOL
+            tol = GRAD_LSE_RTOL_WITHOUT_O if without_out else GRAD_LSE_RTOL
+            assert np.array_equal(np.isnan(got), np.isnan(want[1])) and rel_l2(got, want[1]) <= tol
     for g, need in zip(grad_views, needs):
         if need:
             assert np.all(to_f64(dev.readback(*g)[0])[empty] == 0), "an empty part's gradient is not zero"
@@ -632,7 +637,7 @@ def test_merge_varlen_backward_any_rows_layout_and_option(dev, data):
     got_o, clean_o = dev.readback(gov, gob, tg, tgb)
     got_l, clean_l = dev.readback(glv, glb, tl, tlb)
     assert clean_o and clean_l, "a gradient was written outside its view"
-    assert_grads(got_o, got_l, want, in_dtype)
+    assert_grads(got_o, got_l, want, in_dtype, lse_rtol=GRAD_LSE_RTOL_WITHOUT_O if without_out else GRAD_LSE_RTOL)
 
 
 # --------------------------------------------------------------------------------------------------
