@@ -1,6 +1,6 @@
 // The N-way merge's two strategies side by side (plan.h): kRows (one thread per pack walks a row's
 // states, 8 or 4 in flight, blocks of up to 256 or of 128 threads) against kStates with 2 to 16
-// groups of threads a row (each with and without its next chunk of loads issued ahead: `Ga`), and the plan's own choice with and without evict-first accesses, by
+// groups of threads a row, and the plan's own choice with and without evict-first accesses, by
 // CUDA-graph replay through the header-only launcher on T x S x 32 x 128 states ([tokens, S,
 // heads, D], FlashInfer's layout) with bfloat16 or float32 partials into a bfloat16 output, input
 // sets rotated past L2.  Each variant's output is compared with kRows' (max |difference| of O and
@@ -101,9 +101,6 @@ void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
   for (int g = 2; g <= 32; g *= 2) {
     if (rows.shape.packs * g > kStateBlockThreads) break;
     vs.push_back({"G" + std::to_string(g), planned(g)});
-    LaunchPlan ahead = planned(g);  // each group's next chunk in flight while it uses the current one
-    ahead.ahead = true;
-    vs.push_back({"G" + std::to_string(g) + "a", ahead});
   }
   const auto launch_one = [&](const LaunchPlan& plan, const Set& s) {
     check_cuda(launch_merge<TIn, bfloat16_t, kVec>(plan, source(s), dest(s), stream), "launch");

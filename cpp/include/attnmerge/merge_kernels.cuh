@@ -53,26 +53,11 @@ __device__ __forceinline__ void weigh_row(const float (&l)[kChunk], float (&w)[k
 // together before any is used.  lse_of(s) and o_of(s): state s's LSE and this thread's pack of its
 // O.  After it, r.finish(factor) and acc[i] * r.inv give the merged row; a zero-weight part is
 // dropped unread as in the one-chunk path, and a NaN LSE makes the row NaN.
-template <int kChunk, bool kAhead, typename TIn, int VEC, typename LseOf, typename OOf>
+template <int kChunk, typename TIn, int VEC, typename LseOf, typename OOf>
 __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pack<TIn, VEC> (&o)[kChunk],
                                                   LseOf lse_of, OOf o_of, bool stream, RowMerge& r,
                                                   float (&acc)[VEC]) {
-  using P = Pack<TIn, VEC>;
-  const auto fetch = [&](int s, float (&fl)[kChunk], P (&fo)[kChunk]) {
-#pragma unroll
-    for (int c = 0; c < kChunk; ++c) {
-      fl[c] = s + c < n ? lse_of(s + c) : -INFINITY;
-      if (s + c < n) fo[c] = load_pack<TIn, VEC>(o_of(s + c), stream);
-    }
-  };
   for (int s = 0;;) {
-    const int next = s + kChunk;
-    // kAhead: the next chunk's loads issued before this one is used (twice the registers).
-    float nl[kAhead ? kChunk : 1];
-    P no[kAhead ? kChunk : 1];
-    if constexpr (kAhead) {
-      if (next < n) fetch(next, nl, no);
-    }
     const float before = r.m;
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) r.see(l[c]);
@@ -91,14 +76,13 @@ __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pac
         accumulate(acc, o[c], w);
       }
     }
-    if (next >= n) break;
-    if constexpr (kAhead) {
+    s += kChunk;
+    if (s >= n) break;
 #pragma unroll
-      for (int c = 0; c < kChunk; ++c) l[c] = nl[c], o[c] = no[c];
-    } else {
-      fetch(next, l, o);
+    for (int c = 0; c < kChunk; ++c) {
+      l[c] = s + c < n ? lse_of(s + c) : -INFINITY;
+      if (s + c < n) o[c] = load_pack<TIn, VEC>(o_of(s + c), stream);
     }
-    s = next;
   }
 }
 
@@ -208,7 +192,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
     for (int c = 0; c < kChunk; ++c)
       if (c < n) accumulate(acc, o[c], r.scale(w[c]));
   } else if constexpr (!kFew) {
-    accumulate_online<kChunk, false>(
+    accumulate_online<kChunk>(
         n, l, o, [&](int s) { return states.lse(s); },
         [&](int s) { return states.template o_at<TIn>(s) + k * VEC; }, stream, r, acc);
     r.finish(factor);
@@ -227,7 +211,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
 // row: bit-identical results from run to run, and the semantics of kRows (a zero-weight part is
 // dropped unread, a NaN LSE makes the row NaN, an all-empty row gives O = 0 and LSE -inf).  32-bit
 // offsets only (the plan's condition).  Every thread reaches the barrier: none leaves early.
-template <typename Source, typename TIn, typename TOut, int VEC, bool kAhead>
+template <typename Source, typename TIn, typename TOut, int VEC>
 __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStateBlockThreads)
     merge_states_kernel(const MergeShape shape, const Source src, const OutView out) {
   using I = int32_t;
@@ -255,7 +239,7 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
   }
   RowMerge part(shape.base2);
   float acc[VEC] = {};
-  accumulate_online<kChunk, kAhead>(mine, l, o, lse_of, o_of, stream, part, acc);
+  accumulate_online<kChunk>(mine, l, o, lse_of, o_of, stream, part, acc);
   extern __shared__ float shared[];
   const int slot = static_cast<int>(threadIdx.z) * groups;
   const int slots = static_cast<int>(blockDim.z) * groups;
@@ -385,7 +369,14 @@ template <typename TIn, typename TOut, int VEC, typename Source>
 cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutView& out, cudaStream_t stream) {
   if (plan.launches == 0) return cudaSuccess;
   if constexpr (std::is_same<Source, PairSource>::value) {
-    if (plan.plain && plan.flat) {
+    // In place first: its LSE is written after the barrier, whichever source it reads through.
+    if (plan.fused_lse && plan.plain) {  // flat rows, 32-bit offsets, evict-first (the plan's conditions)
+      const PlainPairSource<true, true> flat{flat_rows(src.a), flat_rows(src.b)};
+      return launch_detail::rows<InPlaceSource<PlainPairSource<true, true>>, TIn, TOut, VEC, int32_t, 2>(
+          plan, {flat}, flat_rows(out), stream);
+    }
+    if (plan.fused_lse) return launch_detail::rows<InPlaceSource<>, TIn, TOut, VEC>(plan, {src}, out, stream);
+    if (plan.flat) {  // plain, 32-bit offsets (the plan's conditions)
       const StateView a = flat_rows(src.a), b = flat_rows(src.b);
       const OutView o = flat_rows(out);
       return plan.shape.stream
@@ -396,16 +387,9 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
       return plan.shape.stream
                  ? launch_detail::rows<PlainPairSource<true>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream)
                  : launch_detail::rows<PlainPairSource<false>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream);
-    if (plan.fused_lse && plan.plain) {  // flat rows, 32-bit offsets, evict-first (the plan's conditions)
-      const PlainPairSource<true, true> flat{flat_rows(src.a), flat_rows(src.b)};
-      return launch_detail::rows<InPlaceSource<PlainPairSource<true, true>>, TIn, TOut, VEC, int32_t, 2>(
-          plan, {flat}, flat_rows(out), stream);
-    }
-    if (plan.fused_lse) return launch_detail::rows<InPlaceSource<>, TIn, TOut, VEC>(plan, {src}, out, stream);
   } else {
     if (plan.strategy == Strategy::kStates)
-      return plan.ahead ? launch(merge_states_kernel<Source, TIn, TOut, VEC, true>, plan, plan.main, src, out, stream)
-                        : launch(merge_states_kernel<Source, TIn, TOut, VEC, false>, plan, plan.main, src, out, stream);
+      return launch(merge_states_kernel<Source, TIn, TOut, VEC>, plan, plan.main, src, out, stream);
   }
   return launch_detail::rows<Source, TIn, TOut, VEC>(plan, src, out, stream);
 }

@@ -91,7 +91,6 @@ struct LaunchPlan {
   int vec = 1;
   int chunk = 2;         // kRows: states a thread keeps in flight (2 for two-state sources, else 4 or 8)
   int groups = 1;        // kStates: groups of threads sharing a row's states
-  bool ahead = false;    // kStates: each group's next chunk of loads issued before it uses the current one
   bool index32 = false;  // 32-bit offsets: every element offset of the call fits in 30 bits
   bool plain = false;    // PairSource: the plain kernel (PlainPairSource; in place, under InPlaceSource)
   bool flat = false;     // plain, 32-bit offsets and every view flattens (views.h): rows taken flat
