@@ -197,7 +197,7 @@ def test_merge_varlen_strategies(rng, torch, sms, counts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("masked", (False, True))
-@pytest.mark.parametrize("head_size", (128, 8192))
+@pytest.mark.parametrize("head_size", (80, 128, 512, 8192))  # rows in warps (80 padded), in a block, over blocks
 def test_inplace_in_one_launch_unless_rows_span_blocks(rng, torch, head_size, masked):
     t, h = 37, 3
     o, lse = random_o(rng, (t, h, head_size), "bfloat16"), random_lse(rng, (t, h))
@@ -228,6 +228,24 @@ def test_two_way_kernels(rng, torch):
     attnmerge.merge(*args, out=args[0], out_lse=args[1])  # into o_a and lse_a: the in-place kernel
     assert (attnmerge.last_launch()["kernel"], attnmerge.last_launch()["launches"]) == ("rows_inplace", 1)
     assert_merge_matches(get(torch, args[0]), get(torch, args[1]), reference_merge(o_a, lse_a, o_b, lse_b), "float16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, masked, vec", [(2048, True, 16), (2048, False, 8), (37, True, 8)])
+def test_large_masked_in_place_merges_take_two_accesses_a_thread(rng, torch, t, masked, vec):
+    # 2048 x 16 x 128 bfloat16 moves 24 MB: two 16-byte accesses a thread where masked
+    h, d = 16, 128
+    o, lse = random_o(rng, (t, h, d), "bfloat16"), random_lse(rng, (t, h))
+    o2, lse2 = random_o(rng, (t, h, d), "bfloat16"), random_lse(rng, (t, h))
+    mask = (rng.random(t) < 0.5).astype(np.uint8) if masked else np.ones(t, dtype=np.uint8)
+    o_t, lse_t = put(torch, o), put(torch, lse)
+    attnmerge.merge_inplace(o_t, lse_t, put(torch, o2), put(torch, lse2), mask=put(torch, mask) if masked else None)
+    assert attnmerge.last_launch()["vec"] == vec
+    ref_o, ref_lse = reference_merge(o, lse, o2, lse2)
+    got_o, got_lse = get(torch, o_t), get(torch, lse_t)
+    keep = mask == 0
+    assert_merge_matches(got_o[~keep], got_lse[~keep], (ref_o[~keep], ref_lse[~keep]), "bfloat16")
+    assert np.array_equal(got_o[keep], to_f64(o[keep])) and np.array_equal(got_lse[keep], lse[keep])
 
 
 @pytest.mark.gpu

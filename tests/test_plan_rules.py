@@ -26,7 +26,7 @@ from plan_spec import (
 
 PROBE = os.path.join(os.path.dirname(__file__), "native", "plan_probe.cpp")
 FIELDS = ("strategy", "chunk", "groups", "launches", "plain", "fused_lse", "index32",
-          "gx", "gy", "gz", "bx", "by", "bz", "smem", "flat")
+          "gx", "gy", "gz", "bx", "by", "bz", "smem", "flat", "lane_lse", "vec")
 
 
 @pytest.fixture(scope="module")
@@ -121,11 +121,13 @@ def test_two_state_kernels(probe, sms):
         for flags, plan in zip(flag_sets, plans):
             plain = flags in ("-", "p") or (flags == "t" and tokens < 64)
             assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (int(plain), 0, 1), (flags, tokens)
-        # in place: one launch, the LSE after a block barrier; the plain source, rows flat, only
-        # in a small (evict-first) call without a mask
-        for plan, plain in zip(plans[-3:], (0, 0, 1)):
+        # in place: one launch; rows of at most 32 packs in warps (their LSEs shuffled from a
+        # row's first lane), wider ones with a block barrier; the plain source, rows flat, only in
+        # a small (evict-first) call without a mask, with its rows in warps
+        lanes = head_size // vec <= 32
+        for plan, plain in zip(plans[-3:], (0, 0, int(lanes))):
             assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (plain, 1, 1), tokens
-            assert plan["flat"] == plain
+            assert (plan["flat"], plan["lane_lse"]) == (plain, int(lanes))
         for flags, plan in zip(flag_sets, plans[:-3]):  # dense views: the plain kernel takes its rows flat
             assert plan["flat"] == int(plan["plain"] == 1 and flags != "t"), (flags, tokens, head_size)
         for plan in plans:
@@ -141,6 +143,30 @@ def test_rows_flat_only_where_every_view_is_dense(probe):
     assert (dense["plain"], dense["flat"]) == (1, 1)
     assert (gapped["plain"], gapped["flat"]) == (1, 0)
     assert (heads_major["plain"], heads_major["flat"]) == (1, 0)
+
+
+def test_two_state_threads_take_two_accesses_only_in_large_masked_in_place_merges(probe):
+    # x: 16-byte accesses; a thread takes two side by side only in an in-place merge with a mask (m)
+    # of 16 MB or more (not s) whose rows have an even number of accesses (128, not 72, elements)
+    calls = [("inplace", 16, HEADS, 128, 2, 8, 132, "mx"), ("inplace", 16, HEADS, 72, 2, 8, 132, "mx"),
+             ("inplace", 16, HEADS, 128, 2, 8, 132, "msx"), ("inplace", 16, HEADS, 128, 2, 8, 132, "x"),
+             ("inplace", 16, HEADS, 128, 2, 8, 132, "m"), ("pair", 16, HEADS, 128, 2, 8, 132, "mx"),
+             ("stack", 16, HEADS, 128, 4, 8, 132, "x")]
+    plans = probe(calls)
+    assert [p["vec"] for p in plans] == [16, 8, 8, 8, 8, 8, 8]
+    assert [p["bx"] for p in plans[:2]] == [8, 16]  # a row of 128 in 8 threads, of 72 in 9 padded to 16
+
+
+def test_in_place_rows_in_warps_take_power_of_two_lanes(probe):
+    # packs of 16, 10 and 32 (8 elements a pack), 33 (one element): a row's lanes padded to a power
+    # of two up to a warp, aligned in it; wider rows take a block barrier instead
+    plans = probe([("inplace", 37, 3, head_size, 2, vec, 132, m) for head_size, vec in ((128, 8), (80, 8), (256, 8), (33, 1))
+                   for m in "-m"])
+    for plan, lanes in zip(plans, (16, 16, 16, 16, 32, 32, 0, 0)):
+        assert (plan["lane_lse"], plan["fused_lse"], plan["launches"], plan["gy"]) == (int(lanes > 0), 1, 1, 1)
+        if lanes:
+            assert plan["bx"] == lanes and (plan["bx"] * plan["by"]) % 32 == 0
+    assert plans[-1]["bx"] == 33  # a barrier block holds whole rows
 
 
 def test_in_place_rows_wider_than_a_block_take_two_launches(probe):

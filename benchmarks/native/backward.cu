@@ -74,7 +74,7 @@ void run_case(int64_t tokens, int64_t states, bool pair, int sms, double roof, c
   const StackSource in{o, o_st, o_ss, kHeadSize, lse, l_st, kHeads, 1, states};
   const OutView fwd{out, kHeads * kHeadSize, kHeadSize, out_lse, kHeads, 1, 1.0f, nullptr, false};
   const int64_t fwd_bytes = o_elems * 2 + l_elems * 4 + out_elems * 2 + row_elems * 4;
-  check_cuda(launch_merge<bfloat16_t, bfloat16_t, 8>(bf16_plan(shape, in, fwd, fwd_bytes, sms), in, fwd, stream),
+  check_cuda(launch_bf16(bf16_plan(shape, in, fwd, fwd_bytes, sms), in, fwd, stream),
              "forward");
   const StateView out_v{out, kHeads * kHeadSize, kHeadSize, out_lse, kHeads, 1};
   const StateView grad_out_v{grad_out, kHeads * kHeadSize, kHeadSize, grad_out_lse, kHeads, 1};

@@ -71,19 +71,33 @@ inline void free_pair_sets(std::vector<PairSet>& sets) {
   sets.clear();
 }
 
-// The plan the C ABI makes for a call with bfloat16 O (16-byte accesses, 32-bit offsets) on an
-// sm_90 GPU of `sms` SMs (0: blocks of the default width), moving `bytes` (which decides
-// evict-first accesses).  Benchmarks launch it with attnmerge::launch_merge, and may change a field
-// first to time an alternative.
+// The plan the C ABI makes for a call with bfloat16 O (16-byte accesses unless `access_bytes` says
+// otherwise, 32-bit offsets) on an sm_90 GPU of `sms` SMs (0: blocks of the default width), moving
+// `bytes` (which decides evict-first accesses).  Benchmarks launch it with launch_bf16, and may
+// change a field first to time an alternative.
 template <typename Source>
 attnmerge::LaunchPlan bf16_plan(const attnmerge::MergeShape& shape, const Source& src, const attnmerge::OutView& out,
-                                int64_t bytes, int sms, bool pdl = false, bool lse_tokens_inner = false) {
+                                int64_t bytes, int sms, bool pdl = false, bool lse_tokens_inner = false,
+                                int access_bytes = 16) {
   attnmerge::CallFacts facts;
   facts.vec = 8;
+  facts.access_bytes = access_bytes;
   facts.bytes = bytes;
   facts.pdl = pdl;
   facts.lse_tokens_inner = lse_tokens_inner;
   return attnmerge::plan_merge(shape, src, out, facts, attnmerge::DeviceInfo{sms, 9});
+}
+
+// A bf16_plan's launch (bfloat16 in and out): the kernel of the plan's elements a thread, one
+// 16-byte access or (two-state sources) two.
+template <typename Source>
+cudaError_t launch_bf16(const attnmerge::LaunchPlan& plan, const Source& src, const attnmerge::OutView& out,
+                        cudaStream_t stream) {
+  using attnmerge::bfloat16_t;
+  if constexpr (Source::kMaxStates == 2) {
+    if (plan.vec == 16) return attnmerge::launch_merge<bfloat16_t, bfloat16_t, 16>(plan, src, out, stream);
+  }
+  return attnmerge::launch_merge<bfloat16_t, bfloat16_t, 8>(plan, src, out, stream);
 }
 
 inline double median(std::vector<double> v) {

@@ -124,7 +124,7 @@ int main() {
                              StateView{x.o_b, st, kHeadSize, x.lse_b, 1, tokens}, tokens, nullptr, 0};
         const OutView dst{x.out, st, kHeadSize, x.out_lse, 1, tokens, 1.0f, nullptr, false};
         const LaunchPlan plan = bf16_plan(shape, src, dst, bytes, width == 0 ? sms : int(std::max(1u, threads / width)));
-        check_cuda(launch_merge<bfloat16_t, bfloat16_t, 8>(plan, src, dst, s), name);
+        check_cuda(launch_bf16(plan, src, dst, s), name);
       }});
     };
     library("library", 0);

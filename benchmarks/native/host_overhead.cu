@@ -76,7 +76,7 @@ int main() {
   const OutView dst{out, kHeads * kHeadSize, kHeadSize, static_cast<float*>(out_lse), kHeads, 1, 1.0f, nullptr, false};
   const LaunchPlan plan = bf16_plan(shape, src, dst, 3 * o_bytes + 3 * lse_bytes, prop.multiProcessorCount);
   const double direct =
-      host_us([&] { check_cuda((launch_merge<bfloat16_t, bfloat16_t, 8>(plan, src, dst, stream)), "launch"); }, stream);
+      host_us([&] { check_cuda(launch_bf16(plan, src, dst, stream), "launch"); }, stream);
 
   double abi[2];
   for (int known = 0; known < 2; ++known) {

@@ -2,9 +2,12 @@
 // launcher (merge_kernels.cuh), on 1 to 32768 x 32 x 128 bfloat16 with input sets rotated past L2:
 //   flat      the plan's rows taken flat (one offset a view, no row division) against split into
 //             token and head;
+//   accesses  the plan's two 16-byte accesses a thread against one;
 //   evict     evict-first O loads and stores: the library's choice (< 32 MB), always, never;
 //   pdl       a chain of two dependent merges with and without programmatic dependent launch;
-//   in place  the in-place merge, unmasked and half masked, in the plan's blocks and in blocks of 512;
+//   in place  the in-place merge, unmasked and half masked: the plan's (rows in warps, their LSEs
+//             shuffled from a row's first lane) against the block barrier, the general source and
+//             one access a thread;
 //   tiles     with vLLM's [heads, tokens] LSEs, rows in tiles of 8 tokens (MergeShape::tile) against
 //             the token-major order, at several head sizes; the two outputs compared byte for byte.
 // Prints us per merge and the ratio to the library's choice; figures go to benchmarks/NOTES.md.
@@ -47,6 +50,7 @@ struct Knobs {
   int sms;
   bool pdl;
   bool unflat = false;
+  bool one_access = false;  // one 16-byte access a thread, not the plan's two
 };
 
 // One merge of set `s` (a_o/a_lse may be another set's output, for the chain) as the library plans
@@ -58,9 +62,9 @@ cudaError_t merge(const void* o_a, const float* lse_a, const Set& s, void* out, 
   const PairSource src{StateView{o_a, st, kHeadSize, lse_a, kHeads, 1}, StateView{s.o_b, st, kHeadSize, s.lse_b, kHeads, 1},
                        tokens, nullptr, 0};
   const OutView dst{out, st, kHeadSize, out_lse, kHeads, 1, 1.0f, nullptr, false};
-  LaunchPlan plan = bf16_plan(shape, src, dst, claimed_bytes, knobs.sms, knobs.pdl);
+  LaunchPlan plan = bf16_plan(shape, src, dst, claimed_bytes, knobs.sms, knobs.pdl, false, knobs.one_access ? 0 : 16);
   if (knobs.unflat) plan.flat = false;
-  return launch_merge<bfloat16_t, bfloat16_t, 8>(plan, src, dst, stream);
+  return launch_bf16(plan, src, dst, stream);
 }
 
 // The two-way merge of T x H x D bfloat16 with [heads, tokens] LSEs, rows token-major (the plan
@@ -79,7 +83,7 @@ void tiles(int64_t tokens, int64_t heads, int64_t head_size, int sms, cudaStream
                          tokens, nullptr, 0};
     const OutView dst{out, st, head_size, out_lse, 1, tokens, 1.0f, nullptr, false};
     const LaunchPlan plan = bf16_plan(shape, src, dst, bytes, sms, false, tiled);
-    check_cuda(launch_merge<bfloat16_t, bfloat16_t, 8>(plan, src, dst, stream), "launch");
+    check_cuda(launch_bf16(plan, src, dst, stream), "launch");
   };
   double t[2][2];
   for (int round = 0; round < 2; ++round)
@@ -102,10 +106,10 @@ void tiles(int64_t tokens, int64_t heads, int64_t head_size, int sms, cudaStream
 }
 
 // The in-place merge of T x 32 x 128 bfloat16 (a's O and LSE overwritten), with no mask or with
-// about half the tokens' rows masked out: the plan's launch (blocks of up to kPairBlockThreads:
-// build with -DATTNMERGE_PAIR_BLOCK_THREADS=512 for FlashInfer's launch, one token a block)
-// against blocks of half that width and against the general source (PairSource) where the plan
-// took the plain one, each timed twice.
+// about half the tokens' rows masked out: the plan's launch (rows in warps, their LSEs shuffled
+// from a row's first lane; the plain source where the plan takes it) against the block barrier
+// (every thread reads the LSEs, the store after __syncthreads) and against the general source
+// (PairSource) with the lanes, each timed twice.
 void in_place(int64_t tokens, bool masked, int sms, cudaStream_t stream) {
   const size_t o_bytes = tokens * kHeads * kHeadSize * 2, lse_bytes = tokens * kHeads * 4;
   const int64_t bytes = 3 * int64_t(o_bytes + lse_bytes);
@@ -118,25 +122,27 @@ void in_place(int64_t tokens, bool masked, int sms, cudaStream_t stream) {
     check_cuda(cudaMalloc(&mask, tokens), "cudaMalloc");
     check_cuda(cudaMemcpy(mask, host.data(), tokens, cudaMemcpyHostToDevice), "copy");
   }
-  const auto run = [&](const Set& s, int variant) {  // 0 the plan's, 1 blocks of half its width, 2 not plain
+  // 0 the plan's, 1 the block barrier, 2 the general source, 3 one access a thread
+  const auto run = [&](const Set& s, int variant) {
     const MergeShape shape{tokens, kHeads, kHeadSize, false};
     const int64_t st = kHeads * kHeadSize;
     const PairSource src{StateView{s.o_a, st, kHeadSize, s.lse_a, kHeads, 1}, StateView{s.o_b, st, kHeadSize, s.lse_b, kHeads, 1},
                          tokens, mask, 1};
     const OutView dst{s.o_a, st, kHeadSize, s.lse_a, kHeads, 1, 1.0f, nullptr, true};
-    LaunchPlan plan = bf16_plan(shape, src, dst, bytes, sms);
+    LaunchPlan plan = bf16_plan(shape, src, dst, bytes, sms, false, false, variant == 3 ? 0 : 16);
     if (variant == 1) {
-      plan.main = row_dims(plan.shape.packs, plan.shape.rows, sms, kPairBlockThreads / 2, plan.shape.packs);
+      plan.main = row_dims(plan.shape.packs, plan.shape.rows, sms, kPairBlockThreads, plan.shape.packs);
+      plan.lane_lse = false;
     }
-    if (variant == 2) plan.plain = plan.flat = false;
-    check_cuda(launch_merge<bfloat16_t, bfloat16_t, 8>(plan, src, dst, stream), "launch");
+    if (variant == 1 || variant == 2) plan.plain = plan.flat = false;
+    check_cuda(launch_bf16(plan, src, dst, stream), "launch");
   };
-  double t[2][3];
+  double t[2][4];
   for (int round = 0; round < 2; ++round)
-    for (int v = 0; v < 3; ++v) t[round][v] = graph_us([&](int i) { run(sets[i % n], v); }, stream);
-  std::printf("%7lld %s %7.1f MB: library %8.2f %8.2f us | blocks of half %8.2f %8.2f us | general source %8.2f %8.2f us\n",
+    for (int v = 0; v < 4; ++v) t[round][v] = graph_us([&](int i) { run(sets[i % n], v); }, stream);
+  std::printf("%7lld %s %7.1f MB: library %7.2f %7.2f | barrier %7.2f %7.2f | general %7.2f %7.2f | 1 access %7.2f %7.2f us\n",
               static_cast<long long>(tokens), masked ? "half masked" : "no mask    ", bytes / 1e6, t[0][0], t[1][0], t[0][1],
-              t[1][1], t[0][2], t[1][2]);
+              t[1][1], t[0][2], t[1][2], t[0][3], t[1][3]);
   if (mask) cudaFree(mask);
   free_pair_sets(sets);
 }
@@ -151,8 +157,8 @@ int main() {
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   const int sms = prop.multiProcessorCount;
   std::printf("%s (%d SMs), two-way merge T x 32 x 128 bfloat16, us per merge by graph replay (median)\n", prop.name, sms);
-  std::printf("%7s %9s | %10s %10s %8s | %10s %10s %10s\n", "tokens", "MB", "library", "not flat", "ratio",
-              "evict-1st", "plain", "ratio");
+  std::printf("%7s %9s | %10s %10s %8s | %10s %8s | %10s %10s %10s\n", "tokens", "MB", "library", "not flat", "ratio",
+              "1 access", "ratio", "evict-1st", "plain", "ratio");
   const int64_t always = 0, never = INT64_MAX;
   for (int64_t tokens : {1, 16, 128, 512, 1024, 2048, 4096, 8192, 32768}) {
     Case c = make_case(tokens);
@@ -164,11 +170,11 @@ int main() {
           },
           stream);
     };
-    const Knobs lib{sms, false}, wide{sms, false, true};
-    const double t_lib = time(c.bytes, lib), t_wide = time(c.bytes, wide);
+    const Knobs lib{sms, false}, wide{sms, false, true}, one{sms, false, false, true};
+    const double t_lib = time(c.bytes, lib), t_wide = time(c.bytes, wide), t_one = time(c.bytes, one);
     const double t_evict = time(always, lib), t_plain = time(never, lib);
-    std::printf("%7lld %9.1f | %10.2f %10.2f %8.3f | %10.2f %10.2f %10.3f\n", static_cast<long long>(tokens),
-                c.bytes / 1e6, t_lib, t_wide, t_wide / t_lib, t_evict, t_plain, t_plain / t_evict);
+    std::printf("%7lld %9.1f | %10.2f %10.2f %8.3f | %10.2f %8.3f | %10.2f %10.2f %10.3f\n", static_cast<long long>(tokens),
+                c.bytes / 1e6, t_lib, t_wide, t_wide / t_lib, t_one, t_one / t_lib, t_evict, t_plain, t_plain / t_evict);
     free_case(c);
   }
   std::printf("chain of two dependent merges (the second reads the first's output), us per chain\n");
@@ -189,7 +195,7 @@ int main() {
     std::printf("%7lld tokens: plain %7.2f  pdl %7.2f  (%.3fx)\n", static_cast<long long>(tokens), t[0], t[1], t[0] / t[1]);
     free_case(c);
   }
-  std::printf("in-place merge, blocks of up to %d threads against half that (each timed twice)\n", kPairBlockThreads);
+  std::printf("in-place merge: the library, the block barrier, the general source (each timed twice)\n");
   for (int64_t tokens : {1, 512, 8192})
     for (bool masked : {false, true}) in_place(tokens, masked, sms, stream);
   std::printf("[heads, tokens] LSEs, rows token-major against tiles of 8 tokens (each timed twice)\n");

@@ -167,7 +167,9 @@ void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
 
 }  // namespace
 
-int main() {
+// Arguments (optional): the cases to run, each T:S (bfloat16 states) or T:S:f32 (float32 states);
+// none: every case below.
+int main(int argc, char** argv) {
   if (!have_gpu("state_strategies")) return 1;
   cudaDeviceProp prop;
   check_cuda(cudaGetDeviceProperties(&prop, 0), "properties");
@@ -176,6 +178,22 @@ int main() {
   const int sms = prop.multiProcessorCount;
   std::printf("%s (%d SMs): N-way merge T x S x 32 x 128 -> bfloat16, us per merge by graph replay (median)\n", prop.name,
               sms);
+  if (argc > 1) {
+    for (int i = 1; i < argc; ++i) {
+      long long t = 0, st = 0;
+      char kind[8] = "";
+      if (std::sscanf(argv[i], "%lld:%lld:%7s", &t, &st, kind) < 2) {
+        std::fprintf(stderr, "state_strategies: a case is T:S or T:S:f32, not %s\n", argv[i]);
+        return 2;
+      }
+      if (std::strcmp(kind, "f32") == 0) {
+        run_case<float>(t, st, sms, stream);
+      } else {
+        run_case<bfloat16_t>(t, st, sms, stream);
+      }
+    }
+    return 0;
+  }
   for (const auto& c : std::vector<std::array<int64_t, 2>>{{16, 16}, {16, 64}, {16, 128}, {128, 16}, {128, 64}, {128, 128},
                                                             {1, 64}, {8192, 4}, {8192, 8}, {8192, 16}, {8192, 64}})
     run_case<bfloat16_t>(c[0], c[1], sms, stream);

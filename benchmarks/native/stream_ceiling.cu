@@ -189,7 +189,7 @@ int main() {
                     const PairSource src{StateView{s.o_a, st, kHeadSize, s.lse_a, kHeads, 1},
                                          StateView{s.o_b, st, kHeadSize, s.lse_b, kHeads, 1}, tokens, nullptr, 0};
                     const OutView dst{s.out, st, kHeadSize, s.out_lse, kHeads, 1, 1.0f, nullptr, false};
-                    check_cuda(launch_merge<bfloat16_t, bfloat16_t, 8>(bf16_plan(shape, src, dst, bytes, sms), src, dst, stream),
+                    check_cuda(launch_bf16(bf16_plan(shape, src, dst, bytes, sms), src, dst, stream),
                                "library");
                   }});
     vs.push_back({"minimal merge", true, [&](const PairSet& s) {

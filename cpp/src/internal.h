@@ -38,6 +38,7 @@ void dispatch_out_dtype(int dtype, F&& f) {
 template <typename F>
 void dispatch_vec(int vec, F&& f) {
   switch (vec) {
+    case 16: f(std::integral_constant<int, 16>{}); break;
     case 8: f(std::integral_constant<int, 8>{}); break;
     case 4: f(std::integral_constant<int, 4>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;

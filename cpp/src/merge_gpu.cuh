@@ -60,8 +60,10 @@ attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const Out
         using TIn = decltype(in_tag);
         using TOut = decltype(out_tag);
         constexpr int kVec = decltype(vec_tag)::value;
-        // Wider than 16 bytes per access is never chosen; do not instantiate it.
-        if constexpr (kVec * sizeof(TIn) <= 16 && kVec * sizeof(TOut) <= 16)
+        // A thread's elements span one access of at most 16 bytes (two for two-state sources: the
+        // plan's vec); no wider combination is ever planned, so none is instantiated.
+        constexpr std::size_t kMost = std::is_same<Source, PairSource>::value ? 32 : 16;
+        if constexpr (kVec * sizeof(TIn) <= kMost && kVec * sizeof(TOut) <= kMost)
           err = launch_merge<TIn, TOut, kVec>(plan, src, out, s);
       });
     });

@@ -57,9 +57,20 @@ attnmerge_status locate(Views views, const float* scale, bool no_rows, int& devi
   return ATTNMERGE_SUCCESS;
 }
 
+namespace {
+// The size of the widest O dtype among the call's arrays.
+std::size_t widest_o(Views views) {
+  std::size_t widest = 0;
+  for (const View& v : views)
+    if (v.present() && v.spec->is_o()) widest = std::max(widest, dtype_size(v.t->dtype));
+  return widest;
+}
+}  // namespace
+
 CallFacts call_facts(Views views, int64_t head_size, uint32_t flags) {
   CallFacts facts;
   facts.vec = choose_vec(views, head_size);
+  facts.access_bytes = static_cast<int>(facts.vec * widest_o(views));
   facts.pdl = (flags & ATTNMERGE_PDL) != 0;
   for (const View& v : views) {
     if (!v.present() || v.empty) continue;
@@ -74,9 +85,7 @@ CallFacts call_facts(Views views, int64_t head_size, uint32_t flags) {
 }
 
 int choose_vec(Views views, int64_t head_size) {
-  std::size_t widest = 0;
-  for (const View& v : views)
-    if (v.present() && v.spec->is_o()) widest = std::max(widest, dtype_size(v.t->dtype));
+  const std::size_t widest = widest_o(views);
   for (int vec = static_cast<int>(16 / widest); vec > 1; vec /= 2) {
     bool ok = head_size % vec == 0;
     for (const View& v : views) {

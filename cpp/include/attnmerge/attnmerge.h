@@ -252,7 +252,7 @@ ATTNMERGE_API attnmerge_status attnmerge_merge_varlen_backward(
 #define ATTNMERGE_KERNEL_NONE 0
 #define ATTNMERGE_KERNEL_ROWS 1          /* one thread per pack of a row walks its states */
 #define ATTNMERGE_KERNEL_ROWS_PLAIN 2    /* the same, two states, no mask, a_tokens, tiles or scale pointer */
-#define ATTNMERGE_KERNEL_ROWS_INPLACE 3  /* the same, the merged LSE written over an input's after a block barrier */
+#define ATTNMERGE_KERNEL_ROWS_INPLACE 3  /* the same, the merged LSE written over an input's in the same launch */
 #define ATTNMERGE_KERNEL_STATES 4        /* a row's states shared by groups of threads, combined in shared memory */
 #define ATTNMERGE_KERNEL_BACKWARD 5      /* the backward: lanes of a warp per row, the dots summed by shuffles */
 typedef struct attnmerge_launch_info {
@@ -260,7 +260,8 @@ typedef struct attnmerge_launch_info {
   int32_t launches;     /* kernels enqueued: 0, 1, or 2 (an in-place merge whose rows span blocks) */
   int32_t state_groups; /* ATTNMERGE_KERNEL_STATES: groups of threads a row's states are split into; else 1 */
   int32_t index_bits;   /* 32 or 64: the offsets' width */
-  int32_t vec;          /* elements per vector access */
+  int32_t vec;          /* elements a thread takes of a row: one vector access, or two side by side
+                           (two-state merges whose O allow 16-byte accesses and an even number of them a row) */
   int32_t pdl;          /* launched with programmatic dependent launch */
   uint32_t grid[3];
   uint32_t block[3];

@@ -24,6 +24,11 @@ namespace attnmerge {
 #ifndef ATTNMERGE_BACKWARD_MIN_BLOCKS
 #define ATTNMERGE_BACKWARD_MIN_BLOCKS 2
 #endif
+// Each chunk's successor asked of L2 (prefetch_l2) before the chunk is used: an A/B knob for the
+// native benchmark.
+#ifndef ATTNMERGE_PREFETCH_BACKWARD
+#define ATTNMERGE_PREFETCH_BACKWARD 1
+#endif
 template <typename Src, int kChunk>
 constexpr int backward_min_blocks() {
   return kChunk > 2 ? ATTNMERGE_BACKWARD_MIN_BLOCKS : Src::kMaxStates == 2 ? 4 : 3;
@@ -89,6 +94,13 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src
       }
     };
     if (lane < packs) load_states(lane);
+    if constexpr (ATTNMERGE_PREFETCH_BACKWARD != 0) {
+      if (args.want_lse && lane < packs) {
+#pragma unroll
+        for (int c = kChunk; c < 2 * kChunk; ++c)
+          if (s0 + c < r.hi) prefetch_l2(r.in.template o_at<TIn>(s0 + c) + lane * VEC);
+      }
+    }
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) {
       p[c] = r.live(s0 + c) ? g.p(l[c]) : 0.0f;

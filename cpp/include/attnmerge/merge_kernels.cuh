@@ -95,6 +95,30 @@ __device__ __forceinline__ void pdl_wait_then_release() {
 #endif
 }
 
+// Whether an in-place source takes a row's LSEs from its first lane (InPlaceSource's kLanes).
+template <typename Source>
+ATTNMERGE_HD constexpr bool lane_lse() {
+  if constexpr (Source::kFusedLse) {
+    return Source::kLanes;
+  } else {
+    return false;
+  }
+}
+
+// A row's LSEs read by its first lane alone and shuffled to its other lanes, the first `packs` of
+// the row's blockDim.x (a power of two, at most 32: each row lies in one warp at aligned lanes,
+// and its lanes past `packs` have left).  -inf past the row's n states.
+template <int kChunk, typename Row>
+__device__ __forceinline__ void lses_from_first_lane(const Row& states, int n, int packs, float (&l)[kChunk]) {
+  const unsigned first = ((threadIdx.y * blockDim.x + threadIdx.x) & 31u) - threadIdx.x;
+  const unsigned lanes = packs >= 32 ? 0xffffffffu : ((1u << packs) - 1u) << first;
+#pragma unroll
+  for (int c = 0; c < kChunk; ++c) {
+    const float mine = threadIdx.x == 0 && c < n ? states.lse(c) : -INFINITY;
+    l[c] = __shfl_sync(lanes, mine, static_cast<int>(first));
+  }
+}
+
 // The row (token, head) of this thread under kRows.  With I = int32_t the grid has no z extent
 // (rows < 2^31) and these products fit.
 template <typename I>
@@ -136,41 +160,45 @@ __device__ __forceinline__ bool locate_row(const MergeShape& shape, I row, I& to
 // weights, so the O path is one multiply-add per element and state.  A masked-out row reads its
 // mask byte and nothing else.
 //
-// An InPlaceSource (kFusedLse) writes the merged LSE over an input's: every thread reaches one
-// block barrier after it has read its row's LSEs, and only then is the LSE stored, so the
+// An InPlaceSource (kFusedLse) writes the merged LSE over an input's.  With kLanes each row lies
+// in one warp and only its first lane reads the LSEs (lses_from_first_lane), so that lane may
+// overwrite them, and a masked-out row's threads leave at once.  Otherwise every thread reaches
+// one block barrier after it has read its row's LSEs, and only then is the LSE stored, so the
 // launch's rows lie inside blocks (the plan's condition) and no thread leaves before the barrier.
 template <typename Source, typename TIn, typename TOut, int VEC, typename I, int kChunk>
 __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kChunk>()))
     merge_kernel(const MergeShape shape, const Source src, const OutView out) {
-  constexpr bool kFused = Source::kFusedLse;
+  constexpr bool kLanes = lane_lse<Source>();
+  constexpr bool kBarrier = Source::kFusedLse && !kLanes;  // every thread reaches the block barrier
   using P = Pack<TIn, VEC>;
   const I row = launch_row<I>();
   const I k = static_cast<I>(blockIdx.y) * static_cast<I>(blockDim.x) + static_cast<I>(threadIdx.x);
   // rows and packs fit in I (int32_t only for calls of fewer than 2^30 elements an array)
   bool live = row < static_cast<I>(shape.rows) && k < static_cast<I>(shape.packs);
-  if constexpr (!kFused) {
+  if constexpr (!kBarrier) {
     if (!live) return;
   }
   I token = 0, head = 0;
   if (live) live = locate_row<Source>(shape, row, token, head);
-  if constexpr (!kFused) {
+  if constexpr (!kBarrier) {
     if (!live) return;
   }
   if (live && src.masked_out(token)) live = false;
-  if constexpr (!kFused) {
+  if constexpr (!kBarrier) {
     if (!live) return;
   }
   const auto states = src.template row<TIn>(token, head);  // token 0, head 0 for a thread with no row
-  const int n = kFused && !live ? 0 : states.count();
+  const int n = kBarrier && !live ? 0 : states.count();
   const bool stream = Source::kStream < 0 ? shape.stream : Source::kStream == 1;
   // The first chunk: every load in flight at once.
   float l[kChunk];
   P o[kChunk];
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) {
-    l[c] = c < n ? states.lse(c) : -INFINITY;  // -inf: no weight, no NaN
+    if constexpr (!kLanes) l[c] = c < n ? states.lse(c) : -INFINITY;  // -inf: no weight, no NaN
     if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c) + k * VEC, stream);
   }
+  if constexpr (kLanes) lses_from_first_lane<kChunk>(states, n, static_cast<int>(shape.packs), l);
   // Where the results go, worked out while the loads are in flight: at decode sizes a merge
   // lasts as long as its longest chain of dependent instructions, and everything after the loads
   // is on it.
@@ -183,7 +211,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   if (kFew || n <= kChunk) {  // one round trip, the weights from the row's own max
     float w[kChunk];
     weigh_row<kChunk>(l, w, factor, r);
-    if constexpr (kFused) {
+    if constexpr (kBarrier) {
       __syncthreads();  // every thread of the block has read its row's old LSEs
       if (!live) return;
     }
@@ -370,12 +398,14 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
   if (plan.launches == 0) return cudaSuccess;
   if constexpr (std::is_same<Source, PairSource>::value) {
     // In place first: its LSE is written after the barrier, whichever source it reads through.
-    if (plan.fused_lse && plan.plain) {  // flat rows, 32-bit offsets, evict-first (the plan's conditions)
+    if (plan.fused_lse && plan.plain) {  // rows in warps and flat, 32-bit offsets, evict-first (the plan's conditions)
       const PlainPairSource<true, true> flat{flat_rows(src.a), flat_rows(src.b)};
-      return launch_detail::rows<InPlaceSource<PlainPairSource<true, true>>, TIn, TOut, VEC, int32_t, 2>(
+      return launch_detail::rows<InPlaceSource<PlainPairSource<true, true>, true>, TIn, TOut, VEC, int32_t, 2>(
           plan, {flat}, flat_rows(out), stream);
     }
-    if (plan.fused_lse) return launch_detail::rows<InPlaceSource<>, TIn, TOut, VEC>(plan, {src}, out, stream);
+    if (plan.fused_lse)
+      return plan.lane_lse ? launch_detail::rows<InPlaceSource<PairSource, true>, TIn, TOut, VEC>(plan, {src}, out, stream)
+                           : launch_detail::rows<InPlaceSource<PairSource, false>, TIn, TOut, VEC>(plan, {src}, out, stream);
     if (plan.flat) {  // plain, 32-bit offsets (the plan's conditions)
       const StateView a = flat_rows(src.a), b = flat_rows(src.b);
       const OutView o = flat_rows(out);

@@ -9,8 +9,8 @@
 
 namespace attnmerge {
 
-// N elements of T, moved as one access of N * sizeof(T) bytes and held as 32-bit words (a pack
-// narrower than a word sits in the low bits of w[0]).
+// N elements of T, moved as one access of N * sizeof(T) bytes (or, past 16, as 16-byte accesses
+// side by side) and held as 32-bit words (a pack narrower than a word sits in the low bits of w[0]).
 template <typename T, int N>
 struct Pack {
   static constexpr int kBytes = N * static_cast<int>(sizeof(T));
@@ -79,11 +79,32 @@ __device__ __forceinline__ void store_evict_first(V* p, V v) {
 }
 #endif
 
+#ifndef ATTNMERGE_LOAD_NC
+#define ATTNMERGE_LOAD_NC 0
+#endif
+#if defined(__CUDA_ARCH__) && ATTNMERGE_LOAD_NC == 2
+__device__ __forceinline__ uint4 load_cs_nc(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.cs.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+template <typename V>
+__device__ __forceinline__ V load_cs_nc(const V* p) {
+  return load_evict_first(p);
+}
+#endif
+
 #if defined(__CUDA_ARCH__)
 // A load or store of one vector, streaming (evict first) or cached as usual.
 template <typename V>
 __device__ __forceinline__ V load_bits(const V* p, bool stream) {
+#if ATTNMERGE_LOAD_NC == 2
+  return stream ? load_cs_nc(p) : __ldg(p);
+#elif ATTNMERGE_LOAD_NC == 1
+  return stream ? load_evict_first(p) : __ldg(p);
+#else
   return stream ? load_evict_first(p) : *p;
+#endif
 }
 template <typename V>
 __device__ __forceinline__ void store_bits(V* p, V v, bool stream) {
@@ -95,14 +116,29 @@ __device__ __forceinline__ void store_bits(V* p, V v, bool stream) {
 }
 #endif
 
+// Asks L2 for the line holding `p`, neither waiting nor taking a register: a later load of it
+// then meets L2 rather than HBM.  Kernels that keep few bytes in flight (few threads an SM, or a
+// chunk at a time) issue their next chunk's so, before using the current one.
+ATTNMERGE_HD void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  (void)p;
+#endif
+}
+
 template <typename T, int N>
 ATTNMERGE_HD Pack<T, N> load_pack(const T* src, bool stream) {
   Pack<T, N> p;
   constexpr int kBytes = Pack<T, N>::kBytes;
 #if defined(__CUDA_ARCH__)
-  if constexpr (kBytes == 16) {
-    const uint4 v = load_bits(reinterpret_cast<const uint4*>(src), stream);
-    p.w[0] = v.x, p.w[1] = v.y, p.w[2] = v.z, p.w[3] = v.w;
+  if constexpr (kBytes >= 16) {
+    static_assert(kBytes % 16 == 0, "packs past 16 bytes are whole 16-byte accesses");
+    ATTNMERGE_UNROLL
+    for (int a = 0; a < kBytes / 16; ++a) {
+      const uint4 v = load_bits(reinterpret_cast<const uint4*>(src) + a, stream);
+      p.w[4 * a] = v.x, p.w[4 * a + 1] = v.y, p.w[4 * a + 2] = v.z, p.w[4 * a + 3] = v.w;
+    }
   } else if constexpr (kBytes == 8) {
     const uint2 v = load_bits(reinterpret_cast<const uint2*>(src), stream);
     p.w[0] = v.x, p.w[1] = v.y;
@@ -148,8 +184,12 @@ ATTNMERGE_HD void store_pack(T* dst, const float (&acc)[N], bool stream) {
     w[0] = Word<T>::put(x);
   }
 #if defined(__CUDA_ARCH__)
-  if constexpr (P::kBytes == 16) {
-    store_bits(reinterpret_cast<uint4*>(dst), make_uint4(w[0], w[1], w[2], w[3]), stream);
+  if constexpr (P::kBytes >= 16) {
+    static_assert(P::kBytes % 16 == 0, "packs past 16 bytes are whole 16-byte accesses");
+    ATTNMERGE_UNROLL
+    for (int a = 0; a < P::kBytes / 16; ++a)
+      store_bits(reinterpret_cast<uint4*>(dst) + a, make_uint4(w[4 * a], w[4 * a + 1], w[4 * a + 2], w[4 * a + 3]),
+                 stream);
   } else if constexpr (P::kBytes == 8) {
     store_bits(reinterpret_cast<uint2*>(dst), make_uint2(w[0], w[1]), stream);
   } else if constexpr (P::kBytes == 4) {

@@ -71,6 +71,7 @@ struct DeviceInfo {
 // tensors.
 struct CallFacts {
   int vec = 1;                    // elements per vector access that every O pointer and stride allow
+  int access_bytes = 0;           // bytes of that access for the widest O dtype (vec x its size); 0: not known
   int64_t max_offset = 0;         // the largest element offset into any array of the call
   int64_t bytes = 0;              // bytes the call moves, about
   bool lse_tokens_inner = false;  // an LSE has tokens as its faster axis (vLLM's [heads, tokens])
@@ -88,13 +89,15 @@ struct LaunchDims {
 struct LaunchPlan {
   MergeShape shape;  // packs, stream and row order filled in
   Strategy strategy = Strategy::kRows;
-  int vec = 1;
+  int vec = 1;           // elements a thread takes of a row: one access, or two (two-state kernels)
   int chunk = 2;         // kRows: states a thread keeps in flight (2 for two-state sources, else 4 or 8)
   int groups = 1;        // kStates: groups of threads sharing a row's states
   bool index32 = false;  // 32-bit offsets: every element offset of the call fits in 30 bits
   bool plain = false;    // PairSource: the plain kernel (PlainPairSource; in place, under InPlaceSource)
   bool flat = false;     // plain, 32-bit offsets and every view flattens (views.h): rows taken flat
   bool fused_lse = false;  // out.lse is an input's LSE, written in the same launch (InPlaceSource)
+  bool lane_lse = false;   // fused_lse with each row in one warp: its LSEs read by its first lane and
+                           // shuffled to the others, no barrier (else a block barrier before the store)
   bool pdl = false;
   int launches = 0;   // 0 (nothing to do), 1, or 2 (an in-place merge whose rows span blocks: the LSEs after)
   LaunchDims main;    // the merge
@@ -112,13 +115,16 @@ inline uint32_t div_up(int64_t a, int64_t b) { return static_cast<uint32_t>((a +
 // spread over more SMs, down to blocks of kMinBlockThreads (or of `min_threads`, more).  Rows go
 // over the x (and, past 2^31 blocks, z) grid axes, a row's packs over the block's x axis and the y
 // grid axis where a row has more packs than a block has threads.
+// `lanes` (0: packs): the threads a row takes along the block's x axis, at least its packs (a row
+// padded to a power of two so that it lies in one warp at aligned lanes; those past its packs idle).
 inline LaunchDims row_dims(int64_t packs, int64_t rows, int sms, int max_threads = kBlockThreads,
-                           int64_t min_threads = kMinBlockThreads) {
+                           int64_t min_threads = kMinBlockThreads, int64_t lanes = 0) {
   int threads = max_threads;
-  const int64_t total = packs * rows;
+  const int64_t width = std::max(packs, lanes);
+  const int64_t total = width * rows;
   const int64_t floor = std::max<int64_t>(kMinBlockThreads, min_threads);
   while (threads / 2 >= floor && (total + threads - 1) / threads < sms) threads /= 2;
-  const int bx = static_cast<int>(std::min<int64_t>(packs, threads));
+  const int bx = static_cast<int>(std::min<int64_t>(width, threads));
   const int by = std::max(1, threads / bx);
   const int64_t row_blocks = (rows + by - 1) / by;
   const int64_t gx = std::min(row_blocks, (int64_t{1} << 31) - 1);
@@ -198,7 +204,16 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
   LaunchPlan plan(shape);
   MergeShape& s = plan.shape;
   plan.vec = facts.vec;
-  s.packs = shape.head_size / facts.vec;
+  if constexpr (std::is_same<Source, PairSource>::value) {
+    // Two 16-byte accesses a thread for a masked in-place merge of 16 MB or more, where every O
+    // allows them and a row has an even number: half the threads, so half the masked-out ones,
+    // whose launch and mask byte are most of such a call's cost (measured faster there only;
+    // slower for smaller and unmasked calls: benchmarks/NOTES.md).
+    if (src.mask != nullptr && out.lse_in_place && !plan_detail::stream_o(src, facts.bytes) &&
+        facts.access_bytes == 16 && shape.head_size % (2 * facts.vec) == 0)
+      plan.vec = 2 * facts.vec;
+  }
+  s.packs = shape.head_size / plan.vec;
   // With room for the grid's last block and the one-past-the-end start of an empty varlen row.
   plan.index32 = facts.max_offset < (int64_t{1} << 30);
   plan.pdl = facts.pdl && device.major >= 9;
@@ -213,20 +228,29 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     const bool plain = src.mask == nullptr && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr;
     const bool dense = plan.index32 && flattens(src.a, s.heads) && flattens(src.b, s.heads) && flattens(out, s.heads);
     const bool lse_in_place = out.lse_in_place && out.lse != nullptr;
-    // Every thread of a row reads the old LSE of an in-place merge and one writes the new one: in
-    // one launch when the row's threads share a block (a barrier between; blocks not narrowed
-    // below a row), else the LSEs in a second launch.
-    plan.main = row_dims(s.packs, s.rows, device.sms, kPairBlockThreads, lse_in_place ? s.packs : 0);
-    if (lse_in_place) {
-      plan.fused_lse = plan.main.grid[1] == 1;
-      if (!plan.fused_lse) {
-        plan.launches = 2;
-        plan.lse = row_dims(1, s.rows, device.sms, kPairBlockThreads);
+    // An in-place merge overwrites the LSE its row's threads weigh by.  Rows of at most a warp's
+    // packs: each padded to a power of two lanes, so that it lies in one warp, its first lane reads
+    // its LSEs and shuffles them to the others (no barrier; a masked row's threads leave at once).
+    // Wider rows in one block: every thread reads the LSEs, a block barrier before the store
+    // (blocks not narrowed below a row).  Rows over several blocks: the LSEs in a second launch.
+    if (lse_in_place && s.packs <= 32) {
+      int64_t lanes = 1;
+      while (lanes < s.packs) lanes *= 2;
+      plan.main = row_dims(s.packs, s.rows, device.sms, kPairBlockThreads, 0, lanes);
+      plan.fused_lse = plan.lane_lse = true;
+    } else {
+      plan.main = row_dims(s.packs, s.rows, device.sms, kPairBlockThreads, lse_in_place ? s.packs : 0);
+      if (lse_in_place) {
+        plan.fused_lse = plan.main.grid[1] == 1;
+        if (!plan.fused_lse) {
+          plan.launches = 2;
+          plan.lse = row_dims(1, s.rows, device.sms, kPairBlockThreads);
+        }
       }
     }
-    // The plain source in place only with its rows flat, in one launch, and where its accesses
-    // are evict-first (calls under 16 MB: faster there, 1.6% slower at 204 MB: benchmarks/NOTES.md).
-    plan.plain = plain && (!out.lse_in_place || (plan.fused_lse && dense && s.stream));
+    // The plain source in place only with its rows flat and in warps, and where its accesses
+    // are evict-first (calls under 16 MB: benchmarks/NOTES.md).
+    plan.plain = plain && (!out.lse_in_place || (plan.lane_lse && dense && s.stream));
     plan.flat = plan.plain && dense;
     return plan;
   } else {

@@ -5,9 +5,9 @@
 //                (the two-way merge and the in-place merge);
 //   PlainPairSource  two states of every token, no mask, on an untiled launch whose output scale
 //                is a number (not a pointer): the common two-way merge, without those steps;
-//   InPlaceSource  a two-state source whose merged LSE overwrites an input's, on a launch that
-//                keeps each row inside one block: the LSE is written after a block barrier, in
-//                the same launch;
+//   InPlaceSource  a two-state source whose merged LSE overwrites an input's, in the same launch:
+//                each row in one warp, its LSEs read by one lane and shuffled to the others, or
+//                each row in one block, the LSE written after a block barrier;
 //   StackSource  S states stacked along a strided axis (the N-way merge);
 //   RangeSource  states [indptr[r], indptr[r+1]) of a flat list (the variable-length merge).
 #pragma once
@@ -94,12 +94,15 @@ struct PlainPairSource {
 };
 
 // A two-state source (PairSource, or PlainPairSource with flat rows) whose out.lse is an input's
-// LSE (the in-place merge), launched so that every row lies inside one block: the kernel writes
-// the merged LSE after a block barrier, once every thread of the row has read the old one, instead
-// of in a second launch.
-template <typename Base = PairSource>
+// LSE (the in-place merge), written in the merge's own launch rather than a second one.
+// kRowLanes: every row lies in one warp at aligned lanes (a power of two of them, plan.lane_lse):
+// the row's first lane alone reads its LSEs and shuffles them to the others, so no other thread
+// reads the LSE it then overwrites.  Else every row lies inside one block and the LSE is stored
+// after a block barrier, once every thread of the row has read the old one.
+template <typename Base = PairSource, bool kRowLanes = false>
 struct InPlaceSource : Base {
   static constexpr bool kFusedLse = true;
+  static constexpr bool kLanes = kRowLanes;
 };
 
 // n states from o0 and l0 on, o_ss and l_ss elements apart.

@@ -59,3 +59,5 @@ inline void __syncwarp(unsigned = 0xffffffffu) {}
 // The exchange of the calling lane's row (set by the emulator).
 float emulated_shfl_xor(float v, int offset);
 inline float __shfl_xor_sync(unsigned, float v, int offset) { return emulated_shfl_xor(v, offset); }
+// Declared for the forward kernels' code to compile; the emulator runs only the backward kernel.
+float __shfl_sync(unsigned, float v, int src_lane);
