@@ -6,10 +6,11 @@
 // the forward's O passed in (the default) and without it (out = NULL), whose bytes omit O, and for
 // S > 4 the same kernel with 8 states in flight instead of 4 (an alternative, not the library's).
 //
-// bytes = read S O_i + dO + O + S lse_i + LSE + dLSE, write S dO_i + S dlse_i.  The roofline is a
-// device-to-device copy of 1 GiB on the same GPU (cudaMemcpyAsync, read + write bytes over time):
-// the target is >= 90% of it at 8192 tokens, S = 2 and S = 8 (issue 16).  Each case also checks a
-// few rows against a host computation of the formula (max relative error printed).
+// bytes = read S O_i + dO + O + S lse_i + LSE + dLSE, write S dO_i + S dlse_i, printed against a
+// device-to-device copy of 1 GiB (cudaMemcpyAsync, half writes) and against the ceiling of the
+// backward's own mix of S + 2 reads to S writes (mix_ceiling), both measured in the same run; the
+// target is >= 90% of the roofline at 8192 tokens, S = 2 and S = 8 (issue 16).  Each case also
+// checks a few rows against a host computation of the formula (max relative error printed).
 #include <attnmerge/merge_backward_kernels.cuh>
 
 #include <cmath>
@@ -55,6 +56,53 @@ double copy_gbps(cudaStream_t stream) {
   cudaFree(a);
   cudaFree(b);
   return 2.0 * bytes / us / 1e3;
+}
+
+// The HBM ceiling for the backward's mix of traffic, GB/s: R streams read and W written, each as
+// long as one state's O (`vectors` 16-byte vectors), one thread a vector keeping its R loads in
+// flight at once: no arithmetic, no strides, the most a kernel moving those bytes in that
+// proportion (S + 2 reads to S writes a row) was measured to reach on this GPU.
+struct Streams {
+  const uint4* in[18];
+  uint4* out[16];
+};
+template <int R, int W>
+__global__ void mix_kernel(Streams s, int64_t vectors) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= vectors) return;
+  uint4 v[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) v[r] = s.in[r][i];
+  uint4 x = v[0];
+#pragma unroll
+  for (int r = 1; r < R; ++r) x.x ^= v[r].x, x.y ^= v[r].y, x.z ^= v[r].z, x.w ^= v[r].w;
+#pragma unroll
+  for (int w = 0; w < W; ++w) s.out[w][i] = make_uint4(x.x + w, x.y, x.z, x.w);
+}
+
+template <int R, int W>
+double mix_gbps(int64_t vectors, cudaStream_t stream) {
+  Streams s{};
+  std::vector<void*> all;
+  for (int r = 0; r < R; ++r) {
+    s.in[r] = static_cast<const uint4*>(all.emplace_back(device_alloc<uint4>(vectors)));
+    check_cuda(cudaMemset(all.back(), r + 1, vectors * 16), "cudaMemset");
+  }
+  for (int w = 0; w < W; ++w) s.out[w] = static_cast<uint4*>(all.emplace_back(device_alloc<uint4>(vectors)));
+  const unsigned blocks = static_cast<unsigned>((vectors + 255) / 256);
+  const double us = graph_us([&](int) { mix_kernel<R, W><<<blocks, 256, 0, stream>>>(s, vectors); }, stream, 10);
+  for (void* p : all) cudaFree(p);
+  return (R + W) * 16.0 * vectors / us / 1e3;
+}
+
+// The ceiling for S states' backward (S + 2 streams read: the O_i, dO, O; S written: the dO_i).
+double mix_ceiling(int64_t states, int64_t vectors, cudaStream_t stream) {
+  switch (states) {
+    case 2: return mix_gbps<4, 2>(vectors, stream);
+    case 4: return mix_gbps<6, 4>(vectors, stream);
+    case 8: return mix_gbps<10, 8>(vectors, stream);
+    default: return mix_gbps<18, 16>(vectors, stream);
+  }
 }
 
 void run_case(int64_t tokens, int64_t states, bool pair, int sms, double roof, cudaStream_t stream) {
@@ -151,10 +199,13 @@ void run_case(int64_t tokens, int64_t states, bool pair, int sms, double roof, c
       worst = std::max(worst, std::abs(h_gl[t * l_st + s * kHeads + h] - want) / (std::abs(want) + 1e-3));
     }
   }
-  std::printf("%6lld tokens  S=%-3lld %-5s  %9.1f us  %7.1f GB/s  %5.1f%% of copy  | without O: %9.1f us  %7.1f GB/s"
-              "  | 8 in flight: %9.1f us  | block %ux%u grid %u  max rel err %.2e\n",
-              (long long)tokens, (long long)states, pair ? "pair" : "stack", us, gbps, 100.0 * gbps / roof, us_no_o,
-              gbps_no_o, us_chunk8, plan.dims.block[0], plan.dims.block[1], plan.dims.grid[0], worst);
+  // The mix's ceiling where the streams exceed L2 (50 MB on an H200), else not measured (0).
+  const double mix = out_elems * 2 * (2 * states + 2) > (int64_t{256} << 20) ? mix_ceiling(states, out_elems / 8, stream) : 0;
+  std::printf("%6lld tokens  S=%-3lld %-5s  %9.1f us  %7.1f GB/s  %5.1f%% of copy  %5.1f%% of the mix's %6.0f GB/s"
+              "  | without O: %9.1f us  %7.1f GB/s  | 8 in flight: %9.1f us  | block %ux%u grid %u  max rel err %.2e\n",
+              (long long)tokens, (long long)states, pair ? "pair" : "stack", us, gbps, 100.0 * gbps / roof,
+              mix > 0 ? 100.0 * gbps / mix : 0.0, mix, us_no_o, gbps_no_o, us_chunk8, plan.dims.block[0],
+              plan.dims.block[1], plan.dims.grid[0], worst);
   for (void* p : {static_cast<void*>(o), static_cast<void*>(grad_o), static_cast<void*>(out), static_cast<void*>(grad_out),
                   static_cast<void*>(lse), static_cast<void*>(grad_lse), static_cast<void*>(out_lse),
                   static_cast<void*>(grad_out_lse)})

@@ -261,7 +261,7 @@ typedef struct attnmerge_launch_info {
   int32_t state_groups; /* ATTNMERGE_KERNEL_STATES: groups of threads a row's states are split into; else 1 */
   int32_t index_bits;   /* 32 or 64: the offsets' width */
   int32_t vec;          /* elements a thread takes of a row: one vector access, or two side by side
-                           (two-state merges whose O allow 16-byte accesses and an even number of them a row) */
+                           (masked in-place merges of 16 MB or more, of 16-byte accesses) */
   int32_t pdl;          /* launched with programmatic dependent launch */
   uint32_t grid[3];
   uint32_t block[3];
