@@ -15,7 +15,8 @@
  *
  * Conventions of every entry point:
  *   - returns ATTNMERGE_SUCCESS or an error status; attnmerge_last_error() then holds a message
- *     for the calling thread that names the offending argument, the expected and the actual value;
+ *     for the calling thread that names the offending argument (as options.arg_names calls it, if
+ *     it does), the expected and the actual value;
  *   - validates every argument before it writes anything;
  *   - never allocates device memory, never synchronizes the host, never throws, never prints;
  *     GPU work is enqueued on the caller's stream, so every op can be captured in a CUDA graph;
