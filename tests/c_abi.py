@@ -49,15 +49,33 @@ class Tensor(Structure):
                 f"flags={self.flags})")
 
 
+class ArgName(Structure):
+    """attnmerge_arg_name."""
+
+    _fields_ = [("arg", c_char_p), ("name", c_char_p)]
+
+
+_OPTIONS_BEFORE_NAMES = [
+    ("flags", c_uint32),
+    ("a_tokens", c_int64),
+    ("output_scale", c_float),
+    ("output_scale_ptr", POINTER(c_float)),
+    ("struct_size", c_uint32),
+]
+
+
+class OptionsBeforeNames(Structure):
+    """attnmerge_options as a caller built against a header without arg_names lays it out."""
+
+    _fields_ = _OPTIONS_BEFORE_NAMES
+
+
 class Options(Structure):
     """attnmerge_options."""
 
-    _fields_ = [
-        ("flags", c_uint32),
-        ("a_tokens", c_int64),
-        ("output_scale", c_float),
-        ("output_scale_ptr", POINTER(c_float)),
-        ("struct_size", c_uint32),
+    _fields_ = _OPTIONS_BEFORE_NAMES + [
+        ("arg_names", POINTER(ArgName)),
+        ("num_arg_names", c_int32),
     ]
 
 
@@ -203,17 +221,26 @@ def tensor_from(x: np.ndarray, *, device=HOST, flags=None, dtype=None) -> Tensor
 
 
 def ref(t):
-    """A pointer argument: None stays NULL, a Tensor / Options becomes byref()."""
-    return None if t is None else ctypes.byref(t)
+    """A pointer argument: None stays NULL, a pointer stays itself, a Tensor / Options becomes byref()."""
+    return t if t is None or isinstance(t, ctypes._Pointer) else ctypes.byref(t)
 
 
-def options(flags=0, a_tokens=0, output_scale=0.0, output_scale_ptr=None) -> Options:
+def options(flags=0, a_tokens=0, output_scale=0.0, output_scale_ptr=None, arg_names=None) -> Options:
+    """Options; arg_names: {arg: name} or (arg, name) pairs (None for a NULL string), which also
+    sets struct_size to this layout's (the one that reads them)."""
     o = Options()
     o.flags = flags
     o.a_tokens = a_tokens
     o.output_scale = output_scale
     if output_scale_ptr is not None:
         o.output_scale_ptr = ctypes.cast(ctypes.c_void_p(output_scale_ptr), POINTER(c_float))
+    if arg_names is not None:
+        pairs = list(arg_names.items() if isinstance(arg_names, dict) else arg_names)
+        encode = lambda s: None if s is None else s.encode()  # noqa: E731
+        o._entries = (ArgName * len(pairs))(*(ArgName(encode(a), encode(n)) for a, n in pairs))  # alive with o
+        o.arg_names = ctypes.cast(o._entries, POINTER(ArgName))
+        o.num_arg_names = len(pairs)
+        o.struct_size = ctypes.sizeof(Options)
     return o
 
 

@@ -1,8 +1,10 @@
-// The calling thread's last error message and the names of the status codes.
+// The calling thread's last error message, the caller's names of arguments, the names of the
+// status codes.
 #include "errors.h"
 
 #include <cstdarg>
 #include <cstdio>
+#include <cstring>
 
 namespace attnmerge {
 namespace detail {
@@ -20,6 +22,12 @@ attnmerge_status fail(attnmerge_status status, const char* fmt, ...) {
 }
 
 void clear_error() { g_error[0] = '\0'; }
+
+const char* ArgNames::of(const char* arg) const {
+  for (int i = 0; i < count; ++i)
+    if (std::strcmp(entries[i].arg, arg) == 0) return entries[i].name;
+  return arg;
+}
 
 }  // namespace detail
 }  // namespace attnmerge

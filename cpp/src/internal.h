@@ -62,8 +62,8 @@ int gpu_build_version();  // CUDART_VERSION of the toolkit that compiled the lib
 int gpu_device_count();
 int gpu_driver_version();
 int gpu_pointer_device(const void* ptr);  // ATTNMERGE_HOST unless device memory
-// Checks that `ptr` is memory the GPU `device` can address; names `arg` in the error.
-attnmerge_status gpu_check_pointer(const void* ptr, int device, const char* arg);
+// Checks that `ptr` is memory the GPU `device` can address; names `arg` (as `names` has it) in the error.
+attnmerge_status gpu_check_pointer(const void* ptr, int device, const ArgNames& names, const char* arg);
 // Plans the call (plan.h) and launches it on `stream`; records what it enqueued for
 // attnmerge_last_launch.
 template <typename Source>

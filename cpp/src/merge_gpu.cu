@@ -58,28 +58,29 @@ int gpu_pointer_device(const void* ptr) {
   return attr.type == cudaMemoryTypeDevice ? attr.device : ATTNMERGE_HOST;
 }
 
-attnmerge_status gpu_check_pointer(const void* ptr, int device, const char* arg) {
+attnmerge_status gpu_check_pointer(const void* ptr, int device, const ArgNames& names, const char* arg) {
   cudaPointerAttributes attr;
   const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
   if (err != cudaSuccess) {
     if (err == cudaErrorInvalidValue) {
       cudaGetLastError();
-      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory of CUDA device %d, got a pointer CUDA does not know", arg,
-                  device);
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory of CUDA device %d, got a pointer CUDA does not know",
+                  names.of(arg), device);
     }
     return cuda_fail(err, "while checking a pointer (an earlier error, not one of this call's arguments)");
   }
   switch (attr.type) {
     case cudaMemoryTypeDevice:
       if (attr.device != device)
-        return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory of CUDA device %d, got memory of device %d", arg, device,
-                    attr.device);
+        return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory of CUDA device %d, got memory of device %d",
+                    names.of(arg), device, attr.device);
       return ATTNMERGE_SUCCESS;
     case cudaMemoryTypeManaged:
     case cudaMemoryTypeHost:  // pinned or registered host memory is addressable from the device
       return ATTNMERGE_SUCCESS;
     default:
-      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory of CUDA device %d, got ordinary host memory", arg, device);
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory of CUDA device %d, got ordinary host memory",
+                  names.of(arg), device);
   }
 }
 

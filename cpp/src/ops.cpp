@@ -24,7 +24,7 @@ attnmerge_status pair_sizes(Views, const View& b, const attnmerge_options& opt, 
   n.heads = b.shape[1];
   n.head_size = b.shape[2];
   attnmerge_status s;
-  if ((s = check_head_size(b.name, n.head_size)) || (s = read_a_tokens(opt, b, n))) return s;
+  if ((s = check_head_size(b, n.head_size)) || (s = read_a_tokens(opt, b, n))) return s;
   return ATTNMERGE_SUCCESS;
 }
 
@@ -34,9 +34,9 @@ attnmerge_status stack_sizes(Views, const View& o, const attnmerge_options&, Siz
   n.states = o.shape[1];
   n.heads = o.shape[2];
   n.head_size = o.shape[3];
-  if (attnmerge_status s = check_head_size(o.name, n.head_size)) return s;
+  if (attnmerge_status s = check_head_size(o, n.head_size)) return s;
   if (n.states > INT32_MAX)
-    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected at most 2^31 - 1 states, got %" PRId64, o.name, n.states);
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected at most 2^31 - 1 states, got %" PRId64, o.name(), n.states);
   return ATTNMERGE_SUCCESS;
 }
 
@@ -45,10 +45,10 @@ attnmerge_status range_sizes(Views views, const View& o, const attnmerge_options
   n.total = o.shape[0];
   n.heads = o.shape[1];
   n.head_size = o.shape[2];
-  if (attnmerge_status s = check_head_size(o.name, n.head_size)) return s;
+  if (attnmerge_status s = check_head_size(o, n.head_size)) return s;
   for (const View& v : views)
     if (v.spec->role == ATTNMERGE_ROLE_INDPTR) {
-      if (v.shape[0] < 1) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected rows + 1 >= 1 entries, got 0", v.name);
+      if (v.shape[0] < 1) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected rows + 1 >= 1 entries, got 0", v.name());
       n.rows = v.shape[0] - 1;
     }
   return ATTNMERGE_SUCCESS;
@@ -318,7 +318,7 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
   if ((s = validate(kVarlen, args, options, c))) return s;
   const View &vout = c.views[0], &vout_lse = c.views[1], &vo = c.views[2], &vl = c.views[3], &vi = c.views[4];
   const Sizes& n = c.sizes;
-  if ((s = check_indptr(vi, out, n.rows, n.total))) return s;
+  if ((s = check_indptr(vi, vo, out, n.rows))) return s;
   return run(c.all(), merge_shape(n.rows, n, c), range_of(vo, vl, vi, n.total), out_view(vout, vout_lse, c), o->dtype,
              out->dtype, stream, c.opt.flags);
 }
@@ -385,7 +385,7 @@ attnmerge_status attnmerge_merge_varlen_backward(const attnmerge_tensor* grad_o,
   const View* v = c.views;
   const View &vg = v[0], &vgl = v[1], &vo = v[6], &vl = v[7], &vi = v[8];
   const Sizes& n = c.sizes;
-  if ((s = check_indptr(vi, grad_out, n.rows, n.total))) return s;
+  if ((s = check_indptr(vi, vo, grad_out, n.rows))) return s;
   // With no rows, one row over every state writes their zeros (RangeBackward).
   const MergeShape shape = merge_shape(n.rows > 0 ? n.rows : n.total > 0 ? 1 : 0, n, c);
   const BackwardArgs<RangeBackward> back{

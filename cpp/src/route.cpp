@@ -18,8 +18,8 @@ attnmerge_status locate(Views views, const float* scale, bool no_rows, int& devi
       first = &v;
       device = v.t->device;
     } else if (v.t->device != device) {
-      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected the device of %s (%d), got device %d (-1 is the host)", v.name,
-                  first->name, device, v.t->device);
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected the device of %s (%d), got device %d (-1 is the host)", v.name(),
+                  first->name(), device, v.t->device);
     }
   }
   go = first != nullptr && !no_rows;
@@ -31,29 +31,29 @@ attnmerge_status locate(Views views, const float* scale, bool no_rows, int& devi
         if (v.present() && !v.empty && !(v.t->flags & ATTNMERGE_DEVICE_KNOWN) &&
             gpu_pointer_device(v.t->data) != ATTNMERGE_HOST)
           return fail(ATTNMERGE_ERROR_VALUE, "%s: expected host memory (device -1), got memory of CUDA device %d",
-                      v.name, gpu_pointer_device(v.t->data));
+                      v.name(), gpu_pointer_device(v.t->data));
     if (scale != nullptr && gpu_device_count() > 0 && gpu_pointer_device(scale) != ATTNMERGE_HOST)
-      return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected host memory (device -1), got memory of CUDA device %d",
-                  gpu_pointer_device(scale));
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected host memory (device -1), got memory of CUDA device %d",
+                  views.names->of("output_scale"), gpu_pointer_device(scale));
     return ATTNMERGE_SUCCESS;
   }
   const int count = gpu_device_count();
   if (count == 0) {
     char why[512];
     if (describe_old_driver(why, sizeof why, gpu_driver_version(), gpu_build_version()))
-      return fail(ATTNMERGE_ERROR_NO_DEVICE, "%s: lives on CUDA device %d, but %s", first->name, device, why);
+      return fail(ATTNMERGE_ERROR_NO_DEVICE, "%s: lives on CUDA device %d, but %s", first->name(), device, why);
     return fail(ATTNMERGE_ERROR_NO_DEVICE, "%s: lives on CUDA device %d, but no CUDA driver or device is available",
-                first->name, device);
+                first->name(), device);
   }
   if (device >= count)
-    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a CUDA device below %d, got device %d", first->name, count,
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a CUDA device below %d, got device %d", first->name(), count,
                 device);
   attnmerge_status s;
   for (const View& v : views)
     if (v.present() && !v.empty && !(v.t->flags & ATTNMERGE_DEVICE_KNOWN) &&
-        (s = gpu_check_pointer(v.t->data, device, v.name)))
+        (s = gpu_check_pointer(v.t->data, device, *views.names, v.spec->name)))
       return s;
-  if (scale != nullptr && (s = gpu_check_pointer(scale, device, "output_scale"))) return s;
+  if (scale != nullptr && (s = gpu_check_pointer(scale, device, *views.names, "output_scale"))) return s;
   return ATTNMERGE_SUCCESS;
 }
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 
 namespace attnmerge {
@@ -44,8 +45,8 @@ attnmerge_status check_shape(const View& v, const int64_t* expected, const View&
   int64_t want[ATTNMERGE_MAX_NDIM] = {};
   std::copy(expected, expected + v.ndim, want);
   if (v.transposed) std::swap(want[0], want[1]);  // speak in the caller's layout
-  return fail(ATTNMERGE_ERROR_VALUE, "%s: expected shape %s (the sizes of %s, shape %s), got %s", v.name,
-              ShapeText(want, v.ndim).text, source.name, ShapeText(source.t->shape, source.ndim).text,
+  return fail(ATTNMERGE_ERROR_VALUE, "%s: expected shape %s (the sizes of %s, shape %s), got %s", v.name(),
+              ShapeText(want, v.ndim).text, source.name(), ShapeText(source.t->shape, source.ndim).text,
               ShapeText(v.t->shape, v.ndim).text);
 }
 
@@ -64,7 +65,7 @@ attnmerge_status check_no_self_overlap(const View& v) {
       return fail(ATTNMERGE_ERROR_VALUE,
                   "%s: expected an output whose elements do not overlap, got stride %" PRId64
                   " on an axis of size %" PRId64 " (shape %s)",
-                  v.name, v.strides[i], v.shape[i], ShapeText(v.t->shape, v.ndim).text);
+                  v.name(), v.strides[i], v.shape[i], ShapeText(v.t->shape, v.ndim).text);
     extent = v.strides[i] * (v.shape[i] - 1) + extent;
   }
   return ATTNMERGE_SUCCESS;
@@ -79,8 +80,8 @@ attnmerge_status check_disjoint(const View& out, const View& other, Alias alias)
   out.byte_range(lo1, hi1);
   other.byte_range(lo2, hi2);
   if (lo1 < hi2 && lo2 < hi1)
-    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory disjoint from %s%s, got overlapping ranges", out.name,
-                other.name, may_alias ? " (or the very same view)" : "");
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory disjoint from %s%s, got overlapping ranges", out.name(),
+                other.name(), may_alias ? " (or the very same view)" : "");
   return ATTNMERGE_SUCCESS;
 }
 
@@ -90,9 +91,9 @@ attnmerge_status check_a_shape(const View& v, const Sizes& n, const View& source
   if (v.shape[0] >= n.a_tokens && v.shape[1] == n.heads && (v.ndim != 3 || v.shape[2] == n.head_size))
     return ATTNMERGE_SUCCESS;
   return fail(ATTNMERGE_ERROR_VALUE,
-              "%s: expected at least %" PRId64 " tokens (a_tokens), %" PRId64 " heads%s%s, got shape %s", v.name,
-              n.a_tokens, n.heads, v.ndim == 3 ? " and the head_size of " : "", v.ndim == 3 ? source.name : "",
-              ShapeText(v.t->shape, v.ndim).text);
+              "%s: expected at least %" PRId64 " tokens (%s), %" PRId64 " heads%s%s, got shape %s", v.name(),
+              n.a_tokens, v.names->of("a_tokens"), n.heads, v.ndim == 3 ? " and the head_size of " : "",
+              v.ndim == 3 ? source.name() : "", ShapeText(v.t->shape, v.ndim).text);
 }
 
 int64_t size_of(Dim d, const Sizes& n) {
@@ -115,106 +116,155 @@ int64_t size_of(Dim d, const Sizes& n) {
 // ATTNMERGE_LSE_HEADS_FIRST and the options ask for it.
 enum class LseLayout : uint8_t { kTokensFirst, kHeadsFirst };
 
-LseLayout lse_layout(const attnmerge_options* options, uint32_t op_flags) {
-  const uint32_t flags = options ? options->flags : 0u;
-  return (op_flags & flags & ATTNMERGE_LSE_HEADS_FIRST) ? LseLayout::kHeadsFirst : LseLayout::kTokensFirst;
+LseLayout lse_layout(const attnmerge_options& opt, uint32_t op_flags) {
+  return (op_flags & opt.flags & ATTNMERGE_LSE_HEADS_FIRST) ? LseLayout::kHeadsFirst : LseLayout::kTokensFirst;
 }
 
 // One tensor against its spec, into `v` (swapping the two axes of an LSE given [heads, tokens]).
-attnmerge_status describe_one(const attnmerge_tensor* t, const ArgSpec& spec, LseLayout layout, View& v) {
+attnmerge_status describe_one(const attnmerge_tensor* t, const ArgSpec& spec, LseLayout layout, const ArgNames& names,
+                              View& v) {
   v = View{};
   v.spec = &spec;
-  v.name = spec.name;
-  const char* name = spec.name;
+  v.names = &names;
   const int ndim = spec.ndim();
   const uint32_t dtypes = dtypes_of(spec.role);
   const bool transpose = spec.role == ATTNMERGE_ROLE_LSE && ndim == 2 && layout == LseLayout::kHeadsFirst;
   if (t == nullptr) {
     if (spec.presence == Presence::kOptional) return ATTNMERGE_SUCCESS;
-    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected a tensor, got NULL", name);
+    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected a tensor, got NULL", v.name());
   }
   v.t = t;
   v.ndim = ndim;
   v.transposed = transpose;
-  if (t->ndim != ndim) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected %d dimensions, got %d", name, ndim, t->ndim);
+  if (t->ndim != ndim)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected %d dimensions, got %d", v.name(), ndim, t->ndim);
   if (!in_set(dtypes, t->dtype))
-    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected dtype %s, got %s", name, DtypesText(dtypes).text,
+    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected dtype %s, got %s", v.name(), DtypesText(dtypes).text,
                 dtype_name(t->dtype));
   constexpr uint32_t kTensorFlags = ATTNMERGE_READ_ONLY | ATTNMERGE_DEVICE_KNOWN;
   if (t->flags & ~kTensorFlags)
-    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected flags within 0x%x, got 0x%x", name, kTensorFlags, t->flags);
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected flags within 0x%x, got 0x%x", v.name(), kTensorFlags, t->flags);
   if (t->device < ATTNMERGE_HOST)
-    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a device >= -1 (the host), got %d", name, t->device);
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a device >= -1 (the host), got %d", v.name(), t->device);
   for (int i = 0; i < ndim; ++i) {
     const int src = transpose ? 1 - i : i;
     v.shape[i] = t->shape[src];
     v.strides[i] = t->strides[src];
     if (t->shape[i] < 0)
-      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected sizes >= 0, got shape %s", name, ShapeText(t->shape, ndim).text);
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected sizes >= 0, got shape %s", v.name(),
+                  ShapeText(t->shape, ndim).text);
   }
   v.empty = std::find(v.shape, v.shape + ndim, 0) != v.shape + ndim;
   if (v.empty) return ATTNMERGE_SUCCESS;  // never addressed: its strides and pointer do not matter
   int64_t count = 1;
   for (int i = 0; i < ndim; ++i)
     if (__builtin_mul_overflow(count, v.shape[i], &count))
-      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected fewer than 2^63 elements, got shape %s", name,
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected fewer than 2^63 elements, got shape %s", v.name(),
                   ShapeText(t->shape, ndim).text);
   for (int i = 0; i < ndim; ++i)
     if (t->strides[i] < 0)
-      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected strides >= 0, got %" PRId64 " on axis %d", name, t->strides[i],
-                  i);
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected strides >= 0, got %" PRId64 " on axis %d", v.name(),
+                  t->strides[i], i);
   if (spec.is_o() && t->strides[ndim - 1] != 1 && t->shape[ndim - 1] > 1)
-    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a unit stride on the head_size axis, got stride %" PRId64, name,
-                t->strides[ndim - 1]);
-  if (t->data == nullptr) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a data pointer, got NULL", name);
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a unit stride on the head_size axis, got stride %" PRId64,
+                v.name(), t->strides[ndim - 1]);
+  if (t->data == nullptr) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a data pointer, got NULL", v.name());
   const std::size_t size = dtype_size(t->dtype);
   if (reinterpret_cast<uintptr_t>(t->data) % size != 0)
-    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a data pointer aligned to %zu bytes, got %p", name, size, t->data);
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a data pointer aligned to %zu bytes, got %p", v.name(), size,
+                t->data);
   int64_t last = 0, term;  // the largest byte offset must fit in 63 bits
   for (int i = 0; i < ndim; ++i)
     if (__builtin_mul_overflow(v.shape[i] - 1, v.strides[i], &term) || __builtin_add_overflow(last, term, &last) ||
         __builtin_add_overflow(last, 1, &term) || __builtin_mul_overflow(term, static_cast<int64_t>(size), &term))
-      return fail(ATTNMERGE_ERROR_VALUE, "%s: shape %s with these strides spans more than 2^63 bytes", name,
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: shape %s with these strides spans more than 2^63 bytes", v.name(),
                   ShapeText(t->shape, ndim).text);
   v.last = last;
   return ATTNMERGE_SUCCESS;
 }
 
-// Step 1: tensors[i] against specs[i], each alone, into views[i], in table order.
-attnmerge_status describe(const ArgSpec* specs, const attnmerge_tensor* const* tensors, int n, LseLayout layout,
-                          View* views) {
-  for (int i = 0; i < n; ++i)
-    if (attnmerge_status s = describe_one(tensors[i], specs[i], layout, views[i])) return s;
+// attnmerge_options as a caller built against a header without arg_names lays it out: the size
+// such a caller passes as struct_size, and all of its options the library may read.
+struct OptionsBeforeNames {
+  uint32_t flags;
+  int64_t a_tokens;
+  float output_scale;
+  const float* output_scale_ptr;
+  uint32_t struct_size;
+};
+static_assert(offsetof(OptionsBeforeNames, struct_size) == offsetof(attnmerge_options, struct_size),
+              "attnmerge_options only grows at its end");
+
+// A string of the caller's names table: NULL and "" are refused, as they would name nothing.
+attnmerge_status check_name_text(const char* text, int i, const char* field) {
+  if (text != nullptr && text[0] != '\0') return ATTNMERGE_SUCCESS;
+  return fail(ATTNMERGE_ERROR_VALUE, "options.arg_names[%d].%s: expected a non-empty string, got %s", i, field,
+              text == nullptr ? "NULL" : "\"\"");
+}
+
+// Step 0: the fields struct_size covers, into `opt` (the others zero), and the caller's names.
+attnmerge_status read_layout(const attnmerge_options* options, attnmerge_options& opt, ArgNames& names) {
+  opt = attnmerge_options{};
+  if (options == nullptr) return ATTNMERGE_SUCCESS;
+  // Field by field: a caller of an older layout owns no bytes past its struct_size.
+  const uint32_t size = options->struct_size;
+  constexpr uint32_t kBefore = sizeof(OptionsBeforeNames), kNow = sizeof(attnmerge_options);
+  if (size != 0 && size != kBefore && size != kNow)
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "options.struct_size: expected 0, %u (attnmerge_options without arg_names) or %u (this library's "
+                "attnmerge_options), got %u",
+                static_cast<unsigned>(kBefore), static_cast<unsigned>(kNow), size);
+  opt.flags = options->flags;
+  opt.a_tokens = options->a_tokens;
+  opt.output_scale = options->output_scale;
+  opt.output_scale_ptr = options->output_scale_ptr;
+  opt.struct_size = size;
+  if (size != kNow) return ATTNMERGE_SUCCESS;
+  opt.arg_names = options->arg_names;
+  opt.num_arg_names = options->num_arg_names;
+  if (opt.num_arg_names < 0)
+    return fail(ATTNMERGE_ERROR_VALUE, "options.num_arg_names: expected a count >= 0, got %d", opt.num_arg_names);
+  if (opt.num_arg_names > 0 && opt.arg_names == nullptr)
+    return fail(ATTNMERGE_ERROR_VALUE, "options.arg_names: expected %d entries, got NULL", opt.num_arg_names);
+  attnmerge_status s;
+  for (int i = 0; i < opt.num_arg_names; ++i)
+    if ((s = check_name_text(opt.arg_names[i].arg, i, "arg")) ||
+        (s = check_name_text(opt.arg_names[i].name, i, "name")))
+      return s;
+  names = ArgNames{opt.arg_names, opt.num_arg_names};
   return ATTNMERGE_SUCCESS;
 }
 
-// Step 2: the options every op shares.  `op_flags` are the flags the op understands; the dtype of
-// `out` decides whether an output scale is allowed (FP8 only).
-attnmerge_status read_options(const attnmerge_options* options, uint32_t op_flags, const View& out,
-                              attnmerge_options& opt, float& inv_scale) {
-  opt = options ? *options : attnmerge_options{};
-  if (opt.struct_size != 0 && opt.struct_size != sizeof(attnmerge_options))
-    return fail(ATTNMERGE_ERROR_VALUE,
-                "options.struct_size: expected 0 or %u (this library's attnmerge_options), got %u",
-                static_cast<unsigned>(sizeof(attnmerge_options)), opt.struct_size);
+// Step 1: tensors[i] against specs[i], each alone, into views[i], in table order.
+attnmerge_status describe(const ArgSpec* specs, const attnmerge_tensor* const* tensors, int n, LseLayout layout,
+                          const ArgNames& names, View* views) {
+  for (int i = 0; i < n; ++i)
+    if (attnmerge_status s = describe_one(tensors[i], specs[i], layout, names, views[i])) return s;
+  return ATTNMERGE_SUCCESS;
+}
+
+// Step 2: the options every op shares, as read_layout read them.  `op_flags` are the flags the op
+// understands; the dtype of `out` decides whether an output scale is allowed (FP8 only).
+attnmerge_status read_options(const attnmerge_options& opt, uint32_t op_flags, const View& out, float& inv_scale) {
   if (opt.flags & ~op_flags)
     return fail(ATTNMERGE_ERROR_VALUE, "options.flags: expected flags within 0x%x for this op, got 0x%x", op_flags,
                 opt.flags);
+  const auto name = [&] { return out.names->of("output_scale"); };  // looked up only where a check fails
   const float scale = opt.output_scale;
   const bool fp8 = out.t->dtype == ATTNMERGE_FLOAT8_E4M3;
   if (scale != 0.0f && scale != 1.0f && !fp8)
-    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected none (or 1) for a %s output, got %g",
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected none (or 1) for a %s output, got %g", name(),
                 dtype_name(out.t->dtype), scale);
   if (opt.output_scale_ptr != nullptr && !fp8)
-    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected none for a %s output, got a scale in memory",
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected none for a %s output, got a scale in memory", name(),
                 dtype_name(out.t->dtype));
   if (opt.output_scale_ptr != nullptr && scale != 0.0f)
-    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected a value or a pointer, got both");
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a value or a pointer, got both", name());
   if (reinterpret_cast<uintptr_t>(opt.output_scale_ptr) % alignof(float) != 0)
-    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected a pointer aligned to 4 bytes, got %p",
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a pointer aligned to 4 bytes, got %p", name(),
                 static_cast<const void*>(opt.output_scale_ptr));
   if (!(scale >= 0.0f) || std::isinf(scale))
-    return fail(ATTNMERGE_ERROR_VALUE, "output_scale: expected a finite scale > 0, got %g", scale);
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a finite scale > 0, got %g", name(), scale);
   inv_scale = scale == 0.0f ? 1.0f : 1.0f / scale;
   return ATTNMERGE_SUCCESS;
 }
@@ -226,7 +276,7 @@ attnmerge_status check_dtypes(const OpSpec& op, Views views) {
     if (op.dtype_of[i] < 0 || !v.present()) continue;
     const View& like = views.v[op.dtype_of[i]];
     if (like.present() && like.t->dtype != v.t->dtype)
-      return fail(ATTNMERGE_ERROR_TYPE, "%s: expected the dtype of %s (%s), got %s", v.name, like.name,
+      return fail(ATTNMERGE_ERROR_TYPE, "%s: expected the dtype of %s (%s), got %s", v.name(), like.name(),
                   dtype_name(like.t->dtype), dtype_name(v.t->dtype));
   }
   return ATTNMERGE_SUCCESS;
@@ -237,10 +287,10 @@ attnmerge_status check_dtypes(const OpSpec& op, Views views) {
 // The largest head_size: a row's packs span at most 65535 blocks of 256 threads.
 constexpr int64_t kMaxHeadSize = int64_t{65535} * 256;
 
-attnmerge_status check_head_size(const char* name, int64_t head_size) {
+attnmerge_status check_head_size(const View& source, int64_t head_size) {
   if (head_size >= 1 && head_size <= kMaxHeadSize) return ATTNMERGE_SUCCESS;
-  return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a head_size from 1 to %" PRId64 ", got %" PRId64, name, kMaxHeadSize,
-              head_size);
+  return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a head_size from 1 to %" PRId64 ", got %" PRId64, source.name(),
+              kMaxHeadSize, head_size);
 }
 
 attnmerge_status read_a_tokens(const attnmerge_options& opt, const View& source, Sizes& n) {
@@ -248,8 +298,8 @@ attnmerge_status read_a_tokens(const attnmerge_options& opt, const View& source,
   n.a_tokens_given = (opt.flags & ATTNMERGE_A_TOKENS) != 0;
   if (!n.a_tokens_given) return ATTNMERGE_SUCCESS;
   if (opt.a_tokens < 0 || opt.a_tokens > n.tokens)
-    return fail(ATTNMERGE_ERROR_VALUE, "a_tokens: expected 0 to the %" PRId64 " tokens of %s, got %" PRId64, n.tokens,
-                source.name, opt.a_tokens);
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected 0 to the %" PRId64 " tokens of %s, got %" PRId64,
+                source.names->of("a_tokens"), n.tokens, source.name(), opt.a_tokens);
   n.a_tokens = opt.a_tokens;
   return ATTNMERGE_SUCCESS;
 }
@@ -278,7 +328,7 @@ attnmerge_status check_shapes(Views views, const Sizes& sizes, const View& sourc
 attnmerge_status check_outputs(Views views) {
   for (const View& w : views)
     if (w.spec->is_output() && w.present() && (w.t->flags & ATTNMERGE_READ_ONLY))
-      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a writable tensor, got a read-only one", w.name);
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a writable tensor, got a read-only one", w.name());
   attnmerge_status s;
   for (const View& w : views)
     if (w.spec->is_output() && (s = check_no_self_overlap(w))) return s;
@@ -303,17 +353,20 @@ attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tenso
   call.count = op.count;
   const Views views = call.all();
   attnmerge_status s;
-  if ((s = describe(op.args, tensors, op.count, lse_layout(options, op.flags), call.views))) return s;
+  if ((s = read_layout(options, call.opt, call.names)) ||
+      (s = describe(op.args, tensors, op.count, lse_layout(call.opt, op.flags), call.names, call.views)))
+    return s;
   const View& source = call.views[op.sizes_from];
-  if ((s = read_options(options, op.flags, call.views[op.scale_of], call.opt, call.inv_scale)) ||
+  if ((s = read_options(call.opt, op.flags, call.views[op.scale_of], call.inv_scale)) ||
       (s = check_dtypes(op, views)) || (s = op.equations(views, source, call.opt, call.sizes)) ||
       (s = check_shapes(views, call.sizes, source, call.views[op.sizes_lse])) || (s = check_outputs(views)))
     return s;
   return ATTNMERGE_SUCCESS;
 }
 
-attnmerge_status check_indptr(const View& vi, const attnmerge_tensor* out, int64_t rows, int64_t total) {
+attnmerge_status check_indptr(const View& vi, const View& o, const attnmerge_tensor* out, int64_t rows) {
   const attnmerge_tensor* indptr = vi.t;
+  const int64_t total = o.shape[0];
   const bool wide = indptr->dtype == ATTNMERGE_INT64;
   if (indptr->device == ATTNMERGE_HOST && out->device == ATTNMERGE_HOST &&
       ((indptr->flags & ATTNMERGE_DEVICE_KNOWN) || gpu_pointer_device(indptr->data) == ATTNMERGE_HOST)) {
@@ -323,9 +376,9 @@ attnmerge_status check_indptr(const View& vi, const attnmerge_tensor* out, int64
                              : static_cast<const int32_t*>(indptr->data)[r * vi.strides[0]];
       if (v < previous || v > total)
         return fail(ATTNMERGE_ERROR_VALUE,
-                    "indptr: expected non-decreasing offsets from 0 or more up to the %" PRId64
-                    " states of o, got indptr[%" PRId64 "] = %" PRId64 "%s",
-                    total, r, v,
+                    "%s: expected non-decreasing offsets from 0 or more up to the %" PRId64
+                    " states of %s, got %s[%" PRId64 "] = %" PRId64 "%s",
+                    vi.name(), total, o.name(), vi.name(), r, v,
                     v > total ? " (past the end)"
                     : r == 0  ? " (below 0)"
                               : " (decreasing)");

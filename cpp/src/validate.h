@@ -65,7 +65,7 @@ struct ArgSpec {
 struct View {
   const ArgSpec* spec = nullptr;
   const attnmerge_tensor* t = nullptr;  // null where an optional argument is not given
-  const char* name = "";
+  const ArgNames* names = nullptr;  // the call's
   int64_t shape[ATTNMERGE_MAX_NDIM] = {};
   int64_t strides[ATTNMERGE_MAX_NDIM] = {};
   int ndim = 0;
@@ -74,6 +74,7 @@ struct View {
   int64_t last = 0;  // the largest element offset, when not empty
 
   bool present() const { return t != nullptr; }
+  const char* name() const { return names->of(spec->name); }  // as the caller calls it
   // [first byte, one past the last byte] the view spans; not empty.
   void byte_range(uintptr_t& lo, uintptr_t& hi) const {
     lo = reinterpret_cast<uintptr_t>(t->data);
@@ -81,10 +82,11 @@ struct View {
   }
 };
 
-// The views of one call, in the order of its ArgSpec table.
+// The views of one call, in the order of its ArgSpec table, and the call's names.
 struct Views {
   View* v;
   int n;
+  const ArgNames* names;
   View* begin() const { return v; }
   View* end() const { return v + n; }
 };
@@ -96,8 +98,9 @@ struct Sizes {
   bool a_tokens_given = false;  // ATTNMERGE_A_TOKENS: kATokensOrMore means at least a_tokens
 };
 
-// The largest head_size: a row's packs span at most 65535 blocks of 256 threads.
-attnmerge_status check_head_size(const char* name, int64_t head_size);
+// head_size, read off `source`: from 1 to the largest, where a row's packs span at most 65535
+// blocks of 256 threads.
+attnmerge_status check_head_size(const View& source, int64_t head_size);
 
 // options.a_tokens (with ATTNMERGE_A_TOKENS: 0 to sizes.tokens) into sizes.a_tokens.
 attnmerge_status read_a_tokens(const attnmerge_options& opt, const View& source, Sizes& sizes);
@@ -166,12 +169,15 @@ struct Checked {
   View views[kMaxArgs];
   int count = 0;
   attnmerge_options opt{};
+  ArgNames names;
   float inv_scale = 1.0f;
   Sizes sizes;
-  Views all() { return Views{views, count}; }
+  Views all() { return Views{views, count, &names}; }
 };
 
 // Validates tensors[i] against op.args[i] into call.views[i], in one order for every op:
+//   0. the options' layout (struct_size) and the caller's names (arg_names), which every message
+//      after names the arguments by;
 //   1. each tensor alone: NULL, ndim, dtype, flags, device, sizes, strides, the unit-stride
 //      head_size axis of an O, pointer, alignment, a span within 2^63 bytes;
 //   2. the options (op.flags; an output scale only where op.scale_of is FP8);
@@ -184,10 +190,10 @@ struct Checked {
 attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tensors, const attnmerge_options* options,
                           Checked& call);
 
-// A variable-length merge's indptr [rows + 1] against the `total` states of o: on the host the
+// A variable-length merge's indptr [rows + 1] against the states of o [total, ...]: on the host the
 // offsets can be checked before anything is written (on the GPU they are clamped, never read back).
 // `out`: an output of the call, which tells whether it runs on the host.
-attnmerge_status check_indptr(const View& indptr, const attnmerge_tensor* out, int64_t rows, int64_t total);
+attnmerge_status check_indptr(const View& indptr, const View& o, const attnmerge_tensor* out, int64_t rows);
 
 bool same_view(const View& x, const View& y);
 

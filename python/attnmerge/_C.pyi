@@ -3,7 +3,8 @@
 Arrays are any object the binding can describe (python/src/array_view.h): the DLPack C exchange
 API, __dlpack__, __cuda_array_interface__ or NumPy's array interface.  `stream` None is the current
 stream of the framework that owns the array outputs are allocated like (o_b, else o), resolved
-there; `names` maps the binding's argument names to a caller's, for its messages.
+there; `names` maps the binding's argument names (the C ABI's) to a caller's, for the binding's
+messages and, passed down as attnmerge_options.arg_names, the C ABI's.
 tests/test_typing.py keeps this stub to exactly the names and parameters the module exports."""
 from typing import Any
 

@@ -4,7 +4,6 @@
 #include <dlfcn.h>
 #include <pybind11/pybind11.h>
 
-#include <cctype>
 #include <string>
 
 #include "array_view.h"
@@ -17,68 +16,31 @@ namespace {
 using attnmerge_py::ArgName;
 using attnmerge_py::ArrayView;
 using attnmerge_py::CallArrays;
+using attnmerge_py::CallerNames;
 using attnmerge_py::dtype_from_name;
 using attnmerge_py::dtype_names;
 using attnmerge_py::type_error;
 using attnmerge_py::type_name;
 using attnmerge_py::value_error;
 
-// The caller's names of an op's arguments: a dict from the binding's names ("o_a", "a_tokens") to
-// the caller's (vLLM's "prefix_output"), handed down by a compat layer so that every message names
-// what its caller wrote; None keeps the binding's own.
-class Names {
- public:
-  explicit Names(py::handle table) {
-    if (table.is_none()) return;
-    if (!PyDict_Check(table.ptr())) type_error("names", "expected None or a dict, got " + type_name(table));
-    table_ = table.ptr();
-  }
-  ArgName operator()(const char* name) const { return ArgName(name, table_); }
-  // The C ABI's message, which names its arguments by the binding's names, with every whole word
-  // the table holds given the caller's name.  The C ABI takes no names (a field of attnmerge_options
-  // could carry them, once its validation reads names from a table): this is the one place where
-  // they meet its text.
-  std::string message(const char* text) const {
-    if (!table_) return text;
-    std::string out;
-    // Word characters as Python's \w has them in ASCII; any byte of a UTF-8 sequence counts as one.
-    const auto word_char = [](unsigned char c) { return std::isalnum(c) || c == '_' || c >= 0x80; };
-    for (const char* p = text; *p;) {
-      const char* q = p;
-      while (*q && word_char(*q)) ++q;
-      if (q == p) {
-        out += *p++;
-        continue;
-      }
-      const std::string word(p, q);
-      out += ArgName(word.c_str(), table_).str();
-      p = q;
-    }
-    return out;
-  }
-
- private:
-  PyObject* table_ = nullptr;
-};
-
-void check(attnmerge_status status, const Names& names) {
+void check(attnmerge_status status) {
   switch (status) {
     case ATTNMERGE_SUCCESS: return;
-    case ATTNMERGE_ERROR_TYPE: throw py::type_error(names.message(attnmerge_last_error()));
-    case ATTNMERGE_ERROR_VALUE: throw py::value_error(names.message(attnmerge_last_error()));
-    default: throw std::runtime_error(names.message(attnmerge_last_error()));
+    case ATTNMERGE_ERROR_TYPE: throw py::type_error(attnmerge_last_error());
+    case ATTNMERGE_ERROR_VALUE: throw py::value_error(attnmerge_last_error());
+    default: throw std::runtime_error(attnmerge_last_error());
   }
 }
 
 // The C call without the GIL (the CPU path may run long), then its status as an exception.
 template <typename F>
-void call_library(F&& f, const Names& names = Names(py::none())) {
+void call_library(F&& f) {
   attnmerge_status status;
   {
     py::gil_scoped_release release;
     status = f();
   }
-  check(status, names);
+  check(status);
 }
 
 // What an argument may be, for messages about dtypes the library has no code for (kF32 is also
@@ -114,7 +76,7 @@ void set_output_scale(attnmerge_options& options, py::handle scale, ArrayView& h
 
 void merge(py::handle out, py::handle out_lse, py::handle o_a, py::handle lse_a, py::handle o_b, py::handle lse_b,
            uint32_t flags, int64_t a_tokens, py::handle output_scale, py::handle stream, py::handle names_table) {
-  const Names n(names_table);
+  const CallerNames n(names_table);
   CallArrays<6> c({{out, n("out"), kOut},
                    {out_lse, n("out_lse"), kF32},
                    {o_a, n("o_a"), kO},
@@ -125,27 +87,27 @@ void merge(py::handle out, py::handle out_lse, py::handle o_a, py::handle lse_a,
   attnmerge_options options = {flags | (a_tokens >= 0 ? ATTNMERGE_A_TOKENS : 0u), a_tokens, 0.0f, nullptr};
   ArrayView scale;
   set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
-  call_library([&] { return attnmerge_merge(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], &options, c.stream()); },
-               n);
+  n.pass_to(options);
+  call_library([&] { return attnmerge_merge(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], &options, c.stream()); });
 }
 
 void merge_inplace(py::handle o, py::handle lse, py::handle o_other, py::handle lse_other, py::handle mask,
                    uint32_t flags, py::handle stream, py::handle names_table) {
-  const Names n(names_table);
+  const CallerNames n(names_table);
   CallArrays<5> c({{o, n("o"), kO},
                    {lse, n("lse"), kF32},
                    {o_other, n("o_other"), kO},
                    {lse_other, n("lse_other"), kF32},
                    {mask, n("mask"), kMaskDtypes}},
                   stream, 0);
-  const attnmerge_options options = {flags, 0, 0.0f, nullptr};
-  call_library([&] { return attnmerge_merge_inplace(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream()); },
-               n);
+  attnmerge_options options = {flags, 0, 0.0f, nullptr};
+  n.pass_to(options);
+  call_library([&] { return attnmerge_merge_inplace(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream()); });
 }
 
 void merge_states(py::handle out, py::handle out_lse, py::handle o, py::handle lse, uint32_t flags, bool states_first,
                   py::handle output_scale, py::handle stream, py::handle names_table) {
-  const Names n(names_table);
+  const CallerNames n(names_table);
   CallArrays<4> c({{out, n("out"), kOut}, {out_lse, n("out_lse"), kF32}, {o, n("o"), kO}, {lse, n("lse"), kF32}},
                   stream, 2, 2);
   if (states_first) {  // an all-gather's [S, tokens, ...], read through its strides
@@ -155,12 +117,13 @@ void merge_states(py::handle out, py::handle out_lse, py::handle o, py::handle l
   attnmerge_options options = {flags, 0, 0.0f, nullptr};
   ArrayView scale;
   set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
-  call_library([&] { return attnmerge_merge_states(c.t[0], c.t[1], c.t[2], c.t[3], &options, c.stream()); }, n);
+  n.pass_to(options);
+  call_library([&] { return attnmerge_merge_states(c.t[0], c.t[1], c.t[2], c.t[3], &options, c.stream()); });
 }
 
 void merge_varlen(py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle indptr, uint32_t flags,
                   py::handle output_scale, py::handle stream, py::handle names_table) {
-  const Names n(names_table);
+  const CallerNames n(names_table);
   CallArrays<5> c({{out, n("out"), kOut},
                    {out_lse, n("out_lse"), kF32},
                    {o, n("o"), kO},
@@ -170,7 +133,8 @@ void merge_varlen(py::handle out, py::handle out_lse, py::handle o, py::handle l
   attnmerge_options options = {flags, 0, 0.0f, nullptr};
   ArrayView scale;
   set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
-  call_library([&] { return attnmerge_merge_varlen(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream()); }, n);
+  n.pass_to(options);
+  call_library([&] { return attnmerge_merge_varlen(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream()); });
 }
 
 // A field of a raw descriptor that must be a Python int (pybind11's own cast error names no argument).

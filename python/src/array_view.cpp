@@ -61,11 +61,41 @@ struct DLPackExchangeAPI {
   int (*current_work_stream)(int32_t device_type, int32_t device_id, void** out_stream);
 };
 
-const char* ArgName::str() const {
-  PyObject* v = table_ ? PyDict_GetItemString(table_, name_) : nullptr;  // borrowed: the table holds it
-  const char* renamed = v ? PyUnicode_AsUTF8(v) : nullptr;
-  if (renamed == nullptr && PyErr_Occurred()) PyErr_Clear();
-  return renamed ? renamed : name_;
+const char* ArgName::str() const { return names_ ? names_->of(name_) : name_; }
+
+CallerNames::CallerNames(py::handle table) {
+  if (table.is_none()) return;
+  if (!PyDict_Check(table.ptr())) type_error("names", "expected None or a dict, got " + type_name(table));
+  const Py_ssize_t size = PyDict_Size(table.ptr());
+  if (size > kMaxNames)
+    value_error("names", "expected at most " + std::to_string(kMaxNames) + " entries, got " + std::to_string(size));
+  PyObject *key, *value;
+  for (Py_ssize_t pos = 0; PyDict_Next(table.ptr(), &pos, &key, &value); ++count_) {
+    // The UTF-8 each str keeps itself: held below, it outlives any change to the caller's dict.
+    const char* arg = PyUnicode_Check(key) ? PyUnicode_AsUTF8(key) : nullptr;
+    const char* name = arg && PyUnicode_Check(value) ? PyUnicode_AsUTF8(value) : nullptr;
+    if (name == nullptr) {
+      PyErr_Clear();
+      type_error("names", "expected a dict of str to str, got " + std::string(py::repr(key)) + ": " +
+                              std::string(py::repr(value)));
+    }
+    held_[2 * count_] = py::reinterpret_borrow<py::object>(key);
+    held_[2 * count_ + 1] = py::reinterpret_borrow<py::object>(value);
+    entries_[count_] = {arg, name};
+  }
+}
+
+const char* CallerNames::of(const char* name) const {
+  for (int i = 0; i < count_; ++i)
+    if (std::strcmp(entries_[i].arg, name) == 0) return entries_[i].name;
+  return name;
+}
+
+void CallerNames::pass_to(attnmerge_options& options) const {
+  if (count_ == 0) return;
+  options.struct_size = sizeof(attnmerge_options);  // the layout that has arg_names
+  options.arg_names = entries_;
+  options.num_arg_names = count_;
 }
 
 void type_error(const ArgName& name, const std::string& what) {

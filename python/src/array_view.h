@@ -16,18 +16,42 @@ namespace attnmerge_py {
 
 namespace py = pybind11;
 
-// An argument's name in messages: the binding's own, or the caller's from `table` (a dict from the
-// binding's names to a compat layer's, say vLLM's prefix_output for o_a), looked up only when a
-// message is worded, so that a call that fails nothing pays nothing for it.
+class CallerNames;
+
+// An argument's name in messages: the binding's own, or the caller's from `names`, looked up only
+// when a message is worded, so that a call that fails nothing pays nothing for it.
 class ArgName {
  public:
   // Implicit: a plain name is the binding's own.
-  ArgName(const char* name, PyObject* table = nullptr) : name_(name), table_(table) {}
+  ArgName(const char* name, const CallerNames* names = nullptr) : name_(name), names_(names) {}
   const char* str() const;  // the caller's name
 
  private:
   const char* name_;
-  PyObject* table_;
+  const CallerNames* names_;
+};
+
+// The caller's names of a call's arguments: a dict from the binding's names, which are the C
+// ABI's ("o_a", "a_tokens"), to the caller's (vLLM's "prefix_output"), handed down by a compat
+// layer; None keeps the binding's own.  One table for both layers: the binding's own messages
+// look names up in it (of), and pass_to hands it to the C ABI (attnmerge_options.arg_names),
+// whose messages name the arguments through it.  Built under the GIL, for one call, on the stack
+// (a compat layer's call pays for no copy and no allocation).
+class CallerNames {
+ public:
+  static constexpr int kMaxNames = 16;  // more than an op names (the two-way backward: 12 arguments, a_tokens)
+
+  explicit CallerNames(py::handle table);  // None or a dict of str to str
+  CallerNames(const CallerNames&) = delete;
+  CallerNames& operator=(const CallerNames&) = delete;
+  ArgName operator()(const char* name) const { return ArgName(name, this); }
+  const char* of(const char* name) const;  // the caller's name of `name`, else `name`
+  void pass_to(attnmerge_options& options) const;  // no names: options as they are
+
+ private:
+  attnmerge_arg_name entries_[kMaxNames];
+  py::object held_[2 * kMaxNames];  // the strs the entries point into, referenced for the call
+  int count_ = 0;
 };
 
 // Errors worded "name: what", naming the argument.

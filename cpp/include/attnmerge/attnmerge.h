@@ -15,7 +15,8 @@
  *
  * Conventions of every entry point:
  *   - returns ATTNMERGE_SUCCESS or an error status; attnmerge_last_error() then holds a message
- *     for the calling thread that names the offending argument, the expected and the actual value;
+ *     for the calling thread that names the offending argument (as options.arg_names calls it, if
+ *     it does), the expected and the actual value;
  *   - validates every argument before it writes anything;
  *   - never allocates device memory, never synchronizes the host, never throws, never prints;
  *     GPU work is enqueued on the caller's stream, so every op can be captured in a CUDA graph;
@@ -123,7 +124,17 @@ typedef struct attnmerge_tensor {
  * The results are those of a plain launch. */
 #define ATTNMERGE_PDL 8u
 
-/* Zero-initialized options are the defaults: base e, LSE [tokens, heads], no limit, no scale. */
+/* The caller's name for one argument (attnmerge_options.arg_names): `arg` is its name in this
+ * header ("o_a", "lse_b", "mask", "grad_out", ...; or "a_tokens" and "output_scale", the options
+ * the messages name), `name` what the caller calls it ("prefix_output"), which every message of
+ * the call then gives instead. */
+typedef struct attnmerge_arg_name {
+  const char* arg;
+  const char* name;
+} attnmerge_arg_name;
+
+/* Zero-initialized options are the defaults: base e, LSE [tokens, heads], no limit, no scale,
+ * the arguments named as in this header. */
 typedef struct attnmerge_options {
   uint32_t flags;
   /* With ATTNMERGE_A_TOKENS (two-way merge only): only rows of the first a_tokens tokens merge a
@@ -137,10 +148,23 @@ typedef struct attnmerge_options {
   /* Or the scale as one float32 in the memory of the op's device (host memory for host tensors),
    * read by the kernel itself, so that no host synchronization is needed.  NULL: unused. */
   const float* output_scale_ptr;
-  /* The layout's size: 0 (or sizeof(attnmerge_options)) for this one.  Later versions add fields
-   * after this one and read them only where struct_size covers them, so that a caller built
+  /* The layout's size, which says which of the fields after this one the library reads: 0, or
+   * the size of the layout that ends here (the sizeof(attnmerge_options) of a caller built against
+   * a header without arg_names: 40 bytes on 64-bit platforms), reads none of them;
+   * sizeof(attnmerge_options) reads them all; any other size is refused.  Later versions add
+   * fields at the end and read them only where struct_size covers them, so that a caller built
    * against an older header keeps working. */
   uint32_t struct_size;
+  /* Read only with struct_size = sizeof(attnmerge_options).  The caller's names for the op's
+   * arguments: num_arg_names entries (0: none; arg_names may then be NULL), each arg and name a
+   * non-empty string (a NULL or empty one is refused, before any other check), which need only
+   * live for the call.  Every message of the call names an argument by the first entry for it,
+   * and an argument with no entry by its name here; the names change the messages only.  An arg
+   * the op does not have is ignored, not refused: one table may then serve several ops (a layer
+   * that keeps another library's names for all of them), and a call that fails nothing never
+   * reads the table beyond those checks. */
+  const attnmerge_arg_name* arg_names;
+  int32_t num_arg_names;
 } attnmerge_options;
 
 /* Two-way merge: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
