@@ -122,12 +122,12 @@ def test_two_state_kernels(probe, sms):
             plain = flags in ("-", "p") or (flags == "t" and tokens < 64)
             assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (int(plain), 0, 1), (flags, tokens)
         # in place: one launch; rows of at most 32 packs in warps (their LSEs shuffled from a
-        # row's first lane), wider ones with a block barrier; the plain source, rows flat, only in
-        # a small (evict-first) call without a mask, with its rows in warps
-        lanes = head_size // vec <= 32
-        for plan, plain in zip(plans[-3:], (0, 0, int(lanes))):
+        # row's first lane) where the call is masked or small, else with a block barrier; the plain
+        # source, rows flat, wherever the rows are in warps
+        lanes = int(head_size // vec <= 32)
+        for plan, plain, lane_lse in zip(plans[-3:], (0, lanes, lanes), (0, lanes, lanes)):
             assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (plain, 1, 1), tokens
-            assert (plan["flat"], plan["lane_lse"]) == (plain, int(lanes))
+            assert (plan["flat"], plan["lane_lse"]) == (plain, lane_lse), tokens
         for flags, plan in zip(flag_sets, plans[:-3]):  # dense views: the plain kernel takes its rows flat
             assert plan["flat"] == int(plan["plain"] == 1 and flags != "t"), (flags, tokens, head_size)
         for plan in plans:
@@ -158,15 +158,18 @@ def test_two_state_threads_take_two_accesses_only_in_large_masked_in_place_merge
 
 
 def test_in_place_rows_in_warps_take_power_of_two_lanes(probe):
-    # packs of 16, 10 and 32 (8 elements a pack), 33 (one element): a row's lanes padded to a power
-    # of two up to a warp, aligned in it; wider rows take a block barrier instead
+    # small (s) or masked (m) calls, packs of 16, 10 and 32 (8 elements a pack), 33 (one element): a
+    # row's lanes padded to a power of two up to a warp, aligned in it; wider rows take a block
+    # barrier instead, as do large unmasked calls (below)
     plans = probe([("inplace", 37, 3, head_size, 2, vec, 132, m) for head_size, vec in ((128, 8), (80, 8), (256, 8), (33, 1))
-                   for m in "-m"])
+                   for m in "sm"])
     for plan, lanes in zip(plans, (16, 16, 16, 16, 32, 32, 0, 0)):
         assert (plan["lane_lse"], plan["fused_lse"], plan["launches"], plan["gy"]) == (int(lanes > 0), 1, 1, 1)
         if lanes:
             assert plan["bx"] == lanes and (plan["bx"] * plan["by"]) % 32 == 0
     assert plans[-1]["bx"] == 33  # a barrier block holds whole rows
+    large = probe([("inplace", 37, 3, 128, 2, 8, 132, "-")])[0]
+    assert (large["lane_lse"], large["fused_lse"], large["launches"], large["bx"]) == (0, 1, 1, 16)
 
 
 def test_in_place_rows_wider_than_a_block_take_two_launches(probe):

@@ -145,6 +145,20 @@ __device__ __forceinline__ bool locate_row(const MergeShape& shape, I row, I& to
   }
 }
 
+// The token whose mask byte rules `row` (`token`, as located): a flat row's own token for a masked
+// plain source, whose rows are located as (row, 0).
+template <typename Source, typename I>
+__device__ __forceinline__ I mask_token(const MergeShape& shape, I row, I token) {
+  if constexpr (Source::kPlain) {
+    if constexpr (Source::kFlat && Source::kMaskedRows) {
+      I t, h;
+      shape.split_row<false>(row, t, h);
+      return t;
+    }
+  }
+  return token;
+}
+
 // kRows.  Work: rows (token, head) over threadIdx.y and the x (and, past 2^31 blocks, z) grid
 // axes; the head_size axis over threadIdx.x in packs of VEC elements, and over the y grid axis
 // where a row has more packs than a block has threads.  Each thread handles one pack of one row,
@@ -183,7 +197,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   if constexpr (!kBarrier) {
     if (!live) return;
   }
-  if (live && src.masked_out(token)) live = false;
+  if (live && src.masked_out(mask_token<Source>(shape, row, token))) live = false;
   if constexpr (!kBarrier) {
     if (!live) return;
   }
@@ -398,8 +412,16 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
   if (plan.launches == 0) return cudaSuccess;
   if constexpr (std::is_same<Source, PairSource>::value) {
     // In place first: its LSE is written after the barrier, whichever source it reads through.
-    if (plan.fused_lse && plan.plain) {  // rows in warps and flat, 32-bit offsets, evict-first (the plan's conditions)
-      const PlainPairSource<true, true> flat{flat_rows(src.a), flat_rows(src.b)};
+    if (plan.fused_lse && plan.plain) {  // rows in warps and flat, 32-bit offsets (the plan's conditions)
+      if (src.mask != nullptr) {  // evict-first or not
+        const auto masked = [&](auto flat) {
+          flat.a = flat_rows(src.a), flat.b = flat_rows(src.b), flat.mask = src.mask, flat.mask_stride = src.mask_stride;
+          return launch_detail::rows<InPlaceSource<decltype(flat), true>, TIn, TOut, VEC, int32_t, 2>(
+              plan, {flat}, flat_rows(out), stream);
+        };
+        return plan.shape.stream ? masked(PlainPairSource<true, true, true>{}) : masked(PlainPairSource<false, true, true>{});
+      }
+      const PlainPairSource<true, true> flat{flat_rows(src.a), flat_rows(src.b)};  // evict-first
       return launch_detail::rows<InPlaceSource<PlainPairSource<true, true>, true>, TIn, TOut, VEC, int32_t, 2>(
           plan, {flat}, flat_rows(out), stream);
     }

@@ -79,32 +79,11 @@ __device__ __forceinline__ void store_evict_first(V* p, V v) {
 }
 #endif
 
-#ifndef ATTNMERGE_LOAD_NC
-#define ATTNMERGE_LOAD_NC 0
-#endif
-#if defined(__CUDA_ARCH__) && ATTNMERGE_LOAD_NC == 2
-__device__ __forceinline__ uint4 load_cs_nc(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.cs.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-template <typename V>
-__device__ __forceinline__ V load_cs_nc(const V* p) {
-  return load_evict_first(p);
-}
-#endif
-
 #if defined(__CUDA_ARCH__)
 // A load or store of one vector, streaming (evict first) or cached as usual.
 template <typename V>
 __device__ __forceinline__ V load_bits(const V* p, bool stream) {
-#if ATTNMERGE_LOAD_NC == 2
-  return stream ? load_cs_nc(p) : __ldg(p);
-#elif ATTNMERGE_LOAD_NC == 1
-  return stream ? load_evict_first(p) : __ldg(p);
-#else
   return stream ? load_evict_first(p) : *p;
-#endif
 }
 template <typename V>
 __device__ __forceinline__ void store_bits(V* p, V v, bool stream) {

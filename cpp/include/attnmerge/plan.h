@@ -151,14 +151,15 @@ int64_t states_per_row(const Source& src, const MergeShape& shape) {
 }
 
 // Evict-first O accesses where they were measured faster than plain ones on an H200: calls
-// moving under 16 MB, N-way merges of more states than a chunk, variable-length merges
+// moving under 16 MB, N-way merges of more states than a chunk moving under 512 MB (evict-first
+// faster at 69 and 137 MB, cached loads at 1.2 and 4.4 GB), variable-length merges
 // (benchmarks/NOTES.md).
 template <typename Source>
 bool stream_o(const Source& src, int64_t bytes) {
   if constexpr (std::is_same<Source, RangeSource>::value) {
     return true;
   } else if constexpr (std::is_same<Source, StackSource>::value) {
-    if (src.states > kStateChunk) return true;
+    if (src.states > kStateChunk && bytes < (int64_t{512} << 20)) return true;
   }
   return bytes < (int64_t{16} << 20);
 }
@@ -225,15 +226,17 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     // a tile would mostly be padding.
     if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
     s.stream = plan_detail::stream_o(src, facts.bytes);
-    const bool plain = src.mask == nullptr && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr;
+    const bool plain = src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr;
     const bool dense = plan.index32 && flattens(src.a, s.heads) && flattens(src.b, s.heads) && flattens(out, s.heads);
     const bool lse_in_place = out.lse_in_place && out.lse != nullptr;
-    // An in-place merge overwrites the LSE its row's threads weigh by.  Rows of at most a warp's
-    // packs: each padded to a power of two lanes, so that it lies in one warp, its first lane reads
-    // its LSEs and shuffles them to the others (no barrier; a masked row's threads leave at once).
-    // Wider rows in one block: every thread reads the LSEs, a block barrier before the store
-    // (blocks not narrowed below a row).  Rows over several blocks: the LSEs in a second launch.
-    if (lse_in_place && s.packs <= 32) {
+    // An in-place merge overwrites the LSE its row's threads weigh by.  Masked or small (evict-
+    // first) calls with rows of at most a warp's packs: each row padded to a power of two lanes,
+    // so that it lies in one warp, its first lane reads its LSEs and shuffles them to the others
+    // (no barrier; a masked row's threads leave at once).  Otherwise rows in one block: every
+    // thread reads the LSEs, a block barrier before the store (blocks not narrowed below a row;
+    // 1.7% faster than the lanes unmasked at 204 MB: benchmarks/NOTES.md).  Rows over several
+    // blocks: the LSEs in a second launch.
+    if (lse_in_place && s.packs <= 32 && (src.mask != nullptr || s.stream)) {
       int64_t lanes = 1;
       while (lanes < s.packs) lanes *= 2;
       plan.main = row_dims(s.packs, s.rows, device.sms, kPairBlockThreads, 0, lanes);
@@ -249,8 +252,10 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
       }
     }
     // The plain source in place only with its rows flat and in warps, and where its accesses
-    // are evict-first (calls under 16 MB: benchmarks/NOTES.md).
-    plan.plain = plain && (!out.lse_in_place || (plan.lane_lse && dense && s.stream));
+    // are evict-first (calls under 16 MB: benchmarks/NOTES.md) or it is masked (a mask only in
+    // place: the two-way merge takes none).
+    plan.plain = plain && (!out.lse_in_place ? src.mask == nullptr
+                                             : plan.lane_lse && dense && (s.stream || src.mask != nullptr));
     plan.flat = plan.plain && dense;
     return plan;
   } else {

@@ -3,8 +3,9 @@
 // walk over the rows, and the GPU kernels and the CPU loop take the same sources:
 //   PairSource   two states, a limited to its first a_tokens tokens, rows optionally masked
 //                (the two-way merge and the in-place merge);
-//   PlainPairSource  two states of every token, no mask, on an untiled launch whose output scale
-//                is a number (not a pointer): the common two-way merge, without those steps;
+//   PlainPairSource  two states of every token, on an untiled launch whose output scale is a
+//                number (not a pointer): the common two-way merge, without those steps (a mask
+//                only in place: kMasked);
 //   InPlaceSource  a two-state source whose merged LSE overwrites an input's, in the same launch:
 //                each row in one warp, its LSEs read by one lane and shuffled to the others, or
 //                each row in one block, the LSE written after a block barrier;
@@ -29,6 +30,7 @@ struct PairSource {
   static constexpr int kMaxStates = 2;
   static constexpr bool kPlain = false;
   static constexpr bool kFusedLse = false;
+  static constexpr bool kMaskedRows = true;  // where mask is not null
   static constexpr int kStream = -1;  // evict-first O accesses or not: MergeShape::stream
   StateView a, b;
   int64_t a_tokens;
@@ -70,17 +72,28 @@ struct PairSource {
 // kFlatRows: every array is [rows, head_size] and [rows] in effect (heads dense within tokens, the
 // plan's `flat`), its views flattened so (flat_rows): a row is (token = row, head = 0), with no
 // division of the row into token and head, and one offset a view.
-template <bool kStreamO, bool kFlatRows = false>
+// kMasked: rows whose token's mask byte is 0 are skipped whole, as PairSource's (the in-place
+// merge with flat rows: the kernel divides the row by the heads for the mask's token alone).
+template <bool kStreamO, bool kFlatRows = false, bool kMasked = false>
 struct PlainPairSource {
   static constexpr int kMaxStates = 2;
   static constexpr bool kPlain = true;
   static constexpr bool kFusedLse = false;
   static constexpr int kStream = kStreamO ? 1 : 0;
   static constexpr bool kFlat = kFlatRows;
+  static constexpr bool kMaskedRows = kMasked;
   StateView a, b;
+  const uint8_t* mask = nullptr;  // kMasked only
+  int64_t mask_stride = 0;
 
   template <typename I>
-  ATTNMERGE_HD bool masked_out(I) const { return false; }
+  ATTNMERGE_HD bool masked_out(I token) const {
+    if constexpr (kMasked) {
+      return mask[token * static_cast<I>(mask_stride)] == 0;
+    } else {
+      return false;
+    }
+  }
 
   template <typename T, typename I>
   ATTNMERGE_HD PairSource::Row row(I token, I head) const {
