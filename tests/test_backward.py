@@ -13,15 +13,14 @@ For a row with the forward's output O and LSE, the gradients dO and dLSE of them
 - every dtype and stride the forward takes; gradients not asked for are not written.
 
 The oracle (oracle.reference_merge_states_backward) is float64 NumPy written from the formula, and is
-itself checked against finite differences of the forward's oracle.  Every spec runs on the CPU (NumPy
-arrays) and, marked `gpu`, on CUDA through PyTorch tensors (skipped without a GPU).  Outputs are
+itself checked against finite differences of the forward's oracle.  Every spec runs on each device
+of the `device` fixture (tests/devices.py): the CPU (NumPy arrays) and, marked `gpu`, CUDA through
+PyTorch tensors (skipped without a GPU).  Outputs are
 poisoned with NaN before each call; inputs are random, never zeros.  Tolerances: dO_i the forward's
 (relative L2, RTOL of its dtype), dlse_i (float32, from float32 arithmetic on exact inputs) GRAD_LSE_RTOL.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest
@@ -30,12 +29,12 @@ from hypothesis import strategies as st
 
 import attnmerge
 import c_abi
+import devices
 from oracle import (
     DTYPES,
     LN2,
     assert_o_close,
     np_dtype,
-    outside_view_is_nan,
     random_lse,
     random_o,
     reference_merge_stacked,
@@ -55,91 +54,6 @@ GRAD_LSE_RTOL = 1e-5
 GRAD_LSE_RTOL_WITHOUT_O = 1e-4
 
 BASES = ("e", 2)
-
-
-# --------------------------------------------------------------------------------------------------
-# where the arrays live: NumPy on the host, or PyTorch CUDA tensors
-
-
-class Host:
-    """Arrays as NumPy arrays (the CPU path)."""
-
-    def put(self, x):
-        return np.array(x, copy=True)
-
-    def get(self, x):
-        return np.asarray(x)
-
-    def strided(self, view, buf):
-        """(the view, its buffer) as arrays of this device: the same layout."""
-        return view, buf
-
-    def nan(self, shape, dtype="float32"):
-        return np.full(shape, np.nan, dtype=np.float32).astype(np_dtype(dtype))
-
-    def readback(self, view, buf, tview, tbuf):
-        """(the view's values, whether everything of the buffer outside it is still NaN)."""
-        return np.asarray(tview), outside_view_is_nan(tview, tbuf)
-
-
-# The device of the torch runs: CUDA (the `gpu` runs).  ATTNMERGE_BACKWARD_TORCH_DEVICE=cpu runs them
-# on torch CPU tensors instead, unmarked, to check the tests themselves on a machine without a GPU.
-TORCH_DEVICE = os.environ.get("ATTNMERGE_BACKWARD_TORCH_DEVICE", "cuda")
-
-
-class Cuda(Host):
-    """Arrays as PyTorch CUDA tensors (the GPU path); values come back through NumPy."""
-
-    def __init__(self, torch):
-        self.torch = torch
-
-    def put(self, x):
-        torch = self.torch
-        x = np.asarray(x)
-        if x.dtype.name == "bfloat16":
-            return torch.from_numpy(x.astype(np.float32)).to(TORCH_DEVICE).to(torch.bfloat16)
-        return torch.from_numpy(np.array(x, copy=True, order="C")).to(TORCH_DEVICE)
-
-    def get(self, t):
-        torch = self.torch
-        if not isinstance(t, torch.Tensor):
-            return np.asarray(t)
-        if t.is_cuda:
-            torch.cuda.synchronize()
-        if t.dtype == torch.bfloat16:
-            return t.float().cpu().numpy().astype(np_dtype("bfloat16"))
-        return t.cpu().numpy()
-
-    def strided(self, view, buf):
-        off = (view.__array_interface__["data"][0] - buf.__array_interface__["data"][0]) // view.itemsize
-        tbuf = self.put(buf)
-        return self.torch.as_strided(tbuf, view.shape, tuple(s // view.itemsize for s in view.strides), off), tbuf
-
-    def nan(self, shape, dtype="float32"):
-        return self.put(super().nan(shape, dtype))
-
-    def readback(self, view, buf, tview, tbuf):
-        host = self.get(tbuf)
-        twin = np.lib.stride_tricks.as_strided(
-            host.reshape(-1)[(view.__array_interface__["data"][0] - buf.__array_interface__["data"][0]) // view.itemsize:],
-            shape=view.shape, strides=tuple(s // view.itemsize * host.itemsize for s in view.strides))
-        return np.array(twin), outside_view_is_nan(twin, host)
-
-
-def torch_device():
-    """Cuda() on TORCH_DEVICE, or a skip."""
-    torch = pytest.importorskip("torch")
-    if TORCH_DEVICE.startswith("cuda") and not torch.cuda.is_available():
-        pytest.skip("torch sees no CUDA GPU")
-    return Cuda(torch)
-
-
-_TORCH_MARKS = [pytest.mark.gpu] if TORCH_DEVICE.startswith("cuda") else []
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=_TORCH_MARKS)])
-def dev(request):
-    return Host() if request.param == "cpu" else torch_device()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -227,48 +141,48 @@ def test_the_oracle_is_the_gradient_of_the_forward_oracle(rng, base):
 @pytest.mark.parametrize("s", (1, 2, 3, 5, 8, 13))
 @pytest.mark.parametrize("out_dtype", DTYPES)
 @pytest.mark.parametrize("in_dtype", DTYPES)
-def test_merge_states_backward_every_dtype_pair_s_and_base(rng, dev, in_dtype, out_dtype, s, base):
+def test_merge_states_backward_every_dtype_pair_s_and_base(rng, device, in_dtype, out_dtype, s, base):
     o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 9, s, 3, 40, in_dtype, out_dtype, base)
-    grad_o, grad_lse = dev.nan(o.shape, in_dtype), dev.nan(lse.shape)
-    res = attnmerge.merge_states_backward(dev.put(grad_out), dev.put(grad_out_lse), dev.put(out), dev.put(out_lse),
-                                          dev.put(o), dev.put(lse), grad_o=grad_o, grad_lse=grad_lse, base=base)
+    grad_o, grad_lse = device.nan(o.shape, in_dtype), device.nan(lse.shape)
+    res = attnmerge.merge_states_backward(device.put(grad_out), device.put(grad_out_lse), device.put(out), device.put(out_lse),
+                                          device.put(o), device.put(lse), grad_o=grad_o, grad_lse=grad_lse, base=base)
     assert res[0] is grad_o and res[1] is grad_lse
-    assert_grads(dev.get(grad_o), dev.get(grad_lse), expected_states(o, lse, out, out_lse, grad_out, grad_out_lse, base),
+    assert_grads(device.get(grad_o), device.get(grad_lse), expected_states(o, lse, out, out_lse, grad_out, grad_out_lse, base),
                  in_dtype)
 
 
 @pytest.mark.parametrize("head_size", (1, 3, 8, 72, 128, 320, 1000))
 @pytest.mark.parametrize("in_dtype", ("float32", "bfloat16"))
-def test_merge_states_backward_head_sizes(rng, dev, in_dtype, head_size):
+def test_merge_states_backward_head_sizes(rng, device, in_dtype, head_size):
     """Odd sizes (scalar accesses), packs that are not a power of two, rows of more packs than a warp
     has lanes, and more than the CPU path holds at once (256)."""
     o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 4, 3, 2, head_size, in_dtype, in_dtype, "e")
-    grad_o, grad_lse = attnmerge.merge_states_backward(dev.put(grad_out), dev.put(grad_out_lse), dev.put(out),
-                                                       dev.put(out_lse), dev.put(o), dev.put(lse))
-    assert_grads(dev.get(grad_o), dev.get(grad_lse), expected_states(o, lse, out, out_lse, grad_out, grad_out_lse, "e"),
+    grad_o, grad_lse = attnmerge.merge_states_backward(device.put(grad_out), device.put(grad_out_lse), device.put(out),
+                                                       device.put(out_lse), device.put(o), device.put(lse))
+    assert_grads(device.get(grad_o), device.get(grad_lse), expected_states(o, lse, out, out_lse, grad_out, grad_out_lse, "e"),
                  in_dtype)
 
 
-def test_merge_states_backward_many_states(rng, dev):
+def test_merge_states_backward_many_states(rng, device):
     """More states than a chunk (4 on the GPU) and than the CPU's block of dots (64)."""
     o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 3, 70, 2, 24, "float32", "float32", 2)
-    grad_o, grad_lse = attnmerge.merge_states_backward(dev.put(grad_out), dev.put(grad_out_lse), dev.put(out),
-                                                       dev.put(out_lse), dev.put(o), dev.put(lse), base=2)
-    assert_grads(dev.get(grad_o), dev.get(grad_lse), expected_states(o, lse, out, out_lse, grad_out, grad_out_lse, 2),
+    grad_o, grad_lse = attnmerge.merge_states_backward(device.put(grad_out), device.put(grad_out_lse), device.put(out),
+                                                       device.put(out_lse), device.put(o), device.put(lse), base=2)
+    assert_grads(device.get(grad_o), device.get(grad_lse), expected_states(o, lse, out, out_lse, grad_out, grad_out_lse, 2),
                  "float32")
 
 
-def test_merge_states_backward_allocates_like_the_inputs(rng, dev):
+def test_merge_states_backward_allocates_like_the_inputs(rng, device):
     o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 5, 3, 2, 16, "bfloat16", "float32", "e")
-    grad_o, grad_lse = attnmerge.merge_states_backward(dev.put(grad_out), dev.put(grad_out_lse), dev.put(out),
-                                                       dev.put(out_lse), dev.put(o), dev.put(lse))
+    grad_o, grad_lse = attnmerge.merge_states_backward(device.put(grad_out), device.put(grad_out_lse), device.put(out),
+                                                       device.put(out_lse), device.put(o), device.put(lse))
     assert tuple(grad_o.shape) == o.shape and tuple(grad_lse.shape) == lse.shape
     assert "bfloat16" in str(grad_o.dtype) and "float32" in str(grad_lse.dtype)
-    assert type(grad_o) is type(dev.put(o))
+    assert type(grad_o) is type(device.put(o))
 
 
 @pytest.mark.parametrize("states_axis", (0, 1))
-def test_merge_states_backward_strided_everywhere(rng, dev, states_axis):
+def test_merge_states_backward_strided_everywhere(rng, device, states_axis):
     """Every array a strided view into a NaN-filled buffer: padded, offset (unaligned), permuted,
     stepped; the gradients land in their views and nowhere else."""
     t, s, h, d = 6, 3, 4, 24
@@ -286,18 +200,18 @@ def test_merge_states_backward_strided_everywhere(rng, dev, states_axis):
     golv, golb = strided_view(grad_out_lse, steps={0: 3})
     gov[...] = np.nan
     glv[...] = np.nan
-    tg, tgb = dev.strided(gov, gob)
-    tl, tlb = dev.strided(glv, glb)
-    attnmerge.merge_states_backward(dev.strided(goutv, goutb)[0], dev.strided(golv, golb)[0],
-                                    dev.strided(outv, outb)[0], dev.strided(olv, olb)[0], dev.strided(ov, ob)[0],
-                                    dev.strided(lv, lb)[0], grad_o=tg, grad_lse=tl, states_axis=states_axis)
-    got_o, clean_o = dev.readback(gov, gob, tg, tgb)
-    got_l, clean_l = dev.readback(glv, glb, tl, tlb)
+    tg, tgb = device.strided(gov, gob)
+    tl, tlb = device.strided(glv, glb)
+    attnmerge.merge_states_backward(device.strided(goutv, goutb)[0], device.strided(golv, golb)[0],
+                                    device.strided(outv, outb)[0], device.strided(olv, olb)[0], device.strided(ov, ob)[0],
+                                    device.strided(lv, lb)[0], grad_o=tg, grad_lse=tl, states_axis=states_axis)
+    got_o, clean_o = device.readback(gov, gob, tg, tgb)
+    got_l, clean_l = device.readback(glv, glb, tl, tlb)
     assert clean_o and clean_l, "a gradient was written outside its view"
     assert_grads(got_o, got_l, want, "float16")
 
 
-def test_empty_parts_and_all_empty_rows_get_zero_gradients(rng, dev):
+def test_empty_parts_and_all_empty_rows_get_zero_gradients(rng, device):
     """Whatever an empty part's O and dO hold (NaN here), its gradients are exactly zero, and so
     are those of every part of an all-empty row (LSE -inf)."""
     t, s, h, d = 4, 3, 2, 16
@@ -312,16 +226,16 @@ def test_empty_parts_and_all_empty_rows_get_zero_gradients(rng, dev):
     out, out_lse = forward_states(o, lse, "float32", "e")
     assert out_lse[2, 0] == -np.inf and np.all(out[2, 0] == 0)
     grad_out[2, 0] = np.nan  # even a NaN dO of an all-empty row gives zeros
-    grad_o, grad_lse = attnmerge.merge_states_backward(dev.put(grad_out), dev.put(grad_out_lse), dev.put(out),
-                                                       dev.put(out_lse), dev.put(o), dev.put(lse))
-    g_o, g_l = dev.get(grad_o), dev.get(grad_lse)
+    grad_o, grad_lse = attnmerge.merge_states_backward(device.put(grad_out), device.put(grad_out_lse), device.put(out),
+                                                       device.put(out_lse), device.put(o), device.put(lse))
+    g_o, g_l = device.get(grad_o), device.get(grad_lse)
     for token, state, head in [(0, 1, 0), (1, 2, 1)] + [(2, i, 0) for i in range(s)] + [(3, i, 1) for i in range(s)]:
         assert np.all(g_o[token, state, head] == 0) and g_l[token, state, head] == 0, (token, state, head)
     assert not np.isnan(g_o).any() and not np.isnan(g_l).any()
     assert_grads(g_o, g_l, expected_states(o, lse, out, out_lse, grad_out, grad_out_lse, "e"), "float32")
 
 
-def test_a_nan_lse_makes_the_rest_of_its_row_nan(rng, dev):
+def test_a_nan_lse_makes_the_rest_of_its_row_nan(rng, device):
     """A NaN LSE (an error upstream) surfaces in the gradients of its row's parts, not elsewhere;
     an empty part of that row still gets zeros."""
     o, lse, _, _, grad_out, grad_out_lse = case(rng, 3, 3, 2, 8, "float32", "float32", "e")
@@ -329,37 +243,37 @@ def test_a_nan_lse_makes_the_rest_of_its_row_nan(rng, dev):
     lse[1, 2, 1] = -np.inf
     out, out_lse = forward_states(o, lse, "float32", "e")
     assert np.isnan(out_lse[1, 1])
-    grad_o, grad_lse = attnmerge.merge_states_backward(dev.put(grad_out), dev.put(grad_out_lse), dev.put(out),
-                                                       dev.put(out_lse), dev.put(o), dev.put(lse))
-    g_o, g_l = dev.get(grad_o), dev.get(grad_lse)
+    grad_o, grad_lse = attnmerge.merge_states_backward(device.put(grad_out), device.put(grad_out_lse), device.put(out),
+                                                       device.put(out_lse), device.put(o), device.put(lse))
+    g_o, g_l = device.get(grad_o), device.get(grad_lse)
     assert np.isnan(g_o[1, :2, 1]).all() and np.isnan(g_l[1, :2, 1]).all()
     assert np.all(g_o[1, 2, 1] == 0) and g_l[1, 2, 1] == 0
     g_o[1, :, 1], g_l[1, :, 1] = 0, 0
     assert not np.isnan(g_o).any() and not np.isnan(g_l).any()
 
 
-def test_without_grad_out_lse_dlse_is_zero(rng, dev):
+def test_without_grad_out_lse_dlse_is_zero(rng, device):
     o, lse, out, out_lse, grad_out, _ = case(rng, 5, 4, 3, 16, "bfloat16", "bfloat16", 2)
-    grad_o, grad_lse = attnmerge.merge_states_backward(dev.put(grad_out), None, dev.put(out), dev.put(out_lse),
-                                                       dev.put(o), dev.put(lse), base=2)
-    assert_grads(dev.get(grad_o), dev.get(grad_lse), expected_states(o, lse, out, out_lse, grad_out, None, 2), "bfloat16")
+    grad_o, grad_lse = attnmerge.merge_states_backward(device.put(grad_out), None, device.put(out), device.put(out_lse),
+                                                       device.put(o), device.put(lse), base=2)
+    assert_grads(device.get(grad_o), device.get(grad_lse), expected_states(o, lse, out, out_lse, grad_out, None, 2), "bfloat16")
 
 
-def test_gradients_not_asked_for_are_not_computed(rng, dev):
+def test_gradients_not_asked_for_are_not_computed(rng, device):
     o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 5, 3, 2, 16, "float32", "float32", "e")
     want = expected_states(o, lse, out, out_lse, grad_out, grad_out_lse, "e")
-    args = [dev.put(x) for x in (grad_out, grad_out_lse, out, out_lse, o, lse)]
+    args = [device.put(x) for x in (grad_out, grad_out_lse, out, out_lse, o, lse)]
     grad_o, grad_lse = attnmerge.merge_states_backward(*args, needs_grad=(True, False))
     assert grad_lse is None
-    assert_o_close(dev.get(grad_o), want[0], "float32")
+    assert_o_close(device.get(grad_o), want[0], "float32")
     grad_o, grad_lse = attnmerge.merge_states_backward(*args, needs_grad=(False, True))
     assert grad_o is None
-    assert rel_l2(dev.get(grad_lse), want[1]) <= GRAD_LSE_RTOL
+    assert rel_l2(device.get(grad_lse), want[1]) <= GRAD_LSE_RTOL
 
 
 @pytest.mark.parametrize("s", (2, 3, 8, 70))
 @pytest.mark.parametrize("in_dtype", ("float32", "bfloat16"))
-def test_without_out_the_dot_with_o_comes_from_the_states(rng, dev, in_dtype, s):
+def test_without_out_the_dot_with_o_comes_from_the_states(rng, device, in_dtype, s):
     """out=None: <dO, O> is sum_j p_j <dO, O_j>, the exact O's (no O read); rows of more states than
     a chunk (4 on the GPU, 64 on the CPU) finish their dots in a second pass."""
     o, lse, _, out_lse, grad_out, grad_out_lse = case(rng, 6, s, 3, 40, in_dtype, in_dtype, 2)
@@ -368,29 +282,29 @@ def test_without_out_the_dot_with_o_comes_from_the_states(rng, dev, in_dtype, s)
     o[0, 0, 1] = np.nan
     exact_o[0, 1] = reference_merge_stacked(o[:1], lse[:1], base=2)[0][0, 1]
     out_lse[0, 1] = reference_merge_stacked(o[:1], lse[:1], base=2)[1][0, 1]
-    grad_o, grad_lse = dev.nan(o.shape, in_dtype), dev.nan(lse.shape)
-    attnmerge.merge_states_backward(dev.put(grad_out), dev.put(grad_out_lse), None, dev.put(out_lse), dev.put(o),
-                                    dev.put(lse), grad_o=grad_o, grad_lse=grad_lse, base=2)
-    assert_grads(dev.get(grad_o), dev.get(grad_lse),
+    grad_o, grad_lse = device.nan(o.shape, in_dtype), device.nan(lse.shape)
+    attnmerge.merge_states_backward(device.put(grad_out), device.put(grad_out_lse), None, device.put(out_lse), device.put(o),
+                                    device.put(lse), grad_o=grad_o, grad_lse=grad_lse, base=2)
+    assert_grads(device.get(grad_o), device.get(grad_lse),
                  expected_states(o, lse, exact_o, out_lse, grad_out, grad_out_lse, 2), in_dtype)
 
 
-def test_without_out_two_way_and_varlen(rng, dev):
+def test_without_out_two_way_and_varlen(rng, device):
     o, lse, _, out_lse, grad_out, grad_out_lse = case(rng, 7, 2, 3, 24, "float16", "float16", "e")
     exact_o = reference_merge_stacked(o, lse)[0]
     want = expected_states(o, lse, exact_o, out_lse, grad_out, grad_out_lse, "e")
-    res = attnmerge.merge_backward(dev.put(grad_out), dev.put(grad_out_lse), None, dev.put(out_lse), dev.put(o[:, 0]),
-                                   dev.put(lse[:, 0]), dev.put(o[:, 1]), dev.put(lse[:, 1]))
+    res = attnmerge.merge_backward(device.put(grad_out), device.put(grad_out_lse), None, device.put(out_lse), device.put(o[:, 0]),
+                                   device.put(lse[:, 0]), device.put(o[:, 1]), device.put(lse[:, 1]))
     for i in range(2):
-        assert_grads(dev.get(res[2 * i]), dev.get(res[2 * i + 1]), (want[0][:, i], want[1][:, i]), "float16")
+        assert_grads(device.get(res[2 * i]), device.get(res[2 * i + 1]), (want[0][:, i], want[1][:, i]), "float16")
     indptr = np.array([0, 3, 3, 9], np.int32)
     v, sv = random_o(rng, (9, 2, 16)), random_lse(rng, (9, 2))
     out, out_lse = attnmerge.merge_varlen(v, sv, indptr)
     exact = reference_merge_varlen(v, sv, indptr)[0]
     grad_out, grad_out_lse = random_o(rng, out.shape), random_lse(rng, out_lse.shape, 1.0)
-    g = attnmerge.merge_varlen_backward(dev.put(grad_out), dev.put(grad_out_lse), None, dev.put(out_lse), dev.put(v),
-                                        dev.put(sv), dev.put(indptr))
-    assert_grads(dev.get(g[0]), dev.get(g[1]), varlen_expected(v, sv, indptr, exact, out_lse, grad_out, grad_out_lse, "e"),
+    g = attnmerge.merge_varlen_backward(device.put(grad_out), device.put(grad_out_lse), None, device.put(out_lse), device.put(v),
+                                        device.put(sv), device.put(indptr))
+    assert_grads(device.get(g[0]), device.get(g[1]), varlen_expected(v, sv, indptr, exact, out_lse, grad_out, grad_out_lse, "e"),
                  "float32")
 
 
@@ -401,32 +315,32 @@ def test_without_out_two_way_and_varlen(rng, dev):
 @pytest.mark.parametrize("base", BASES)
 @pytest.mark.parametrize("out_dtype", DTYPES)
 @pytest.mark.parametrize("in_dtype", DTYPES)
-def test_merge_backward_every_dtype_pair_and_base(rng, dev, in_dtype, out_dtype, base):
+def test_merge_backward_every_dtype_pair_and_base(rng, device, in_dtype, out_dtype, base):
     o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 11, 2, 3, 64, in_dtype, out_dtype, base)
     want = expected_states(o, lse, out, out_lse, grad_out, grad_out_lse, base)
-    grads = [dev.nan((11, 3, 64), in_dtype), dev.nan((11, 3)), dev.nan((11, 3, 64), in_dtype), dev.nan((11, 3))]
-    res = attnmerge.merge_backward(dev.put(grad_out), dev.put(grad_out_lse), dev.put(out), dev.put(out_lse),
-                                   dev.put(o[:, 0]), dev.put(lse[:, 0]), dev.put(o[:, 1]), dev.put(lse[:, 1]),
+    grads = [device.nan((11, 3, 64), in_dtype), device.nan((11, 3)), device.nan((11, 3, 64), in_dtype), device.nan((11, 3))]
+    res = attnmerge.merge_backward(device.put(grad_out), device.put(grad_out_lse), device.put(out), device.put(out_lse),
+                                   device.put(o[:, 0]), device.put(lse[:, 0]), device.put(o[:, 1]), device.put(lse[:, 1]),
                                    grad_o_a=grads[0], grad_lse_a=grads[1], grad_o_b=grads[2], grad_lse_b=grads[3],
                                    base=base)
     assert all(r is g for r, g in zip(res, grads))
     for i, name in enumerate("ab"):
-        assert_grads(dev.get(res[2 * i]), dev.get(res[2 * i + 1]), (want[0][:, i], want[1][:, i]), in_dtype, name + ": ")
+        assert_grads(device.get(res[2 * i]), device.get(res[2 * i + 1]), (want[0][:, i], want[1][:, i]), in_dtype, name + ": ")
 
 
-def test_merge_backward_lses_heads_first(rng, dev):
+def test_merge_backward_lses_heads_first(rng, device):
     """vLLM's [heads, tokens] LSEs, passed as transposed views, gradients of LSE in any layout."""
     o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 7, 2, 4, 32, "bfloat16", "bfloat16", "e")
     want = expected_states(o, lse, out, out_lse, grad_out, grad_out_lse, "e")
-    t = lambda x: dev.put(np.ascontiguousarray(x.T)).T  # noqa: E731 - [heads, tokens] storage
-    res = attnmerge.merge_backward(dev.put(grad_out), t(grad_out_lse), dev.put(out), t(out_lse), dev.put(o[:, 0]),
-                                   t(lse[:, 0]), dev.put(o[:, 1]), t(lse[:, 1]), grad_lse_a=dev.nan((4, 7)).T)
+    t = lambda x: device.put(np.ascontiguousarray(x.T)).T  # noqa: E731 - [heads, tokens] storage
+    res = attnmerge.merge_backward(device.put(grad_out), t(grad_out_lse), device.put(out), t(out_lse), device.put(o[:, 0]),
+                                   t(lse[:, 0]), device.put(o[:, 1]), t(lse[:, 1]), grad_lse_a=device.nan((4, 7)).T)
     for i in range(2):
-        assert_grads(dev.get(res[2 * i]), dev.get(res[2 * i + 1]), (want[0][:, i], want[1][:, i]), "bfloat16")
+        assert_grads(device.get(res[2 * i]), device.get(res[2 * i + 1]), (want[0][:, i], want[1][:, i]), "bfloat16")
 
 
 @pytest.mark.parametrize("a_tokens", (0, 5, 12))
-def test_merge_backward_a_tokens(rng, dev, a_tokens):
+def test_merge_backward_a_tokens(rng, device, a_tokens):
     """Rows from a_tokens on took b alone: b's gradients there are dO and dLSE (p_b = 1), and a's
     gradients cover only the a_tokens tokens the forward read."""
     tokens, h, d = 12, 3, 16
@@ -436,9 +350,9 @@ def test_merge_backward_a_tokens(rng, dev, a_tokens):
     lse_a = random_lse(rng, (tokens + 2, h))
     out, out_lse = attnmerge.merge(o_a, lse_a, o_b, lse_b, a_tokens=a_tokens)
     grad_out, grad_out_lse = random_o(rng, (tokens, h, d)), random_lse(rng, (tokens, h), 1.0)
-    res = attnmerge.merge_backward(dev.put(grad_out), dev.put(grad_out_lse), dev.put(out), dev.put(out_lse),
-                                   dev.put(o_a), dev.put(lse_a), dev.put(o_b), dev.put(lse_b), a_tokens=a_tokens)
-    g = [dev.get(x) for x in res]
+    res = attnmerge.merge_backward(device.put(grad_out), device.put(grad_out_lse), device.put(out), device.put(out_lse),
+                                   device.put(o_a), device.put(lse_a), device.put(o_b), device.put(lse_b), a_tokens=a_tokens)
+    g = [device.get(x) for x in res]
     assert g[0].shape == (a_tokens, h, d) and g[1].shape == (a_tokens, h)
     stacked_o = np.stack([np.concatenate([o_a[:a_tokens], np.full((tokens - a_tokens, h, d), np.nan, np.float32)]), o_b], 1)
     stacked_l = np.stack([np.concatenate([lse_a[:a_tokens], np.full((tokens - a_tokens, h), -np.inf, np.float32)]), lse_b], 1)
@@ -448,27 +362,27 @@ def test_merge_backward_a_tokens(rng, dev, a_tokens):
     assert_o_close(g[2][a_tokens:], to_f64(grad_out[a_tokens:]), "float32")  # p_b = 1: dO itself
 
 
-def test_merge_backward_agrees_with_merge_states_backward_of_two(rng, dev):
+def test_merge_backward_agrees_with_merge_states_backward_of_two(rng, device):
     o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 9, 2, 4, 48, "float16", "float16", 2)
-    args = [dev.put(x) for x in (grad_out, grad_out_lse, out, out_lse)]
-    pair = attnmerge.merge_backward(*args, dev.put(o[:, 0]), dev.put(lse[:, 0]), dev.put(o[:, 1]), dev.put(lse[:, 1]),
+    args = [device.put(x) for x in (grad_out, grad_out_lse, out, out_lse)]
+    pair = attnmerge.merge_backward(*args, device.put(o[:, 0]), device.put(lse[:, 0]), device.put(o[:, 1]), device.put(lse[:, 1]),
                                     base=2)
-    stack = attnmerge.merge_states_backward(*args, dev.put(o), dev.put(lse), base=2)
-    s_o, s_l = dev.get(stack[0]), dev.get(stack[1])
+    stack = attnmerge.merge_states_backward(*args, device.put(o), device.put(lse), base=2)
+    s_o, s_l = device.get(stack[0]), device.get(stack[1])
     for i in range(2):
-        np.testing.assert_array_equal(to_f64(dev.get(pair[2 * i])), to_f64(s_o[:, i]))
-        np.testing.assert_allclose(dev.get(pair[2 * i + 1]), s_l[:, i], rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(to_f64(device.get(pair[2 * i])), to_f64(s_o[:, i]))
+        np.testing.assert_allclose(device.get(pair[2 * i + 1]), s_l[:, i], rtol=1e-6, atol=1e-7)
 
 
-def test_merge_backward_one_input_only(rng, dev):
+def test_merge_backward_one_input_only(rng, device):
     """Gradients of b only (a needs none): a's are neither written nor returned."""
     o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 6, 2, 2, 16, "float32", "float32", "e")
     want = expected_states(o, lse, out, out_lse, grad_out, grad_out_lse, "e")
-    res = attnmerge.merge_backward(dev.put(grad_out), dev.put(grad_out_lse), dev.put(out), dev.put(out_lse),
-                                   dev.put(o[:, 0]), dev.put(lse[:, 0]), dev.put(o[:, 1]), dev.put(lse[:, 1]),
+    res = attnmerge.merge_backward(device.put(grad_out), device.put(grad_out_lse), device.put(out), device.put(out_lse),
+                                   device.put(o[:, 0]), device.put(lse[:, 0]), device.put(o[:, 1]), device.put(lse[:, 1]),
                                    needs_grad=(False, False, True, True))
     assert res[0] is None and res[1] is None
-    assert_grads(dev.get(res[2]), dev.get(res[3]), (want[0][:, 1], want[1][:, 1]), "float32")
+    assert_grads(device.get(res[2]), device.get(res[3]), (want[0][:, 1], want[1][:, 1]), "float32")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -490,7 +404,7 @@ def varlen_expected(o, lse, indptr, out, out_lse, grad_out, grad_out_lse, base):
 @pytest.mark.parametrize("base", BASES)
 @pytest.mark.parametrize("index_dtype", ("int32", "int64"))
 @pytest.mark.parametrize("in_dtype", DTYPES)
-def test_merge_varlen_backward(rng, dev, in_dtype, index_dtype, base):
+def test_merge_varlen_backward(rng, device, in_dtype, index_dtype, base):
     """Rows of 0 to 9 states, and states before the first row's and after the last row's (no row
     takes them: zero gradients)."""
     counts = [3, 0, 1, 9, 2, 0, 5]
@@ -500,25 +414,25 @@ def test_merge_varlen_backward(rng, dev, in_dtype, index_dtype, base):
     o, lse = random_o(rng, (total, h, d), in_dtype), random_lse(rng, (total, h))
     out, out_lse = attnmerge.merge_varlen(o, lse, indptr, base=base)
     grad_out, grad_out_lse = random_o(rng, out.shape, in_dtype), random_lse(rng, out_lse.shape, 1.0)
-    grad_o, grad_lse = dev.nan(o.shape, in_dtype), dev.nan(lse.shape)
-    attnmerge.merge_varlen_backward(dev.put(grad_out), dev.put(grad_out_lse), dev.put(out), dev.put(out_lse), dev.put(o),
-                                    dev.put(lse), dev.put(indptr), grad_o=grad_o, grad_lse=grad_lse, base=base)
+    grad_o, grad_lse = device.nan(o.shape, in_dtype), device.nan(lse.shape)
+    attnmerge.merge_varlen_backward(device.put(grad_out), device.put(grad_out_lse), device.put(out), device.put(out_lse), device.put(o),
+                                    device.put(lse), device.put(indptr), grad_o=grad_o, grad_lse=grad_lse, base=base)
     want = varlen_expected(o, lse, indptr, out, out_lse, grad_out, grad_out_lse, base)
-    g_o, g_l = dev.get(grad_o), dev.get(grad_lse)
+    g_o, g_l = device.get(grad_o), device.get(grad_lse)
     assert np.all(to_f64(g_o[:2]) == 0) and np.all(to_f64(g_o[-3:]) == 0) and np.all(g_l[:2] == 0) and np.all(g_l[-3:] == 0)
     assert_grads(g_o, g_l, want, in_dtype)
 
 
-def test_merge_varlen_backward_no_rows_gives_zeros(rng, dev):
+def test_merge_varlen_backward_no_rows_gives_zeros(rng, device):
     o, lse = random_o(rng, (5, 2, 8)), random_lse(rng, (5, 2))
-    grad_o, grad_lse = dev.nan(o.shape), dev.nan(lse.shape)
-    attnmerge.merge_varlen_backward(dev.put(np.zeros((0, 2, 8), np.float32)), None, dev.put(np.zeros((0, 2, 8), np.float32)),
-                                    dev.put(np.zeros((0, 2), np.float32)), dev.put(o), dev.put(lse),
-                                    dev.put(np.array([3], np.int32)), grad_o=grad_o, grad_lse=grad_lse)
-    assert np.all(dev.get(grad_o) == 0) and np.all(dev.get(grad_lse) == 0)
+    grad_o, grad_lse = device.nan(o.shape), device.nan(lse.shape)
+    attnmerge.merge_varlen_backward(device.put(np.zeros((0, 2, 8), np.float32)), None, device.put(np.zeros((0, 2, 8), np.float32)),
+                                    device.put(np.zeros((0, 2), np.float32)), device.put(o), device.put(lse),
+                                    device.put(np.array([3], np.int32)), grad_o=grad_o, grad_lse=grad_lse)
+    assert np.all(device.get(grad_o) == 0) and np.all(device.get(grad_lse) == 0)
 
 
-def test_merge_varlen_backward_strided(rng, dev):
+def test_merge_varlen_backward_strided(rng, device):
     indptr = np.array([0, 2, 5, 6], np.int64)
     o, lse = random_o(rng, (6, 4, 24), "bfloat16"), random_lse(rng, (6, 4))
     out, out_lse = attnmerge.merge_varlen(o, lse, indptr)
@@ -530,13 +444,13 @@ def test_merge_varlen_backward_strided(rng, dev):
     glv, glb = strided_view(np.zeros(lse.shape, np.float32), steps={0: 2})
     gov[...] = np.nan
     glv[...] = np.nan
-    tg, tgb = dev.strided(gov, gob)
-    tl, tlb = dev.strided(glv, glb)
-    attnmerge.merge_varlen_backward(dev.put(grad_out), dev.put(grad_out_lse), dev.put(out), dev.put(out_lse),
-                                    dev.strided(ov, ob)[0], dev.strided(lv, lb)[0], dev.put(indptr), grad_o=tg,
+    tg, tgb = device.strided(gov, gob)
+    tl, tlb = device.strided(glv, glb)
+    attnmerge.merge_varlen_backward(device.put(grad_out), device.put(grad_out_lse), device.put(out), device.put(out_lse),
+                                    device.strided(ov, ob)[0], device.strided(lv, lb)[0], device.put(indptr), grad_o=tg,
                                     grad_lse=tl)
-    got_o, clean_o = dev.readback(gov, gob, tg, tgb)
-    got_l, clean_l = dev.readback(glv, glb, tl, tlb)
+    got_o, clean_o = device.readback(gov, gob, tg, tgb)
+    got_l, clean_l = device.readback(glv, glb, tl, tlb)
     assert clean_o and clean_l
     assert_grads(got_o, got_l, want, "bfloat16")
 
@@ -559,7 +473,7 @@ def layouts(draw, ndim, unit_last):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_merge_states_backward_any_layout_shape_and_option(dev, data):
+def test_merge_states_backward_any_layout_shape_and_option(device, data):
     seed = data.draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
     t, s, h, d = (data.draw(st.integers(lo, hi)) for lo, hi in ((0, 5), (0, 6), (1, 3), (1, 40)))
@@ -579,14 +493,14 @@ def test_merge_states_backward_any_layout_shape_and_option(dev, data):
 
     def put(x, unit_last):
         view, buf = strided_view(x, **data.draw(layouts(x.ndim, unit_last)))
-        return dev.strided(view, buf)[0]
+        return device.strided(view, buf)[0]
 
     grad_views = []
     for x, unit_last, need in ((np.zeros(o.shape, o.dtype), True, needs[0]), (np.zeros(lse.shape, np.float32), False,
                                                                              needs[1])):
         view, buf = strided_view(x, **data.draw(layouts(x.ndim, unit_last)))
         view[...] = np.nan
-        grad_views.append((view, buf) + dev.strided(view, buf) if need else None)
+        grad_views.append((view, buf) + device.strided(view, buf) if need else None)
     res = attnmerge.merge_states_backward(
         put(grad_out, True), None if without_dlse else put(grad_out_lse, False), None if without_out else put(out, True),
         put(out_lse, False), put(o, True), put(lse, False),
@@ -596,7 +510,7 @@ def test_merge_states_backward_any_layout_shape_and_option(dev, data):
         if not need:
             assert res[i] is None
             continue
-        got, clean = dev.readback(*g)
+        got, clean = device.readback(*g)
         assert clean, "a gradient was written outside its view"
         if i == 0:
             assert_o_close(got, want[0], in_dtype, "grad_o")
@@ -605,12 +519,12 @@ def test_merge_states_backward_any_layout_shape_and_option(dev, data):
             assert np.array_equal(np.isnan(got), np.isnan(want[1])) and rel_l2(got, want[1]) <= tol
     for g, need in zip(grad_views, needs):
         if need:
-            assert np.all(to_f64(dev.readback(*g)[0])[empty] == 0), "an empty part's gradient is not zero"
+            assert np.all(to_f64(device.readback(*g)[0])[empty] == 0), "an empty part's gradient is not zero"
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_merge_varlen_backward_any_rows_layout_and_option(dev, data):
+def test_merge_varlen_backward_any_rows_layout_and_option(device, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     counts = data.draw(st.lists(st.integers(0, 7), max_size=6))
     before, after = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
@@ -628,14 +542,14 @@ def test_merge_varlen_backward_any_rows_layout_and_option(dev, data):
     glv, glb = strided_view(np.zeros(lse.shape, np.float32), **data.draw(layouts(2, False)))
     gov[...] = np.nan
     glv[...] = np.nan
-    tg, tgb = dev.strided(gov, gob)
-    tl, tlb = dev.strided(glv, glb)
+    tg, tgb = device.strided(gov, gob)
+    tl, tlb = device.strided(glv, glb)
     ov, ob = strided_view(o, **data.draw(layouts(3, True)))
-    attnmerge.merge_varlen_backward(dev.put(grad_out), dev.put(grad_out_lse), None if without_out else dev.put(out),
-                                    dev.put(out_lse), dev.strided(ov, ob)[0], dev.put(lse), dev.put(indptr),
+    attnmerge.merge_varlen_backward(device.put(grad_out), device.put(grad_out_lse), None if without_out else device.put(out),
+                                    device.put(out_lse), device.strided(ov, ob)[0], device.put(lse), device.put(indptr),
                                     grad_o=tg, grad_lse=tl, base=base)
-    got_o, clean_o = dev.readback(gov, gob, tg, tgb)
-    got_l, clean_l = dev.readback(glv, glb, tl, tlb)
+    got_o, clean_o = device.readback(gov, gob, tg, tgb)
+    got_l, clean_l = device.readback(glv, glb, tl, tlb)
     assert clean_o and clean_l, "a gradient was written outside its view"
     assert_grads(got_o, got_l, want, in_dtype, lse_rtol=GRAD_LSE_RTOL_WITHOUT_O if without_out else GRAD_LSE_RTOL)
 
@@ -733,28 +647,24 @@ def test_c_abi_two_way_with_lses_heads_first(rng):
     assert status == c_abi.ERROR_VALUE and c_abi.last_error().startswith("grad_o_a: expected shape [4, 3, 16]")
 
 
-@pytest.mark.gpu
-def test_gpu_launch_is_one_backward_kernel(rng):
-    if not TORCH_DEVICE.startswith("cuda"):
-        pytest.skip("GPU-only behaviour")
-    dev = torch_device()
+@pytest.mark.parametrize("device", devices.CUDA_ONLY, indirect=True)
+def test_gpu_launch_is_one_backward_kernel(rng, device):
+    device.gpu_only()
     o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 64, 8, 8, 128, "bfloat16", "bfloat16", "e")
-    attnmerge.merge_states_backward(*(dev.put(x) for x in (grad_out, grad_out_lse, out, out_lse, o, lse)))
+    attnmerge.merge_states_backward(*(device.put(x) for x in (grad_out, grad_out_lse, out, out_lse, o, lse)))
     info = attnmerge.last_launch()
     assert (info["kernel"], info["launches"], info["vec"], info["pdl"]) == ("backward", 1, 8, False)
     assert info["block"][0] == 16  # 128 bfloat16 elements: 16 packs of 8, one lane each
-    attnmerge.merge_states_backward(*(dev.put(x) for x in (grad_out, grad_out_lse, out, out_lse, o, lse)), pdl=True)
-    major = dev.torch.cuda.get_device_capability()[0]
+    attnmerge.merge_states_backward(*(device.put(x) for x in (grad_out, grad_out_lse, out, out_lse, o, lse)), pdl=True)
+    major = device.torch.cuda.get_device_capability()[0]
     assert attnmerge.last_launch()["pdl"] == (major >= 9)
 
 
-@pytest.mark.gpu
+@pytest.mark.parametrize("device", devices.CUDA_ONLY, indirect=True)
 @pytest.mark.parametrize("in_dtype", DTYPES)
-def test_gpu_gradients_match_the_cpus(rng, in_dtype):
+def test_gpu_gradients_match_the_cpus(rng, device, in_dtype):
     """The same call on the GPU and on the CPU: the same gradients to the forward's tolerances."""
-    if not TORCH_DEVICE.startswith("cuda"):
-        pytest.skip("GPU-only behaviour")
-    gpu, host = torch_device(), Host()
+    gpu, host = device, devices.Cpu()
     o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 33, 5, 4, 96, in_dtype, "float32", 2)
     args = (grad_out, grad_out_lse, out, out_lse, o, lse)
     on_gpu = attnmerge.merge_states_backward(*(gpu.put(x) for x in args), base=2)
@@ -763,23 +673,21 @@ def test_gpu_gradients_match_the_cpus(rng, in_dtype):
     assert rel_l2(gpu.get(on_gpu[1]), on_cpu[1]) <= GRAD_LSE_RTOL
 
 
-@pytest.mark.gpu
-def test_gpu_bad_indptr_stays_in_bounds_and_writes_every_state(rng):
+@pytest.mark.parametrize("device", devices.CUDA_ONLY, indirect=True)
+def test_gpu_bad_indptr_stays_in_bounds_and_writes_every_state(rng, device):
     """On the GPU a bad indptr is not read back: rows take the forward's clamped ranges, nothing is
     accessed out of bounds, and every state's gradient is still written (states in two rows'
     clamped ranges get one row's)."""
-    if not TORCH_DEVICE.startswith("cuda"):
-        pytest.skip("GPU-only behaviour")
-    dev = torch_device()
+    device.gpu_only()
     o, lse = random_o(rng, (8, 2, 16)), random_lse(rng, (8, 2))
     grad_out, grad_out_lse = random_o(rng, (3, 2, 16)), random_lse(rng, (3, 2), 1.0)
     for bad in ([0, 5, 2, 8], [-3, 4, 6, 99], [6, 1, 0, 2]):
-        indptr = dev.put(np.array(bad, np.int64))
-        out, out_lse = attnmerge.merge_varlen(dev.put(o), dev.put(lse), indptr)
-        grad_o, grad_lse = dev.nan(o.shape), dev.nan(lse.shape)
-        attnmerge.merge_varlen_backward(dev.put(grad_out), dev.put(grad_out_lse), out, out_lse, dev.put(o), dev.put(lse),
+        indptr = device.put(np.array(bad, np.int64))
+        out, out_lse = attnmerge.merge_varlen(device.put(o), device.put(lse), indptr)
+        grad_o, grad_lse = device.nan(o.shape), device.nan(lse.shape)
+        attnmerge.merge_varlen_backward(device.put(grad_out), device.put(grad_out_lse), out, out_lse, device.put(o), device.put(lse),
                                         indptr, grad_o=grad_o, grad_lse=grad_lse)
-        assert np.isfinite(dev.get(grad_o)).all() and np.isfinite(dev.get(grad_lse)).all(), bad
+        assert np.isfinite(device.get(grad_o)).all() and np.isfinite(device.get(grad_lse)).all(), bad
 
 
 # --------------------------------------------------------------------------------------------------
@@ -814,13 +722,13 @@ def test_torch_gradcheck_of_the_merge_states_backward():
     assert torch.autograd.gradcheck(MergeStates.apply, (o, lse), eps=1e-6, atol=1e-5, rtol=1e-4)
 
 
-def test_lse_base_2_is_base_e_rescaled(rng, dev):
+def test_lse_base_2_is_base_e_rescaled(rng, device):
     """The same states in base 2 (lse * log2(e)) give the same dO_i, and dlse_i scaled by ln 2:
     d/d(lse2) = d/d(lse_e) * ln 2."""
     o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 5, 3, 2, 16, "float32", "float32", "e")
-    args = [dev.put(x) for x in (grad_out, np.zeros_like(grad_out_lse), out)]
-    e = attnmerge.merge_states_backward(*args, dev.put(out_lse), dev.put(o), dev.put(lse))
-    two = attnmerge.merge_states_backward(*args, dev.put((out_lse / LN2).astype(np.float32)), dev.put(o),
-                                          dev.put((lse / LN2).astype(np.float32)), base=2)
-    assert rel_l2(dev.get(two[0]), dev.get(e[0])) <= 1e-5
-    assert rel_l2(dev.get(two[1]), dev.get(e[1]) * LN2) <= 1e-5
+    args = [device.put(x) for x in (grad_out, np.zeros_like(grad_out_lse), out)]
+    e = attnmerge.merge_states_backward(*args, device.put(out_lse), device.put(o), device.put(lse))
+    two = attnmerge.merge_states_backward(*args, device.put((out_lse / LN2).astype(np.float32)), device.put(o),
+                                          device.put((lse / LN2).astype(np.float32)), base=2)
+    assert rel_l2(device.get(two[0]), device.get(e[0])) <= 1e-5
+    assert rel_l2(device.get(two[1]), device.get(e[1]) * LN2) <= 1e-5
