@@ -18,7 +18,9 @@ does (a clamped bad indptr, CUDA graphs, launch records) is skipped there by `de
                                (the view's values, whether all of the buffer outside it is still NaN)
     dev.is_mine(x)             x is an array of this device's library, on this device
     dev.dtype(name)            the library's dtype object of a dtype name
-    dev.ptr(x), dev.raw_device the data pointer of an array and the raw layer's `device=` for it
+    dev.raw_device             the raw layer's `device=` for this device's arrays
+
+raw_o(x), raw_lse(x): the raw layer's descriptors (attnmerge.raw) of a NumPy array or a torch tensor.
 """
 
 from __future__ import annotations
@@ -40,6 +42,34 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.cuda_device])
 PARAMS = ["cpu", CUDA]
 #: for `@pytest.mark.parametrize("device", CUDA_ONLY, indirect=True)`: a test of the GPU path only
 CUDA_ONLY = [CUDA]
+
+
+def element_strides(x) -> tuple:
+    """Strides in elements of a NumPy array or torch tensor (NumPy gives a zero-size array zero
+    strides: C-contiguous ones there)."""
+    if isinstance(x, np.ndarray):
+        if x.size == 0:
+            return tuple(int(np.prod(x.shape[i + 1 :])) for i in range(x.ndim))
+        return tuple(s // x.itemsize for s in x.strides)
+    return tuple(x.stride())
+
+
+def pointer(x) -> int:
+    return x.ctypes.data if isinstance(x, np.ndarray) else x.data_ptr()
+
+
+def raw_o(x):
+    """(ptr, dtype name, stride_token, stride_head) of a [T, H, D] view: attnmerge.raw's O descriptor."""
+    st = element_strides(x)
+    assert st[2] == 1
+    name = x.dtype.name if isinstance(x, np.ndarray) else str(x.dtype).removeprefix("torch.")
+    return (pointer(x), name, st[0], st[1])
+
+
+def raw_lse(x):
+    """(ptr, stride_token, stride_head) of a logical [T, H] float32 view: attnmerge.raw's LSE descriptor."""
+    st = element_strides(x)
+    return (pointer(x), st[0], st[1])
 
 
 def _dtype(name):
@@ -85,9 +115,6 @@ class Cpu:
 
     def dtype(self, name):
         return _dtype(name)
-
-    def ptr(self, x) -> int:
-        return x.ctypes.data
 
     def synchronize(self):
         pass
@@ -151,9 +178,6 @@ class Cuda:
         if name in ("float8_e4m3fn", "float8_e4m3"):
             return self.torch.float8_e4m3fn
         return getattr(self.torch, name)
-
-    def ptr(self, x) -> int:
-        return x.data_ptr()
 
     def synchronize(self):
         if self.on_gpu:

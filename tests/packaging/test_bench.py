@@ -86,7 +86,7 @@ def test_the_readme_table_is_rendered_from_a_vs_seed_run(tmp_path):
     seed / attnmerge graph time, computed from the run's own figures."""
     import pathlib
 
-    script = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "vs_seed_table.py"
+    script = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "vs_seed_table.py"
     row = dict(tokens=16, heads=32, head_size=128, dtype="bfloat16", MB=0.4096, seed_graph_us=1.75,
                ours_graph_us=1.6, seed_eager_us=10.18, ours_eager_us=8.48, ours_roof_pct=5.93)
     path = tmp_path / "vs_seed.json"
@@ -104,7 +104,7 @@ def test_the_readme_flashinfer_table_is_rendered_from_a_bench_run(tmp_path):
     and a dash where FlashInfer has no launcher."""
     import pathlib
 
-    script = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "vs_flashinfer_table.py"
+    script = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "vs_flashinfer_table.py"
     meta = {"device": "test GPU", "flashinfer": "flashinfer-python 0.7.2.post1", "roofline_GBps": 4196.4,
             "floor": {"us": 2.04, "TBps": 4.37}}
     case = lambda op, name, mb, am, fi, floor: {  # noqa: E731

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 WAYS_OUT = ["CUDACXX=", "-DCMAKE_CUDA_COMPILER=", "ATTNMERGE_CUDA_FROM_PYPI=1"]
 
 

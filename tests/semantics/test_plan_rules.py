@@ -24,7 +24,7 @@ from plan_spec import (
     groups_for,
 )
 
-PROBE = os.path.join(os.path.dirname(__file__), "native", "plan_probe.cpp")
+PROBE = os.path.join(os.path.dirname(__file__), "..", "native", "plan_probe.cpp")
 FIELDS = ("strategy", "chunk", "groups", "launches", "plain", "fused_lse", "index32",
           "gx", "gy", "gz", "bx", "by", "bz", "smem", "flat")
 

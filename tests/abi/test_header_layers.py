@@ -13,7 +13,7 @@ import pytest
 
 import attnmerge
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 INCLUDE = os.path.join(ROOT, "cpp", "include")
 HEADERS = sorted(os.listdir(os.path.join(INCLUDE, "attnmerge")))
 

@@ -21,9 +21,9 @@ import pytest
 
 import attnmerge
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SRC = os.path.join(ROOT, "cpp", "src")
-PROBE = os.path.join(os.path.dirname(__file__), "native", "driver_probe.cpp")
+PROBE = os.path.join(os.path.dirname(__file__), "..", "native", "driver_probe.cpp")
 BACKEND = os.path.join(ROOT, "build_backend", "_attnmerge_backend.py")
 
 

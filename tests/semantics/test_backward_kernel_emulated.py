@@ -23,7 +23,7 @@ import attnmerge
 from oracle import DTYPES, np_dtype, random_lse, random_o, reference_merge_stacked, reference_merge_varlen, strided_view
 from test_backward import BASES, assert_grads, case, expected_states, forward_states, layouts, varlen_expected
 
-HERE = os.path.dirname(__file__)
+HERE = os.path.dirname(os.path.dirname(__file__))  # tests/
 CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 I64P = ctypes.POINTER(ctypes.c_int64)
 

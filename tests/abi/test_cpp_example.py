@@ -11,7 +11,7 @@ import pytest
 
 import attnmerge
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "cpp")
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "cpp")
 
 
 def test_the_cpp_example_builds_against_the_installed_package_and_runs(tmp_path):

@@ -1297,7 +1297,7 @@ _CHILD = textwrap.dedent("""
 
 
 def _child(op):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]),
                ATTNMERGE_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-c", _CHILD, op], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, f"child exited with {r.returncode}: {r.stdout[-500:]} {r.stderr[-500:]}"

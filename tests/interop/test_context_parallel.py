@@ -27,7 +27,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is unavailable", allow_module_level=True)
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "context_parallel.py")
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "context_parallel.py")
 # A problem whose key count does not divide by P: the shards differ in size.
 PROBLEM = dict(seed=7, tokens=24, heads=4, head_size=64, keys=1001)
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from attnmerge import raw
+from devices import raw_lse, raw_o
 from oracle import (
     DTYPES,
     assert_merge_matches,
     assert_o_close,
-    dtype_name,
     lse_view,
     nan_array,
     o_view,
@@ -26,32 +26,12 @@ from oracle import (
 )
 
 
-def _strides(x: np.ndarray):
-    """Element strides; NumPy gives a zero-size array zero strides, so use C-contiguous ones there."""
-    if x.size == 0:
-        return tuple(int(np.prod(x.shape[i + 1 :])) for i in range(x.ndim))
-    return tuple(s // x.itemsize for s in x.strides)
-
-
-def o_desc(x: np.ndarray):
-    """(ptr, dtype, stride_token, stride_head) of a [T, H, D] NumPy view."""
-    st = _strides(x)
-    assert st[2] == 1
-    return (x.ctypes.data, dtype_name(x), st[0], st[1])
-
-
-def lse_desc(x: np.ndarray):
-    """(ptr, stride_token, stride_head) of a logical [T, H] float32 NumPy view."""
-    st = _strides(x)
-    return (x.ctypes.data, st[0], st[1])
-
-
 def call(out, out_lse, o_a, lse_a, o_b, lse_b, **kw):
     t, h, d = o_b.shape
     return raw.merge(
         tokens=t, heads=h, head_size=d,
-        out=o_desc(out), o_a=o_desc(o_a), lse_a=lse_desc(lse_a), o_b=o_desc(o_b), lse_b=lse_desc(lse_b),
-        out_lse=None if out_lse is None else lse_desc(out_lse), device=kw.pop("device", "cpu"), **kw,
+        out=raw_o(out), o_a=raw_o(o_a), lse_a=raw_lse(lse_a), o_b=raw_o(o_b), lse_b=raw_lse(lse_b),
+        out_lse=None if out_lse is None else raw_lse(out_lse), device=kw.pop("device", "cpu"), **kw,
     )
 
 
@@ -163,8 +143,8 @@ def test_lse_heads_first_takes_strides_in_the_order_of_the_heads_first_array(rng
     def ht(x):
         return (x.ctypes.data, x.strides[0] // 4, x.strides[1] // 4)
 
-    raw.merge(tokens=13, heads=4, head_size=24, out=o_desc(out), o_a=o_desc(o_a), lse_a=ht(lse_a_ht),
-              o_b=o_desc(o_b), lse_b=ht(lse_b_ht), out_lse=ht(out_lse_ht), device="cpu", lse_heads_first=True)
+    raw.merge(tokens=13, heads=4, head_size=24, out=raw_o(out), o_a=raw_o(o_a), lse_a=ht(lse_a_ht),
+              o_b=raw_o(o_b), lse_b=ht(lse_b_ht), out_lse=ht(out_lse_ht), device="cpu", lse_heads_first=True)
     ref = reference_merge(o_a, lse_a_ht.T, o_b, lse_b_ht.T)
     assert_merge_matches(out, out_lse_ht.T, ref, dtype)
 

@@ -15,11 +15,21 @@ import pytest
 import attnmerge
 from attnmerge import raw
 from attnmerge.compat.vllm import merge_attn_states
-from oracle import all_nan, nan_array, random_state
-from test_raw import lse_desc, o_desc
-from test_vllm_compat import vllm_inputs
+from oracle import all_nan, nan_array, random_lse, random_o, random_state
+from devices import raw_lse as lse_desc
+from devices import raw_o as o_desc
 
 T, H, D = 8, 3, 16
+
+
+def vllm_inputs(rng, tokens=33, heads=4, head_size=128, dtype="float16"):
+    """prefix/suffix outputs [T, H, D] and LSEs [H, T], as vLLM lays them out."""
+    return dict(
+        prefix_output=random_o(rng, (tokens, heads, head_size), dtype),
+        prefix_lse=random_lse(rng, (heads, tokens)),
+        suffix_output=random_o(rng, (tokens, heads, head_size), dtype),
+        suffix_lse=random_lse(rng, (heads, tokens)),
+    )
 
 
 def names(word: str, msg: str) -> bool:

@@ -70,7 +70,7 @@ def test_no_cpp_symbols_are_exported():
 
 
 def test_the_installed_header_is_the_source_header():
-    source = os.path.join(os.path.dirname(__file__), os.pardir, "cpp", "include", "attnmerge", "attnmerge.h")
+    source = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "cpp", "include", "attnmerge", "attnmerge.h")
     if not os.path.isfile(source):
         pytest.skip("not run from a source checkout")
     with open(source) as f:
