@@ -7,7 +7,17 @@ import numpy as np
 import pytest
 
 import attnmerge
-from oracle import DTYPES, assert_merge_matches, assert_o_close, nan_array, random_lse, random_state, reference_merge
+from oracle import (
+    DTYPES,
+    assert_merge_matches,
+    assert_o_close,
+    nan_array,
+    random_lse,
+    random_stacked,
+    random_state,
+    reference_merge,
+    reference_merge_stacked,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -91,3 +101,22 @@ def test_torch_and_numpy_may_mix_on_the_cpu(rng):
         return get(x) if isinstance(x, torch.Tensor) else np.asarray(x)
 
     assert_merge_matches(anyget(out), anyget(out_lse), reference_merge(*h), "float32")
+
+
+def test_merge_states_in_the_all_gather_layout(rng):
+    o, lse = random_stacked(rng, 13, 4, 3, 64, states_axis=0)
+    out, out_lse = attnmerge.merge_states(torch.from_numpy(o), torch.from_numpy(lse), states_axis=0)
+    assert isinstance(out, torch.Tensor) and isinstance(out_lse, torch.Tensor)
+    assert out.shape == (13, 3, 64) and out_lse.shape == (13, 3)
+    assert_merge_matches(out.numpy(), out_lse.numpy(), reference_merge_stacked(o, lse, states_axis=0), "float32")
+
+
+def test_merge_states_of_bfloat16_views(rng):
+    o, lse = random_stacked(rng, 13, 3, 4, 72, states_axis=1)
+    ot = torch.from_numpy(np.ascontiguousarray(np.moveaxis(o, 1, 0))).to(torch.bfloat16)  # [S, T, H, D]
+    o_bf = ot.float().numpy()
+    out = torch.full((13, 4, 80), float("nan"), dtype=torch.bfloat16)[:, :, 8:]
+    out_lse = torch.full((4, 13), float("nan"))
+    attnmerge.merge_states(ot.transpose(0, 1), torch.from_numpy(lse), out=out, out_lse=out_lse.T)
+    ref = reference_merge_stacked(o_bf, np.moveaxis(lse, 1, 0), states_axis=0)
+    assert_merge_matches(out.float().numpy(), out_lse.T.numpy(), ref, "bfloat16")
