@@ -384,21 +384,6 @@ def test_lses_laid_out_heads_first_from_64_tokens(rng, dtype, tokens, a_tokens):
     assert_merge_matches(fw.get(out), fw.get(out_lse), ref, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_masked_in_place_merge_keeping_every_row_gives_the_plain_merges_bits(rng, dtype):
-    """The masked in-place merge with every row kept (the mask read, O and then the LSEs in two
-    launches) gives the plain merge's bits: the same row math on every path, and the oracle's values."""
-    fw = Torch()
-    torch = fw.torch
-    h = host_inputs(rng, tokens=37, heads=5, head_size=128, dtype=dtype)
-    o_a, lse_a, o_b, lse_b = [fw.put(x) for x in h]
-    out, out_lse = attnmerge.merge(o_a, lse_a, o_b, lse_b)
-    attnmerge.merge_inplace(o_a, lse_a, o_b, lse_b, mask=torch.ones(37, dtype=torch.bool, device="cuda"))
-    torch.cuda.synchronize()
-    assert torch.equal(out, o_a) and torch.equal(out_lse, lse_a)
-    assert_merge_matches(fw.get(out), fw.get(out_lse), reference_merge(*h), dtype)
-
-
 def test_more_than_2_31_elements_use_64_bit_offsets(torch):
     """2**17 + 3 tokens x 128 heads x 128 (float16): element offsets past 2**31; checked at both ends."""
     free, _ = torch.cuda.mem_get_info()

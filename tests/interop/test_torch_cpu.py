@@ -10,6 +10,7 @@ import attnmerge
 from oracle import (
     DTYPES,
     assert_merge_matches,
+    assert_lse_close,
     assert_o_close,
     nan_array,
     random_lse,
@@ -120,3 +121,18 @@ def test_merge_states_of_bfloat16_views(rng):
     attnmerge.merge_states(ot.transpose(0, 1), torch.from_numpy(lse), out=out, out_lse=out_lse.T)
     ref = reference_merge_stacked(o_bf, np.moveaxis(lse, 1, 0), states_axis=0)
     assert_merge_matches(out.float().numpy(), out_lse.T.numpy(), ref, "bfloat16")
+
+
+def test_merge_inplace_with_a_mask(rng):
+    o, lse = random_state(rng, 17, 4, 64)
+    o2, lse2 = random_state(rng, 17, 4, 64)
+    ref = reference_merge(o, lse, o2, lse2)
+    to, tl = torch.from_numpy(o.copy()), torch.from_numpy(lse.copy())
+    mask = torch.ones(17, dtype=torch.bool)
+    mask[3] = False
+    res, res_lse = attnmerge.merge_inplace(to, tl, torch.from_numpy(o2), torch.from_numpy(lse2), mask=mask)
+    assert res is to and res_lse is tl
+    on = mask.numpy()
+    assert np.array_equal(to.numpy()[3], o[3]) and np.array_equal(tl.numpy()[3], lse[3])
+    assert_o_close(to.numpy()[on], ref[0][on], "float32", "o")
+    assert_lse_close(tl.numpy()[on], ref[1][on], "lse")
