@@ -548,3 +548,35 @@ def test_a_non_fp8_output_takes_no_scale_but_1(rng):
     attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, output_scale=1.0)  # accepted: changes nothing
     want, _ = attnmerge.merge(o_a, lse_a, o_b, lse_b)
     assert np.array_equal(out, want)
+
+
+# --------------------------------------------------------------------------------------------------
+# a bad indptr on the CPU: ValueError naming indptr, nothing written (on the GPU it is clamped:
+# tests/semantics/test_merge_varlen.py)
+
+BAD_INDPTR = {
+    "negative_first": [-1, 2, 4],
+    "negative_inside": [0, -2, 4],
+    "decreasing": [0, 3, 2, 5],
+    "past_total": [0, 3, 11],
+    "first_past_total": [11, 11, 11],
+}
+
+
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("case", list(BAD_INDPTR))
+def test_a_bad_indptr_raises_and_writes_nothing(rng, case, index_dtype):
+    o, lse = random_state(rng, 10, 2, 16)
+    indptr = np.array(BAD_INDPTR[case], index_dtype)
+    rows = len(indptr) - 1
+    out, out_lse = nan_array((rows, 2, 16)), nan_array((rows, 2))
+    with pytest.raises(ValueError) as info:
+        attnmerge.merge_varlen(o, lse, indptr, out=out, out_lse=out_lse)
+    assert "indptr" in str(info.value), str(info.value)
+    assert all_nan(out) and all_nan(out_lse), "an output was written before the error"
+
+
+def test_a_bad_indptr_raises_with_allocated_outputs(rng):
+    o, lse = random_state(rng, 10, 2, 16)
+    with pytest.raises(ValueError, match="indptr"):
+        attnmerge.merge_varlen(o, lse, np.array([0, 5, 4], np.int64))

@@ -18,6 +18,7 @@ from oracle import (
     random_state,
     reference_merge,
     reference_merge_stacked,
+    reference_merge_varlen,
 )
 
 torch = pytest.importorskip("torch")
@@ -136,3 +137,11 @@ def test_merge_inplace_with_a_mask(rng):
     assert np.array_equal(to.numpy()[3], o[3]) and np.array_equal(tl.numpy()[3], lse[3])
     assert_o_close(to.numpy()[on], ref[0][on], "float32", "o")
     assert_lse_close(tl.numpy()[on], ref[1][on], "lse")
+
+
+def test_merge_varlen_allocates_torch_cpu_tensors(rng):
+    indptr = np.array([0, 2, 2, 5], np.int64)
+    o, lse = random_state(rng, 5, 3, 40)
+    out, out_lse = attnmerge.merge_varlen(torch.from_numpy(o), torch.from_numpy(lse), torch.from_numpy(indptr))
+    assert isinstance(out, torch.Tensor) and out.shape == (3, 3, 40)
+    assert_merge_matches(out.numpy(), out_lse.numpy(), reference_merge_varlen(o, lse, indptr), "float32")
