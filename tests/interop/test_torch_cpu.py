@@ -9,9 +9,11 @@ import pytest
 import attnmerge
 from oracle import (
     DTYPES,
+    assert_fp8_close,
     assert_merge_matches,
     assert_lse_close,
     assert_o_close,
+    fp8_dtype,
     nan_array,
     random_lse,
     random_stacked,
@@ -145,3 +147,18 @@ def test_merge_varlen_allocates_torch_cpu_tensors(rng):
     out, out_lse = attnmerge.merge_varlen(torch.from_numpy(o), torch.from_numpy(lse), torch.from_numpy(indptr))
     assert isinstance(out, torch.Tensor) and out.shape == (3, 3, 40)
     assert_merge_matches(out.numpy(), out_lse.numpy(), reference_merge_varlen(o, lse, indptr), "float32")
+
+
+def test_a_float8_output_and_a_scale_tensor(rng):
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this torch has no float8_e4m3fn")
+    o_a, lse_a = random_state(rng, 12, 3, 64)
+    o_b, lse_b = random_state(rng, 12, 3, 64)
+    t = [torch.from_numpy(x) for x in (o_a, lse_a, o_b, lse_b)]
+    out, out_lse = attnmerge.merge(*t, out_dtype=torch.float8_e4m3fn, output_scale=torch.tensor([0.5]))
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float8_e4m3fn
+    ref_o, ref_lse = reference_merge(o_a, lse_a, o_b, lse_b)
+    assert_fp8_close(out.view(torch.uint8).numpy().view(fp8_dtype()), ref_o, 0.5)
+    given = torch.full((12, 3, 64), float("nan")).to(torch.float8_e4m3fn)
+    attnmerge.merge(*t, out=given)
+    assert_fp8_close(given.view(torch.uint8).numpy().view(fp8_dtype()), ref_o, 1.0)

@@ -18,14 +18,11 @@ import attnmerge
 from oracle import (
     DTYPES,
     assert_fp8_close,
-    assert_lse_close,
     assert_merge_matches,
     assert_o_close,
     fp8_dtype,
     nan_array,
     outside_view_is_nan,
-    random_lse,
-    random_o,
     random_stacked,
     random_state,
     reference_merge,
@@ -100,66 +97,6 @@ def buffer_outside_is_nan(view_t, buf_t, np_view, np_buf):
         shape=np_view.shape, strides=tuple(s // np_view.itemsize * host.itemsize for s in np_view.strides),
     )
     return outside_view_is_nan(twin, host)
-
-
-# --------------------------------------------------------------------------------------------------
-# FP8
-
-
-@pytest.mark.parametrize("in_dtype", DTYPES)
-def test_fp8_merge_with_a_device_scale(rng, torch, in_dtype):
-    o_a, lse_a = random_state(rng, 65, 8, 128, in_dtype)
-    o_b, lse_b = random_state(rng, 65, 8, 128, in_dtype)
-    o_a[:3] *= 3000  # saturates
-    lse_a[5, 2] = np.nan
-    scale = torch.tensor([0.375], device=DEVICE)
-    out, out_lse = attnmerge.merge(put(o_a), put(lse_a), put(o_b), put(lse_b), out_dtype=torch.float8_e4m3fn,
-                                   output_scale=scale)
-    assert out.dtype == torch.float8_e4m3fn
-    ref_o, ref_lse = reference_merge(o_a, lse_a, o_b, lse_b)
-    assert_fp8_close(get(out), ref_o, 0.375)
-    assert_lse_close(get(out_lse), ref_lse)
-
-
-@pytest.mark.parametrize("scale", [None, 2.0, "tensor"])
-@pytest.mark.parametrize("s", (1, 3, 8, 64))
-def test_fp8_merge_states_into_a_given_output(rng, torch, s, scale):
-    o, lse = random_stacked(rng, 37, s, 4, 100, "bfloat16", states_axis=0)
-    out = fp8_nan_tensor(torch, (37, 4, 100))
-    arg = torch.tensor([0.5], device=DEVICE) if scale == "tensor" else scale
-    sv = 0.5 if scale == "tensor" else (scale or 1.0)
-    out_lse = nan_tensor((37, 4))
-    attnmerge.merge_states(put(o), put(lse), out=out, out_lse=out_lse, states_axis=0, output_scale=arg)
-    ref_o, ref_lse = reference_merge_stacked(o, lse, states_axis=0)
-    assert_fp8_close(get(out), ref_o, sv)
-    assert_lse_close(get(out_lse), ref_lse)
-
-
-@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
-def test_fp8_merge_varlen(rng, torch, index_dtype):
-    indptr = np.array([0, 3, 3, 4, 12], index_dtype)
-    o, lse = random_state(rng, 12, 4, 64, "float16")
-    scale = torch.tensor([4.0], device=DEVICE)
-    out, out_lse = attnmerge.merge_varlen(put(o), put(lse), put(indptr), out_dtype="float8_e4m3fn", output_scale=scale)
-    ref_o, ref_lse = reference_merge_varlen(o, lse, indptr)
-    assert_fp8_close(get(out), ref_o, 4.0)
-    assert_lse_close(get(out_lse), ref_lse)
-
-
-@pytest.mark.parametrize("in_dtype", DTYPES)
-def test_fp8_vllm_merge_attn_states(rng, torch, in_dtype):
-    from attnmerge.compat.vllm import merge_attn_states
-
-    t, h, d = 77, 8, 128
-    po, so = put(random_o(rng, (t, h, d), in_dtype)), put(random_o(rng, (t, h, d), in_dtype))
-    pl, sl = put(random_lse(rng, (h, t))), put(random_lse(rng, (h, t)))
-    output = fp8_nan_tensor(torch, (t, h, d))
-    output_lse = nan_tensor((h, t))
-    merge_attn_states(output, po, pl, so, sl, output_lse, prefill_tokens_with_context=40,
-                      output_scale=torch.tensor([0.25], device=DEVICE))
-    ref = reference_merge(get(po), get(pl).T, get(so), get(sl).T, a_tokens=40)
-    assert_fp8_close(get(output), ref[0], 0.25, "output")
-    assert_lse_close(get(output_lse).T, ref[1], "output_lse")
 
 
 # --------------------------------------------------------------------------------------------------
