@@ -1,4 +1,4 @@
-"""attnmerge.compat.flashinfer on the CPU: FlashInfer's signatures and conventions.
+"""attnmerge.compat.flashinfer: FlashInfer's signatures and conventions (on the CPU; the last test on every device).
 
 merge_state(v_a, s_a, v_b, s_b) -> (v, s)
 merge_state_in_place(v, s, v_other, s_other, mask=None) -> None      (writes v and s)
@@ -268,3 +268,34 @@ def test_under_autograd_errors_name_flashinfers_arguments_too(rng):
     with pytest.raises(ValueError) as info:
         fi.merge_states(vs[:, 0], ss)
     assert str(info.value) == "v: expected 4 dimensions, got 3 (shape [5, 3, 8])"
+
+
+# --------------------------------------------------------------------------------------------------
+# every function on every device
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_function_on_every_device(rng, device, dtype):
+    """The four functions on the `device` fixture's arrays (NumPy on the CPU, torch on CUDA): new
+    arrays of the caller's library on its device, the oracle's values in base 2."""
+    t, h, d = 33, 4, 128
+    v_a, s_a, v_b, s_b = pair(rng, t, h, d, dtype)
+    v, s = fi.merge_state(device.put(v_a), device.put(s_a), device.put(v_b), device.put(s_b))
+    assert device.is_mine(v) and device.is_mine(s) and v.dtype == device.dtype(dtype)
+    assert_merge_matches(device.get(v), device.get(s), reference_merge(v_a, s_a, v_b, s_b, base=2), dtype, "v")
+
+    tv, ts = device.put(v_a), device.put(s_a)
+    on = np.arange(t) % 2 == 0
+    assert fi.merge_state_in_place(tv, ts, device.put(v_b), device.put(s_b), mask=device.put(on)) is None
+    ref = reference_merge(v_a, s_a, v_b, s_b, base=2)
+    assert_o_close(device.get(tv)[on], ref[0][on], dtype, "v")
+    assert np.array_equal(device.get(tv)[~on], v_a[~on])
+
+    vs, ss = random_stacked(rng, t, 8, h, d, dtype)
+    v, s = fi.merge_states(device.put(vs), device.put(ss))
+    assert_merge_matches(device.get(v), device.get(s), reference_merge_stacked(vs, ss, base=2), dtype, "v")
+
+    indptr = np.array([0, 4, 4, 9, 12], np.int32)
+    vv, sv = random_state(rng, 12, h, d, dtype)
+    v, s = fi.variable_length_merge_states(device.put(vv), device.put(sv), device.put(indptr))
+    assert_merge_matches(device.get(v), device.get(s), reference_merge_varlen(vv, sv, indptr, base=2), dtype, "v")
