@@ -145,3 +145,13 @@ def test_options_carry_their_layouts_size_and_a_size_not_this_layouts_is_refused
             assert status == c_abi.ERROR_VALUE and c_abi.last_error() == (
                 f"options.struct_size: expected 0 or {size} (this library's attnmerge_options), got {struct_size}")
             assert np.isnan(out).all() and np.isnan(out_lse).all()
+
+
+def test_version_and_build_info():
+    info = attnmerge.build_info()
+    for key in ("version", "cuda_build_version", "cuda_architectures", "driver_version", "device_count"):
+        assert key in info, key
+    assert info["version"] == attnmerge.__version__
+    assert isinstance(attnmerge.__version__, str) and attnmerge.__version__.count(".") >= 2
+    assert isinstance(info["device_count"], int) and info["device_count"] >= 0
+    assert info["cuda_architectures"]

@@ -490,3 +490,9 @@ def test_a_meta_tensor_is_refused_by_its_own_name(rng, meta):
     assert "meta tensors are not supported outside torch.compile tracing" in msg, msg
     assert not names("out", msg), f"the caller passed no out, yet the message blames it: {msg!r}"
     assert "\n" not in msg and "frame #" not in msg, f"a backtrace in the message: {msg!r}"
+
+
+def test_poisoned_output_is_all_nan_before_the_call():
+    # guards the error tests' "nothing is written" check
+    assert all_nan(nan_array((3, 2, 4), "bfloat16")) and all_nan(nan_array((3, 2), "float32"))
+    assert nan_array((1,), "bfloat16").dtype.name == "bfloat16"
