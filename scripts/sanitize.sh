@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PY="${PYTHON:-python3}"
-TESTS="${SANITIZE_TESTS:-tests/interop/test_gpu_arrays.py tests/semantics/test_gpu_family.py}"
+TESTS="${SANITIZE_TESTS:-tests/semantics tests/interop/test_gpu_arrays.py tests/interop/test_cuda_graphs.py}"
 K="${SANITIZE_K:-not cupy and not jax and not numba and not large and not 2_31 and not 2_30 and not largest}"
 LOGS="${OUT:-$(mktemp -d)}"
 mkdir -p "$LOGS"

@@ -1,4 +1,5 @@
-"""attnmerge.raw.merge on the CPU, over NumPy arrays' integer pointers.
+"""attnmerge.raw.merge, the raw-pointer layer: over NumPy arrays' integer pointers on the CPU, and over
+torch tensors' data_ptr() on the `cuda` device (tests/devices.py; marked `gpu`).
 
 raw.merge(*, tokens, heads, head_size, out, o_a, lse_a, o_b, lse_b, out_lse=None, device, stream=0,
           base="e", a_tokens=None, lse_heads_first=False, pdl=False, check_pointers=True)
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from attnmerge import raw
+import devices
 from devices import raw_lse, raw_o
 from oracle import (
     DTYPES,
@@ -153,3 +155,37 @@ def test_lse_heads_first_takes_strides_in_the_order_of_the_heads_first_array(rng
     out_lse2 = nan_array((4, 13))
     call(out2, out_lse2.T, o_a, lse_a_ht.T, o_b, lse_b_ht.T)
     assert np.array_equal(out2, out, equal_nan=True) and np.array_equal(out_lse2, out_lse_ht, equal_nan=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# device pointers: the `cuda` device's torch tensors by data_ptr() (on the CPU under
+# ATTNMERGE_TEST_CUDA_AS=cpu, with device="cpu")
+
+
+def _stream(device):
+    return device.torch.cuda.current_stream().cuda_stream if device.on_gpu else 0
+
+
+@pytest.mark.parametrize("device", devices.CUDA_ONLY, indirect=True)
+@pytest.mark.parametrize("check_pointers", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_device_pointers_of_torch_tensors(rng, device, dtype, check_pointers):
+    h = (*random_state(rng, 33, 4, 80, dtype), *random_state(rng, 33, 4, 80, dtype))
+    o_a, lse_a, o_b, lse_b = [device.put(x) for x in h]
+    out = device.nan(h[0].shape, dtype)
+    out_lse_ht = device.nan((4, 33))  # [heads, tokens], described by strides
+    raw.merge(tokens=33, heads=4, head_size=80, out=raw_o(out), o_a=raw_o(o_a), lse_a=raw_lse(lse_a), o_b=raw_o(o_b),
+              lse_b=raw_lse(lse_b), out_lse=raw_lse(out_lse_ht.T), device=device.raw_device, stream=_stream(device),
+              check_pointers=check_pointers)
+    assert_merge_matches(device.get(out), device.get(out_lse_ht).T, reference_merge(*h), dtype)
+
+
+@pytest.mark.parametrize("device", devices.CUDA_ONLY, indirect=True)
+def test_device_pointers_base_2_and_a_tokens(rng, device):
+    h = (*random_state(rng, 40, 2, 64), *random_state(rng, 40, 2, 64))
+    o_a, lse_a, o_b, lse_b = [device.put(x) for x in h]
+    out = device.nan(h[0].shape)
+    raw.merge(tokens=40, heads=2, head_size=64, out=raw_o(out), o_a=raw_o(o_a), lse_a=raw_lse(lse_a), o_b=raw_o(o_b),
+              lse_b=raw_lse(lse_b), device=device.raw_device, base=2, a_tokens=25)
+    device.synchronize()
+    assert_o_close(device.get(out), reference_merge(*h, base=2, a_tokens=25)[0], "float32")

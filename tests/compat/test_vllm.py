@@ -1,4 +1,5 @@
-"""attnmerge.compat.vllm.merge_attn_states on the CPU (NumPy): vLLM's signature and conventions.
+"""attnmerge.compat.vllm.merge_attn_states: vLLM's signature and conventions (on the CPU, NumPy; the last
+test on every device).
 
 merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
                   prefill_tokens_with_context=None, output_scale=None)
@@ -199,3 +200,21 @@ def test_a_row_past_prefill_tokens_with_context_whose_suffix_is_empty_is_zero_an
     output, output_lse = nan_array(x["prefix_output"].shape, "float32"), nan_array(x["prefix_lse"].shape)
     merge_attn_states(output, x["prefix_output"], x["prefix_lse"], x["suffix_output"], x["suffix_lse"], output_lse, 4)
     assert np.all(output[6, 1] == 0) and output_lse[1, 6] == -np.inf
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [None, 0, 30, 77])
+def test_on_every_device_with_and_without_output_lse(rng, device, dtype, k):
+    """On the device fixture's arrays (NumPy on the CPU, torch on CUDA), an empty part among the
+    rows; without output_lse the same output."""
+    t, h, d = 77, 8, 128
+    x = vllm_inputs(rng, t, h, d, dtype)
+    x["prefix_lse"][1, 3] = np.inf
+    dx = {k_: device.put(v) for k_, v in x.items()}
+    output, output_lse = device.nan((t, h, d), dtype), device.nan((h, t))
+    merge_attn_states(output, **dx, output_lse=output_lse, prefill_tokens_with_context=k)
+    output, output_lse = device.get(output), device.get(output_lse)
+    assert_merge_matches(output, output_lse.T, reference(x, k), dtype, "output")
+    output2 = device.nan((t, h, d), dtype)
+    merge_attn_states(output2, **dx, output_lse=None, prefill_tokens_with_context=k)
+    assert np.array_equal(device.get(output2).view(np.uint8), output.view(np.uint8))
