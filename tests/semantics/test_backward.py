@@ -555,55 +555,7 @@ def test_merge_varlen_backward_any_rows_layout_and_option(device, data):
 
 
 # --------------------------------------------------------------------------------------------------
-# the C ABI: validation before any write, argument names, status codes
-
-
-def test_refusals_name_the_argument_and_write_nothing(rng):
-    o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 4, 3, 2, 8, "float32", "float32", "e")
-    args = dict(grad_out=grad_out, grad_out_lse=grad_out_lse, out=out, out_lse=out_lse, o=o, lse=lse)
-
-    def call(**over):
-        a = dict(args, **over)
-        grad_o, grad_lse = over.pop("grad_o", np.full(o.shape, np.nan, np.float32)), np.full(lse.shape, np.nan, np.float32)
-        with pytest.raises((ValueError, TypeError)) as err:
-            attnmerge.merge_states_backward(a["grad_out"], a["grad_out_lse"], a["out"], a["out_lse"], a["o"], a["lse"],
-                                            grad_o=grad_o, grad_lse=grad_lse)
-        assert np.isnan(grad_lse).all()
-        return str(err.value)
-
-    assert call(grad_out=grad_out[:3]).startswith("grad_out: expected shape [4, 2, 8]")
-    assert call(out_lse=out_lse[:, :1]).startswith("out_lse: expected shape [4, 2]")
-    assert call(grad_out=grad_out.astype(np.float16)).startswith("grad_out: expected the dtype of out (float32)")
-    assert call(grad_o=np.zeros(o.shape, np.float16)).startswith("grad_o: expected the dtype of o (float32)")
-    assert "grad_o: expected memory disjoint from o" in call(grad_o=o)
-    frozen = np.full(o.shape, np.nan, np.float32)
-    frozen.flags.writeable = False
-    assert call(grad_o=frozen).startswith("grad_o: expected a writable tensor")
-
-
-def test_an_fp8_output_and_an_output_scale_have_no_gradient(rng):
-    f8 = pytest.importorskip("ml_dtypes").float8_e4m3fn
-    o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 4, 2, 2, 8, "float32", "float32", "e")
-    with pytest.raises(TypeError, match=r"^out: expected dtype float32, float16 or bfloat16, got float8_e4m3"):
-        attnmerge.merge_states_backward(grad_out, None, out.astype(f8), out_lse, o, lse)
-    t = c_abi.tensor_from
-    g, gl = np.full(o.shape, np.nan, np.float32), np.full(lse.shape, np.nan, np.float32)
-    status = c_abi.merge_states_backward(t(g), t(gl), t(grad_out), t(grad_out_lse), t(out), t(out_lse), t(o), t(lse),
-                                         c_abi.options(output_scale=2.0))
-    assert status == c_abi.ERROR_VALUE and c_abi.last_error().startswith("output_scale: expected none")
-    assert np.isnan(g).all() and np.isnan(gl).all()
-
-
-def test_options_the_op_does_not_take_are_refused(rng):
-    """Options are refused, not ignored, where an op has no use for them: heads-first LSEs and
-    a_tokens are the two-way merge's only."""
-    o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 4, 3, 2, 8, "float32", "float32", "e")
-    t = c_abi.tensor_from
-    g = np.full(o.shape, np.nan, np.float32)
-    status = c_abi.merge_states_backward(t(g), None, t(grad_out), None, t(out), t(out_lse), t(o), t(lse),
-                                         c_abi.options(flags=c_abi.LSE_HEADS_FIRST))
-    assert status == c_abi.ERROR_VALUE and c_abi.last_error().startswith("options.flags: expected flags within")
-    assert np.isnan(g).all()
+# the C ABI: absent gradients, heads-first LSEs (its refusals: rows of tests/errors/bad_inputs.py)
 
 
 def test_the_c_abi_skips_absent_gradients_and_reads_no_o_without_lse_gradients(rng):

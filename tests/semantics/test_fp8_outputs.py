@@ -137,6 +137,16 @@ def test_the_lse_does_not_depend_on_the_scale(rng, device):
     assert np.array_equal(device.get(l1), device.get(l2))
 
 
+def test_a_non_fp8_output_takes_a_scale_of_1_which_changes_nothing(rng, device):
+    """A scale other than 1 with an output that is not FP8 is refused (the bad-input table); 1 is
+    accepted and changes nothing."""
+    args = [device.put(x) for x in (*random_state(rng, 8, 3, 16), *random_state(rng, 8, 3, 16))]
+    out = device.nan((8, 3, 16))
+    attnmerge.merge(*args, out=out, output_scale=1.0)
+    want, _ = attnmerge.merge(*args)
+    assert np.array_equal(device.get(out), device.get(want))
+
+
 def test_the_scale_array_is_read_at_call_time(rng, device):
     o_a, lse_a = random_state(rng, 8, 2, 32)
     o_b, lse_b = random_state(rng, 8, 2, 32)
