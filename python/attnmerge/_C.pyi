@@ -4,7 +4,7 @@ Arrays are any object the binding can describe (python/src/array_view.h): the DL
 API, __dlpack__, __cuda_array_interface__ or NumPy's array interface.  `stream` None is the current
 stream of the framework that owns the array outputs are allocated like (o_b, else o), resolved
 there; `names` maps the binding's argument names to a caller's, for its messages.
-tests/test_typing.py keeps this stub to exactly the names and parameters the module exports."""
+tests/packaging/test_typing.py keeps this stub to exactly the names and parameters the module exports."""
 from typing import Any
 
 def merge(out: Any, out_lse: Any, o_a: Any, lse_a: Any, o_b: Any, lse_b: Any, flags: int, a_tokens: int,

@@ -2,7 +2,7 @@
 attnmerge.jax.  JAX arrays are immutable, so attnmerge never writes one: a call whose results would
 be allocated like a JAX array is attnmerge.jax's (new JAX arrays, on XLA's buffers and stream), and
 a JAX array handed over to be written is refused, naming the argument and pointing to
-attnmerge.jax's functional form.  On JAX's CPU device here; tests/test_gpu.py runs the same calls on
+attnmerge.jax's functional form.  On JAX's CPU device here; interop/test_gpu_arrays.py runs the same calls on
 a GPU.  Without the JAX extension, such a call says how to get it."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """attnmerge.jax: the merges as XLA FFI custom calls under jax.jit and jax.vmap, on the CPU and, on a
 GPU machine, on the GPU; checked against the float64 oracle.  Skipped where JAX is not installed or
-attnmerge was built without the JAX extension (tests/test_jax_extension.py checks which it should
+attnmerge was built without the JAX extension (tests/packaging/test_jax_extension.py checks which it should
 have)."""
 from __future__ import annotations
 

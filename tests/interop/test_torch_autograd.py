@@ -125,7 +125,7 @@ def test_only_the_asked_gradients_and_only_out_or_only_out_lse_used(rng, device)
 def test_gradcheck_through_the_registered_ops():
     """torch.autograd.gradcheck of each op against finite differences of itself.  The library
     computes in float32 (it takes no float64): hence float32 inputs, a large step and tolerances
-    (the float64 gradcheck of the backward kernels themselves is in test_backward.py)."""
+    (the float64 gradcheck of the backward kernels themselves is in semantics/test_backward.py)."""
     gen = torch.Generator().manual_seed(1)
     o = torch.randn(3, 4, 2, 8, generator=gen, requires_grad=True)
     lse = torch.randn(3, 4, 2, generator=gen).requires_grad_()

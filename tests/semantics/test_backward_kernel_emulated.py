@@ -1,7 +1,7 @@
 """The GPU backward kernel's logic, on the CPU: tests/native/backward_emulator.cpp compiles the kernel
 of attnmerge/merge_backward_kernels.cuh (the installed header) as host C++, each row's lanes as host
 threads whose shuffles meet at a barrier, and runs it on the plan the library makes.  The results are
-held to the same oracle and tolerances as tests/test_backward.py: rows and their lanes, chunks of
+held to the same oracle and tolerances as tests/semantics/test_backward.py: rows and their lanes, chunks of
 states, rows wider than a warp, which lane writes which state's dlse, the two passes without O, the
 variable-length rows' edges and a_tokens, all without a GPU.  (What it cannot check: the device's
 own instructions, vector accesses and approximations; the `gpu` tests do.)
