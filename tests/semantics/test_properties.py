@@ -1,4 +1,4 @@
-"""Algebraic properties of the merge, checked with hypothesis on the CPU.
+"""Algebraic properties of the merge, checked with hypothesis on every device (the `device` fixture).
 
 Merging is the softmax-weighted union of key sets, so it is
   - commutative and associative (up to float32 rounding);
@@ -24,7 +24,9 @@ from oracle import DTYPES, np_dtype, to_f64
 
 TOL = 2e-5
 LSE_TOL = 1e-5
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The device fixture is the same for every example of a test: hypothesis may share it.
+SETTINGS = settings(max_examples=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 BASES = st.sampled_from(["e", 2])
 
@@ -76,8 +78,13 @@ def assert_same(x, y, scale, what):
     assert np.all(d <= lim), f"{what}: max difference {d.max():.3g} > {np.max(lim):.3g}"
 
 
-def merge(a, b, base):
-    return attnmerge.merge(a[0], a[1], b[0], b[1], base=base)
+def on(device, fn, *arrays, **kw):
+    """fn of host arrays put on the device; its results read back (None stays None)."""
+    return tuple(device.get(r) for r in fn(*(device.put(x) for x in arrays), **kw))
+
+
+def merge(device, a, b, base):
+    return on(device, attnmerge.merge, a[0], a[1], b[0], b[1], base=base)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -85,10 +92,10 @@ def merge(a, b, base):
 
 @SETTINGS
 @given(p=shapes(), base=BASES)
-def test_merging_is_commutative(p, base):
+def test_merging_is_commutative(device, p, base):
     rng = np.random.default_rng(p["seed"])
     a, b = state(rng, p), state(rng, p)
-    ab, ba = merge(a, b, base), merge(b, a, base)
+    ab, ba = merge(device, a, b, base), merge(device, b, a, base)
     s = scale_of(a[0], b[0])
     assert_same(ab[0], ba[0], s, "o")
     assert_same(ab[1], ba[1], s, "lse")
@@ -96,11 +103,11 @@ def test_merging_is_commutative(p, base):
 
 @SETTINGS
 @given(p=shapes(), base=BASES)
-def test_merging_is_associative(p, base):
+def test_merging_is_associative(device, p, base):
     rng = np.random.default_rng(p["seed"])
     a, b, c = state(rng, p), state(rng, p), state(rng, p)
-    left = merge(merge(a, b, base), c, base)
-    right = merge(a, merge(b, c, base), base)
+    left = merge(device, merge(device, a, b, base), c, base)
+    right = merge(device, a, merge(device, b, c, base), base)
     s = scale_of(a[0], b[0], c[0])
     assert_same(left[0], right[0], s, "o")
     assert_same(left[1], right[1], s, "lse")
@@ -109,11 +116,11 @@ def test_merging_is_associative(p, base):
 @SETTINGS
 @given(p=shapes(), base=BASES, dtype=st.sampled_from(DTYPES), empty=st.sampled_from([np.inf, -np.inf]),
        first=st.booleans())
-def test_merging_with_an_empty_state_is_the_identity(p, base, dtype, empty, first):
+def test_merging_with_an_empty_state_is_the_identity(device, p, base, dtype, empty, first):
     rng = np.random.default_rng(p["seed"])
     a = state(rng, p, dtype)
     e = (np.full_like(a[0], np.nan), np.full_like(a[1], empty))  # its O is garbage: never read
-    out, out_lse = merge(e, a, base) if first else merge(a, e, base)
+    out, out_lse = merge(device, e, a, base) if first else merge(device, a, e, base)
     lse_a = np.where(a[1] == np.inf, -np.inf, a[1])  # an empty row of a stays empty: 0, -inf
     o_a = to_f64(a[0]).copy()
     o_a[lse_a == -np.inf] = 0.0
@@ -123,10 +130,10 @@ def test_merging_with_an_empty_state_is_the_identity(p, base, dtype, empty, firs
 
 @SETTINGS
 @given(p=shapes(), base=BASES)
-def test_merging_a_state_with_itself_keeps_o_and_adds_log_2(p, base):
+def test_merging_a_state_with_itself_keeps_o_and_adds_log_2(device, p, base):
     rng = np.random.default_rng(p["seed"])
     a = state(rng, p)
-    out, out_lse = merge(a, (a[0].copy(), a[1].copy()), base)
+    out, out_lse = merge(device, a, (a[0].copy(), a[1].copy()), base)
     empty = np.isinf(a[1])
     o_want = to_f64(a[0]).copy()
     o_want[empty] = 0.0
@@ -138,17 +145,17 @@ def test_merging_a_state_with_itself_keeps_o_and_adds_log_2(p, base):
 
 @SETTINGS
 @given(p=shapes(), base=BASES, n=st.integers(1, 12), states_axis=st.sampled_from([0, 1]))
-def test_the_n_way_merge_equals_a_chain_of_two_way_merges(p, base, n, states_axis):
+def test_the_n_way_merge_equals_a_chain_of_two_way_merges(device, p, base, n, states_axis):
     rng = np.random.default_rng(p["seed"])
     parts = [state(rng, p) for _ in range(n)]
     o = np.stack([x[0] for x in parts], axis=states_axis)
     lse = np.stack([x[1] for x in parts], axis=states_axis)
-    out, out_lse = attnmerge.merge_states(o, lse, base=base, states_axis=states_axis)
+    out, out_lse = on(device, attnmerge.merge_states, o, lse, base=base, states_axis=states_axis)
     acc = parts[0]
     if n == 1:  # a chain of one: the state itself, empty rows as 0, -inf
-        acc = merge(acc, (np.full_like(acc[0], np.nan), np.full_like(acc[1], -np.inf)), base)
+        acc = merge(device, acc, (np.full_like(acc[0], np.nan), np.full_like(acc[1], -np.inf)), base)
     for x in parts[1:]:
-        acc = merge(acc, x, base)
+        acc = merge(device, acc, x, base)
     s = scale_of(*[x[0] for x in parts])
     assert_same(out, acc[0], s, "o")
     assert_same(out_lse, acc[1], s, "lse")
@@ -156,14 +163,14 @@ def test_the_n_way_merge_equals_a_chain_of_two_way_merges(p, base, n, states_axi
 
 @SETTINGS
 @given(p=shapes(max_tokens=5), base=BASES, n=st.integers(2, 8), data=st.data())
-def test_the_n_way_merge_does_not_depend_on_the_order_of_the_states(p, base, n, data):
+def test_the_n_way_merge_does_not_depend_on_the_order_of_the_states(device, p, base, n, data):
     rng = np.random.default_rng(p["seed"])
     parts = [state(rng, p) for _ in range(n)]
     perm = data.draw(st.permutations(range(n)))
     o = np.stack([x[0] for x in parts], axis=1)
     lse = np.stack([x[1] for x in parts], axis=1)
-    a, a_lse = attnmerge.merge_states(o, lse, base=base)
-    b, b_lse = attnmerge.merge_states(o[:, list(perm)], lse[:, list(perm)], base=base)
+    a, a_lse = on(device, attnmerge.merge_states, o, lse, base=base)
+    b, b_lse = on(device, attnmerge.merge_states, o[:, list(perm)], lse[:, list(perm)], base=base)
     s = scale_of(o)
     assert_same(a, b, s, "o")
     assert_same(a_lse, b_lse, s, "lse")
@@ -171,14 +178,14 @@ def test_the_n_way_merge_does_not_depend_on_the_order_of_the_states(p, base, n, 
 
 @SETTINGS
 @given(p=shapes(), base=BASES, counts=st.lists(st.integers(0, 6), min_size=1, max_size=8))
-def test_the_variable_length_merge_equals_the_n_way_merge_row_by_row(p, base, counts):
+def test_the_variable_length_merge_equals_the_n_way_merge_row_by_row(device, p, base, counts):
     rng = np.random.default_rng(p["seed"])
     p = dict(p, tokens=int(sum(counts)))
     o, lse = state(rng, p)
     indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    out, out_lse = attnmerge.merge_varlen(o, lse, indptr, base=base)
+    out, out_lse = on(device, attnmerge.merge_varlen, o, lse, indptr, base=base)
     for r, (lo, hi) in enumerate(zip(indptr[:-1], indptr[1:])):
-        want, want_lse = attnmerge.merge_states(o[None, lo:hi], lse[None, lo:hi], base=base)
+        want, want_lse = on(device, attnmerge.merge_states, o[None, lo:hi], lse[None, lo:hi], base=base)
         s = scale_of(o[lo:hi]) if hi > lo else 1.0
         assert_same(out[r : r + 1], want, s, f"row {r} o")
         assert_same(out_lse[r : r + 1], want_lse, s, f"row {r} lse")
@@ -186,20 +193,19 @@ def test_the_variable_length_merge_equals_the_n_way_merge_row_by_row(p, base, co
 
 @SETTINGS
 @given(p=shapes(), base=BASES)
-def test_the_in_place_merge_equals_the_merge(p, base):
+def test_the_in_place_merge_equals_the_merge(device, p, base):
     rng = np.random.default_rng(p["seed"])
     a, b = state(rng, p), state(rng, p)
-    want, want_lse = merge(a, b, base)
-    o, lse = a[0].copy(), a[1].copy()
-    attnmerge.merge_inplace(o, lse, b[0], b[1], base=base)
+    want, want_lse = merge(device, a, b, base)
+    o, lse = on(device, attnmerge.merge_inplace, a[0], a[1], b[0], b[1], base=base)
     s = scale_of(a[0], b[0])
     assert_same(o, want, s, "o")
     assert_same(lse, want_lse, s, "lse")
 
 
 @pytest.mark.parametrize("base", ["e", 2])
-def test_a_nan_lse_wins_over_everything(base):
+def test_a_nan_lse_wins_over_everything(device, base):
     o = np.ones((1, 3, 1, 4), np.float32)
     lse = np.array([[[np.nan], [np.inf], [5.0]]], np.float32)
-    out, out_lse = attnmerge.merge_states(o, lse, base=base)
+    out, out_lse = on(device, attnmerge.merge_states, o, lse, base=base)
     assert np.all(np.isnan(out)) and np.isnan(out_lse).all()
