@@ -21,6 +21,7 @@ from oracle import (
     assert_merge_matches,
     assert_o_close,
     np_dtype,
+    random_pair,
     random_stacked,
     random_state,
     reference_merge,
@@ -31,9 +32,7 @@ from oracle import (
 
 
 def pair(rng, tokens=33, heads=4, head_size=128, dtype="float16"):
-    v_a, s_a = random_state(rng, tokens, heads, head_size, dtype)
-    v_b, s_b = random_state(rng, tokens, heads, head_size, dtype)
-    return v_a, s_a, v_b, s_b
+    return random_pair(rng, tokens, heads, head_size, dtype)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from oracle import np_dtype, random_state
+from oracle import np_dtype
 
 
 
@@ -153,9 +153,3 @@ class Numba:
 
 
 FRAMEWORKS = {"torch": Torch, "cupy": CuPy, "jax": Jax, "numba": Numba}
-
-
-def host_inputs(rng, tokens=37, heads=5, head_size=72, dtype="float32", lse_scale=3.0):
-    o_a, lse_a = random_state(rng, tokens, heads, head_size, dtype, lse_scale)
-    o_b, lse_b = random_state(rng, tokens, heads, head_size, dtype, lse_scale)
-    return o_a, lse_a, o_b, lse_b

@@ -17,6 +17,7 @@ from oracle import (
     assert_fp8_close,
     assert_merge_matches,
     assert_o_close,
+    random_pair,
     random_stacked,
     random_state,
     reference_merge,
@@ -46,18 +47,14 @@ def _capture(torch, fn):
     return g
 
 
-def host_inputs(rng, tokens, heads, head_size, dtype="float32"):
-    return (*random_state(rng, tokens, heads, head_size, dtype), *random_state(rng, tokens, heads, head_size, dtype))
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graph_capture_and_replay(rng, device, torch, dtype):
-    h = host_inputs(rng, 100, 8, 128, dtype)
+    h = random_pair(rng, 100, 8, 128, dtype)
     o_a, lse_a, o_b, lse_b = [device.put(x) for x in h]
     out, out_lse = device.nan(h[0].shape, dtype), device.nan(h[1].shape)
     g = _capture(torch, lambda: attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse))
     for step in range(3):
-        h2 = host_inputs(rng, 100, 8, 128, dtype)
+        h2 = random_pair(rng, 100, 8, 128, dtype)
         h2[1][step] = np.inf  # an empty row, a NaN row
         h2[3][step + 5, 0] = np.nan
         for dev, host in zip((o_a, lse_a, o_b, lse_b), h2):
@@ -69,14 +66,14 @@ def test_cuda_graph_capture_and_replay(rng, device, torch, dtype):
 
 
 def test_cuda_graph_capture_with_allocated_outputs(rng, device, torch):
-    h = host_inputs(rng, 50, 4, 64)
+    h = random_pair(rng, 50, 4, 64)
     d = [device.put(x) for x in h]
     attnmerge.merge(*d)  # warm-up
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out, out_lse = attnmerge.merge(*d)
-    h2 = host_inputs(rng, 50, 4, 64)
+    h2 = random_pair(rng, 50, 4, 64)
     for dev, host in zip(d, h2):
         dev.copy_(device.put(host))
     g.replay()

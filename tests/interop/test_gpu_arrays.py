@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import attnmerge
-from gpu_frameworks import FRAMEWORKS, Jax, Numba, Torch, host_inputs
+from gpu_frameworks import FRAMEWORKS, Jax, Numba, Torch
 from oracle import (
+    random_pair,
     DTYPES,
     assert_merge_matches,
     assert_o_close,
@@ -47,7 +48,7 @@ def torch():
 @pytest.mark.parametrize("out_dtype", DTYPES)
 @pytest.mark.parametrize("in_dtype", DTYPES)
 def test_every_dtype_pair_allocated_in_the_callers_library(rng, fw, in_dtype, out_dtype):
-    h = host_inputs(rng, dtype=in_dtype)
+    h = random_pair(rng, dtype=in_dtype)
     d = [fw.put(x) for x in h]
     out, out_lse = attnmerge.merge(*d, out_dtype=out_dtype)
     assert fw.is_mine(out) and fw.is_mine(out_lse), (type(out), type(out_lse))
@@ -60,7 +61,7 @@ def test_every_dtype_pair_allocated_in_the_callers_library(rng, fw, in_dtype, ou
 def test_every_dtype_pair_into_a_given_output(rng, fw, in_dtype, out_dtype):
     if not fw.mutable:
         pytest.skip(f"{fw.name} arrays cannot be outputs")
-    h = host_inputs(rng, dtype=in_dtype)
+    h = random_pair(rng, dtype=in_dtype)
     d = [fw.put(x) for x in h]
     out = fw.put(nan_array(h[0].shape, out_dtype))
     out_lse = fw.put(nan_array(h[1].shape))
@@ -72,7 +73,7 @@ def test_every_dtype_pair_into_a_given_output(rng, fw, in_dtype, out_dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size", (1, 3, 72, 80, 100, 256, 512))
 def test_any_head_size(rng, fw, head_size, dtype):
-    h = host_inputs(rng, tokens=67, heads=7, head_size=head_size, dtype=dtype)
+    h = random_pair(rng, tokens=67, heads=7, head_size=head_size, dtype=dtype)
     out, out_lse = attnmerge.merge(*[fw.put(x) for x in h])
     assert_merge_matches(fw.get(out), fw.get(out_lse), reference_merge(*h), dtype)
 
@@ -91,7 +92,7 @@ LAYOUT_CASES = [
 @pytest.mark.parametrize("lib", ["torch", "cupy"])
 def test_strided_views(rng, lib, o_layouts, lse_layouts, dtype, head_size):
     fw = FRAMEWORKS[lib]()
-    o_a0, lse_a0, o_b0, lse_b0 = host_inputs(rng, tokens=45, heads=6, head_size=head_size, dtype=dtype)
+    o_a0, lse_a0, o_b0, lse_b0 = random_pair(rng, tokens=45, heads=6, head_size=head_size, dtype=dtype)
     o_a = fw.strided(*o_view(o_a0, o_layouts[0]))
     o_b = fw.strided(*o_view(o_b0, o_layouts[1]))
     out = fw.strided(*o_view(nan_array(o_a0.shape, dtype), o_layouts[2]))
@@ -104,7 +105,7 @@ def test_strided_views(rng, lib, o_layouts, lse_layouts, dtype, head_size):
 
 def test_numba_padded_head_size_view(rng):
     fw = Numba()
-    o_a0, lse_a0, o_b0, lse_b0 = host_inputs(rng, tokens=20, heads=4, head_size=100, dtype="float16")
+    o_a0, lse_a0, o_b0, lse_b0 = random_pair(rng, tokens=20, heads=4, head_size=100, dtype="float16")
     o_a = fw.strided(*o_view(o_a0, "padded"))
     out = fw.strided(*o_view(nan_array(o_a0.shape, "float16"), "offset"))
     out_lse = fw.put(nan_array(lse_a0.shape))
@@ -118,7 +119,7 @@ def test_numba_padded_head_size_view(rng):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_empty_all_empty_nan_and_underflow_rows(rng, fw, dtype):
-    o_a, lse_a, o_b, lse_b = host_inputs(rng, tokens=64, heads=4, head_size=80, dtype=dtype)
+    o_a, lse_a, o_b, lse_b = random_pair(rng, tokens=64, heads=4, head_size=80, dtype=dtype)
     lse_a[0:8] = np.inf  # empty a (+inf), NaN in its O
     o_a[0:8] = np.nan
     lse_b[8:16] = -np.inf  # empty b (-inf)
@@ -141,14 +142,14 @@ def test_empty_all_empty_nan_and_underflow_rows(rng, fw, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_base_2(rng, fw, dtype):
-    h = host_inputs(rng, dtype=dtype)
+    h = random_pair(rng, dtype=dtype)
     out, out_lse = attnmerge.merge(*[fw.put(x) for x in h], base=2)
     assert_merge_matches(fw.get(out), fw.get(out_lse), reference_merge(*h, base=2), dtype)
 
 
 @pytest.mark.parametrize("a_tokens", [0, 1, 20, 37])
 def test_a_tokens(rng, fw, a_tokens):
-    o_a, lse_a, o_b, lse_b = host_inputs(rng, dtype="float16")
+    o_a, lse_a, o_b, lse_b = random_pair(rng, dtype="float16")
     o_a, lse_a = o_a[:a_tokens].copy(), lse_a[:a_tokens].copy()
     lse_b[-1] = np.inf
     out, out_lse = attnmerge.merge(*[fw.put(x) for x in (o_a, lse_a, o_b, lse_b)], a_tokens=a_tokens)
@@ -157,7 +158,7 @@ def test_a_tokens(rng, fw, a_tokens):
 
 
 def test_zero_tokens(rng, fw):
-    h = host_inputs(rng, tokens=0)
+    h = random_pair(rng, tokens=0)
     out, out_lse = attnmerge.merge(*[fw.put(x) for x in h])
     assert tuple(out.shape) == (0, 5, 72) and tuple(out_lse.shape) == (0, 5)
 
@@ -172,7 +173,7 @@ def test_zero_tokens_of_torch_made_empty_tensors(torch):
 
 
 def test_return_lse_false(rng, fw):
-    h = host_inputs(rng)
+    h = random_pair(rng)
     out, out_lse = attnmerge.merge(*[fw.put(x) for x in h], return_lse=False)
     assert out_lse is None
     assert_o_close(fw.get(out), reference_merge(*h)[0], "float32")
@@ -184,7 +185,7 @@ def test_return_lse_false(rng, fw):
 
 def test_jax_outputs_are_allocated_and_out_is_refused(rng):
     fw = Jax()
-    h = host_inputs(rng, dtype="bfloat16")
+    h = random_pair(rng, dtype="bfloat16")
     d = [fw.put(x) for x in h]
     out, out_lse = attnmerge.merge(*d, out_dtype="float32")
     assert fw.is_mine(out) and fw.is_mine(out_lse)

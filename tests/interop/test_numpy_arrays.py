@@ -9,11 +9,7 @@ import numpy as np
 import pytest
 
 import attnmerge
-from oracle import DTYPES, all_nan, assert_merge_matches, nan_array, random_state, reference_merge
-
-
-def inputs(rng, tokens=37, heads=5, head_size=72, dtype="float32"):
-    return (*random_state(rng, tokens, heads, head_size, dtype), *random_state(rng, tokens, heads, head_size, dtype))
+from oracle import DTYPES, all_nan, assert_merge_matches, nan_array, random_pair, reference_merge
 
 
 class Unexported(np.ndarray):
@@ -25,7 +21,7 @@ class Unexported(np.ndarray):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_numpy_arrays_and_subclasses_are_read_directly(rng, dtype):
-    o_a, lse_a, o_b, lse_b = inputs(rng, dtype=dtype)
+    o_a, lse_a, o_b, lse_b = random_pair(rng, dtype=dtype)
     out, out_lse = nan_array(o_a.shape, dtype).view(Unexported), nan_array(lse_a.shape).view(Unexported)
     attnmerge.merge(*(x.view(Unexported) for x in (o_a, lse_a, o_b, lse_b)), out=out, out_lse=out_lse)
     assert_merge_matches(np.asarray(out), np.asarray(out_lse), reference_merge(o_a, lse_a, o_b, lse_b), dtype)
@@ -39,7 +35,7 @@ class InterfaceOnly:
 
 
 def test_arrays_known_by_array_interface_alone(rng):
-    o_a, lse_a, o_b, lse_b = inputs(rng)
+    o_a, lse_a, o_b, lse_b = random_pair(rng)
     out, out_lse = nan_array(o_a.shape), nan_array(lse_a.shape)
     attnmerge.merge(*(InterfaceOnly(x) for x in (o_a, lse_a, o_b, lse_b)), out=InterfaceOnly(out),
                     out_lse=InterfaceOnly(out_lse))
@@ -47,7 +43,7 @@ def test_arrays_known_by_array_interface_alone(rng):
 
 
 def test_a_big_endian_array_interface_is_refused(rng):
-    o_a, lse_a, o_b, lse_b = inputs(rng)
+    o_a, lse_a, o_b, lse_b = random_pair(rng)
     swapped = InterfaceOnly(o_b.astype(">f4"))
     out = nan_array(o_a.shape)
     with pytest.raises(TypeError, match=r"o_b: expected native byte order, got big-endian >f4"):

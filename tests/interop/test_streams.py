@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import attnmerge
-from gpu_frameworks import CuPy, Numba, Torch, host_inputs
-from oracle import assert_merge_matches, assert_o_close, nan_array, reference_merge
+from gpu_frameworks import CuPy, Numba, Torch
+from oracle import random_pair, assert_merge_matches, assert_o_close, nan_array, reference_merge
 
 
 class Told(Exception):
@@ -118,7 +118,7 @@ def _sleep_then_fill(torch, stream, dst, src):
 @pytest.mark.gpu
 def test_stream_none_is_torchs_current_stream(rng, torch):
     fw = Torch()
-    h = host_inputs(rng, tokens=256, heads=8, head_size=128)
+    h = random_pair(rng, tokens=256, heads=8, head_size=128)
     o_a, lse_a, o_b, lse_b = [fw.put(x) for x in h]
     src = o_a.clone()
     o_a.fill_(float("nan"))
@@ -135,7 +135,7 @@ def test_stream_none_is_torchs_current_stream(rng, torch):
 @pytest.mark.parametrize("how", ["int", "torch_stream", "object_with_cuda_stream"])
 def test_stream_argument(rng, torch, how):
     fw = Torch()
-    h = host_inputs(rng, tokens=256, heads=8, head_size=128)
+    h = random_pair(rng, tokens=256, heads=8, head_size=128)
     o_a, lse_a, o_b, lse_b = [fw.put(x) for x in h]
     out = fw.put(nan_array(h[0].shape))
     out_lse = fw.put(nan_array(h[1].shape))
@@ -158,7 +158,7 @@ def test_stream_argument(rng, torch, how):
 def test_cupy_stream_object_and_current_stream(rng):
     fw = CuPy()
     cp = fw.cp
-    h = host_inputs(rng, tokens=128, heads=4, head_size=64, dtype="float16")
+    h = random_pair(rng, tokens=128, heads=4, head_size=64, dtype="float16")
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         d = [cp.asarray(x) for x in h]
@@ -174,7 +174,7 @@ def test_cupy_stream_object_and_current_stream(rng):
 @pytest.mark.gpu
 def test_a_numba_stream_handle(rng):
     fw = Numba()
-    h = host_inputs(rng, tokens=64, heads=4, head_size=64)
+    h = random_pair(rng, tokens=64, heads=4, head_size=64)
     s = fw.cuda.stream()
     d = [fw.cuda.to_device(x, stream=s) for x in h]
     out = fw.cuda.to_device(nan_array(h[0].shape), stream=s)

@@ -33,6 +33,7 @@ from oracle import (  # noqa: E402
     random_lse,
     random_o,
     random_stacked,
+    random_pair,
     random_state,
     reference_merge,
     reference_merge_stacked,
@@ -60,7 +61,7 @@ def poisoned(shape, dtype="float32", device="cpu"):
 
 
 def pair(rng, tokens=13, heads=4, head_size=64, dtype="float32"):
-    return (*random_state(rng, tokens, heads, head_size, dtype), *random_state(rng, tokens, heads, head_size, dtype))
+    return random_pair(rng, tokens, heads, head_size, dtype)
 
 
 # --------------------------------------------------------------------------------------------------

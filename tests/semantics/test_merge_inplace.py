@@ -24,18 +24,13 @@ from oracle import (
     assert_o_close,
     lse_view,
     o_view,
+    random_pair,
     random_state,
     reference_merge,
     reference_merge_states,
     strided_view,
     to_f64,
 )
-
-
-def states(rng, tokens=37, heads=5, head_size=72, dtype="float32"):
-    o, lse = random_state(rng, tokens, heads, head_size, dtype)
-    o2, lse2 = random_state(rng, tokens, heads, head_size, dtype)
-    return o, lse, o2, lse2
 
 
 def bits(x):
@@ -54,13 +49,13 @@ def merged(device, o, lse, o2, lse2, **kw):
 @pytest.mark.parametrize("head_size", (1, 3, 72, 100, 128))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_merges_the_other_state_into_o_and_lse(rng, device, dtype, head_size):
-    o, lse, o2, lse2 = states(rng, tokens=53, heads=6, head_size=head_size, dtype=dtype)
+    o, lse, o2, lse2 = random_pair(rng, tokens=53, heads=6, head_size=head_size, dtype=dtype)
     got = merged(device, o, lse, o2, lse2)
     assert_merge_matches(*got, reference_merge(o, lse, o2, lse2), dtype, "o")
 
 
 def test_the_other_state_is_left_unchanged(rng, device):
-    o, lse, o2, lse2 = states(rng, dtype="float16")
+    o, lse, o2, lse2 = random_pair(rng, dtype="float16")
     do2, dl2 = device.put(o2), device.put(lse2)
     attnmerge.merge_inplace(device.put(o), device.put(lse), do2, dl2)
     assert np.array_equal(bits(device.get(do2)), bits(o2)) and np.array_equal(bits(device.get(dl2)), bits(lse2))
@@ -68,7 +63,7 @@ def test_the_other_state_is_left_unchanged(rng, device):
 
 def test_the_other_state_may_be_read_only(rng):
     """NumPy's read-only flag on the other state is no obstacle (it is only read)."""
-    o, lse, o2, lse2 = states(rng)
+    o, lse, o2, lse2 = random_pair(rng)
     ref = reference_merge(o, lse, o2, lse2)
     o2.setflags(write=False)
     lse2.setflags(write=False)
@@ -77,7 +72,7 @@ def test_the_other_state_may_be_read_only(rng):
 
 
 def test_base_2(rng, device):
-    o, lse, o2, lse2 = states(rng, dtype="bfloat16")
+    o, lse, o2, lse2 = random_pair(rng, dtype="bfloat16")
     got = merged(device, o, lse, o2, lse2, base=2)
     assert_merge_matches(*got, reference_merge(o, lse, o2, lse2, base=2), "bfloat16", "o")
 
@@ -94,7 +89,7 @@ def test_repeated_merges_accumulate(rng, device):
 
 
 def test_a_state_merged_with_a_copy_of_itself(rng, device):
-    o, lse, _, _ = states(rng)
+    o, lse, _, _ = random_pair(rng)
     got_o, got_lse = merged(device, o, lse, o.copy(), lse.copy())
     assert_o_close(got_o, to_f64(o), "float32", "o")
     assert_lse_close(got_lse, to_f64(lse) + LN2, "lse")
@@ -105,7 +100,7 @@ def test_rows_wider_than_a_gpu_block(rng, device, how):
     """head_size 4096 in float32: 2 x 512 GPU threads a row.  Were the merged LSE written while other
     threads of its row still read the old one (it is also an input here), those threads would weight
     their O wrongly.  (300 tokens on the GPU, 30 on the CPU, where the float64 oracle of 300 takes seconds.)"""
-    o, lse, o2, lse2 = states(rng, tokens=300 if device.on_gpu else 30, heads=8, head_size=4096)
+    o, lse, o2, lse2 = random_pair(rng, tokens=300 if device.on_gpu else 30, heads=8, head_size=4096)
     do, dl = device.put(o), device.put(lse)
     if how == "merge_inplace":
         attnmerge.merge_inplace(do, dl, device.put(o2), device.put(lse2))
@@ -121,7 +116,7 @@ def test_rows_wider_than_a_gpu_block(rng, device, how):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mask_dtype", ["uint8", "bool"])
 def test_rows_with_mask_zero_are_untouched_and_their_other_state_is_not_read(rng, device, mask_dtype, dtype):
-    o, lse, o2, lse2 = states(rng, tokens=77, heads=4, head_size=128, dtype=dtype)
+    o, lse, o2, lse2 = random_pair(rng, tokens=77, heads=4, head_size=128, dtype=dtype)
     mask = (rng.random(77) < 0.5).astype(mask_dtype)
     mask[0], mask[1] = 0, 1
     off = mask == 0
@@ -136,7 +131,7 @@ def test_rows_with_mask_zero_are_untouched_and_their_other_state_is_not_read(rng
 
 
 def test_any_nonzero_uint8_mask_value_merges(rng, device):
-    o, lse, o2, lse2 = states(rng, tokens=6)
+    o, lse, o2, lse2 = random_pair(rng, tokens=6)
     ref = reference_merge(o, lse, o2, lse2)
     mask = np.array([0, 1, 2, 255, 0, 128], np.uint8)
     got_o, got_lse = merged(device, o, lse, o2, lse2, mask=device.put(mask))
@@ -148,7 +143,7 @@ def test_any_nonzero_uint8_mask_value_merges(rng, device):
 
 @pytest.mark.parametrize("value", [0, 1])
 def test_a_uniform_mask(rng, device, value):
-    o, lse, o2, lse2 = states(rng, tokens=9)
+    o, lse, o2, lse2 = random_pair(rng, tokens=9)
     ref = reference_merge(o, lse, o2, lse2)
     got_o, got_lse = merged(device, o, lse, o2, lse2, mask=device.put(np.full(9, value, np.uint8)))
     if value:
@@ -158,7 +153,7 @@ def test_a_uniform_mask(rng, device, value):
 
 
 def test_a_strided_mask(rng, device):
-    o, lse, o2, lse2 = states(rng, tokens=10)
+    o, lse, o2, lse2 = random_pair(rng, tokens=10)
     ref = reference_merge(o, lse, o2, lse2)
     buf = np.zeros(30, np.uint8)
     mask = buf[::3]
@@ -174,7 +169,7 @@ def test_a_mask_keeping_every_row_gives_the_plain_merges_bits(rng, device, dtype
     """The masked in-place merge with every row kept (on the GPU: the mask read, O and then the LSEs
     in two launches) gives the plain merge's bits: the same row math on every path, and the oracle's
     values."""
-    o, lse, o2, lse2 = states(rng, tokens=37, heads=5, head_size=128, dtype=dtype)
+    o, lse, o2, lse2 = random_pair(rng, tokens=37, heads=5, head_size=128, dtype=dtype)
     do, dl, do2, dl2 = (device.put(x) for x in (o, lse, o2, lse2))
     out, out_lse = attnmerge.merge(do, dl, do2, dl2)
     attnmerge.merge_inplace(do, dl, do2, dl2, mask=device.put(np.ones(37, bool)))
@@ -198,7 +193,7 @@ LAYOUTS = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layouts", LAYOUTS, ids="-".join)
 def test_strided_views_are_merged_in_place(rng, device, layouts, dtype):
-    o0, lse0, o20, lse20 = states(rng, tokens=23, heads=4, head_size=40, dtype=dtype)
+    o0, lse0, o20, lse20 = random_pair(rng, tokens=23, heads=4, head_size=40, dtype=dtype)
     ref = reference_merge(o0, lse0, o20, lse20)
     np_o, np_lse = o_view(o0, layouts[0]), lse_view(lse0, layouts[2])
     o, o_buf = device.strided(*np_o)
@@ -215,7 +210,7 @@ def test_strided_views_are_merged_in_place(rng, device, layouts, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_empty_parts_and_nan_rows(rng, device, dtype):
-    o, lse, o2, lse2 = states(rng, tokens=30, heads=3, head_size=24, dtype=dtype)
+    o, lse, o2, lse2 = random_pair(rng, tokens=30, heads=3, head_size=24, dtype=dtype)
     lse[0:4] = np.inf  # o empty: takes the other state
     o[0:4] = np.nan
     lse2[4:8] = -np.inf  # other empty: o unchanged
@@ -239,7 +234,7 @@ def test_empty_parts_and_nan_rows(rng, device, dtype):
 def test_strided_views_with_empty_parts_and_nan_rows(rng, device, dtype):
     """Empty parts on either side, all-empty rows and NaN rows, in strided views (heads outermost and
     unaligned, every other token, padded LSEs); nothing outside the views is written."""
-    o0, lse0, o20, lse20 = states(rng, tokens=40, heads=4, head_size=72, dtype=dtype)
+    o0, lse0, o20, lse20 = random_pair(rng, tokens=40, heads=4, head_size=72, dtype=dtype)
     lse0[0:4] = np.inf
     o0[0:4] = np.nan
     lse20[4:8] = -np.inf
@@ -265,7 +260,7 @@ def test_strided_views_with_empty_parts_and_nan_rows(rng, device, dtype):
 
 
 def test_zero_tokens(rng, device):
-    o, lse, o2, lse2 = states(rng, tokens=0)
+    o, lse, o2, lse2 = random_pair(rng, tokens=0)
     do, dl = device.put(o), device.put(lse)
     res, res_lse = attnmerge.merge_inplace(do, dl, device.put(o2), device.put(lse2),
                                            mask=device.put(np.zeros(0, np.uint8)))
