@@ -3,7 +3,8 @@
 # machine where attnmerge is already installed (run scripts/gpu-test.sh first).  One line per tool
 # with its error summary; the exit status is 1 if any tool reported an error or failed to finish.
 #
-#   SANITIZE_TESTS    test files (default: the two-way and family GPU suites)
+#   SANITIZE_TESTS    test files (default: the semantic suites of the four ops and of FP8 outputs, run
+#                     on their `cuda` device by -m gpu, and the GPU interop, compat and raw tests)
 #   SANITIZE_K        pytest -k filter (default: PyTorch only, no multi-GiB tests)
 #   SANITIZE_TIMEOUT  seconds per tool (default 900)
 #   OUT               folder for the logs (<tool>.log); a temp folder if unset
@@ -11,7 +12,11 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PY="${PYTHON:-python3}"
-TESTS="${SANITIZE_TESTS:-tests/test_gpu.py tests/test_gpu_family.py}"
+SEMANTICS="tests/semantics/test_merge.py tests/semantics/test_merge_inplace.py tests/semantics/test_merge_states.py
+  tests/semantics/test_merge_varlen.py tests/semantics/test_fp8_outputs.py"
+INTEROP="tests/interop/test_gpu_arrays.py tests/interop/test_cuda_graphs.py tests/interop/test_streams.py
+  tests/interop/test_devices.py tests/compat tests/abi/test_raw_pointers.py"
+TESTS="${SANITIZE_TESTS:-$SEMANTICS $INTEROP}"
 K="${SANITIZE_K:-not cupy and not jax and not numba and not large and not 2_31 and not 2_30 and not largest}"
 LOGS="${OUT:-$(mktemp -d)}"
 mkdir -p "$LOGS"

@@ -143,6 +143,12 @@ def random_state(rng, tokens, heads, head_size, dtype="float32", lse_scale=3.0):
     return random_o(rng, (tokens, heads, head_size), dtype), random_lse(rng, (tokens, heads), lse_scale)
 
 
+def random_pair(rng, tokens=37, heads=5, head_size=72, dtype="float32", lse_scale=3.0):
+    """(o_a, lse_a, o_b, lse_b): two random states of one shape (random_state)."""
+    return (*random_state(rng, tokens, heads, head_size, dtype, lse_scale),
+            *random_state(rng, tokens, heads, head_size, dtype, lse_scale))
+
+
 def nan_array(shape, dtype="float32") -> np.ndarray:
     """An output buffer poisoned with NaN."""
     return np.full(shape, np.nan, dtype=np.float32).astype(np_dtype(dtype) if isinstance(dtype, str) else dtype)

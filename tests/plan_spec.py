@@ -1,5 +1,5 @@
 """The launch plan's rules (cpp/include/attnmerge/plan.h) as the tests state them: the
-specification both test_plan_rules.py (the plan itself, on the CPU) and test_launch_plan.py (what
+specification both semantics/test_plan_rules.py (the plan itself, on the CPU) and semantics/test_launch_plan.py (what
 GPU calls launch) hold the library to."""
 
 from __future__ import annotations

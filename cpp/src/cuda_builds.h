@@ -1,7 +1,7 @@
 // The published builds of libattnmerge, one per CUDA major version, and the drivers each runs on:
 // what the error of a GPU call says when the driver is too old for this build.  Header-only and
 // free of CUDA so that tests/native/driver_probe.cpp can print the texts on any machine; the
-// build backend's FLAVORS names the same distributions (tests/test_cuda_builds.py holds the two
+// build backend's FLAVORS names the same distributions (tests/packaging/test_cuda_builds.py holds the two
 // to agree).
 #pragma once
 

@@ -5,7 +5,7 @@ API, __dlpack__, __cuda_array_interface__ or NumPy's array interface.  `stream` 
 stream of the framework that owns the array outputs are allocated like (o_b, else o), resolved
 there; `names` maps the binding's argument names (the C ABI's) to a caller's, for the binding's
 messages and, passed down as attnmerge_options.arg_names, the C ABI's.
-tests/test_typing.py keeps this stub to exactly the names and parameters the module exports."""
+tests/packaging/test_typing.py keeps this stub to exactly the names and parameters the module exports."""
 from typing import Any
 
 def merge(out: Any, out_lse: Any, o_a: Any, lse_a: Any, o_b: Any, lse_b: Any, flags: int, a_tokens: int,

@@ -1,0 +1,975 @@
+"""The one table of bad inputs: each row one mistake made to one entry point's valid call.
+
+A row says the entry point (`op`), how its valid baseline call is broken (`change`), the exception
+(or the C status) expected, and the words the message must contain as whole words: the argument's
+name and, where there is one, the expected and the actual value.  tests/errors/test_bad_inputs.py
+feeds each row through every layer it names and checks, on each, the error, the message, and that no
+byte of any array the call was given changed (every output starts poisoned: 0xFF bytes, a NaN in
+every float format).
+
+Layers (`layers`):
+    cpu   the Python entry point with NumPy arrays;
+    cuda  the same with the device fixture's `cuda` arrays (torch tensors; tests/devices.py): only
+          for mistakes a copy to the device keeps (shapes, dtypes, values, options), not for memory
+          (strides, overlap, alignment, read-only flags);
+    c     the same arrays as C ABI descriptors (tests/c_abi.py), the status ERROR_TYPE for a
+          TypeError and ERROR_VALUE for a ValueError.
+Entry points: the native API (merge, merge_inplace, merge_states, merge_varlen, merge_states_backward),
+the compat layers (vllm, fi.*), and, with changes to their own descriptors, the raw layer
+(raw.merge: attnmerge.raw's tuples) and the C ABI (c.*: the ctypes descriptors).
+
+A new bad input is a new row: `Bad(id, op, change, error, *words, ...)`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+import c_abi
+from oracle import np_dtype, random_lse, random_o
+
+T, S, H, D = 8, 4, 3, 16  # tokens, states, heads, head_size of every valid baseline
+INDPTR = (0, 3, 3, 7, 10)  # merge_varlen's baseline: 4 rows of the TOTAL states
+TOTAL, N_ROWS = INDPTR[-1], len(INDPTR) - 1
+POISON = 0xFF  # 0xFF..: NaN in float32, float16, bfloat16 and float8_e4m3fn
+FP8 = "float8_e4m3fn"
+NATIVE_NAMES = ("o_a", "o_b", "lse_a", "lse_b", "o_other", "lse_other")  # never in a compat layer's messages
+
+
+def _gpus() -> int:
+    return c_abi.load().attnmerge_device_count()
+
+
+NO_GPU = _gpus() == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# arrays
+
+
+def dtype_of(name):
+    return np_dtype(name) if name != FP8 else np.dtype(__import__("ml_dtypes").float8_e4m3fn)
+
+
+def poisoned(shape, dtype="float32"):
+    """An output whose every byte is 0xFF (NaN)."""
+    dt = dtype_of(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+    return np.full(int(np.prod(shape)) * dt.itemsize, POISON, np.uint8).view(dt).reshape(shape)
+
+
+def misaligned(shape, dtype="float32", offset=2, fill=POISON):
+    """An array whose data pointer is `offset` bytes past an aligned address."""
+    dt = dtype_of(dtype)
+    n = int(np.prod(shape)) * dt.itemsize
+    store = np.full(n + 64, fill, np.uint8)
+    start = (-store.ctypes.data) % 64 + offset
+    return store[start:start + n].view(dt).reshape(shape)
+
+
+def read_only(x):
+    x = x.copy()
+    x.flags.writeable = False
+    return x
+
+
+class Args(dict):
+    """One call's arguments by name (arrays and others), its keyword options, and the other buffers
+    whose bytes must not change (`extra`).  For the C ABI's rows the values are descriptors and
+    `arrays` holds what they describe; `use` passes an array as an argument."""
+
+    def __init__(self, rng, values, options=None):
+        super().__init__(values)
+        self.rng = rng
+        self.options = dict(options or {})
+        self.extra = []
+        self.arrays = {}
+
+    def o(self, shape, dtype="float32"):
+        return random_o(self.rng, shape, dtype)
+
+    def lse(self, shape):
+        return random_lse(self.rng, shape)
+
+    def use(self, name, array):
+        self.arrays[name] = array
+        self[name] = c_abi.tensor_from(array)
+
+
+def baseline(op, rng) -> Args:
+    """A valid call of `op` (the raw layer's and the C ABI's: of the Python op they stand for)."""
+    family = op.split(".", 1)[1] if op.startswith("c.") else op
+    o, lse = (lambda *s: random_o(rng, s)), (lambda *s: random_lse(rng, s))
+    if family in ("merge", "raw.merge"):
+        return Args(rng, dict(o_a=o(T, H, D), lse_a=lse(T, H), o_b=o(T, H, D), lse_b=lse(T, H), out=poisoned((T, H, D)),
+                              out_lse=poisoned((T, H))))
+    if family == "merge_inplace":
+        return Args(rng, dict(o=o(T, H, D), lse=lse(T, H), o_other=o(T, H, D), lse_other=lse(T, H), mask=None))
+    if family == "merge_states":
+        return Args(rng, dict(o=o(T, S, H, D), lse=lse(T, S, H), out=poisoned((T, H, D)), out_lse=poisoned((T, H))))
+    if family == "merge_varlen":
+        return Args(rng, dict(o=o(TOTAL, H, D), lse=lse(TOTAL, H), indptr=np.array(INDPTR, np.int32),
+                              out=poisoned((N_ROWS, H, D)), out_lse=poisoned((N_ROWS, H))))
+    if family == "merge_states_backward":
+        return Args(rng, dict(grad_out=o(T, H, D), grad_out_lse=lse(T, H), out=o(T, H, D), out_lse=lse(T, H),
+                              o=o(T, S, H, D), lse=lse(T, S, H), grad_o=poisoned((T, S, H, D)), grad_lse=poisoned((T, S, H))))
+    if family == "vllm":  # vLLM's LSEs are [heads, tokens]
+        return Args(rng, dict(output=poisoned((T, H, D)), prefix_output=o(T, H, D), prefix_lse=lse(H, T),
+                              suffix_output=o(T, H, D), suffix_lse=lse(H, T), output_lse=poisoned((H, T))))
+    if family == "fi.merge_state":
+        return Args(rng, dict(v_a=o(T, H, D), s_a=lse(T, H), v_b=o(T, H, D), s_b=lse(T, H)))
+    if family == "fi.merge_state_in_place":
+        return Args(rng, dict(v=o(T, H, D), s=lse(T, H), v_other=o(T, H, D), s_other=lse(T, H), mask=None))
+    if family == "fi.merge_states":
+        return Args(rng, dict(v=o(T, S, H, D), s=lse(T, S, H)))
+    if family == "fi.variable_length_merge_states":
+        return Args(rng, dict(v=o(TOTAL, H, D), s=lse(TOTAL, H), indptr=np.array(INDPTR, np.int32)))
+    if family == "stream_synchronize":
+        return Args(rng, {})
+    raise ValueError(op)
+
+
+def raw_descriptors(a: Args) -> Args:
+    """attnmerge.raw.merge's keywords over the merge baseline's arrays."""
+    def od(x):
+        return (x.ctypes.data, x.dtype.name, x.strides[0] // x.itemsize, x.strides[1] // x.itemsize)
+
+    def ld(x):
+        return (x.ctypes.data, x.strides[0] // x.itemsize, x.strides[1] // x.itemsize)
+
+    kw = Args(a.rng, dict(tokens=T, heads=H, head_size=D, out=od(a["out"]), out_lse=ld(a["out_lse"]), o_a=od(a["o_a"]),
+                          lse_a=ld(a["lse_a"]), o_b=od(a["o_b"]), lse_b=ld(a["lse_b"]), device="cpu"))
+    kw.arrays = {k: v for k, v in a.items() if isinstance(v, np.ndarray)}
+    return kw
+
+
+# --------------------------------------------------------------------------------------------------
+# the rows
+
+
+@dataclass(frozen=True)
+class Bad:
+    id: str
+    op: str
+    change: object  # (Args) -> None: breaks the baseline call, in place
+    error: object  # an exception type (or a tuple of them); a C status for the c.* ops
+    words: tuple = ()  # whole words the message must contain
+    layers: tuple = ("cpu",)
+    absent: tuple = ()  # whole words it must not contain
+    starts: str | None = None  # the message must start with this
+    exact: str | None = None  # the message must be this
+    contains: tuple = ()  # substrings it must contain
+    check: object = None  # (message) -> None: any other rule of the message
+    c_error: int | None = None  # the C status where it is not the one the Python error implies
+    marks: tuple = field(default_factory=tuple)
+
+
+def names(word, msg: str) -> bool:
+    """`word` occurs in msg as a whole word or number ("output" is not in "prefix_output", "8" not in "18")."""
+    return re.search(r"(?<![\w.-])" + re.escape(str(word)) + r"(?![\w.])", msg) is not None
+
+
+ROWS: list[Bad] = []
+
+
+def bad(id, op, change, error, *words, layers=("cpu",), **kw):
+    if op.startswith(("c.", "raw.")):
+        layers = (op.split(".")[0],)  # their own descriptors: one layer
+    ROWS.append(Bad(id, op, change, error, tuple(str(w) for w in words), tuple(layers), **kw))
+
+
+ANY = ("cpu", "cuda", "c")  # a shape, dtype or value: every layer
+PY = ("cpu", "cuda")  # what only the Python layer sees (non-arrays, options)
+HOST = ("cpu", "c")  # memory: strides, overlap, alignment, read-only flags
+ERR_T, ERR_V = c_abi.ERROR_TYPE, c_abi.ERROR_VALUE
+
+
+# change helpers: each returns a change (Args) -> None
+
+
+def to(name, value):
+    """Argument `name` becomes value(a[name], a) if value is callable, else value (a copy of an array)."""
+    def change(a):
+        if callable(value):
+            a[name] = value(a[name], a)
+        else:
+            a[name] = np.array(value, copy=True) if isinstance(value, np.ndarray) else value
+    return change
+
+
+def astype(*names_, dtype):
+    def change(a):
+        for n in names_:
+            a[n] = a[n].astype(dtype)
+    return change
+
+
+def shaped(name, shape):
+    """Argument `name` an array of another shape, of its dtype: random for an input, poisoned for an output."""
+    def change(a):
+        dtype = a[name].dtype
+        a[name] = a.o(shape, dtype.name) if _is_input(name) else poisoned(shape, dtype)
+    return change
+
+
+def _is_input(name):
+    return not (name.startswith(("out", "grad_o", "grad_lse")) or name == "output")
+
+
+def options(**opts):
+    def change(a):
+        a.options.update(opts)
+    return change
+
+
+def both(*changes):
+    def change(a):
+        for c in changes:
+            c(a)
+    return change
+
+
+def unit_stride_broken(name):
+    """The head_size axis (the innermost) of `name` strided by 2 over a buffer that holds it."""
+    def change(a):
+        x = a[name]
+        shape = x.shape[:-1] + (2 * x.shape[-1],)
+        buf = a.o(shape, x.dtype.name) if _is_input(name) else poisoned(shape, x.dtype)
+        a[name] = buf[..., ::2]
+        a.extra.append(buf)
+    return change
+
+
+def zero_strided(name, strides_bytes, base_elems):
+    """`name` a writable as_strided view of a poisoned buffer with the given byte strides."""
+    def change(a):
+        x = a[name]
+        buf = poisoned((base_elems,), x.dtype)
+        a[name] = np.lib.stride_tricks.as_strided(buf, shape=x.shape, strides=strides_bytes, writeable=True)
+        a.extra.append(buf)
+    return change
+
+
+def indptr_of(values, dtype="int64", rows_out=True):
+    """merge_varlen's indptr given; its outputs resized to the rows it has (rows_out)."""
+    def change(a):
+        a["indptr"] = np.array(values, dtype)
+        if rows_out and "out" in a:
+            rows = max(len(values) - 1, 0)
+            a["out"], a["out_lse"] = poisoned((rows, H, D)), poisoned((rows, H))
+    return change
+
+
+# ================================================================================================
+# merge
+
+
+bad("merge-o_a-2d", "merge", to("o_a", lambda x, a: x[:, 0]), ValueError, "o_a", layers=ANY)
+bad("merge-o_a-5d", "merge", to("o_a", lambda x, a: x[None, None]), ValueError, "o_a", layers=PY)
+for name, shape in [("o_a", (T, H * D)), ("o_b", (T, H, D, 1)), ("out", (T, H, 1, D)), ("lse_a", (T * H,)),
+                    ("lse_b", (T, H, 1)), ("out_lse", (T * H,))]:
+    bad(f"merge-ndim-{name}-{len(shape)}d", "merge", to(name, lambda x, a, s=shape: x.reshape(s)), ValueError, name,
+        len(shape), layers=ANY)
+for name, shape in [("o_b", (T, H + 1, D)), ("o_b", (T, H, D + 1)), ("o_b", (T + 1, H, D)), ("o_a", (T, H, D - 1)),
+                    ("out", (T, H, 2 * D)), ("out", (T - 1, H, D)), ("lse_a", (T, H + 1)), ("lse_b", (T + 2, H)),
+                    ("out_lse", (T, H - 1)), ("lse_a", (H, T)), ("lse_b", (T, H + 1)), ("out", (T, H, D + 1))]:
+    bad(f"merge-shape-{name}-{'x'.join(map(str, shape))}", "merge", shaped(name, shape), ValueError, name, *shape,
+        layers=ANY)
+bad("merge-o_a-fewer-tokens-needs-a_tokens", "merge", both(to("o_a", lambda x, a: x[:5]), to("lse_a", lambda x, a: x[:5])),
+    ValueError, "o_a", 5, T, layers=ANY)
+bad("merge-a_tokens-past-the-tokens-of-a", "merge",
+    both(to("o_a", lambda x, a: x[:5]), to("lse_a", lambda x, a: x[:5]), options(a_tokens=6)), ValueError, "a_tokens",
+    layers=ANY)
+bad("merge-a_tokens-past-the-tokens", "merge", options(a_tokens=T + 1), ValueError, "a_tokens", T + 1, layers=ANY)
+bad("merge-a_tokens-negative", "merge", options(a_tokens=-1), ValueError, "a_tokens", "-1", layers=PY)
+
+# dtypes
+bad("merge-o_b-float16-o_a-float32", "merge", astype("o_b", dtype=np.float16), TypeError, "o_b", "float16", "float32",
+    layers=ANY)
+for dt in ("int32", "float64", "int8", "bool"):
+    bad(f"merge-o-{dt}", "merge", astype("o_a", "o_b", dtype=dt), TypeError, "o_a", dt, layers=PY)
+bad("merge-o-float8-as-input", "merge", astype("o_a", "o_b", dtype=dtype_of(FP8)), TypeError, "o_a", layers=ANY)
+for name in ("lse_a", "lse_b", "out_lse"):
+    for dt in ("float16", "float64"):
+        bad(f"merge-{name}-{dt}", "merge", astype(name, dtype=dt), TypeError, name, "float32", dt, absent=("bfloat16",),
+            layers=PY)
+bad("merge-out-int16", "merge", both(to("out", np.zeros((T, H, D), np.int16)), to("out_lse", None)), TypeError, "out",
+    "int16", layers=PY)
+bad("merge-out-int32", "merge", to("out", np.full((T, H, D), -1, np.int32)), TypeError, "out", layers=ANY)
+for dt in ("int8", "float64", "complex64"):
+    bad(f"merge-out_dtype-{dt}", "merge", both(to("out", None), options(out_dtype=dt)), TypeError, "out_dtype", dt,
+        layers=PY)
+bad("merge-out_dtype-differs-from-out", "merge", options(out_dtype="float16"), (TypeError, ValueError), "out", layers=PY)
+
+# not arrays
+for name in ("o_a", "lse_a", "o_b", "lse_b"):
+    for label, obj in (("None", None), ("str", "array"), ("float", 3.0)):
+        for outputs in ("given", "allocated"):
+            bad(f"merge-{name}-{label}-outputs-{outputs}", "merge",
+                both(to(name, obj), *(() if outputs == "given" else (to("out", None), to("out_lse", None)))),
+                TypeError, name, layers=PY)
+for outputs in ("given", "allocated"):
+    bad(f"merge-o_a-nested-list-outputs-{outputs}", "merge",
+        both(to("o_a", lambda x, a: x.tolist()), *(() if outputs == "given" else (to("out", None), to("out_lse", None)))),
+        TypeError, "o_a", layers=PY)
+bad("merge-o_b-memoryview", "merge", both(to("o_b", lambda x, a: memoryview(x)), to("out", None), to("out_lse", None)),
+    TypeError, "o_b")
+for name in ("out", "out_lse"):
+    bad(f"merge-{name}-a-list", "merge", to(name, [1.0, 2.0]), TypeError, name, layers=PY)
+
+
+def _jax_out(x, a):
+    jnp = pytest.importorskip("jax.numpy")
+    return jnp.zeros((T, H, D), jnp.float32)
+
+
+bad("merge-out-a-jax-array", "merge", both(to("out", _jax_out), to("out_lse", None)), ValueError, "out")
+
+# strides, alignment, read-only, overlap
+for name in ("o_a", "o_b", "out"):
+    bad(f"merge-{name}-head_size-stride-2", "merge", unit_stride_broken(name), ValueError, name, "stride", layers=HOST)
+for name in ("o_a", "lse_b", "out", "out_lse"):
+    bad(f"merge-{name}-negative-token-stride", "merge", to(name, lambda x, a: x[::-1]), ValueError, name)
+bad("merge-out-negative-head-stride", "merge", to("out", lambda x, a: x[:, ::-1]), ValueError, "out")
+for name, offset in (("o_a", 1), ("out", 1), ("out", 2)):
+    bad(f"merge-{name}-misaligned-by-{offset}", "merge",
+        to(name, lambda x, a, o=offset: _misaligned_like(x, a, o)), ValueError, name, layers=HOST)
+
+
+def _misaligned_like(x, a, offset):
+    y = misaligned(x.shape, x.dtype.name, offset)
+    y[...] = x
+    return y
+
+
+for name in ("o_a", "lse_b", "out"):
+    bad(f"merge-{name}-big-endian", "merge", to(name, lambda x, a: x.astype(x.dtype.newbyteorder(">"))), TypeError, name,
+        "big-endian")
+
+
+def _six_byte_strides(x, a):
+    buf = np.zeros(T * H * D * 6 + 8, dtype=np.uint8)
+    y = np.ndarray((T, H, D), dtype=np.float32, buffer=buf, strides=(H * D * 6, D * 6, 6))
+    y[...] = x
+    a.extra.append(buf)
+    return y
+
+
+for name in ("o_b", "out"):
+    bad(f"merge-{name}-strides-not-whole-elements", "merge", to(name, _six_byte_strides), ValueError, name, "strides", 6)
+for name in ("out", "out_lse"):
+    bad(f"merge-{name}-read-only", "merge", to(name, lambda x, a: read_only(x)), ValueError, name, layers=HOST)
+bad("merge-out-broadcast", "merge", to("out", lambda x, a: np.broadcast_to(poisoned((1, H, D)), (T, H, D))), ValueError,
+    "out")
+for name, strides, n in (("out", (0, D * 4, 4), H * D), ("out", (H * D * 4, 0, 4), T * H * D), ("out_lse", (0, 4), H),
+                         ("out_lse", (H * 4, 0), T * H)):
+    bad(f"merge-{name}-zero-stride-{'-'.join(map(str, strides))}", "merge", zero_strided(name, strides, n), ValueError,
+        name, layers=HOST)
+
+
+def _out_lse_inside_out(a):
+    buf = poisoned((T * H * D,))
+    a["out"], a["out_lse"] = buf.reshape(T, H, D), buf[: T * H].reshape(T, H)
+    a.extra.append(buf)
+
+
+def _out_over_o_a(a):
+    buf = np.concatenate([a["o_a"], a.o((1, H, D))])
+    a["o_a"], a["out"] = buf[:T], buf[1:]
+    a.extra.append(buf)
+
+
+def _lse_b_inside_out(a):
+    buf = poisoned((T * H * D,))
+    buf[: T * H] = a.lse((T * H,))  # lse_b lives in the first bytes of out
+    a["out"], a["lse_b"], a["out_lse"] = buf.reshape(T, H, D), buf[: T * H].reshape(T, H), None
+    a.extra.append(buf)
+
+
+bad("merge-out_lse-overlaps-out", "merge", _out_lse_inside_out, ValueError, "out_lse", layers=HOST)
+bad("merge-out-partially-overlaps-o_a", "merge", _out_over_o_a, ValueError, "out", layers=HOST)
+bad("merge-out-overlaps-lse_b", "merge", _lse_b_inside_out, ValueError, "out", layers=HOST)
+
+# options
+for b in (10, "10", "two", 2.5, 3):
+    bad(f"merge-base-{type(b).__name__}-{b}", "merge", options(base=b), ValueError, "base", layers=PY)
+
+
+def _meta_o_a(a):
+    torch = pytest.importorskip("torch")
+    for k in ("o_a", "lse_a", "o_b", "lse_b", "out", "out_lse"):
+        a.extra.append(a[k])
+        a[k] = torch.from_numpy(a[k])
+    a["o_a"] = torch.empty((T, H, D), device="meta")
+
+
+bad("merge-o_a-torch-meta-device", "merge", _meta_o_a, ValueError, "o_a")
+
+# output_scale: one rule at every layer (a finite number > 0; None, in C 0, is no scale; outputs other
+# than FP8 take none, or 1)
+bad("merge-output_scale-with-a-float32-out", "merge", options(output_scale=0.5), ValueError, "output_scale", layers=ANY)
+bad("merge-output_scale-array-with-a-bfloat16-out", "merge",
+    both(to("out", None), to("out_lse", None), options(out_dtype="bfloat16", output_scale=np.array([0.5], np.float32))),
+    ValueError, "output_scale", layers=PY)
+bad("merge-output_scale-2-with-a-float32-out", "merge", options(output_scale=2.0), ValueError, "output_scale", "float32",
+    "2", check=lambda msg: _no_zero_offered(msg), layers=PY)
+
+
+def _no_zero_offered(msg):
+    assert "0" not in msg.split("got")[0], f"the message offers 0, which Python refuses: {msg!r}"
+
+
+_fp8_out = to("out", poisoned((T, H, D), FP8))
+for scale, shown in ((0, "0"), (0.0, "0.0"), (-1.0, "-1"), (float("nan"), "nan"), (float("inf"), "inf")):
+    bad(f"merge-output_scale-{shown}-fp8-out", "merge", both(_fp8_out, options(output_scale=scale)), ValueError, shown,
+        starts="output_scale: expected ", contains=("a finite scale > 0",), layers=PY)
+bad("merge-output_scale-0.0-is-not-none", "merge", both(_fp8_out, options(output_scale=0.0)), ValueError,
+    "output_scale", "None", "0.0", layers=PY)
+
+# ================================================================================================
+# merge_inplace (nothing written: o and lse bit-identical)
+
+for name in ("o", "lse"):
+    bad(f"inplace-{name}-read-only", "merge_inplace", to(name, lambda x, a: read_only(x)), ValueError, name, layers=HOST)
+bad("inplace-o-read-only-with-a-mask", "merge_inplace",
+    both(astype("o", "o_other", dtype=np_dtype("bfloat16")), to("o", lambda x, a: read_only(x)),
+         to("mask", np.ones(T, bool))), ValueError, "o", layers=HOST)
+bad("inplace-lse-zero-stride", "merge_inplace", zero_strided("lse", (0, 4), H), ValueError, "lse", layers=HOST)
+for length in (T - 1, T + 1, 0):
+    bad(f"inplace-mask-length-{length}", "merge_inplace", to("mask", np.ones(length, np.uint8)), ValueError, "mask", T,
+        length, layers=ANY)
+for dt in ("float32", "int32", "int64", "float16"):
+    bad(f"inplace-mask-{dt}", "merge_inplace", to("mask", np.ones(T, dt)), TypeError, "mask", dt, layers=PY)
+bad("inplace-mask-2d", "merge_inplace", to("mask", np.ones((T, 1), np.uint8)), ValueError, "mask", layers=ANY)
+bad("inplace-mask-a-string", "merge_inplace", to("mask", "yes"), TypeError, "mask", layers=PY)
+for name, shape in (("o_other", (T, H, D + 1)), ("o_other", (T - 1, H, D)), ("lse_other", (T, H + 1)), ("lse", (H, T)),
+                    ("o", (T, H, D, 1)), ("lse_other", (T + 1, H))):
+    bad(f"inplace-shape-{name}-{'x'.join(map(str, shape))}", "merge_inplace", shaped(name, shape), ValueError,
+        name, layers=ANY)
+bad("inplace-o_other-float16-o-float32", "merge_inplace", astype("o_other", dtype=np.float16), TypeError, "o_other",
+    "float16", "float32", layers=ANY)
+bad("inplace-o_other-bfloat16-o-float32", "merge_inplace", astype("o_other", dtype=np_dtype("bfloat16")), TypeError,
+    "o_other", layers=ANY)
+for name in ("lse", "lse_other"):
+    bad(f"inplace-{name}-float64", "merge_inplace", astype(name, dtype=np.float64), TypeError, name, "float32", "float64",
+        layers=PY)
+bad("inplace-base-10", "merge_inplace", options(base=10), ValueError, "base", layers=PY)
+bad("inplace-o-a-nested-list", "merge_inplace", to("o", lambda x, a: x.tolist()), TypeError, "o", layers=PY)
+
+
+def _o_other_over_o(a):
+    buf = np.concatenate([a.o((1, H, D)), a["o"]])
+    a["o"], a["o_other"] = buf[1:], buf[:T]
+    a.extra.append(buf)
+
+
+def _mask_inside_o(a):
+    a["mask"] = a["o"].reshape(-1).view(np.uint8)[:T]  # the mask's bytes are o's first elements
+
+
+bad("inplace-o_other-partially-overlaps-o", "merge_inplace", _o_other_over_o, ValueError, "o_other", layers=HOST)
+bad("inplace-mask-overlaps-o", "merge_inplace", _mask_inside_o, ValueError, "mask", layers=HOST)
+
+# ================================================================================================
+# merge_states
+
+bad("states-lse-fewer-states", "merge_states", to("lse", lambda x, a: x[:, :3]), ValueError, "lse", 3, S, layers=ANY)
+bad("states-lse-more-states", "merge_states", shaped("lse", (T, S + 1, H)), ValueError, "lse", layers=ANY)
+
+
+def _all_gather_fewer_lse_states(a):
+    a["o"], a["lse"] = a.o((S, T, H, D)), a.lse((2, T, H))
+    a.options["states_axis"] = 0
+
+
+bad("states-lse-fewer-states-all-gather-layout", "merge_states", _all_gather_fewer_lse_states, ValueError, "lse", 2, S,
+    layers=PY)
+bad("states-o-3d", "merge_states", to("o", lambda x, a: x[:, 0]), ValueError, "o", 4, 3, layers=ANY)
+bad("states-lse-2d", "merge_states", to("lse", lambda x, a: x[:, 0]), ValueError, "lse", layers=ANY)
+for name, shape in (("lse", (T + 1, S, H)), ("lse", (T, S, H + 1)), ("out", (T, H, D + 1)), ("out", (T - 1, H, D)),
+                    ("out_lse", (T, H + 2)), ("out", (T, H + 1, D))):
+    bad(f"states-shape-{name}-{'x'.join(map(str, shape))}", "merge_states", shaped(name, shape), ValueError, name, *shape,
+        layers=ANY)
+for axis in (2, -1, 3, "tokens"):
+    bad(f"states-states_axis-{axis}", "merge_states", options(states_axis=axis), (ValueError, TypeError), "states_axis",
+        layers=PY)
+bad("states-lse-float16", "merge_states", astype("lse", dtype=np.float16), TypeError, "lse", "float32", "float16",
+    layers=ANY)
+bad("states-o-int32", "merge_states", astype("o", dtype=np.int32), TypeError, "o", "int32", layers=PY)
+bad("states-o-float8", "merge_states", both(astype("o", dtype=dtype_of(FP8)), to("out", None), to("out_lse", None)),
+    TypeError, "o", layers=PY)
+for name in ("out", "out_lse"):
+    bad(f"states-{name}-read-only", "merge_states", to(name, lambda x, a: read_only(x)), ValueError, name, layers=HOST)
+bad("states-o-head_size-stride-2", "merge_states", unit_stride_broken("o"), ValueError, "o", "stride", layers=HOST)
+bad("states-lse-None", "merge_states", to("lse", None), TypeError, "lse", layers=PY)
+bad("states-out-overlaps-o", "merge_states", to("out", lambda x, a: a["o"][:, 0]), ValueError, "out", layers=HOST)
+bad("states-out_lse-overlaps-lse", "merge_states", to("out_lse", lambda x, a: a["lse"][:, 1]), ValueError, "out_lse",
+    layers=HOST)
+bad("states-output_scale-with-a-float32-out", "merge_states", options(output_scale=2.0), ValueError, "output_scale",
+    layers=ANY)
+bad("states-output_scale-array-of-two", "merge_states",
+    both(to("out", poisoned((T, H, D), FP8)), options(output_scale=np.array([1.0, 2.0], np.float32))), ValueError,
+    "output_scale", layers=PY)
+bad("states-output_scale-array-float64", "merge_states",
+    both(to("out", poisoned((T, H, D), FP8)), options(output_scale=np.array([1.0]))), (TypeError, ValueError),
+    "output_scale", "float64", layers=PY)
+
+# ================================================================================================
+# merge_varlen (on the CPU a bad indptr is refused; on the GPU it is clamped: tests/semantics/)
+
+for dt in ("float32", "float64", "int16", "uint32", "bool"):
+    bad(f"varlen-indptr-{dt}", "merge_varlen", astype("indptr", dtype=dt), TypeError, "indptr", dt, layers=PY)
+bad("varlen-indptr-2d", "merge_varlen", to("indptr", lambda x, a: x.reshape(1, -1)), ValueError, "indptr", layers=ANY)
+bad("varlen-indptr-empty", "merge_varlen", indptr_of([], "int32"), ValueError, "indptr", layers=ANY)
+bad("varlen-indptr-empty-outputs-allocated", "merge_varlen",
+    both(indptr_of([], "int32"), to("out", None), to("out_lse", None)), ValueError, "indptr", layers=PY)
+for values in ([0, 3, 2, 7, 10], [-1, 3, 3, 7, 10], [0, 3, 3, 7, 11], [0, 3, 3, 12, 10], [0, 2**62, 10]):
+    bad(f"varlen-indptr-{'_'.join(map(str, values))}", "merge_varlen", indptr_of(values), ValueError, "indptr",
+        layers=HOST)
+for case, values in {"negative_first": [-1, 2, 4], "negative_inside": [0, -2, 4], "decreasing": [0, 3, 2, 5],
+                     "past_total": [0, 3, 11], "first_past_total": [11, 11, 11]}.items():
+    for dt in ("int32", "int64"):
+        bad(f"varlen-indptr-{case}-{dt}", "merge_varlen", indptr_of(values, dt), ValueError, "indptr", layers=HOST)
+for values, dt in (([0, 3, TOTAL + 1], "int32"), ([-1, 3, TOTAL], "int64"), ([0, 5, 2, TOTAL], "int64")):
+    bad(f"varlen-indptr-{'_'.join(map(str, values))}-{dt}", "merge_varlen", indptr_of(values, dt), ValueError, "indptr",
+        layers=HOST)
+bad("varlen-indptr-decreasing-outputs-allocated", "merge_varlen",
+    both(indptr_of([0, 5, 4]), to("out", None), to("out_lse", None)), ValueError, "indptr")
+bad("varlen-out-rows-differ-from-indptr", "merge_varlen", shaped("out", (5, H, D)), ValueError, "out", 4, 5, layers=ANY)
+for name, shape in (("o", (TOTAL, H, D, 1)), ("o", (TOTAL, H * D)), ("lse", (TOTAL - 1, H)), ("lse", (TOTAL, H + 1))):
+    bad(f"varlen-shape-{name}-{'x'.join(map(str, shape))}", "merge_varlen", shaped(name, shape), ValueError, name,
+        layers=ANY)
+bad("varlen-out-read-only", "merge_varlen", to("out", lambda x, a: read_only(x)), ValueError, "out", layers=HOST)
+bad("varlen-indptr-a-string", "merge_varlen", to("indptr", "0,3,3,7,10"), TypeError, "indptr", layers=PY)
+bad("varlen-indptr-a-list", "merge_varlen", to("indptr", list(INDPTR)), TypeError, "indptr", layers=PY)
+
+
+def _indptr_inside_out(a):
+    a["indptr"] = a["out"].reshape(-1)[: len(INDPTR)].view(np.int32)
+    a["indptr"][:] = INDPTR
+
+
+bad("varlen-out-overlaps-indptr", "merge_varlen", _indptr_inside_out, ValueError, "indptr", layers=HOST)
+bad("varlen-output_scale-with-a-float32-out", "merge_varlen", options(output_scale=np.array([2.0], np.float32)),
+    ValueError, "output_scale", layers=PY)
+
+# ================================================================================================
+# merge_states_backward (the gradients grad_o, grad_lse are its outputs)
+
+bad("states-backward-grad_out-fewer-tokens", "merge_states_backward", to("grad_out", lambda x, a: x[:T - 1]), ValueError,
+    starts=f"grad_out: expected shape [{T}, {H}, {D}]", layers=ANY)
+bad("states-backward-out_lse-one-head", "merge_states_backward", to("out_lse", lambda x, a: x[:, :1]), ValueError,
+    starts=f"out_lse: expected shape [{T}, {H}]", layers=ANY)
+bad("states-backward-grad_out-float16", "merge_states_backward", astype("grad_out", dtype=np.float16), TypeError,
+    starts="grad_out: expected the dtype of out (float32)", layers=ANY)
+bad("states-backward-grad_o-float16", "merge_states_backward", to("grad_o", poisoned((T, S, H, D), np.float16)), TypeError,
+    starts="grad_o: expected the dtype of o (float32)", layers=ANY)
+bad("states-backward-grad_o-is-o", "merge_states_backward", to("grad_o", lambda x, a: a["o"]), ValueError,
+    contains=("grad_o: expected memory disjoint from o",), layers=HOST)
+bad("states-backward-grad_o-read-only", "merge_states_backward", to("grad_o", lambda x, a: read_only(x)), ValueError,
+    starts="grad_o: expected a writable tensor", layers=HOST)
+bad("states-backward-out-fp8", "merge_states_backward", both(astype("out", dtype=dtype_of(FP8)), to("grad_out_lse", None)),
+    TypeError, starts="out: expected dtype float32, float16 or bfloat16, got float8_e4m3", layers=PY)
+
+# ================================================================================================
+# vLLM's merge_attn_states: vLLM's names, LSEs [heads, tokens]
+
+bad("vllm-prefix_output-float64", "vllm", astype("prefix_output", dtype=np.float64), TypeError, "prefix_output", "float64",
+    layers=PY)
+bad("vllm-prefix_output-float16", "vllm", astype("prefix_output", dtype=np.float16), TypeError, "prefix_output", layers=PY)
+bad("vllm-suffix_output-fewer-heads", "vllm", to("suffix_output", lambda x, a: x[:, :2]), ValueError, "suffix_output", 2,
+    layers=PY)
+bad("vllm-prefix_lse-tokens-heads-layout", "vllm", to("prefix_lse", lambda x, a: np.ascontiguousarray(x.T)), ValueError,
+    "prefix_lse", layers=PY)
+bad("vllm-suffix_lse-tokens-heads-layout", "vllm", to("suffix_lse", lambda x, a: a.lse((T, H))), ValueError, "suffix_lse",
+    layers=PY)
+bad("vllm-suffix_lse-float16", "vllm", astype("suffix_lse", dtype=np.float16), TypeError, "suffix_lse", "float32",
+    layers=PY)
+bad("vllm-output-half-the-head_size", "vllm", shaped("output", (T, H, D // 2)), ValueError, "output", D // 2, D,
+    layers=PY)
+bad("vllm-output_lse-tokens-heads-layout", "vllm", shaped("output_lse", (T, H)), ValueError, "output_lse", layers=PY)
+bad("vllm-output-read-only", "vllm", to("output", lambda x, a: read_only(x)), ValueError, "output")
+bad("vllm-output-None", "vllm", to("output", None), TypeError, "output", layers=PY)
+bad("vllm-prefix_output-a-nested-list", "vllm", to("prefix_output", lambda x, a: x.tolist()), TypeError, "prefix_output",
+    layers=PY)
+bad("vllm-prefill_tokens_with_context-past-the-end", "vllm", options(prefill_tokens_with_context=T + 1), ValueError,
+    "prefill_tokens_with_context", T + 1, layers=PY)
+bad("vllm-prefill_tokens_with_context-negative", "vllm", options(prefill_tokens_with_context=-1), ValueError,
+    "prefill_tokens_with_context", layers=PY)
+bad("vllm-output_scale-with-a-float32-output", "vllm", options(output_scale=np.array([2.0], np.float32)), ValueError,
+    "output_scale", layers=PY)
+bad("vllm-output_scale-two-elements", "vllm",
+    both(to("output", poisoned((T, H, D), FP8)), options(output_scale=np.array([2.0, 2.0], np.float32))), ValueError,
+    "output_scale", layers=PY)
+
+
+def _output_over_suffix(a):
+    buf = np.concatenate([a["suffix_output"], a.o((1, H, D))])
+    a["output"], a["suffix_output"] = buf[1:], buf[:T]
+    a.extra.append(buf)
+
+
+bad("vllm-output-partially-overlaps-suffix_output", "vllm", _output_over_suffix, ValueError, "output")
+
+# ================================================================================================
+# FlashInfer's functions: FlashInfer's names, base 2, LSE [tokens, heads]
+
+_fi = dict(absent=NATIVE_NAMES)
+bad("fi-merge_state-v_b-float16-v_a-float32", "fi.merge_state", astype("v_b", dtype=np.float16), TypeError, "v_b",
+    "float16", "float32", exact="v_b: expected the dtype of v_a (float32), got float16", layers=PY, **_fi)
+bad("fi-merge_state-v_b-not-an-array", "fi.merge_state", to("v_b", object()), TypeError,
+    exact="v_b: expected an array, got object", layers=PY)
+bad("fi-merge_state-v_a-not-an-array", "fi.merge_state", to("v_a", object()), TypeError, "v_a", layers=PY)
+bad("fi-merge_state-v_a-float64", "fi.merge_state", astype("v_a", dtype=np.float64), TypeError,
+    exact="v_a: expected dtype float32, float16 or bfloat16, got dtype('float64')")
+bad("fi-merge_state-v_b-float64", "fi.merge_state", astype("v_b", dtype=np.float64), TypeError,
+    exact="v_b: expected dtype float32, float16 or bfloat16, got float64")
+bad("fi-merge_state-s_b-fewer-tokens", "fi.merge_state", to("s_b", lambda x, a: x[:-1]), ValueError,
+    exact=f"s_b: expected shape [{T}, {H}] (the sizes of v_b, shape [{T}, {H}, {D}]), got [{T - 1}, {H}]", layers=PY)
+bad("fi-merge_state-v_b-fewer-tokens", "fi.merge_state", to("v_b", lambda x, a: x[:-1]), ValueError, "s_b", layers=PY)
+for name, shape in (("s_a", (T, H + 1)), ("s_b", (H, T)), ("v_b", (T, H, D + 2)), ("v_a", (T, H * D))):
+    bad(f"fi-merge_state-shape-{name}-{'x'.join(map(str, shape))}", "fi.merge_state", shaped(name, shape),
+        ValueError, name, layers=PY, **_fi)
+bad("fi-merge_state-s_a-float16", "fi.merge_state", astype("s_a", dtype=np.float16), TypeError, "s_a", "float16",
+    layers=PY, **_fi)
+for name in ("v", "s"):
+    bad(f"fi-in-place-{name}-read-only", "fi.merge_state_in_place", to(name, lambda x, a: read_only(x)), ValueError, name,
+        **_fi)
+bad("fi-in-place-mask-length", "fi.merge_state_in_place", to("mask", np.ones(T + 3, bool)), ValueError, "mask", T, T + 3,
+    layers=PY, **_fi)
+bad("fi-in-place-mask-shorter", "fi.merge_state_in_place", to("mask", np.ones(T - 1, bool)), ValueError, "mask",
+    layers=PY)
+for dt in ("float32", "int64"):
+    bad(f"fi-in-place-mask-{dt}", "fi.merge_state_in_place", to("mask", np.ones(T, dt)), TypeError, "mask", dt, layers=PY,
+        **_fi)
+for name, shape in (("v_other", (T, H, D + 1)), ("s_other", (T + 1, H))):
+    bad(f"fi-in-place-shape-{name}-{'x'.join(map(str, shape))}", "fi.merge_state_in_place", shaped(name, shape),
+        ValueError, name, layers=PY, **_fi)
+bad("fi-in-place-s_other-float64", "fi.merge_state_in_place", astype("s_other", dtype=np.float64), TypeError, "s_other",
+    "float64", layers=PY, **_fi)
+bad("fi-in-place-v_other-negative-stride", "fi.merge_state_in_place", to("v_other", lambda x, a: x[:, ::-1]), ValueError,
+    "v_other")
+bad("fi-merge_states-v-3d", "fi.merge_states", to("v", lambda x, a: x[:, 0]), ValueError, "v", 4, 3, layers=PY, **_fi)
+bad("fi-merge_states-v-3d-message", "fi.merge_states", to("v", lambda x, a: x[:, 0]), ValueError,
+    exact=f"v: expected 4 dimensions, got 3 (shape [{T}, {H}, {D}])", layers=PY)
+bad("fi-merge_states-s-fewer-states", "fi.merge_states", to("s", lambda x, a: x[:, :2]), ValueError, S, 2, layers=PY,
+    check=lambda msg: _v_or_s(msg), **_fi)
+bad("fi-merge_states-s-more-states", "fi.merge_states", shaped("s", (T, S + 1, H)), ValueError, "s", layers=PY)
+bad("fi-merge_states-s-float64", "fi.merge_states", astype("s", dtype=np.float64), TypeError, "s", "float64", layers=PY,
+    **_fi)
+
+
+def _v_or_s(msg):
+    assert names("s", msg) or names("v", msg), msg
+
+
+for dt in ("float32", "int16"):
+    bad(f"fi-variable_length-indptr-{dt}", "fi.variable_length_merge_states", astype("indptr", dtype=dt), TypeError,
+        "indptr", dt, layers=PY, **_fi)
+for values in ([0, 4, 2], [-2, 2, 6], [0, 2, 11], [0, 2, TOTAL + 5], [0, 3, 2]):
+    bad(f"fi-variable_length-indptr-{'_'.join(map(str, values))}", "fi.variable_length_merge_states",
+        indptr_of(values, "int32"), ValueError, "indptr", **_fi)
+bad("fi-variable_length-indptr-past-the-end-message", "fi.variable_length_merge_states", indptr_of([0, 2, TOTAL + 1], "int32"),
+    ValueError, exact=f"indptr: expected non-decreasing offsets from 0 or more up to the {TOTAL} states of v, got "
+                      f"indptr[2] = {TOTAL + 1} (past the end)")
+bad("fi-variable_length-v-4d", "fi.variable_length_merge_states", shaped("v", (TOTAL, 2, H, D)), ValueError, "v",
+    layers=PY, **_fi)
+bad("fi-variable_length-v-2d-message", "fi.variable_length_merge_states", to("v", lambda x, a: x[0]), ValueError,
+    exact=f"v: expected 3 dimensions, got 2 (shape [{H}, {D}])", layers=PY)
+bad("fi-variable_length-s-fewer-states", "fi.variable_length_merge_states", to("s", lambda x, a: x[:-1]), ValueError, "s",
+    layers=PY)
+
+# ================================================================================================
+# attnmerge.raw.merge: its own descriptors (ptr, dtype, stride_token, stride_head), (ptr, stride_token, stride_head)
+
+
+def raw(name, f):
+    """The raw descriptor `name` becomes f(descriptor, a)."""
+    def change(a):
+        a[name] = f(a[name], a)
+    return change
+
+
+bad("raw-o_b-dtype-name-float64", "raw.merge", raw("o_b", lambda d, a: (d[0], "float64") + d[2:]), TypeError, "o_b",
+    "float64")
+bad("raw-o_b-dtype-float16-o_a-float32", "raw.merge", raw("o_b", lambda d, a: (d[0], "float16") + d[2:]), TypeError, "o_b",
+    "float16", "float32")
+bad("raw-lse_a-negative-stride", "raw.merge", raw("lse_a", lambda d, a: (d[0], -2, 1)), ValueError, "lse_a", "-2")
+bad("raw-out-zero-token-stride", "raw.merge", raw("out", lambda d, a: (d[0], "float32", 0, D)), ValueError, "out")
+bad("raw-out_lse-zero-head-stride", "raw.merge", raw("out_lse", lambda d, a: (d[0], H, 0)), ValueError, "out_lse")
+bad("raw-out_lse-zero-token-stride", "raw.merge", raw("out_lse", lambda d, a: (d[0], 0, 1)), ValueError, "out_lse")
+bad("raw-tokens-negative", "raw.merge", raw("tokens", lambda d, a: -1), ValueError, "tokens", "-1")
+bad("raw-heads-negative", "raw.merge", raw("heads", lambda d, a: -1), ValueError, "heads")
+bad("raw-head_size-zero", "raw.merge", raw("head_size", lambda d, a: 0), ValueError, "head_size", "o_b")
+bad("raw-o_a-misaligned-by-1", "raw.merge", raw("o_a", lambda d, a: (d[0] + 1,) + d[1:]), ValueError, "o_a")
+
+
+def _out_in_a_misaligned_store(d, a):
+    store = poisoned((T * H * D + 1,))
+    a.extra.append(store)
+    return (store.ctypes.data + 2,) + d[1:]
+
+
+bad("raw-out-misaligned-by-2", "raw.merge", raw("out", _out_in_a_misaligned_store), ValueError, "out")
+bad("raw-lse_b-null", "raw.merge", raw("lse_b", lambda d, a: (0,) + d[1:]), (TypeError, ValueError), "lse_b")
+bad("raw-o_a-null", "raw.merge", raw("o_a", lambda d, a: (0,) + d[1:]), ValueError, "o_a")
+bad("raw-device-tpu", "raw.merge", raw("device", lambda d, a: "tpu"), ValueError, "device", "tpu")
+bad("raw-device-cuda", "raw.merge", raw("device", lambda d, a: "cuda"), ValueError, "device")
+bad("raw-base-10", "raw.merge", options(base=10), ValueError, "base", "10")
+bad("raw-a_tokens-past-the-tokens", "raw.merge", options(a_tokens=T + 1), ValueError, "a_tokens", T + 1)
+bad("raw-o_a-descriptor-of-2", "raw.merge", raw("o_a", lambda d, a: d[:2]), (TypeError, ValueError), "o_a")
+bad("raw-lse_a-descriptor-of-2", "raw.merge", raw("lse_a", lambda d, a: d[:2]), TypeError, "lse_a")
+bad("raw-o_b-negative-pointer", "raw.merge", raw("o_b", lambda d, a: (-64,) + d[1:]), ValueError, "o_b", "ptr", "-64")
+bad("raw-lse_b-stride-a-float", "raw.merge", raw("lse_b", lambda d, a: d[:2] + (1.0,)), TypeError, "lse_b", "stride_1",
+    "1.0")
+bad("raw-out-span-beyond-2^63-bytes", "raw.merge", raw("out", lambda d, a: (d[0], "float32", 2**62, D)), ValueError, "out")
+bad("raw-out-negative-token-stride", "raw.merge",
+    raw("out", lambda d, a: (d[0] + (T - 1) * H * D * 4, "float32", -H * D, D)), ValueError, "out")
+bad("raw-host-memory-on-device-0", "raw.merge", raw("device", lambda d, a: 0), ValueError if not NO_GPU else RuntimeError,
+    "out")
+
+
+def _dtype_object(framework):
+    def f(d, a):
+        dt = pytest.importorskip("torch").float32 if framework == "torch" else np.dtype("float32")
+        return (d[0], dt) + d[2:]
+    return f
+
+
+for fw in ("numpy", "torch"):
+    bad(f"raw-o_a-dtype-a-{fw}-dtype-object", "raw.merge", raw("o_a", _dtype_object(fw)), TypeError,
+        contains=("o_a", "float32", "float16", "bfloat16", "float8_e4m3fn"),
+        check=lambda msg, fw=fw: _names_the_object(msg, fw))
+
+
+def _names_the_object(msg, fw):
+    dt = pytest.importorskip("torch").float32 if fw == "torch" else np.dtype("float32")
+    assert repr(dt) in msg, msg
+    assert "C++" not in msg, msg
+
+
+# ================================================================================================
+# the C ABI: its own descriptors (tests/c_abi.py), changed one field at a time
+
+
+def field_(name, **fields):
+    """Descriptor `name` with the given fields set (shape and strides as lists from index 0)."""
+    def change(a):
+        for k, v in fields.items():
+            if k in ("shape", "strides"):
+                for i, x in enumerate(v):
+                    getattr(a[name], k)[i] = x
+            else:
+                setattr(a[name], k, v)
+    return change
+
+
+def null(name):
+    def change(a):
+        a[name] = None
+    return change
+
+
+def opts(**kw):
+    def change(a):
+        a.options["opts"] = c_abi.options(**kw)
+    return change
+
+
+def _scale_ptr(values, offset=0, **kw):
+    def change(a):
+        scale = np.array(values, np.float32)
+        a.extra.append(scale)
+        a.options["opts"] = c_abi.options(output_scale_ptr=scale.ctypes.data + offset, **kw)
+    return change
+
+
+def out_of(dtype):
+    def change(a):
+        a.use("out", poisoned((T, H, D), dtype))
+    return change
+
+
+bad("c-merge-out-NULL-descriptor", "c.merge", null("out"), ERR_T, "out")
+bad("c-merge-lse_b-NULL-descriptor", "c.merge", null("lse_b"), ERR_T, "lse_b")
+bad("c-merge-o_a-NULL-data", "c.merge", field_("o_a", data=None), ERR_V, "o_a")
+bad("c-merge-out_lse-NULL-data", "c.merge", field_("out_lse", data=None), ERR_V, "out_lse")
+
+
+def _in_a_store(name, count, offset, make):
+    def change(a):
+        store = make(a, count)
+        a.extra.append(store)
+        a[name].data = store.ctypes.data + offset
+    return change
+
+
+bad("c-merge-o_b-float32-offset-by-2-bytes", "c.merge", _in_a_store("o_b", T * H * D + 1, 2, lambda a, n: a.o((n,))), ERR_V,
+    "o_b")
+bad("c-merge-lse_a-offset-by-1-byte", "c.merge", _in_a_store("lse_a", T * H + 1, 1, lambda a, n: a.lse((n,))), ERR_V,
+    "lse_a")
+bad("c-merge-out-zero-token-stride", "c.merge", field_("out", strides=[0, D, 1]), ERR_V, "out")
+bad("c-merge-out-heads-overlap-tokens", "c.merge", field_("out", strides=[D, D, 1]), ERR_V, "out")
+
+
+def _out_negative_head_stride(a):
+    a["out"].data += (H - 1) * D * 4  # head h at -h * D from the last head: inside the buffer
+    a["out"].strides[1] = -D
+
+
+bad("c-merge-out-negative-stride", "c.merge", _out_negative_head_stride, ERR_V, "out")
+bad("c-merge-o_b-non-unit-innermost", "c.merge",
+    lambda a: a.use("o_b", np.repeat(a.arrays["o_b"], 2, axis=2)[:, :, ::2]), ERR_V, "o_b")
+bad("c-merge-o_a-dtype-code-99", "c.merge", field_("o_a", dtype=99), ERR_T, "o_a")
+bad("c-merge-lse_a-dtype-code-minus-1", "c.merge", field_("lse_a", dtype=-1), ERR_T, "lse_a")
+bad("c-merge-out-dtype-int64", "c.merge", field_("out", dtype=c_abi.INT64), ERR_T, "out")
+bad("c-merge-out-ndim-5", "c.merge", field_("out", ndim=5), ERR_V, "out")
+bad("c-merge-o_b-ndim-0", "c.merge", field_("o_b", ndim=0), ERR_V, "o_b")
+bad("c-merge-lse_b-ndim-3", "c.merge", field_("lse_b", ndim=3), ERR_V, "lse_b")
+bad("c-merge-o_a-negative-shape", "c.merge", field_("o_a", shape=[T, -H, D]), ERR_V, "o_a")
+
+
+def _head_size_2_24(a):
+    # every O claims head_size 2^24 over a small buffer: refused before any memory is touched
+    for k in ("out", "o_a", "o_b"):
+        a[k].shape[:] = [1, 1, 2**24, 0]
+    for k in ("out_lse", "lse_a", "lse_b"):
+        a[k].shape[:] = [1, 1, 0, 0]
+
+
+def _span_2_73_bytes(a):
+    # shape [2^20, 2^10, 128] with a token stride of 2^53 elements: 2^73 bytes
+    a["o_a"].shape[:3] = [2**20, 2**10, 128]
+    a["o_a"].strides[:3] = [2**53, 128, 1]
+
+
+def _all_on(device):
+    def change(a):
+        for t in a.values():
+            if t is not None:
+                t.device = device
+    return change
+
+
+bad("c-merge-head_size-above-the-maximum", "c.merge", _head_size_2_24, ERR_V, "o_b")
+bad("c-merge-span-beyond-2^63-bytes", "c.merge", _span_2_73_bytes, ERR_V, "o_a")
+bad("c-merge-stride-times-size-overflows-int64", "c.merge", field_("lse_b", strides=[2**62, 2**62]), ERR_V, "lse_b")
+bad("c-merge-all-on-device-0-host-memory", "c.merge", _all_on(0), c_abi.ERROR_NO_DEVICE if NO_GPU else ERR_V, "out")
+bad("c-merge-lse_a-on-device-0-others-host", "c.merge", field_("lse_a", device=0), ERR_V, "lse_a")
+bad("c-merge-o_b-device-minus-2", "c.merge", field_("o_b", device=-2), ERR_V, "o_b")
+bad("c-merge-out-read-only-flag", "c.merge", field_("out", flags=c_abi.READ_ONLY), ERR_V, "out")
+bad("c-merge-out_lse-read-only-flag", "c.merge", field_("out_lse", flags=c_abi.READ_ONLY), ERR_V, "out_lse")
+bad("c-merge-out_lse-overlaps-out", "c.merge", lambda a: setattr(a["out_lse"], "data", a["out"].data), ERR_V, "out_lse")
+
+
+def _c_out_over_o_b(a):
+    buf = np.concatenate([a.arrays["o_b"], a.o((1, H, D))])
+    a.use("o_b", buf[:T])
+    a.use("out", buf[1:])
+    a.extra.append(buf)
+
+
+def _c_lse_a_inside_out(a):
+    a["lse_a"].data = a["out"].data  # lse_a lives in the first bytes of out
+    a.arrays["out"].reshape(-1)[: T * H] = a.lse((T * H,))
+    a["out_lse"] = None
+
+
+bad("c-merge-out-partially-overlaps-o_b", "c.merge", _c_out_over_o_b, ERR_V, "out")
+bad("c-merge-o_b-dtype-differs-from-o_a", "c.merge", field_("o_b", dtype=c_abi.FLOAT16, strides=[H * D, D, 1]), ERR_T, "o_b")
+bad("c-merge-unknown-option-flags", "c.merge", opts(flags=0x80), ERR_V, "options.flags")
+bad("c-merge-output_scale-with-float32-out", "c.merge", opts(output_scale=0.5), ERR_V, "output_scale")
+bad("c-merge-output_scale_ptr-with-bfloat16-out", "c.merge", both(out_of("bfloat16"), _scale_ptr([2.0])), ERR_V,
+    "output_scale")
+bad("c-merge-output_scale-nan-fp8-out", "c.merge", both(out_of(FP8), opts(output_scale=float("nan"))), ERR_V,
+    "output_scale")
+bad("c-merge-output_scale-inf-fp8-out", "c.merge", both(out_of(FP8), opts(output_scale=float("inf"))), ERR_V,
+    "output_scale")
+bad("c-merge-output_scale-value-and-pointer", "c.merge", both(out_of(FP8), _scale_ptr([2.0], output_scale=2.0)), ERR_V,
+    "output_scale")
+bad("c-merge-output_scale_ptr-misaligned", "c.merge", both(out_of(FP8), _scale_ptr([2.0, 2.0], offset=1)), ERR_V,
+    "output_scale")
+bad("c-merge-a_tokens-negative", "c.merge", opts(flags=c_abi.A_TOKENS, a_tokens=-1), ERR_V, "a_tokens")
+bad("c-merge-a_tokens-past-o_a", "c.merge", both(opts(flags=c_abi.A_TOKENS, a_tokens=T), field_("o_a", shape=[T - 1])),
+    ERR_V, "o_a")
+bad("c-merge-lse-heads-first-without-transpose", "c.merge", opts(flags=c_abi.LSE_HEADS_FIRST), ERR_V, "lse_b")
+bad("c-merge-out-overlaps-lse_a", "c.merge", _c_lse_a_inside_out, ERR_V, "out")
+bad("c-merge-out_lse-overlaps-o_a", "c.merge", lambda a: setattr(a["out_lse"], "data", a["o_a"].data), ERR_V, "out_lse")
+
+# in place: a mask is passed
+
+
+def _with_mask(a):
+    a.use("mask", np.ones(T, np.uint8))
+
+
+def _mask_walks_back(a):
+    a["mask"].data += T - 1  # walking back from the last byte stays inside the mask
+    a["mask"].strides[0] = -1
+
+
+bad("c-inplace-lse-NULL-descriptor", "c.merge_inplace", null("lse"), ERR_T, "lse")
+bad("c-inplace-o_other-NULL-descriptor", "c.merge_inplace", null("o_other"), ERR_T, "o_other")
+bad("c-inplace-a_tokens-flag-not-allowed", "c.merge_inplace", opts(flags=c_abi.A_TOKENS, a_tokens=1), ERR_V,
+    "options.flags")
+bad("c-inplace-mask-int32", "c.merge_inplace", both(_with_mask, field_("mask", dtype=c_abi.INT32)), ERR_T, "mask")
+bad("c-inplace-mask-NULL-data", "c.merge_inplace", both(_with_mask, field_("mask", data=None)), ERR_V, "mask")
+bad("c-inplace-mask-negative-stride", "c.merge_inplace", both(_with_mask, _mask_walks_back), ERR_V, "mask")
+bad("c-inplace-o-read-only-flag", "c.merge_inplace", field_("o", flags=c_abi.READ_ONLY), ERR_V, "o")
+
+# N-way
+
+
+def _more_than_int32_states(a):
+    # S = 2^31 read through zero strides: refused before any memory is read
+    a["o"].shape[1], a["o"].strides[1] = 2**31, 0
+    a["lse"].shape[1], a["lse"].strides[1] = 2**31, 0
+
+
+bad("c-states-o-NULL-descriptor", "c.merge_states", null("o"), ERR_T, "o")
+bad("c-states-more-than-int32-states", "c.merge_states", _more_than_int32_states, ERR_V, "o")
+bad("c-states-heads-first-flag-not-allowed", "c.merge_states", opts(flags=c_abi.LSE_HEADS_FIRST), ERR_V, "options.flags")
+bad("c-states-lse-ndim-2", "c.merge_states", field_("lse", ndim=2), ERR_V, "lse")
+bad("c-states-out_lse-overlaps-lse", "c.merge_states", lambda a: setattr(a["out_lse"], "data", a["lse"].data), ERR_V,
+    "out_lse")
+
+# variable length
+
+
+def _c_indptr(values, dtype=np.int64):
+    def change(a):
+        rows = max(len(values) - 1, 0)
+        a.use("indptr", np.array(values, dtype))
+        a.use("out", poisoned((rows, H, D)))
+        a.use("out_lse", poisoned((rows, H)))
+    return change
+
+
+def _no_entries(a):
+    a["indptr"].shape[0] = 0
+    a["out"].shape[0] = a["out_lse"].shape[0] = 0
+
+
+bad("c-varlen-indptr-past-the-end", "c.merge_varlen", _c_indptr([0, 4, TOTAL + 1]), ERR_V, "indptr")
+bad("c-varlen-indptr-int32-below-zero", "c.merge_varlen", _c_indptr([-5, 4, TOTAL], np.int32), ERR_V, "indptr")
+bad("c-varlen-indptr-no-entries", "c.merge_varlen", both(_c_indptr([0]), _no_entries), ERR_V, "indptr")
+bad("c-varlen-indptr-NULL-descriptor", "c.merge_varlen", null("indptr"), ERR_T, "indptr")
+bad("c-varlen-indptr-uint8", "c.merge_varlen", field_("indptr", dtype=c_abi.UINT8), ERR_T, "indptr")
+bad("c-varlen-indptr-on-device-1", "c.merge_varlen", field_("indptr", device=1), ERR_V, "indptr")
+
+# the backward
+
+
+bad("c-states-backward-output_scale", "c.merge_states_backward", opts(output_scale=2.0), ERR_V,
+    starts="output_scale: expected none")
+bad("c-states-backward-heads-first-flag-not-allowed", "c.merge_states_backward",
+    both(null("grad_lse"), null("grad_out_lse"), opts(flags=c_abi.LSE_HEADS_FIRST)), ERR_V,
+    starts="options.flags: expected flags within")
+
+# the helpers
+bad("c-stream_synchronize-device-0-without-gpu", "c.stream_synchronize", lambda a: a.options.update(device=0), ERR_V,
+    "device", marks=(pytest.mark.skipif(not NO_GPU, reason="a GPU is present"),))
+bad("c-stream_synchronize-negative-device", "c.stream_synchronize", lambda a: a.options.update(device=-1), ERR_V, "device")

@@ -1,0 +1,141 @@
+"""CUDA graphs: every GPU op is captured by torch.cuda.graph and its replays read the inputs (and an
+FP8 scale) as they are at replay, giving the oracle's results.
+
+GPU-only: each test takes the `cuda` device of the device fixture (tests/devices.py; marked `gpu`)
+and skips under ATTNMERGE_TEST_CUDA_AS=cpu.  (torch.ops' graphs: interop/test_torch_ops.py; PDL
+launches in a graph: semantics/test_launch_options.py.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnmerge
+import devices
+from oracle import (
+    assert_fp8_close,
+    assert_merge_matches,
+    assert_o_close,
+    random_pair,
+    random_stacked,
+    random_state,
+    reference_merge,
+    reference_merge_stacked,
+    reference_merge_varlen,
+)
+
+pytestmark = pytest.mark.parametrize("device", devices.CUDA_ONLY, indirect=True)
+
+
+@pytest.fixture
+def torch(device):
+    device.gpu_only()
+    return device.torch
+
+
+def _capture(torch, fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up off the default stream, as torch recommends
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_capture_and_replay(rng, device, torch, dtype):
+    h = random_pair(rng, 100, 8, 128, dtype)
+    o_a, lse_a, o_b, lse_b = [device.put(x) for x in h]
+    out, out_lse = device.nan(h[0].shape, dtype), device.nan(h[1].shape)
+    g = _capture(torch, lambda: attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse))
+    for step in range(3):
+        h2 = random_pair(rng, 100, 8, 128, dtype)
+        h2[1][step] = np.inf  # an empty row, a NaN row
+        h2[3][step + 5, 0] = np.nan
+        for dev, host in zip((o_a, lse_a, o_b, lse_b), h2):
+            dev.copy_(device.put(host))
+        out.fill_(float("nan"))
+        out_lse.fill_(float("nan"))
+        g.replay()
+        assert_merge_matches(device.get(out), device.get(out_lse), reference_merge(*h2), dtype)
+
+
+def test_cuda_graph_capture_with_allocated_outputs(rng, device, torch):
+    h = random_pair(rng, 50, 4, 64)
+    d = [device.put(x) for x in h]
+    attnmerge.merge(*d)  # warm-up
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, out_lse = attnmerge.merge(*d)
+    h2 = random_pair(rng, 50, 4, 64)
+    for dev, host in zip(d, h2):
+        dev.copy_(device.put(host))
+    g.replay()
+    assert_merge_matches(device.get(out), device.get(out_lse), reference_merge(*h2), "float32")
+
+
+@pytest.mark.parametrize("states_axis", (0, 1))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_capture_of_merge_states(rng, device, torch, dtype, states_axis):
+    t, s, h, d = 100, 8, 8, 128
+    o0, lse0 = random_stacked(rng, t, s, h, d, dtype, states_axis)
+    o, lse = device.put(o0), device.put(lse0)
+    out, out_lse = device.nan((t, h, d), dtype), device.nan((t, h))
+    g = _capture(torch, lambda: attnmerge.merge_states(o, lse, out=out, out_lse=out_lse, states_axis=states_axis))
+    for step in range(3):
+        o1, lse1 = random_stacked(rng, t, s, h, d, dtype, states_axis)
+        lse1[(slice(None),) * states_axis + (step,)] = np.inf  # an empty part
+        lse1.reshape(-1)[step * 7] = np.nan  # a NaN row
+        o.copy_(device.put(o1))
+        lse.copy_(device.put(lse1))
+        out.fill_(float("nan"))
+        out_lse.fill_(float("nan"))
+        g.replay()
+        assert_merge_matches(device.get(out), device.get(out_lse),
+                             reference_merge_stacked(o1, lse1, states_axis=states_axis), dtype)
+
+
+def test_cuda_graph_capture_of_fp8_merge_states_reads_the_scale_at_replay(rng, device, torch):
+    o0, lse0 = random_stacked(rng, 64, 4, 4, 128, "float16")
+    o, lse = device.put(o0), device.put(lse0)
+    out = device.nan((64, 4, 128), "float8_e4m3fn")
+    scale = device.put(np.array([1.0], np.float32))
+    g = _capture(torch, lambda: attnmerge.merge_states(o, lse, out=out, output_scale=scale))
+    ref_o = reference_merge_stacked(o0, lse0)[0]
+    for sv in (0.5, 3.0):
+        scale.fill_(sv)
+        g.replay()
+        assert_fp8_close(device.get(out), ref_o, sv)
+
+
+def test_cuda_graph_capture_of_varlen_and_inplace(rng, device, torch):
+    indptr = device.put(np.array([0, 2, 2, 7, 8], np.int32))
+    o0, lse0 = random_state(rng, 8, 4, 64)
+    o, lse = device.put(o0), device.put(lse0)
+    out, out_lse = device.nan((4, 4, 64)), device.nan((4, 4))
+    acc0, acc_lse0 = random_state(rng, 8, 4, 64)
+    acc, acc_lse = device.put(acc0), device.put(acc_lse0)
+    mask = np.array([1, 0, 1, 1, 0, 1, 1, 1], np.uint8)
+    dmask = device.put(mask)
+
+    def step():
+        attnmerge.merge_varlen(o, lse, indptr, out=out, out_lse=out_lse)
+        attnmerge.merge_inplace(acc, acc_lse, o, lse, mask=dmask)
+
+    g = _capture(torch, step)  # the warm-up ran the in-place merge once already
+    acc.copy_(device.put(acc0))
+    acc_lse.copy_(device.put(acc_lse0))
+    out.fill_(float("nan"))
+    g.replay()
+    assert_merge_matches(device.get(out), device.get(out_lse),
+                         reference_merge_varlen(o0, lse0, np.array([0, 2, 2, 7, 8])), "float32")
+    on = mask != 0
+    ref = reference_merge(acc0, acc_lse0, o0, lse0)
+    assert_o_close(device.get(acc)[on], ref[0][on], "float32", "o")
+    assert np.array_equal(device.get(acc)[~on], acc0[~on])

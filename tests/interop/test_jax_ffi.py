@@ -1,0 +1,296 @@
+"""attnmerge.jax: the merges as XLA FFI custom calls under jax.jit and jax.vmap, on the CPU and, on a
+GPU machine, on the GPU; checked against the float64 oracle.  Skipped where JAX is not installed or
+attnmerge was built without the JAX extension (tests/packaging/test_jax_extension.py checks which it should
+have)."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import attnmerge
+from oracle import (
+    DTYPES,
+    assert_merge_matches,
+    np_dtype,
+    random_lse,
+    random_o,
+    assert_fp8_close,
+    assert_lse_close,
+    random_state,
+    reference_merge,
+    reference_merge_stacked,
+    reference_merge_states_backward,
+    reference_merge_varlen,
+)
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+if not attnmerge.build_info()["jax_extension"]:
+    pytest.skip("attnmerge was built without the JAX extension (ATTNMERGE_BUILD_JAX=1 builds it)",
+                allow_module_level=True)
+import attnmerge.jax as amj  # noqa: E402
+
+
+def devices():
+    found = [pytest.param(jax.devices("cpu")[0], id="cpu")]
+    try:
+        found.append(pytest.param(jax.devices("gpu")[0], id="gpu", marks=pytest.mark.gpu))
+    except RuntimeError:
+        found.append(pytest.param(None, id="gpu", marks=[pytest.mark.gpu, pytest.mark.skip(reason="JAX sees no GPU")]))
+    return found
+
+
+@pytest.fixture(params=devices())
+def dev(request):
+    return request.param
+
+
+def put(x, dev):
+    return jax.device_put(x, dev)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_under_jit(rng, dev, dtype):
+    h = random_state(rng, 37, 5, 72, dtype) + random_state(rng, 37, 5, 72, dtype)
+    h[1][3] = np.inf  # an empty part (FlashAttention-2's +inf)
+    h[1][4] = h[3][4] = -np.inf  # a row with no parts at all
+    out, out_lse = jax.jit(amj.merge)(*[put(x, dev) for x in h])
+    assert out.dtype == np_dtype(dtype) and out_lse.dtype == np.float32
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), reference_merge(*h), dtype)
+
+
+def test_merge_base_2_and_another_output_dtype(rng, dev):
+    h = random_state(rng, 16, 4, 64, "bfloat16") + random_state(rng, 16, 4, 64, "bfloat16")
+    f = jax.jit(lambda *x: amj.merge(*x, base=2, out_dtype=jnp.float32))
+    out, out_lse = f(*[put(x, dev) for x in h])
+    assert out.dtype == np.float32
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), reference_merge(*h, base=2), "float32")
+
+
+@pytest.mark.parametrize("s", [0, 1, 2, 5, 9])
+def test_merge_states_under_jit(rng, dev, s):
+    o = random_o(rng, (11, s, 3, 40), "float16")
+    lse = random_lse(rng, (11, s, 3))
+    out, out_lse = jax.jit(amj.merge_states)(put(o, dev), put(lse, dev))
+    assert out.shape == (11, 3, 40) and out_lse.shape == (11, 3)
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), reference_merge_stacked(o, lse), "float16")
+
+
+def test_inside_a_larger_jitted_function_and_under_vmap(rng, dev):
+    h = random_state(rng, 8, 2, 32) + random_state(rng, 8, 2, 32)
+
+    @jax.jit
+    def f(o_a, lse_a, o_b, lse_b):
+        out, out_lse = amj.merge(o_a * 2.0, lse_a, o_b, lse_b + 1.0)
+        return out + 1.0, out_lse
+
+    out, out_lse = f(*[put(x, dev) for x in h])
+    ref = reference_merge(h[0] * 2.0, h[1], h[2], h[3] + 1.0)
+    assert_merge_matches(np.asarray(out) - 1.0, np.asarray(out_lse), ref, "float32")
+
+    batched = [put(np.stack([x, x[::-1]]), dev) for x in h]
+    out_b, lse_b = jax.vmap(amj.merge)(*batched)
+    for i, flip in enumerate((slice(None), slice(None, None, -1))):
+        ref = reference_merge(*[x[flip] for x in h])
+        assert_merge_matches(np.asarray(out_b[i]), np.asarray(lse_b[i]), ref, "float32")
+
+
+def test_a_bad_argument_is_named_when_the_call_runs(rng, dev):
+    o, lse = random_state(rng, 5, 3, 16)
+    with pytest.raises(Exception, match="lse_b: expected shape"):
+        jax.block_until_ready(jax.jit(amj.merge)(put(o, dev), put(lse, dev), put(o, dev), put(lse[:4], dev)))
+    with pytest.raises(Exception, match="o_a: expected dtype"):
+        jax.block_until_ready(amj.merge(put(o.astype(np.int32), dev), put(lse, dev), put(o, dev), put(lse, dev)))
+    with pytest.raises(ValueError, match="base"):
+        amj.merge(o, lse, o, lse, base=10)
+    with pytest.raises(ValueError, match="^o: expected 4 dimensions"):
+        amj.merge_states(o, lse)
+
+
+def ffi_calls(f, *args):
+    """The attnmerge custom calls in f's jaxpr, and whether it loops (a sequential vmap)."""
+    text = str(jax.make_jaxpr(f)(*args))
+    return text.count("attnmerge_"), "while[" in text or "scan[" in text
+
+
+def test_options_are_static_inside_a_jitted_function_and_refused_when_traced(rng, dev):
+    h = [put(x, dev) for x in random_state(rng, 6, 2, 32, "bfloat16") + random_state(rng, 6, 2, 32, "bfloat16")]
+    f = jax.jit(functools.partial(amj.merge, base=2, out_dtype=jnp.float32))
+    out, out_lse = f(*h)
+    assert out.dtype == np.float32
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), reference_merge(*map(np.asarray, h), base=2), "float32")
+    with pytest.raises(TypeError, match="^base: expected a Python value"):
+        jax.jit(amj.merge)(*h, base=2)
+    with pytest.raises(TypeError, match="^a_tokens: expected a Python value"):
+        jax.jit(amj.merge)(*h, a_tokens=3)
+
+
+@pytest.mark.parametrize("in_axes", [(0, 0, 0, 0), (0, 0, None, None)])
+def test_vmap_of_merge_is_one_call_over_the_batch(rng, dev, in_axes):
+    batch = 3
+    h = random_state(rng, 5, 4, 24) + random_state(rng, 5, 4, 24)
+    args = [np.stack([x * (i + 1) if x.ndim == 3 else x - i for i in range(batch)]) if ax == 0 else x
+            for x, ax in zip(h, in_axes)]
+    f = jax.vmap(amj.merge, in_axes=in_axes)
+    assert ffi_calls(f, *args) == (1, False)
+    out, out_lse = f(*[put(x, dev) for x in args])
+    for i in range(batch):
+        one = [x[i] if ax == 0 else x for x, ax in zip(args, in_axes)]
+        assert_merge_matches(np.asarray(out[i]), np.asarray(out_lse[i]), reference_merge(*one), "float32")
+
+
+def test_vmap_of_merge_states_is_one_call_and_of_varlen_a_loop(rng, dev):
+    o, lse = random_o(rng, (2, 7, 3, 2, 16), "float16"), random_lse(rng, (2, 7, 3, 2))
+    f = jax.vmap(amj.merge_states)
+    assert ffi_calls(f, o, lse) == (1, False)
+    out, out_lse = f(put(o, dev), put(lse, dev))
+    for i in range(2):
+        assert_merge_matches(np.asarray(out[i]), np.asarray(out_lse[i]), reference_merge_stacked(o[i], lse[i]),
+                             "float16")
+    ov, lv = random_o(rng, (2, 9, 2, 16)), random_lse(rng, (2, 9, 2))
+    indptr = np.array([[0, 3, 3, 9], [0, 1, 5, 9]], dtype=np.int32)
+    g = jax.vmap(amj.merge_varlen)
+    assert ffi_calls(g, ov, lv, indptr)[1]  # per-example indptr: once per element
+    out, out_lse = g(put(ov, dev), put(lv, dev), put(indptr, dev))
+    for i in range(2):
+        ref = reference_merge_varlen(ov[i], lv[i], indptr[i])
+        assert_merge_matches(np.asarray(out[i]), np.asarray(out_lse[i]), ref, "float32")
+
+
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_merge_varlen_under_jit(rng, dev, index_dtype):
+    counts = np.array([0, 1, 4, 0, 9, 2])
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(index_dtype)
+    o, lse = random_o(rng, (int(indptr[-1]), 3, 40), "bfloat16"), random_lse(rng, (int(indptr[-1]), 3))
+    lse[5] = -np.inf  # an empty part inside a row
+    out, out_lse = jax.jit(functools.partial(amj.merge_varlen, out_dtype=jnp.float32))(
+        put(o, dev), put(lse, dev), put(indptr, dev))
+    assert out.shape == (6, 3, 40) and out.dtype == np.float32
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), reference_merge_varlen(o, lse, indptr), "float32")
+
+
+def test_merge_with_a_tokens(rng, dev):
+    o_b, lse_b = random_state(rng, 9, 2, 32)
+    o_a, lse_a = random_state(rng, 4, 2, 32)  # a has only its first 4 tokens
+    out, out_lse = jax.jit(functools.partial(amj.merge, a_tokens=4))(*[put(x, dev) for x in (o_a, lse_a, o_b, lse_b)])
+    ref = reference_merge(o_a, lse_a, o_b, lse_b, a_tokens=4)
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), ref, "float32")
+
+
+@pytest.mark.parametrize("scale", [0.25, "array"])
+def test_fp8_outputs_with_an_output_scale(rng, dev, scale):
+    h = random_state(rng, 7, 3, 32) + random_state(rng, 7, 3, 32)
+    value = 0.25
+    arg = put(np.array([value], dtype=np.float32), dev) if scale == "array" else value
+    f = jax.jit(lambda *x: amj.merge(*x, out_dtype=jnp.float8_e4m3fn, output_scale=arg))
+    out, out_lse = f(*[put(x, dev) for x in h])
+    ref_o, ref_lse = reference_merge(*h)
+    assert_fp8_close(np.asarray(out), ref_o, value)
+    assert_lse_close(np.asarray(out_lse), ref_lse)
+    o, lse = random_o(rng, (7, 5, 3, 32)), random_lse(rng, (7, 5, 3))
+    out, _ = amj.merge_states(put(o, dev), put(lse, dev), out_dtype=jnp.float8_e4m3fn, output_scale=arg)
+    assert_fp8_close(np.asarray(out), reference_merge_stacked(o, lse)[0], value)
+
+
+def test_the_all_gather_layout(rng, dev):
+    o, lse = random_o(rng, (4, 6, 2, 16)), random_lse(rng, (4, 6, 2))  # [S, tokens, ...]
+    out, out_lse = amj.merge_states(put(o, dev), put(lse, dev), states_axis=0)
+    ref = reference_merge_stacked(o, lse, states_axis=0)
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), ref, "float32")
+
+
+def test_shapes_are_checked_when_traced(rng):
+    o, lse = random_state(rng, 5, 3, 16)
+    spec = jax.ShapeDtypeStruct
+    cases = [
+        (amj.merge, (o, lse, o, lse[:4]), "^lse_b: expected shape \\[5, 3\\]"),
+        (amj.merge, (o[:, :2], lse, o, lse), "^o_a: expected shape \\[5 or more, 3, 16\\]"),
+        (amj.merge, (o, lse, o[0], lse), "^o_b: expected 3 dimensions"),
+        (amj.merge_states, (o[:, None], lse[:, :1]), "^lse: expected shape \\[5, 1, 3\\]"),
+        (amj.merge_varlen, (o, lse, np.zeros((2, 2), np.int32)), "^indptr: expected 1 dimensions"),
+    ]
+    for f, args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            jax.eval_shape(f, *[spec(np.shape(x), x.dtype) for x in args])
+
+
+# --------------------------------------------------------------------------------------------------
+# gradients (custom_vjp over the fused backward)
+
+
+def _cotangents(rng, out, out_lse):
+    return (jnp.asarray(rng.standard_normal(out.shape).astype(np.float32)).astype(out.dtype),
+            jnp.asarray(rng.standard_normal(out_lse.shape).astype(np.float32)))
+
+
+@pytest.mark.parametrize("base", ["e", 2])
+def test_merge_states_gradients_are_the_oracles(rng, dev, base):
+    o, lse = random_o(rng, (6, 5, 3, 24)), random_lse(rng, (6, 5, 3))
+    lse[1, 2] = -np.inf  # an empty part: zero gradients
+    f = jax.jit(functools.partial(amj.merge_states, base=base))
+    (out, out_lse), vjp = jax.vjp(f, put(o, dev), put(lse, dev))
+    g_out, g_lse = _cotangents(rng, out, out_lse)
+    grad_o, grad_lse = vjp((g_out, g_lse))
+    ref = reference_merge_states_backward(np.swapaxes(o, 0, 1), np.swapaxes(lse, 0, 1), np.asarray(out),
+                                          np.asarray(out_lse), np.asarray(g_out), np.asarray(g_lse), base=base)
+    assert_merge_matches(np.asarray(grad_o), np.asarray(grad_lse),
+                         (np.swapaxes(ref[0], 0, 1), np.swapaxes(ref[1], 0, 1)), "float32", "grad")
+    assert np.all(np.asarray(grad_o)[1, 2] == 0) and np.all(np.asarray(grad_lse)[1, 2] == 0)
+
+
+@pytest.mark.parametrize("a_tokens", [None, 3])
+def test_merge_gradients_with_and_without_a_tokens(rng, dev, a_tokens):
+    o_b, lse_b = random_state(rng, 7, 2, 16)
+    o_a, lse_a = random_state(rng, 7 if a_tokens is None else 5, 2, 16)  # a longer than a_tokens
+    f = jax.jit(functools.partial(amj.merge, a_tokens=a_tokens))
+    args = [put(x, dev) for x in (o_a, lse_a, o_b, lse_b)]
+    (out, out_lse), vjp = jax.vjp(f, *args)
+    g = _cotangents(rng, out, out_lse)
+    grads = vjp(g)
+    k = 7 if a_tokens is None else a_tokens
+    la = np.full((7, 2), -np.inf, np.float32)
+    oa = np.zeros((7, 2, 16), np.float32)
+    la[:k], oa[:k] = lse_a[:k], o_a[:k]
+    ref_o, ref_l = reference_merge_states_backward(np.stack([oa, o_b]), np.stack([la, lse_b]), np.asarray(out),
+                                                   np.asarray(out_lse), np.asarray(g[0]), np.asarray(g[1]))
+    assert grads[0].shape == o_a.shape and np.all(np.asarray(grads[0])[k:] == 0)
+    assert_merge_matches(np.asarray(grads[0])[:k], np.asarray(grads[1])[:k], (ref_o[0][:k], ref_l[0][:k]), "float32")
+    assert_merge_matches(np.asarray(grads[2]), np.asarray(grads[3]), (ref_o[1], ref_l[1]), "float32")
+
+
+def test_merge_varlen_gradients_and_check_grads(rng, dev):
+    indptr = np.array([0, 2, 2, 6], dtype=np.int32)
+    o, lse = random_o(rng, (6, 2, 8)), random_lse(rng, (6, 2))
+    (out, out_lse), vjp = jax.vjp(lambda a, b: amj.merge_varlen(a, b, put(indptr, dev)), put(o, dev), put(lse, dev))
+    g = _cotangents(rng, out, out_lse)
+    grad_o, grad_lse = vjp(g)
+    for r in (0, 2):
+        lo, hi = indptr[r], indptr[r + 1]
+        ref = reference_merge_states_backward(o[lo:hi, None], lse[lo:hi, None], np.asarray(out)[r:r + 1],
+                                              np.asarray(out_lse)[r:r + 1], np.asarray(g[0])[r:r + 1],
+                                              np.asarray(g[1])[r:r + 1])
+        assert_merge_matches(np.asarray(grad_o)[lo:hi], np.asarray(grad_lse)[lo:hi], (ref[0][:, 0], ref[1][:, 0]),
+                             "float32", "grad")
+    from jax.test_util import check_grads
+
+    # float32 (the library takes no float64): a large step, loose tolerances
+    check_grads(lambda a, b: amj.merge_varlen(a, b, indptr[[0, 1, 3]]), (put(o, dev), put(lse, dev)), order=1,
+                modes=["rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
+    stacked = (put(o[:3, None].repeat(2, 1), dev), put(lse[:3, None].repeat(2, 1), dev))
+    check_grads(lambda a, b: amj.merge_states(a, b), stacked, order=1, modes=["rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
+def test_gradients_under_vmap_and_none_through_fp8(rng, dev):
+    o, lse = random_o(rng, (3, 4, 5, 2, 8)), random_lse(rng, (3, 4, 5, 2))
+    loss = lambda a, b: sum(x.sum() for x in amj.merge_states(a, b))  # noqa: E731
+    batched = jax.vmap(jax.grad(loss, argnums=(0, 1)))(put(o, dev), put(lse, dev))
+    for i in range(3):
+        one = jax.grad(loss, argnums=(0, 1))(put(o[i], dev), put(lse[i], dev))
+        for b, s in zip(batched, one):
+            np.testing.assert_allclose(np.asarray(b[i]), np.asarray(s), rtol=1e-6, atol=1e-7)
+    fp8 = lambda a, b: amj.merge_states(a, b, out_dtype=jnp.float8_e4m3fn)[1].sum()  # noqa: E731
+    with pytest.raises(NotImplementedError, match="attnmerge.jax.merge_states: no gradient through an FP8"):
+        jax.grad(fp8)(put(o[0], dev), put(lse[0], dev))

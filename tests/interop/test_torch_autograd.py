@@ -1,0 +1,202 @@
+"""Autograd through torch.ops.attnmerge: merge, merge_states and merge_varlen are differentiable with
+respect to every O and LSE input, eagerly and under torch.compile, on the CPU and (marked gpu) on
+CUDA; their gradients are the float64 oracle's (p_i = b^(lse_i - LSE), dO_i = p_i dO,
+dlse_i = p_i (dLSE + ln(b) <dO, O_i - O>)); an empty part gets zero gradients; where no gradient is
+defined (an FP8 or scaled output) asking for one is refused by name."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", minversion="2.4")
+
+import attnmerge  # noqa: E402
+from oracle import (  # noqa: E402
+    random_lse,
+    random_o,
+    reference_merge,
+    reference_merge_stacked,
+    reference_merge_states_backward,
+    reference_merge_varlen,
+)
+
+DEVICES = [pytest.param("cpu", id="cpu"),
+           pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+               not torch.cuda.is_available(), reason="no CUDA device")])]
+TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}  # relative L2 against the float64 oracle
+
+
+def put(x, device, dtype="float32", grad=True):
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(device=device, dtype=getattr(torch, dtype))
+    return t.requires_grad_(grad)
+
+
+def rel(actual, expected):
+    actual = actual.detach().double().cpu().numpy()
+    scale = max(np.linalg.norm(expected), 1e-30)
+    return np.linalg.norm(actual - expected) / scale
+
+
+def incoming(rng, out, out_lse):
+    return (torch.from_numpy(rng.standard_normal(out.shape).astype(np.float32)).to(out.device, out.dtype),
+            torch.from_numpy(rng.standard_normal(out_lse.shape).astype(np.float32)).to(out_lse.device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("base", ["e", 2])
+def test_merge_states_gradients_are_the_oracles(rng, device, dtype, base):
+    o, lse = random_o(rng, (7, 5, 3, 40), dtype), random_lse(rng, (7, 5, 3))
+    lse[2, 1] = -np.inf  # an empty part
+    lse[4, :, 0] = -np.inf  # an all-empty row
+    o_t, lse_t = put(o, device, dtype), put(lse, device)
+    out, out_lse = attnmerge.merge_states(o_t, lse_t, base=base)
+    grad_out, grad_out_lse = incoming(rng, out, out_lse)
+    grad_o, grad_lse = torch.autograd.grad((out, out_lse), (o_t, lse_t), (grad_out, grad_out_lse))
+    ref = reference_merge_states_backward(np.swapaxes(o_t.detach().float().cpu().numpy(), 0, 1),
+                                          np.swapaxes(lse, 0, 1), out.detach().float().cpu().numpy(),
+                                          out_lse.detach().cpu().numpy(), grad_out.float().cpu().numpy(),
+                                          grad_out_lse.cpu().numpy(), base=base)
+    assert rel(grad_o.float(), np.swapaxes(ref[0], 0, 1)) <= TOLERANCE[dtype]
+    assert rel(grad_lse, np.swapaxes(ref[1], 0, 1)) <= TOLERANCE[dtype]
+    assert grad_o.dtype == o_t.dtype and grad_o.shape == o_t.shape
+    assert torch.all(grad_o[2, 1] == 0) and torch.all(grad_lse[2, 1] == 0)  # empty: zero, never NaN
+    assert torch.all(grad_o[4, :, 0] == 0) and torch.all(grad_lse[4, :, 0] == 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("a_tokens", [None, 3])
+def test_merge_gradients_are_those_of_the_two_state_merge_states(rng, device, a_tokens):
+    t, h, d = 6, 2, 32
+    o_a, lse_a = random_o(rng, (t, h, d)), random_lse(rng, (t, h))
+    o_b, lse_b = random_o(rng, (t, h, d)), random_lse(rng, (t, h))
+    x = [put(v, device) for v in (o_a, lse_a, o_b, lse_b)]
+    out, out_lse = attnmerge.merge(*x, a_tokens=a_tokens)
+    grad_out, grad_out_lse = incoming(rng, out, out_lse)
+    grads = torch.autograd.grad((out, out_lse), x, (grad_out, grad_out_lse))
+    k = t if a_tokens is None else a_tokens
+    la = lse_a.copy()
+    la[k:] = -np.inf  # rows past a_tokens take b alone: a is an empty part there
+    ref_o, ref_lse = reference_merge_states_backward(np.stack([o_a, o_b]), np.stack([la, lse_b]),
+                                                     out.detach().cpu().numpy(), out_lse.detach().cpu().numpy(),
+                                                     grad_out.cpu().numpy(), grad_out_lse.cpu().numpy())
+    for g, r in zip(grads, (ref_o[0], ref_lse[0], ref_o[1], ref_lse[1])):
+        assert rel(g, r) <= TOLERANCE["float32"]
+    assert torch.all(grads[0][k:] == 0) and torch.all(grads[1][k:] == 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_varlen_gradients_and_states_no_row_takes(rng, device):
+    indptr = np.array([1, 1, 4, 9], dtype=np.int32)  # state 0 and 9.. belong to no row; row 0 is empty
+    o, lse = random_o(rng, (11, 3, 16)), random_lse(rng, (11, 3))
+    o_t, lse_t = put(o, device), put(lse, device)
+    out, out_lse = attnmerge.merge_varlen(o_t, lse_t, torch.from_numpy(indptr).to(device))
+    grad_out, grad_out_lse = incoming(rng, out, out_lse)
+    grad_o, grad_lse = torch.autograd.grad((out, out_lse), (o_t, lse_t), (grad_out, grad_out_lse))
+    expected_o, expected_lse = np.zeros(o.shape), np.zeros(lse.shape)
+    for r in range(3):
+        lo, hi = indptr[r], indptr[r + 1]
+        if hi > lo:
+            g = reference_merge_states_backward(o[lo:hi, None], lse[lo:hi, None], out.detach().cpu().numpy()[r:r + 1],
+                                                out_lse.detach().cpu().numpy()[r:r + 1],
+                                                grad_out.cpu().numpy()[r:r + 1], grad_out_lse.cpu().numpy()[r:r + 1])
+            expected_o[lo:hi], expected_lse[lo:hi] = g[0][:, 0], g[1][:, 0]
+    assert rel(grad_o, expected_o) <= TOLERANCE["float32"] and rel(grad_lse, expected_lse) <= TOLERANCE["float32"]
+    assert torch.all(grad_o[0] == 0) and torch.all(grad_o[9:] == 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_only_the_asked_gradients_and_only_out_or_only_out_lse_used(rng, device):
+    o, lse = put(random_o(rng, (4, 3, 2, 16)), device), put(random_lse(rng, (4, 3, 2)), device, grad=False)
+    out, out_lse = attnmerge.merge_states(o, lse)
+    (grad_o,) = torch.autograd.grad(out.sum(), (o,))  # out_lse unused, an expanded incoming gradient
+    ref = reference_merge_states_backward(np.swapaxes(o.detach().cpu().numpy(), 0, 1),
+                                          np.swapaxes(lse.cpu().numpy(), 0, 1), out.detach().cpu().numpy(),
+                                          out_lse.detach().cpu().numpy(), np.ones(out.shape))
+    assert rel(grad_o, np.swapaxes(ref[0], 0, 1)) <= TOLERANCE["float32"]
+    lse.requires_grad_()
+    _, out_lse = attnmerge.merge_states(o, lse)
+    grad_o, grad_lse = torch.autograd.grad(out_lse.sum(), (o, lse))  # out unused: O gets none
+    assert torch.all(grad_o == 0)
+    ref = reference_merge_states_backward(np.swapaxes(o.detach().cpu().numpy(), 0, 1),
+                                          np.swapaxes(lse.detach().cpu().numpy(), 0, 1), out.detach().cpu().numpy(),
+                                          out_lse.detach().cpu().numpy(), np.zeros(out.shape), np.ones(out_lse.shape))
+    assert rel(grad_lse, np.swapaxes(ref[1], 0, 1)) <= TOLERANCE["float32"]
+
+
+def test_gradcheck_through_the_registered_ops():
+    """torch.autograd.gradcheck of each op against finite differences of itself.  The library
+    computes in float32 (it takes no float64): hence float32 inputs, a large step and tolerances
+    (the float64 gradcheck of the backward kernels themselves is in semantics/test_backward.py)."""
+    gen = torch.Generator().manual_seed(1)
+    o = torch.randn(3, 4, 2, 8, generator=gen, requires_grad=True)
+    lse = torch.randn(3, 4, 2, generator=gen).requires_grad_()
+    kw = dict(eps=1e-2, atol=2e-3, rtol=2e-2, nondet_tol=0.0)
+    assert torch.autograd.gradcheck(lambda a, b: attnmerge.merge_states(a, b), (o, lse), **kw)
+    assert torch.autograd.gradcheck(lambda a, b, c, d: attnmerge.merge(a, b, c, d, base=2),
+                                    (o[:, 0], lse[:, 0], o[:, 1], lse[:, 1]), **kw)
+    indptr = torch.tensor([0, 2, 3])  # (an empty row's LSE is -inf: no finite difference there)
+    assert torch.autograd.gradcheck(lambda a, b: attnmerge.merge_varlen(a, b, indptr), (o[:, 0], lse[:, 0]), **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_gradients_are_the_eager_ones(rng, device):
+    x = [put(v, device) for v in (random_o(rng, (5, 2, 32)), random_lse(rng, (5, 2)),
+                                  random_o(rng, (5, 2, 32)), random_lse(rng, (5, 2)))]
+
+    def loss(*a):
+        out, out_lse = attnmerge.merge(*a)
+        return (out * out).sum() + out_lse.sum()
+
+    eager = torch.autograd.grad(loss(*x), x)
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(*x), x)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)
+
+
+def test_opcheck_of_the_backward_ops_and_of_the_differentiable_forwards(rng):
+    o = torch.from_numpy(random_o(rng, (6, 3, 4, 32))).requires_grad_()
+    lse = torch.from_numpy(random_lse(rng, (6, 3, 4))).requires_grad_()
+    torch.library.opcheck(torch.ops.attnmerge.merge_states.default, (o, lse), {})
+    torch.library.opcheck(torch.ops.attnmerge.merge.default, (o[:, 0], lse[:, 0], o[:, 1], lse[:, 1]),
+                          dict(a_tokens=4, base="2"))
+    torch.library.opcheck(torch.ops.attnmerge.merge_varlen.default, (o[:, 0], lse[:, 0], torch.tensor([0, 4, 6])), {})
+    with torch.no_grad():
+        out, out_lse = torch.ops.attnmerge.merge_states(o, lse)
+    g, gl = torch.randn_like(out), torch.randn_like(out_lse)
+    torch.library.opcheck(torch.ops.attnmerge.merge_states_backward.default,
+                          (g, gl, out, out_lse, o.detach(), lse.detach()), dict(needs=[True, False]))
+    a = [x.detach() for x in (o[:, 0], lse[:, 0], o[:, 1], lse[:, 1])]
+    torch.library.opcheck(torch.ops.attnmerge.merge_backward.default, (g, None, out, out_lse, *a),
+                          dict(needs=[True, True, False, True], a_tokens=3))
+    torch.library.opcheck(torch.ops.attnmerge.merge_varlen_backward.default,
+                          (g[:2], gl[:2], out[:2], out_lse[:2], a[0], a[1], torch.tensor([0, 1, 6])),
+                          dict(needs=[True, True]))
+
+
+def test_no_gradient_through_an_fp8_or_scaled_output(rng):
+    o, lse = torch.from_numpy(random_o(rng, (4, 3, 2, 16))).requires_grad_(), torch.from_numpy(
+        random_lse(rng, (4, 3, 2)))
+    with pytest.raises(NotImplementedError, match="attnmerge::merge_states: no gradient through an FP8 output"):
+        attnmerge.merge_states(o, lse, out_dtype=torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="output_scale"):
+        attnmerge.merge_states(o, lse, out_dtype=torch.float8_e4m3fn, output_scale=2.0)
+    with torch.no_grad():
+        attnmerge.merge_states(o, lse, out_dtype=torch.float8_e4m3fn)  # without autograd it runs
+
+
+def test_results_match_the_forward_without_autograd(rng):
+    """Routing through the differentiable op changes no bit of the results."""
+    o, lse = random_o(rng, (9, 4, 3, 24)), random_lse(rng, (9, 4, 3))
+    with_grad = attnmerge.merge_states(torch.from_numpy(o).requires_grad_(), torch.from_numpy(lse))
+    without = attnmerge.merge_states(torch.from_numpy(o), torch.from_numpy(lse))
+    for a, b in zip(with_grad, without):
+        assert torch.equal(a.detach(), b)
+    ref = reference_merge_stacked(o, lse)
+    assert rel(without[0], ref[0]) <= TOLERANCE["float32"]
+    ref2 = reference_merge(o[:, 0], lse[:, 0], o[:, 1], lse[:, 1])
+    assert rel(attnmerge.merge(*[torch.from_numpy(x).requires_grad_() for x in (
+        o[:, 0], lse[:, 0], o[:, 1], lse[:, 1])])[0], ref2[0]) <= TOLERANCE["float32"]
+    ref3 = reference_merge_varlen(o[:, 0], lse[:, 0], np.array([0, 9]))
+    assert rel(attnmerge.merge_varlen(torch.from_numpy(o[:, 0]).requires_grad_(), torch.from_numpy(lse[:, 0]),
+                                      torch.tensor([0, 9]))[0], ref3[0]) <= TOLERANCE["float32"]

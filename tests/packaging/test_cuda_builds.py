@@ -1,0 +1,170 @@
+"""The two published builds, attnmerge-cu12 and attnmerge-cu13, on the CPU:
+- the error of a GPU call on a driver older than the build's CUDA names the driver's CUDA version,
+  the build's, the driver the build needs and the build that fits (cpp/src/cuda_builds.h, printed
+  by tests/native/driver_probe.cpp);
+- that table and the build backend's agree on the distributions and their drivers;
+- the installed library carries the cubins its CUDA version promises: cuobjdump reads each one's
+  ELF ABI (7 for CUDA 12 below sm_100, which drivers from R525 on load; 8 for CUDA 13, R580 on), the
+  toolkit that assembled it and its SM, and the PTX's ISA version."""
+
+from __future__ import annotations
+
+import ast
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import attnmerge
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SRC = os.path.join(ROOT, "cpp", "src")
+PROBE = os.path.join(os.path.dirname(__file__), "..", "native", "driver_probe.cpp")
+BACKEND = os.path.join(ROOT, "build_backend", "_attnmerge_backend.py")
+
+
+@pytest.fixture(scope="module")
+def describe(tmp_path_factory):
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH")
+    if not os.path.isfile(os.path.join(SRC, "cuda_builds.h")):
+        pytest.skip("not run from a source tree")
+    exe = tmp_path_factory.mktemp("probe") / "driver_probe"
+    build = subprocess.run([cxx, "-std=c++17", "-Wall", "-I", SRC, PROBE, "-o", str(exe)], capture_output=True,
+                           text=True)
+    assert build.returncode == 0, build.stderr
+
+    def texts(pairs):
+        run = subprocess.run([str(exe)], input="".join(f"{d} {b}\n" for d, b in pairs), capture_output=True,
+                             text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        lines = run.stdout.splitlines()
+        assert len(lines) == len(pairs)
+        return [None if line == "-" else line for line in lines]
+
+    return texts
+
+
+def test_a_cuda13_build_on_an_r570_driver_points_at_the_cuda12_build(describe):
+    (text,) = describe([(12080, 13000)])
+    for word in ["CUDA 12.8", "CUDA 13.0", "R580", "install attnmerge-cu12", "R525", "update the driver"]:
+        assert word in text, (word, text)
+
+
+def test_a_cuda12_build_on_a_cuda11_driver_asks_for_a_new_driver(describe):
+    (text,) = describe([(11080, 12090)])
+    for word in ["CUDA 11.8", "CUDA 12.9", "R525", "update the driver"]:
+        assert word in text, (word, text)
+    assert "install" not in text  # no build fits CUDA 11
+
+
+@pytest.mark.parametrize("driver,build", [(12000, 12090), (12020, 12090), (13000, 12090), (13000, 13050),
+                                          (0, 13000), (0, 12090)])
+def test_no_text_where_the_driver_is_not_the_reason(describe, driver, build):
+    # minor-version compatibility: a 12.9 build runs on CUDA 12.0's driver; 0: no driver at all,
+    # which the library reports as before.
+    assert describe([(driver, build)]) == [None]
+
+
+def _library_table():
+    with open(os.path.join(SRC, "cuda_builds.h")) as f:
+        text = f.read()
+    return {int(m): (drv, dist) for m, drv, dist in re.findall(r'\{(\d+), "(R\d+)", "([\w-]+)"\}', text)}
+
+
+def _backend_flavors():
+    with open(BACKEND) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "FLAVORS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("no FLAVORS in the build backend")
+
+
+def test_the_library_and_the_build_backend_name_the_same_builds():
+    if not os.path.isfile(BACKEND) or not os.path.isfile(os.path.join(SRC, "cuda_builds.h")):
+        pytest.skip("not run from a source tree")
+    library = _library_table()
+    flavors = _backend_flavors()
+    assert library == {f["major"]: (f["driver"], f["distribution"]) for f in flavors.values()}
+    assert all(name == f"cu{f['major']}" for name, f in flavors.items())
+
+
+# --- the installed library's device code ------------------------------------------------------
+
+
+def _cuobjdump():
+    """cuobjdump: on PATH, in a CUDA toolkit, or PyPI's nvidia-cuda-cuobjdump (the test extra)."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    candidates = [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump")]
+    for entry in sys.path:
+        candidates += glob.glob(os.path.join(entry or ".", "nvidia", "cu1*", "bin", "cuobjdump"))
+    for c in candidates:
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def _dump(what):
+    """cuobjdump's `what` (-elf, -ptx) of the installed libattnmerge; skips without cuobjdump."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (pip install nvidia-cuda-cuobjdump, or a CUDA toolkit)")
+    run = subprocess.run([tool, what, attnmerge.build_info()["library"]], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+@pytest.fixture(scope="module")
+def cubins():
+    """(sm, ELF ABI, toolkit "major.minor") of every cubin in libattnmerge."""
+    text = _dump("-elf")
+    found = []
+    # CUDA 12's cuobjdump prints "64bit elf: type=2, abi=7, sm=90, toolkit=129", CUDA 13's
+    # "64-bit ELF: type=ET_EXEC, ABI=8, sm=100, toolkit=12.9".
+    for m in re.finditer(r"64-?bit elf: type=\w+, abi=(\d+), sm=(\d+), toolkit=(\d+)\.?(\d*)", text, re.I):
+        abi, sm, major, minor = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
+        toolkit = f"{major}.{minor}" if minor else f"{major[:-1]}.{major[-1]}"
+        found.append((sm, abi, toolkit))
+    assert found, text[:2000]
+    return found
+
+
+def _build_release():
+    v = attnmerge.build_info()["cuda_build_version"]
+    return v // 1000, v % 1000 // 10
+
+
+def test_every_architecture_of_the_build_has_its_sass(cubins):
+    archs = {int(a) for a in attnmerge.build_info()["cuda_architectures"]}
+    assert {sm for sm, _, _ in cubins} == archs
+
+
+def test_the_cubins_were_assembled_by_the_builds_cuda(cubins):
+    major, minor = _build_release()
+    assert {toolkit for _, _, toolkit in cubins} == {f"{major}.{minor}"}
+
+
+def test_the_cubins_carry_the_elf_abi_of_the_builds_cuda(cubins):
+    # CUDA 13 moved every SM to ELF ABI 8, which drivers before R580 do not load; CUDA 12 keeps
+    # ABI 7 below sm_100 (sm_100 and newer, on R570 and newer drivers, take 8 from CUDA 12.8 on).
+    major, _ = _build_release()
+    for sm, abi, _ in cubins:
+        expected = 8 if major >= 13 or sm >= 100 else 7
+        assert abi == expected, (sm, abi, major)
+
+
+def test_the_ptx_is_of_an_isa_the_builds_drivers_read():
+    versions = {tuple(int(x) for x in v) for v in re.findall(r"^\.version (\d+)\.(\d+)", _dump("-ptx"), re.M)}
+    assert versions, "no PTX in the library"
+    major, _ = _build_release()
+    # CUDA 12.x drivers JIT PTX ISA 8.x (12.9's is 8.8); CUDA 13's is 9.x.
+    assert all(v[0] == (8 if major == 12 else 9) for v in versions), versions

@@ -1,0 +1,161 @@
+"""The GPU backward kernel's logic, on the CPU: tests/native/backward_emulator.cpp compiles the kernel
+of attnmerge/merge_backward_kernels.cuh (the installed header) as host C++, each row's lanes as host
+threads whose shuffles meet at a barrier, and runs it on the plan the library makes.  The results are
+held to the same oracle and tolerances as tests/semantics/test_backward.py: rows and their lanes, chunks of
+states, rows wider than a warp, which lane writes which state's dlse, the two passes without O, the
+variable-length rows' edges and a_tokens, all without a GPU.  (What it cannot check: the device's
+own instructions, vector accesses and approximations; the `gpu` tests do.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import attnmerge
+from oracle import DTYPES, np_dtype, random_lse, random_o, reference_merge_stacked, reference_merge_varlen, strided_view
+from test_backward import (BASES, GRAD_LSE_RTOL, GRAD_LSE_RTOL_WITHOUT_O, assert_grads, case, expected_states,
+                           forward_states, layouts, varlen_expected)
+
+HERE = os.path.dirname(os.path.dirname(__file__))  # tests/
+CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+I64P = ctypes.POINTER(ctypes.c_int64)
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH")
+    lib = tmp_path_factory.mktemp("emulator") / "backward_emulator.so"
+    build = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-I",
+                            os.path.join(HERE, "native", "emulated_cuda"), "-I", attnmerge.include_dir(),
+                            os.path.join(HERE, "native", "backward_emulator.cpp"), "-o", str(lib)],
+                           capture_output=True, text=True, timeout=300)
+    if build.returncode != 0 and "<barrier>" in build.stderr:
+        pytest.skip("the C++ compiler has no C++20 <barrier>")
+    assert build.returncode == 0, build.stderr[-3000:]
+    return ctypes.CDLL(str(lib))
+
+
+def arg(x):
+    """(pointer, strides in elements) of an array, or (None, None)."""
+    if x is None:
+        return None, None
+    strides = (ctypes.c_int64 * max(1, x.ndim))(*(s // x.itemsize for s in x.strides))
+    return ctypes.c_void_p(x.ctypes.data), ctypes.cast(strides, I64P)
+
+
+def call(fn, sizes, in_dtype, out_dtype, base, vec, sms, *arrays, tail=()):
+    args = [ctypes.c_int64(v) for v in sizes] + [ctypes.c_int(CODES[in_dtype]), ctypes.c_int(CODES[out_dtype]),
+                                                 ctypes.c_int(base == 2), ctypes.c_int(vec), ctypes.c_int(sms)]
+    keep = []
+    for x in arrays:
+        ptr, strides = arg(x)
+        keep.append(strides)
+        args += [ptr, strides]
+    fn(*args, *tail)
+
+
+def widest_vec(head_size, *arrays):
+    """The vector width the C ABI chooses (route.cpp, choose_vec): 16 bytes of the widest dtype,
+    halved until head_size, every pointer and every non-innermost stride allow it."""
+    arrays = [x for x in arrays if x is not None]
+    vec = 16 // max(x.itemsize for x in arrays)
+    while vec > 1:
+        ok = head_size % vec == 0 and all(
+            x.size == 0 or (x.ctypes.data % (vec * x.itemsize) == 0 and all(
+                n <= 1 or (s // x.itemsize) % vec == 0 for n, s in zip(x.shape[:-1], x.strides[:-1]))) for x in arrays)
+        if ok:
+            return vec
+        vec //= 2
+    return 1
+
+
+def nan_like(x, dtype=None):
+    return np.full(x.shape, np.nan, np.float32).astype(x.dtype if dtype is None else dtype)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_states_backward_kernel(emu, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    t, s, h = data.draw(st.integers(0, 4)), data.draw(st.integers(0, 9)), data.draw(st.integers(1, 3))
+    d = data.draw(st.sampled_from((1, 3, 8, 24, 64, 128, 160, 264)))
+    in_dtype, out_dtype, base = (data.draw(st.sampled_from(x)) for x in (DTYPES, DTYPES, BASES))
+    o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, t, s, h, d, in_dtype, out_dtype, base)
+    empty = rng.random(lse.shape) < 0.25
+    lse[empty] = -np.inf
+    o[empty] = np.nan
+    out, out_lse = forward_states(o, lse, out_dtype, base)
+    without_out, without_dlse = data.draw(st.booleans()), data.draw(st.booleans())
+    want_out = reference_merge_stacked(o, lse, base=base)[0] if without_out else out
+    want = expected_states(o, lse, want_out, out_lse, grad_out, None if without_dlse else grad_out_lse, base)
+    ov = strided_view(o, **data.draw(layouts(4, True)))[0]
+    grad_o = strided_view(nan_like(o), **data.draw(layouts(4, True)))[0]
+    grad_lse = strided_view(nan_like(lse), **data.draw(layouts(3, False)))[0]
+    arrays = (grad_o, grad_lse, grad_out, None if without_dlse else grad_out_lse, None if without_out else out,
+              out_lse, ov, lse)
+    vec = widest_vec(d, grad_o, grad_out, None if without_out else out, ov)
+    sms = data.draw(st.sampled_from((0, 132)))
+    call(emu.emulate_states_backward, (t, s, h, d), in_dtype, out_dtype, base, vec, sms, *arrays)
+    # without O, dlse's dot is a difference of two float32 dots (test_backward's reason)
+    assert_grads(grad_o, grad_lse, want, in_dtype, lse_rtol=GRAD_LSE_RTOL_WITHOUT_O if without_out else GRAD_LSE_RTOL)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_varlen_backward_kernel(emu, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    counts = data.draw(st.lists(st.integers(0, 9), max_size=5))
+    before, after = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
+    indptr = np.concatenate([[before], before + np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+    total, h, d = int(indptr[-1]) + after, data.draw(st.integers(1, 3)), data.draw(st.sampled_from((2, 16, 40, 136)))
+    in_dtype, base = data.draw(st.sampled_from(DTYPES)), data.draw(st.sampled_from(BASES))
+    o, lse = random_o(rng, (total, h, d), in_dtype), random_lse(rng, (total, h))
+    out, out_lse = attnmerge.merge_varlen(o, lse, indptr, base=base)
+    grad_out, grad_out_lse = random_o(rng, out.shape, in_dtype), random_lse(rng, out_lse.shape, 1.0)
+    without_out = data.draw(st.booleans())
+    exact = reference_merge_varlen(o, lse, indptr, base=base)[0] if without_out else out.astype(np.float64)
+    want = varlen_expected(o, lse, indptr, exact, out_lse, grad_out, grad_out_lse, base)
+    grad_o = strided_view(nan_like(o), **data.draw(layouts(3, True)))[0]
+    grad_lse = strided_view(nan_like(lse), **data.draw(layouts(2, False)))[0]
+    arrays = (grad_o, grad_lse, grad_out, grad_out_lse, None if without_out else out, out_lse, o, lse)
+    vec = widest_vec(d, grad_o, grad_out, None if without_out else out, o)
+    call(emu.emulate_varlen_backward, (len(counts), total, h, d), in_dtype, in_dtype, base, vec, 132, *arrays,
+         tail=(ctypes.c_void_p(indptr.ctypes.data),))
+    assert_grads(grad_o, grad_lse, want, in_dtype, lse_rtol=GRAD_LSE_RTOL_WITHOUT_O if without_out else GRAD_LSE_RTOL)
+
+
+@pytest.mark.parametrize("without_out", (False, True))
+@pytest.mark.parametrize("a_tokens", (0, 3, 7))
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_merge_backward_kernel(emu, rng, in_dtype, a_tokens, without_out):
+    tokens, h, d = 7, 3, 40
+    o, lse, _, _, grad_out, grad_out_lse = case(rng, tokens, 2, h, d, in_dtype, "float32", "e")
+    lse[a_tokens:, 0] = -np.inf  # what a_tokens means: no state a past them
+    out, out_lse = forward_states(o, lse, "float32", "e")
+    want_out = reference_merge_stacked(o, lse)[0] if without_out else out
+    want = expected_states(o, lse, want_out, out_lse, grad_out, grad_out_lse, "e")
+    o_a, o_b = np.ascontiguousarray(o[:a_tokens + 1, 0]), np.ascontiguousarray(o[:, 1])
+    lse_a, lse_b = np.ascontiguousarray(lse[:a_tokens + 1, 0]), np.ascontiguousarray(lse[:, 1])
+    g_oa, g_la = np.full((a_tokens, h, d), np.nan, np_dtype(in_dtype)), np.full((a_tokens, h), np.nan, np.float32)
+    g_ob, g_lb = nan_like(o_b), np.full((h, tokens), np.nan, np.float32).T  # an LSE gradient [heads, tokens]
+    arrays = (g_oa, g_la, g_ob, g_lb, grad_out, grad_out_lse, None if without_out else out, out_lse, o_a, lse_a, o_b,
+              lse_b)
+    vec = widest_vec(d, g_oa, g_ob, grad_out, out, o_a, o_b)
+    call(emu.emulate_merge_backward, (tokens, a_tokens, h, d), in_dtype, "float32", "e", vec, 132, *arrays)
+    assert_grads(g_oa, g_la, (want[0][:a_tokens, 0], want[1][:a_tokens, 0]), in_dtype, "a: ")
+    assert_grads(g_ob, g_lb, (want[0][:, 1], want[1][:, 1]), in_dtype, "b: ")
+    # b's gradients alone: a's are not written (null), b's the same
+    g_ob2 = nan_like(o_b)
+    call(emu.emulate_merge_backward, (tokens, a_tokens, h, d), in_dtype, "float32", "e", vec, 132, None, None, g_ob2,
+         None, grad_out, grad_out_lse, None if without_out else out, out_lse, o_a, lse_a, o_b, lse_b)
+    np.testing.assert_array_equal(g_ob2.astype(np.float32), g_ob.astype(np.float32))

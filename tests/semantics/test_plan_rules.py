@@ -1,0 +1,180 @@
+"""The launch plan itself (cpp/include/attnmerge/plan.h, host-only C++), on the CPU: every rule of
+plan_spec.py over a grid of shapes and GPUs, through tests/native/plan_probe.cpp built against the
+installed headers with the machine's C++ compiler.  No GPU needed: CI runs these."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+
+import pytest
+
+import attnmerge
+from plan_spec import (
+    BLOCK_THREADS,
+    INDEX32_LIMIT,
+    MIN_BLOCK_THREADS,
+    PAIR_BLOCK_THREADS,
+    ROWS_FILL_FOR_STATES,
+    STATE_BLOCK,
+    STATE_THREADS_PER_SM,
+    chunk_for,
+    groups_for,
+)
+
+PROBE = os.path.join(os.path.dirname(__file__), "..", "native", "plan_probe.cpp")
+FIELDS = ("strategy", "chunk", "groups", "launches", "plain", "fused_lse", "index32",
+          "gx", "gy", "gz", "bx", "by", "bz", "smem", "flat", "lane_lse", "vec")
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH")
+    exe = tmp_path_factory.mktemp("probe") / "plan_probe"
+    build = subprocess.run([cxx, "-std=c++17", "-O1", "-I", attnmerge.include_dir(), PROBE, "-o", str(exe)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+
+    def plans(calls):
+        text = "".join(" ".join(str(x) for x in call) + "\n" for call in calls)
+        run = subprocess.run([str(exe)], input=text, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stdout + run.stderr
+        out = []
+        for line in run.stdout.splitlines():
+            values = line.split()
+            out.append({k: (v if k == "strategy" else int(v)) for k, v in zip(FIELDS, values)})
+        assert len(out) == len(calls)
+        return out
+
+    return plans
+
+
+SMS = (132, 108, 16, 0)  # an H200, an A100, a small GPU, unknown
+HEADS = 32
+
+
+def n_way_calls(op):
+    for tokens, states, (head_size, vec), sms in itertools.product(
+            (1, 3, 16, 128, 1024, 8192), (0, 1, 3, 4, 5, 8, 9, 16, 17, 64, 255, 256, 257),
+            ((128, 8), (128, 4), (64, 8), (256, 8), (67, 1), (80, 8), (2048, 8)), SMS):
+        total = tokens * states if op == "range" else states
+        yield (op, tokens, HEADS, head_size, total, vec, sms)
+
+
+@pytest.mark.parametrize("op", ["stack", "range"])
+def test_n_way_strategy_groups_and_chunk(probe, op):
+    calls = list(n_way_calls(op))
+    for call, plan in zip(calls, probe(calls)):
+        _, tokens, heads, head_size, total, vec, sms = call
+        states = total if op == "stack" else -(-total // tokens)
+        packs, rows = head_size // vec, tokens * heads
+        index32 = (total if op == "range" else tokens * max(states, 1)) * heads * head_size < INDEX32_LIMIT
+        groups = groups_for(states, packs, rows, sms) if index32 else 1
+        if groups > 1:
+            assert (plan["strategy"], plan["groups"]) == ("states", groups), call
+            assert (plan["bx"], plan["by"]) == (packs, groups), call
+            per_block = plan["bx"] * plan["by"] * plan["bz"]
+            assert per_block <= STATE_BLOCK and plan["gx"] * plan["bz"] >= rows > (plan["gx"] - 1) * plan["bz"], call
+            assert plan["smem"] == plan["bz"] * groups * (2 + packs * vec) * 4, call
+        else:
+            assert (plan["strategy"], plan["groups"], plan["chunk"]) == ("rows", 1, chunk_for(states)), call
+            assert plan["bx"] * plan["by"] <= BLOCK_THREADS, call
+        assert (plan["launches"], plan["index32"]) == (1, int(index32)), call
+
+
+def test_states_kernel_only_with_32_bit_offsets(probe):
+    # 16 tokens of 16384 states: more than 2^30 elements, so 64-bit offsets and the rows kernel
+    calls = [("stack", 16, 32, 128, 16384, 8, 132), ("stack", 16, 32, 128, 8192, 8, 132)]
+    big, small = probe(calls)
+    assert 16 * 16384 * 32 * 128 >= INDEX32_LIMIT > 16 * 8192 * 32 * 128
+    assert (big["strategy"], big["index32"]) == ("rows", 0)
+    assert (small["strategy"], small["index32"]) == ("states", 1)
+
+
+def test_more_states_split_into_more_groups_until_the_gpu_is_full(probe):
+    calls = [("stack", 16, 32, 128, s, 8, 132) for s in (9, 16, 32, 64, 128, 256)]
+    groups = [p["groups"] for p in probe(calls)]
+    assert groups == [2, 4, 8, 8, 8, 8]  # at most 8 groups
+    # only where the rows kernel (rows x packs threads) fills at most a quarter of 132 SMs x
+    # STATE_THREADS_PER_SM threads: `edge` tokens x 4 heads x 16 packs just do (four groups fill
+    # the GPU), one token more and 128 x 32 not
+    edge = 132 * STATE_THREADS_PER_SM // (ROWS_FILL_FOR_STATES * 4 * 16)
+    calls = [("stack", edge, 4, 128, 64, 8, 132), ("stack", edge + 1, 4, 128, 64, 8, 132),
+             ("stack", 128, 32, 128, 64, 8, 132)]
+    assert [(p["strategy"], p["groups"]) for p in probe(calls)] == [("states", 4), ("rows", 1), ("rows", 1)]
+
+
+@pytest.mark.parametrize("sms", SMS)
+def test_two_state_kernels(probe, sms):
+    # the plain kernel unless masked (m), a_tokens (a), or tiled: [heads, tokens] LSEs (t) from 64 tokens
+    flag_sets = ("-", "m", "a", "t", "p")
+    for tokens, (head_size, vec) in itertools.product((1, 16, 63, 64, 512, 8192), ((128, 8), (64, 8), (67, 1))):
+        calls = [("pair", tokens, HEADS, head_size, 2, vec, sms, f) for f in flag_sets]
+        calls.append(("inplace", tokens, HEADS, head_size, 2, vec, sms, "-"))
+        calls.append(("inplace", tokens, HEADS, head_size, 2, vec, sms, "m"))
+        calls.append(("inplace", tokens, HEADS, head_size, 2, vec, sms, "s"))
+        plans = probe(calls)
+        for flags, plan in zip(flag_sets, plans):
+            plain = flags in ("-", "p") or (flags == "t" and tokens < 64)
+            assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (int(plain), 0, 1), (flags, tokens)
+        # in place: one launch; rows of at most 32 packs in warps (their LSEs shuffled from a
+        # row's first lane) where the call is masked or small, else with a block barrier; the plain
+        # source, rows flat, wherever the rows are in warps
+        lanes = int(head_size // vec <= 32)
+        for plan, plain, lane_lse in zip(plans[-3:], (0, lanes, lanes), (0, lanes, lanes)):
+            assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (plain, 1, 1), tokens
+            assert (plan["flat"], plan["lane_lse"]) == (plain, lane_lse), tokens
+        for flags, plan in zip(flag_sets, plans[:-3]):  # dense views: the plain kernel takes its rows flat
+            assert plan["flat"] == int(plan["plain"] == 1 and flags != "t"), (flags, tokens, head_size)
+        for plan in plans:
+            threads = plan["bx"] * plan["by"]
+            assert MIN_BLOCK_THREADS <= threads <= PAIR_BLOCK_THREADS or plan["bx"] == head_size // vec < MIN_BLOCK_THREADS
+            assert plan["gy"] == 1
+
+
+def test_rows_flat_only_where_every_view_is_dense(probe):
+    # a gap between tokens (g) or [heads, tokens] LSEs (t, below the tiles' 64 tokens) keep the row split
+    dense, gapped, heads_major = probe([("pair", 16, HEADS, 128, 2, 8, 132, "-"), ("pair", 16, HEADS, 128, 2, 8, 132, "g"),
+                                        ("pair", 16, HEADS, 128, 2, 8, 132, "t")])
+    assert (dense["plain"], dense["flat"]) == (1, 1)
+    assert (gapped["plain"], gapped["flat"]) == (1, 0)
+    assert (heads_major["plain"], heads_major["flat"]) == (1, 0)
+
+
+def test_two_state_threads_take_two_accesses_only_in_large_masked_in_place_merges(probe):
+    # x: 16-byte accesses; a thread takes two side by side only in an in-place merge with a mask (m)
+    # of 16 MB or more (not s) whose rows have an even number of accesses (128, not 72, elements)
+    calls = [("inplace", 16, HEADS, 128, 2, 8, 132, "mx"), ("inplace", 16, HEADS, 72, 2, 8, 132, "mx"),
+             ("inplace", 16, HEADS, 128, 2, 8, 132, "msx"), ("inplace", 16, HEADS, 128, 2, 8, 132, "x"),
+             ("inplace", 16, HEADS, 128, 2, 8, 132, "m"), ("pair", 16, HEADS, 128, 2, 8, 132, "mx"),
+             ("stack", 16, HEADS, 128, 4, 8, 132, "x")]
+    plans = probe(calls)
+    assert [p["vec"] for p in plans] == [16, 8, 8, 8, 8, 8, 8]
+    assert [p["bx"] for p in plans[:2]] == [8, 16]  # a row of 128 in 8 threads, of 72 in 9 padded to 16
+
+
+def test_in_place_rows_in_warps_take_power_of_two_lanes(probe):
+    # small (s) or masked (m) calls, packs of 16, 10 and 32 (8 elements a pack), 33 (one element): a
+    # row's lanes padded to a power of two up to a warp, aligned in it; wider rows take a block
+    # barrier instead, as do large unmasked calls (below)
+    plans = probe([("inplace", 37, 3, head_size, 2, vec, 132, m) for head_size, vec in ((128, 8), (80, 8), (256, 8), (33, 1))
+                   for m in "sm"])
+    for plan, lanes in zip(plans, (16, 16, 16, 16, 32, 32, 0, 0)):
+        assert (plan["lane_lse"], plan["fused_lse"], plan["launches"], plan["gy"]) == (int(lanes > 0), 1, 1, 1)
+        if lanes:
+            assert plan["bx"] == lanes and (plan["bx"] * plan["by"]) % 32 == 0
+    assert plans[-1]["bx"] == 33  # a barrier block holds whole rows
+    large = probe([("inplace", 37, 3, 128, 2, 8, 132, "-")])[0]
+    assert (large["lane_lse"], large["fused_lse"], large["launches"], large["bx"]) == (0, 1, 1, 16)
+
+
+def test_in_place_rows_wider_than_a_block_take_two_launches(probe):
+    # head sizes of 2 and 1 blocks' packs (8 elements a pack)
+    wide, fits = probe([("inplace", 37, 3, 16 * PAIR_BLOCK_THREADS, 2, 8, 132),
+                        ("inplace", 37, 3, 8 * PAIR_BLOCK_THREADS, 2, 8, 132)])
+    assert (wide["fused_lse"], wide["launches"], wide["gy"]) == (0, 2, 2)
+    assert (fits["fused_lse"], fits["launches"], fits["gy"]) == (1, 1, 1)
