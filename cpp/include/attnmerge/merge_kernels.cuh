@@ -411,7 +411,7 @@ template <typename TIn, typename TOut, int VEC, typename Source>
 cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutView& out, cudaStream_t stream) {
   if (plan.launches == 0) return cudaSuccess;
   if constexpr (std::is_same<Source, PairSource>::value) {
-    // In place first: its LSE is written after the barrier, whichever source it reads through.
+    // In place first: it overwrites the LSEs its rows weigh by (lanes or a barrier: the plan), whatever its source.
     if (plan.fused_lse && plan.plain) {  // rows in warps and flat, 32-bit offsets (the plan's conditions)
       if (src.mask != nullptr) {  // evict-first or not
         const auto masked = [&](auto flat) {
