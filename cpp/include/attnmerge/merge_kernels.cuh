@@ -415,25 +415,29 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
     if (plan.fused_lse && plan.plain) {  // rows in warps and flat, 32-bit offsets (the plan's conditions)
       if (src.mask != nullptr) {  // evict-first or not
         const auto masked = [&](auto flat) {
-          flat.a = flat_rows(src.a), flat.b = flat_rows(src.b), flat.mask = src.mask, flat.mask_stride = src.mask_stride;
+          flat.a = flat_rows(src.a), flat.b = flat_rows(src.b), flat.mask = src.mask,
+          flat.mask_stride = src.mask_stride;
           return launch_detail::rows<InPlaceSource<decltype(flat), true>, TIn, TOut, VEC, int32_t, 2>(
               plan, {flat}, flat_rows(out), stream);
         };
-        return plan.shape.stream ? masked(PlainPairSource<true, true, true>{}) : masked(PlainPairSource<false, true, true>{});
+        return plan.shape.stream ? masked(PlainPairSource<true, true, true>{})
+                                 : masked(PlainPairSource<false, true, true>{});
       }
       const PlainPairSource<true, true> flat{flat_rows(src.a), flat_rows(src.b)};  // evict-first
       return launch_detail::rows<InPlaceSource<PlainPairSource<true, true>, true>, TIn, TOut, VEC, int32_t, 2>(
           plan, {flat}, flat_rows(out), stream);
     }
     if (plan.fused_lse)
-      return plan.lane_lse ? launch_detail::rows<InPlaceSource<PairSource, true>, TIn, TOut, VEC>(plan, {src}, out, stream)
-                           : launch_detail::rows<InPlaceSource<PairSource, false>, TIn, TOut, VEC>(plan, {src}, out, stream);
+      return plan.lane_lse
+                 ? launch_detail::rows<InPlaceSource<PairSource, true>, TIn, TOut, VEC>(plan, {src}, out, stream)
+                 : launch_detail::rows<InPlaceSource<PairSource, false>, TIn, TOut, VEC>(plan, {src}, out, stream);
     if (plan.flat) {  // plain, 32-bit offsets (the plan's conditions)
       const StateView a = flat_rows(src.a), b = flat_rows(src.b);
       const OutView o = flat_rows(out);
       return plan.shape.stream
                  ? launch_detail::rows<PlainPairSource<true, true>, TIn, TOut, VEC, int32_t, 2>(plan, {a, b}, o, stream)
-                 : launch_detail::rows<PlainPairSource<false, true>, TIn, TOut, VEC, int32_t, 2>(plan, {a, b}, o, stream);
+                 : launch_detail::rows<PlainPairSource<false, true>, TIn, TOut, VEC, int32_t, 2>(plan, {a, b}, o,
+                                                                                                 stream);
     }
     if (plan.plain)
       return plan.shape.stream
