@@ -144,7 +144,7 @@ def test_options_carry_their_layouts_size_and_a_size_not_this_layouts_is_refused
         if ok:
             assert status == c_abi.SUCCESS and np.isfinite(out).all(), struct_size
         else:
-            before = ctypes.sizeof(c_abi.OptionsBeforeNames)  # also accepted (tests/test_caller_names.py)
+            before = ctypes.sizeof(c_abi.OptionsBeforeNames)  # also accepted (tests/errors/test_caller_names.py)
             assert status == c_abi.ERROR_VALUE and c_abi.last_error() == (
                 f"options.struct_size: expected 0, {before} (attnmerge_options without arg_names) or {size} "
                 f"(this library's attnmerge_options), got {struct_size}")
