@@ -323,6 +323,19 @@ def _grad_buffer(given, needed, like, shape, name, arg, op, like_name):
     return empty(like, shape, name, arg)
 
 
+def _states_grads(o, grad_o, grad_lse, needs_grad, ndim, op):
+    """(grad_o, grad_lse) of an N-way or variable-length merge whose states' O `o` has `ndim`
+    dimensions (its LSE: all but the last): each as given, allocated like o, or None where
+    needs_grad (o, lse) says not."""
+    needs = _needs(needs_grad, 2)
+    shape = _shape(o, "o")
+    if len(shape) != ndim:
+        raise ValueError(f"o: expected {ndim} dimensions, got {len(shape)} (shape {list(shape)})")
+    name = dtype_name(getattr(o, "dtype", None), "o", O_IN_DTYPES)
+    return (_grad_buffer(grad_o, needs[0], o, shape, name, "grad_o", op, "o"),
+            _grad_buffer(grad_lse, needs[1], o, shape[:-1], "float32", "grad_lse", op, "o"))
+
+
 def merge_backward(grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, *, grad_o_a=None, grad_lse_a=None,
                    grad_o_b=None, grad_lse_b=None, needs_grad=(True, True, True, True), base="e", a_tokens=None,
                    stream=None, pdl=False):
@@ -374,13 +387,7 @@ def merge_states_backward(grad_out, grad_out_lse, out, out_lse, o, lse, *, grad_
     if states_axis not in (0, 1) or isinstance(states_axis, bool):
         raise ValueError(f"states_axis: expected 0 or 1, got {states_axis!r}")
     flags = lse_flags(base) | (_C.PDL if pdl else 0)
-    needs = _needs(needs_grad, 2)
-    shape = _shape(o, "o")
-    if len(shape) != 4:
-        raise ValueError(f"o: expected 4 dimensions, got {len(shape)} (shape {list(shape)})")
-    name = dtype_name(getattr(o, "dtype", None), "o", O_IN_DTYPES)
-    grads = (_grad_buffer(grad_o, needs[0], o, shape, name, "grad_o", "merge_states", "o"),
-             _grad_buffer(grad_lse, needs[1], o, shape[:3], "float32", "grad_lse", "merge_states", "o"))
+    grads = _states_grads(o, grad_o, grad_lse, needs_grad, 4, "merge_states")
     _C.merge_states_backward(*grads, grad_out, grad_out_lse, out, out_lse, o, lse, flags, states_axis == 0, stream)
     return grads
 
@@ -396,12 +403,6 @@ def merge_varlen_backward(grad_out, grad_out_lse, out, out_lse, o, lse, indptr, 
     row takes (before indptr[0], from indptr[rows] on) get zeros.
     """
     flags = lse_flags(base) | (_C.PDL if pdl else 0)
-    needs = _needs(needs_grad, 2)
-    shape = _shape(o, "o")
-    if len(shape) != 3:
-        raise ValueError(f"o: expected 3 dimensions, got {len(shape)} (shape {list(shape)})")
-    name = dtype_name(getattr(o, "dtype", None), "o", O_IN_DTYPES)
-    grads = (_grad_buffer(grad_o, needs[0], o, shape, name, "grad_o", "merge_varlen", "o"),
-             _grad_buffer(grad_lse, needs[1], o, shape[:2], "float32", "grad_lse", "merge_varlen", "o"))
+    grads = _states_grads(o, grad_o, grad_lse, needs_grad, 3, "merge_varlen")
     _C.merge_varlen_backward(*grads, grad_out, grad_out_lse, out, out_lse, o, lse, indptr, flags, stream)
     return grads
