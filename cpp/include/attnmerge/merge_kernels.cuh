@@ -105,9 +105,11 @@ ATTNMERGE_HD constexpr bool lane_lse() {
   }
 }
 
-// A row's LSEs read by its first lane alone and shuffled to its other lanes, the first `packs` of
-// the row's blockDim.x (a power of two, at most 32: each row lies in one warp at aligned lanes,
-// and its lanes past `packs` have left).  -inf past the row's n states.
+// A row's LSEs as its first lane has them, shuffled to its other lanes, the first `packs` of the
+// row's blockDim.x (a power of two, at most 32: each row lies in one warp at aligned lanes, and its
+// lanes past `packs` have left).  -inf past the row's n states.  Every lane's own read of the LSEs
+// (the source's row) is done before the shuffle, which the row's lanes reach together, so the
+// first lane may overwrite them after it.
 template <int kChunk, typename Row>
 __device__ __forceinline__ void lses_from_first_lane(const Row& states, int n, int packs, float (&l)[kChunk]) {
   const unsigned first = ((threadIdx.y * blockDim.x + threadIdx.x) & 31u) - threadIdx.x;
@@ -175,8 +177,8 @@ __device__ __forceinline__ I mask_token(const MergeShape& shape, I row, I token)
 // mask byte and nothing else.
 //
 // An InPlaceSource (kFusedLse) writes the merged LSE over an input's.  With kLanes each row lies
-// in one warp and only its first lane reads the LSEs (lses_from_first_lane), so that lane may
-// overwrite them, and a masked-out row's threads leave at once.  Otherwise every thread reaches
+// in one warp and weighs by its first lane's LSEs (lses_from_first_lane), which that lane
+// overwrites after the shuffle, and a masked-out row's threads leave at once.  Otherwise every thread reaches
 // one block barrier after it has read its row's LSEs, and only then is the LSE stored, so the
 // launch's rows lie inside blocks (the plan's condition) and no thread leaves before the barrier.
 template <typename Source, typename TIn, typename TOut, int VEC, typename I, int kChunk>

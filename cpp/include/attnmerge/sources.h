@@ -7,8 +7,8 @@
 //                number (not a pointer): the common two-way merge, without those steps (a mask
 //                only in place: kMasked);
 //   InPlaceSource  a two-state source whose merged LSE overwrites an input's, in the same launch:
-//                each row in one warp, its LSEs read by one lane and shuffled to the others, or
-//                each row in one block, the LSE written after a block barrier;
+//                each row in one warp, one lane's LSEs shuffled to the others and the LSE written
+//                after the shuffle, or each row in one block, the LSE written after a barrier;
 //   StackSource  S states stacked along a strided axis (the N-way merge);
 //   RangeSource  states [indptr[r], indptr[r+1]) of a flat list (the variable-length merge).
 #pragma once
@@ -109,9 +109,10 @@ struct PlainPairSource {
 // A two-state source (PairSource, or PlainPairSource with flat rows) whose out.lse is an input's
 // LSE (the in-place merge), written in the merge's own launch rather than a second one.
 // kRowLanes: every row lies in one warp at aligned lanes (a power of two of them, plan.lane_lse):
-// the row's first lane alone reads its LSEs and shuffles them to the others, so no other thread
-// reads the LSE it then overwrites.  Else every row lies inside one block and the LSE is stored
-// after a block barrier, once every thread of the row has read the old one.
+// the row's weights come from its first lane's LSEs, shuffled to the others, and only that lane
+// stores the merged one, after the shuffle that the row's lanes reach together: past it no lane
+// reads the old LSE.  Else every row lies inside one block and the LSE is stored after a block
+// barrier, once every thread of the row has read the old one.
 template <typename Base = PairSource, bool kRowLanes = false>
 struct InPlaceSource : Base {
   static constexpr bool kFusedLse = true;
