@@ -1,24 +1,30 @@
 """Host time per call of attnmerge.merge from Python on tiny torch CPU tensors (1 x 32 x 128
 float32, outputs given: the eager decode call's Python and binding layers, with a CPU merge of 4096
 elements), with autograd on, under torch.no_grad and under torch.inference_mode, and torch.add of
-the same tensors for scale: the best of 7 repeats of 20000 calls, one thread.
+the same tensors for scale: the bench's host timer (attnmerge.bench.timing.host_us, median of 15
+batches), one thread.
 
 To compare two builds (say before and after a change of the Python layers), install each in its
-own environment and run this alternately in both a few times:
+own environment and run this alternately in both a few times; the timer is this tree's in both:
     python benchmarks/host_cpu.py
 """
 
-import timeit
+import importlib.util
+import os
 
 import torch
 
 import attnmerge
 
+# This tree's timer, whichever build of attnmerge is installed: an A/B of two builds times both alike.
+_spec = importlib.util.spec_from_file_location(
+    "timing", os.path.join(os.path.dirname(__file__), os.pardir, "python", "attnmerge", "bench", "timing.py"))
+timing = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(timing)
 
-def per_call_us(f, calls=20000):
-    for _ in range(100):
-        f()
-    return min(timeit.repeat(f, number=calls, repeat=7)) / calls * 1e6
+
+def per_call_us(f):
+    return timing.host_us(None, f, calls=2000)
 
 
 def main():
