@@ -415,19 +415,14 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
   if constexpr (std::is_same<Source, PairSource>::value) {
     // In place first: it overwrites the LSEs its rows weigh by (lanes or a barrier: the plan), whatever its source.
     if (plan.fused_lse && plan.plain) {  // rows in warps and flat, 32-bit offsets (the plan's conditions)
-      if (src.mask != nullptr) {  // evict-first or not
-        const auto masked = [&](auto flat) {
-          flat.a = flat_rows(src.a), flat.b = flat_rows(src.b), flat.mask = src.mask,
-          flat.mask_stride = src.mask_stride;
-          return launch_detail::rows<InPlaceSource<decltype(flat), true>, TIn, TOut, VEC, int32_t, 2>(
-              plan, {flat}, flat_rows(out), stream);
-        };
-        return plan.shape.stream ? masked(PlainPairSource<true, true, true>{})
-                                 : masked(PlainPairSource<false, true, true>{});
-      }
-      const PlainPairSource<true, true> flat{flat_rows(src.a), flat_rows(src.b)};  // evict-first
-      return launch_detail::rows<InPlaceSource<PlainPairSource<true, true>, true>, TIn, TOut, VEC, int32_t, 2>(
-          plan, {flat}, flat_rows(out), stream);
+      const auto in_warps = [&](auto flat) {
+        flat.a = flat_rows(src.a), flat.b = flat_rows(src.b), flat.mask = src.mask, flat.mask_stride = src.mask_stride;
+        return launch_detail::rows<InPlaceSource<decltype(flat), true>, TIn, TOut, VEC, int32_t, 2>(
+            plan, {flat}, flat_rows(out), stream);
+      };
+      if (src.mask == nullptr) return in_warps(PlainPairSource<true, true>{});  // evict-first, unmasked
+      return plan.shape.stream ? in_warps(PlainPairSource<true, true, true>{})
+                               : in_warps(PlainPairSource<false, true, true>{});
     }
     if (plan.fused_lse)
       return plan.lane_lse
