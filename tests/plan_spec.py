@@ -10,27 +10,42 @@ BLOCK_THREADS = 256          # the widest N-way rows block (kBlockThreads)
 PAIR_BLOCK_THREADS = 256     # the widest two-state block (kPairBlockThreads)
 MIN_BLOCK_THREADS = 128      # blocks narrow down to this where the grid would not cover the SMs
 STATE_BLOCK = 256            # threads of a states-kernel block, at most one row's (kStateBlockThreads)
-STATE_THREADS_PER_SM = 512  # threads of the states kernel an SM holds (kStateThreadsPerSM)
-STATES_PER_GROUP = 4         # the fewest states a group takes (kStatesPerGroup)
-MAX_STATE_GROUPS = 8         # the most groups a row has (kMaxStateGroups)
-ROWS_FILL_FOR_STATES = 4     # states kernel only where rows would fill <= 1/4 of the GPU (kRowsFillForStates)
+STATE_THREADS_PER_SM = 1024  # threads of the states kernel an SM holds (kStateThreadsPerSM)
+MAX_STATE_GROUPS = 16        # the most groups a row has (kMaxStateGroups)
 INDEX32_LIMIT = 1 << 30      # 32-bit offsets below this largest element offset
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def groups_for(states: int, packs: int, rows: int, sms: int) -> int:
-    """Groups of threads a row's states are split into (1: the rows kernel): only for more states
-    than one thread keeps in flight where the rows kernel would fill at most a quarter of the GPU,
-    doubling up to MAX_STATE_GROUPS while each group keeps
-    STATES_PER_GROUP states, the row's threads fit one block, and the launch fits the GPU's threads
-    at once."""
-    if states <= STATE_CHUNK or rows * packs * ROWS_FILL_FOR_STATES > max(sms, 1) * STATE_THREADS_PER_SM:
+def states_rows_limit(states: int, packs: int, sms: int) -> int:
+    """The most rows for which merge_states may take the states kernel: one states thread a pack
+    fits the GPU at once (sms x STATE_THREADS_PER_SM), or two where a row has at most 2 x STATE_CHUNK
+    states."""
+    return max(sms, 1) * STATE_THREADS_PER_SM // (packs * (2 if states <= 2 * STATE_CHUNK else 1))
+
+
+def groups_for(states: int, packs: int, rows: int, sms: int, access_bytes: int = 16) -> int:
+    """Groups of threads a row's states are split into (1: the rows kernel): only with 16-byte
+    accesses, for more states than one rows thread keeps in flight, up to states_rows_limit rows;
+    then the fewest groups from 2 that leave each SMALL_CHUNK states or fewer, while the row's threads
+    fit one block and the launch fits the GPU at once (sms x STATE_THREADS_PER_SM), up to
+    MAX_STATE_GROUPS."""
+    capacity = max(sms, 1) * STATE_THREADS_PER_SM
+    if access_bytes != 16 or states <= STATE_CHUNK or packs * 2 > STATE_BLOCK or \
+            rows > states_rows_limit(states, packs, sms):
         return 1
-    g = 1
-    while 2 * g <= MAX_STATE_GROUPS and 2 * g * STATES_PER_GROUP <= states and packs * 2 * g <= STATE_BLOCK and \
-            rows * packs * 2 * g <= max(sms, 1) * STATE_THREADS_PER_SM:
+    g = 2
+    while 2 * g <= MAX_STATE_GROUPS and g * SMALL_CHUNK < states and packs * 2 * g <= STATE_BLOCK and \
+            rows * packs * 2 * g <= capacity:
         g *= 2
     return g
+
+
+def pair_block_threads(moved_bytes: int, in_place: bool = False) -> int:
+    """The widest block of a two-way merge moving `moved_bytes`: wider blocks from 32 MB (512) and
+    512 MB (1024), except in place."""
+    if in_place:
+        return PAIR_BLOCK_THREADS
+    return 1024 if moved_bytes >= 512 << 20 else 512 if moved_bytes >= 32 << 20 else PAIR_BLOCK_THREADS
 
 
 def chunk_for(states: int) -> int:
@@ -46,7 +61,7 @@ def vec_for(head_size: int, *dtypes: str) -> int:
     return vec
 
 
-def expected_kernel(states: int, packs: int, rows: int, sms: int):
+def expected_kernel(states: int, packs: int, rows: int, sms: int, access_bytes: int = 16):
     """(kernel name as attnmerge.last_launch() reports it, groups) of merge_states."""
-    groups = groups_for(states, packs, rows, sms)
+    groups = groups_for(states, packs, rows, sms, access_bytes)
     return ("rows_plain" if states == 2 else "states" if groups > 1 else "rows"), groups

@@ -51,6 +51,7 @@ struct Knobs {
   bool pdl;
   bool unflat = false;
   bool one_access = false;  // one 16-byte access a thread, not the plan's two
+  int width = 0;            // blocks up to this many threads (0: the plan's)
 };
 
 // One merge of set `s` (a_o/a_lse may be another set's output, for the chain) as the library plans
@@ -64,6 +65,7 @@ cudaError_t merge(const void* o_a, const float* lse_a, const Set& s, void* out, 
   const OutView dst{out, st, kHeadSize, out_lse, kHeads, 1, 1.0f, nullptr, false};
   LaunchPlan plan = bf16_plan(shape, src, dst, claimed_bytes, knobs.sms, knobs.pdl, false, knobs.one_access ? 0 : 16);
   if (knobs.unflat) plan.flat = false;
+  if (knobs.width > 0) plan.main = row_dims(plan.shape.packs, plan.shape.rows, knobs.sms, knobs.width);
   return launch_bf16(plan, src, dst, stream);
 }
 
@@ -135,14 +137,21 @@ void in_place(int64_t tokens, bool masked, int sms, cudaStream_t stream) {
       plan.lane_lse = false;
     }
     if (variant == 1 || variant == 2) plan.plain = plan.flat = false;
+    if (variant >= 4) {  // the plan's kernel in wider blocks (rows kept whole in a block or a warp)
+      int64_t lanes = 1;
+      while (lanes < plan.shape.packs) lanes *= 2;
+      plan.main = row_dims(plan.shape.packs, plan.shape.rows, sms, variant == 4 ? 512 : 1024,
+                           plan.lane_lse ? 0 : plan.shape.packs, plan.lane_lse ? lanes : 0);
+    }
     check_cuda(launch_bf16(plan, src, dst, stream), "launch");
   };
-  double t[2][4];
+  double t[2][6];
   for (int round = 0; round < 2; ++round)
-    for (int v = 0; v < 4; ++v) t[round][v] = graph_us([&](int i) { run(sets[i % n], v); }, stream);
-  std::printf("%7lld %s %7.1f MB: library %7.2f %7.2f | barrier %7.2f %7.2f | general %7.2f %7.2f | 1 access %7.2f %7.2f us\n",
+    for (int v = 0; v < 6; ++v) t[round][v] = graph_us([&](int i) { run(sets[i % n], v); }, stream);
+  std::printf("%7lld %s %7.1f MB: library %7.2f %7.2f | barrier %7.2f %7.2f | general %7.2f %7.2f | 1 access %7.2f %7.2f"
+              " | w512 %7.2f %7.2f | w1024 %7.2f %7.2f us\n",
               static_cast<long long>(tokens), masked ? "half masked" : "no mask    ", bytes / 1e6, t[0][0], t[1][0], t[0][1],
-              t[1][1], t[0][2], t[1][2], t[0][3], t[1][3]);
+              t[1][1], t[0][2], t[1][2], t[0][3], t[1][3], t[0][4], t[1][4], t[0][5], t[1][5]);
   if (mask) cudaFree(mask);
   free_pair_sets(sets);
 }
@@ -157,8 +166,8 @@ int main() {
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   const int sms = prop.multiProcessorCount;
   std::printf("%s (%d SMs), two-way merge T x 32 x 128 bfloat16, us per merge by graph replay (median)\n", prop.name, sms);
-  std::printf("%7s %9s | %10s %10s %8s | %10s %8s | %10s %10s %10s\n", "tokens", "MB", "library", "not flat", "ratio",
-              "1 access", "ratio", "evict-1st", "plain", "ratio");
+  std::printf("%7s %9s | %10s %10s %8s | %10s %8s | %10s %10s %10s | %9s %9s %9s\n", "tokens", "MB", "library", "not flat",
+              "ratio", "1 access", "ratio", "evict-1st", "plain", "ratio", "w512", "w1024", "library");
   const int64_t always = 0, never = INT64_MAX;
   for (int64_t tokens : {1, 16, 128, 512, 1024, 2048, 4096, 8192, 32768}) {
     Case c = make_case(tokens);
@@ -173,8 +182,12 @@ int main() {
     const Knobs lib{sms, false}, wide{sms, false, true}, one{sms, false, false, true};
     const double t_lib = time(c.bytes, lib), t_wide = time(c.bytes, wide), t_one = time(c.bytes, one);
     const double t_evict = time(always, lib), t_plain = time(never, lib);
-    std::printf("%7lld %9.1f | %10.2f %10.2f %8.3f | %10.2f %8.3f | %10.2f %10.2f %10.3f\n", static_cast<long long>(tokens),
-                c.bytes / 1e6, t_lib, t_wide, t_wide / t_lib, t_one, t_one / t_lib, t_evict, t_plain, t_plain / t_evict);
+    Knobs w512 = lib, w1024 = lib;
+    w512.width = 512, w1024.width = 1024;
+    const double t_512 = time(c.bytes, w512), t_1024 = time(c.bytes, w1024), t_lib2 = time(c.bytes, lib);
+    std::printf("%7lld %9.1f | %10.2f %10.2f %8.3f | %10.2f %8.3f | %10.2f %10.2f %10.3f | %9.2f %9.2f %9.2f\n",
+                static_cast<long long>(tokens), c.bytes / 1e6, t_lib, t_wide, t_wide / t_lib, t_one, t_one / t_lib, t_evict,
+                t_plain, t_plain / t_evict, t_512, t_1024, t_lib2);
     free_case(c);
   }
   std::printf("chain of two dependent merges (the second reads the first's output), us per chain\n");

@@ -8,8 +8,8 @@ file states them (the specification the plan is held to):
 - the in-place merge: one launch, its LSE written after a block barrier, unless a row's packs span
   more than one block (then the LSEs in a second launch);
 - N-way and variable-length merges: the states kernel when a row has more states than one thread
-  keeps in flight and the rows kernel would leave the GPU's threads unused, with
-  `groups_for(S, packs, rows, sms)` groups of threads a row; else rows.
+  keeps in flight, its accesses are 16 bytes wide and one states thread a pack fits the GPU at once,
+  with `groups_for(S, packs, rows, sms)` groups of threads a row; else rows.
 The rules are stated once, in plan_spec.py; test_plan_rules.py checks the plan itself on the CPU.
 The GPU tests carry the `gpu` marker; the first test runs everywhere.
 """
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import attnmerge
-from plan_spec import (PAIR_BLOCK_THREADS, ROWS_FILL_FOR_STATES, STATE_THREADS_PER_SM, expected_kernel, groups_for,
-                       vec_for)
+from plan_spec import (ELEMENT_BYTES, PAIR_BLOCK_THREADS, STATE_THREADS_PER_SM, expected_kernel, groups_for,
+                       states_rows_limit, vec_for)
 from oracle import (
     assert_merge_matches,
     random_lse,
@@ -70,9 +70,10 @@ def nan_out(torch, shape, dtype):
 
 
 # The switch points of the N-way merge: S = 1 and 2 (rows; S = 2 the two-way kernel), 8 / 9 (the
-# first split), 16 / 17, 64, 255 / 256 / 257 (the most groups, then a second chunk a group), at
-# head sizes whose packs allow every group count (128) or only a few (67, 16-bit vectors of 1).
-SWITCH_S = (1, 2, 8, 9, 16, 17, 64, 255, 256, 257)
+# first split), 16 / 17, 64 / 65 (16 groups of one chunk of 4, then a second chunk for the first
+# group), 255 / 256 / 257 (four chunks a group, then a fifth), at head sizes whose packs allow the
+# states kernel (128) or not (67: vectors of 1 element).
+SWITCH_S = (1, 2, 8, 9, 16, 17, 64, 65, 255, 256, 257)
 
 
 @pytest.mark.gpu
@@ -88,7 +89,8 @@ def test_merge_states_switch_points(rng, torch, sms, s, head_size, dtypes):
     info = attnmerge.last_launch()
     vec = vec_for(head_size, in_dtype, out_dtype)
     packs = head_size // vec
-    kernel, groups = expected_kernel(s, packs, t * h, sms)
+    access = vec * max(ELEMENT_BYTES[d] for d in dtypes)
+    kernel, groups = expected_kernel(s, packs, t * h, sms, access)
     assert (info["kernel"], info["state_groups"], info["vec"], info["launches"]) == (kernel, groups, vec, 1)
     if kernel == "states":
         assert info["block"][:2] == (packs, groups)
@@ -106,18 +108,38 @@ def test_merge_states_switch_points(rng, torch, sms, s, head_size, dtypes):
 @pytest.mark.parametrize("side", ("at", "past"))
 @pytest.mark.parametrize("s", (16, 64))
 def test_merge_states_rows_threshold(rng, torch, sms, s, side):
-    """Rows just at and just past the last count for which the rows kernel would fill at most a
-    quarter of the GPU: up to it the states kernel, past it the rows kernel."""
+    """Rows just at and just past the last count for which the states kernel fits the GPU at once
+    (states_rows_limit: one thread a pack, two for rows of at most 16 states): up to it the states
+    kernel, past it the rows kernel."""
     h, d = 4, 128
     packs = d // 8
-    last = sms * STATE_THREADS_PER_SM // (ROWS_FILL_FOR_STATES * packs)
-    t = last // h + (1 if side == "past" else 0)
+    t = states_rows_limit(s, packs, sms) // h + (1 if side == "past" else 0)
     o, lse = random_stacked(rng, t, s, h, d, "bfloat16")
     out, out_lse = attnmerge.merge_states(put(torch, o), put(torch, lse))
     info = attnmerge.last_launch()
     kernel, groups = expected_kernel(s, packs, t * h, sms)
     assert kernel == ("states" if side == "at" else "rows") and (groups > 1) == (side == "at")
     assert (info["kernel"], info["state_groups"]) == (kernel, groups)
+    assert_merge_matches(get(torch, out), get(torch, out_lse), reference_merge_stacked(o, lse), "bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("side", ("at", "past"))
+@pytest.mark.parametrize("groups", (16, 8, 4))
+def test_merge_states_groups_halve_as_rows_grow(rng, torch, sms, groups, side):
+    """Rows just at and just past the last count for which `groups` groups a row fit the GPU at
+    once (256 states a row: as many groups as fit): past it, half as many."""
+    h, d, s = 4, 128, 256
+    packs = d // 8
+    t = sms * STATE_THREADS_PER_SM // (packs * groups * h) + (1 if side == "past" else 0)
+    o, lse = random_stacked(rng, t, s, h, d, "bfloat16")
+    lse[rng.random(lse.shape) < 0.1] = -np.inf
+    out, out_lse = nan_out(torch, (t, h, d), "bfloat16"), nan_out(torch, (t, h), "float32")
+    attnmerge.merge_states(put(torch, o), put(torch, lse), out=out, out_lse=out_lse)
+    info = attnmerge.last_launch()
+    want = groups if side == "at" else groups // 2
+    assert groups_for(s, packs, t * h, sms) == want
+    assert (info["kernel"], info["state_groups"]) == ("states", want)
     assert_merge_matches(get(torch, out), get(torch, out_lse), reference_merge_stacked(o, lse), "bfloat16")
 
 

@@ -17,11 +17,12 @@ from plan_spec import (
     INDEX32_LIMIT,
     MIN_BLOCK_THREADS,
     PAIR_BLOCK_THREADS,
-    ROWS_FILL_FOR_STATES,
     STATE_BLOCK,
     STATE_THREADS_PER_SM,
     chunk_for,
     groups_for,
+    pair_block_threads,
+    states_rows_limit,
 )
 
 PROBE = os.path.join(os.path.dirname(__file__), "..", "native", "plan_probe.cpp")
@@ -58,28 +59,31 @@ HEADS = 32
 
 
 def n_way_calls(op):
-    for tokens, states, (head_size, vec), sms in itertools.product(
-            (1, 3, 16, 128, 1024, 8192), (0, 1, 3, 4, 5, 8, 9, 16, 17, 64, 255, 256, 257),
-            ((128, 8), (128, 4), (64, 8), (256, 8), (67, 1), (80, 8), (2048, 8)), SMS):
+    # flags: x where each vector access is 16 bytes (8 16-bit or 4 float32 elements), - where not
+    for tokens, states, (head_size, vec, flags), sms in itertools.product(
+            (1, 3, 16, 128, 256, 1024, 8192), (0, 1, 3, 4, 5, 8, 9, 16, 17, 64, 65, 255, 256, 257),
+            ((128, 8, "x"), (128, 8, "-"), (128, 4, "x"), (128, 4, "-"), (64, 8, "x"), (256, 8, "x"), (67, 1, "-"),
+             (80, 8, "x"), (2048, 8, "x")), SMS):
         total = tokens * states if op == "range" else states
-        yield (op, tokens, HEADS, head_size, total, vec, sms)
+        yield (op, tokens, HEADS, head_size, total, vec, sms, flags)
 
 
 @pytest.mark.parametrize("op", ["stack", "range"])
 def test_n_way_strategy_groups_and_chunk(probe, op):
     calls = list(n_way_calls(op))
     for call, plan in zip(calls, probe(calls)):
-        _, tokens, heads, head_size, total, vec, sms = call
+        _, tokens, heads, head_size, total, vec, sms, flags = call
         states = total if op == "stack" else -(-total // tokens)
         packs, rows = head_size // vec, tokens * heads
         index32 = (total if op == "range" else tokens * max(states, 1)) * heads * head_size < INDEX32_LIMIT
-        groups = groups_for(states, packs, rows, sms) if index32 else 1
+        groups = groups_for(states, packs, rows, sms, 16 if flags == "x" else 0) if index32 else 1
         if groups > 1:
             assert (plan["strategy"], plan["groups"]) == ("states", groups), call
             assert (plan["bx"], plan["by"]) == (packs, groups), call
             per_block = plan["bx"] * plan["by"] * plan["bz"]
             assert per_block <= STATE_BLOCK and plan["gx"] * plan["bz"] >= rows > (plan["gx"] - 1) * plan["bz"], call
             assert plan["smem"] == plan["bz"] * groups * (2 + packs * vec) * 4, call
+            assert plan["chunk"] == 4, call  # the states kernel keeps 4 states a thread in flight
         else:
             assert (plan["strategy"], plan["groups"], plan["chunk"]) == ("rows", 1, chunk_for(states)), call
             assert plan["bx"] * plan["by"] <= BLOCK_THREADS, call
@@ -88,24 +92,44 @@ def test_n_way_strategy_groups_and_chunk(probe, op):
 
 def test_states_kernel_only_with_32_bit_offsets(probe):
     # 16 tokens of 16384 states: more than 2^30 elements, so 64-bit offsets and the rows kernel
-    calls = [("stack", 16, 32, 128, 16384, 8, 132), ("stack", 16, 32, 128, 8192, 8, 132)]
+    calls = [("stack", 16, 32, 128, 16384, 8, 132, "x"), ("stack", 16, 32, 128, 8192, 8, 132, "x")]
     big, small = probe(calls)
     assert 16 * 16384 * 32 * 128 >= INDEX32_LIMIT > 16 * 8192 * 32 * 128
     assert (big["strategy"], big["index32"]) == ("rows", 0)
     assert (small["strategy"], small["index32"]) == ("states", 1)
 
 
+def test_states_kernel_only_with_16_byte_accesses(probe):
+    # the same call with and without 16-byte vector accesses (x), and with 8-element ones of 16 bytes
+    # (16-bit) or of 32 (no such access: float32 would take 4 elements)
+    calls = [("stack", 16, 32, 128, 64, 8, 132, "x"), ("stack", 16, 32, 128, 64, 8, 132, "-"),
+             ("stack", 16, 32, 128, 64, 2, 132, "-")]
+    assert [p["strategy"] for p in probe(calls)] == ["states", "rows", "rows"]
+
+
 def test_more_states_split_into_more_groups_until_the_gpu_is_full(probe):
-    calls = [("stack", 16, 32, 128, s, 8, 132) for s in (9, 16, 32, 64, 128, 256)]
+    calls = [("stack", 16, 32, 128, s, 8, 132, "x") for s in (9, 12, 16, 32, 64, 128, 256)]
     groups = [p["groups"] for p in probe(calls)]
-    assert groups == [2, 4, 8, 8, 8, 8]  # at most 8 groups
-    # only where the rows kernel (rows x packs threads) fills at most a quarter of 132 SMs x
-    # STATE_THREADS_PER_SM threads: `edge` tokens x 4 heads x 16 packs just do (four groups fill
-    # the GPU), one token more and 128 x 32 not
-    edge = 132 * STATE_THREADS_PER_SM // (ROWS_FILL_FOR_STATES * 4 * 16)
-    calls = [("stack", edge, 4, 128, 64, 8, 132), ("stack", edge + 1, 4, 128, 64, 8, 132),
-             ("stack", 128, 32, 128, 64, 8, 132)]
-    assert [(p["strategy"], p["groups"]) for p in probe(calls)] == [("states", 4), ("rows", 1), ("rows", 1)]
+    assert groups == [4, 4, 4, 8, 16, 16, 16]  # the fewest that leave at most 4 states a group, at most 16
+    # float32 (4 elements a pack): 32 packs a row, so at most 8 groups in a block of 256
+    assert [p["groups"] for p in probe([("stack", 16, 32, 128, 256, 4, 132, "x")])] == [8]
+    # as rows grow the groups halve, so that the launch fits 132 SMs x STATE_THREADS_PER_SM threads
+    capacity = 132 * STATE_THREADS_PER_SM
+    for groups in (16, 8, 4, 2):
+        last = capacity // (4 * 16 * groups)  # tokens of 4 heads x 16 packs whose G groups just fit
+        at, past = probe([("stack", last, 4, 128, 256, 8, 132, "x"), ("stack", last + 1, 4, 128, 256, 8, 132, "x")])
+        assert (at["strategy"], at["groups"]) == ("states", groups), groups
+        assert (past["strategy"], past["groups"]) == (("states", groups // 2) if groups > 2 else ("states", 2)), groups
+    # only where one thread a pack fits the GPU at once: `edge` tokens x 4 heads x 16 packs just do
+    # (two groups, two waves), one token more not, nor 512 x 32 heads; rows of at most 16 states
+    # only where two threads a pack fit (`edge // 2` tokens)
+    edge = capacity // (4 * 16)
+    assert edge * 4 == states_rows_limit(64, 16, 132) == 2 * states_rows_limit(16, 16, 132)
+    calls = [("stack", edge, 4, 128, 64, 8, 132, "x"), ("stack", edge + 1, 4, 128, 64, 8, 132, "x"),
+             ("stack", 512, 32, 128, 64, 8, 132, "x"), ("stack", edge // 2, 4, 128, 16, 8, 132, "x"),
+             ("stack", edge // 2 + 1, 4, 128, 16, 8, 132, "x")]
+    assert [(p["strategy"], p["groups"]) for p in probe(calls)] == [("states", 2), ("rows", 1), ("rows", 1),
+                                                                   ("states", 2), ("rows", 1)]
 
 
 @pytest.mark.parametrize("sms", SMS)
@@ -130,9 +154,11 @@ def test_two_state_kernels(probe, sms):
             assert (plan["flat"], plan["lane_lse"]) == (plain, lane_lse), tokens
         for flags, plan in zip(flag_sets, plans[:-3]):  # dense views: the plain kernel takes its rows flat
             assert plan["flat"] == int(plan["plain"] == 1 and flags != "t"), (flags, tokens, head_size)
-        for plan in plans:
+        # the probe's calls move 2^40 bytes, or 1 MB where small (s): blocks up to pair_block_threads
+        for flags, plan in zip(flag_sets + ("-", "m", "s"), plans):
+            widest = pair_block_threads(1 << 20 if "s" in flags else 1 << 40, plan["fused_lse"] == 1)
             threads = plan["bx"] * plan["by"]
-            assert MIN_BLOCK_THREADS <= threads <= PAIR_BLOCK_THREADS or plan["bx"] == head_size // vec < MIN_BLOCK_THREADS
+            assert MIN_BLOCK_THREADS <= threads <= widest or plan["bx"] == head_size // vec < MIN_BLOCK_THREADS
             assert plan["gy"] == 1
 
 

@@ -23,7 +23,7 @@ namespace attnmerge {
 // and 159 us with 4 states a chunk); of 4 states: 4 blocks, 64 registers.
 template <typename Source>
 constexpr int max_threads() {
-  return Source::kMaxStates == 2 ? kPairBlockThreads : kBlockThreads;
+  return Source::kMaxStates == 2 ? kPairMaxBlockThreads : kBlockThreads;
 }
 template <typename Source, int kChunk>
 constexpr int min_blocks() {
@@ -249,79 +249,94 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
 
 // kStates.  A block holds whole rows: threadIdx.x the pack, threadIdx.y the group, threadIdx.z
 // the row within the block.  Group g of a row takes the row's states g, g + G, g + 2G, ... (G =
-// blockDim.y) in one pass, a chunk of loads at a time (accumulate_online): its partial max,
-// total weight and accumulators against that max.  The groups' partials meet in shared memory,
-// where group 0 rescales them to the row's max and sums them in a fixed order, then stores the
-// row: bit-identical results from run to run, and the semantics of kRows (a zero-weight part is
-// dropped unread, a NaN LSE makes the row NaN, an all-empty row gives O = 0 and LSE -inf).  32-bit
-// offsets only (the plan's condition).  Every thread reaches the barrier: none leaves early.
-template <typename Source, typename TIn, typename TOut, int VEC>
+// kGroups) in one pass, kSmallChunk of them in flight at a time (accumulate_online): its partial max,
+// total weight and accumulators against that max.  The groups' partials meet in shared memory;
+// then each of the first min(G, VEC) groups finishes VEC / min(G, VEC) of each pack's elements:
+// it rescales every group's partial to the row's max and sums them in a fixed order, so that
+// results are bit-identical from run to run, with the semantics of kRows (a zero-weight part is
+// dropped unread, a NaN LSE makes the row NaN, an all-empty row gives O = 0 and LSE -inf).
+// Built for latency, as split-KV decode calls it: no division, a group's first chunk of loads
+// issued back to back with evict-first accesses (the plan streams every kStates call), and the
+// finishing reads of shared memory all in flight together.  32-bit offsets and VEC a multiple of
+// 4 (the plan's conditions).  Every thread reaches the barrier: none leaves early.
+template <typename Source, typename TIn, typename TOut, int VEC, int kGroups>
 __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStateBlockThreads)
     merge_states_kernel(const MergeShape shape, const Source src, const OutView out) {
+  static_assert(VEC % 4 == 0, "kStates stores a pack's accumulators as float4s");
+  static_assert(kGroups >= 2 && (kGroups & (kGroups - 1)) == 0, "kStates groups: a power of two");
   using I = int32_t;
   using P = Pack<TIn, VEC>;
-  constexpr int kChunk = kStateChunk;
+  constexpr int kChunk = kSmallChunk;
+  constexpr int kShift = kGroups == 2 ? 1 : kGroups == 4 ? 2 : kGroups == 8 ? 3 : 4;
+  constexpr int kFinishers = kGroups < VEC ? kGroups : VEC;
+  constexpr int kEach = VEC / kFinishers;  // elements of a pack each finishing thread takes
   pdl_wait_then_release();
   const int k = static_cast<int>(threadIdx.x), g = static_cast<int>(threadIdx.y);
-  const int packs = static_cast<int>(blockDim.x), groups = static_cast<int>(blockDim.y);
+  const int packs = static_cast<int>(blockDim.x);
   const I row = static_cast<I>(blockIdx.x) * static_cast<I>(blockDim.z) + static_cast<I>(threadIdx.z);
   const bool live = row < static_cast<I>(shape.rows);
   I token = 0, head = 0;
   if (live) shape.split_row<false>(row, token, head);
   const auto states = src.template row<TIn>(token, head);
   const int n = live ? states.count() : 0;
-  const int mine = n > g ? (n - g + groups - 1) / groups : 0;  // this group's states
-  const bool stream = shape.stream;
-  const auto lse_of = [&](int j) { return states.lse(g + j * groups); };  // the group's j-th state
-  const auto o_of = [&](int j) { return states.template o_at<TIn>(g + j * groups) + k * VEC; };
+  const int mine = n > g ? ((n - g - 1) >> kShift) + 1 : 0;  // this group's states
+  // The group's j-th state is the row's g + j G: addresses from the group's first by fixed steps.
+  const float* const lse0 = states.l0 + g * states.l_ss;
+  const TIn* const o0 = states.template o_at<TIn>(g) + k * VEC;
+  const I lse_step = states.l_ss << kShift, o_step = states.o_ss << kShift;
+  const auto lse_of = [&](int j) { return lse0[j * lse_step]; };
+  const auto o_of = [&](int j) { return o0 + j * o_step; };
   float l[kChunk];
   P o[kChunk];
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) {
     l[c] = c < mine ? lse_of(c) : -INFINITY;
-    if (c < mine) o[c] = load_pack<TIn, VEC>(o_of(c), stream);
+    if (c < mine) o[c] = load_pack<TIn, VEC>(o_of(c), true);
   }
   RowMerge part(shape.base2);
   float acc[VEC] = {};
-  accumulate_online<kChunk>(mine, l, o, lse_of, o_of, stream, part, acc);
-  extern __shared__ float shared[];
-  const int slot = static_cast<int>(threadIdx.z) * groups;
-  const int slots = static_cast<int>(blockDim.z) * groups;
-  float* const part_max = shared;
-  float* const part_total = shared + slots;
-  float* const part_acc = shared + 2 * slots;  // [slot][VEC][packs]
-  if (g > 0) {
-    if (k == 0) {
-      part_max[slot + g] = part.m;
-      part_total[slot + g] = part.nan ? NAN : part.total;  // a NaN LSE travels as a NaN total
-    }
+  accumulate_online<kChunk>(mine, l, o, lse_of, o_of, true, part, acc);
+  // Shared memory: each slot's (row, group) accumulators, [slot][pack][VEC] floats, then its
+  // (max, total).
+  extern __shared__ float4 shared[];
+  const int slot = static_cast<int>(threadIdx.z) * kGroups;
+  float* const part_acc = reinterpret_cast<float*>(shared);
+  float2* const part_mt = reinterpret_cast<float2*>(shared + static_cast<int>(blockDim.z) * kGroups * packs * (VEC / 4));
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) part_acc[((slot + g) * VEC + i) * packs + k] = acc[i];
-  }
+  for (int q = 0; q < VEC / 4; ++q)
+    shared[((slot + g) * packs + k) * (VEC / 4) + q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+  if (k == 0) part_mt[slot + g] = make_float2(part.m, part.nan ? NAN : part.total);  // a NaN travels as a total
   __syncthreads();
-  if (g != 0 || !live) return;
+  if (g >= kFinishers || !live) return;
+  float2 mt[kGroups];
   RowMerge r(shape.base2);
-  r.m = part.m;
-  for (int j = 1; j < groups; ++j) r.m = fmaxf(r.m, part_max[slot + j]);
-  // Each group's partial rescaled to the row's max, one whose factor underflows to 0 dropped whole
-  // (as accumulate_online drops its own).
-  const float own = r.weight(part.m);
-  r.total = part.total * own;
-  r.nan = part.nan;
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) acc[i] = own != 0.0f ? acc[i] * own : 0.0f;
-  for (int j = 1; j < groups; ++j) {
-    const float f = r.weight(part_max[slot + j]);
-    r.total += part_total[slot + j] * f;
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[i] += f != 0.0f ? f * part_acc[((slot + j) * VEC + i) * packs + k] : 0.0f;
+  for (int j = 0; j < kGroups; ++j) {
+    mt[j] = part_mt[slot + j];
+    r.m = fmaxf(r.m, mt[j].x);
   }
-  r.nan |= is_nan(r.total);
+  // Each group's partial rescaled to the row's max; one whose factor underflows to 0 is dropped
+  // whole (as accumulate_online drops its own), a NaN total makes the row NaN.
+  float f[kGroups];
+  r.total = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j) {
+    f[j] = r.weight(mt[j].x);
+    r.total += f[j] != 0.0f ? mt[j].y * f[j] : 0.0f;
+    r.nan |= is_nan(mt[j].y);
+  }
+  float sum[kEach] = {};
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j) {
+    const float* const a = part_acc + ((slot + j) * packs + k) * VEC + g * kEach;
+#pragma unroll
+    for (int e = 0; e < kEach; ++e) sum[e] += f[j] != 0.0f ? f[j] * a[e] : 0.0f;
+  }
   r.finish(out.inverse_scale());
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) acc[i] *= r.inv;
-  store_pack<TOut, VEC>(out.o_at<TOut>(token, head) + k * VEC, acc, stream);
-  if (k == 0) out.store_lse(token, head, r.lse());
+  for (int e = 0; e < kEach; ++e) sum[e] *= r.inv;
+  store_pack<TOut, kEach>(out.o_at<TOut>(token, head) + k * VEC + g * kEach, sum, true);
+  if (k == 0 && g == 0) out.store_lse(token, head, r.lse());
 }
 
 // The merged LSEs alone, one thread per row: the second launch of an in-place merge whose rows
@@ -405,6 +420,18 @@ cudaError_t rows(const LaunchPlan& plan, const Source& src, const OutView& out, 
   }
 }
 
+// kStates with the plan's groups.
+template <typename Source, typename TIn, typename TOut, int VEC>
+cudaError_t states(const LaunchPlan& plan, const Source& src, const OutView& out, cudaStream_t stream) {
+  const auto go = [&](auto kernel) { return launch(kernel, plan, plan.main, src, out, stream); };
+  switch (plan.groups) {
+    case 2: return go(merge_states_kernel<Source, TIn, TOut, VEC, 2>);
+    case 4: return go(merge_states_kernel<Source, TIn, TOut, VEC, 4>);
+    case 8: return go(merge_states_kernel<Source, TIn, TOut, VEC, 8>);
+    default: return go(merge_states_kernel<Source, TIn, TOut, VEC, 16>);
+  }
+}
+
 }  // namespace launch_detail
 
 // The merge as `plan` (plan_merge of the same call) says: O and, unless out.lse is null, the
@@ -441,8 +468,9 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
                  ? launch_detail::rows<PlainPairSource<true>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream)
                  : launch_detail::rows<PlainPairSource<false>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream);
   } else {
-    if (plan.strategy == Strategy::kStates)
-      return launch(merge_states_kernel<Source, TIn, TOut, VEC>, plan, plan.main, src, out, stream);
+    if constexpr (VEC % 4 == 0) {  // the plan's condition for kStates
+      if (plan.strategy == Strategy::kStates) return launch_detail::states<Source, TIn, TOut, VEC>(plan, src, out, stream);
+    }
   }
   return launch_detail::rows<Source, TIn, TOut, VEC>(plan, src, out, stream);
 }

@@ -38,6 +38,9 @@ namespace attnmerge {
 // and slower for the in-place merge: benchmarks/NOTES.md).
 constexpr int kBlockThreads = ATTNMERGE_BLOCK_THREADS;
 constexpr int kPairBlockThreads = ATTNMERGE_PAIR_BLOCK_THREADS;
+// The widest block a two-state kernel is compiled for (its launch bound; at 32 registers it
+// costs them nothing): the plan's widths go up to it.
+constexpr int kPairMaxBlockThreads = 1024;
 // States of the N-way and variable-length merges whose LSE and O loads a thread keeps in flight:
 // 8 moves a row of up to 8 states in one memory round trip; rows of at most kSmallChunk states a
 // thread take a kernel that keeps 4 (fewer registers, more threads an SM).
@@ -45,19 +48,13 @@ constexpr int kStateChunk = ATTNMERGE_STATE_CHUNK;
 constexpr int kSmallChunk = 4;
 // A decode-sized merge spreads over more SMs with narrower blocks, down to this width.
 constexpr int kMinBlockThreads = 128;
-// kStates: the widest block (whole rows, at most one row's packs x groups), the threads an SM
-// holds (the kernel's register cap: 4 blocks of 256), the fewest states a group takes and the
-// most groups a row has (more were slower at every size measured).
+// kStates: the widest block (whole rows, at most one row's packs x groups), the most groups a row
+// has, and the threads an SM holds (the kernel's register cap: 4 blocks of 256).  A thread keeps
+// kSmallChunk states in flight: fewer registers, so more threads and as many bytes in flight as
+// any wider chunk, measured faster at every decode size (benchmarks/NOTES.md).
 constexpr int kStateBlockThreads = 256;
-#ifndef ATTNMERGE_STATE_THREADS_PER_SM
-#define ATTNMERGE_STATE_THREADS_PER_SM 512
-#endif
-constexpr int kStateThreadsPerSM = ATTNMERGE_STATE_THREADS_PER_SM;
-constexpr int kStatesPerGroup = 4;
-constexpr int kMaxStateGroups = 8;
-// kStates only where kRows would fill at most this fraction (1 / it) of the GPU's threads: past it
-// kRows was as fast or faster (128 tokens x 32 heads of bfloat16, half the GPU, in benchmarks/NOTES.md).
-constexpr int kRowsFillForStates = 4;
+constexpr int kMaxStateGroups = 16;
+constexpr int kStateThreadsPerSM = 1024;
 
 enum class Strategy : int32_t { kRows = 0, kStates = 1 };
 
@@ -90,8 +87,9 @@ struct LaunchPlan {
   MergeShape shape;  // packs, stream and row order filled in
   Strategy strategy = Strategy::kRows;
   int vec = 1;           // elements a thread takes of a row: one access, or two (two-state kernels)
-  int chunk = 2;         // kRows: states a thread keeps in flight (2 for two-state sources, else 4 or 8)
-  int groups = 1;        // kStates: groups of threads sharing a row's states
+  int chunk = 2;         // states a thread keeps in flight: kRows 2 for two-state sources, else 4 or 8;
+                         // kStates kSmallChunk
+  int groups = 1;        // kStates: groups of threads sharing a row's states (a power of two)
   bool index32 = false;  // 32-bit offsets: every element offset of the call fits in 30 bits
   bool plain = false;    // PairSource: the plain kernel (PlainPairSource; in place, under InPlaceSource)
   bool flat = false;     // plain, 32-bit offsets and every view flattens (views.h): rows taken flat
@@ -166,17 +164,28 @@ bool stream_o(const Source& src, int64_t bytes) {
 
 }  // namespace plan_detail
 
+// The widest block of a two-way merge moving `bytes`: kPairBlockThreads, or wider for calls of
+// 32 MB (512 threads) and 512 MB (1024) or more, where fewer, wider blocks were measured faster
+// (benchmarks/NOTES.md; the in-place merge keeps kPairBlockThreads, measured faster there).
+inline int pair_block_threads(int64_t bytes) {
+  return bytes >= (int64_t{512} << 20) ? 1024 : bytes >= (int64_t{32} << 20) ? 512 : kPairBlockThreads;
+}
+
 // Groups of threads a row's `states` are split into under kStates; 1 means kRows.  Only where a
-// row has more states than one thread keeps in flight, and kRows (`rows` x `packs` threads) would
-// fill at most 1 / kRowsFillForStates of the GPU's threads (`sms` x kStateThreadsPerSM): the
-// groups double while each keeps kStatesPerGroup states or more, the row's threads fit one block,
-// and the launch still fits the GPU at once, up to kMaxStateGroups.
+// row has more states than one kRows thread keeps in flight, and one kStates thread a pack
+// (`rows` x `packs`) fits the GPU at once (`sms` x kStateThreadsPerSM), or two where a row has
+// at most twice kStateChunk states (kRows takes those in two chunks, as fast as kStates on a
+// GPU filled twice over: benchmarks/NOTES.md).  Then the fewest groups, from 2, that leave each
+// a chunk (kSmallChunk) of states, while the row's threads fit one block and the launch fits the
+// GPU at once, up to kMaxStateGroups: a decode-sized merge fills the GPU with threads of few
+// registers, each with its loads in flight together.
 inline int state_groups(int64_t states, int64_t packs, int64_t rows, int sms) {
   const int64_t capacity = int64_t{sms > 0 ? sms : 1} * kStateThreadsPerSM;
-  if (states <= kStateChunk || rows * packs * kRowsFillForStates > capacity) return 1;
-  int g = 1;
-  while (2 * g <= kMaxStateGroups && int64_t{2} * g * kStatesPerGroup <= states &&
-         packs * 2 * g <= kStateBlockThreads && rows * packs * 2 * g <= capacity)
+  const int64_t threads = rows * packs * (states <= 2 * kStateChunk ? 2 : 1);
+  if (states <= kStateChunk || threads > capacity || packs * 2 > kStateBlockThreads) return 1;
+  int g = 2;
+  while (2 * g <= kMaxStateGroups && int64_t{g} * kSmallChunk < states && packs * 2 * g <= kStateBlockThreads &&
+         rows * packs * 2 * g <= capacity)
     g *= 2;
   return g;
 }
@@ -242,7 +251,8 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
       plan.main = row_dims(s.packs, s.rows, device.sms, kPairBlockThreads, 0, lanes);
       plan.fused_lse = plan.lane_lse = true;
     } else {
-      plan.main = row_dims(s.packs, s.rows, device.sms, kPairBlockThreads, lse_in_place ? s.packs : 0);
+      plan.main = row_dims(s.packs, s.rows, device.sms, lse_in_place ? kPairBlockThreads : pair_block_threads(facts.bytes),
+                           lse_in_place ? s.packs : 0);
       if (lse_in_place) {
         plan.fused_lse = plan.main.grid[1] == 1;
         if (!plan.fused_lse) {
@@ -261,13 +271,21 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
   } else {
     s.stream = plan_detail::stream_o(src, facts.bytes);
     const int64_t states = plan_detail::states_per_row(src, s);
-    const int64_t most = std::max<int64_t>(1, kStateBlockThreads / std::max<int64_t>(s.packs, 1));  // a row a block
-    const int chosen = facts.groups > 0 ? static_cast<int>(std::min<int64_t>(facts.groups, most))
-                                        : state_groups(states, s.packs, s.rows, device.sms);
-    const int groups = plan.index32 ? chosen : 1;
+    // kStates: 32-bit offsets and 16-byte accesses (whole float4s of accumulator a thread).
+    int groups = 1;
+    if (plan.index32 && facts.access_bytes == 16 && facts.vec % 4 == 0) {
+      if (facts.groups > 0) {
+        const int64_t most = std::min<int64_t>(kMaxStateGroups, kStateBlockThreads / std::max<int64_t>(s.packs, 1));
+        while (2 * groups <= std::min<int64_t>(facts.groups, most)) groups *= 2;
+      } else {
+        groups = state_groups(states, s.packs, s.rows, device.sms);
+      }
+    }
     if (groups > 1) {
       plan.strategy = Strategy::kStates;
       plan.groups = groups;
+      plan.chunk = kSmallChunk;
+      s.stream = true;  // the kernel's accesses are evict-first
       plan.main = state_dims(s.packs, s.rows, groups, facts.vec, device.sms);
     } else {
       plan.chunk = states <= kSmallChunk ? kSmallChunk : kStateChunk;

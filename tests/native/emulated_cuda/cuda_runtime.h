@@ -28,6 +28,14 @@ struct uint4 {
 };
 inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+struct float2 {
+  float x, y;
+};
+struct float4 {
+  float x, y, z, w;
+};
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 using cudaError_t = int;
 constexpr cudaError_t cudaSuccess = 0;
