@@ -3,8 +3,10 @@
 // forward, random dO and dLSE; the N-way backward at S = 2, 4, 8 and 16 and the two-way one
 // (S = 2 through PairBackward, which the C ABI also takes for N-way calls of S = 2: the "stack"
 // row of S = 2 is the alternative), by CUDA-graph replay through the header-only launcher; each with
-// the forward's O passed in (the default) and without it (out = NULL), whose bytes omit O, and for
-// S > 4 the same kernel with 8 states in flight instead of 4 (an alternative, not the library's).
+// the forward's O passed in (the default) and without it (out = NULL), whose bytes omit O, for
+// S > 2 a row's states split into G = 1 to 8 groups of threads with C = 2 or 4 states in flight
+// (the plan's choice is one of them), and for S > 4 the kernel with 8 states in flight (an
+// alternative, not the library's).
 //
 // bytes = read S O_i + dO + O + S lse_i + LSE + dLSE, write S dO_i + S dlse_i, printed against a
 // device-to-device copy of 1 GiB (cudaMemcpyAsync, half writes) and against the ceiling of the
@@ -127,13 +129,19 @@ void run_case(int64_t tokens, int64_t states, bool pair, int sms, double roof, c
   const StateView out_v{out, kHeads * kHeadSize, kHeadSize, out_lse, kHeads, 1};
   const StateView grad_out_v{grad_out, kHeads * kHeadSize, kHeadSize, grad_out_lse, kHeads, 1};
   const StackSource grad{grad_o, o_st, o_ss, kHeadSize, grad_lse, l_st, kHeads, 1, states};
-  const BackwardPlan plan = plan_backward(shape, 8, states, false, DeviceInfo{sms, 9});
+  BackwardFacts facts;
+  facts.vec = 8;
+  facts.max_states = states;
+  facts.saved_o = true;
+  const BackwardPlan plan = plan_backward(shape, facts, DeviceInfo{sms, 9});
+  facts.saved_o = false;
+  const BackwardPlan plan_no_o = plan_backward(shape, facts, DeviceInfo{sms, 9});
   // The backward with the forward's O (the default) and without it (out = NULL: <dO, O> from the
   // states' dots, one vector a row less to read).
-  const auto time_backward = [&](const StateView& saved) {
+  const auto time_backward = [&](const StateView& saved, const BackwardPlan& how) {
     const auto call = [&](const auto& args) {
       return graph_us(
-          [&](int) { check_cuda(launch_merge_backward<bfloat16_t, bfloat16_t, 8>(plan, args, stream), "backward"); },
+          [&](int) { check_cuda(launch_merge_backward<bfloat16_t, bfloat16_t, 8>(how, args, stream), "backward"); },
           stream, 10);
     };
     if (!pair) return call(BackwardArgs<StackBackward>{StackBackward{in, grad}, saved, grad_out_v, true, true});
@@ -148,7 +156,22 @@ void run_case(int64_t tokens, int64_t states, bool pair, int sms, double roof, c
   StateView no_o = out_v;
   no_o.o = nullptr;
   no_o.o_st = no_o.o_sh = 0;
-  const double us_no_o = time_backward(no_o);
+  const double us_no_o = time_backward(no_o, plan_no_o);
+  // Alternatives with the forward's O: the row's states split into G groups (1 to 8) of
+  // threads, each keeping C (2 or 4) states in flight.
+  char split[256] = "";
+  if (!pair && states > 2) {
+    int at = 0;
+    for (int g = 1; g <= 8; g *= 2)
+      for (int c : {2, kSmallChunk}) {
+        if (g > 1 && c > (states + g - 1) / g) continue;  // a group of fewer states than its chunk
+        BackwardFacts f = facts;
+        f.saved_o = true, f.groups = g, f.chunk = c;
+        const BackwardPlan alt = plan_backward(shape, f, DeviceInfo{sms, 9});
+        if (alt.groups != g) continue;
+        at += std::snprintf(split + at, sizeof(split) - at, " G%dC%d %.1f", g, c, time_backward(out_v, alt));
+      }
+  }
   // An alternative for S > 4: the kernel with 8 states in flight (one round trip for S = 8, at
   // the cost of registers), launched on the library's grid.
   double us_chunk8 = 0;
@@ -156,17 +179,17 @@ void run_case(int64_t tokens, int64_t states, bool pair, int sms, double roof, c
     const BackwardArgs<StackBackward> args{StackBackward{in, grad}, out_v, grad_out_v, true, true};
     cudaLaunchConfig_t config = {};
     config.stream = stream;
-    config.gridDim = dim3(plan.dims.grid[0], plan.dims.grid[1], plan.dims.grid[2]);
-    config.blockDim = dim3(plan.dims.block[0], plan.dims.block[1], plan.dims.block[2]);
+    config.gridDim = dim3(plan_no_o.dims.grid[0], plan_no_o.dims.grid[1], plan_no_o.dims.grid[2]);
+    config.blockDim = dim3(plan_no_o.dims.block[0], plan_no_o.dims.block[1], plan_no_o.dims.block[2]);
     us_chunk8 = graph_us(
         [&](int) {
           check_cuda(cudaLaunchKernelEx(&config, merge_backward_kernel<StackBackward, bfloat16_t, bfloat16_t, 8, 8>,
-                                        plan.shape, args),
+                                        plan_no_o.shape, args, 0, 0),
                      "backward, 8 states in flight");
         },
         stream, 10);
   }
-  const double us = time_backward(out_v);  // last: its gradients are the ones checked below
+  const double us = time_backward(out_v, plan);  // last: its gradients are the ones checked below
   const double bytes = 2.0 * (2 * o_elems + 2 * out_elems) + 4.0 * (2 * l_elems + 2 * row_elems);
   const double gbps = bytes / us / 1e3;
   const double gbps_no_o = (bytes - 2.0 * out_elems) / us_no_o / 1e3;
@@ -202,10 +225,11 @@ void run_case(int64_t tokens, int64_t states, bool pair, int sms, double roof, c
   // The mix's ceiling where the streams exceed L2 (50 MB on an H200), else not measured (0).
   const double mix = out_elems * 2 * (2 * states + 2) > (int64_t{256} << 20) ? mix_ceiling(states, out_elems / 8, stream) : 0;
   std::printf("%6lld tokens  S=%-3lld %-5s  %9.1f us  %7.1f GB/s  %5.1f%% of copy  %5.1f%% of the mix's %6.0f GB/s"
-              "  | without O: %9.1f us  %7.1f GB/s  | 8 in flight: %9.1f us  | block %ux%u grid %u  max rel err %.2e\n",
+              "  | without O: %9.1f us  %7.1f GB/s  | 8 in flight: %9.1f us  | G%d C%d block %ux%u grid %u  max rel err %.2e"
+              "  | split (us):%s\n",
               (long long)tokens, (long long)states, pair ? "pair" : "stack", us, gbps, 100.0 * gbps / roof,
-              mix > 0 ? 100.0 * gbps / mix : 0.0, mix, us_no_o, gbps_no_o, us_chunk8, plan.dims.block[0],
-              plan.dims.block[1], plan.dims.grid[0], worst);
+              mix > 0 ? 100.0 * gbps / mix : 0.0, mix, us_no_o, gbps_no_o, us_chunk8, plan.groups, plan.chunk,
+              plan.dims.block[0], plan.dims.block[1], plan.dims.grid[0], worst, split);
   for (void* p : {static_cast<void*>(o), static_cast<void*>(grad_o), static_cast<void*>(out), static_cast<void*>(grad_out),
                   static_cast<void*>(lse), static_cast<void*>(grad_lse), static_cast<void*>(out_lse),
                   static_cast<void*>(grad_out_lse)})

@@ -23,8 +23,12 @@ struct BackwardJob {
 template <typename Src>
 int run_backward(const DeviceInfo& device, void* ctx, attnmerge_launch_info* info) {
   const BackwardJob<Src>& job = *static_cast<const BackwardJob<Src>*>(ctx);
-  const BackwardPlan plan =
-      plan_backward(job.shape, job.vec, max_states(job.args.src), job.pdl, device);
+  BackwardFacts facts;
+  facts.vec = job.vec;
+  facts.max_states = max_states(job.args.src);
+  facts.saved_o = job.args.out.o != nullptr;
+  facts.pdl = job.pdl;
+  const BackwardPlan plan = plan_backward(job.shape, facts, device);
   cudaError_t err = cudaSuccess;
   dispatch_in_dtype(job.in_dtype, [&](auto in_tag) {
     dispatch_in_dtype(job.out_dtype, [&](auto out_tag) {
@@ -40,7 +44,7 @@ int run_backward(const DeviceInfo& device, void* ctx, attnmerge_launch_info* inf
   });
   info->kernel = plan.launches ? ATTNMERGE_KERNEL_BACKWARD : ATTNMERGE_KERNEL_NONE;
   info->launches = plan.launches;
-  info->state_groups = 1;
+  info->state_groups = plan.groups;
   info->index_bits = 64;
   info->vec = plan.vec;
   info->pdl = plan.pdl ? 1 : 0;

@@ -23,11 +23,11 @@ struct Exchange {
 };
 thread_local Exchange* t_exchange = nullptr;
 
-// Runs every row of `plan` (one host thread a lane), `rows_at_once` rows at a time.
+// Runs every row of `plan`, each of its groups in turn (one host thread a lane).
 template <typename Src, typename TIn, typename TOut, int VEC>
 void run(const BackwardPlan& plan, const BackwardArgs<Src>& args) {
   const int lanes = plan.lanes, by = static_cast<int>(plan.dims.block[1]);
-  for (int64_t row = 0; row < plan.shape.rows; ++row) {
+  for (int64_t row = 0; row < plan.shape.rows * plan.groups; ++row) {  // a row's group: a block's y index
     Exchange ex(lanes);
     std::vector<std::thread> threads;
     for (int lane = 0; lane < lanes; ++lane)
@@ -38,10 +38,9 @@ void run(const BackwardPlan& plan, const BackwardArgs<Src>& args) {
         const int64_t block = row / by;
         blockIdx = dim3(static_cast<unsigned>(block % gridDim.x), 0, static_cast<unsigned>(block / gridDim.x));
         threadIdx = dim3(lane, static_cast<unsigned>(row % by), 0);
-        if constexpr (Src::kTwoAtOnce) {  // the plan's chunk, as launch_merge_backward takes it
-          if (plan.chunk == 2) return merge_backward_kernel<Src, TIn, TOut, VEC, 2>(plan.shape, args);
-        }
-        merge_backward_kernel<Src, TIn, TOut, VEC, kSmallChunk>(plan.shape, args);
+        if (plan.chunk == 2)  // the plan's chunk, as launch_merge_backward takes it
+          return merge_backward_kernel<Src, TIn, TOut, VEC, 2>(plan.shape, args, plan.group_shift, plan.span);
+        merge_backward_kernel<Src, TIn, TOut, VEC, kSmallChunk>(plan.shape, args, plan.group_shift, plan.span);
       });
     for (std::thread& t : threads) t.join();
   }
@@ -83,6 +82,16 @@ StateView state(const void* o, const int64_t* os, const float* l, const int64_t*
   return StateView{o, o ? os[0] : 0, o ? os[1] : 0, l, l ? ls[0] : 0, l ? ls[1] : 0};
 }
 
+// The facts the C ABI gives plan_backward for these arguments.
+template <typename Src>
+BackwardFacts facts_of(const BackwardArgs<Src>& args, int vec) {
+  BackwardFacts f;
+  f.vec = vec;
+  f.max_states = max_states(args.src);
+  f.saved_o = args.out.o != nullptr;
+  return f;
+}
+
 }  // namespace
 
 float emulated_shfl_xor(float v, int offset) {
@@ -112,7 +121,7 @@ void emulate_states_backward(int64_t tokens, int64_t states, int64_t heads, int6
   const BackwardArgs<StackBackward> args{StackBackward{in, grad}, state(out, out_s, out_lse, ol_s),
                                          state(grad_out, d_s, grad_out_lse, dl_s), grad_o != nullptr,
                                          grad_lse != nullptr};
-  dispatch(in_dtype, out_dtype, plan_backward(shape, vec, max_states(args.src), false, DeviceInfo{sms, 9}), args);
+  dispatch(in_dtype, out_dtype, plan_backward(shape, facts_of(args, vec), DeviceInfo{sms, 9}), args);
 }
 
 // Variable length: o [N, H, D], lse [N, H] and their gradients; indptr int64 [rows + 1]; out,
@@ -130,7 +139,7 @@ void emulate_varlen_backward(int64_t rows, int64_t total, int64_t heads, int64_t
   const BackwardArgs<RangeBackward> args{RangeBackward{in, grad, rows}, state(out, out_s, out_lse, ol_s),
                                          state(grad_out, d_s, grad_out_lse, dl_s), grad_o != nullptr,
                                          grad_lse != nullptr};
-  dispatch(in_dtype, out_dtype, plan_backward(shape, vec, max_states(args.src), false, DeviceInfo{sms, 9}), args);
+  dispatch(in_dtype, out_dtype, plan_backward(shape, facts_of(args, vec), DeviceInfo{sms, 9}), args);
 }
 
 // Two-way: o_a [>= a_tokens, H, D], o_b [T, H, D] and LSEs; grad_o_a [a_tokens, H, D] ...
@@ -149,7 +158,7 @@ void emulate_merge_backward(int64_t tokens, int64_t a_tokens, int64_t heads, int
   const BackwardArgs<PairBackward> args{PairBackward{in, grad}, state(out, out_s, out_lse, ol_s),
                                         state(grad_out, d_s, grad_out_lse, dl_s), grad_o_a || grad_o_b,
                                         grad_lse_a || grad_lse_b};
-  dispatch(in_dtype, out_dtype, plan_backward(shape, vec, max_states(args.src), false, DeviceInfo{sms, 9}), args);
+  dispatch(in_dtype, out_dtype, plan_backward(shape, facts_of(args, vec), DeviceInfo{sms, 9}), args);
 }
 
 }  // extern "C"

@@ -164,7 +164,8 @@ def test_merge_states_backward_head_sizes(rng, device, in_dtype, head_size):
 
 
 def test_merge_states_backward_many_states(rng, device):
-    """More states than a chunk (4 on the GPU) and than the CPU's block of dots (64)."""
+    """More states than a chunk (2 on the GPU with the forward's O), split over groups of threads
+    on the GPU (up to 8 here), and more than the CPU's block of dots (64)."""
     o, lse, out, out_lse, grad_out, grad_out_lse = case(rng, 3, 70, 2, 24, "float32", "float32", 2)
     grad_o, grad_lse = attnmerge.merge_states_backward(device.put(grad_out), device.put(grad_out_lse), device.put(out),
                                                        device.put(out_lse), device.put(o), device.put(lse), base=2)

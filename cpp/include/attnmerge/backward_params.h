@@ -72,7 +72,6 @@ struct StridedGradRow {
 // gradient not asked for has a null pointer and zero strides: its addresses are null, not written.
 struct PairBackward {
   static constexpr int kMaxStates = 2;
-  static constexpr bool kTwoAtOnce = true;  // rows may take the kernel of 2 in flight (plan_backward)
   PairSource in, grad;
 
   template <typename T, typename I>
@@ -101,7 +100,6 @@ struct PairBackward {
 // StackSource's geometry.
 struct StackBackward {
   static constexpr int kMaxStates = 0;
-  static constexpr bool kTwoAtOnce = true;  // where S <= 2
   StackSource in, grad;
 
   template <typename T, typename I>
@@ -127,7 +125,6 @@ struct StackBackward {
 // no rows at all, the walk has one row (rows == 0 here) over every state, all zeros.
 struct RangeBackward {
   static constexpr int kMaxStates = 0;
-  static constexpr bool kTwoAtOnce = false;  // its rows' lengths are not known before the launch
   RangeSource in, grad;
   int64_t rows;  // of the forward's output
 

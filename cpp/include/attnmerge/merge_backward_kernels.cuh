@@ -31,12 +31,14 @@ namespace attnmerge {
 #endif
 template <typename Src, int kChunk>
 constexpr int backward_min_blocks() {
-  return kChunk > 2 ? ATTNMERGE_BACKWARD_MIN_BLOCKS : Src::kMaxStates == 2 ? 4 : 3;
+  return kChunk > 2 ? ATTNMERGE_BACKWARD_MIN_BLOCKS : Src::kMaxStates == 2 ? 4 : kBackwardTwoChunkBlocks;
 }
 
-// One row per `lanes` threads (threadIdx.x the lane, threadIdx.y the row in the block, rows over
-// the x and, past 2^31 blocks, z grid axes).  For each chunk of the row's states: their LSEs and
-// O_i packs are loaded together (dO and O with the first chunk), then their LSEs give p_i; for
+// One row per `lanes` threads, or, split into 2^group_shift groups of `span` states (plan_backward:
+// only with the forward's O), per that many sets of them (threadIdx.x the lane, threadIdx.y the
+// row's group in the block, rows over the x and, past 2^31 blocks, z grid axes).  For each chunk
+// of the group's states: their LSEs and O_i packs are loaded together (dO and O with the first
+// chunk), then their LSEs give p_i; for
 // each of the lane's packs the lane's part of each dot is summed and p_i dO stored; then the dots
 // are summed over the row's lanes and the dlse stored.  A state's gradient address that is null (a two-way merge's
 // gradient not asked for, the other's being) is not written.  The lane's first packs of dO and O
@@ -47,14 +49,21 @@ constexpr int backward_min_blocks() {
 // should not be on its critical path (not measured against 32-bit yet).
 template <typename Src, typename TIn, typename TOut, int VEC, int kChunk>
 __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src, kChunk>())
-    merge_backward_kernel(const MergeShape shape, const BackwardArgs<Src> args) {
+    merge_backward_kernel(const MergeShape shape, const BackwardArgs<Src> args, const int group_shift, const int span) {
   using I = int64_t;
   pdl_wait_then_release();
-  const I row = (static_cast<I>(blockIdx.z) * gridDim.x + blockIdx.x) * blockDim.y + threadIdx.y;
+  const I slot = (static_cast<I>(blockIdx.z) * gridDim.x + blockIdx.x) * blockDim.y + threadIdx.y;
+  const I row = slot >> group_shift;
   if (row >= shape.rows) return;  // the row's lanes leave together
   I token, head;
   shape.split_row<false>(row, token, head);
   const auto r = args.src.template row<TIn>(token, head);
+  // Two-state rows are never split: their state indices stay constants (their pointers in registers).
+  const bool split = Src::kMaxStates != 2 && group_shift != 0;
+  const int group = static_cast<int>(slot & ((I{1} << group_shift) - 1));
+  const int lo = split ? r.lo + group * span : r.lo;
+  const int hi = split && r.hi - lo > span ? lo + span : r.hi;
+  if (lo >= hi) return;  // a group past the row's states (all of the row's lanes alike)
   const int lane = static_cast<int>(threadIdx.x), lanes = static_cast<int>(blockDim.x);
   const unsigned warp_lane = (threadIdx.x + blockDim.x * threadIdx.y) & 31u;
   const unsigned mask = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u) << (warp_lane & ~(lanes - 1u));
@@ -71,7 +80,7 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src
   // less to read): the dots of a row of more than a chunk of states are stored raw, then
   // finished once the sum is known.
   const bool o_free = args.out.o == nullptr;
-  const bool two_pass = o_free && r.hi - r.lo > kChunk;
+  const bool two_pass = o_free && hi - lo > kChunk;  // o_free: one group a row (plan_backward)
   float dot_o = 0.0f;  // <dO, O>, or the part of sum_j p_j <dO, O_j> seen so far
   // The lane's first packs of dO and O, kept for every chunk (loaded with the first chunk's).
   Pack<TOut, VEC> pd0{}, po0{};
@@ -79,18 +88,18 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src
     pd0 = load_pack<TOut, VEC>(d_out + lane * VEC, false);
     if (args.want_lse && !o_free) po0 = load_pack<TOut, VEC>(o_out + lane * VEC, false);
   }
-  for (int s0 = r.lo; s0 < r.hi; s0 += kChunk) {
+  for (int s0 = lo; s0 < hi; s0 += kChunk) {
     // The chunk's LSEs and the O_i packs of the lane's first pack, all in flight before any is
     // used (p after the loads): one memory round trip a chunk, as in the forward.
     float l[kChunk], p[kChunk], dot[kChunk];
     Pack<TIn, VEC> pi[kChunk];
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c) l[c] = s0 + c < r.hi ? r.in.lse(s0 + c) : -INFINITY;
+    for (int c = 0; c < kChunk; ++c) l[c] = s0 + c < hi ? r.in.lse(s0 + c) : -INFINITY;
     const auto load_states = [&](I k) {
       if (args.want_lse) {
 #pragma unroll
         for (int c = 0; c < kChunk; ++c)
-          if (s0 + c < r.hi) pi[c] = load_pack<TIn, VEC>(r.in.template o_at<TIn>(s0 + c) + k * VEC, false);
+          if (s0 + c < hi) pi[c] = load_pack<TIn, VEC>(r.in.template o_at<TIn>(s0 + c) + k * VEC, false);
       }
     };
     if (lane < packs) load_states(lane);
@@ -98,7 +107,7 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src
       if (args.want_lse && lane < packs) {
 #pragma unroll
         for (int c = kChunk; c < 2 * kChunk; ++c)
-          if (s0 + c < r.hi) prefetch_l2(r.in.template o_at<TIn>(s0 + c) + lane * VEC);
+          if (s0 + c < hi) prefetch_l2(r.in.template o_at<TIn>(s0 + c) + lane * VEC);
       }
     }
 #pragma unroll
@@ -110,7 +119,7 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src
     const auto use_pack = [&](I k, const Pack<TOut, VEC>& pd, const Pack<TOut, VEC>& po) {
 #pragma unroll
       for (int c = 0; c < kChunk; ++c) {
-        if (s0 + c >= r.hi) continue;
+        if (s0 + c >= hi) continue;
         if (args.want_lse) {
           float part = 0.0f;
 #pragma unroll
@@ -147,18 +156,18 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src
       }
 #pragma unroll
       for (int c = 0; c < kChunk; ++c)
-        if (s0 + c < r.hi && lane == c % lanes) {
+        if (s0 + c < hi && lane == c % lanes) {
           float* const q = r.grad.lse_at(s0 + c);
           if (q != nullptr) *q = two_pass ? dot[c] : g.grad_lse(p[c], dot[c] - dot_o);
         }
     }
   }
   if (two_pass && args.want_lse) {  // each lane finishes the dots it stored
-    for (int s0 = r.lo; s0 < r.hi; s0 += kChunk) {
+    for (int s0 = lo; s0 < hi; s0 += kChunk) {
 #pragma unroll
       for (int c = 0; c < kChunk; ++c) {
         const int s = s0 + c;
-        float* const q = s < r.hi && lane == c % lanes ? r.grad.lse_at(s) : nullptr;
+        float* const q = s < hi && lane == c % lanes ? r.grad.lse_at(s) : nullptr;
         if (q != nullptr) *q = g.grad_lse(r.live(s) ? g.p(r.in.lse(s)) : 0.0f, *q - dot_o);
       }
     }
@@ -171,16 +180,14 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src
 template <typename TIn, typename TOut, int VEC, typename Src>
 cudaError_t launch_merge_backward(const BackwardPlan& plan, const BackwardArgs<Src>& args, cudaStream_t stream) {
   if (plan.launches == 0) return cudaSuccess;
-  void (*kernel)(MergeShape, BackwardArgs<Src>) = nullptr;
+  void (*kernel)(MergeShape, BackwardArgs<Src>, int, int) = nullptr;
   if constexpr (Src::kMaxStates == 2) {
     kernel = merge_backward_kernel<Src, TIn, TOut, VEC, 2>;
-  } else if constexpr (Src::kTwoAtOnce) {
+  } else {
     kernel = plan.chunk == 2 ? merge_backward_kernel<Src, TIn, TOut, VEC, 2>
                              : merge_backward_kernel<Src, TIn, TOut, VEC, kSmallChunk>;
-  } else {
-    kernel = merge_backward_kernel<Src, TIn, TOut, VEC, kSmallChunk>;
   }
-  return launch_kernel(kernel, plan.dims, plan.pdl, stream, plan.shape, args);
+  return launch_kernel(kernel, plan.dims, plan.pdl, stream, plan.shape, args, plan.group_shift, plan.span);
 }
 
 }  // namespace attnmerge

@@ -304,32 +304,72 @@ constexpr int kBackwardBlockThreads = 256;
 // time (packs lane, lane + lanes, ...): the dot <dO, O_i - O> is summed over the lanes by
 // shuffles, then lane c of the row writes dlse of the chunk's state c.  A row's states come
 // `chunk` at a time, their LSEs and O packs loaded together: 2 for rows of at most two states,
-// else the forward's kSmallChunk.
+// else the forward's kSmallChunk.  Where the forward's O is given, a row's states are
+// independent, and `groups` (a power of two) sets of `lanes` threads take `span` states each
+// (group g states g span .. (g + 1) span), consecutive in the block, so that a row's groups read
+// its dO and O from HBM once.
 struct BackwardPlan {
   MergeShape shape;  // packs filled in
   int vec = 1;
   int lanes = 1;
   int chunk = 2;
+  int groups = 1;
+  int group_shift = 0;  // log2(groups)
+  int span = 0;         // states a group takes, a multiple of chunk (groups == 1: the whole row)
   bool pdl = false;
   int launches = 0;
   LaunchDims dims;
   explicit BackwardPlan(const MergeShape& s) : shape(s) {}
 };
 
-// `max_states`: the most states a row has (2 for the two-way merge, S for the N-way one; 0 not
-// known, the variable-length merge; max_states() of the source, backward_params.h): rows of at
-// most 2 take the kernel of 2 in flight (fewer registers, more threads an SM).
-inline BackwardPlan plan_backward(const MergeShape& shape, int vec, int64_t max_states, bool pdl, DeviceInfo device) {
+// What the caller knows of a backward call beyond its shape.
+struct BackwardFacts {
+  int vec = 1;             // elements per vector access that every O pointer and stride allow
+  int64_t max_states = 0;  // the most states a row has (max_states() of the source,
+                           // backward_params.h: 2 two-way, S N-way, 0 not known: variable length)
+  bool saved_o = false;    // the forward's O is given (without it a row's dlse need all its dots)
+  bool pdl = false;        // the caller allows programmatic dependent launch
+  int groups = 0;          // 0: the plan's choice; else (rounded down to a power of two) for
+                           // benchmarks that compare them
+  int chunk = 0;           // 0: the plan's choice; else 2 or kSmallChunk, likewise
+};
+
+// Blocks of kBackwardBlockThreads an SM holds of the N-way kernel of 2 states in flight (its
+// register cap: 85, no spills; at 4 blocks it spills).
+constexpr int kBackwardTwoChunkBlocks = 3;
+
+// Rows of at most 2 states, and every N-way or variable-length row where the forward's O is
+// given, take the kernel of 2 states in flight: fewer registers, so more threads an SM (measured
+// faster than 4 in flight at every size, benchmarks/NOTES.md); without the forward's O longer
+// rows keep kSmallChunk.  With the forward's O a row's states are independent: they are split
+// into groups (a power of two) while each group keeps 2 or more, the row's groups fit a block and
+// the launch still fits the GPU at once, so that a decode-sized backward fills the GPU.
+inline BackwardPlan plan_backward(const MergeShape& shape, const BackwardFacts& facts, DeviceInfo device) {
   BackwardPlan plan(shape);
-  plan.vec = vec;
-  plan.shape.packs = shape.head_size / vec;
-  plan.pdl = pdl && device.major >= 9;
+  plan.vec = facts.vec;
+  plan.shape.packs = shape.head_size / facts.vec;
+  plan.pdl = facts.pdl && device.major >= 9;
   while (plan.lanes < 32 && plan.lanes < plan.shape.packs) plan.lanes *= 2;
-  plan.chunk = max_states > 0 && max_states <= 2 ? 2 : kSmallChunk;
+  const int64_t states = facts.max_states;  // 0: not known
+  int groups = 1;
+  if (facts.saved_o && states > 2) {
+    const int64_t capacity = int64_t{device.sms > 0 ? device.sms : 1} * kBackwardBlockThreads * kBackwardTwoChunkBlocks;
+    const auto fits = [&](int64_t g) {
+      return plan.lanes * g <= kBackwardBlockThreads &&
+             (facts.groups > 0 ? g <= facts.groups : 2 * g <= states && shape.rows * plan.lanes * g <= capacity);
+    };
+    while (fits(2 * groups)) groups *= 2;
+  }
+  const bool two = facts.saved_o || (states > 0 && states <= 2);
+  plan.chunk = facts.chunk > 0 ? facts.chunk : two ? 2 : kSmallChunk;
+  plan.groups = groups;
+  while ((1 << plan.group_shift) < groups) ++plan.group_shift;
+  const int64_t per_group = (states + groups - 1) / groups;
+  plan.span = groups > 1 ? static_cast<int>((per_group + plan.chunk - 1) / plan.chunk * plan.chunk) : 0;
   if (shape.rows == 0) return plan;
   plan.launches = 1;
-  // Rows over the grid as the forward's kRows lays them out, `lanes` threads a row.
-  plan.dims = row_dims(plan.lanes, shape.rows, device.sms, kBackwardBlockThreads);
+  // Rows (each `groups` sets of `lanes` threads) over the grid as the forward's kRows lays them out.
+  plan.dims = row_dims(plan.lanes, shape.rows * groups, device.sms, kBackwardBlockThreads);
   return plan;
 }
 
