@@ -238,7 +238,8 @@ void run_case(int64_t tokens, int64_t states, bool pair, int sms, double roof, c
 
 }  // namespace
 
-int main() {
+// Arguments (optional): the N-way cases to run, each T:S; none: every case below.
+int main(int argc, char** argv) {
   if (!have_gpu("backward")) return 0;
   int device = 0, sms = 0;
   check_cuda(cudaGetDevice(&device), "device");
@@ -247,6 +248,17 @@ int main() {
   check_cuda(cudaStreamCreate(&stream), "stream");
   const double roof = copy_gbps(stream);
   std::printf("backward of T x S x 32 x 128 bfloat16; device-to-device copy: %.1f GB/s\n", roof);
+  if (argc > 1) {
+    for (int i = 1; i < argc; ++i) {
+      long long t = 0, st = 0;
+      if (std::sscanf(argv[i], "%lld:%lld", &t, &st) != 2) {
+        std::fprintf(stderr, "backward: a case is T:S, not %s\n", argv[i]);
+        return 2;
+      }
+      run_case(t, st, st == 2, sms, roof, stream);
+    }
+    return 0;
+  }
   for (int64_t tokens : {8192, 1024, 16})
     for (int64_t states : {2, 4, 8, 16}) {
       if (states == 2) run_case(tokens, states, true, sms, roof, stream);

@@ -24,10 +24,14 @@ namespace attnmerge {
 #ifndef ATTNMERGE_BACKWARD_MIN_BLOCKS
 #define ATTNMERGE_BACKWARD_MIN_BLOCKS 2
 #endif
-// Each chunk's successor asked of L2 (prefetch_l2) before the chunk is used: an A/B knob for the
-// native benchmark.
+// How many chunks ahead a lane asks L2 (prefetch_l2) for its packs of the states' O before it
+// uses the current chunk (0: none), and whether the lane of the row's first pack asks for their
+// LSEs too: A/B knobs for the native benchmark.
 #ifndef ATTNMERGE_PREFETCH_BACKWARD
 #define ATTNMERGE_PREFETCH_BACKWARD 1
+#endif
+#ifndef ATTNMERGE_PREFETCH_BACKWARD_LSE
+#define ATTNMERGE_PREFETCH_BACKWARD_LSE 1
 #endif
 template <typename Src, int kChunk>
 constexpr int backward_min_blocks() {
@@ -104,10 +108,18 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src
     };
     if (lane < packs) load_states(lane);
     if constexpr (ATTNMERGE_PREFETCH_BACKWARD != 0) {
+      // At the first chunk every chunk within reach; later only the one that just came into it.
+      constexpr int kAhead = ATTNMERGE_PREFETCH_BACKWARD * kChunk;
+      const int from = s0 == lo ? kChunk : kAhead;
       if (args.want_lse && lane < packs) {
 #pragma unroll
-        for (int c = kChunk; c < 2 * kChunk; ++c)
-          if (s0 + c < hi) prefetch_l2(r.in.template o_at<TIn>(s0 + c) + lane * VEC);
+        for (int c = kChunk; c < kAhead + kChunk; ++c) {
+          if (c < from || s0 + c >= hi) continue;
+          prefetch_l2(r.in.template o_at<TIn>(s0 + c) + lane * VEC);
+          if constexpr (ATTNMERGE_PREFETCH_BACKWARD_LSE != 0 && Src::kMaxStates != 2) {
+            if (lane == 0) prefetch_l2(r.in.lse_ptr(s0 + c));
+          }
+        }
       }
     }
 #pragma unroll
