@@ -282,7 +282,8 @@ ATTNMERGE_API attnmerge_status attnmerge_merge_varlen_backward(
 typedef struct attnmerge_launch_info {
   int32_t kernel;       /* ATTNMERGE_KERNEL_* of the first launch */
   int32_t launches;     /* kernels enqueued: 0, 1, or 2 (an in-place merge whose rows span blocks) */
-  int32_t state_groups; /* ATTNMERGE_KERNEL_STATES, _BACKWARD: groups of threads a row's states are split into; else 1 */
+  int32_t state_groups; /* ATTNMERGE_KERNEL_STATES, _BACKWARD: groups of threads a row's states are split
+                           into; else 1 */
   int32_t index_bits;   /* 32 or 64: the offsets' width */
   int32_t vec;          /* elements a thread takes of a row: one vector access, or two side by side
                            (masked in-place merges of 16 MB or more, of 16-byte accesses) */

@@ -18,9 +18,10 @@
 namespace attnmerge {
 
 // kRows: the widest block and the blocks per SM the compiler must leave room for.  Two-state
-// kernels: 32 registers, full occupancy, no cap.  N-way kernels of 8 states in flight: 3 blocks
-// caps them at 85 registers (measured on an H200: S = 8 in 141 us against 154 us uncapped at 96,
-// and 159 us with 4 states a chunk); of 4 states: 4 blocks, 64 registers.
+// kernels: about 30 registers, full occupancy, compiled for blocks of up to kPairMaxBlockThreads
+// (the plan's widths, pair_block_threads), no cap.  N-way kernels of 8 states in flight: 3 blocks
+// cap them at 85 registers (faster than uncapped and than 4 states a chunk: benchmarks/NOTES.md);
+// of 4 states: 4 blocks, 64 registers.
 template <typename Source>
 constexpr int max_threads() {
   return Source::kMaxStates == 2 ? kPairMaxBlockThreads : kBlockThreads;
@@ -301,10 +302,12 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
   extern __shared__ float4 shared[];
   const int slot = static_cast<int>(threadIdx.z) * kGroups;
   float* const part_acc = reinterpret_cast<float*>(shared);
-  float2* const part_mt = reinterpret_cast<float2*>(shared + static_cast<int>(blockDim.z) * kGroups * packs * (VEC / 4));
+  float2* const part_mt =
+      reinterpret_cast<float2*>(shared + static_cast<int>(blockDim.z) * kGroups * packs * (VEC / 4));
 #pragma unroll
   for (int q = 0; q < VEC / 4; ++q)
-    shared[((slot + g) * packs + k) * (VEC / 4) + q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+    shared[((slot + g) * packs + k) * (VEC / 4) + q] =
+        make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
   if (k == 0) part_mt[slot + g] = make_float2(part.m, part.nan ? NAN : part.total);  // a NaN travels as a total
   __syncthreads();
   if (g >= kFinishers || !live) return;
@@ -469,7 +472,8 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
                  : launch_detail::rows<PlainPairSource<false>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream);
   } else {
     if constexpr (VEC % 4 == 0) {  // the plan's condition for kStates
-      if (plan.strategy == Strategy::kStates) return launch_detail::states<Source, TIn, TOut, VEC>(plan, src, out, stream);
+      if (plan.strategy == Strategy::kStates)
+        return launch_detail::states<Source, TIn, TOut, VEC>(plan, src, out, stream);
     }
   }
   return launch_detail::rows<Source, TIn, TOut, VEC>(plan, src, out, stream);

@@ -34,8 +34,8 @@ namespace attnmerge {
 #define ATTNMERGE_STATE_CHUNK 8
 #endif
 // kRows: the widest block of the N-way kernels (their register cap leaves room for 3 or 4 of them
-// an SM) and of the two-state kernels (blocks of 512, FlashInfer's shape, were measured no faster
-// and slower for the in-place merge: benchmarks/NOTES.md).
+// an SM) and of the two-state kernels under 32 MB and in place (wider blocks only measured faster
+// for larger two-way merges: pair_block_threads, benchmarks/NOTES.md).
 constexpr int kBlockThreads = ATTNMERGE_BLOCK_THREADS;
 constexpr int kPairBlockThreads = ATTNMERGE_PAIR_BLOCK_THREADS;
 // The widest block a two-state kernel is compiled for (its launch bound; at 32 registers it
@@ -251,8 +251,9 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
       plan.main = row_dims(s.packs, s.rows, device.sms, kPairBlockThreads, 0, lanes);
       plan.fused_lse = plan.lane_lse = true;
     } else {
-      plan.main = row_dims(s.packs, s.rows, device.sms, lse_in_place ? kPairBlockThreads : pair_block_threads(facts.bytes),
-                           lse_in_place ? s.packs : 0);
+      plan.main =
+          row_dims(s.packs, s.rows, device.sms, lse_in_place ? kPairBlockThreads : pair_block_threads(facts.bytes),
+                   lse_in_place ? s.packs : 0);
       if (lse_in_place) {
         plan.fused_lse = plan.main.grid[1] == 1;
         if (!plan.fused_lse) {
@@ -303,11 +304,11 @@ constexpr int kBackwardBlockThreads = 256;
 // power of two, the row's packs rounded up, at most 32), each lane one pack of VEC elements at a
 // time (packs lane, lane + lanes, ...): the dot <dO, O_i - O> is summed over the lanes by
 // shuffles, then lane c of the row writes dlse of the chunk's state c.  A row's states come
-// `chunk` at a time, their LSEs and O packs loaded together: 2 for rows of at most two states,
-// else the forward's kSmallChunk.  Where the forward's O is given, a row's states are
-// independent, and `groups` (a power of two) sets of `lanes` threads take `span` states each
-// (group g states g span .. (g + 1) span), consecutive in the block, so that a row's groups read
-// its dO and O from HBM once.
+// `chunk` at a time, their LSEs and O packs loaded together: 2 for rows of at most two states and
+// wherever the forward's O is given, else the forward's kSmallChunk.  Where the forward's O is
+// given, a row's states are independent, and `groups` (a power of two) sets of `lanes` threads
+// take `span` states each (group g states g span .. (g + 1) span), consecutive in the block, so
+// that a row's groups read its dO and O from HBM once.
 struct BackwardPlan {
   MergeShape shape;  // packs filled in
   int vec = 1;
