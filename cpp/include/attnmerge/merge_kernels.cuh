@@ -471,9 +471,12 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
                  ? launch_detail::rows<PlainPairSource<true>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream)
                  : launch_detail::rows<PlainPairSource<false>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream);
   } else {
-    if constexpr (VEC % 4 == 0) {  // the plan's condition for kStates
-      if (plan.strategy == Strategy::kStates)
+    if (plan.strategy == Strategy::kStates) {  // only with 16-byte accesses (the plan's condition)
+      if constexpr (VEC * (sizeof(TIn) > sizeof(TOut) ? sizeof(TIn) : sizeof(TOut)) == 16) {
         return launch_detail::states<Source, TIn, TOut, VEC>(plan, src, out, stream);
+      } else {
+        return cudaErrorInvalidValue;  // a plan made for other facts than these types
+      }
     }
   }
   return launch_detail::rows<Source, TIn, TOut, VEC>(plan, src, out, stream);
