@@ -39,6 +39,7 @@ inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z,
 
 using cudaError_t = int;
 constexpr cudaError_t cudaSuccess = 0;
+constexpr cudaError_t cudaErrorInvalidValue = 1;
 using cudaStream_t = void*;
 constexpr int cudaLaunchAttributeProgrammaticStreamSerialization = 1;
 struct cudaLaunchAttributeValue {
