@@ -23,12 +23,7 @@ struct BackwardJob {
 template <typename Src>
 int run_backward(const DeviceInfo& device, void* ctx, attnmerge_launch_info* info) {
   const BackwardJob<Src>& job = *static_cast<const BackwardJob<Src>*>(ctx);
-  BackwardFacts facts;
-  facts.vec = job.vec;
-  facts.max_states = max_states(job.args.src);
-  facts.saved_o = job.args.out.o != nullptr;
-  facts.pdl = job.pdl;
-  const BackwardPlan plan = plan_backward(job.shape, facts, device);
+  const BackwardPlan plan = plan_backward(job.shape, backward_facts(job.args, job.vec, job.pdl), device);
   cudaError_t err = cudaSuccess;
   dispatch_in_dtype(job.in_dtype, [&](auto in_tag) {
     dispatch_in_dtype(job.out_dtype, [&](auto out_tag) {

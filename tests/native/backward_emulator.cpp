@@ -82,16 +82,6 @@ StateView state(const void* o, const int64_t* os, const float* l, const int64_t*
   return StateView{o, o ? os[0] : 0, o ? os[1] : 0, l, l ? ls[0] : 0, l ? ls[1] : 0};
 }
 
-// The facts the C ABI gives plan_backward for these arguments.
-template <typename Src>
-BackwardFacts facts_of(const BackwardArgs<Src>& args, int vec) {
-  BackwardFacts f;
-  f.vec = vec;
-  f.max_states = max_states(args.src);
-  f.saved_o = args.out.o != nullptr;
-  return f;
-}
-
 }  // namespace
 
 float emulated_shfl_xor(float v, int offset) {
@@ -121,7 +111,7 @@ void emulate_states_backward(int64_t tokens, int64_t states, int64_t heads, int6
   const BackwardArgs<StackBackward> args{StackBackward{in, grad}, state(out, out_s, out_lse, ol_s),
                                          state(grad_out, d_s, grad_out_lse, dl_s), grad_o != nullptr,
                                          grad_lse != nullptr};
-  dispatch(in_dtype, out_dtype, plan_backward(shape, facts_of(args, vec), DeviceInfo{sms, 9}), args);
+  dispatch(in_dtype, out_dtype, plan_backward(shape, backward_facts(args, vec, false), DeviceInfo{sms, 9}), args);
 }
 
 // Variable length: o [N, H, D], lse [N, H] and their gradients; indptr int64 [rows + 1]; out,
@@ -139,7 +129,7 @@ void emulate_varlen_backward(int64_t rows, int64_t total, int64_t heads, int64_t
   const BackwardArgs<RangeBackward> args{RangeBackward{in, grad, rows}, state(out, out_s, out_lse, ol_s),
                                          state(grad_out, d_s, grad_out_lse, dl_s), grad_o != nullptr,
                                          grad_lse != nullptr};
-  dispatch(in_dtype, out_dtype, plan_backward(shape, facts_of(args, vec), DeviceInfo{sms, 9}), args);
+  dispatch(in_dtype, out_dtype, plan_backward(shape, backward_facts(args, vec, false), DeviceInfo{sms, 9}), args);
 }
 
 // Two-way: o_a [>= a_tokens, H, D], o_b [T, H, D] and LSEs; grad_o_a [a_tokens, H, D] ...
@@ -158,7 +148,7 @@ void emulate_merge_backward(int64_t tokens, int64_t a_tokens, int64_t heads, int
   const BackwardArgs<PairBackward> args{PairBackward{in, grad}, state(out, out_s, out_lse, ol_s),
                                         state(grad_out, d_s, grad_out_lse, dl_s), grad_o_a || grad_o_b,
                                         grad_lse_a || grad_lse_b};
-  dispatch(in_dtype, out_dtype, plan_backward(shape, facts_of(args, vec), DeviceInfo{sms, 9}), args);
+  dispatch(in_dtype, out_dtype, plan_backward(shape, backward_facts(args, vec, false), DeviceInfo{sms, 9}), args);
 }
 
 }  // extern "C"

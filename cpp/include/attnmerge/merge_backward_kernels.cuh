@@ -186,6 +186,18 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src
   }
 }
 
+// What plan_backward needs to know of a call beyond its shape, read off its arguments: the
+// elements per vector access (`vec`) and PDL are the caller's.
+template <typename Src>
+inline BackwardFacts backward_facts(const BackwardArgs<Src>& args, int vec, bool pdl) {
+  BackwardFacts facts;
+  facts.vec = vec;
+  facts.max_states = max_states(args.src);
+  facts.saved_o = args.out.o != nullptr;
+  facts.pdl = pdl;
+  return facts;
+}
+
 // The backward as `plan` (plan_backward of the same call) says.  TIn: the storage type of the
 // inputs' O and of their gradients; TOut: that of the forward's output and of its gradient dO;
 // VEC = plan.vec.
