@@ -14,13 +14,10 @@
 
 namespace attnmerge {
 
-// Registers (sm_90): a chunk of 4 states keeps the chunk's LSEs, 4 packs of O_i with their
-// 64-bit addresses and dots, and the lane's first packs of dO and O: 70 to 114 uncapped (108 for
-// bfloat16 in 16-byte packs), so the N-way cap is 2 blocks of 256 an SM (128 registers, no
-// spills; at 3 blocks, 85 registers, up to 208 bytes spilled).  A chunk of 8 needed 135 to 140.
-// Two states: 46 to 64, no spills, 4 blocks an SM (N-way rows of two states: 3 blocks, whose
-// strided addresses spill at 64).  ATTNMERGE_BACKWARD_MIN_BLOCKS overrides the
-// N-way cap: an A/B knob for the native benchmark (neither setting measured yet).
+// Registers (sm_90): a chunk of 4 states keeps the chunk's LSEs, 4 packs of O_i and their dots
+// and the lane's packs of dO and O, so the N-way cap is 2 blocks of 256 an SM; two states a
+// chunk fit 3 blocks (N-way) or 4 (two-way) without spills.  ATTNMERGE_BACKWARD_MIN_BLOCKS
+// overrides the N-way cap of 4 states: an A/B knob for the native benchmark.
 #ifndef ATTNMERGE_BACKWARD_MIN_BLOCKS
 #define ATTNMERGE_BACKWARD_MIN_BLOCKS 2
 #endif
@@ -41,16 +38,17 @@ constexpr int backward_min_blocks() {
 // One row per `lanes` threads, or, split into 2^group_shift groups of `span` states (plan_backward:
 // only with the forward's O), per that many sets of them (threadIdx.x the lane, threadIdx.y the
 // row's group in the block, rows over the x and, past 2^31 blocks, z grid axes).  For each chunk
-// of the group's states: their LSEs and O_i packs are loaded together (dO and O with the first
-// chunk), then their LSEs give p_i; for
-// each of the lane's packs the lane's part of each dot is summed and p_i dO stored; then the dots
-// are summed over the row's lanes and the dlse stored.  A state's gradient address that is null (a two-way merge's
+// of the group's states: their LSEs and O_i packs are loaded together (the first chunk's before
+// dO and O), then their LSEs give p_i; for each of the lane's packs the lane's part of each dot
+// is summed and p_i dO stored; then the dots are summed over the row's lanes and the dlse stored;
+// then the next chunk's loads go out.  A state's gradient address that is null (a two-way merge's
 // gradient not asked for, the other's being) is not written.  The lane's first packs of dO and O
 // are kept for every chunk: each is read once for rows of up to 32 packs (256 16-bit or 128
 // float32 elements); wider rows read their further packs again for each chunk.  An empty part
 // gets zeros, and a part of zero weight is loaded but not used (its O may hold NaN), as in the
-// forward.  64-bit offsets: the backward moves 2S + 2 vectors a row, so the index arithmetic
-// should not be on its critical path (not measured against 32-bit yet).
+// forward.  The N-way backward at 8192 tokens issues an instruction nearly every cycle of each
+// scheduler (ncu, benchmarks/NOTES.md): a strided row's addresses are stepped a chunk at a time,
+// dO unpacked once, the dots of a chunk of two summed in half the shuffles.
 template <typename Src, typename TIn, typename TOut, int VEC, int kChunk>
 __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src, kChunk>())
     merge_backward_kernel(const MergeShape shape, const BackwardArgs<Src> args, const int group_shift, const int span) {
@@ -84,83 +82,152 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src
   // less to read): the dots of a row of more than a chunk of states are stored raw, then
   // finished once the sum is known.
   const bool o_free = args.out.o == nullptr;
-  const bool two_pass = o_free && hi - lo > kChunk;  // o_free: one group a row (plan_backward)
+  // (o_free: one group a row; the kernel of 2 states in flight only for rows of at most 2 states,
+  // which take one chunk: plan_backward, and launch_merge_backward refuses other plans.)
+  const bool two_pass = kChunk > 2 && o_free && hi - lo > kChunk;
   float dot_o = 0.0f;  // <dO, O>, or the part of sum_j p_j <dO, O_j> seen so far
-  // The lane's first packs of dO and O, kept for every chunk (loaded with the first chunk's).
-  Pack<TOut, VEC> pd0{}, po0{};
-  if (r.has_out && lane < packs) {
-    pd0 = load_pack<TOut, VEC>(d_out + lane * VEC, false);
-    if (args.want_lse && !o_free) po0 = load_pack<TOut, VEC>(o_out + lane * VEC, false);
+  // The lane that stores dlse of the chunk's state c: with two states a chunk the row's dots are
+  // summed transposed (below), state 0's ending in its lower half of lanes, state 1's in its upper.
+  const int half = lanes >> 1;
+  const auto writer = [&](int c) { return kChunk == 2 ? c * half : c & (lanes - 1); };
+  // The states' addresses: a two-state row's own pointers (its state indices are constants), or
+  // a strided row's, stepped from the group's first state a chunk at a time (no multiplication
+  // a state).
+  auto in = r.in;
+  auto grad = r.grad;
+  constexpr bool kStrided = Src::kMaxStates != 2;
+  // (A strided row's O pointers also start at the lane's first pack.)
+  if constexpr (kStrided) {
+    in.o0 = in.template o_at<TIn>(lo) + lane * VEC, in.l0 = in.lse_ptr(lo);
+    grad.o0 = grad.o0 != nullptr ? grad.o_at(lo) + lane * VEC : nullptr, grad.l0 = grad.lse_at(lo);  // null: not asked for
   }
-  for (int s0 = lo; s0 < hi; s0 += kChunk) {
-    // The chunk's LSEs and the O_i packs of the lane's first pack, all in flight before any is
-    // used (p after the loads): one memory round trip a chunk, as in the forward.
-    float l[kChunk], p[kChunk], dot[kChunk];
-    Pack<TIn, VEC> pi[kChunk];
+  // Pack k of the chunk's state c (c a constant), its O and where its dO goes.
+  const auto o_of = [&](int c, I k) {
+    return kStrided ? in.template o_at<TIn>(c) + (k - lane) * VEC : in.template o_at<TIn>(lo + c) + k * VEC;
+  };
+  const auto grad_o_of = [&](int c, I k) {
+    TIn* const y = grad.o_at(kStrided ? c : lo + c);
+    return y == nullptr ? y : kStrided ? y + (k - lane) * VEC : y + k * VEC;
+  };
+  const auto lse_of = [&](int c) { return in.lse(kStrided ? c : lo + c); };
+  const auto grad_lse_of = [&](int c) { return grad.lse_at(kStrided ? c : lo + c); };
+  // A chunk's LSEs and the O_i packs of the lane's first pack (relative to the chunk's first
+  // state), all in flight before any is used (p after the loads): one memory round trip a chunk,
+  // as in the forward.
+  float l[kChunk];
+  Pack<TIn, VEC> pi[kChunk];
+  const auto load_chunk = [&](int s0, I k) {
+    if (args.want_lse) {
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c) l[c] = s0 + c < hi ? r.in.lse(s0 + c) : -INFINITY;
-    const auto load_states = [&](I k) {
-      if (args.want_lse) {
+      for (int c = 0; c < kChunk; ++c)
+        if (s0 + c < hi) pi[c] = load_pack<TIn, VEC>(o_of(c, k), false);
+    }
+  };
+  const auto load_lses = [&](int s0) {
 #pragma unroll
-        for (int c = 0; c < kChunk; ++c)
-          if (s0 + c < hi) pi[c] = load_pack<TIn, VEC>(r.in.template o_at<TIn>(s0 + c) + k * VEC, false);
-      }
-    };
-    if (lane < packs) load_states(lane);
-    if constexpr (ATTNMERGE_PREFETCH_BACKWARD != 0) {
-      // At the first chunk every chunk within reach; later only the one that just came into it.
+    for (int c = 0; c < kChunk; ++c) l[c] = s0 + c < hi ? lse_of(c) : -INFINITY;
+  };
+  // L2 prefetches of the states' O past the chunk's: at the first chunk every chunk within reach,
+  // later only the one that just came into it.
+  const auto prefetch_ahead = [&](int s0) {
+    if constexpr (ATTNMERGE_PREFETCH_BACKWARD != 0 && kStrided) {
       constexpr int kAhead = ATTNMERGE_PREFETCH_BACKWARD * kChunk;
       const int from = s0 == lo ? kChunk : kAhead;
       if (args.want_lse && lane < packs) {
 #pragma unroll
         for (int c = kChunk; c < kAhead + kChunk; ++c) {
           if (c < from || s0 + c >= hi) continue;
-          prefetch_l2(r.in.template o_at<TIn>(s0 + c) + lane * VEC);
-          if constexpr (ATTNMERGE_PREFETCH_BACKWARD_LSE != 0 && Src::kMaxStates != 2) {
-            if (lane == 0) prefetch_l2(r.in.lse_ptr(s0 + c));
+          prefetch_l2(o_of(c, lane));
+          if constexpr (ATTNMERGE_PREFETCH_BACKWARD_LSE != 0) {
+            if (lane == 0) prefetch_l2(in.lse_ptr(c));
           }
         }
       }
     }
+  };
+  // The first chunk's loads go out before dO and O are read and unpacked.
+  load_lses(lo);
+  if (lane < packs) load_chunk(lo, lane);
+  prefetch_ahead(lo);
+  // The lane's first packs of dO and O as floats, kept for every chunk (read once for rows of up
+  // to 32 packs; wider rows read their further packs again for each chunk).
+  float gd[VEC] = {};
+  Pack<TOut, VEC> go{};
+  if (r.has_out && lane < packs) {
+    const Pack<TOut, VEC> pd = load_pack<TOut, VEC>(d_out + lane * VEC, false);
+    if (args.want_lse && !o_free) go = load_pack<TOut, VEC>(o_out + lane * VEC, false);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) gd[j] = pd.get(j);
+  }
+  for (int s0 = lo;;) {  // the chunk s0's loads are under way
+    float p[kChunk], dot[kChunk];
+    const auto load_states = [&](I k) { load_chunk(s0, k); };
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) {
-      p[c] = r.live(s0 + c) ? g.p(l[c]) : 0.0f;
+      const float w = g.p(l[c]);
+      p[c] = r.live(s0 + c) ? w : 0.0f;
       dot[c] = 0.0f;
     }
-    // One pack of the row: the lane's part of each dot, and p_i dO stored.
-    const auto use_pack = [&](I k, const Pack<TOut, VEC>& pd, const Pack<TOut, VEC>& po) {
+    // One pack of the row: the lane's part of each dot, and p_i dO stored (fma(p, dO, +0): +0,
+    // not -0, where the product is zero; a part of zero weight gets zeros whatever dO holds).
+    const auto use_pack = [&](I k, const float (&d)[VEC], const Pack<TOut, VEC>& o) {
 #pragma unroll
       for (int c = 0; c < kChunk; ++c) {
         if (s0 + c >= hi) continue;
         if (args.want_lse) {
           float part = 0.0f;
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) part += pd.get(j) * (pi[c].get(j) - po.get(j));
+          for (int j = 0; j < VEC; ++j) part += d[j] * (pi[c].get(j) - o.get(j));
           dot[c] += part;
         }
-        TIn* const y = r.grad.o_at(s0 + c);
+        TIn* const y = grad_o_of(c, k);
         if (args.want_o && y != nullptr) {
           float v[VEC];
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) v[j] = GradWeights::grad_o(p[c], pd.get(j));
-          store_pack<TIn, VEC>(y + k * VEC, v, false);
+          for (int j = 0; j < VEC; ++j) v[j] = fmaf(p[c], d[j], 0.0f);
+          if (p[c] == 0.0f) {  // whatever dO holds
+            const float zeros[VEC] = {};
+            store_pack<TIn, VEC>(y, zeros, false);
+          } else {
+            store_pack<TIn, VEC>(y, v, false);
+          }
         }
       }
     };
-    if (lane < packs) use_pack(lane, pd0, po0);
+    if (lane < packs) use_pack(lane, gd, go);
     for (I k = lane + lanes; k < packs; k += lanes) {  // rows wider than 32 packs
-      Pack<TOut, VEC> pd{}, po{};
+      float d[VEC] = {};
+      Pack<TOut, VEC> o{};
       if (r.has_out) {
-        pd = load_pack<TOut, VEC>(d_out + k * VEC, false);
-        if (args.want_lse && !o_free) po = load_pack<TOut, VEC>(o_out + k * VEC, false);
+        const Pack<TOut, VEC> pd = load_pack<TOut, VEC>(d_out + k * VEC, false);
+        if (args.want_lse && !o_free) o = load_pack<TOut, VEC>(o_out + k * VEC, false);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) d[j] = pd.get(j);
       }
       load_states(k);
-      use_pack(k, pd, po);
+      use_pack(k, d, o);
     }
     if (args.want_lse) {
-      for (int offset = lanes >> 1; offset > 0; offset >>= 1) {
+      if constexpr (kChunk == 2) {
+        // Summed transposed: the lower half of the row's lanes keeps state 0's parts and takes
+        // the upper half's, the upper half state 1's, then each half sums its own (half the
+        // shuffles; each sum in the order the plain butterfly adds it).
+        if (half > 0) {
+          const bool upper = (lane & half) != 0;
+          float mine = upper ? dot[1] : dot[0];
+          mine += __shfl_xor_sync(mask, upper ? dot[0] : dot[1], half);
+          for (int offset = half >> 1; offset > 0; offset >>= 1) mine += __shfl_xor_sync(mask, mine, offset);
+          dot[0] = dot[1] = mine;
+          if (o_free) {  // every lane's dot_o needs both sums
+            const float theirs = __shfl_xor_sync(mask, mine, half);
+            dot[0] = upper ? theirs : mine, dot[1] = upper ? mine : theirs;
+          }
+        }
+      } else {
+        for (int offset = half; offset > 0; offset >>= 1) {
 #pragma unroll
-        for (int c = 0; c < kChunk; ++c) dot[c] += __shfl_xor_sync(mask, dot[c], offset);
+          for (int c = 0; c < kChunk; ++c) dot[c] += __shfl_xor_sync(mask, dot[c], offset);
+        }
       }
       if (o_free) {
 #pragma unroll
@@ -168,19 +235,29 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src
       }
 #pragma unroll
       for (int c = 0; c < kChunk; ++c)
-        if (s0 + c < hi && lane == c % lanes) {
-          float* const q = r.grad.lse_at(s0 + c);
+        if (s0 + c < hi && lane == writer(c)) {
+          float* const q = grad_lse_of(c);
           if (q != nullptr) *q = two_pass ? dot[c] : g.grad_lse(p[c], dot[c] - dot_o);
         }
     }
+    s0 += kChunk;
+    if (s0 >= hi) break;
+    if constexpr (kStrided) {
+      in.o0 = in.template o_at<TIn>(kChunk), in.l0 = in.lse_ptr(kChunk);
+      grad.o0 = grad.o_at(kChunk), grad.l0 = grad.lse_at(kChunk);
+    }
+    load_lses(s0);
+    if (lane < packs) load_chunk(s0, lane);
+    prefetch_ahead(s0);
   }
   if (two_pass && args.want_lse) {  // each lane finishes the dots it stored
+    const auto again = args.src.template row<TIn>(token, head);  // (not kept in registers all along)
     for (int s0 = lo; s0 < hi; s0 += kChunk) {
 #pragma unroll
       for (int c = 0; c < kChunk; ++c) {
         const int s = s0 + c;
-        float* const q = s < hi && lane == c % lanes ? r.grad.lse_at(s) : nullptr;
-        if (q != nullptr) *q = g.grad_lse(r.live(s) ? g.p(r.in.lse(s)) : 0.0f, *q - dot_o);
+        float* const q = s < hi && lane == writer(c) ? again.grad.lse_at(s) : nullptr;
+        if (q != nullptr) *q = g.grad_lse(again.live(s) ? g.p(again.in.lse(s)) : 0.0f, *q - dot_o);
       }
     }
   }
@@ -204,6 +281,9 @@ inline BackwardFacts backward_facts(const BackwardArgs<Src>& args, int vec, bool
 template <typename TIn, typename TOut, int VEC, typename Src>
 cudaError_t launch_merge_backward(const BackwardPlan& plan, const BackwardArgs<Src>& args, cudaStream_t stream) {
   if (plan.launches == 0) return cudaSuccess;
+  // Without the forward's O, a row of more than 2 states needs the kernel with two passes.
+  const int64_t most = max_states(args.src);
+  if (plan.chunk == 2 && args.out.o == nullptr && !(most > 0 && most <= 2)) return cudaErrorInvalidValue;
   void (*kernel)(MergeShape, BackwardArgs<Src>, int, int) = nullptr;
   if constexpr (Src::kMaxStates == 2) {
     kernel = merge_backward_kernel<Src, TIn, TOut, VEC, 2>;

@@ -80,6 +80,23 @@ __device__ __forceinline__ void store_evict_first(V* p, V v) {
 #endif
 
 #if defined(__CUDA_ARCH__)
+// A plain store of a vector, in PTX: `*p = v` of a uint4 was compiled as four 4-byte stores where
+// the compiler lost track of the pointer's alignment (the backward's), and CUDA's __stwb adds
+// ordering (STG.STRONG) a plain store does not need.
+__device__ __forceinline__ void store_cached(uint4* p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ void store_cached(uint2* p, uint2 v) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+template <typename V>
+__device__ __forceinline__ void store_cached(V* p, V v) {
+  *p = v;  // one word or less: nothing to split
+}
+#endif
+
+#if defined(__CUDA_ARCH__)
 // A load or store of one vector, streaming (evict first) or cached as usual.
 template <typename V>
 __device__ __forceinline__ V load_bits(const V* p, bool stream) {
@@ -90,7 +107,7 @@ __device__ __forceinline__ void store_bits(V* p, V v, bool stream) {
   if (stream) {
     store_evict_first(p, v);
   } else {
-    *p = v;
+    store_cached(p, v);
   }
 }
 #endif
