@@ -151,4 +151,18 @@ void emulate_merge_backward(int64_t tokens, int64_t a_tokens, int64_t heads, int
   dispatch(in_dtype, out_dtype, plan_backward(shape, backward_facts(args, vec, false), DeviceInfo{sms, 9}), args);
 }
 
+// Whether launch_merge_backward would take an N-way plan of `chunk` states in flight for rows of
+// `states` states, with or without the forward's O (backward_plan_fits).
+int emulate_backward_plan_fits(int64_t states, int chunk, int with_out) {
+  const MergeShape shape(1, 1, 8, false);
+  uint16_t o[8] = {};
+  float lse[1] = {};
+  const StackSource in{o, 8, 8, 8, lse, 1, 1, 1, states};
+  const BackwardArgs<StackBackward> args{StackBackward{in, in}, StateView{with_out ? o : nullptr, 8, 8, lse, 1, 1},
+                                         StateView{o, 8, 8, nullptr, 1, 1}, true, true};
+  BackwardFacts facts = backward_facts(args, 8, false);
+  facts.chunk = chunk;
+  return backward_plan_fits(plan_backward(shape, facts, DeviceInfo{132, 9}), args) ? 1 : 0;
+}
+
 }  // extern "C"

@@ -160,3 +160,15 @@ def test_merge_backward_kernel(emu, rng, in_dtype, a_tokens, without_out):
     call(emu.emulate_merge_backward, (tokens, a_tokens, h, d), in_dtype, "float32", "e", vec, 132, None, None, g_ob2,
          None, grad_out, grad_out_lse, None if without_out else out, out_lse, o_a, lse_a, o_b, lse_b)
     np.testing.assert_array_equal(g_ob2.astype(np.float32), g_ob.astype(np.float32))
+
+
+@pytest.mark.parametrize("states", (1, 2, 3, 8))
+@pytest.mark.parametrize("chunk", (2, 4))
+@pytest.mark.parametrize("with_out", (True, False))
+def test_launcher_refuses_a_plan_without_the_second_pass(emu, states, chunk, with_out):
+    """The kernel of 2 states in flight has no second pass: without the forward's O, a plan that
+    gives it rows of more than 2 states (plan_backward never does) is refused by
+    launch_merge_backward (cudaErrorInvalidValue), not run wrong."""
+    emu.emulate_backward_plan_fits.restype = ctypes.c_int
+    fits = emu.emulate_backward_plan_fits(ctypes.c_int64(states), chunk, int(with_out))
+    assert fits == (chunk != 2 or with_out or states <= 2)

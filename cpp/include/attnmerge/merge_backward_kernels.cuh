@@ -275,15 +275,22 @@ inline BackwardFacts backward_facts(const BackwardArgs<Src>& args, int vec, bool
   return facts;
 }
 
+// Whether `plan` can run `args`: without the forward's O, a row of more than 2 states needs the
+// kernel of kSmallChunk with its second pass (the kernel of 2 states in flight has none), as
+// plan_backward chooses; a plan made for other facts is refused, not run wrong.
+template <typename Src>
+inline bool backward_plan_fits(const BackwardPlan& plan, const BackwardArgs<Src>& args) {
+  const int64_t most = max_states(args.src);  // 0: not known
+  return plan.chunk != 2 || args.out.o != nullptr || (most > 0 && most <= 2);
+}
+
 // The backward as `plan` (plan_backward of the same call) says.  TIn: the storage type of the
 // inputs' O and of their gradients; TOut: that of the forward's output and of its gradient dO;
 // VEC = plan.vec.
 template <typename TIn, typename TOut, int VEC, typename Src>
 cudaError_t launch_merge_backward(const BackwardPlan& plan, const BackwardArgs<Src>& args, cudaStream_t stream) {
   if (plan.launches == 0) return cudaSuccess;
-  // Without the forward's O, a row of more than 2 states needs the kernel with two passes.
-  const int64_t most = max_states(args.src);
-  if (plan.chunk == 2 && args.out.o == nullptr && !(most > 0 && most <= 2)) return cudaErrorInvalidValue;
+  if (!backward_plan_fits(plan, args)) return cudaErrorInvalidValue;
   void (*kernel)(MergeShape, BackwardArgs<Src>, int, int) = nullptr;
   if constexpr (Src::kMaxStates == 2) {
     kernel = merge_backward_kernel<Src, TIn, TOut, VEC, 2>;
