@@ -28,7 +28,7 @@ def groups_for(states: int, packs: int, rows: int, sms: int, access_bytes: int =
     accesses, for more states than one rows thread keeps in flight, up to states_rows_limit rows;
     then the fewest groups from 2 that leave each SMALL_CHUNK states or fewer, while the row's threads
     fit one block and the launch fits the GPU at once (sms x STATE_THREADS_PER_SM), up to
-    MAX_STATE_GROUPS."""
+    MAX_STATE_GROUPS; groups of one chunk filling more than half the GPU halved (two chunks each)."""
     capacity = max(sms, 1) * STATE_THREADS_PER_SM
     if access_bytes != 16 or states <= STATE_CHUNK or packs * 2 > STATE_BLOCK or \
             rows > states_rows_limit(states, packs, sms):
@@ -37,6 +37,8 @@ def groups_for(states: int, packs: int, rows: int, sms: int, access_bytes: int =
     while 2 * g <= MAX_STATE_GROUPS and g * SMALL_CHUNK < states and packs * 2 * g <= STATE_BLOCK and \
             rows * packs * 2 * g <= capacity:
         g *= 2
+    if g > 2 and g * SMALL_CHUNK >= states and 2 * rows * packs * g > capacity:
+        g //= 2
     return g
 
 

@@ -3,7 +3,7 @@
 //   flat      the plan's rows taken flat (one offset a view, no row division) against split into
 //             token and head;
 //   accesses  the plan's two 16-byte accesses a thread against one;
-//   evict     evict-first O loads and stores: the library's choice (< 32 MB), always, never;
+//   evict     evict-first O loads and stores: the library's choice (plan.h stream_o), always, never;
 //   pdl       a chain of two dependent merges with and without programmatic dependent launch;
 //   in place  the in-place merge, unmasked and half masked: the plan's (rows in warps, their LSEs
 //             shuffled from a row's first lane) against the block barrier, the general source and

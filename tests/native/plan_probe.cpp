@@ -5,9 +5,10 @@
 //        op: pair | inplace | stack | range (states: the range's total over `tokens` rows);
 //        flags: any of m (masked), a (a_tokens < tokens), t (LSEs [heads, tokens]), p (PDL),
 //        g (a gap between tokens: O's token stride one head longer than its heads), s (a small call:
-//        1 MB moved, evict-first), x (each vector access is 16 bytes)
+//        1 MB moved), x (each vector access is 16 bytes); then, optionally, the MB the call moves
+//        (else 2^40 bytes, or 1 MB with s)
 //   out: strategy chunk groups launches plain fused_lse index32  grid.x grid.y grid.z  block.x block.y block.z  smem
-//        flat lane_lse vec
+//        flat lane_lse vec stream
 #include <attnmerge/plan.h>
 
 #include <algorithm>
@@ -23,10 +24,10 @@ namespace {
 template <typename Source>
 void print(const MergeShape& shape, const Source& src, const OutView& out, const CallFacts& facts, int sms) {
   const LaunchPlan p = plan_merge(shape, src, out, facts, DeviceInfo{sms, 9});
-  std::printf("%s %d %d %d %d %d %d  %u %u %u  %u %u %u  %u  %d %d %d\n", p.strategy == Strategy::kStates ? "states" : "rows",
+  std::printf("%s %d %d %d %d %d %d  %u %u %u  %u %u %u  %u  %d %d %d %d\n", p.strategy == Strategy::kStates ? "states" : "rows",
               p.chunk, p.groups, p.launches, p.plain, p.fused_lse, p.index32, p.main.grid[0],
               p.main.grid[1], p.main.grid[2], p.main.block[0], p.main.block[1], p.main.block[2], p.main.smem, p.flat,
-              p.lane_lse, p.vec);
+              p.lane_lse, p.vec, p.shape.stream);
 }
 
 }  // namespace
@@ -47,6 +48,8 @@ int main() {
     facts.access_bytes = flags.find('x') != std::string::npos ? 16 : 0;
     // large: evict-first by the sources' own rules only; s (small): a call of 1 MB
     facts.bytes = flags.find('s') != std::string::npos ? int64_t{1} << 20 : int64_t{1} << 40;
+    double mb = 0;
+    if (in >> mb) facts.bytes = static_cast<int64_t>(mb * (1 << 20));
     facts.max_offset = (op == "range" ? states : tokens * std::max<int64_t>(states, 1)) * heads * head_size;
     facts.lse_tokens_inner = flags.find('t') != std::string::npos;
     facts.pdl = flags.find('p') != std::string::npos;

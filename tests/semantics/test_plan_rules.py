@@ -27,7 +27,7 @@ from plan_spec import (
 
 PROBE = os.path.join(os.path.dirname(__file__), "..", "native", "plan_probe.cpp")
 FIELDS = ("strategy", "chunk", "groups", "launches", "plain", "fused_lse", "index32",
-          "gx", "gy", "gz", "bx", "by", "bz", "smem", "flat", "lane_lse", "vec")
+          "gx", "gy", "gz", "bx", "by", "bz", "smem", "flat", "lane_lse", "vec", "stream")
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,12 @@ def test_states_kernel_only_with_16_byte_accesses(probe):
 def test_more_states_split_into_more_groups_until_the_gpu_is_full(probe):
     calls = [("stack", 16, 32, 128, s, 8, 132, "x") for s in (9, 12, 16, 32, 64, 128, 256)]
     groups = [p["groups"] for p in probe(calls)]
-    assert groups == [4, 4, 4, 8, 16, 16, 16]  # the fewest that leave at most 4 states a group, at most 16
+    # the fewest that leave at most 4 states a group, at most 16; at 64 states, 16 groups of one
+    # chunk would fill more than half the GPU (16 x 32 x 16 x 16 threads): 8 of two chunks
+    assert groups == [4, 4, 4, 8, 8, 16, 16]
+    # the same halving at its edge: 16 x 32 x 16 x 8 = 65536 threads, half the GPU at 128 SMs
+    edge = [p["groups"] for p in probe([("stack", 16, 32, 128, 32, 8, sms, "x") for sms in (128, 127)])]
+    assert edge == [8, 4]
     # float32 (4 elements a pack): 32 packs a row, so at most 8 groups in a block of 256
     assert [p["groups"] for p in probe([("stack", 16, 32, 128, 256, 4, 132, "x")])] == [8]
     # as rows grow the groups halve, so that the launch fits 132 SMs x STATE_THREADS_PER_SM threads
@@ -204,3 +209,17 @@ def test_in_place_rows_wider_than_a_block_take_two_launches(probe):
                         ("inplace", 37, 3, 8 * PAIR_BLOCK_THREADS, 2, 8, 132)])
     assert (wide["fused_lse"], wide["launches"], wide["gy"]) == (0, 2, 2)
     assert (fits["fused_lse"], fits["launches"], fits["gy"]) == (1, 1, 1)
+
+
+def test_evict_first_accesses_by_size(probe):
+    """Evict-first O accesses: two-way merges under 8 MB (in place: 16 MB), N-way merges under
+    16 MB or, of more states than a chunk, under 512 MB, variable-length merges always."""
+    def stream(op, states, mb, flags="x"):
+        return probe([(op, 512, 32, 128, states, 8, 132, flags, mb)])[0]["stream"]
+
+    assert [stream("pair", 2, mb) for mb in (7.9, 8, 12.8)] == [1, 0, 0]
+    assert [stream("inplace", 2, mb) for mb in (12.8, 15.9, 16)] == [1, 1, 0]
+    assert [stream("inplace", 2, mb, "xm") for mb in (12.8, 16)] == [1, 0]
+    assert [stream("stack", 4, mb) for mb in (15.9, 16)] == [1, 0]
+    assert [stream("stack", 64, mb) for mb in (511, 512)] == [1, 0]
+    assert [stream("range", 64, mb) for mb in (16, 4096)] == [1, 1]

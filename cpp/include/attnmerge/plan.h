@@ -148,16 +148,19 @@ int64_t states_per_row(const Source& src, const MergeShape& shape) {
   }
 }
 
-// Evict-first O accesses where they were measured faster than plain ones on an H200: calls
-// moving under 16 MB, N-way merges of more states than a chunk moving under 512 MB (evict-first
-// faster at 69 and 137 MB, cached loads at 1.2 and 4.4 GB), variable-length merges
-// (benchmarks/NOTES.md).
+// Evict-first O accesses where they were measured faster than plain ones on an H200: two-way
+// merges moving under 8 MB (in place: 16 MB; plain accesses measured faster from 9.6 MB out of
+// place, alike in place at 12.8 MB), N-way merges under 16 MB or of more states than a chunk
+// under 512 MB (evict-first faster at 69 and 137 MB, cached loads at 1.2 and 4.4 GB),
+// variable-length merges (benchmarks/NOTES.md).
 template <typename Source>
-bool stream_o(const Source& src, int64_t bytes) {
+bool stream_o(const Source& src, int64_t bytes, bool in_place) {
   if constexpr (std::is_same<Source, RangeSource>::value) {
     return true;
   } else if constexpr (std::is_same<Source, StackSource>::value) {
     if (src.states > kStateChunk && bytes < (int64_t{512} << 20)) return true;
+  } else {
+    if (!in_place) return bytes < (int64_t{8} << 20);
   }
   return bytes < (int64_t{16} << 20);
 }
@@ -178,7 +181,9 @@ inline int pair_block_threads(int64_t bytes) {
 // GPU filled twice over: benchmarks/NOTES.md).  Then the fewest groups, from 2, that leave each
 // a chunk (kSmallChunk) of states, while the row's threads fit one block and the launch fits the
 // GPU at once, up to kMaxStateGroups: a decode-sized merge fills the GPU with threads of few
-// registers, each with its loads in flight together.
+// registers, each with its loads in flight together.  Groups of one chunk that would fill more
+// than half the GPU are halved (two chunks each): fewer partials to combine, measured faster
+// (16 tokens x 64 states, benchmarks/NOTES.md).
 inline int state_groups(int64_t states, int64_t packs, int64_t rows, int sms) {
   const int64_t capacity = int64_t{sms > 0 ? sms : 1} * kStateThreadsPerSM;
   const int64_t threads = rows * packs * (states <= 2 * kStateChunk ? 2 : 1);
@@ -187,6 +192,7 @@ inline int state_groups(int64_t states, int64_t packs, int64_t rows, int sms) {
   while (2 * g <= kMaxStateGroups && int64_t{g} * kSmallChunk < states && packs * 2 * g <= kStateBlockThreads &&
          rows * packs * 2 * g <= capacity)
     g *= 2;
+  if (g > 2 && int64_t{g} * kSmallChunk >= states && 2 * rows * packs * g > capacity) g /= 2;
   return g;
 }
 
@@ -219,7 +225,7 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     // allows them and a row has an even number: half the threads, so half the masked-out ones,
     // whose launch and mask byte are most of such a call's cost (measured faster there only;
     // slower for smaller and unmasked calls: benchmarks/NOTES.md).
-    if (src.mask != nullptr && out.lse_in_place && !plan_detail::stream_o(src, facts.bytes) &&
+    if (src.mask != nullptr && out.lse_in_place && !plan_detail::stream_o(src, facts.bytes, true) &&
         facts.access_bytes == 16 && shape.head_size % (2 * facts.vec) == 0)
       plan.vec = 2 * facts.vec;
   }
@@ -234,7 +240,7 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     // so that a warp's rows share their LSE sectors (MergeShape::tile); not at decode sizes, where
     // a tile would mostly be padding.
     if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
-    s.stream = plan_detail::stream_o(src, facts.bytes);
+    s.stream = plan_detail::stream_o(src, facts.bytes, out.lse_in_place);
     const bool plain = src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr;
     const bool dense = plan.index32 && flattens(src.a, s.heads) && flattens(src.b, s.heads) && flattens(out, s.heads);
     const bool lse_in_place = out.lse_in_place && out.lse != nullptr;
@@ -270,7 +276,7 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     plan.flat = plan.plain && dense;
     return plan;
   } else {
-    s.stream = plan_detail::stream_o(src, facts.bytes);
+    s.stream = plan_detail::stream_o(src, facts.bytes, out.lse_in_place);
     const int64_t states = plan_detail::states_per_row(src, s);
     // kStates: 32-bit offsets and 16-byte accesses (whole float4s of accumulator a thread).
     int groups = 1;
