@@ -339,6 +339,9 @@ _LIB = _register()  # kept alive: the registrations last as long as the Library 
 # ---- what the public functions call while tracing -------------------------------------------------
 
 _compiling = torch.compiler.is_compiling
+# Dynamo folds this to True while it traces and it is a bare `return False` in eager mode, where
+# is_compiling() first asks torch.jit.is_scripting() (most of takes()' cost: benchmarks/NOTES.md).
+_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", _compiling)
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 
@@ -346,16 +349,20 @@ _Tensor = torch.Tensor
 def takes(a, b, c, d):
     """Whether a public call goes through torch.ops.attnmerge: while torch.compile or torch.export
     traces it, and when autograd would record it (any of the arrays a..d, None allowed, requires
-    grad): the op then refuses it by name (or, once backward lands, differentiates it)."""
-    if _compiling():
-        return True
-    if not _grad_enabled():
-        return False
-    if type(a) is _Tensor:  # torch tensors throughout (None for c, d), the per-call case: no isinstance each
+    grad): the op then differentiates it, or refuses it by name."""
+    if type(a) is _Tensor and not _dynamo_compiling():
+        # Eager torch tensors, the per-call case (torch.export's non-strict tracing passes
+        # FakeTensors, a subclass, so it is asked below).
+        if not _grad_enabled():
+            return False
         try:
             return a.requires_grad or b.requires_grad or (c is not None and (c.requires_grad or d.requires_grad))
         except AttributeError:  # mixed with another library's arrays
             pass
+    elif _compiling():
+        return True
+    elif not _grad_enabled():
+        return False
     # (not isinstance: torch.Tensor's metaclass makes it slow for other types)
     return (getattr(a, "requires_grad", False) is True or getattr(b, "requires_grad", False) is True
             or getattr(c, "requires_grad", False) is True or getattr(d, "requires_grad", False) is True)
