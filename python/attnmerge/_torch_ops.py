@@ -350,7 +350,7 @@ def takes(a, b, c, d):
     """Whether a public call goes through torch.ops.attnmerge: while torch.compile or torch.export
     traces it, and when autograd would record it (any of the arrays a..d, None allowed, requires
     grad): the op then differentiates it, or refuses it by name."""
-    if type(a) is _Tensor and not _dynamo_compiling():
+    if type(a) is _Tensor and type(b) is _Tensor and not _dynamo_compiling():
         # Eager torch tensors, the per-call case (torch.export's non-strict tracing passes
         # FakeTensors, a subclass, so it is asked below).
         if not _grad_enabled():
