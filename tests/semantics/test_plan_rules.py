@@ -212,12 +212,14 @@ def test_in_place_rows_wider_than_a_block_take_two_launches(probe):
 
 
 def test_evict_first_accesses_by_size(probe):
-    """Evict-first O accesses: two-way merges under 8 MB (in place: 16 MB), N-way merges under
-    16 MB or, of more states than a chunk, under 512 MB, variable-length merges always."""
+    """Evict-first O accesses: two-way merges under 8 MB (in place, or with vLLM's [heads, tokens]
+    LSEs in tiles of tokens: 16 MB), N-way merges under 16 MB or, of more states than a chunk,
+    under 512 MB, variable-length merges always."""
     def stream(op, states, mb, flags="x"):
         return probe([(op, 512, 32, 128, states, 8, 132, flags, mb)])[0]["stream"]
 
     assert [stream("pair", 2, mb) for mb in (7.9, 8, 12.8)] == [1, 0, 0]
+    assert [stream("pair", 2, mb, "xt") for mb in (12.8, 15.9, 16)] == [1, 1, 0]  # 512 tokens: tiled
     assert [stream("inplace", 2, mb) for mb in (12.8, 15.9, 16)] == [1, 1, 0]
     assert [stream("inplace", 2, mb, "xm") for mb in (12.8, 16)] == [1, 0]
     assert [stream("stack", 4, mb) for mb in (15.9, 16)] == [1, 0]

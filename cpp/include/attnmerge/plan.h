@@ -149,18 +149,19 @@ int64_t states_per_row(const Source& src, const MergeShape& shape) {
 }
 
 // Evict-first O accesses where they were measured faster than plain ones on an H200: two-way
-// merges moving under 8 MB (in place: 16 MB; plain accesses measured faster from 9.6 MB out of
-// place, alike in place at 12.8 MB), N-way merges under 16 MB or of more states than a chunk
-// under 512 MB (evict-first faster at 69 and 137 MB, cached loads at 1.2 and 4.4 GB),
+// merges of rows taken in order, not in place (`flat_pairs`), moving under 8 MB (plain accesses
+// measured faster from 9.6 MB), other calls under 16 MB (the tiled rows of vLLM's layout slower
+// with plain accesses at 12.8 MB, the in-place merge alike), N-way merges of more states than a
+// chunk under 512 MB (evict-first faster at 69 and 137 MB, cached loads at 1.2 and 4.4 GB),
 // variable-length merges (benchmarks/NOTES.md).
 template <typename Source>
-bool stream_o(const Source& src, int64_t bytes, bool in_place) {
+bool stream_o(const Source& src, int64_t bytes, bool flat_pairs) {
   if constexpr (std::is_same<Source, RangeSource>::value) {
     return true;
   } else if constexpr (std::is_same<Source, StackSource>::value) {
     if (src.states > kStateChunk && bytes < (int64_t{512} << 20)) return true;
   } else {
-    if (!in_place) return bytes < (int64_t{8} << 20);
+    if (flat_pairs) return bytes < (int64_t{8} << 20);
   }
   return bytes < (int64_t{16} << 20);
 }
@@ -225,7 +226,7 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     // allows them and a row has an even number: half the threads, so half the masked-out ones,
     // whose launch and mask byte are most of such a call's cost (measured faster there only;
     // slower for smaller and unmasked calls: benchmarks/NOTES.md).
-    if (src.mask != nullptr && out.lse_in_place && !plan_detail::stream_o(src, facts.bytes, true) &&
+    if (src.mask != nullptr && out.lse_in_place && !plan_detail::stream_o(src, facts.bytes, false) &&
         facts.access_bytes == 16 && shape.head_size % (2 * facts.vec) == 0)
       plan.vec = 2 * facts.vec;
   }
@@ -240,7 +241,7 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     // so that a warp's rows share their LSE sectors (MergeShape::tile); not at decode sizes, where
     // a tile would mostly be padding.
     if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
-    s.stream = plan_detail::stream_o(src, facts.bytes, out.lse_in_place);
+    s.stream = plan_detail::stream_o(src, facts.bytes, !out.lse_in_place && s.tile_shift < 0);
     const bool plain = src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr;
     const bool dense = plan.index32 && flattens(src.a, s.heads) && flattens(src.b, s.heads) && flattens(out, s.heads);
     const bool lse_in_place = out.lse_in_place && out.lse != nullptr;
@@ -276,7 +277,7 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     plan.flat = plan.plain && dense;
     return plan;
   } else {
-    s.stream = plan_detail::stream_o(src, facts.bytes, out.lse_in_place);
+    s.stream = plan_detail::stream_o(src, facts.bytes, false);
     const int64_t states = plan_detail::states_per_row(src, s);
     // kStates: 32-bit offsets and 16-byte accesses (whole float4s of accumulator a thread).
     int groups = 1;
