@@ -149,19 +149,19 @@ int64_t states_per_row(const Source& src, const MergeShape& shape) {
 }
 
 // Evict-first O accesses where they were measured faster than plain ones on an H200: two-way
-// merges of rows taken in order, not in place (`flat_pairs`), moving under 8 MB (plain accesses
+// merges of rows taken in order, not in place (`pair_in_order`), moving under 8 MB (plain accesses
 // measured faster from 9.6 MB), other calls under 16 MB (the tiled rows of vLLM's layout slower
 // with plain accesses at 12.8 MB, the in-place merge alike), N-way merges of more states than a
 // chunk under 512 MB (evict-first faster at 69 and 137 MB, cached loads at 1.2 and 4.4 GB),
 // variable-length merges (benchmarks/NOTES.md).
 template <typename Source>
-bool stream_o(const Source& src, int64_t bytes, bool flat_pairs) {
+bool stream_o(const Source& src, int64_t bytes, bool pair_in_order) {
   if constexpr (std::is_same<Source, RangeSource>::value) {
     return true;
   } else if constexpr (std::is_same<Source, StackSource>::value) {
     if (src.states > kStateChunk && bytes < (int64_t{512} << 20)) return true;
   } else {
-    if (flat_pairs) return bytes < (int64_t{8} << 20);
+    if (pair_in_order) return bytes < (int64_t{8} << 20);
   }
   return bytes < (int64_t{16} << 20);
 }
