@@ -46,9 +46,9 @@ constexpr int backward_min_blocks() {
 // are kept for every chunk: each is read once for rows of up to 32 packs (256 16-bit or 128
 // float32 elements); wider rows read their further packs again for each chunk.  An empty part
 // gets zeros, and a part of zero weight is loaded but not used (its O may hold NaN), as in the
-// forward.  The N-way backward at 8192 tokens issues an instruction nearly every cycle of each
-// scheduler (ncu, benchmarks/NOTES.md): a strided row's addresses are stepped a chunk at a time,
-// dO unpacked once, the dots of a chunk of two summed in half the shuffles.
+// forward.  The N-way backward at 8192 tokens was measured issue-bound, not memory-bound (ncu,
+// benchmarks/NOTES.md), so instructions a state count: a strided row's addresses are stepped a
+// chunk at a time, dO unpacked once, the dots of a chunk of two summed in half the shuffles.
 template <typename Src, typename TIn, typename TOut, int VEC, int kChunk>
 __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src, kChunk>())
     merge_backward_kernel(const MergeShape shape, const BackwardArgs<Src> args, const int group_shift, const int span) {
