@@ -275,13 +275,12 @@ inline BackwardFacts backward_facts(const BackwardArgs<Src>& args, int vec, bool
   return facts;
 }
 
-// Whether `plan` can run `args`: without the forward's O, a row of more than 2 states needs the
-// kernel of kSmallChunk with its second pass (the kernel of 2 states in flight has none), as
-// plan_backward chooses; a plan made for other facts is refused, not run wrong.
+// Whether `plan` can run `args`: the kernel of 2 states in flight only where plan_backward's rule
+// allows it (two_states_in_flight: it has no second pass); a plan made for other facts is
+// refused, not run wrong.
 template <typename Src>
 inline bool backward_plan_fits(const BackwardPlan& plan, const BackwardArgs<Src>& args) {
-  const int64_t most = max_states(args.src);  // 0: not known
-  return plan.chunk != 2 || args.out.o != nullptr || (most > 0 && most <= 2);
+  return plan.chunk != 2 || two_states_in_flight(backward_facts(args, plan.vec, plan.pdl));
 }
 
 // The backward as `plan` (plan_backward of the same call) says.  TIn: the storage type of the

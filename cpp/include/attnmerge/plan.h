@@ -346,6 +346,12 @@ struct BackwardFacts {
 // register cap: 85, no spills; at 4 blocks it spills).
 constexpr int kBackwardTwoChunkBlocks = 3;
 
+// Whether a call's rows may take the backward kernel of 2 states in flight, which has no second
+// pass: rows of at most 2 states, or any rows where the forward's O is given.
+inline bool two_states_in_flight(const BackwardFacts& facts) {
+  return facts.saved_o || (facts.max_states > 0 && facts.max_states <= 2);
+}
+
 // Rows of at most 2 states, and every N-way or variable-length row where the forward's O is
 // given, take the kernel of 2 states in flight: fewer registers, so more threads an SM (measured
 // faster than 4 in flight at every size, benchmarks/NOTES.md); without the forward's O longer
@@ -368,8 +374,7 @@ inline BackwardPlan plan_backward(const MergeShape& shape, const BackwardFacts& 
     };
     while (fits(2 * groups)) groups *= 2;
   }
-  const bool two = facts.saved_o || (states > 0 && states <= 2);
-  plan.chunk = facts.chunk > 0 ? facts.chunk : two ? 2 : kSmallChunk;
+  plan.chunk = facts.chunk > 0 ? facts.chunk : two_states_in_flight(facts) ? 2 : kSmallChunk;
   plan.groups = groups;
   while ((1 << plan.group_shift) < groups) ++plan.group_shift;
   const int64_t per_group = (states + groups - 1) / groups;

@@ -127,8 +127,8 @@ struct StridedRow {
   I o_ss, l_ss;
   int n;
   ATTNMERGE_HD int count() const { return n; }
-  ATTNMERGE_HD float lse(int s) const { return l0[s * l_ss]; }
   ATTNMERGE_HD const float* lse_ptr(int s) const { return l0 + s * l_ss; }
+  ATTNMERGE_HD float lse(int s) const { return *lse_ptr(s); }
   template <typename T>
   ATTNMERGE_HD const T* o_at(int s) const { return static_cast<const T*>(o0) + s * o_ss; }
 };
