@@ -1,20 +1,27 @@
-"""Host time per call of attnmerge.merge from Python on tiny torch CPU tensors (1 x 32 x 128
-float32, outputs given: the eager decode call's Python and binding layers, with a CPU merge of 4096
-elements), with autograd on, under torch.no_grad and under torch.inference_mode, and torch.add of
-the same tensors for scale: the bench's host timer (attnmerge.bench.timing.host_us, median of 15
-batches), one thread.
+"""Host time per call of attnmerge.merge from Python on tiny torch tensors (1 x 32 x 128, outputs
+given: the eager decode call's Python and binding layers), with autograd on, under torch.no_grad
+and under torch.inference_mode, each timed with and without the torch routing check (the decision
+between the direct path and torch.ops.attnmerge, which is all the ops added to an eager call;
+"without" sets attnmerge._merge._takes to None, as before the ops existed), alternately, and
+torch.add of the same tensors for scale: the bench's host timer (attnmerge.bench.timing.host_us,
+median of 15 batches), one thread.
 
-To compare two builds (say before and after a change of the Python layers), install each in its
-own environment and run this alternately in both a few times; the timer is this tree's in both:
-    python benchmarks/host_cpu.py
+    python benchmarks/host_cpu.py                  # float32 CPU tensors (a CPU merge of 4096 elements)
+    python benchmarks/host_cpu.py --device cuda    # bfloat16 CUDA tensors, as the bench's host section
+
+To compare two builds instead, install each in its own environment and run this alternately in
+both; the timer is this tree's in both.
 """
 
+import argparse
 import importlib.util
 import os
+import statistics
 
 import torch
 
 import attnmerge
+from attnmerge import _merge
 
 # This tree's timer, whichever build of attnmerge is installed: an A/B of two builds times both alike.
 _spec = importlib.util.spec_from_file_location(
@@ -22,31 +29,45 @@ _spec = importlib.util.spec_from_file_location(
 timing = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(timing)
 
-
-def per_call_us(f):
-    return timing.host_us(None, f, calls=2000)
+MODES = {"autograd on": torch.enable_grad, "torch.no_grad": torch.no_grad, "torch.inference_mode": torch.inference_mode}
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--repeats", type=int, default=5, help="alternations of with and without (default 5)")
+    args = parser.parse_args()
     torch.set_num_threads(1)
+    cuda = args.device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
     t, h, d = 1, 32, 128
-    o_a, o_b = torch.randn(t, h, d), torch.randn(t, h, d)
-    lse_a, lse_b = torch.randn(t, h), torch.randn(t, h)
+    o_a, o_b = (torch.randn(t, h, d, device=args.device).to(dtype) for _ in range(2))
+    lse_a, lse_b = (torch.randn(t, h, device=args.device) for _ in range(2))
     out, out_lse = torch.empty_like(o_a), torch.empty_like(lse_a)
+
+    def per_call_us(f):
+        return timing.host_us(torch if cuda else None, f, calls=2000)
 
     def merge():
         attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse)
 
-    rows = [("attnmerge.merge, autograd on", per_call_us(merge))]
-    with torch.no_grad():
-        rows.append(("attnmerge.merge, torch.no_grad", per_call_us(merge)))
-    with torch.inference_mode():
-        rows.append(("attnmerge.merge, torch.inference_mode", per_call_us(merge)))
-    rows.append(("torch.add (for scale)", per_call_us(lambda: torch.add(o_a, o_b, out=out))))
-    print(f"attnmerge {attnmerge.__version__} ({attnmerge.__file__}), torch {torch.__version__}")
-    for name, us in rows:
-        print(f"{name:<40} {us:6.3f} us per call")
-
+    print(f"attnmerge {attnmerge.__version__} ({attnmerge.__file__}), torch {torch.__version__}, "
+          f"{args.device} {str(dtype).removeprefix('torch.')}")
+    takes = _merge._takes
+    times = {mode: ([], []) for mode in MODES}  # (routed, without) per mode, alternated
+    for _ in range(args.repeats):
+        for mode, context in MODES.items():
+            with context():
+                _merge._takes = None
+                times[mode][1].append(per_call_us(merge))
+                _merge._takes = takes
+                times[mode][0].append(per_call_us(merge))
+    for mode, (routed, without) in times.items():
+        deltas = sorted(r - w for r, w in zip(routed, without))
+        print(f"attnmerge.merge, {mode:<22} {statistics.median(routed):6.3f} us per call, "
+              f"{statistics.median(without):6.3f} without the routing check: {statistics.median(deltas):+.3f} "
+              f"(median of {len(deltas)} alternations, {deltas[0]:+.3f} to {deltas[-1]:+.3f})")
+    print(f"torch.add (for scale)                  {per_call_us(lambda: torch.add(o_a, o_b, out=out)):6.3f} us")
 
 if __name__ == "__main__":
     main()

@@ -342,30 +342,33 @@ _compiling = torch.compiler.is_compiling
 # Dynamo folds this to True while it traces and it is a bare `return False` in eager mode, where
 # is_compiling() first asks torch.jit.is_scripting() (most of takes()' cost: benchmarks/NOTES.md).
 _dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", _compiling)
-_grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
+
+
+def _flag_reader(name, gate):
+    """`reader(*arrays)`: whether gate() is True and any array (None allowed) has `name` set;
+    torch.Tensor's own read through its C getter (_C.flag_reader, less than a Python attribute read
+    each), where torch defines it as attnmerge expects (a getset descriptor)."""
+    try:
+        return _C.flag_reader(_Tensor, name, gate)
+    except TypeError:
+        return lambda *arrays: gate() is True and any(getattr(x, name, False) is True for x in arrays)
+
+
+# Whether autograd records a call of these inputs: the grad mode first, as inference runs under
+# no_grad or inference_mode.
+_autograd_records = _flag_reader("requires_grad", torch.is_grad_enabled)
 
 
 def takes(a, b, c, d):
     """Whether a public call goes through torch.ops.attnmerge: while torch.compile or torch.export
     traces it, and when autograd would record it (any of the arrays a..d, None allowed, requires
     grad): the op then differentiates it, or refuses it by name."""
-    if type(a) is _Tensor and type(b) is _Tensor and not _dynamo_compiling():
-        # Eager torch tensors, the per-call case (torch.export's non-strict tracing passes
-        # FakeTensors, a subclass, so it is asked below).
-        if not _grad_enabled():
-            return False
-        try:
-            return a.requires_grad or b.requires_grad or (c is not None and (c.requires_grad or d.requires_grad))
-        except AttributeError:  # mixed with another library's arrays
-            pass
-    elif _compiling():
-        return True
-    elif not _grad_enabled():
-        return False
-    # (not isinstance: torch.Tensor's metaclass makes it slow for other types)
-    return (getattr(a, "requires_grad", False) is True or getattr(b, "requires_grad", False) is True
-            or getattr(c, "requires_grad", False) is True or getattr(d, "requires_grad", False) is True)
+    # Eager torch tensors are the per-call case, asked first and cheapest (torch.export's
+    # non-strict tracing passes FakeTensors, a subclass, so the tracing check comes next).
+    if (type(a) is _Tensor and type(b) is _Tensor and not _dynamo_compiling()) or not _compiling():
+        return _autograd_records(a, b, c, d)
+    return True
 
 
 def _no_stream(stream):

@@ -200,3 +200,57 @@ def test_results_match_the_forward_without_autograd(rng):
     ref3 = reference_merge_varlen(o[:, 0], lse[:, 0], np.array([0, 9]))
     assert rel(attnmerge.merge_varlen(torch.from_numpy(o[:, 0]).requires_grad_(), torch.from_numpy(lse[:, 0]),
                                       torch.tensor([0, 9]))[0], ref3[0]) <= TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("position", range(4))
+def test_autograd_records_a_call_exactly_when_grad_is_on_and_an_input_requires_it(rng, position):
+    """Any one of the four inputs requiring grad (an LSE alone, an nn.Parameter) is enough, with
+    grad mode on; otherwise the call runs eagerly, without a grad_fn."""
+    arrays = [torch.from_numpy(x) for x in (random_o(rng, (5, 3, 16)), random_lse(rng, (5, 3)),
+                                            random_o(rng, (5, 3, 16)), random_lse(rng, (5, 3)))]
+    out, _ = attnmerge.merge(*arrays)
+    assert out.grad_fn is None
+    arrays[position].requires_grad_()
+    assert attnmerge.merge(*arrays)[0].grad_fn is not None
+    with torch.no_grad():
+        assert attnmerge.merge(*arrays)[0].grad_fn is None
+    params = [torch.nn.Parameter(x.detach(), requires_grad=i == position) for i, x in enumerate(arrays)]
+    assert attnmerge.merge(*params)[0].grad_fn is not None
+    frozen = [torch.nn.Parameter(x.detach(), requires_grad=False) for x in arrays]
+    assert attnmerge.merge(*frozen)[0].grad_fn is None
+
+
+def test_the_routing_reads_requires_grad_as_getattr_would():
+    """The eager routing's reader of requires_grad (attnmerge._C.flag_reader over torch.Tensor,
+    gated by the grad mode): True only where the gate is open and some argument's flag is True;
+    None and arrays without the attribute are not set; an attribute that raises lets the error
+    through, and is not read with the gate closed."""
+    from attnmerge import _C
+
+    reader = _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled)
+    plain, needs = torch.ones(2), torch.ones(2, requires_grad=True)
+    assert reader() is False and reader(None, plain, np.ones(2)) is False
+    assert reader(plain, None, needs) is True and reader(torch.nn.Parameter(torch.ones(2))) is True
+
+    class Truthy:
+        requires_grad = 1  # truthy, not True: as `getattr(x, "requires_grad", False) is True`
+
+    class Broken:
+        @property
+        def requires_grad(self):
+            raise RuntimeError("unreadable")
+
+    assert reader(Truthy()) is False
+    with pytest.raises(RuntimeError, match="unreadable"):
+        reader(plain, Broken())
+    with torch.no_grad():
+        assert reader(needs, Broken()) is False
+    assert _C.flag_reader(torch.Tensor, "requires_grad", lambda: 1)(needs) is False  # the gate's True only
+    with pytest.raises(ZeroDivisionError):
+        _C.flag_reader(torch.Tensor, "requires_grad", lambda: 1 / 0)(needs)
+    with pytest.raises(TypeError, match="getset descriptor"):
+        _C.flag_reader(Truthy, "requires_grad", torch.is_grad_enabled)
+    with pytest.raises(TypeError, match="expected a type"):
+        _C.flag_reader(plain, "requires_grad", torch.is_grad_enabled)
+    with pytest.raises(TypeError, match="gate: expected a callable"):
+        _C.flag_reader(torch.Tensor, "requires_grad", None)

@@ -1,0 +1,84 @@
+// attnmerge._C.flag_reader (flag_reader.h).
+#include "flag_reader.h"
+
+#include <descrobject.h>
+
+namespace attnmerge_py {
+
+namespace {
+
+constexpr const char* kCapsule = "attnmerge.flag_reader";
+
+// What one reader holds: the gate, the type whose instances take the getter, the getter, and the
+// name for everything else (the gate, type and name owned).
+struct Reader {
+  PyObject* gate;
+  PyObject* type;
+  PyObject* name;
+  getter get;
+  void* closure;
+};
+
+void release(PyObject* capsule) {
+  auto* r = static_cast<Reader*>(PyCapsule_GetPointer(capsule, kCapsule));
+  Py_DECREF(r->gate);
+  Py_DECREF(r->type);
+  Py_DECREF(r->name);
+  delete r;
+}
+
+// 1 set, 0 not, -1 an error raised (an AttributeError is "not set", as getattr's default).
+int is_set(const Reader& r, PyObject* obj) {
+  PyObject* value;
+  if (reinterpret_cast<PyObject*>(Py_TYPE(obj)) == r.type) {
+    value = r.get(obj, r.closure);
+  } else {
+    value = PyObject_GetAttr(obj, r.name);
+    if (value == nullptr && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+      PyErr_Clear();
+      return 0;
+    }
+  }
+  if (value == nullptr) return -1;
+  const int set = value == Py_True;
+  Py_DECREF(value);
+  return set;
+}
+
+PyObject* any_set(PyObject* capsule, PyObject* const* args, Py_ssize_t n) {
+  const auto* r = static_cast<const Reader*>(PyCapsule_GetPointer(capsule, kCapsule));
+  PyObject* open = PyObject_CallNoArgs(r->gate);
+  if (open == nullptr) return nullptr;
+  Py_DECREF(open);
+  if (open != Py_True) Py_RETURN_FALSE;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (args[i] == Py_None) continue;
+    const int set = is_set(*r, args[i]);
+    if (set < 0) return nullptr;
+    if (set) Py_RETURN_TRUE;
+  }
+  Py_RETURN_FALSE;
+}
+
+PyMethodDef any_set_def = {"flag_reader", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(any_set)),
+                           METH_FASTCALL, "reader(*objects) -> bool: whether some object has the flag set"};
+
+}  // namespace
+
+py::object flag_reader(py::handle type, py::str name, py::handle gate) {
+  if (!PyType_Check(type.ptr())) throw py::type_error("flag_reader: type: expected a type, got " +
+                                                      std::string(py::str(py::type::handle_of(type))));
+  const py::object descriptor = type.attr(name);  // a getset descriptor, got from its class, is itself
+  if (Py_TYPE(descriptor.ptr()) != &PyGetSetDescr_Type)
+    throw py::type_error("flag_reader: expected " + std::string(py::str(type)) + "." + std::string(name) +
+                         " to be a getset descriptor, got " + std::string(py::str(py::type::handle_of(descriptor))));
+  const PyGetSetDef* def = reinterpret_cast<PyGetSetDescrObject*>(descriptor.ptr())->d_getset;
+  if (def->get == nullptr) throw py::type_error("flag_reader: " + std::string(name) + " has no getter");
+  if (!PyCallable_Check(gate.ptr()))
+    throw py::type_error("flag_reader: gate: expected a callable, got " + std::string(py::str(py::type::handle_of(gate))));
+  auto* r = new Reader{gate.inc_ref().ptr(), type.inc_ref().ptr(), name.inc_ref().ptr(), def->get, def->closure};
+  const py::capsule holder(r, kCapsule, release);
+  return py::reinterpret_steal<py::object>(PyCFunction_NewEx(&any_set_def, holder.ptr(), nullptr));
+}
+
+}  // namespace attnmerge_py

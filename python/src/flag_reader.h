@@ -1,0 +1,22 @@
+// attnmerge._C.flag_reader: whether any of several objects has a boolean attribute set, read for
+// one type through the C getter of that attribute's descriptor.  The Python layer asks it on every
+// eager call with autograd on (torch.Tensor's requires_grad of the inputs), where one Python
+// attribute read per array was most of the routing's host cost.
+#ifndef ATTNMERGE_PYTHON_FLAG_READER_H_
+#define ATTNMERGE_PYTHON_FLAG_READER_H_
+
+#include <pybind11/pybind11.h>
+
+namespace attnmerge_py {
+
+namespace py = pybind11;
+
+// A callable `reader(*objects) -> bool`: True when gate() is True and some object other than None
+// has `name` set (is True), as `getattr(obj, name, False) is True` would say.  Instances of exactly
+// `type` are read through the getter of type's `name` (a getset descriptor, else a TypeError);
+// other objects by the attribute protocol.  gate is asked first: one call less from Python.
+py::object flag_reader(py::handle type, py::str name, py::handle gate);
+
+}  // namespace attnmerge_py
+
+#endif  // ATTNMERGE_PYTHON_FLAG_READER_H_
