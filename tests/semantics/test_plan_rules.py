@@ -150,18 +150,19 @@ def test_two_state_kernels(probe, sms):
         for flags, plan in zip(flag_sets, plans):
             plain = flags in ("-", "p") or (flags == "t" and tokens < 64)
             assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (int(plain), 0, 1), (flags, tokens)
-        # in place: one launch; rows of at most 32 packs in warps (their LSEs shuffled from a
-        # row's first lane) where the call is masked or small, else with a block barrier; the plain
-        # source, rows flat, wherever the rows are in warps
+        # in place: one launch; rows of at most 32 packs in warps (a warp barrier before the LSE
+        # is stored), wider ones with a block barrier; the plain source, rows flat, wherever the
+        # rows are in warps
         lanes = int(head_size // vec <= 32)
-        for plan, plain, lane_lse in zip(plans[-3:], (0, lanes, lanes), (0, lanes, lanes)):
+        for plan, plain, lane_lse in zip(plans[-3:], (lanes,) * 3, (lanes,) * 3):
             assert (plan["plain"], plan["fused_lse"], plan["launches"]) == (plain, 1, 1), tokens
             assert (plan["flat"], plan["lane_lse"]) == (plain, lane_lse), tokens
         for flags, plan in zip(flag_sets, plans[:-3]):  # dense views: the plain kernel takes its rows flat
             assert plan["flat"] == int(plan["plain"] == 1 and flags != "t"), (flags, tokens, head_size)
         # the probe's calls move 2^40 bytes, or 1 MB where small (s): blocks up to pair_block_threads
         for flags, plan in zip(flag_sets + ("-", "m", "s"), plans):
-            widest = pair_block_threads(1 << 20 if "s" in flags else 1 << 40, plan["fused_lse"] == 1)
+            widest = pair_block_threads(1 << 20 if "s" in flags else 1 << 40, plan["fused_lse"] == 1,
+                                        "m" in flags)
             threads = plan["bx"] * plan["by"]
             assert MIN_BLOCK_THREADS <= threads <= widest or plan["bx"] == head_size // vec < MIN_BLOCK_THREADS
             assert plan["gy"] == 1
@@ -191,7 +192,7 @@ def test_two_state_threads_take_two_accesses_only_in_large_masked_in_place_merge
 def test_in_place_rows_in_warps_take_power_of_two_lanes(probe):
     # small (s) or masked (m) calls, packs of 16, 10 and 32 (8 elements a pack), 33 (one element): a
     # row's lanes padded to a power of two up to a warp, aligned in it; wider rows take a block
-    # barrier instead, as do large unmasked calls (below)
+    # barrier instead; large unmasked calls (below) in warps too, in blocks of 512 threads
     plans = probe([("inplace", 37, 3, head_size, 2, vec, 132, m) for head_size, vec in ((128, 8), (80, 8), (256, 8), (33, 1))
                    for m in "sm"])
     for plan, lanes in zip(plans, (16, 16, 16, 16, 32, 32, 0, 0)):
@@ -199,8 +200,10 @@ def test_in_place_rows_in_warps_take_power_of_two_lanes(probe):
         if lanes:
             assert plan["bx"] == lanes and (plan["bx"] * plan["by"]) % 32 == 0
     assert plans[-1]["bx"] == 33  # a barrier block holds whole rows
-    large = probe([("inplace", 37, 3, 128, 2, 8, 132, "-")])[0]
-    assert (large["lane_lse"], large["fused_lse"], large["launches"], large["bx"]) == (0, 1, 1, 16)
+    large = probe([("inplace", 4096, 32, 128, 2, 8, 132, "-")])[0]
+    assert (large["lane_lse"], large["fused_lse"], large["launches"], large["bx"], large["by"]) == (1, 1, 1, 16, 32)
+    masked = probe([("inplace", 4096, 32, 128, 2, 8, 132, "m")])[0]
+    assert (masked["lane_lse"], masked["bx"] * masked["by"]) == (1, PAIR_BLOCK_THREADS)
 
 
 def test_in_place_rows_wider_than_a_block_take_two_launches(probe):
@@ -212,16 +215,17 @@ def test_in_place_rows_wider_than_a_block_take_two_launches(probe):
 
 
 def test_evict_first_accesses_by_size(probe):
-    """Evict-first O accesses: two-way merges under 8 MB (in place, or with vLLM's [heads, tokens]
-    LSEs in tiles of tokens: 16 MB), N-way merges under 16 MB or, of more states than a chunk,
-    under 512 MB, variable-length merges always."""
+    """Evict-first O accesses: two-way merges, in place or not, under 8 MB (with vLLM's [heads,
+    tokens] LSEs in tiles of tokens: 16 MB), N-way merges under 16 MB or, of more states than a
+    chunk, under 512 MB, variable-length merges always."""
     def stream(op, states, mb, flags="x"):
         return probe([(op, 512, 32, 128, states, 8, 132, flags, mb)])[0]["stream"]
 
     assert [stream("pair", 2, mb) for mb in (7.9, 8, 12.8)] == [1, 0, 0]
     assert [stream("pair", 2, mb, "xt") for mb in (12.8, 15.9, 16)] == [1, 1, 0]  # 512 tokens: tiled
-    assert [stream("inplace", 2, mb) for mb in (12.8, 15.9, 16)] == [1, 1, 0]
-    assert [stream("inplace", 2, mb, "xm") for mb in (12.8, 16)] == [1, 0]
+    assert [stream("inplace", 2, mb) for mb in (7.9, 8, 12.8)] == [1, 0, 0]
+    assert [stream("inplace", 2, mb, "xm") for mb in (7.9, 8)] == [1, 0]
+    assert [stream("inplace", 2, mb, "xt") for mb in (12.8, 15.9, 16)] == [1, 1, 0]
     assert [stream("stack", 4, mb) for mb in (15.9, 16)] == [1, 0]
     assert [stream("stack", 64, mb) for mb in (511, 512)] == [1, 0]
     assert [stream("range", 64, mb) for mb in (16, 4096)] == [1, 1]

@@ -96,7 +96,7 @@ __device__ __forceinline__ void pdl_wait_then_release() {
 #endif
 }
 
-// Whether an in-place source takes a row's LSEs from its first lane (InPlaceSource's kLanes).
+// Whether an in-place source keeps each row in one warp (InPlaceSource's kLanes).
 template <typename Source>
 ATTNMERGE_HD constexpr bool lane_lse() {
   if constexpr (Source::kFusedLse) {
@@ -106,20 +106,12 @@ ATTNMERGE_HD constexpr bool lane_lse() {
   }
 }
 
-// A row's LSEs as its first lane has them, shuffled to its other lanes, the first `packs` of the
-// row's blockDim.x (a power of two, at most 32: each row lies in one warp at aligned lanes, and its
-// lanes past `packs` have left).  -inf past the row's n states.  Every lane's own read of the LSEs
-// (the source's row) is done before the shuffle, which the row's lanes reach together, so the
-// first lane may overwrite them after it.
-template <int kChunk, typename Row>
-__device__ __forceinline__ void lses_from_first_lane(const Row& states, int n, int packs, float (&l)[kChunk]) {
+// Waits for the lanes of this thread's row, the first `packs` of the row's blockDim.x (a power of
+// two, at most 32: each row lies in one warp at aligned lanes, and its lanes past `packs` have
+// left): past it every lane of the row has read the row's LSEs, so one of them may overwrite them.
+__device__ __forceinline__ void sync_row_lanes(int packs) {
   const unsigned first = ((threadIdx.y * blockDim.x + threadIdx.x) & 31u) - threadIdx.x;
-  const unsigned lanes = packs >= 32 ? 0xffffffffu : ((1u << packs) - 1u) << first;
-#pragma unroll
-  for (int c = 0; c < kChunk; ++c) {
-    const float mine = threadIdx.x == 0 && c < n ? states.lse(c) : -INFINITY;
-    l[c] = __shfl_sync(lanes, mine, static_cast<int>(first));
-  }
+  __syncwarp(packs >= 32 ? 0xffffffffu : ((1u << packs) - 1u) << first);
 }
 
 // The row (token, head) of this thread under kRows.  With I = int32_t the grid has no z extent
@@ -178,10 +170,11 @@ __device__ __forceinline__ I mask_token(const MergeShape& shape, I row, I token)
 // mask byte and nothing else.
 //
 // An InPlaceSource (kFusedLse) writes the merged LSE over an input's.  With kLanes each row lies
-// in one warp and weighs by its first lane's LSEs (lses_from_first_lane), which that lane
-// overwrites after the shuffle, and a masked-out row's threads leave at once.  Otherwise every thread reaches
-// one block barrier after it has read its row's LSEs, and only then is the LSE stored, so the
-// launch's rows lie inside blocks (the plan's condition) and no thread leaves before the barrier.
+// in one warp, whose lanes all read its LSEs and meet at a warp barrier (sync_row_lanes) before
+// the row's first lane stores the merged one, and a masked-out row's threads leave at once.
+// Otherwise every thread reaches one block barrier after it has read its row's LSEs, and only then
+// is the LSE stored, so the launch's rows lie inside blocks (the plan's condition) and no thread
+// leaves before the barrier.
 template <typename Source, typename TIn, typename TOut, int VEC, typename I, int kChunk>
 __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kChunk>()))
     merge_kernel(const MergeShape shape, const Source src, const OutView out) {
@@ -212,10 +205,9 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   P o[kChunk];
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) {
-    if constexpr (!kLanes) l[c] = c < n ? states.lse(c) : -INFINITY;  // -inf: no weight, no NaN
+    l[c] = c < n ? states.lse(c) : -INFINITY;  // -inf: no weight, no NaN
     if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c) + k * VEC, stream);
   }
-  if constexpr (kLanes) lses_from_first_lane<kChunk>(states, n, static_cast<int>(shape.packs), l);
   // Where the results go, worked out while the loads are in flight: at decode sizes a merge
   // lasts as long as its longest chain of dependent instructions, and everything after the loads
   // is on it.
@@ -232,6 +224,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
       __syncthreads();  // every thread of the block has read its row's old LSEs
       if (!live) return;
     }
+    if constexpr (kLanes) sync_row_lanes(static_cast<int>(shape.packs));
     if (lse_dst != nullptr) *lse_dst = r.lse();  // its latency hidden behind the O math
 #pragma unroll
     for (int c = 0; c < kChunk; ++c)
@@ -450,7 +443,8 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
         return launch_detail::rows<InPlaceSource<decltype(flat), true>, TIn, TOut, VEC, int32_t, 2>(
             plan, {flat}, flat_rows(out), stream);
       };
-      if (src.mask == nullptr) return in_warps(PlainPairSource<true, true>{});  // evict-first, unmasked
+      if (src.mask == nullptr)
+        return plan.shape.stream ? in_warps(PlainPairSource<true, true>{}) : in_warps(PlainPairSource<false, true>{});
       return plan.shape.stream ? in_warps(PlainPairSource<true, true, true>{})
                                : in_warps(PlainPairSource<false, true, true>{});
     }

@@ -94,8 +94,8 @@ struct LaunchPlan {
   bool plain = false;    // PairSource: the plain kernel (PlainPairSource; in place, under InPlaceSource)
   bool flat = false;     // plain, 32-bit offsets and every view flattens (views.h): rows taken flat
   bool fused_lse = false;  // out.lse is an input's LSE, written in the same launch (InPlaceSource)
-  bool lane_lse = false;   // fused_lse with each row in one warp: its LSEs read by its first lane and
-                           // shuffled to the others, no barrier (else a block barrier before the store)
+  bool lane_lse = false;   // fused_lse with each row in one warp: a warp barrier before the store
+                           // (else a block barrier)
   bool pdl = false;
   int launches = 0;   // 0 (nothing to do), 1, or 2 (an in-place merge whose rows span blocks: the LSEs after)
   LaunchDims main;    // the merge
@@ -149,9 +149,9 @@ int64_t states_per_row(const Source& src, const MergeShape& shape) {
 }
 
 // Evict-first O accesses where they were measured faster than plain ones on an H200: two-way
-// merges of rows taken in order, not in place (`pair_in_order`), moving under 8 MB (plain accesses
-// measured faster from 9.6 MB), other calls under 16 MB (the tiled rows of vLLM's layout slower
-// with plain accesses at 12.8 MB, the in-place merge alike), N-way merges of more states than a
+// merges, in place or not, of rows taken in order (`pair_in_order`) moving under 8 MB (plain
+// accesses measured faster from 9.6 MB, in place at 12.8 MB), other calls under 16 MB (the tiled
+// rows of vLLM's layout slower with plain accesses at 12.8 MB), N-way merges of more states than a
 // chunk under 512 MB (evict-first faster at 69 and 137 MB, cached loads at 1.2 and 4.4 GB),
 // variable-length merges (benchmarks/NOTES.md).
 template <typename Source>
@@ -169,10 +169,13 @@ bool stream_o(const Source& src, int64_t bytes, bool pair_in_order) {
 }  // namespace plan_detail
 
 // The widest block of a two-way merge moving `bytes`: kPairBlockThreads, or wider for calls of
-// 32 MB (512 threads) and 512 MB (1024) or more, where fewer, wider blocks were measured faster
-// (benchmarks/NOTES.md; the in-place merge keeps kPairBlockThreads, measured faster there).
-inline int pair_block_threads(int64_t bytes) {
-  return bytes >= (int64_t{512} << 20) ? 1024 : bytes >= (int64_t{32} << 20) ? 512 : kPairBlockThreads;
+// 32 MB (512 threads) and 512 MB (1024) or more, where fewer, wider blocks were measured faster;
+// in place at most 512 (1024 slower at 204 MB), and masked kPairBlockThreads, measured faster
+// there (benchmarks/NOTES.md).
+inline int pair_block_threads(int64_t bytes, bool in_place = false, bool masked = false) {
+  if (in_place && masked) return kPairBlockThreads;
+  const int widest = bytes >= (int64_t{512} << 20) ? 1024 : bytes >= (int64_t{32} << 20) ? 512 : kPairBlockThreads;
+  return in_place ? std::min(widest, 512) : widest;
 }
 
 // Groups of threads a row's `states` are split into under kStates; 1 means kRows.  Only where a
@@ -241,21 +244,20 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     // so that a warp's rows share their LSE sectors (MergeShape::tile); not at decode sizes, where
     // a tile would mostly be padding.
     if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
-    s.stream = plan_detail::stream_o(src, facts.bytes, !out.lse_in_place && s.tile_shift < 0);
+    s.stream = plan_detail::stream_o(src, facts.bytes, s.tile_shift < 0);
     const bool plain = src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr;
     const bool dense = plan.index32 && flattens(src.a, s.heads) && flattens(src.b, s.heads) && flattens(out, s.heads);
     const bool lse_in_place = out.lse_in_place && out.lse != nullptr;
-    // An in-place merge overwrites the LSE its row's threads weigh by.  Masked or small (evict-
-    // first) calls with rows of at most a warp's packs: each row padded to a power of two lanes,
-    // so that it lies in one warp, its first lane reads its LSEs and shuffles them to the others
-    // (no barrier; a masked row's threads leave at once).  Otherwise rows in one block: every
-    // thread reads the LSEs, a block barrier before the store (blocks not narrowed below a row;
-    // 1.7% faster than the lanes unmasked at 204 MB: benchmarks/NOTES.md).  Rows over several
-    // blocks: the LSEs in a second launch.
-    if (lse_in_place && s.packs <= 32 && (src.mask != nullptr || s.stream)) {
+    // An in-place merge overwrites the LSE its row's threads weigh by.  Rows of at most a warp's
+    // packs: each padded to a power of two lanes, so that it lies in one warp, whose lanes meet
+    // at a warp barrier before the store (a masked row's threads leave at once).  Wider rows in
+    // one block: a block barrier before the store (blocks not narrowed below a row).  Rows over
+    // several blocks: the LSEs in a second launch.
+    if (lse_in_place && s.packs <= 32) {
       int64_t lanes = 1;
       while (lanes < s.packs) lanes *= 2;
-      plan.main = row_dims(s.packs, s.rows, device.sms, kPairBlockThreads, 0, lanes);
+      plan.main = row_dims(s.packs, s.rows, device.sms, pair_block_threads(facts.bytes, true, src.mask != nullptr), 0,
+                           lanes);
       plan.fused_lse = plan.lane_lse = true;
     } else {
       plan.main =
@@ -269,11 +271,9 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
         }
       }
     }
-    // The plain source in place only with its rows flat and in warps, and where its accesses
-    // are evict-first (calls under 16 MB: benchmarks/NOTES.md) or it is masked (a mask only in
-    // place: the two-way merge takes none).
-    plan.plain = plain && (!out.lse_in_place ? src.mask == nullptr
-                                             : plan.lane_lse && dense && (s.stream || src.mask != nullptr));
+    // The plain source in place only with its rows flat and in warps (a mask only in place: the
+    // two-way merge takes none).
+    plan.plain = plain && (!out.lse_in_place ? src.mask == nullptr : plan.lane_lse && dense);
     plan.flat = plan.plain && dense;
     return plan;
   } else {

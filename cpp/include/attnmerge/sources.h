@@ -109,10 +109,9 @@ struct PlainPairSource {
 // A two-state source (PairSource, or PlainPairSource with flat rows) whose out.lse is an input's
 // LSE (the in-place merge), written in the merge's own launch rather than a second one.
 // kRowLanes: every row lies in one warp at aligned lanes (a power of two of them, plan.lane_lse):
-// the row's weights come from its first lane's LSEs, shuffled to the others, and only that lane
-// stores the merged one, after the shuffle that the row's lanes reach together: past it no lane
-// reads the old LSE.  Else every row lies inside one block and the LSE is stored after a block
-// barrier, once every thread of the row has read the old one.
+// the row's first lane stores the merged LSE after a warp barrier that the row's lanes reach once
+// each has read the old one.  Else every row lies inside one block and the LSE is stored after a
+// block barrier, once every thread of the row has read the old one.
 template <typename Base = PairSource, bool kRowLanes = false>
 struct InPlaceSource : Base {
   static constexpr bool kFusedLse = true;
