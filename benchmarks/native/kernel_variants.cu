@@ -5,8 +5,8 @@
 //   accesses  the plan's two 16-byte accesses a thread against one;
 //   evict     evict-first O loads and stores: the library's choice (plan.h stream_o), always, never;
 //   pdl       a chain of two dependent merges with and without programmatic dependent launch;
-//   in place  the in-place merge, unmasked and half masked: the plan's (rows in warps, their LSEs
-//             shuffled from a row's first lane) against the block barrier, the general source and
+//   in place  the in-place merge, unmasked and half masked: the plan's (rows in warps meeting at a
+//             warp barrier before the LSE store) against the block barrier, the general source and
 //             one access a thread;
 //   tiles     with vLLM's [heads, tokens] LSEs, rows in tiles of 8 tokens (MergeShape::tile) against
 //             the token-major order, at several head sizes; the two outputs compared byte for byte.
@@ -108,8 +108,8 @@ void tiles(int64_t tokens, int64_t heads, int64_t head_size, int sms, cudaStream
 }
 
 // The in-place merge of T x 32 x 128 bfloat16 (a's O and LSE overwritten), with no mask or with
-// about half the tokens' rows masked out: the plan's launch (rows in warps, their LSEs shuffled
-// from a row's first lane; the plain source where the plan takes it) against the block barrier
+// about half the tokens' rows masked out: the plan's launch (rows in warps meeting at a warp
+// barrier before the LSE store; the plain source where the plan takes it) against the block barrier
 // (every thread reads the LSEs, the store after __syncthreads) and against the general source
 // (PairSource) with the lanes, each timed twice.
 void in_place(int64_t tokens, bool masked, int sms, cudaStream_t stream) {

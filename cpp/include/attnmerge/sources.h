@@ -7,8 +7,8 @@
 //                number (not a pointer): the common two-way merge, without those steps (a mask
 //                only in place: kMasked);
 //   InPlaceSource  a two-state source whose merged LSE overwrites an input's, in the same launch:
-//                each row in one warp, one lane's LSEs shuffled to the others and the LSE written
-//                after the shuffle, or each row in one block, the LSE written after a barrier;
+//                each row in one warp, the LSE written after a warp barrier, or each row in one
+//                block, the LSE written after a block barrier;
 //   StackSource  S states stacked along a strided axis (the N-way merge);
 //   RangeSource  states [indptr[r], indptr[r+1]) of a flat list (the variable-length merge).
 #pragma once
