@@ -47,10 +47,11 @@ int is_set(const Reader& r, PyObject* obj) {
 
 PyObject* any_set(PyObject* capsule, PyObject* const* args, Py_ssize_t n) {
   const auto* r = static_cast<const Reader*>(PyCapsule_GetPointer(capsule, kCapsule));
-  PyObject* open = PyObject_CallNoArgs(r->gate);
-  if (open == nullptr) return nullptr;
-  Py_DECREF(open);
-  if (open != Py_True) Py_RETURN_FALSE;
+  PyObject* gate = PyObject_CallNoArgs(r->gate);
+  if (gate == nullptr) return nullptr;
+  const bool open = gate == Py_True;
+  Py_DECREF(gate);
+  if (!open) Py_RETURN_FALSE;
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (args[i] == Py_None) continue;
     const int set = is_set(*r, args[i]);
