@@ -36,7 +36,7 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
       // case, in one fused pass over head_size.
       int live = 0, first = -1, second = -1;
       for (int s = 0; s < n && live <= 2; ++s) {
-        if (r.scale(s < kCached ? w[s] : r.weight(states.lse(s))) == 0.0f) continue;
+        if ((s < kCached ? w[s] : r.weight(states.lse(s))) == 0.0f) continue;
         (live++ == 0 ? first : second) = s;
       }
       if (live == 2 && n <= kCached) {
@@ -52,8 +52,9 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
           const int64_t len = std::min(kChunk, shape.head_size - d0);
           float acc[kChunk] = {};
           for (int s = 0; s < n; ++s) {
-            const float scale = r.scale(s < kCached ? w[s] : r.weight(states.lse(s)));
-            if (scale == 0.0f) continue;
+            const float ws = s < kCached ? w[s] : r.weight(states.lse(s));
+            if (ws == 0.0f) continue;
+            const float scale = r.scale(ws);
             const TIn* o = states.template o_at<TIn>(s) + d0;
             for (int64_t d = 0; d < len; ++d) acc[d] += scale * Convert<TIn>::load(o[d]);
           }

@@ -4,7 +4,8 @@
 //   in:  op tokens heads head_size states vec sms [flags]
 //        op: pair | inplace | stack | range (states: the range's total over `tokens` rows);
 //        flags: any of m (masked), a (a_tokens < tokens), t (LSEs [heads, tokens]), p (PDL),
-//        g (a gap between tokens: O's token stride one head longer than its heads), s (a small call:
+//        g (a gap between tokens: O's token stride one head longer than its heads), w (the output's
+//        heads twice head_size apart: dense, but its rows step unlike the inputs'), s (a small call:
 //        1 MB moved), x (each vector access is 16 bytes); then, optionally, the MB the call moves
 //        (else 2^40 bytes, or 1 MB with s)
 //   out: strategy chunk groups launches plain fused_lse index32  grid.x grid.y grid.z  block.x block.y block.z  smem
@@ -58,7 +59,8 @@ int main() {
     const bool tokens_inner = facts.lse_tokens_inner, gap = flags.find('g') != std::string::npos;
     const int64_t o_st = (heads + (gap ? 1 : 0)) * head_size;
     const int64_t lse_st = tokens_inner ? 1 : heads, lse_sh = tokens_inner ? tokens : 1;
-    OutView out{&lse, o_st, head_size, &lse, lse_st, lse_sh, 1.0f, nullptr, op == "inplace"};
+    const int64_t out_sh = (flags.find('w') != std::string::npos ? 2 : 1) * head_size;
+    OutView out{&lse, o_st / head_size * out_sh, out_sh, &lse, lse_st, lse_sh, 1.0f, nullptr, op == "inplace"};
     const StateView view{&lse, o_st, head_size, &lse, lse_st, lse_sh};
     if (op == "pair" || op == "inplace") {
       PairSource src{view, view, flags.find('a') != std::string::npos ? tokens - 1 : tokens, nullptr, 0};

@@ -168,13 +168,15 @@ def test_two_state_kernels(probe, sms):
             assert plan["gy"] == 1
 
 
-def test_rows_flat_only_where_every_view_is_dense(probe):
-    # a gap between tokens (g) or [heads, tokens] LSEs (t, below the tiles' 64 tokens) keep the row split
-    dense, gapped, heads_major = probe([("pair", 16, HEADS, 128, 2, 8, 132, "-"), ("pair", 16, HEADS, 128, 2, 8, 132, "g"),
-                                        ("pair", 16, HEADS, 128, 2, 8, 132, "t")])
+def test_rows_flat_only_where_every_view_is_dense_and_steps_alike(probe):
+    # a gap between tokens (g), [heads, tokens] LSEs (t, below the tiles' 64 tokens) or an output
+    # whose rows step unlike the inputs' (w: dense, heads twice as far apart) keep the row split:
+    # flat rows share one offset a thread across a, b and the output
+    dense, gapped, heads_major, wide_out = probe([("pair", 16, HEADS, 128, 2, 8, 132, f) for f in "-gtw"])
     assert (dense["plain"], dense["flat"]) == (1, 1)
     assert (gapped["plain"], gapped["flat"]) == (1, 0)
     assert (heads_major["plain"], heads_major["flat"]) == (1, 0)
+    assert (wide_out["plain"], wide_out["flat"]) == (1, 0)
 
 
 def test_two_state_threads_take_two_accesses_only_in_large_masked_in_place_merges(probe):

@@ -39,10 +39,10 @@ __device__ __forceinline__ void weigh_row(const float (&l)[kChunk], float (&w)[k
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) r.see(l[c]);
 #pragma unroll
-  for (int c = 0; c < kChunk; ++c) {
-    w[c] = r.weight(l[c]);
-    r.total += w[c];
-  }
+  for (int c = 0; c < kChunk; ++c) w[c] = r.weight(l[c]);
+  r.total = w[0];  // weights are >= +0: no 0 + w[0] on the chain
+#pragma unroll
+  for (int c = 1; c < kChunk; ++c) r.total += w[c];
   r.finish(factor);
 }
 
@@ -74,7 +74,7 @@ __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pac
       if (s + c < n) {
         const float w = r.weight(l[c]);
         r.total += w;
-        accumulate(acc, o[c], w);
+        accumulate(acc, o[c], w, w);
       }
     }
     s += kChunk;
@@ -112,6 +112,19 @@ ATTNMERGE_HD constexpr bool lane_lse() {
 __device__ __forceinline__ void sync_row_lanes(int packs) {
   const unsigned first = ((threadIdx.y * blockDim.x + threadIdx.x) & 31u) - threadIdx.x;
   __syncwarp(packs >= 32 ? 0xffffffffu : ((1u << packs) - 1u) << first);
+}
+
+// Whether a launch of Source takes its rows flat (PlainPairSource with kFlatRows): the plan gives
+// it one grid axis, x, and each row's packs along the block's x axis alone (LaunchPlan::flat), so
+// that a thread finds its row and pack in two instructions.  At full occupancy every instruction
+// before a thread's loads delays every warp's loads: the launch's start is on its critical path.
+template <typename Source>
+ATTNMERGE_HD constexpr bool flat_launch() {
+  if constexpr (Source::kPlain) {
+    return Source::kFlat;
+  } else {
+    return false;
+  }
 }
 
 // The row (token, head) of this thread under kRows.  With I = int32_t the grid has no z extent
@@ -181,10 +194,18 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   constexpr bool kLanes = lane_lse<Source>();
   constexpr bool kBarrier = Source::kFusedLse && !kLanes;  // every thread reaches the block barrier
   using P = Pack<TIn, VEC>;
-  const I row = launch_row<I>();
-  const I k = static_cast<I>(blockIdx.y) * static_cast<I>(blockDim.x) + static_cast<I>(threadIdx.x);
-  // rows and packs fit in I (int32_t only for calls of fewer than 2^30 elements an array)
-  bool live = row < static_cast<I>(shape.rows) && k < static_cast<I>(shape.packs);
+  I row, k;
+  if constexpr (flat_launch<Source>()) {
+    pdl_wait_then_release();
+    row = static_cast<I>(blockIdx.x) * static_cast<I>(blockDim.y) + static_cast<I>(threadIdx.y);
+    k = static_cast<I>(threadIdx.x);
+  } else {
+    row = launch_row<I>();
+    k = static_cast<I>(blockIdx.y) * static_cast<I>(blockDim.x) + static_cast<I>(threadIdx.x);
+  }
+  // rows and packs fit in I (int32_t only for calls of fewer than 2^30 elements an array); a flat
+  // launch's blocks are a row's packs wide, but for the lanes of an in-place row (a power of two)
+  bool live = row < static_cast<I>(shape.rows) && ((flat_launch<Source>() && !kLanes) || k < static_cast<I>(shape.packs));
   if constexpr (!kBarrier) {
     if (!live) return;
   }
@@ -197,7 +218,8 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   if constexpr (!kBarrier) {
     if (!live) return;
   }
-  const auto states = src.template row<TIn>(token, head);  // token 0, head 0 for a thread with no row
+  // token 0, head 0 for a thread with no row; o_at(s) is this thread's pack of state s
+  const auto states = src.template row<TIn>(token, head, k * VEC);
   const int n = kBarrier && !live ? 0 : states.count();
   const bool stream = Source::kStream < 0 ? shape.stream : Source::kStream == 1;
   // The first chunk: every load in flight at once.
@@ -206,13 +228,20 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) {
     l[c] = c < n ? states.lse(c) : -INFINITY;  // -inf: no weight, no NaN
-    if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c) + k * VEC, stream);
+    if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c), stream);
   }
   // Where the results go, worked out while the loads are in flight: at decode sizes a merge
   // lasts as long as its longest chain of dependent instructions, and everything after the loads
   // is on it.
-  TOut* const dst = out.o_at<TOut>(token, head) + k * VEC;
-  float* const lse_dst = k == 0 ? out.lse_at(token, head) : nullptr;
+  TOut* dst;
+  float* lse_dst;
+  if constexpr (flat_launch<Source>()) {  // the output's offsets are the inputs' (kFlatRows)
+    dst = static_cast<TOut*>(out.o) + src.offset(row, k * VEC);
+    lse_dst = k == 0 && out.lse != nullptr ? out.lse + src.lse_offset(row) : nullptr;
+  } else {
+    dst = out.o_at<TOut>(token, head, k * VEC);
+    lse_dst = k == 0 ? out.lse_at(token, head) : nullptr;
+  }
   RowMerge r(shape.base2);
   const float factor = Source::kPlain ? out.inv_scale : out.inverse_scale();
   float acc[VEC] = {};
@@ -225,14 +254,15 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
       if (!live) return;
     }
     if constexpr (kLanes) sync_row_lanes(static_cast<int>(shape.packs));
-    if (lse_dst != nullptr) *lse_dst = r.lse();  // its latency hidden behind the O math
+    const float merged_lse = r.lse();  // computed unconditionally: a store under a predicate, no branch
+    if (lse_dst != nullptr) *lse_dst = merged_lse;  // its latency hidden behind the O math
 #pragma unroll
     for (int c = 0; c < kChunk; ++c)
-      if (c < n) accumulate(acc, o[c], r.scale(w[c]));
+      if (c < n) accumulate(acc, o[c], r.scale(w[c]), w[c]);
   } else if constexpr (!kFew) {
     accumulate_online<kChunk>(
         n, l, o, [&](int s) { return states.lse(s); },
-        [&](int s) { return states.template o_at<TIn>(s) + k * VEC; }, stream, r, acc);
+        [&](int s) { return states.template o_at<TIn>(s); }, stream, r, acc);
     r.finish(factor);
     if (lse_dst != nullptr) *lse_dst = r.lse();
 #pragma unroll

@@ -153,12 +153,13 @@ ATTNMERGE_HD Pack<T, N> load_pack(const T* src, bool stream) {
   return p;
 }
 
-// acc += scale * p, where a part of zero weight adds zeros: its words are cleared first, so NaN or
-// garbage in it cannot reach the result even when it was fetched.  A select per word rather than
-// a branch: at decode sizes the instructions after the loads are the merge's latency.
+// acc += scale * p, where a part of zero `weight` adds zeros: its words are cleared first, so NaN
+// or garbage in it cannot reach the result even when it was fetched.  A select per word rather
+// than a branch, and on the weight, known before the scale: at decode sizes the instructions after
+// the loads are the merge's latency.
 template <typename T, int N>
-ATTNMERGE_HD void accumulate(float (&acc)[N], Pack<T, N> p, float scale) {
-  const uint32_t keep = scale != 0.0f ? ~0u : 0u;
+ATTNMERGE_HD void accumulate(float (&acc)[N], Pack<T, N> p, float scale, float weight) {
+  const uint32_t keep = weight != 0.0f ? ~0u : 0u;
   ATTNMERGE_UNROLL
   for (int j = 0; j < Pack<T, N>::kWords; ++j) p.w[j] &= keep;
   ATTNMERGE_UNROLL

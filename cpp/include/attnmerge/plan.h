@@ -92,7 +92,8 @@ struct LaunchPlan {
   int groups = 1;        // kStates: groups of threads sharing a row's states (a power of two)
   bool index32 = false;  // 32-bit offsets: every element offset of the call fits in 30 bits
   bool plain = false;    // PairSource: the plain kernel (PlainPairSource; in place, under InPlaceSource)
-  bool flat = false;     // plain, 32-bit offsets and every view flattens (views.h): rows taken flat
+  bool flat = false;     // plain, 32-bit offsets, every view flattens (views.h) and one grid axis: rows
+                         // taken flat (flat_launch)
   bool fused_lse = false;  // out.lse is an input's LSE, written in the same launch (InPlaceSource)
   bool lane_lse = false;   // fused_lse with each row in one warp: a warp barrier before the store
                            // (else a block barrier)
@@ -246,7 +247,9 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
     s.stream = plan_detail::stream_o(src, facts.bytes, s.tile_shift < 0);
     const bool plain = src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr;
-    const bool dense = plan.index32 && flattens(src.a, s.heads) && flattens(src.b, s.heads) && flattens(out, s.heads);
+    // Flat rows: dense heads and the same row strides in every view (PlainPairSource's kFlatRows).
+    const bool dense = plan.index32 && flattens(src.a, s.heads) && flattens(src.b, s.heads) && flattens(out, s.heads) &&
+                       same_rows(src.a, src.b) && same_rows(src.a, out);
     const bool lse_in_place = out.lse_in_place && out.lse != nullptr;
     // An in-place merge overwrites the LSE its row's threads weigh by.  Rows of at most a warp's
     // packs: each padded to a power of two lanes, so that it lies in one warp, whose lanes meet
@@ -274,7 +277,7 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     // The plain source in place only with its rows flat and in warps (a mask only in place: the
     // two-way merge takes none).
     plan.plain = plain && (!out.lse_in_place ? src.mask == nullptr : plan.lane_lse && dense);
-    plan.flat = plan.plain && dense;
+    plan.flat = plan.plain && dense && plan.main.grid[1] == 1 && plan.main.grid[2] == 1;  // flat_launch's
     return plan;
   } else {
     s.stream = plan_detail::stream_o(src, facts.bytes, false);

@@ -2,6 +2,7 @@
 // Shared by the GPU kernels and the CPU path, and by the two-way and N-way merges.
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 
 #include "attnmerge/numeric.h"
@@ -58,9 +59,13 @@ ATTNMERGE_HD float reciprocal(float x) {
 // every scale 0 and LSE -inf.  A NaN LSE makes every scale and the merged LSE NaN.  Shared by
 // the GPU kernels and the CPU path, and by the two-way and N-way merges.
 struct RowMerge {
-  float m = -INFINITY;  // max LSE seen, in the input's units
+  // Max LSE seen, in the input's units; -FLT_MAX rather than -inf while no part has a finite
+  // LSE, so that weight() needs no select: an empty part's -inf - (-FLT_MAX) is still -inf.
+  float m = -FLT_MAX;
   float total = 0.0f;   // sum of weight(lse) over the states
-  float inv = 0.0f;     // factor / total, set by finish()
+  float pre = 0.0f;     // factor, or NaN where a NaN LSE was seen: set by finish()
+  float rinv = 0.0f;    // 1 / total, 0 where total is 0: set by finish()
+  float inv = 0.0f;     // pre * rinv: the multiplier of an accumulation of weighted parts
   bool nan = false;
   float to_log2;        // 1 for base-2 LSEs, log2(e) for base e
   float from_log2;      // its inverse
@@ -76,21 +81,22 @@ struct RowMerge {
     m = fmaxf(m, l);  // ignores a NaN
   }
 
-  // exp(lse - max) through exp2: 0 for an empty part, or one 2^-126 below the max.
-  ATTNMERGE_HD float weight(float lse) const {
-    const float base = m == -INFINITY ? 0.0f : m;  // all empty: -inf - 0 still gives weight 0
-    return fast_exp2((effective(lse) - base) * to_log2);
-  }
+  // exp(lse - max) through exp2: 0 for an empty part, or one 2^-126 below the max; NaN for a NaN
+  // LSE.  Always >= +0, so a total of weights needs no 0 to start from.
+  ATTNMERGE_HD float weight(float lse) const { return fast_exp2((effective(lse) - m) * to_log2); }
 
   // After every weight is in total: scale(w) = w * factor / total (factor: 1 / the output scale).
-  // finish() and lse() select rather than branch: on the GPU they run after the loads, where each
-  // instruction adds to a decode-sized merge's latency (the unused value of total = 0 is dropped).
+  // finish() and scale() select rather than branch, and keep the NaN flag and the factor off the
+  // chain that starts at the reciprocal: on the GPU they run after the loads, where each dependent
+  // instruction adds to a decode-sized merge's latency.
   ATTNMERGE_HD void finish(float factor) {
-    const float q = factor * reciprocal(total);
-    inv = nan ? NAN : (total > 0.0f ? q : 0.0f);
+    pre = nan ? NAN : factor;
+    const float r = reciprocal(total);
+    rinv = total > 0.0f ? r : 0.0f;
+    inv = pre * rinv;
   }
 
-  ATTNMERGE_HD float scale(float weight) const { return weight * inv; }
+  ATTNMERGE_HD float scale(float weight) const { return (weight * pre) * rinv; }
 
   // The merged LSE in the input's base: NaN if any LSE was NaN, -inf when every part is empty.
   ATTNMERGE_HD float lse() const {

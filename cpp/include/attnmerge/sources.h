@@ -23,6 +23,9 @@ namespace attnmerge {
 // ---- sources: each gives a row's states through count(), lse(s) and o_at<T>(s) ----
 // Every state of a row has an O address that may be read, even one of no weight (a state the
 // row lacks gets another's), so that the kernels load O without waiting for the LSEs.
+// row<T>(token, head, at): o_at(s) points `at` elements into state s's row (a thread's pack),
+// that offset added in the launch's index type with the row's own (fewer address instructions
+// before the first load).
 
 // Two states.  Rows of tokens >= a_tokens have no state a (it is not read); rows whose mask byte is
 // 0 are skipped whole (the in-place merge leaves them untouched) and read nothing but that byte.
@@ -53,12 +56,12 @@ struct PairSource {
   }
 
   template <typename T, typename I>
-  ATTNMERGE_HD Row row(I token, I head) const {
+  ATTNMERGE_HD Row row(I token, I head, I at = I{0}) const {
     Row r;
     const bool has_a = token < static_cast<I>(a_tokens);  // a_tokens <= tokens: fits in I
     const I token_a = has_a ? token : I{0};  // a may have fewer tokens: no offset past its end
-    r.o[1] = b.o_at<T>(token, head);
-    r.o[0] = has_a ? a.o_at<T>(token_a, head) : r.o[1];  // no a: weight 0, b's row stands in
+    r.o[1] = b.o_at<T>(token, head, at);
+    r.o[0] = has_a ? a.o_at<T>(token_a, head, at) : r.o[1];  // no a: weight 0, b's row stands in
     r.l[0] = has_a ? a.lse_at(token_a, head) : -INFINITY;
     r.l[1] = b.lse_at(token, head);
     return r;
@@ -71,7 +74,10 @@ struct PairSource {
 // (benchmarks/NOTES.md has the figures).
 // kFlatRows: every array is [rows, head_size] and [rows] in effect (heads dense within tokens, the
 // plan's `flat`), its views flattened so (flat_rows): a row is (token = row, head = 0), with no
-// division of the row into token and head, and one offset a view.
+// division of the row into token and head, and the same row strides in a, b and the output (the
+// plan's condition too): one O offset and one LSE offset a thread for every view (offset,
+// lse_offset), each stride read once (separate strides a view measured 3% slower at 512 tokens:
+// benchmarks/NOTES.md).
 // kMasked: rows whose token's mask byte is 0 are skipped whole, as PairSource's (the in-place
 // merge with flat rows: the kernel divides the row by the heads for the mask's token alone).
 template <bool kStreamO, bool kFlatRows = false, bool kMasked = false>
@@ -95,13 +101,27 @@ struct PlainPairSource {
     }
   }
 
+  // kFlatRows: the element offsets of row `row` (+ `at`) and of its LSE, in a, b and the output alike.
+  template <typename I>
+  ATTNMERGE_HD I offset(I row, I at) const { return row * static_cast<I>(a.o_st) + at; }
+  template <typename I>
+  ATTNMERGE_HD I lse_offset(I row) const { return row * static_cast<I>(a.lse_st); }
+
   template <typename T, typename I>
-  ATTNMERGE_HD PairSource::Row row(I token, I head) const {
+  ATTNMERGE_HD PairSource::Row row(I token, I head, I at = I{0}) const {
     PairSource::Row r;
-    r.o[0] = a.o_at<T>(token, head);
-    r.o[1] = b.o_at<T>(token, head);
-    r.l[0] = a.lse_at(token, head);
-    r.l[1] = b.lse_at(token, head);
+    if constexpr (kFlatRows) {  // token = row, head = 0
+      const I o = offset(token, at), l = lse_offset(token);
+      r.o[0] = static_cast<const T*>(a.o) + o;
+      r.o[1] = static_cast<const T*>(b.o) + o;
+      r.l[0] = a.lse[l];
+      r.l[1] = b.lse[l];
+    } else {
+      r.o[0] = a.o_at<T>(token, head, at);
+      r.o[1] = b.o_at<T>(token, head, at);
+      r.l[0] = a.lse_at(token, head);
+      r.l[1] = b.lse_at(token, head);
+    }
     return r;
   }
 };
@@ -149,8 +169,8 @@ struct StackSource {
   ATTNMERGE_HD bool masked_out(I) const { return false; }
 
   template <typename T, typename I>
-  ATTNMERGE_HD StridedRow<I> row(I token, I head) const {
-    return StridedRow<I>{static_cast<const T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh)),
+  ATTNMERGE_HD StridedRow<I> row(I token, I head, I at = I{0}) const {
+    return StridedRow<I>{static_cast<const T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at),
                          lse + (token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
                          static_cast<I>(o_ss), static_cast<I>(lse_ss), static_cast<int>(states)};
   }
@@ -184,11 +204,11 @@ struct RangeSource {
   }
 
   template <typename T, typename I>
-  ATTNMERGE_HD StridedRow<I> row(I token, I head) const {
+  ATTNMERGE_HD StridedRow<I> row(I token, I head, I at = I{0}) const {
     const I begin = bound(token);
     const I end = bound(token + 1);
     const int64_t n = end > begin ? end - begin : 0;
-    return StridedRow<I>{static_cast<const T*>(o) + (begin * static_cast<I>(o_st) + head * static_cast<I>(o_sh)),
+    return StridedRow<I>{static_cast<const T*>(o) + (begin * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at),
                          lse + (begin * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
                          static_cast<I>(o_st), static_cast<I>(lse_st), static_cast<int>(n < INT32_MAX ? n : INT32_MAX)};
   }

@@ -101,9 +101,10 @@ struct OutView {
 
   ATTNMERGE_HD float inverse_scale() const { return scale != nullptr ? 1.0f / *scale : inv_scale; }
 
+  // `at`: an element offset within the row, added in I with the rest (one address computation).
   template <typename T, typename I>
-  ATTNMERGE_HD T* o_at(I token, I head) const {
-    return static_cast<T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh));
+  ATTNMERGE_HD T* o_at(I token, I head, I at = I{0}) const {
+    return static_cast<T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at);
   }
   // Where the row's merged LSE goes: null when none is written.
   template <typename I>
@@ -124,8 +125,8 @@ struct StateView {
   int64_t lse_st, lse_sh;
 
   template <typename T, typename I>
-  ATTNMERGE_HD const T* o_at(I token, I head) const {
-    return static_cast<const T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh));
+  ATTNMERGE_HD const T* o_at(I token, I head, I at = I{0}) const {
+    return static_cast<const T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at);
   }
   template <typename I>
   ATTNMERGE_HD float lse_at(I token, I head) const {
@@ -140,6 +141,12 @@ inline bool flattens(const StateView& v, int64_t heads) {
 }
 inline bool flattens(const OutView& v, int64_t heads) {
   return v.o_st == heads * v.o_sh && (v.lse == nullptr || v.lse_st == heads * v.lse_sh);
+}
+// Whether two views step alike from head to head (the row stride of a flattened view), O and LSE
+// (an output without LSE: O only).
+inline bool same_rows(const StateView& x, const StateView& y) { return x.o_sh == y.o_sh && x.lse_sh == y.lse_sh; }
+inline bool same_rows(const StateView& x, const OutView& y) {
+  return x.o_sh == y.o_sh && (y.lse == nullptr || x.lse_sh == y.lse_sh);
 }
 inline StateView flat_rows(StateView v) {
   v.o_st = v.o_sh, v.lse_st = v.lse_sh;
