@@ -70,6 +70,14 @@ def _is_jax(x):
         return jax
 
 
+def _any_jax(a, b):
+    """_is_jax(a) or _is_jax(b), in one call where both types were seen before (the per-call case)."""
+    try:
+        return _IS_JAX[type(a)] or _IS_JAX[type(b)]
+    except KeyError:
+        return _is_jax(a) or _is_jax(b)
+
+
 def _refuse_jax(arg, op, hint):
     """A JAX array handed over to be written: refused, pointing to attnmerge.jax's functional form."""
     raise ValueError(f"{arg}: expected a writable array, got a JAX array (immutable); JAX arrays are merged by "
@@ -135,7 +143,7 @@ def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like
     (the argument `like_name`) with `shape` ([tokens, heads, head_size]) and the dtype of
     `in_dtype_of` (`src_name`) or out_dtype."""
     if out is not None and out_lse is not None and out_dtype is None:
-        return out, out_lse  # the per-step decode call: nothing to allocate
+        return out, out_lse  # nothing to allocate (the public functions do not call for it)
     if out is not None and out_dtype is not None:
         out_name, dtype_arg = _named(names, "out"), _named(names, "out_dtype")
         want, got = dtype_name(out_dtype, dtype_arg), dtype_name(getattr(out, "dtype", None), out_name)
@@ -194,15 +202,16 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
                                 a_tokens, stream, pdl, _names)
     flags = (0 if base == "e" else lse_flags(base)) | (_C.PDL if pdl else 0)
     a_tok = -1 if a_tokens is None else a_tokens_arg(a_tokens, _named(_names, "a_tokens"))
-    if _is_jax(out) or _is_jax(out_lse):
+    if _any_jax(out, out_lse):
         _refuse_jax_outputs(out, out_lse, "merge", _names)
     if out is None and _is_jax(o_b):
         out, out_lse = _jax_road("merge", out_lse, stream, _names)(
             o_a, lse_a, o_b, lse_b, base=base, out_dtype=_result_dtype(out_dtype, o_a, "o_a", _names),
             a_tokens=a_tokens, output_scale=output_scale_arg(output_scale))
         return out, (out_lse if return_lse else None)
-    shape = _shape(o_b, "o_b", _names) if out is None or (out_lse is None and return_lse) else None
-    out, out_lse = _outputs(o_b, o_a, shape, out, out_lse, return_lse, out_dtype, names=_names)
+    if out is None or out_lse is None or out_dtype is not None:  # else nothing to allocate or check
+        shape = _shape(o_b, "o_b", _names) if out is None or (out_lse is None and return_lse) else None
+        out, out_lse = _outputs(o_b, o_a, shape, out, out_lse, return_lse, out_dtype, names=_names)
     if output_scale is not None:
         output_scale = output_scale_arg(output_scale)
     _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, flags, a_tok, output_scale, stream, _names)
@@ -221,7 +230,7 @@ def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mas
     """
     if _takes is not None and _takes(o, lse, o_other, lse_other):
         return _torch_ops.merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl, _names)
-    if _is_jax(o) or _is_jax(lse):
+    if _any_jax(o, lse):
         _refuse_jax(_named(_names, "o" if _is_jax(o) else "lse"), "merge",
                     "o, lse = attnmerge.merge(o, lse, o_other, lse_other); a mask is a jnp.where")
     _C.merge_inplace(o, lse, o_other, lse_other, mask, lse_flags(base) | (_C.PDL if pdl else 0), stream, _names)
@@ -246,17 +255,16 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
         return _torch_ops.merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, states_axis,
                                        stream, pdl, _names)
     flags = lse_flags(base) | (_C.PDL if pdl else 0)
-    if _is_jax(out) or _is_jax(out_lse):
+    if _any_jax(out, out_lse):
         _refuse_jax_outputs(out, out_lse, "merge_states", _names)
     if out is None and _is_jax(o):
         out, out_lse = _jax_road("merge_states", out_lse, stream, _names)(
             o, lse, base=base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
             output_scale=output_scale_arg(output_scale), states_axis=states_axis)
         return out, (out_lse if return_lse else None)
-    shape = None
-    if out is None or (out_lse is None and return_lse):
-        shape = states_shape(o, states_axis, _names)
-    out, out_lse = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
+    if out is None or out_lse is None or out_dtype is not None:  # else nothing to allocate or check
+        shape = states_shape(o, states_axis, _names) if out is None or (out_lse is None and return_lse) else None
+        out, out_lse = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
     if output_scale is not None:
         output_scale = output_scale_arg(output_scale)
     _C.merge_states(out, out_lse, o, lse, flags, states_axis == 0, output_scale, stream, _names)
@@ -280,17 +288,16 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
         return _torch_ops.merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, stream,
                                        pdl, _names)
     flags = lse_flags(base) | (_C.PDL if pdl else 0)
-    if _is_jax(out) or _is_jax(out_lse):
+    if _any_jax(out, out_lse):
         _refuse_jax_outputs(out, out_lse, "merge_varlen", _names)
     if out is None and _is_jax(o):
         out, out_lse = _jax_road("merge_varlen", out_lse, stream, _names)(
             o, lse, indptr, base=base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
             output_scale=output_scale_arg(output_scale))
         return out, (out_lse if return_lse else None)
-    shape = None
-    if out is None or (out_lse is None and return_lse):
-        shape = varlen_shape(o, indptr, _names)
-    out, out_lse = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
+    if out is None or out_lse is None or out_dtype is not None:  # else nothing to allocate or check
+        shape = varlen_shape(o, indptr, _names) if out is None or (out_lse is None and return_lse) else None
+        out, out_lse = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
     if output_scale is not None:
         output_scale = output_scale_arg(output_scale)
     _C.merge_varlen(out, out_lse, o, lse, indptr, flags, output_scale, stream, _names)

@@ -17,6 +17,7 @@ while traced (`takes`): they map the public arguments onto the overloads.
 """
 import contextlib
 import contextvars
+import types
 
 import torch
 
@@ -345,30 +346,44 @@ _dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", _compiling)
 _Tensor = torch.Tensor
 
 
-def _flag_reader(name, gate):
-    """`reader(*arrays)`: whether gate() is True and any array (None allowed) has `name` set;
-    torch.Tensor's own read through its C getter (_C.flag_reader, less than a Python attribute read
-    each), where torch defines it as attnmerge expects (a getset descriptor)."""
+def _flag_reader(name, gate, tracing=None):
+    """`reader(*arrays)`: whether gate() is True and any array (None allowed) has `name` set, asking
+    tracing() first, and answering True when it is, unless the first two arrays are exactly
+    torch.Tensor; torch.Tensor's flag read through its C getter (_C.flag_reader, no Python frame),
+    where torch defines it as attnmerge expects (a getset descriptor)."""
     try:
-        return _C.flag_reader(_Tensor, name, gate)
+        return _C.flag_reader(_Tensor, name, gate, tracing)
     except TypeError:
-        return lambda *arrays: gate() is True and any(getattr(x, name, False) is True for x in arrays)
+        def reader(*arrays):
+            if tracing is not None and not (type(arrays[0]) is _Tensor and type(arrays[1]) is _Tensor) and \
+                    tracing() is True:
+                return True
+            return gate() is True and any(getattr(x, name, False) is True for x in arrays)
+        return reader
 
 
 # Whether autograd records a call of these inputs: the grad mode first, as inference runs under
 # no_grad or inference_mode.
 _autograd_records = _flag_reader("requires_grad", torch.is_grad_enabled)
 
-
-def takes(a, b, c, d):
-    """Whether a public call goes through torch.ops.attnmerge: while torch.compile or torch.export
-    traces it, and when autograd would record it (any of the arrays a..d, None allowed, requires
-    grad): the op then differentiates it, or refuses it by name."""
-    # Eager torch tensors are the per-call case, asked first and cheapest (torch.export's
-    # non-strict tracing passes FakeTensors, a subclass, so the tracing check comes next).
-    if (type(a) is _Tensor and type(b) is _Tensor and not _dynamo_compiling()) or not _compiling():
-        return _autograd_records(a, b, c, d)
-    return True
+# takes(a, b, c, d): whether a public call goes through torch.ops.attnmerge: while torch.compile or
+# torch.export traces it, and when autograd would record it (any of the arrays a..d, None allowed,
+# requires grad): the op then differentiates it, or refuses it by name.  Eager torch tensors, the
+# per-call case, are one C call (the grad mode, then the four flags); other arrays ask
+# torch.compiler.is_compiling() first (torch.export's non-strict tracing passes FakeTensors, a
+# subclass).  Dynamo cannot trace a C function: while it traces, the function below stands in
+# for it (it folds to True, as is_dynamo_compiling() does there).
+takes = _flag_reader("requires_grad", torch.is_grad_enabled, _compiling)
+_substitute = getattr(torch.compiler, "substitute_in_graph", None)
+if _substitute is not None and not isinstance(takes, types.FunctionType):
+    @_substitute(takes, skip_signature_check=True)
+    def _takes_while_tracing(a, b, c, d):
+        return True
+else:  # torch before substitute_in_graph: Dynamo traces the Python check
+    def takes(a, b, c, d):
+        if (type(a) is _Tensor and type(b) is _Tensor and not _dynamo_compiling()) or not _compiling():
+            return _autograd_records(a, b, c, d)
+        return True
 
 
 def _no_stream(stream):

@@ -330,7 +330,8 @@ PYBIND11_MODULE(_C, m) {
     d["block"] = py::make_tuple(info.block[0], info.block[1], info.block[2]);
     return d;
   });
-  m.def("flag_reader", &attnmerge_py::flag_reader, py::arg("type"), py::arg("name"), py::arg("gate"));
+  m.def("flag_reader", &attnmerge_py::flag_reader, py::arg("type"), py::arg("name"), py::arg("gate"),
+        py::arg("tracing") = py::none());
   m.def("version_string", &attnmerge_version_string);
   m.def("version", &attnmerge_version);
   m.def("cuda_architectures", &attnmerge_cuda_architectures);

@@ -9,14 +9,15 @@ namespace {
 
 constexpr const char* kCapsule = "attnmerge.flag_reader";
 
-// What one reader holds: the gate, the type whose instances take the getter, the getter, and the
-// name for everything else (the gate, type and name owned).
+// What one reader holds: the gate, the type whose instances take the getter, the getter, the
+// name for everything else, and the tracing question or null (the objects owned).
 struct Reader {
   PyObject* gate;
   PyObject* type;
   PyObject* name;
   getter get;
   void* closure;
+  PyObject* tracing;
 };
 
 void release(PyObject* capsule) {
@@ -24,7 +25,17 @@ void release(PyObject* capsule) {
   Py_DECREF(r->gate);
   Py_DECREF(r->type);
   Py_DECREF(r->name);
+  Py_XDECREF(r->tracing);
   delete r;
+}
+
+// 1 when f() returned True, 0 for anything else, -1 an error raised.
+int asks_true(PyObject* f) {
+  PyObject* v = PyObject_CallNoArgs(f);
+  if (v == nullptr) return -1;
+  const int yes = v == Py_True;
+  Py_DECREF(v);
+  return yes;
 }
 
 // 1 set, 0 not, -1 an error raised (an AttributeError is "not set", as getattr's default).
@@ -47,10 +58,17 @@ int is_set(const Reader& r, PyObject* obj) {
 
 PyObject* any_set(PyObject* capsule, PyObject* const* args, Py_ssize_t n) {
   const auto* r = static_cast<const Reader*>(PyCapsule_GetPointer(capsule, kCapsule));
-  PyObject* gate = PyObject_CallNoArgs(r->gate);
-  if (gate == nullptr) return nullptr;
-  const bool open = gate == Py_True;
-  Py_DECREF(gate);
+  if (r->tracing != nullptr) {
+    const bool exact = n >= 2 && reinterpret_cast<PyObject*>(Py_TYPE(args[0])) == r->type &&
+                       reinterpret_cast<PyObject*>(Py_TYPE(args[1])) == r->type;
+    if (!exact) {
+      const int tracing = asks_true(r->tracing);
+      if (tracing < 0) return nullptr;
+      if (tracing) Py_RETURN_TRUE;
+    }
+  }
+  const int open = asks_true(r->gate);
+  if (open < 0) return nullptr;
   if (!open) Py_RETURN_FALSE;
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (args[i] == Py_None) continue;
@@ -66,7 +84,7 @@ PyMethodDef any_set_def = {"flag_reader", reinterpret_cast<PyCFunction>(reinterp
 
 }  // namespace
 
-py::object flag_reader(py::handle type, py::str name, py::handle gate) {
+py::object flag_reader(py::handle type, py::str name, py::handle gate, py::handle tracing) {
   if (!PyType_Check(type.ptr())) throw py::type_error("flag_reader: type: expected a type, got " +
                                                       std::string(py::str(py::type::handle_of(type))));
   const py::object descriptor = type.attr(name);  // a getset descriptor, got from its class, is itself
@@ -77,7 +95,11 @@ py::object flag_reader(py::handle type, py::str name, py::handle gate) {
   if (def->get == nullptr) throw py::type_error("flag_reader: " + std::string(name) + " has no getter");
   if (!PyCallable_Check(gate.ptr()))
     throw py::type_error("flag_reader: gate: expected a callable, got " + std::string(py::str(py::type::handle_of(gate))));
-  auto* r = new Reader{gate.inc_ref().ptr(), type.inc_ref().ptr(), name.inc_ref().ptr(), def->get, def->closure};
+  if (!tracing.is_none() && !PyCallable_Check(tracing.ptr()))
+    throw py::type_error("flag_reader: tracing: expected None or a callable, got " +
+                         std::string(py::str(py::type::handle_of(tracing))));
+  auto* r = new Reader{gate.inc_ref().ptr(), type.inc_ref().ptr(), name.inc_ref().ptr(), def->get, def->closure,
+                       tracing.is_none() ? nullptr : tracing.inc_ref().ptr()};
   const py::capsule holder(r, kCapsule, release);
   return py::reinterpret_steal<py::object>(PyCFunction_NewEx(&any_set_def, holder.ptr(), nullptr));
 }

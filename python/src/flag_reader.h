@@ -15,7 +15,10 @@ namespace py = pybind11;
 // has `name` set (is True), as `getattr(obj, name, False) is True` would say.  Instances of exactly
 // `type` are read through the getter of type's `name` (a getset descriptor, else a TypeError);
 // other objects by the attribute protocol.  gate is asked first: one call less from Python.
-py::object flag_reader(py::handle type, py::str name, py::handle gate);
+// `tracing` (None or a callable): unless the first two objects are both exactly `type`, tracing()
+// is asked before anything else, and its True answers True (the whole routing check of an eager
+// call in one C call, no Python frame).
+py::object flag_reader(py::handle type, py::str name, py::handle gate, py::handle tracing);
 
 }  // namespace attnmerge_py
 
