@@ -114,14 +114,16 @@ __device__ __forceinline__ void sync_row_lanes(int packs) {
   __syncwarp(packs >= 32 ? 0xffffffffu : ((1u << packs) - 1u) << first);
 }
 
-// Whether a launch of Source takes its rows flat (PlainPairSource with kFlatRows): the plan gives
-// it one grid axis, x, and each row's packs along the block's x axis alone (LaunchPlan::flat), so
-// that a thread finds its row and pack in two instructions.  At full occupancy every instruction
-// before a thread's loads delays every warp's loads: the launch's start is on its critical path.
+// Whether a launch of Source takes its rows flat (PlainPairSource with kFlatRows, unmasked): the
+// plan gives it one grid axis, x, and each row's packs along the block's x axis alone
+// (LaunchPlan::flat), so that a thread finds its row and pack in two instructions.  At full
+// occupancy every instruction before a thread's loads delays every warp's loads: the launch's start
+// is on its critical path.  A masked source keeps the general row: measured faster there
+// (benchmarks/NOTES.md).
 template <typename Source>
 ATTNMERGE_HD constexpr bool flat_launch() {
   if constexpr (Source::kPlain) {
-    return Source::kFlat;
+    return Source::kFlat && !Source::kMaskedRows;
   } else {
     return false;
   }
@@ -235,7 +237,9 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   // is on it.
   TOut* dst;
   float* lse_dst;
-  if constexpr (flat_launch<Source>()) {  // the output's offsets are the inputs' (kFlatRows)
+  // A flat two-way merge's output offsets are its inputs' (kFlatRows); in place, the output's own
+  // views are measured faster (benchmarks/NOTES.md).
+  if constexpr (flat_launch<Source>() && !Source::kFusedLse) {
     dst = static_cast<TOut*>(out.o) + src.offset(row, k * VEC);
     lse_dst = k == 0 && out.lse != nullptr ? out.lse + src.lse_offset(row) : nullptr;
   } else {
