@@ -254,3 +254,39 @@ def test_the_routing_reads_requires_grad_as_getattr_would():
         _C.flag_reader(plain, "requires_grad", torch.is_grad_enabled)
     with pytest.raises(TypeError, match="gate: expected a callable"):
         _C.flag_reader(torch.Tensor, "requires_grad", None)
+
+
+def test_the_routing_asks_whether_torch_traces_only_for_arrays_other_than_exact_tensors():
+    """The whole routing check as one C call (attnmerge._C.flag_reader with `tracing`): where the
+    first two arrays are exactly torch.Tensor (the eager call) tracing() is never asked; otherwise
+    it is asked first and its True answers True whatever the flags; its False leaves the flags to
+    decide, and its errors come through."""
+    from attnmerge import _C
+
+    asked = []
+
+    def tracing(answer):
+        def ask():
+            asked.append(answer)
+            return answer
+        return ask
+
+    plain, needs = torch.ones(2), torch.ones(2, requires_grad=True)
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = plain.as_subclass(Sub)
+    assert _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, tracing(True))(plain, plain) is False
+    assert asked == []
+    assert _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, tracing(True))(sub, plain) is True
+    assert _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, tracing(True))(plain) is True
+    with torch.no_grad():  # tracing answers before the grad mode is asked
+        assert _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, tracing(True))(None, None) is True
+    assert asked == [True, True, True]
+    reader = _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, tracing(False))
+    assert reader(sub, plain) is False and reader(sub, needs) is True and reader(np.ones(2), None, needs) is True
+    with pytest.raises(ZeroDivisionError):
+        _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, lambda: 1 / 0)(sub, plain)
+    with pytest.raises(TypeError, match="tracing: expected None or a callable"):
+        _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, 1)

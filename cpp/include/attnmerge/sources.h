@@ -75,9 +75,9 @@ struct PairSource {
 // kFlatRows: every array is [rows, head_size] and [rows] in effect (heads dense within tokens, the
 // plan's `flat`), its views flattened so (flat_rows): a row is (token = row, head = 0), with no
 // division of the row into token and head, and the same row strides in a, b and the output (the
-// plan's condition too): one O offset and one LSE offset a thread for every view (offset,
-// lse_offset), each stride read once (separate strides a view measured 3% slower at 512 tokens:
-// benchmarks/NOTES.md).
+// plan's condition too): one O offset and one LSE offset a thread for a and b, and for the output
+// of a two-way merge (offset, lse_offset; merge_kernel), each stride read once (separate strides a
+// view measured 3% slower at 512 tokens: benchmarks/NOTES.md).
 // kMasked: rows whose token's mask byte is 0 are skipped whole, as PairSource's (the in-place
 // merge with flat rows: the kernel divides the row by the heads for the mask's token alone).
 template <bool kStreamO, bool kFlatRows = false, bool kMasked = false>
