@@ -374,12 +374,25 @@ _autograd_records = _flag_reader("requires_grad", torch.is_grad_enabled)
 # subclass).  Dynamo cannot trace a C function: while it traces, the function below stands in
 # for it (it folds to True, as is_dynamo_compiling() does there).
 takes = _flag_reader("requires_grad", torch.is_grad_enabled, _compiling)
-_substitute = getattr(torch.compiler, "substitute_in_graph", None)
-if _substitute is not None and not isinstance(takes, types.FunctionType):
-    @_substitute(takes, skip_signature_check=True)
-    def _takes_while_tracing(a, b, c, d):
-        return True
-else:  # torch before substitute_in_graph: Dynamo traces the Python check
+
+
+def _stand_in_while_tracing(fn):
+    """Registers with Dynamo a Python function that stands in for the C function `fn` while it
+    traces, answering True (as is_dynamo_compiling() folds to there); False where this torch
+    cannot (before torch.compiler.substitute_in_graph, or a Python fn: Dynamo traces it itself)."""
+    substitute = getattr(torch.compiler, "substitute_in_graph", None)
+    if substitute is None or isinstance(fn, types.FunctionType):
+        return False
+    try:
+        @substitute(fn, skip_signature_check=True)
+        def _takes_while_tracing(a, b, c, d):
+            return True
+    except (TypeError, ValueError, RuntimeError, AttributeError):
+        return False
+    return True
+
+
+if not _stand_in_while_tracing(takes):  # Dynamo traces the Python check instead
     def takes(a, b, c, d):
         if (type(a) is _Tensor and type(b) is _Tensor and not _dynamo_compiling()) or not _compiling():
             return _autograd_records(a, b, c, d)
