@@ -17,7 +17,6 @@ while traced (`takes`): they map the public arguments onto the overloads.
 """
 import contextlib
 import contextvars
-import types
 
 import torch
 
@@ -346,57 +345,52 @@ _dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", _compiling)
 _Tensor = torch.Tensor
 
 
-def _flag_reader(name, gate, tracing=None):
-    """`reader(*arrays)`: whether gate() is True and any array (None allowed) has `name` set, asking
-    tracing() first, and answering True when it is, unless the first two arrays are exactly
-    torch.Tensor; torch.Tensor's flag read through its C getter (_C.flag_reader, no Python frame),
-    where torch defines it as attnmerge expects (a getset descriptor)."""
+def _flag_reader(name, gate):
+    """`reader(*arrays)`: whether gate() is True and any array (None allowed) has `name` set;
+    torch.Tensor's own read through its C getter (_C.flag_reader, less than a Python attribute read
+    each), where torch defines it as attnmerge expects (a getset descriptor)."""
     try:
-        return _C.flag_reader(_Tensor, name, gate, tracing)
+        return _C.flag_reader(_Tensor, name, gate)
     except TypeError:
-        def reader(*arrays):
-            if tracing is not None and not (type(arrays[0]) is _Tensor and type(arrays[1]) is _Tensor) and \
-                    tracing() is True:
-                return True
-            return gate() is True and any(getattr(x, name, False) is True for x in arrays)
-        return reader
+        return lambda *arrays: gate() is True and any(getattr(x, name, False) is True for x in arrays)
 
 
 # Whether autograd records a call of these inputs: the grad mode first, as inference runs under
 # no_grad or inference_mode.
 _autograd_records = _flag_reader("requires_grad", torch.is_grad_enabled)
 
-# takes(a, b, c, d): whether a public call goes through torch.ops.attnmerge: while torch.compile or
-# torch.export traces it, and when autograd would record it (any of the arrays a..d, None allowed,
-# requires grad): the op then differentiates it, or refuses it by name.  Eager torch tensors, the
-# per-call case, are one C call (the grad mode, then the four flags); other arrays ask
-# torch.compiler.is_compiling() first (torch.export's non-strict tracing passes FakeTensors, a
-# subclass).  Dynamo cannot trace a C function: while it traces, the function below stands in
-# for it (it folds to True, as is_dynamo_compiling() does there).
-takes = _flag_reader("requires_grad", torch.is_grad_enabled, _compiling)
 
-
-def _stand_in_while_tracing(fn):
-    """Registers with Dynamo a Python function that stands in for the C function `fn` while it
-    traces, answering True (as is_dynamo_compiling() folds to there); False where this torch
-    cannot (before torch.compiler.substitute_in_graph, or a Python fn: Dynamo traces it itself)."""
-    substitute = getattr(torch.compiler, "substitute_in_graph", None)
-    if substitute is None or isinstance(fn, types.FunctionType):
-        return False
-    try:
-        @substitute(fn, skip_signature_check=True)
-        def _takes_while_tracing(a, b, c, d):
-            return True
-    except (TypeError, ValueError, RuntimeError, AttributeError):
-        return False
+def _python_takes(a, b, c, d):
+    if (type(a) is _Tensor and type(b) is _Tensor and not _dynamo_compiling()) or not _compiling():
+        return _autograd_records(a, b, c, d)
     return True
 
 
-if not _stand_in_while_tracing(takes):  # Dynamo traces the Python check instead
-    def takes(a, b, c, d):
-        if (type(a) is _Tensor and type(b) is _Tensor and not _dynamo_compiling()) or not _compiling():
-            return _autograd_records(a, b, c, d)
-        return True
+def _c_takes():
+    """_python_takes as one C call (_C.flag_reader with torch.compiler.is_compiling as `tracing`:
+    asked only for arrays other than exact torch.Tensor), registered with Dynamo with a Python
+    stand-in that answers True while it traces (as is_dynamo_compiling() folds to there; Dynamo
+    cannot trace a C function); None where torch.Tensor's flag or this torch does not allow it."""
+    substitute = getattr(torch.compiler, "substitute_in_graph", None)
+    if substitute is None:
+        return None
+    try:
+        check = _C.flag_reader(_Tensor, "requires_grad", torch.is_grad_enabled, _compiling)
+
+        @substitute(check, skip_signature_check=True)
+        def _takes_while_tracing(a, b, c, d):
+            return True
+    except (TypeError, ValueError, RuntimeError, AttributeError):
+        return None
+    return check
+
+
+# takes(a, b, c, d): whether a public call goes through torch.ops.attnmerge: while torch.compile or
+# torch.export traces it, and when autograd would record it (any of the arrays a..d, None allowed,
+# requires grad): the op then differentiates it, or refuses it by name.  Eager torch tensors, the
+# per-call case, first and cheapest; other arrays ask torch.compiler.is_compiling() (torch.export's
+# non-strict tracing passes FakeTensors, a subclass).  One C call where this torch allows it.
+takes = _c_takes() or _python_takes
 
 
 def _no_stream(stream):
