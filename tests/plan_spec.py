@@ -44,11 +44,10 @@ def groups_for(states: int, packs: int, rows: int, sms: int, access_bytes: int =
 
 def pair_block_threads(moved_bytes: int, in_place: bool = False, masked: bool = False) -> int:
     """The widest block of a two-way merge moving `moved_bytes`: wider blocks from 32 MB (512) and
-    512 MB (1024); in place at most 512, and PAIR_BLOCK_THREADS where masked."""
-    if in_place and masked:
-        return PAIR_BLOCK_THREADS
-    widest = 1024 if moved_bytes >= 512 << 20 else 512 if moved_bytes >= 32 << 20 else PAIR_BLOCK_THREADS
-    return min(widest, 512) if in_place else widest
+    128 MB (1024); in place 512 at every size, and PAIR_BLOCK_THREADS where masked."""
+    if in_place:
+        return PAIR_BLOCK_THREADS if masked else 512
+    return 1024 if moved_bytes >= 128 << 20 else 512 if moved_bytes >= 32 << 20 else PAIR_BLOCK_THREADS
 
 
 def chunk_for(states: int) -> int:

@@ -147,9 +147,11 @@ def test_merge_states_groups_halve_as_rows_grow(rng, torch, sms, groups, side):
 @pytest.mark.parametrize("s", (3, 4, 5, 8, 12))
 def test_merge_states_rows_kernels_of_4_and_8_states_in_flight(rng, torch, s):
     """Long inputs (the rows kernel): at most 4 states a row take the kernel of 4 in flight; more
-    stream through the kernel of 8, a chunk ahead."""
+    stream through the kernel of 8, a chunk ahead.  Empty parts carry NaN O: a last chunk's slots
+    past the row's states are not loaded and keep the chunk before's packs, which must not leak."""
     o, lse = random_stacked(rng, 4096, s, 8, 64, "bfloat16")
     lse[rng.random(lse.shape) < 0.3] = -np.inf
+    o[lse == -np.inf] = np.nan
     out, out_lse = attnmerge.merge_states(put(torch, o), put(torch, lse))
     assert attnmerge.last_launch()["kernel"] == "rows"
     assert_merge_matches(get(torch, out), get(torch, out_lse), reference_merge_stacked(o, lse), "bfloat16")

@@ -50,40 +50,46 @@ __device__ __forceinline__ void weigh_row(const float (&l)[kChunk], float (&w)[k
 // and `acc` the O packs weighted against that max, both rescaled when a chunk raises the max, so
 // that the LSEs are read once and every memory round trip carries O (a first walk of the LSEs for
 // the max was measured slower on long rows: benchmarks/NOTES.md).  The first chunk is loaded
-// already (LSEs in `l`, -inf past n, packs in `o`); each later chunk's LSEs and packs are loaded
-// together before any is used.  lse_of(s) and o_of(s): state s's LSE and this thread's pack of its
-// O.  After it, r.finish(factor) and acc[i] * r.inv give the merged row; a zero-weight part is
-// dropped unread as in the one-chunk path, and a NaN LSE makes the row NaN.
+// already (LSEs in `l`, -inf past n, packs in `o`) and weighed against its own max (nothing to
+// rescale yet); each later chunk's LSEs and packs are loaded together before any is used, by
+// predicated loads.  lse_of(s) and o_of(s): where state s's LSE and this thread's pack of its O
+// lie (computed past n too, never read there).  After it, r.finish(factor) and acc[i] * r.inv give
+// the merged row; a zero-weight part is dropped unread as in the one-chunk path, and a NaN LSE
+// makes the row NaN.
 template <int kChunk, typename TIn, int VEC, typename LseOf, typename OOf>
 __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pack<TIn, VEC> (&o)[kChunk],
                                                   LseOf lse_of, OOf o_of, bool stream, RowMerge& r,
                                                   float (&acc)[VEC]) {
-  for (int s = 0;;) {
+  // A chunk's states weighed against r.m, without a branch: a state past n has LSE -inf, so
+  // weight 0, and accumulate clears the words of its pack (never loaded).
+  const auto add = [&] {
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) {
+      const float w = r.weight(l[c]);
+      r.total += w;
+      accumulate(acc, o[c], w, w);
+    }
+  };
+#pragma unroll
+  for (int c = 0; c < kChunk; ++c) r.see(l[c]);
+  add();
+  for (int s = kChunk; s < n; s += kChunk) {
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) {
+      l[c] = load_lse_if(lse_of(s + c), s + c < n);
+      o[c] = load_pack_if<TIn, VEC>(o_of(s + c), s + c < n, stream);
+    }
     const float before = r.m;
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) r.see(l[c]);
     // What was accumulated against the old max, rescaled to the new one; where that underflows to
     // 0 it is dropped whole (a select: a NaN O of a part whose weight is now 0 must not survive as
     // 0 * NaN, as the one-chunk path never reads such a part).
-    const float keep = r.weight(before);  // 0 while nothing was seen: acc and total are 0 then
+    const float keep = r.weight(before);
     r.total *= keep;
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] = keep != 0.0f ? acc[i] * keep : 0.0f;
-#pragma unroll
-    for (int c = 0; c < kChunk; ++c) {
-      if (s + c < n) {
-        const float w = r.weight(l[c]);
-        r.total += w;
-        accumulate(acc, o[c], w, w);
-      }
-    }
-    s += kChunk;
-    if (s >= n) break;
-#pragma unroll
-    for (int c = 0; c < kChunk; ++c) {
-      l[c] = s + c < n ? lse_of(s + c) : -INFINITY;
-      if (s + c < n) o[c] = load_pack<TIn, VEC>(o_of(s + c), stream);
-    }
+    add();
   }
 }
 
@@ -224,32 +230,45 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   const auto states = src.template row<TIn>(token, head, k * VEC);
   const int n = kBarrier && !live ? 0 : states.count();
   const bool stream = Source::kStream < 0 ? shape.stream : Source::kStream == 1;
+  constexpr bool kFew = Source::kMaxStates > 0 && Source::kMaxStates <= kChunk;  // at most a chunk, always
   // The first chunk: every load in flight at once.
   float l[kChunk];
   P o[kChunk];
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) {
-    l[c] = c < n ? states.lse(c) : -INFINITY;  // -inf: no weight, no NaN
-    if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c), stream);
+    if constexpr (kFew) {  // a count known at compile time: no predicate
+      l[c] = c < n ? states.lse(c) : -INFINITY;  // -inf: no weight, no NaN
+      if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c), stream);
+    } else {
+      l[c] = load_lse_if(states.lse_ptr(c), c < n);
+      o[c] = load_pack_if<TIn, VEC>(states.template o_at<TIn>(c), c < n, stream);
+    }
   }
   // Where the results go, worked out while the loads are in flight: at decode sizes a merge
   // lasts as long as its longest chain of dependent instructions, and everything after the loads
   // is on it.
   TOut* dst;
   float* lse_dst;
+  bool writes_lse;  // this thread stores the row's merged LSE (at lse_dst)
   // A flat two-way merge's output offsets are its inputs' (kFlatRows); in place, the output's own
-  // views are measured faster (benchmarks/NOTES.md).
+  // views are measured faster (benchmarks/NOTES.md), and its LSE is always written (the plan's
+  // condition): no null check.
   if constexpr (flat_launch<Source>() && !Source::kFusedLse) {
     dst = static_cast<TOut*>(out.o) + src.offset(row, k * VEC);
-    lse_dst = k == 0 && out.lse != nullptr ? out.lse + src.lse_offset(row) : nullptr;
+    lse_dst = out.lse != nullptr ? out.lse + src.lse_offset(row) : nullptr;
+    writes_lse = k == 0 && lse_dst != nullptr;
+  } else if constexpr (Source::kFusedLse) {
+    dst = out.o_at<TOut>(token, head, k * VEC);
+    lse_dst = out.lse_row(token, head);
+    writes_lse = k == 0;
   } else {
     dst = out.o_at<TOut>(token, head, k * VEC);
-    lse_dst = k == 0 ? out.lse_at(token, head) : nullptr;
+    lse_dst = out.lse_at(token, head);
+    writes_lse = k == 0 && lse_dst != nullptr;
   }
   RowMerge r(shape.base2);
   const float factor = Source::kPlain ? out.inv_scale : out.inverse_scale();
   float acc[VEC] = {};
-  constexpr bool kFew = Source::kMaxStates > 0 && Source::kMaxStates <= kChunk;  // at most a chunk, always
   if (kFew || n <= kChunk) {  // one round trip, the weights from the row's own max
     float w[kChunk];
     weigh_row<kChunk>(l, w, factor, r);
@@ -259,16 +278,16 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
     }
     if constexpr (kLanes) sync_row_lanes(static_cast<int>(shape.packs));
     const float merged_lse = r.lse();  // computed unconditionally: a store under a predicate, no branch
-    if (lse_dst != nullptr) *lse_dst = merged_lse;  // its latency hidden behind the O math
+    if (writes_lse) *lse_dst = merged_lse;  // its latency hidden behind the O math
 #pragma unroll
     for (int c = 0; c < kChunk; ++c)
       if (c < n) accumulate(acc, o[c], r.scale(w[c]), w[c]);
   } else if constexpr (!kFew) {
     accumulate_online<kChunk>(
-        n, l, o, [&](int s) { return states.lse(s); },
+        n, l, o, [&](int s) { return states.lse_ptr(s); },
         [&](int s) { return states.template o_at<TIn>(s); }, stream, r, acc);
     r.finish(factor);
-    if (lse_dst != nullptr) *lse_dst = r.lse();
+    if (writes_lse) *lse_dst = r.lse();
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] *= r.inv;
   }
@@ -308,18 +327,19 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
   const auto states = src.template row<TIn>(token, head);
   const int n = live ? states.count() : 0;
   const int mine = n > g ? ((n - g - 1) >> kShift) + 1 : 0;  // this group's states
-  // The group's j-th state is the row's g + j G: addresses from the group's first by fixed steps.
-  const float* const lse0 = states.l0 + g * states.l_ss;
-  const TIn* const o0 = states.template o_at<TIn>(g) + k * VEC;
+  // The group's j-th state is the row's g + j G: 32-bit offsets from the row's first state by
+  // fixed steps, each address one multiply-add from the row's pointers.
+  const TIn* const orow = states.template o_at<TIn>(0);
+  const I o_first = g * states.o_ss + k * VEC, lse_first = g * states.l_ss;
   const I lse_step = states.l_ss << kShift, o_step = states.o_ss << kShift;
-  const auto lse_of = [&](int j) { return lse0[j * lse_step]; };
-  const auto o_of = [&](int j) { return o0 + j * o_step; };
+  const auto lse_of = [&](int j) { return states.l0 + (lse_first + j * lse_step); };
+  const auto o_of = [&](int j) { return orow + (o_first + j * o_step); };
   float l[kChunk];
   P o[kChunk];
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) {
-    l[c] = c < mine ? lse_of(c) : -INFINITY;
-    if (c < mine) o[c] = load_pack<TIn, VEC>(o_of(c), true);
+    l[c] = load_lse_if(lse_of(c), c < mine);
+    o[c] = load_pack_if<TIn, VEC>(o_of(c), c < mine, true);
   }
   RowMerge part(shape.base2);
   float acc[VEC] = {};

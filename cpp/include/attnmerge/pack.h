@@ -2,6 +2,7 @@
 // loads and stores (evict-first where the launch chose so) and the weighted accumulation.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -112,6 +113,33 @@ __device__ __forceinline__ void store_bits(V* p, V v, bool stream) {
 }
 #endif
 
+#if defined(__CUDA_ARCH__)
+// A 16-byte load where `take` (elsewhere its bits are left unspecified: only a part of weight 0
+// may take them, whose words accumulate clears), and an LSE where `take`, -inf elsewhere: one predicated instruction each, no branch (p
+// need not be readable where !take), so that a chunk's loads go out back to back whatever the
+// row's count: a branch around each load had the compiler compute each address inside it.
+__device__ __forceinline__ uint4 load_bits_if(const uint4* p, bool take, bool stream) {
+  uint4 v;
+  if (stream) {
+    asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t@q ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "r"(static_cast<int>(take)));
+  } else {
+    asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t@q ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "r"(static_cast<int>(take)));
+  }
+  return v;
+}
+__device__ __forceinline__ float load_lse_if_gpu(const float* p, bool take) {
+  float v = -INFINITY;
+  asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %2, 0;\n\t@q ld.global.f32 %0, [%1];\n\t}"
+               : "+f"(v)
+               : "l"(p), "r"(static_cast<int>(take)));
+  return v;
+}
+#endif
+
 // Asks L2 for the line holding `p`, neither waiting nor taking a register: a later load of it
 // then meets L2 rather than HBM.  Kernels that keep few bytes in flight (few threads an SM, or a
 // chunk at a time) issue their next chunk's so, before using the current one.
@@ -151,6 +179,37 @@ ATTNMERGE_HD Pack<T, N> load_pack(const T* src, bool stream) {
   std::memcpy(p.w, src, kBytes);
 #endif
   return p;
+}
+
+// load_pack where `take`; elsewhere src is never read and the pack's bits are unspecified (a
+// part of weight 0 only: accumulate clears its words).  Predicated where the pack is whole 16-byte accesses (load_bits_if), a branch
+// otherwise.
+template <typename T, int N>
+ATTNMERGE_HD Pack<T, N> load_pack_if(const T* src, bool take, bool stream) {
+#if defined(__CUDA_ARCH__)
+  constexpr int kBytes = Pack<T, N>::kBytes;
+  if constexpr (kBytes % 16 == 0) {
+    Pack<T, N> p;
+    ATTNMERGE_UNROLL
+    for (int a = 0; a < kBytes / 16; ++a) {
+      const uint4 v = load_bits_if(reinterpret_cast<const uint4*>(src) + a, take, stream);
+      p.w[4 * a] = v.x, p.w[4 * a + 1] = v.y, p.w[4 * a + 2] = v.z, p.w[4 * a + 3] = v.w;
+    }
+    return p;
+  }
+#endif
+  Pack<T, N> p{};
+  if (take) p = load_pack<T, N>(src, stream);
+  return p;
+}
+
+// An LSE where `take`, else -inf (nothing read): predicated on the GPU.
+ATTNMERGE_HD float load_lse_if(const float* p, bool take) {
+#if defined(__CUDA_ARCH__)
+  return load_lse_if_gpu(p, take);
+#else
+  return take ? *p : -INFINITY;
+#endif
 }
 
 // acc += scale * p, where a part of zero `weight` adds zeros: its words are cleared first, so NaN

@@ -170,13 +170,13 @@ bool stream_o(const Source& src, int64_t bytes, bool pair_in_order) {
 }  // namespace plan_detail
 
 // The widest block of a two-way merge moving `bytes`: kPairBlockThreads, or wider for calls of
-// 32 MB (512 threads) and 512 MB (1024) or more, where fewer, wider blocks were measured faster;
-// in place at most 512 (1024 slower at 204 MB), and masked kPairBlockThreads, measured faster
-// there (benchmarks/NOTES.md).
+// 32 MB (512 threads) and 128 MB (1024) or more, where fewer, wider blocks were measured faster;
+// in place 512 at every size (a token's rows a block at 32 x 128: faster from 512 tokens, 1024
+// slower at 204 MB; narrower at decode sizes through row_dims), and masked kPairBlockThreads,
+// measured faster there (benchmarks/NOTES.md).
 inline int pair_block_threads(int64_t bytes, bool in_place = false, bool masked = false) {
-  if (in_place && masked) return kPairBlockThreads;
-  const int widest = bytes >= (int64_t{512} << 20) ? 1024 : bytes >= (int64_t{32} << 20) ? 512 : kPairBlockThreads;
-  return in_place ? std::min(widest, 512) : widest;
+  if (in_place) return masked ? kPairBlockThreads : 512;
+  return bytes >= (int64_t{128} << 20) ? 1024 : bytes >= (int64_t{32} << 20) ? 512 : kPairBlockThreads;
 }
 
 // Groups of threads a row's `states` are split into under kStates; 1 means kRows.  Only where a

@@ -106,10 +106,15 @@ struct OutView {
   ATTNMERGE_HD T* o_at(I token, I head, I at = I{0}) const {
     return static_cast<T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at);
   }
-  // Where the row's merged LSE goes: null when none is written.
+  // Where the row's merged LSE goes: null when none is written (lse_at), or, for an output known
+  // to have one (lse set), without the check (lse_row).
+  template <typename I>
+  ATTNMERGE_HD float* lse_row(I token, I head) const {
+    return lse + (token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh));
+  }
   template <typename I>
   ATTNMERGE_HD float* lse_at(I token, I head) const {
-    return lse != nullptr ? lse + (token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)) : nullptr;
+    return lse != nullptr ? lse_row(token, head) : nullptr;
   }
   template <typename I>
   ATTNMERGE_HD void store_lse(I token, I head, float v) const {
