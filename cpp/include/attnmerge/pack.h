@@ -114,9 +114,9 @@ __device__ __forceinline__ void store_bits(V* p, V v, bool stream) {
 #endif
 
 #if defined(__CUDA_ARCH__)
-// A 16-byte load where `take` (elsewhere its bits are left unspecified: only a part of weight 0
-// may take them, whose words accumulate clears), and an LSE where `take`, -inf elsewhere: one predicated instruction each, no branch (p
-// need not be readable where !take), so that a chunk's loads go out back to back whatever the
+// A 16-byte load where `take`; elsewhere nothing is read (p need not be readable) and the bits
+// are unspecified: only a part of weight 0 may take them, whose words accumulate clears.  One
+// predicated instruction, no branch, so that a chunk's loads go out back to back whatever the
 // row's count: a branch around each load had the compiler compute each address inside it.
 __device__ __forceinline__ uint4 load_bits_if(const uint4* p, bool take, bool stream) {
   uint4 v;
@@ -129,13 +129,6 @@ __device__ __forceinline__ uint4 load_bits_if(const uint4* p, bool take, bool st
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p), "r"(static_cast<int>(take)));
   }
-  return v;
-}
-__device__ __forceinline__ float load_lse_if_gpu(const float* p, bool take) {
-  float v = -INFINITY;
-  asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %2, 0;\n\t@q ld.global.f32 %0, [%1];\n\t}"
-               : "+f"(v)
-               : "l"(p), "r"(static_cast<int>(take)));
   return v;
 }
 #endif
@@ -181,9 +174,9 @@ ATTNMERGE_HD Pack<T, N> load_pack(const T* src, bool stream) {
   return p;
 }
 
-// load_pack where `take`; elsewhere src is never read and the pack's bits are unspecified (a
-// part of weight 0 only: accumulate clears its words).  Predicated where the pack is whole 16-byte accesses (load_bits_if), a branch
-// otherwise.
+// load_pack where `take`; elsewhere src is never read and the pack's bits are unspecified (for
+// a part of weight 0 only: accumulate clears its words).  Predicated where the pack is whole
+// 16-byte accesses (load_bits_if), a branch otherwise.
 template <typename T, int N>
 ATTNMERGE_HD Pack<T, N> load_pack_if(const T* src, bool take, bool stream) {
 #if defined(__CUDA_ARCH__)
@@ -203,10 +196,14 @@ ATTNMERGE_HD Pack<T, N> load_pack_if(const T* src, bool take, bool stream) {
   return p;
 }
 
-// An LSE where `take`, else -inf (nothing read): predicated on the GPU.
+// An LSE where `take`, else -inf and nothing read: one predicated load on the GPU.
 ATTNMERGE_HD float load_lse_if(const float* p, bool take) {
 #if defined(__CUDA_ARCH__)
-  return load_lse_if_gpu(p, take);
+  float v = -INFINITY;
+  asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %2, 0;\n\t@q ld.global.f32 %0, [%1];\n\t}"
+               : "+f"(v)
+               : "l"(p), "r"(static_cast<int>(take)));
+  return v;
 #else
   return take ? *p : -INFINITY;
 #endif
