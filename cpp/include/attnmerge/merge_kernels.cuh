@@ -302,7 +302,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
 // it rescales every group's partial to the row's max and sums them in a fixed order, so that
 // results are bit-identical from run to run, with the semantics of kRows (a zero-weight part is
 // dropped unread, a NaN LSE makes the row NaN, an all-empty row gives O = 0 and LSE -inf).
-// Built for latency, as split-KV decode calls it: no division, a group's first chunk of loads
+// Built for latency, as split-KV decode calls it: no division, each chunk's loads predicated and
 // issued back to back with evict-first accesses (the plan streams every kStates call), and the
 // finishing reads of shared memory all in flight together.  32-bit offsets and VEC a multiple of
 // 4 (the plan's conditions).  Every thread reaches the barrier: none leaves early.
