@@ -1,18 +1,16 @@
-"""The GPU backward kernel's logic, on the CPU: tests/native/backward_emulator.cpp compiles the kernel
-of attnmerge/merge_backward_kernels.cuh (the installed header) as host C++, each row's lanes as host
-threads whose shuffles meet at a barrier, and runs it on the plan the library makes.  The results are
-held to the same oracle and tolerances as tests/semantics/test_backward.py: rows and their lanes, chunks of
-states, rows wider than a warp, which lane writes which state's dlse, the two passes without O, the
-variable-length rows' edges and a_tokens, all without a GPU.  (What it cannot check: the device's
-own instructions, vector accesses and approximations; the `gpu` tests do.)
+"""The GPU backward's logic, on the CPU: tests/native/backward_emulator.cpp runs the library's plan
+(plan_backward), launcher and kernel (attnmerge/merge_backward_kernels.cuh, the installed header)
+as host C++, each block's threads as fibers whose shuffles meet (tests/emulators.py), in the
+orders it sets.  The results are held to the same oracle and tolerances as
+tests/semantics/test_backward.py: rows and their lanes, chunks of states, rows wider than a warp,
+which lane writes which state's dlse, the two passes without O, the variable-length rows' edges and
+a_tokens, all without a GPU.  (What it cannot check: the device's own instructions, vector
+accesses and approximations; the `gpu` tests do.)
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -20,40 +18,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attnmerge
+from emulators import CODES, ORDERS, arg, build, check, nan_like, order, widest_vec
 from oracle import DTYPES, np_dtype, random_lse, random_o, reference_merge_stacked, reference_merge_varlen, strided_view
 from test_backward import (BASES, GRAD_LSE_RTOL, GRAD_LSE_RTOL_WITHOUT_O, assert_grads, case, expected_states,
                            forward_states, layouts, varlen_expected)
 
-HERE = os.path.dirname(os.path.dirname(__file__))  # tests/
-CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
-I64P = ctypes.POINTER(ctypes.c_int64)
 
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no C++ compiler on PATH")
-    lib = tmp_path_factory.mktemp("emulator") / "backward_emulator.so"
-    build = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-I",
-                            os.path.join(HERE, "native", "emulated_cuda"), "-I", attnmerge.include_dir(),
-                            os.path.join(HERE, "native", "backward_emulator.cpp"), "-o", str(lib)],
-                           capture_output=True, text=True, timeout=300)
-    if build.returncode != 0 and "<barrier>" in build.stderr:
-        pytest.skip("the C++ compiler has no C++20 <barrier>")
-    assert build.returncode == 0, build.stderr[-3000:]
-    return ctypes.CDLL(str(lib))
+    return build("backward_emulator.cpp", tmp_path_factory)
 
 
-def arg(x):
-    """(pointer, strides in elements) of an array, or (None, None)."""
-    if x is None:
-        return None, None
-    strides = (ctypes.c_int64 * max(1, x.ndim))(*(s // x.itemsize for s in x.strides))
-    return ctypes.c_void_p(x.ctypes.data), ctypes.cast(strides, I64P)
-
-
-def call(fn, sizes, in_dtype, out_dtype, base, vec, sms, *arrays, tail=()):
+def call(emu, fn, sizes, in_dtype, out_dtype, base, vec, sms, *arrays, tail=(), how=0, seed=0):
     args = [ctypes.c_int64(v) for v in sizes] + [ctypes.c_int(CODES[in_dtype]), ctypes.c_int(CODES[out_dtype]),
                                                  ctypes.c_int(base == 2), ctypes.c_int(vec), ctypes.c_int(sms)]
     keep = []
@@ -61,26 +38,8 @@ def call(fn, sizes, in_dtype, out_dtype, base, vec, sms, *arrays, tail=()):
         ptr, strides = arg(x)
         keep.append(strides)
         args += [ptr, strides]
-    fn(*args, *tail)
-
-
-def widest_vec(head_size, *arrays):
-    """The vector width the C ABI chooses (route.cpp, choose_vec): 16 bytes of the widest dtype,
-    halved until head_size, every pointer and every non-innermost stride allow it."""
-    arrays = [x for x in arrays if x is not None]
-    vec = 16 // max(x.itemsize for x in arrays)
-    while vec > 1:
-        ok = head_size % vec == 0 and all(
-            x.size == 0 or (x.ctypes.data % (vec * x.itemsize) == 0 and all(
-                n <= 1 or (s // x.itemsize) % vec == 0 for n, s in zip(x.shape[:-1], x.strides[:-1]))) for x in arrays)
-        if ok:
-            return vec
-        vec //= 2
-    return 1
-
-
-def nan_like(x, dtype=None):
-    return np.full(x.shape, np.nan, np.float32).astype(x.dtype if dtype is None else dtype)
+    order(emu, how, seed)
+    check(emu, fn(*args, *tail))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -106,7 +65,8 @@ def test_states_backward_kernel(emu, data):
               out_lse, ov, lse)
     vec = widest_vec(d, grad_o, grad_out, None if without_out else out, ov)
     sms = data.draw(st.sampled_from((0, 132)))
-    call(emu.emulate_states_backward, (t, s, h, d), in_dtype, out_dtype, base, vec, sms, *arrays)
+    call(emu, emu.emulate_states_backward, (t, s, h, d), in_dtype, out_dtype, base, vec, sms, *arrays,
+         how=data.draw(st.sampled_from(ORDERS)), seed=data.draw(st.integers(0, 2**32 - 1)))
     # without O, dlse's dot is a difference of two float32 dots (test_backward's reason)
     assert_grads(grad_o, grad_lse, want, in_dtype, lse_rtol=GRAD_LSE_RTOL_WITHOUT_O if without_out else GRAD_LSE_RTOL)
 
@@ -130,8 +90,8 @@ def test_varlen_backward_kernel(emu, data):
     grad_lse = strided_view(nan_like(lse), **data.draw(layouts(2, False)))[0]
     arrays = (grad_o, grad_lse, grad_out, grad_out_lse, None if without_out else out, out_lse, o, lse)
     vec = widest_vec(d, grad_o, grad_out, None if without_out else out, o)
-    call(emu.emulate_varlen_backward, (len(counts), total, h, d), in_dtype, in_dtype, base, vec, 132, *arrays,
-         tail=(ctypes.c_void_p(indptr.ctypes.data),))
+    call(emu, emu.emulate_varlen_backward, (len(counts), total, h, d), in_dtype, in_dtype, base, vec, 132, *arrays,
+         tail=(ctypes.c_void_p(indptr.ctypes.data),), how=data.draw(st.sampled_from(ORDERS)))
     assert_grads(grad_o, grad_lse, want, in_dtype, lse_rtol=GRAD_LSE_RTOL_WITHOUT_O if without_out else GRAD_LSE_RTOL)
 
 
@@ -152,13 +112,14 @@ def test_merge_backward_kernel(emu, rng, in_dtype, a_tokens, without_out):
     arrays = (g_oa, g_la, g_ob, g_lb, grad_out, grad_out_lse, None if without_out else out, out_lse, o_a, lse_a, o_b,
               lse_b)
     vec = widest_vec(d, g_oa, g_ob, grad_out, out, o_a, o_b)
-    call(emu.emulate_merge_backward, (tokens, a_tokens, h, d), in_dtype, "float32", "e", vec, 132, *arrays)
+    call(emu, emu.emulate_merge_backward, (tokens, a_tokens, h, d), in_dtype, "float32", "e", vec, 132, *arrays,
+         how=2, seed=a_tokens)
     assert_grads(g_oa, g_la, (want[0][:a_tokens, 0], want[1][:a_tokens, 0]), in_dtype, "a: ")
     assert_grads(g_ob, g_lb, (want[0][:, 1], want[1][:, 1]), in_dtype, "b: ")
     # b's gradients alone: a's are not written (null), b's the same
     g_ob2 = nan_like(o_b)
-    call(emu.emulate_merge_backward, (tokens, a_tokens, h, d), in_dtype, "float32", "e", vec, 132, None, None, g_ob2,
-         None, grad_out, grad_out_lse, None if without_out else out, out_lse, o_a, lse_a, o_b, lse_b)
+    call(emu, emu.emulate_merge_backward, (tokens, a_tokens, h, d), in_dtype, "float32", "e", vec, 132, None, None,
+         g_ob2, None, grad_out, grad_out_lse, None if without_out else out, out_lse, o_a, lse_a, o_b, lse_b)
     np.testing.assert_array_equal(g_ob2.astype(np.float32), g_ob.astype(np.float32))
 
 

@@ -1,0 +1,122 @@
+// The GPU merges (attnmerge/merge_kernels.cuh) run on the CPU, for the tests: the library's plan
+// (plan_merge) and launcher (launch_merge) with the kernels' own code compiled as host C++ against
+// emulated_cuda/cuda_runtime.h, whose launch runs each block's threads as fibers that meet at its
+// barriers (__syncthreads, __syncwarp) in the order the test sets.  Loads and stores take the host
+// path of the same helpers (a load the GPU predicates off is a branch here), and exp2 the host's:
+// what is checked is the kernels' logic on every strategy the plan has (kRows and its flat,
+// plain, tiled, in-place and masked sources, 32- and 64-bit offsets, kStates of each group
+// count, the two-launch in-place merge), not the device's instructions.  One C function per
+// source, called through ctypes (tests/semantics/test_forward_kernel_emulated.py); each returns
+// the launch's cudaError_t (emulate_error: why) and leaves its plan for emulate_plan.
+//
+// The call's facts (plan.h's CallFacts) are the test's to give, as the C ABI would read them off
+// its tensors or otherwise: a plan for any facts must merge right.
+#include <attnmerge/merge_kernels.cuh>
+
+#include "emulator.h"
+
+namespace attnmerge {
+// The dynamic shared memory of merge_states_kernel's `extern __shared__` declaration.
+alignas(16) float4 shared[emulated::kSharedBytes / sizeof(float4)];
+}  // namespace attnmerge
+
+using namespace attnmerge;
+using emu::state;
+using emu::Types;
+
+namespace {
+
+thread_local LaunchPlan t_plan{MergeShape{0, 0, 0, false}};
+
+// The storage types compiled: each width of element in and out, a wider input into a narrower
+// output and the reverse, and FP8 outputs.
+template <typename Source>
+cudaError_t run(int in_dtype, int out_dtype, const LaunchPlan& plan, const Source& src, const OutView& out) {
+  emulated::state().shared = shared;
+  t_plan = plan;
+  constexpr int kMost = std::is_same<Source, PairSource>::value ? 32 : 16;  // as the library instantiates them
+  return emu::with_types<kMost, Types<float, float>, Types<half_t, half_t>, Types<bfloat16_t, bfloat16_t>,
+                         Types<float, bfloat16_t>, Types<bfloat16_t, float>, Types<bfloat16_t, float8_e4m3_t>>(
+      in_dtype, out_dtype, plan.vec, [&](auto types, auto vec) {
+        using T = decltype(types);
+        return launch_merge<typename T::TIn, typename T::TOut, decltype(vec)::value>(plan, src, out, nullptr);
+      });
+}
+
+// The facts of a call (CallFacts): vec elements an access and its bytes, the largest element
+// offset, the bytes moved, LSEs laid out [heads, tokens], PDL, forced groups (0: the plan's).
+CallFacts facts(int vec, int access_bytes, int64_t max_offset, int64_t bytes, int tokens_inner, int pdl, int groups) {
+  CallFacts f;
+  f.vec = vec;
+  f.access_bytes = access_bytes;
+  f.max_offset = max_offset;
+  f.bytes = bytes;
+  f.lse_tokens_inner = tokens_inner != 0;
+  f.pdl = pdl != 0;
+  f.groups = groups;
+  return f;
+}
+
+OutView out_view(void* o, const int64_t* os, float* l, const int64_t* ls, float inv_scale, const float* scale) {
+  return OutView{o, os[0], os[1], l, l ? ls[0] : 0, l ? ls[1] : 0, inv_scale, scale, false};
+}
+
+}  // namespace
+
+extern "C" {
+
+// The plan of the last call: strategy, chunk, groups, launches, index32, plain, flat, fused_lse,
+// lane_lse, vec, stream, tile_shift, pdl, at fields[0 .. 12].
+void emulate_plan(int64_t* fields) {
+  const LaunchPlan& p = t_plan;
+  const int64_t v[] = {static_cast<int64_t>(p.strategy), p.chunk, p.groups, p.launches, p.index32, p.plain, p.flat,
+                       p.fused_lse, p.lane_lse, p.vec, p.shape.stream, p.shape.tile_shift, p.pdl};
+  for (int i = 0; i < 13; ++i) fields[i] = v[i];
+}
+
+// The two-way merge into out (and out_lse, null: none), or, with in_place, the in-place merge of
+// (o_a, lse_a) = (out, out_lse) with b, rows whose token's mask byte is 0 left alone (mask null:
+// none).  O [tokens, heads, head_size] (a: a_tokens tokens), LSEs [tokens, heads], any strides.
+int emulate_merge(int64_t tokens, int64_t a_tokens, int64_t heads, int64_t head_size, int in_dtype, int out_dtype,
+                  int base2, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int tokens_inner, int pdl,
+                  int in_place, float inv_scale, const float* scale, void* out, const int64_t* out_s, float* out_lse,
+                  const int64_t* ol_s, const void* o_a, const int64_t* oa_s, const float* lse_a, const int64_t* la_s,
+                  const void* o_b, const int64_t* ob_s, const float* lse_b, const int64_t* lb_s, const uint8_t* mask,
+                  int64_t mask_stride) {
+  const MergeShape shape(tokens, heads, head_size, base2 != 0);
+  PairSource src{state(o_a, oa_s, lse_a, la_s), state(o_b, ob_s, lse_b, lb_s), a_tokens, mask, mask_stride};
+  OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, scale);
+  dst.lse_in_place = in_place != 0;
+  const CallFacts f = facts(vec, access_bytes, max_offset, bytes, tokens_inner, pdl, 0);
+  return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);
+}
+
+// The N-way merge: o [tokens, states, heads, head_size], lse [tokens, states, heads], any strides;
+// out [tokens, heads, head_size], out_lse [tokens, heads] (null: none).  groups: CallFacts::groups.
+int emulate_merge_states(int64_t tokens, int64_t states, int64_t heads, int64_t head_size, int in_dtype,
+                         int out_dtype, int base2, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int groups,
+                         float inv_scale, void* out, const int64_t* out_s, float* out_lse, const int64_t* ol_s,
+                         const void* o, const int64_t* o_s, const float* lse, const int64_t* l_s) {
+  const MergeShape shape(tokens, heads, head_size, base2 != 0);
+  const StackSource src{o, o_s[0], o_s[1], o_s[2], lse, l_s[0], l_s[1], l_s[2], states};
+  const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr);
+  const CallFacts f = facts(vec, access_bytes, max_offset, bytes, 0, 0, groups);
+  return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);
+}
+
+// The variable-length merge: row r of out [rows, heads, head_size] merges states [indptr[r],
+// indptr[r + 1]) of o [total, heads, head_size] and lse [total, heads]; indptr int64 or int32
+// (indptr64), `indptr_stride` elements apart.
+int emulate_merge_varlen(int64_t rows, int64_t total, int64_t heads, int64_t head_size, int in_dtype, int out_dtype,
+                         int base2, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int groups, float inv_scale,
+                         void* out, const int64_t* out_s, float* out_lse, const int64_t* ol_s, const void* o,
+                         const int64_t* o_s, const float* lse, const int64_t* l_s, const void* indptr,
+                         int64_t indptr_stride, int indptr64) {
+  const MergeShape shape(rows, heads, head_size, base2 != 0);
+  const RangeSource src{o, o_s[0], o_s[1], lse, l_s[0], l_s[1], indptr, indptr_stride, indptr64 != 0, total};
+  const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr);
+  const CallFacts f = facts(vec, access_bytes, max_offset, bytes, 0, 0, groups);
+  return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);
+}
+
+}  // extern "C"

@@ -1,0 +1,416 @@
+"""The GPU merges' logic, on the CPU: tests/native/forward_emulator.cpp runs the library's plan
+(plan_merge), launcher (launch_merge) and kernels (attnmerge/merge_kernels.cuh, the installed
+header) as host C++, each block's threads as fibers that meet at the kernels' barriers, in the
+orders it sets (tests/emulators.py).  Every strategy the plan has is reached here by the facts of
+a call (CallFacts: the SM count, the bytes moved, the largest offset, the forced groups), and each
+is held to the float64 oracle with the GPU tests' tolerances: the two-way merge (flat, plain,
+with a_tokens, tiled rows, FP8 outputs), the in-place merge (rows in warps, in a block, over
+blocks; masked), the N-way and variable-length merges (rows of one chunk and of many, kStates of
+each group count; empty and NaN states inside a split row).  Inputs sit in NaN-filled buffers
+that end at an unreadable page (or begin after one): a read outside a view poisons the result or
+ends the process, a write outside it is caught.  Results must be bit-identical whatever the order
+of the threads.  (What it cannot check: the device's instructions, vector accesses and
+approximations; the `gpu` tests and compute-sanitizer do.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from emulators import CODES, ORDERS, arg, build, check, launches, order, widest_vec
+from oracle import (assert_fp8_close, assert_merge_matches, fp8_dtype, nan_array, np_dtype, outside_view_is_nan,
+                    random_lse, random_o, reference_merge, reference_merge_stacked, reference_merge_varlen,
+                    strided_view, to_f64)
+from test_backward import layouts
+
+# The storage types the emulator is compiled for (forward_emulator.cpp), (input, output).
+TYPES = (("float32", "float32"), ("float16", "float16"), ("bfloat16", "bfloat16"), ("float32", "bfloat16"),
+         ("bfloat16", "float32"), ("bfloat16", "float8_e4m3fn"))
+LARGE = 1 << 40  # bytes: a call past every size rule of the plan
+FAR = 1 << 31  # a largest offset past 32-bit indexing
+PLAN_FIELDS = ("strategy", "chunk", "groups", "launches", "index32", "plain", "flat", "fused_lse", "lane_lse", "vec",
+               "stream", "tile_shift", "pdl")
+PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None)
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    return build("forward_emulator.cpp", tmp_path_factory)
+
+
+def plan(emu) -> dict:
+    fields = (ctypes.c_int64 * len(PLAN_FIELDS))()
+    emu.emulate_plan(fields)
+    return dict(zip(PLAN_FIELDS, fields))
+
+
+def fenced(view: np.ndarray, buf: np.ndarray, tail: bool):
+    """(view, buf) moved into memory that ends at an unreadable page (tail) or begins right after
+    one, 16-byte aligned as before: a read past the buffer's end (or before its start) faults."""
+    nbytes = buf.nbytes
+    span = -(-(nbytes + 16) // PAGE) * PAGE
+    m = mmap.mmap(-1, span + 2 * PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    for page in (base, base + span + PAGE):
+        assert _libc.mprotect(ctypes.c_void_p(page), ctypes.c_size_t(PAGE), 0) == 0  # PROT_NONE
+    start = PAGE + (span - -(-nbytes // 16) * 16 if tail else 0)
+    new = np.frombuffer(m, np.uint8, nbytes, start).view(buf.dtype).reshape(buf.shape)
+    new[...] = buf
+    offset = view.__array_interface__["data"][0] - buf.__array_interface__["data"][0]
+    moved = np.lib.stride_tricks.as_strided(new.reshape(-1).view(np.uint8)[offset:].view(buf.dtype),
+                                            shape=view.shape, strides=view.strides)
+    return moved, new
+
+
+def placed(x: np.ndarray, layout: dict, tail: bool):
+    """x in a strided buffer of `layout` (strided_view) filled with NaN (an integer array: with -1),
+    fenced."""
+    return fenced(*strided_view(x, **layout, fill=-1 if x.dtype.kind in "iu" else np.nan), tail)
+
+
+def out_buffers(shape, dtype, layout, tail):
+    return placed(nan_array(shape, dtype), layout, tail)
+
+
+def facts(data, vec, itemsizes):
+    """The SM count, bytes moved and largest offset the plan is asked for: the GPU's own or none,
+    decode-sized or past every size rule, 32- or 64-bit offsets."""
+    sms = data.draw(st.sampled_from((0, 4, 132)))
+    nbytes = data.draw(st.sampled_from((1 << 20, 40 << 20, 200 << 20, LARGE)))
+    far = data.draw(st.booleans())
+    return [ctypes.c_int(vec), ctypes.c_int(vec * max(itemsizes)), ctypes.c_int(sms),
+            ctypes.c_int64(FAR if far else 1000), ctypes.c_int64(nbytes)]
+
+
+def head(sizes, in_dtype, out_dtype, base, fact):
+    """The arguments every emulate_* call starts with: its sizes, dtypes, LSE base and facts."""
+    return [ctypes.c_int64(v) for v in sizes] + [CODES[in_dtype], CODES[out_dtype], int(base == 2), *fact]
+
+
+def pointers(*arrays):
+    """The (pointer, strides) arguments of the arrays, and the stride arrays to keep alive."""
+    args, keep = [], []
+    for x in arrays:
+        ptr, strides = arg(x)
+        keep.append(strides)
+        args += [ptr, strides]
+    return args, keep
+
+
+def assert_out(out, out_lse, ref, out_dtype, inv_scale=1.0):
+    if out_dtype == "float8_e4m3fn":
+        assert_fp8_close(out, ref[0], 1.0 / inv_scale)
+        if out_lse is not None:
+            assert_merge_matches(ref[0], out_lse, ref, "float32")
+    else:
+        assert_merge_matches(out, out_lse, ref, out_dtype)
+
+
+def empties(rng, lse, o, share):
+    """Some states empty (LSE -inf or +inf) with NaN O, never to be read."""
+    empty = rng.random(lse.shape) < share
+    lse[empty] = rng.choice([-np.inf, np.inf], size=int(empty.sum()))
+    o[empty] = np.nan
+
+
+def run_orders(emu, call, outputs, seed):
+    """call() in each order of the threads: results bit-identical to the first."""
+    first = None
+    for how in ORDERS:
+        for x in outputs:
+            x[...] = np.nan
+        order(emu, how, seed)
+        check(emu, call())
+        got = [np.array(x, copy=True).view(np.uint8) for x in outputs]
+        if first is None:
+            first = got
+        else:
+            for a, b in zip(first, got):
+                np.testing.assert_array_equal(a, b, err_msg="results differ between orders of the threads")
+
+
+# ---- the two-way merge ---------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_merge(emu, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    t, h = data.draw(st.integers(1, 70)), data.draw(st.integers(1, 3))
+    d = data.draw(st.sampled_from((1, 6, 8, 40, 64, 128, 264)))
+    in_dtype, out_dtype = data.draw(st.sampled_from(TYPES))
+    if out_dtype == "float8_e4m3fn":
+        fp8_dtype()
+    a_tokens = data.draw(st.sampled_from((t, t, 0, t // 2)))
+    base = data.draw(st.sampled_from(("e", 2)))
+    tail = data.draw(st.booleans())
+    o_a, o_b = random_o(rng, (t, h, d), in_dtype), random_o(rng, (t, h, d), in_dtype)
+    lse_a, lse_b = random_lse(rng, (t, h)), random_lse(rng, (t, h))
+    empties(rng, lse_a, o_a, 0.2)
+    ref = reference_merge(o_a, lse_a, o_b, lse_b, base=base, a_tokens=a_tokens)
+    dense = data.draw(st.booleans())  # the flat kernel's layout, else any
+    lay = (lambda n: dict()) if dense else (lambda n: data.draw(layouts(n, n == 3)))
+    va, _ = placed(o_a[:a_tokens], lay(3), tail)
+    vla, _ = placed(lse_a[:a_tokens], lay(2), tail)
+    vb, _ = placed(o_b, lay(3), tail)
+    vlb, _ = placed(lse_b, lay(2), tail)
+    out, obuf = out_buffers((t, h, d), out_dtype, lay(3), tail)
+    with_lse = data.draw(st.booleans())
+    out_lse, lbuf = out_buffers((t, h), "float32", lay(2), tail) if with_lse else (None, None)
+    inv_scale = data.draw(st.sampled_from((1.0, 0.25))) if out_dtype == "float8_e4m3fn" else 1.0
+    vec = widest_vec(d, va, vb, out)
+    fact = facts(data, vec, (va.itemsize, out.itemsize))
+    tokens_inner = data.draw(st.booleans())  # tiled rows where the plan takes them
+    pdl = data.draw(st.booleans())
+    ptrs, strides = pointers(out, out_lse, va, vla, vb, vlb)
+    run_orders(emu, lambda: emu.emulate_merge(
+        *head((t, a_tokens, h, d), in_dtype, out_dtype, base, fact), int(tokens_inner), int(pdl), 0,
+        ctypes.c_float(inv_scale), None, *ptrs, None, ctypes.c_int64(0)),
+        [obuf] + ([lbuf] if with_lse else []), data.draw(st.integers(0, 1000)))
+    assert_out(out, out_lse, ref, out_dtype, inv_scale)
+    assert outside_view_is_nan(out, obuf) and (not with_lse or outside_view_is_nan(out_lse, lbuf))
+
+
+# ---- the in-place merge --------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_merge_inplace(emu, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    t, h = data.draw(st.integers(1, 40)), data.draw(st.integers(1, 3))
+    # rows in warps (up to 32 packs, padded to a power of two), in one block, over blocks
+    d = data.draw(st.sampled_from((1, 8, 24, 80, 128, 512, 2056)))
+    dtype = data.draw(st.sampled_from(("float32", "float16", "bfloat16")))
+    base, tail = data.draw(st.sampled_from(("e", 2))), data.draw(st.booleans())
+    o, o_other = random_o(rng, (t, h, d), dtype), random_o(rng, (t, h, d), dtype)
+    lse, lse_other = random_lse(rng, (t, h)), random_lse(rng, (t, h))
+    empties(rng, lse_other, o_other, 0.2)
+    masked = data.draw(st.booleans())
+    mask = (rng.random(t) < 0.5).astype(np.uint8) if masked else None
+    ref_o, ref_lse = reference_merge(o, lse, o_other, lse_other, base=base)
+    if masked:
+        keep = mask == 0
+        ref_o[keep], ref_lse[keep] = to_f64(o[keep]), to_f64(lse[keep])
+    dense = data.draw(st.booleans())
+    lay = (lambda n: dict()) if dense else (lambda n: data.draw(layouts(n, n == 3)))
+    vo, bo = placed(o, lay(3), tail)
+    vl, bl = placed(lse, lay(2), tail)
+    vb, _ = placed(o_other, lay(3), tail)
+    vlb, _ = placed(lse_other, lay(2), tail)
+    step = data.draw(st.sampled_from((1, 3)))  # a mask byte every `step` bytes
+    mask_buf = np.zeros(t * step, np.uint8)
+    if masked:
+        mask_buf[::step] = mask
+    vm = fenced(mask_buf[::step], mask_buf, tail)[0]
+    vec = widest_vec(d, vo, vb)
+    fact = facts(data, vec, (vo.itemsize,))
+    ptrs, strides = pointers(vo, vl, vo, vl, vb, vlb)
+    order(emu, data.draw(st.sampled_from(ORDERS)), data.draw(st.integers(0, 1000)))
+    check(emu, emu.emulate_merge(
+        *head((t, t, h, d), dtype, dtype, base, fact), 0, 0, 1, ctypes.c_float(1.0), None, *ptrs,
+        ctypes.c_void_p(vm.ctypes.data) if masked else None, ctypes.c_int64(step)))
+    assert_merge_matches(vo, vl, (ref_o, ref_lse), dtype)
+    assert outside_view_is_nan(vo, bo) and outside_view_is_nan(vl, bl)
+
+
+# ---- the N-way merge -----------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_merge_states(emu, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    t, h = data.draw(st.integers(0, 6)), data.draw(st.integers(1, 3))
+    s = data.draw(st.sampled_from((0, 1, 3, 4, 5, 8, 9, 16, 17, 33, 64, 257)))
+    d = data.draw(st.sampled_from((1, 8, 16, 40, 64, 128, 136)))
+    in_dtype, out_dtype = data.draw(st.sampled_from(TYPES))
+    if out_dtype == "float8_e4m3fn":
+        fp8_dtype()
+    base, tail = data.draw(st.sampled_from(("e", 2))), data.draw(st.booleans())
+    o, lse = random_o(rng, (t, s, h, d), in_dtype), random_lse(rng, (t, s, h))
+    empties(rng, lse, o, data.draw(st.sampled_from((0.0, 0.3, 1.0))))
+    if t and s and data.draw(st.booleans()):  # a NaN LSE late in a row: the row is NaN
+        lse[rng.integers(t), rng.integers(s), rng.integers(h)] = np.nan
+    ref = reference_merge_stacked(o, lse, base=base)
+    vo, _ = placed(o, data.draw(layouts(4, True)), tail)
+    vl, _ = placed(lse, data.draw(layouts(3, False)), tail)
+    out, obuf = out_buffers((t, h, d), out_dtype, data.draw(layouts(3, True)), tail)
+    with_lse = data.draw(st.booleans())
+    out_lse, lbuf = out_buffers((t, h), "float32", data.draw(layouts(2, False)), tail) if with_lse else (None, None)
+    vec = widest_vec(d, vo, out)
+    fact = facts(data, vec, (vo.itemsize, out.itemsize))
+    groups = data.draw(st.sampled_from((0, 0, 1, 2, 4, 8, 16)))
+    ptrs, strides = pointers(out, out_lse, vo, vl)
+    run_orders(emu, lambda: emu.emulate_merge_states(
+        *head((t, s, h, d), in_dtype, out_dtype, base, fact), groups, ctypes.c_float(1.0), *ptrs),
+        [obuf] + ([lbuf] if with_lse else []), data.draw(st.integers(0, 1000)))
+    assert_out(out, out_lse, ref, out_dtype)
+    assert outside_view_is_nan(out, obuf) and (not with_lse or outside_view_is_nan(out_lse, lbuf))
+
+
+# ---- the variable-length merge -------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_merge_varlen(emu, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    counts = data.draw(st.lists(st.sampled_from((0, 1, 2, 5, 9, 17, 40)), max_size=6))
+    before, after = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
+    indptr = np.concatenate([[before], before + np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+    total, h = int(indptr[-1]) + after, data.draw(st.integers(1, 3))
+    d = data.draw(st.sampled_from((2, 16, 40, 128)))
+    in_dtype, out_dtype = data.draw(st.sampled_from(TYPES[:5]))
+    base, tail = data.draw(st.sampled_from(("e", 2))), data.draw(st.booleans())
+    o, lse = random_o(rng, (total, h, d), in_dtype), random_lse(rng, (total, h))
+    empties(rng, lse, o, 0.2)
+    ref = reference_merge_varlen(o, lse, indptr, base=base)
+    vo, _ = placed(o, data.draw(layouts(3, True)), tail)
+    vl, _ = placed(lse, data.draw(layouts(2, False)), tail)
+    rows = len(counts)
+    out, obuf = out_buffers((rows, h, d), out_dtype, {}, tail)
+    out_lse, lbuf = out_buffers((rows, h), "float32", {}, tail)
+    ip_dtype = data.draw(st.sampled_from((np.int64, np.int32)))
+    vi, _ = placed(indptr.astype(ip_dtype), data.draw(layouts(1, False)), tail)
+    vec = widest_vec(d, vo, out)
+    fact = facts(data, vec, (vo.itemsize, out.itemsize))
+    groups = data.draw(st.sampled_from((0, 0, 1, 2, 4, 16)))
+    ptrs, strides = pointers(out, out_lse, vo, vl)
+    run_orders(emu, lambda: emu.emulate_merge_varlen(
+        *head((rows, total, h, d), in_dtype, out_dtype, base, fact), groups, ctypes.c_float(1.0), *ptrs,
+        ctypes.c_void_p(vi.ctypes.data), ctypes.c_int64(vi.strides[0] // vi.itemsize), int(ip_dtype == np.int64)),
+        [obuf, lbuf], data.draw(st.integers(0, 1000)))
+    assert_merge_matches(out, out_lse, ref, out_dtype)
+
+
+# ---- every path of the plan ----------------------------------------------------------------------
+# (op, tokens, states, heads, head_size, dtype, facts, plan fields expected): each strategy and
+# source of plan.h reached by the facts of a call, and merging right in every order of the threads.
+# facts: sms, bytes, far (64-bit offsets), groups (N-way), layout ("dense", "wide": the output's
+# heads twice head_size apart, "a": a_tokens < tokens), tokens_inner, mask.
+KROWS, KSTATES = 0, 1
+PATHS = {
+    "two-way flat, evict-first": ("merge", 16, 2, 4, 128, "bfloat16", dict(sms=132, bytes=1 << 20),
+                                  dict(plain=1, flat=1, stream=1, index32=1)),
+    "two-way flat, blocks of 1024": ("merge", 64, 2, 4, 128, "bfloat16", dict(sms=0, bytes=LARGE),
+                                     dict(plain=1, flat=1, stream=0)),
+    "two-way plain, not flat": ("merge", 9, 2, 3, 64, "float32", dict(sms=132, bytes=1 << 20, layout="wide"),
+                                dict(plain=1, flat=0)),
+    "two-way with a_tokens": ("merge", 9, 2, 3, 64, "float16", dict(sms=132, bytes=1 << 20, layout="a"),
+                              dict(plain=0, flat=0)),
+    "two-way tiled rows": ("merge", 70, 2, 3, 16, "float32", dict(sms=132, bytes=LARGE, tokens_inner=True),
+                           dict(plain=0, tile_shift=3)),
+    "two-way 64-bit offsets": ("merge", 9, 2, 3, 40, "bfloat16", dict(sms=132, bytes=1 << 20, far=True),
+                               dict(plain=1, flat=0, index32=0)),
+    "in place, rows in warps, flat": ("inplace", 12, 2, 3, 80, "bfloat16", dict(sms=132, bytes=1 << 20),
+                                      dict(fused_lse=1, lane_lse=1, plain=1, launches=1)),
+    "in place, rows in warps, flat, masked": ("inplace", 12, 2, 3, 128, "bfloat16",
+                                              dict(sms=132, bytes=1 << 20, mask=True),
+                                              dict(fused_lse=1, lane_lse=1, plain=1, launches=1)),
+    "in place, rows in warps, strided": ("inplace", 12, 2, 3, 24, "float16", dict(sms=4, bytes=1 << 20, layout="wide"),
+                                         dict(fused_lse=1, lane_lse=1, plain=0)),
+    "in place, rows in a block": ("inplace", 5, 2, 2, 512, "float32", dict(sms=132, bytes=1 << 20, mask=True),
+                                  dict(fused_lse=1, lane_lse=0, launches=1)),
+    "in place, rows over blocks": ("inplace", 3, 2, 2, 2056, "float32", dict(sms=132, bytes=1 << 20),
+                                   dict(fused_lse=0, launches=2)),
+    "in place, masked, two accesses a thread": ("inplace", 12, 2, 3, 128, "bfloat16",
+                                                dict(sms=132, bytes=LARGE, mask=True), dict(vec=16, lane_lse=1)),
+    "N-way rows, 4 in flight": ("states", 7, 3, 3, 40, "float16", dict(sms=132, bytes=1 << 20),
+                                dict(strategy=KROWS, chunk=4)),
+    "N-way rows, 8 in flight, long rows": ("states", 7, 37, 2, 64, "bfloat16", dict(sms=132, bytes=1 << 20, groups=1),
+                                           dict(strategy=KROWS, chunk=8)),
+    "N-way rows, 64-bit offsets": ("states", 3, 20, 2, 16, "float32", dict(sms=132, bytes=1 << 20, far=True),
+                                   dict(strategy=KROWS, index32=0)),
+    "N-way states, the plan's groups": ("states", 4, 64, 2, 128, "bfloat16", dict(sms=132, bytes=1 << 20),
+                                        dict(strategy=KSTATES, groups=16)),
+    **{f"N-way states, {g} groups": ("states", 3, 41, 2, 64, "float32", dict(sms=132, bytes=1 << 20, groups=g),
+                                     dict(strategy=KSTATES, groups=g)) for g in (2, 4, 8, 16)},
+    "varlen rows": ("varlen", 5, 9, 2, 16, "float16", dict(sms=0, bytes=1 << 20, groups=1), dict(strategy=KROWS)),
+    "varlen states": ("varlen", 5, 40, 2, 64, "bfloat16", dict(sms=132, bytes=1 << 20), dict(strategy=KSTATES)),
+}
+
+
+@pytest.mark.parametrize("name", list(PATHS))
+def test_every_path_of_the_plan(emu, rng, name):
+    op, t, s, h, d, dtype, f, want = PATHS[name]
+    layout = f.get("layout", "dense")
+    fenced_tail = len(name) % 2 == 0
+    far = FAR if f.get("far") else 1000
+
+    def fact(*os):  # the case's facts, the vector width its O arrays allow
+        vec = widest_vec(d, *os)
+        return [ctypes.c_int(vec), ctypes.c_int(vec * os[0].itemsize), ctypes.c_int(f["sms"]), ctypes.c_int64(far),
+                ctypes.c_int64(f["bytes"])]
+
+    if op in ("merge", "inplace"):
+        o_a, o_b = random_o(rng, (t, h, d), dtype), random_o(rng, (t, h, d), dtype)
+        lse_a, lse_b = random_lse(rng, (t, h)), random_lse(rng, (t, h))
+        empties(rng, lse_b, o_b, 0.2)
+        a_tokens = t - 2 if layout == "a" else t
+        wide = dict(order=(0, 1, 2), steps={1: 2}) if layout == "wide" else {}
+        mask = (rng.random(t) < 0.5).astype(np.uint8) if f.get("mask") else None
+        ref_o, ref_lse = reference_merge(o_a, lse_a, o_b, lse_b, a_tokens=a_tokens)
+        if mask is not None:
+            ref_o[mask == 0], ref_lse[mask == 0] = to_f64(o_a[mask == 0]), to_f64(lse_a[mask == 0])
+        va, _ = placed(o_a[:a_tokens], wide if op == "inplace" else {}, fenced_tail)
+        vla, _ = placed(lse_a[:a_tokens], {}, fenced_tail)
+        vb, _ = placed(o_b, {}, fenced_tail)
+        vlb, _ = placed(lse_b, {}, fenced_tail)
+        if op == "inplace":
+            out, out_lse = va, vla
+        else:
+            out, out_lse = out_buffers((t, h, d), dtype, wide, fenced_tail)[0], nan_array((t, h))
+        vm = placed(mask, {}, fenced_tail)[0] if mask is not None else None
+        ptrs, strides = pointers(out, out_lse, va, vla, vb, vlb)
+        inputs = [np.array(x, copy=True) for x in (va, vla)]
+
+        def call():
+            if op == "inplace":  # each order starts from the same inputs
+                va[...], vla[...] = inputs
+            return emu.emulate_merge(*head((t, a_tokens, h, d), dtype, dtype, "e", fact(va, vb, out)),
+                                     int(f.get("tokens_inner", False)), 1, int(op == "inplace"), ctypes.c_float(1.0),
+                                     None, *ptrs, None if vm is None else ctypes.c_void_p(vm.ctypes.data),
+                                     ctypes.c_int64(1))
+    elif op == "states":
+        o, lse = random_o(rng, (t, s, h, d), dtype), random_lse(rng, (t, s, h))
+        empties(rng, lse, o, 0.2)
+        lse[0, s - 1, 0] = np.nan  # a NaN late in a split row
+        ref_o, ref_lse = reference_merge_stacked(o, lse)
+        vo, _ = placed(o, dict(order=(1, 0, 2, 3)), fenced_tail)
+        vl, _ = placed(lse, {}, fenced_tail)
+        out, out_lse = out_buffers((t, h, d), dtype, {}, fenced_tail)[0], nan_array((t, h))
+        ptrs, strides = pointers(out, out_lse, vo, vl)
+
+        def call():
+            return emu.emulate_merge_states(*head((t, s, h, d), dtype, dtype, "e", fact(vo, out)),
+                                            f.get("groups", 0), ctypes.c_float(1.0), *ptrs)
+    else:
+        counts = [s, 0, 1, s + 3, 2][:t]
+        indptr = np.concatenate([[1], 1 + np.cumsum(counts)]).astype(np.int64)
+        total = int(indptr[-1]) + 2
+        o, lse = random_o(rng, (total, h, d), dtype), random_lse(rng, (total, h))
+        empties(rng, lse, o, 0.2)
+        ref_o, ref_lse = reference_merge_varlen(o, lse, indptr)
+        vo, _ = placed(o, {}, fenced_tail)
+        vl, _ = placed(lse, {}, fenced_tail)
+        vi, _ = placed(indptr, {}, fenced_tail)
+        out, out_lse = out_buffers((t, h, d), dtype, {}, fenced_tail)[0], nan_array((t, h))
+        ptrs, strides = pointers(out, out_lse, vo, vl)
+
+        def call():
+            return emu.emulate_merge_varlen(*head((t, total, h, d), dtype, dtype, "e", fact(vo, out)),
+                                            f.get("groups", 0), ctypes.c_float(1.0), *ptrs,
+                                            ctypes.c_void_p(vi.ctypes.data), ctypes.c_int64(1), 1)
+    run_orders(emu, call, [out, out_lse], seed=len(name))
+    got = plan(emu)
+    assert {k: got[k] for k in want} == want, f"{name}: planned {got}"
+    assert len(launches(emu)) == got["launches"]
+    assert_merge_matches(out, out_lse, (ref_o, ref_lse), dtype)
