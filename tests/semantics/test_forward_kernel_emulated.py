@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 
 import numpy as np
 import pytest
@@ -414,3 +415,79 @@ def test_every_path_of_the_plan(emu, rng, name):
     assert {k: got[k] for k in want} == want, f"{name}: planned {got}"
     assert len(launches(emu)) == got["launches"]
     assert_merge_matches(out, out_lse, (ref_o, ref_lse), dtype)
+
+
+# ---- a masked row reads its mask byte and nothing else -------------------------------------------
+
+
+def paged(x: np.ndarray, inner: tuple):
+    """x [tokens, ...] with each token's elements on pages of their own (the view's inner strides
+    `inner`, in elements; its token stride a whole number of pages), and a function that makes
+    the pages of the tokens given unreadable, or readable again."""
+    t = x.shape[0]
+    extent = 1 + sum((n - 1) * s for n, s in zip(x.shape[1:], inner))
+    pages = -(-extent * x.itemsize // PAGE)
+    m = mmap.mmap(-1, max(1, t * pages) * PAGE)
+    buf = np.frombuffer(m, np.uint8).view(x.dtype)
+    view = np.lib.stride_tricks.as_strided(buf, shape=x.shape,
+                                           strides=(pages * PAGE,) + tuple(s * x.itemsize for s in inner))
+    view[...] = x
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+
+    def protect(tokens, readable=False):
+        for i in tokens:
+            at = ctypes.c_void_p(base + int(i) * pages * PAGE)
+            assert _libc.mprotect(at, ctypes.c_size_t(pages * PAGE), 3 if readable else 0) == 0  # PROT_READ | WRITE
+
+    return view, protect
+
+
+# (heads, head_size, dtype, bytes, inner strides of O and LSE, plan fields): the in-place paths a mask takes
+MASKED = {
+    "rows in warps, flat": (16, 128, "bfloat16", 1 << 20, ((128, 1), (64,)), dict(lane_lse=1, plain=1, vec=8)),
+    "rows in warps, flat, two accesses a thread": (16, 128, "bfloat16", LARGE, ((128, 1), (64,)),
+                                                   dict(lane_lse=1, plain=1, vec=16)),
+    "rows in warps": (2, 24, "float16", 1 << 20, ((40, 1), (1,)), dict(lane_lse=1, plain=0)),
+    "rows in a block": (2, 512, "float32", 1 << 20, ((512, 1), (1,)), dict(fused_lse=1, lane_lse=0, launches=1)),
+    "rows over blocks": (1, 2056, "float32", 1 << 20, ((2056, 1), (1,)), dict(fused_lse=0, launches=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKED))
+def test_a_masked_row_reads_its_mask_byte_alone(emu, rng, name):
+    """Every page of a masked-out token's O and LSE, in both states, is unreadable during the call:
+    a read of any of them ends the call's process (a forked child) with SIGSEGV."""
+    h, d, dtype, nbytes, (o_inner, l_inner), want = MASKED[name]
+    t = 6
+    mask = np.array([1, 0, 0, 1, 0, 1], np.uint8)
+    o, o_other = random_o(rng, (t, h, d), dtype), random_o(rng, (t, h, d), dtype)
+    lse, lse_other = random_lse(rng, (t, h)), random_lse(rng, (t, h))
+    ref_o, ref_lse = reference_merge(o, lse, o_other, lse_other)
+    ref_o[mask == 0], ref_lse[mask == 0] = to_f64(o[mask == 0]), to_f64(lse[mask == 0])
+    arrays = [paged(o, o_inner), paged(lse, l_inner), paged(o_other, o_inner), paged(lse_other, l_inner)]
+    vo, vl, vb, vlb = (a[0] for a in arrays)
+    ptrs, strides = pointers(vo, vl, vo, vl, vb, vlb)
+    vec = widest_vec(d, vo, vb)
+    fact = [ctypes.c_int(vec), ctypes.c_int(vec * vo.itemsize), ctypes.c_int(132), ctypes.c_int64(1000),
+            ctypes.c_int64(nbytes)]
+    masked_out = np.flatnonzero(mask == 0)
+    pid = os.fork()
+    if pid == 0:  # the child: the call with the masked tokens' pages unreadable, then its results
+        try:
+            for _, protect in arrays:
+                protect(masked_out)
+            order(emu, 0)
+            status = emu.emulate_merge(*head((t, t, h, d), dtype, dtype, "e", fact), 0, 0, 1, ctypes.c_float(1.0),
+                                       None, *ptrs, ctypes.c_void_p(mask.ctypes.data), ctypes.c_int64(1))
+            for _, protect in arrays:
+                protect(masked_out, readable=True)
+            got = plan(emu)
+            assert status == 0 and {k: got[k] for k in want} == want, (status, got)
+            assert_merge_matches(vo, vl, (ref_o, ref_lse), dtype)
+        except BaseException:  # noqa: BLE001 (any failure: the parent reports it)
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert not os.WIFSIGNALED(status), (
+        f"{name}: the call read memory of a masked-out row (signal {os.WTERMSIG(status)})")
+    assert os.WEXITSTATUS(status) == 0, f"{name}: the plan or the results differ from the expected ones"

@@ -226,8 +226,15 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   if constexpr (!kBarrier) {
     if (!live) return;
   }
-  // token 0, head 0 for a thread with no row; o_at(s) is this thread's pack of state s
-  const auto states = src.template row<TIn>(token, head, k * VEC);
+  // token 0, head 0 for a thread with no row; o_at(s) is this thread's pack of state s.  Under a
+  // block barrier a thread with no row (or a masked-out one) stays, reading nothing of it.
+  const auto states = [&] {
+    if constexpr (kBarrier) {
+      return src.template row<TIn>(token, head, k * VEC, live);
+    } else {
+      return src.template row<TIn>(token, head, k * VEC);
+    }
+  }();
   const int n = kBarrier && !live ? 0 : states.count();
   const bool stream = Source::kStream < 0 ? shape.stream : Source::kStream == 1;
   constexpr bool kFew = Source::kMaxStates > 0 && Source::kMaxStates <= kChunk;  // at most a chunk, always

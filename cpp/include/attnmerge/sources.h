@@ -55,15 +55,17 @@ struct PairSource {
     return mask != nullptr && mask[token * static_cast<I>(mask_stride)] == 0;
   }
 
+  // take false: the row's LSEs are -inf and nothing of it is read (a thread off the rows, or of a
+  // masked-out row, that must still reach a barrier).
   template <typename T, typename I>
-  ATTNMERGE_HD Row row(I token, I head, I at = I{0}) const {
+  ATTNMERGE_HD Row row(I token, I head, I at = I{0}, bool take = true) const {
     Row r;
-    const bool has_a = token < static_cast<I>(a_tokens);  // a_tokens <= tokens: fits in I
+    const bool has_a = take && token < static_cast<I>(a_tokens);  // a_tokens <= tokens: fits in I
     const I token_a = has_a ? token : I{0};  // a may have fewer tokens: no offset past its end
     r.o[1] = b.o_at<T>(token, head, at);
     r.o[0] = has_a ? a.o_at<T>(token_a, head, at) : r.o[1];  // no a: weight 0, b's row stands in
     r.l[0] = has_a ? a.lse_at(token_a, head) : -INFINITY;
-    r.l[1] = b.lse_at(token, head);
+    r.l[1] = take ? b.lse_at(token, head) : -INFINITY;
     return r;
   }
 };
