@@ -25,10 +25,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from emulators import CODES, ORDERS, arg, build, check, launches, order, widest_vec
-from oracle import (assert_fp8_close, assert_merge_matches, fp8_dtype, nan_array, np_dtype, outside_view_is_nan,
-                    random_lse, random_o, reference_merge, reference_merge_stacked, reference_merge_varlen,
-                    strided_view, to_f64)
+from oracle import (assert_fp8_close, assert_merge_matches, clamp_indptr, fp8_dtype, nan_array, outside_view_is_nan,
+                    random_lse, random_o, reference_merge, reference_merge_ranges, reference_merge_stacked,
+                    reference_merge_varlen, strided_view, to_f64)
 from test_backward import layouts
+from test_merge_varlen import BAD_INDPTR
 
 # The storage types the emulator is compiled for (forward_emulator.cpp), (input, output).
 TYPES = (("float32", "float32"), ("float16", "float16"), ("bfloat16", "bfloat16"), ("float32", "bfloat16"),
@@ -415,6 +416,35 @@ def test_every_path_of_the_plan(emu, rng, name):
     assert {k: got[k] for k in want} == want, f"{name}: planned {got}"
     assert len(launches(emu)) == got["launches"]
     assert_merge_matches(out, out_lse, (ref_o, ref_lse), dtype)
+
+
+@pytest.mark.parametrize("index_dtype", (np.int32, np.int64))
+@pytest.mark.parametrize("case", list(BAD_INDPTR))
+@pytest.mark.parametrize("groups", (1, 2))  # kRows, kStates
+def test_a_bad_indptr_is_clamped(emu, rng, case, index_dtype, groups):
+    """The GPU's answer to a bad indptr (the C ABI refuses one only on the CPU): row r takes states
+    [clamp(indptr[r], 0, total), clamp(indptr[r+1], that, total)), with no read outside o and lse
+    (fenced) and no write outside the output, on both strategies."""
+    total, h, d = 10, 3, 64
+    o, lse = random_o(rng, (total, h, d), "float32"), random_lse(rng, (total, h))
+    indptr = np.array(BAD_INDPTR[case], np.int64).astype(index_dtype)
+    rows = len(indptr) - 1
+    ref = reference_merge_ranges(o, lse, clamp_indptr(indptr, total))
+    for tail in (False, True):
+        vo, _ = placed(o, {}, tail)
+        vl, _ = placed(lse, {}, tail)
+        vi, _ = placed(indptr, {}, tail)
+        out, obuf = out_buffers((rows, h, d), "float32", dict(pad=2), tail)
+        out_lse, lbuf = out_buffers((rows, h), "float32", dict(pad=1), tail)
+        fact = [ctypes.c_int(4), ctypes.c_int(16), ctypes.c_int(132), ctypes.c_int64(1000), ctypes.c_int64(1 << 20)]
+        ptrs, strides = pointers(out, out_lse, vo, vl)
+        order(emu, 2, rows)
+        check(emu, emu.emulate_merge_varlen(*head((rows, total, h, d), "float32", "float32", "e", fact), groups,
+                                            ctypes.c_float(1.0), *ptrs, ctypes.c_void_p(vi.ctypes.data),
+                                            ctypes.c_int64(1), int(index_dtype == np.int64)))
+        assert plan(emu)["groups"] == groups
+        assert_merge_matches(out, out_lse, ref, "float32")
+        assert outside_view_is_nan(out, obuf) and outside_view_is_nan(out_lse, lbuf)
 
 
 # ---- a masked row reads its mask byte and nothing else -------------------------------------------
