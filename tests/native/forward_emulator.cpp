@@ -61,9 +61,35 @@ OutView out_view(void* o, const int64_t* os, float* l, const int64_t* ls, float 
   return OutView{o, os[0], os[1], l, l ? ls[0] : 0, l ? ls[1] : 0, inv_scale, scale, false};
 }
 
+// The runtime's own check (emulate_runtime_check): each of a block's 64 threads posts its index,
+// meets the others (or not: `barrier` 0) and reads its neighbour's; or (`barrier` 2) half of the
+// first warp waits at a warp barrier for the other half, which waits at __syncthreads: never met.
+float t_posted[64];
+void neighbours(float* out, int barrier) {
+  const unsigned i = threadIdx.x;
+  t_posted[i] = static_cast<float>(i);
+  if (barrier == 1) __syncthreads();
+  if (barrier == 2) {
+    if (i >= 16 && i < 32) {
+      __syncwarp();
+    } else {
+      __syncthreads();
+    }
+  }
+  out[i] = t_posted[(i + 1) % 64];
+}
+
 }  // namespace
 
 extern "C" {
+
+// neighbours() over one block of 64 threads in the order set (emulate_order), `out` its reads.
+int emulate_runtime_check(float* out, int barrier) {
+  std::fill(t_posted, t_posted + 64, -1.0f);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(1), config.blockDim = dim3(64);
+  return cudaLaunchKernelEx(&config, neighbours, out, barrier);
+}
 
 // The plan of the last call: strategy, chunk, groups, launches, index32, plain, flat, fused_lse,
 // lane_lse, vec, stream, tile_shift, pdl, at fields[0 .. 12].

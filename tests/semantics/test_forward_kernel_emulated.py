@@ -138,6 +138,28 @@ def run_orders(emu, call, outputs, seed):
                 np.testing.assert_array_equal(a, b, err_msg="results differ between orders of the threads")
 
 
+# ---- the emulated runtime ------------------------------------------------------------------------
+
+
+def test_the_runtime_shows_a_missing_barrier_and_refuses_one_never_met(emu):
+    # 64 threads post their index and read their neighbour's: with a barrier between, every order
+    # reads every neighbour's; without, the orders differ (what a missing barrier looks like)
+    got = {}
+    for barrier in (1, 0):
+        for how in ORDERS:
+            out = np.full(64, np.nan, np.float32)
+            order(emu, how, 3)
+            check(emu, emu.emulate_runtime_check(ctypes.c_void_p(out.ctypes.data), barrier))
+            got[barrier, how] = out
+    for how in ORDERS:
+        np.testing.assert_array_equal(got[1, how], (np.arange(64) + 1) % 64)
+    assert not all(np.array_equal(got[0, 0], got[0, how]) for how in ORDERS)
+    out = np.zeros(64, np.float32)
+    order(emu, 0)
+    assert emu.emulate_runtime_check(ctypes.c_void_p(out.ctypes.data), 2) != 0
+    assert "cannot all be met" in emu.emulate_error().decode()
+
+
 # ---- the two-way merge ---------------------------------------------------------------------------
 
 

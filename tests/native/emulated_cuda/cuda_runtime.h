@@ -206,27 +206,19 @@ inline bool run_block(Block& b, const dim3& block, char* stacks, std::mt19937& r
   if (how == Order::kLastToFirst) std::reverse(order.begin(), order.end());
   for (;;) {
     if (how == Order::kShuffled) std::shuffle(order.begin(), order.end(), rng);
-    bool ran = false;
     for (unsigned i : order) {
       Fiber& f = b.fibers[i];
       if (f.status != Fiber::kReady) continue;
       threadIdx = f.tid;
       b.current = &f;
       swapcontext(&b.scheduler, &f.ctx);
-      ran = true;
     }
     if (!b.error.empty()) return false;  // a shuffle's
     if (std::all_of(b.fibers.begin(), b.fibers.end(), [](const Fiber& f) { return f.status == Fiber::kDone; }))
       return true;
     if (!release(b)) return false;
-    const bool ready =
-        std::any_of(b.fibers.begin(), b.fibers.end(), [](const Fiber& f) { return f.status == Fiber::kReady; });
-    if (!ready && !ran) {
-      b.error = "threads wait at barriers that can never be met";
-      return false;
-    }
-    if (!ready) {
-      b.error = "threads wait at different barriers";
+    if (std::none_of(b.fibers.begin(), b.fibers.end(), [](const Fiber& f) { return f.status == Fiber::kReady; })) {
+      b.error = "threads wait at barriers that cannot all be met (__syncthreads and a warp's, or warps' of other masks)";
       return false;
     }
   }
