@@ -95,20 +95,31 @@ int emulate_runtime_check(float* out, int barrier) {
 // lane_lse, vec, stream, tile_shift, pdl, at fields[0 .. 12].
 void emulate_plan(int64_t* fields) {
   const LaunchPlan& p = t_plan;
-  const int64_t v[] = {static_cast<int64_t>(p.strategy), p.chunk, p.groups, p.launches, p.index32, p.plain, p.flat,
-                       p.fused_lse, p.lane_lse, p.vec, p.shape.stream, p.shape.tile_shift, p.pdl};
-  for (int i = 0; i < 13; ++i) fields[i] = v[i];
+  const int64_t v[] = {static_cast<int64_t>(p.strategy),
+                       p.chunk,
+                       p.groups,
+                       p.launches,
+                       p.index32,
+                       p.plain,
+                       p.flat,
+                       p.fused_lse,
+                       p.lane_lse,
+                       p.vec,
+                       p.shape.stream,
+                       p.shape.tile_shift,
+                       p.pdl};
+  std::copy(std::begin(v), std::end(v), fields);
 }
 
 // The two-way merge into out (and out_lse, null: none), or, with in_place, the in-place merge of
 // (o_a, lse_a) = (out, out_lse) with b, rows whose token's mask byte is 0 left alone (mask null:
 // none).  O [tokens, heads, head_size] (a: a_tokens tokens), LSEs [tokens, heads], any strides.
 int emulate_merge(int64_t tokens, int64_t a_tokens, int64_t heads, int64_t head_size, int in_dtype, int out_dtype,
-                  int base2, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int tokens_inner, int pdl,
-                  int in_place, float inv_scale, const float* scale, void* out, const int64_t* out_s, float* out_lse,
-                  const int64_t* ol_s, const void* o_a, const int64_t* oa_s, const float* lse_a, const int64_t* la_s,
-                  const void* o_b, const int64_t* ob_s, const float* lse_b, const int64_t* lb_s, const uint8_t* mask,
-                  int64_t mask_stride) {
+                  int base2, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int tokens_inner,
+                  int pdl, int in_place, float inv_scale, const float* scale, void* out, const int64_t* out_s,
+                  float* out_lse, const int64_t* ol_s, const void* o_a, const int64_t* oa_s, const float* lse_a,
+                  const int64_t* la_s, const void* o_b, const int64_t* ob_s, const float* lse_b, const int64_t* lb_s,
+                  const uint8_t* mask, int64_t mask_stride) {
   const MergeShape shape(tokens, heads, head_size, base2 != 0);
   PairSource src{state(o_a, oa_s, lse_a, la_s), state(o_b, ob_s, lse_b, lb_s), a_tokens, mask, mask_stride};
   OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, scale);
@@ -119,8 +130,8 @@ int emulate_merge(int64_t tokens, int64_t a_tokens, int64_t heads, int64_t head_
 
 // The N-way merge: o [tokens, states, heads, head_size], lse [tokens, states, heads], any strides;
 // out [tokens, heads, head_size], out_lse [tokens, heads] (null: none).  groups: CallFacts::groups.
-int emulate_merge_states(int64_t tokens, int64_t states, int64_t heads, int64_t head_size, int in_dtype,
-                         int out_dtype, int base2, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int groups,
+int emulate_merge_states(int64_t tokens, int64_t states, int64_t heads, int64_t head_size, int in_dtype, int out_dtype,
+                         int base2, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int groups,
                          float inv_scale, void* out, const int64_t* out_s, float* out_lse, const int64_t* ol_s,
                          const void* o, const int64_t* o_s, const float* lse, const int64_t* l_s) {
   const MergeShape shape(tokens, heads, head_size, base2 != 0);
@@ -134,9 +145,9 @@ int emulate_merge_states(int64_t tokens, int64_t states, int64_t heads, int64_t 
 // indptr[r + 1]) of o [total, heads, head_size] and lse [total, heads]; indptr int64 or int32
 // (indptr64), `indptr_stride` elements apart.
 int emulate_merge_varlen(int64_t rows, int64_t total, int64_t heads, int64_t head_size, int in_dtype, int out_dtype,
-                         int base2, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int groups, float inv_scale,
-                         void* out, const int64_t* out_s, float* out_lse, const int64_t* ol_s, const void* o,
-                         const int64_t* o_s, const float* lse, const int64_t* l_s, const void* indptr,
+                         int base2, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int groups,
+                         float inv_scale, void* out, const int64_t* out_s, float* out_lse, const int64_t* ol_s,
+                         const void* o, const int64_t* o_s, const float* lse, const int64_t* l_s, const void* indptr,
                          int64_t indptr_stride, int indptr64) {
   const MergeShape shape(rows, heads, head_size, base2 != 0);
   const RangeSource src{o, o_s[0], o_s[1], lse, l_s[0], l_s[1], indptr, indptr_stride, indptr64 != 0, total};

@@ -218,7 +218,8 @@ inline bool run_block(Block& b, const dim3& block, char* stacks, std::mt19937& r
       return true;
     if (!release(b)) return false;
     if (std::none_of(b.fibers.begin(), b.fibers.end(), [](const Fiber& f) { return f.status == Fiber::kReady; })) {
-      b.error = "threads wait at barriers that cannot all be met (__syncthreads and a warp's, or warps' of other masks)";
+      b.error =
+          "threads wait at barriers that cannot all be met (__syncthreads and a warp's, or warps' of other masks)";
       return false;
     }
   }
