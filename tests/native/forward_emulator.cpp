@@ -91,6 +91,21 @@ int emulate_runtime_check(float* out, int barrier) {
   return cudaLaunchKernelEx(&config, neighbours, out, barrier);
 }
 
+// (token, head) of `row` under MergeShape::split_row for `tokens` x `heads` rows in tiles of
+// 2^tile_shift tokens (-1: untiled), with 32-bit (index32) or 64-bit indices: the division by a
+// multiply-high the kernels use, at out[0], out[1].
+void emulate_split_row(int64_t tokens, int64_t heads, int tile_shift, int64_t row, int index32, int64_t* out) {
+  MergeShape shape(tokens, heads, 1, false);
+  if (tile_shift >= 0) shape.tile(tile_shift);
+  if (index32) {
+    int32_t token, head;
+    shape.split_row(static_cast<int32_t>(row), token, head);
+    out[0] = token, out[1] = head;
+  } else {
+    shape.split_row(row, out[0], out[1]);
+  }
+}
+
 // The plan of the last call: strategy, chunk, groups, launches, index32, plain, flat, fused_lse,
 // lane_lse, vec, stream, tile_shift, pdl, at fields[0 .. 12].
 void emulate_plan(int64_t* fields) {

@@ -160,6 +160,32 @@ def test_the_runtime_shows_a_missing_barrier_and_refuses_one_never_met(emu):
     assert "cannot all be met" in emu.emulate_error().decode()
 
 
+def test_a_row_splits_into_token_and_head_by_the_kernels_division(emu):
+    # row -> (token, head) as the kernels divide (a multiply-high by MergeShape's magic number, on
+    # the host as on the device), against the row order's definition: untiled, row = token * heads
+    # + head; tiled, row = (tile * heads + head) * 2^t + the token's place in its tile
+    rng = np.random.default_rng(5)
+    out = (ctypes.c_int64 * 2)()
+    for heads in (1, 2, 3, 5, 7, 32, 40, 63, 64, 65, 96, 127, 1000, 4097, 65537, 1 << 20, (1 << 27) - 1):
+        for t in (-1, 0, 3):
+            group = heads << max(t, 0) if t >= 0 else heads
+            tokens = ((1 << 31) - 1) // group // 8 * 8  # rows below 2^31, whole tiles
+            if tokens == 0:
+                continue
+            rows = tokens * heads
+            picks = [0, 1, group - 1, group, group + 1, rows - 1, rows - group] + list(rng.integers(0, rows, 40))
+            for row in (int(r) for r in picks if 0 <= r < rows):
+                if t < 0:
+                    want = divmod(row, heads)
+                else:
+                    tile, within = divmod(row, group)
+                    want = ((tile << t) + (within & ((1 << t) - 1)), within >> t)
+                for index32 in (1, 0):
+                    emu.emulate_split_row(ctypes.c_int64(tokens), ctypes.c_int64(heads), t, ctypes.c_int64(row),
+                                          index32, out)
+                    assert (out[0], out[1]) == want, (heads, t, row, index32)
+
+
 # ---- the two-way merge ---------------------------------------------------------------------------
 
 

@@ -12,6 +12,15 @@
 
 namespace attnmerge {
 
+// The high 32 bits of a * b.
+ATTNMERGE_HD uint32_t mul_hi(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __umulhi(a, b);
+#else
+  return static_cast<uint32_t>((uint64_t{a} * b) >> 32);
+#endif
+}
+
 struct MergeShape {
   int64_t tokens, heads, head_size;
   int64_t rows;  // rows the launch covers: tokens * heads, rounded up to whole tiles when tiled
@@ -49,20 +58,17 @@ struct MergeShape {
   // (token, head) of a row; token may be >= tokens in the last tile (a row to skip).  With
   // I = int32_t the caller guarantees rows < 2^31.
   // kMayTile false: the caller knows the launch is untiled (no tile step compiled in).
+  // The same arithmetic on the host (the CPU path, the tests' emulated kernels) as on the device.
   template <bool kMayTile = true, typename I>
   ATTNMERGE_HD void split_row(I row, I& token, I& head) const {
     const I g = static_cast<I>(kMayTile ? group() : heads);
     I q;
-#if defined(__CUDA_ARCH__)
     if (sizeof(I) == 4 || (rows >> 31) == 0) {
       const uint32_t r = static_cast<uint32_t>(row);
-      q = static_cast<I>((__umulhi(r, magic) + r) >> shift);
+      q = static_cast<I>((mul_hi(r, magic) + r) >> shift);
     } else {
       q = row / g;
     }
-#else
-    q = row / g;
-#endif
     const I rem = row - q * g;
     if (!kMayTile || tile_shift < 0) {
       token = q;
