@@ -63,11 +63,16 @@ OutView out_view(void* o, const int64_t* os, float* l, const int64_t* ls, float 
 
 // The runtime's own check (emulate_runtime_check): each of a block's 64 threads posts its index,
 // meets the others (or not: `barrier` 0) and reads its neighbour's; or (`barrier` 2) half of the
-// first warp waits at a warp barrier for the other half, which waits at __syncthreads: never met.
+// first warp waits at a warp barrier for the other half, which waits at __syncthreads: never met;
+// or (3) the first thread leaves before the others' __syncthreads.
 float t_posted[64];
 void neighbours(float* out, int barrier) {
   const unsigned i = threadIdx.x;
   t_posted[i] = static_cast<float>(i);
+  if (barrier == 3) {
+    if (i == 0) return;
+    __syncthreads();
+  }
   if (barrier == 1) __syncthreads();
   if (barrier == 2) {
     if (i >= 16 && i < 32) {

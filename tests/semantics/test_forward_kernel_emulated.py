@@ -154,10 +154,11 @@ def test_the_runtime_shows_a_missing_barrier_and_refuses_one_never_met(emu):
     for how in ORDERS:
         np.testing.assert_array_equal(got[1, how], (np.arange(64) + 1) % 64)
     assert not all(np.array_equal(got[0, 0], got[0, how]) for how in ORDERS)
-    out = np.zeros(64, np.float32)
-    order(emu, 0)
-    assert emu.emulate_runtime_check(ctypes.c_void_p(out.ctypes.data), 2) != 0
-    assert "cannot all be met" in emu.emulate_error().decode()
+    for barrier, why in ((2, "cannot all be met"), (3, "ended before a __syncthreads")):
+        out = np.zeros(64, np.float32)
+        order(emu, 0)
+        assert emu.emulate_runtime_check(ctypes.c_void_p(out.ctypes.data), barrier) != 0
+        assert why in emu.emulate_error().decode()
 
 
 def test_a_row_splits_into_token_and_head_by_the_kernels_division(emu):

@@ -6,10 +6,11 @@
 // the order of two threads' accesses between barriers then differs between orders.  What a
 // launch would be refused for on a GPU (a block of more than 1024 threads, grid axes past their
 // limits, more than 48 KB of dynamic shared memory), a barrier that cannot be met (a lane of the
-// mask gone, or threads that wait at different barriers) and a lane outside its own mask are
-// errors the launch returns, each with its reason (emulated::error()).  Device-only code
-// (__CUDA_ARCH__) is not compiled: the emulators check the kernels' logic, not the device's
-// instructions.
+// mask gone, or threads that wait at different barriers), a lane outside its own mask and a
+// thread that ends before a __syncthreads the others reach (the kernels keep every thread to
+// their barriers) are errors the launch returns, each with its reason (emulated::error()).
+// Device-only code (__CUDA_ARCH__) is not compiled: the emulators check the kernels' logic, not
+// the device's instructions.
 #pragma once
 
 #include <sys/mman.h>
@@ -145,14 +146,19 @@ inline void wait(bool block_wide, unsigned mask) {
 // Releases the barriers every thread they need has reached; false (with b.error) for one that
 // never can be.
 inline bool release(Block& b) {
-  bool any_block = false, all_block = true;
+  bool any_block = false, all_block = true, any_done = false;
   for (const Fiber& f : b.fibers) {
+    any_done |= f.status == Fiber::kDone;
     if (f.status == Fiber::kDone) continue;
     const bool at_block = f.status == Fiber::kWaiting && f.block_wide;
     any_block |= at_block;
     all_block &= at_block;
   }
-  if (any_block && all_block) {  // every thread still running is at __syncthreads (ended ones count as there)
+  if (any_block && any_done) {  // the kernels' rule (a GPU might let it pass): none leaves before one
+    b.error = "a thread ended before a __syncthreads its block's other threads wait at";
+    return false;
+  }
+  if (any_block && all_block) {
     for (Fiber& f : b.fibers)
       if (f.status == Fiber::kWaiting) f.status = Fiber::kReady;
     return true;
