@@ -38,6 +38,14 @@ def build(source: str, tmp_path_factory) -> ctypes.CDLL:
     return emu
 
 
+def compiled_types(emu) -> tuple:
+    """The (input, output) dtype names the emulator's kernels are compiled for."""
+    codes = (ctypes.c_int * 64)()
+    n = emu.emulate_types(codes, 32)
+    names = {d.code: d.name for d in DTYPES}
+    return tuple((names[codes[2 * i]], names[codes[2 * i + 1]]) for i in range(n))
+
+
 def arg(x):
     """(pointer, strides in elements) of an array, or (None, None)."""
     if x is None:

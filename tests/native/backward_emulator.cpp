@@ -16,20 +16,25 @@ using emu::Types;
 
 namespace {
 
+// The storage types compiled (emulate_types): every input and output O dtype a backward takes.
+using Compiled = emu::TypeList<Types<float, float>, Types<float, half_t>, Types<float, bfloat16_t>,
+                               Types<half_t, float>, Types<half_t, half_t>, Types<half_t, bfloat16_t>,
+                               Types<bfloat16_t, float>, Types<bfloat16_t, half_t>, Types<bfloat16_t, bfloat16_t>>;
+
 template <typename Src>
 int dispatch(int in_dtype, int out_dtype, const BackwardPlan& plan, const BackwardArgs<Src>& args) {
-  return emu::with_types<16, Types<float, float>, Types<float, half_t>, Types<float, bfloat16_t>, Types<half_t, float>,
-                         Types<half_t, half_t>, Types<half_t, bfloat16_t>, Types<bfloat16_t, float>,
-                         Types<bfloat16_t, half_t>, Types<bfloat16_t, bfloat16_t>>(
-      in_dtype, out_dtype, plan.vec, [&](auto types, auto vec) {
-        using T = decltype(types);
-        return launch_merge_backward<typename T::TIn, typename T::TOut, decltype(vec)::value>(plan, args, nullptr);
-      });
+  return emu::with_types<16>(Compiled{}, in_dtype, out_dtype, plan.vec, [&](auto types, auto vec) {
+    using T = decltype(types);
+    return launch_merge_backward<typename T::TIn, typename T::TOut, decltype(vec)::value>(plan, args, nullptr);
+  });
 }
 
 }  // namespace
 
 extern "C" {
+
+// The (input, output) storage types compiled, as dtype codes at codes[2 i], codes[2 i + 1]; how many.
+int emulate_types(int* codes, int most) { return emu::codes_of(Compiled{}, codes, most); }
 
 // N-way: o [T, S, H, D], lse [T, S, H], grad_o, grad_lse alike (null: not asked for); out (null:
 // none), grad_out [T, H, D]; out_lse, grad_out_lse (null: zero) [T, H].

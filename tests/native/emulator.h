@@ -35,11 +35,28 @@ struct Types {
   using TOut = Out;
 };
 
+// The pairs an emulator is compiled for.
+template <typename... Pairs>
+struct TypeList {};
+
+// Their dtype codes, (input, output) at codes[2 i], codes[2 i + 1] for the first `most`; how many.
+template <typename... Pairs>
+int codes_of(TypeList<Pairs...>, int* codes, int most) {
+  int i = 0;
+  const auto put = [&](auto pair) {
+    using P = decltype(pair);
+    if (i < most) codes[2 * i] = code_of<typename P::TIn>(), codes[2 * i + 1] = code_of<typename P::TOut>();
+    ++i;
+  };
+  (put(Pairs{}), ...);
+  return i;
+}
+
 // f(Types<TIn, TOut>{}, std::integral_constant<int, VEC>{}) for the pair among `Pairs` whose
 // codes are (in, out), and vec: one of 1, 2, 4, 8, 16 whose accesses of either type take at most
 // kMostBytes.  cudaErrorInvalidValue for a combination not compiled.
 template <int kMostBytes, typename... Pairs, typename F>
-cudaError_t with_types(int in, int out, int vec, F&& f) {
+cudaError_t with_types(TypeList<Pairs...>, int in, int out, int vec, F&& f) {
   cudaError_t err = cudaErrorInvalidValue;
   const auto try_pair = [&](auto pair) {
     using P = decltype(pair);

@@ -28,19 +28,20 @@ namespace {
 
 thread_local LaunchPlan t_plan{MergeShape{0, 0, 0, false}};
 
-// The storage types compiled: each width of element in and out, a wider input into a narrower
-// output and the reverse, and FP8 outputs.
+// The storage types compiled (emulate_types): each width of element in and out, a wider input
+// into a narrower output and the reverse, and FP8 outputs.
+using Compiled = emu::TypeList<Types<float, float>, Types<half_t, half_t>, Types<bfloat16_t, bfloat16_t>,
+                               Types<float, bfloat16_t>, Types<bfloat16_t, float>, Types<bfloat16_t, float8_e4m3_t>>;
+
 template <typename Source>
 cudaError_t run(int in_dtype, int out_dtype, const LaunchPlan& plan, const Source& src, const OutView& out) {
   emulated::state().shared = shared;
   t_plan = plan;
   constexpr int kMost = std::is_same<Source, PairSource>::value ? 32 : 16;  // as the library instantiates them
-  return emu::with_types<kMost, Types<float, float>, Types<half_t, half_t>, Types<bfloat16_t, bfloat16_t>,
-                         Types<float, bfloat16_t>, Types<bfloat16_t, float>, Types<bfloat16_t, float8_e4m3_t>>(
-      in_dtype, out_dtype, plan.vec, [&](auto types, auto vec) {
-        using T = decltype(types);
-        return launch_merge<typename T::TIn, typename T::TOut, decltype(vec)::value>(plan, src, out, nullptr);
-      });
+  return emu::with_types<kMost>(Compiled{}, in_dtype, out_dtype, plan.vec, [&](auto types, auto vec) {
+    using T = decltype(types);
+    return launch_merge<typename T::TIn, typename T::TOut, decltype(vec)::value>(plan, src, out, nullptr);
+  });
 }
 
 // The facts of a call (CallFacts): vec elements an access and its bytes, the largest element
@@ -87,6 +88,9 @@ void neighbours(float* out, int barrier) {
 }  // namespace
 
 extern "C" {
+
+// The (input, output) storage types compiled, as dtype codes at codes[2 i], codes[2 i + 1]; how many.
+int emulate_types(int* codes, int most) { return emu::codes_of(Compiled{}, codes, most); }
 
 // neighbours() over one block of 64 threads in the order set (emulate_order), `out` its reads.
 int emulate_runtime_check(float* out, int barrier) {
