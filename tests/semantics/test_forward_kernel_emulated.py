@@ -216,6 +216,8 @@ def test_merge(emu, data):
     with_lse = data.draw(st.booleans())
     out_lse, lbuf = out_buffers((t, h), "float32", lay(2), tail) if with_lse else (None, None)
     inv_scale = data.draw(st.sampled_from((1.0, 0.25))) if out_dtype == "float8_e4m3fn" else 1.0
+    # the output scale as a number, or read from memory (not the plain kernels' case)
+    scale = np.array([1.0 / inv_scale], np.float32) if data.draw(st.booleans()) else None
     vec = widest_vec(d, va, vb, out)
     fact = facts(data, vec, (va.itemsize, out.itemsize))
     tokens_inner = data.draw(st.booleans())  # tiled rows where the plan takes them
@@ -223,7 +225,8 @@ def test_merge(emu, data):
     ptrs, strides = pointers(out, out_lse, va, vla, vb, vlb)
     run_orders(emu, lambda: emu.emulate_merge(
         *head((t, a_tokens, h, d), in_dtype, out_dtype, base, fact), int(tokens_inner), int(pdl), 0,
-        ctypes.c_float(inv_scale), None, *ptrs, None, ctypes.c_int64(0)),
+        ctypes.c_float(1.0 if scale is not None else inv_scale), None if scale is None else ctypes.c_void_p(
+            scale.ctypes.data), *ptrs, None, ctypes.c_int64(0)),
         [obuf] + ([lbuf] if with_lse else []), data.draw(st.integers(0, 1000)))
     assert_out(out, out_lse, ref, out_dtype, inv_scale)
     assert outside_view_is_nan(out, obuf) and (not with_lse or outside_view_is_nan(out_lse, lbuf))
