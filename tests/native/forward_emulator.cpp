@@ -66,10 +66,10 @@ OutView out_view(void* o, const int64_t* os, float* l, const int64_t* ls, float 
 // meets the others (or not: `barrier` 0) and reads its neighbour's; or (`barrier` 2) half of the
 // first warp waits at a warp barrier for the other half, which waits at __syncthreads: never met;
 // or (3) the first thread leaves before the others' __syncthreads.
-float t_posted[64];
+float posted[64];
 void neighbours(float* out, int barrier) {
   const unsigned i = threadIdx.x;
-  t_posted[i] = static_cast<float>(i);
+  posted[i] = static_cast<float>(i);
   if (barrier == 3) {
     if (i == 0) return;
     __syncthreads();
@@ -82,7 +82,7 @@ void neighbours(float* out, int barrier) {
       __syncthreads();
     }
   }
-  out[i] = t_posted[(i + 1) % 64];
+  out[i] = posted[(i + 1) % 64];
 }
 
 }  // namespace
@@ -94,7 +94,7 @@ int emulate_types(int* codes, int most) { return emu::codes_of(Compiled{}, codes
 
 // neighbours() over one block of 64 threads in the order set (emulate_order), `out` its reads.
 int emulate_runtime_check(float* out, int barrier) {
-  std::fill(t_posted, t_posted + 64, -1.0f);
+  std::fill(posted, posted + 64, -1.0f);
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(1), config.blockDim = dim3(64);
   return cudaLaunchKernelEx(&config, neighbours, out, barrier);
