@@ -54,6 +54,16 @@ def arg(x):
     return ctypes.c_void_p(x.ctypes.data), ctypes.cast(strides, I64P)
 
 
+def pointers(*arrays):
+    """The (pointer, strides) arguments of the arrays, and the stride arrays to keep alive."""
+    args, keep = [], []
+    for x in arrays:
+        ptr, strides = arg(x)
+        keep.append(strides)
+        args += [ptr, strides]
+    return args, keep
+
+
 def order(emu, how: int, seed: int = 0) -> None:
     """The order of each block's threads in the launches that follow; forgets earlier launches."""
     emu.emulate_order(how, ctypes.c_uint32(seed))

@@ -18,11 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attnmerge
-from emulators import CODES, ORDERS, arg, build, check, nan_like, order, widest_vec
+from emulators import CODES, ORDERS, build, check, nan_like, order, pointers, widest_vec
 from oracle import DTYPES, np_dtype, random_lse, random_o, reference_merge_stacked, reference_merge_varlen, strided_view
 from test_backward import (BASES, GRAD_LSE_RTOL, GRAD_LSE_RTOL_WITHOUT_O, assert_grads, case, expected_states,
                            forward_states, layouts, varlen_expected)
-
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +30,10 @@ def emu(tmp_path_factory):
 
 
 def call(emu, fn, sizes, in_dtype, out_dtype, base, vec, sms, *arrays, tail=(), how=0, seed=0):
-    args = [ctypes.c_int64(v) for v in sizes] + [ctypes.c_int(CODES[in_dtype]), ctypes.c_int(CODES[out_dtype]),
-                                                 ctypes.c_int(base == 2), ctypes.c_int(vec), ctypes.c_int(sms)]
-    keep = []
-    for x in arrays:
-        ptr, strides = arg(x)
-        keep.append(strides)
-        args += [ptr, strides]
+    ptrs, strides = pointers(*arrays)
     order(emu, how, seed)
-    check(emu, fn(*args, *tail))
+    check(emu, fn(*[ctypes.c_int64(v) for v in sizes], CODES[in_dtype], CODES[out_dtype], int(base == 2), vec, sms,
+                  *ptrs, *tail))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
