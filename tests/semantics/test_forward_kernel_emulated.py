@@ -8,8 +8,9 @@ with a_tokens, tiled rows, FP8 outputs), the in-place merge (rows in warps, in a
 blocks; masked), the N-way and variable-length merges (rows of one chunk and of many, kStates of
 each group count; empty and NaN states inside a split row).  Inputs sit in NaN-filled buffers
 that end at an unreadable page (or begin after one): a read outside a view poisons the result or
-ends the process, a write outside it is caught.  Results must be bit-identical whatever the order
-of the threads.  (What it cannot check: the device's instructions, vector accesses and
+ends the process, a write outside it is caught; a masked-out token's pages are unreadable for the
+whole call (it reads its mask byte alone).  Results must be bit-identical whatever the order of the
+threads.  (What it cannot check: the device's instructions, vector accesses and
 approximations; the `gpu` tests and compute-sanitizer do.)
 """
 
