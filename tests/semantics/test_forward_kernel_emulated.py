@@ -82,14 +82,20 @@ def out_buffers(shape, dtype, layout, tail):
     return placed(nan_array(shape, dtype), layout, tail)
 
 
+def fact_args(vec, widest_itemsize, sms=132, max_offset=1000, nbytes=1 << 20):
+    """The facts arguments of an emulate_* call (CallFacts): elements an access and its bytes (of
+    the widest O dtype), the SM count, the largest element offset, the bytes moved."""
+    return [ctypes.c_int(vec), ctypes.c_int(vec * widest_itemsize), ctypes.c_int(sms), ctypes.c_int64(max_offset),
+            ctypes.c_int64(nbytes)]
+
+
 def facts(data, vec, itemsizes):
     """The SM count, bytes moved and largest offset the plan is asked for: the GPU's own or none,
     decode-sized or past every size rule, 32- or 64-bit offsets."""
     sms = data.draw(st.sampled_from((0, 4, 132)))
     nbytes = data.draw(st.sampled_from((1 << 20, 40 << 20, 200 << 20, LARGE)))
     far = data.draw(st.booleans())
-    return [ctypes.c_int(vec), ctypes.c_int(vec * max(itemsizes)), ctypes.c_int(sms),
-            ctypes.c_int64(FAR if far else 1000), ctypes.c_int64(nbytes)]
+    return fact_args(vec, max(itemsizes), sms, FAR if far else 1000, nbytes)
 
 
 def head(sizes, in_dtype, out_dtype, base, fact):
@@ -407,9 +413,7 @@ def test_every_path_of_the_plan(emu, rng, name, fenced_tail):
     far = FAR if f.get("far") else 1000
 
     def fact(*os):  # the case's facts, the vector width its O arrays allow
-        vec = widest_vec(d, *os)
-        return [ctypes.c_int(vec), ctypes.c_int(vec * os[0].itemsize), ctypes.c_int(f["sms"]), ctypes.c_int64(far),
-                ctypes.c_int64(f["bytes"])]
+        return fact_args(widest_vec(d, *os), os[0].itemsize, f["sms"], far, f["bytes"])
 
     if op in ("merge", "inplace"):
         o_a, o_b = random_o(rng, (t, h, d), dtype), random_o(rng, (t, h, d), dtype)
@@ -495,7 +499,7 @@ def test_a_bad_indptr_is_clamped(emu, rng, case, index_dtype, groups):
         vi, _ = placed(indptr, {}, tail)
         out, obuf = out_buffers((rows, h, d), "float32", dict(pad=2), tail)
         out_lse, lbuf = out_buffers((rows, h), "float32", dict(pad=1), tail)
-        fact = [ctypes.c_int(4), ctypes.c_int(16), ctypes.c_int(132), ctypes.c_int64(1000), ctypes.c_int64(1 << 20)]
+        fact = fact_args(4, 4)
         ptrs, strides = pointers(out, out_lse, vo, vl)
         order(emu, 2, rows)
         check(emu, emu.emulate_merge_varlen(*head((rows, total, h, d), "float32", "float32", "e", fact), groups,
@@ -557,8 +561,7 @@ def masked_call(emu, name: str) -> None:
     vo, vl, vb, vlb = (a[0] for a in arrays)
     ptrs, strides = pointers(vo, vl, vo, vl, vb, vlb)
     vec = widest_vec(d, vo, vb)
-    fact = [ctypes.c_int(vec), ctypes.c_int(vec * vo.itemsize), ctypes.c_int(132), ctypes.c_int64(1000),
-            ctypes.c_int64(nbytes)]
+    fact = fact_args(vec, vo.itemsize, nbytes=nbytes)
     masked_out = np.flatnonzero(mask == 0)
     for _, protect in arrays:
         protect(masked_out)
