@@ -70,13 +70,22 @@ class OptionsBeforeNames(Structure):
     _fields_ = _OPTIONS_BEFORE_NAMES
 
 
+_OPTIONS_NAMES = [
+    ("arg_names", POINTER(ArgName)),
+    ("num_arg_names", c_int32),
+]
+
+
+class OptionsBeforeSink(Structure):
+    """attnmerge_options as a caller built against a header without sink lays it out."""
+
+    _fields_ = _OPTIONS_BEFORE_NAMES + _OPTIONS_NAMES
+
+
 class Options(Structure):
     """attnmerge_options."""
 
-    _fields_ = _OPTIONS_BEFORE_NAMES + [
-        ("arg_names", POINTER(ArgName)),
-        ("num_arg_names", c_int32),
-    ]
+    _fields_ = _OPTIONS_BEFORE_NAMES + _OPTIONS_NAMES + [("sink", POINTER(Tensor))]
 
 
 class LaunchInfo(Structure):
@@ -225,9 +234,9 @@ def ref(t):
     return t if t is None or isinstance(t, ctypes._Pointer) else ctypes.byref(t)
 
 
-def options(flags=0, a_tokens=0, output_scale=0.0, output_scale_ptr=None, arg_names=None) -> Options:
-    """Options; arg_names: {arg: name} or (arg, name) pairs (None for a NULL string), which also
-    sets struct_size to this layout's (the one that reads them)."""
+def options(flags=0, a_tokens=0, output_scale=0.0, output_scale_ptr=None, arg_names=None, sink=None) -> Options:
+    """Options; arg_names: {arg: name} or (arg, name) pairs (None for a NULL string), and sink, a
+    Tensor, each of which also sets struct_size to this layout's (the one that reads them)."""
     o = Options()
     o.flags = flags
     o.a_tokens = a_tokens
@@ -240,6 +249,10 @@ def options(flags=0, a_tokens=0, output_scale=0.0, output_scale_ptr=None, arg_na
         o._entries = (ArgName * len(pairs))(*(ArgName(encode(a), encode(n)) for a, n in pairs))  # alive with o
         o.arg_names = ctypes.cast(o._entries, POINTER(ArgName))
         o.num_arg_names = len(pairs)
+        o.struct_size = ctypes.sizeof(Options)
+    if sink is not None:
+        o._sink = sink  # alive with o
+        o.sink = ctypes.pointer(sink)
         o.struct_size = ctypes.sizeof(Options)
     return o
 

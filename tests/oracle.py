@@ -310,12 +310,19 @@ LN2 = math.log(2.0)
 # the merge family (issue 3): stacked states, variable length, FP8 outputs
 
 
-def reference_merge_stacked(o, lse, *, states_axis=1, base="e"):
+def sink_state(sink, tokens, head_size):
+    """Attention sinks as the formula reads them: one more state of every row, whose O is 0 and
+    whose LSE is its head's sink: (O [T, H, D] of zeros, LSE [T, H])."""
+    sink = to_f64(sink)
+    return np.zeros((tokens, sink.shape[0], head_size)), np.broadcast_to(sink, (tokens, sink.shape[0]))
+
+
+def reference_merge_stacked(o, lse, *, states_axis=1, base="e", sink=None):
     """float64 N-way merge of stacked states, from the formula (any S, S = 0 included).
 
     states_axis=1: o [T, S, H, D], lse [T, S, H] (FlashInfer's layout);
     states_axis=0: o [S, T, H, D], lse [S, T, H] (what an all-gather produces).
-    S = 0 gives O = 0 and LSE = -inf on every row.
+    S = 0 gives O = 0 and LSE = -inf on every row.  sink [H]: one more state per row (sink_state).
     """
     o = to_f64(o)
     lse = to_f64(lse)
@@ -325,15 +332,19 @@ def reference_merge_stacked(o, lse, *, states_axis=1, base="e"):
     elif states_axis != 0:
         raise ValueError(f"states_axis {states_axis!r}")
     s, t, h, d = o.shape
-    if s == 0:
+    os, lses = list(o), list(lse)
+    if sink is not None:
+        so, sl = sink_state(sink, t, d)
+        os, lses = os + [so], lses + [sl]
+    if not os:
         return np.zeros((t, h, d)), np.full((t, h), -np.inf)
-    return reference_merge_states(list(o), list(lse), base=base)
+    return reference_merge_states(os, lses, base=base)
 
 
-def reference_merge_varlen(o, lse, indptr, *, base="e"):
+def reference_merge_varlen(o, lse, indptr, *, base="e", sink=None):
     """float64 variable-length merge: row r merges states indptr[r] .. indptr[r+1]-1 of o [N, H, D],
     lse [N, H]; a row with no states is O = 0, LSE = -inf.  indptr must be valid here (the GPU's
-    clamping of a bad indptr is modelled by `clamp_indptr`)."""
+    clamping of a bad indptr is modelled by `clamp_indptr`).  sink [H]: one more state per row."""
     o = to_f64(o)
     lse = to_f64(lse)
     indptr = np.asarray(indptr, dtype=np.int64)
@@ -344,8 +355,12 @@ def reference_merge_varlen(o, lse, indptr, *, base="e"):
     for r in range(rows):
         lo, hi = int(indptr[r]), int(indptr[r + 1])
         assert 0 <= lo <= hi <= o.shape[0], f"invalid indptr at row {r}: [{lo}, {hi})"
-        if hi > lo:
-            ro, rl = reference_merge_states(list(o[lo:hi, None]), list(lse[lo:hi, None]), base=base)
+        os, lses = list(o[lo:hi, None]), list(lse[lo:hi, None])
+        if sink is not None:
+            so, sl = sink_state(sink, 1, d)
+            os, lses = os + [so], lses + [sl]
+        if os:
+            ro, rl = reference_merge_states(os, lses, base=base)
             out[r], out_lse[r] = ro[0], rl[0]
     return out, out_lse
 

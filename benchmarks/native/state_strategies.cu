@@ -68,7 +68,7 @@ void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
   const MergeShape shape{tokens, kHeads, kHeadSize, true};
   const auto source = [&](const Set& s) {
     return StackSource{s.o, states * kHeads * kHeadSize, kHeads * kHeadSize, kHeadSize, s.lse, states * kHeads, kHeads, 1,
-                       states};
+                       states, SinkView{}};
   };
   const auto dest = [&](const Set& s) {
     return OutView{s.out, kHeads * kHeadSize, kHeadSize, s.out_lse, kHeads, 1, 1.0f, nullptr, false};

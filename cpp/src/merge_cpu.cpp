@@ -23,6 +23,8 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
       const auto states = src.template row<TIn>(token, head);
       const int n = states.count();
       RowMerge r(shape.base2);
+      const float sink = sink_lse(src, head);  // a state of output 0: in the max and the total only
+      if constexpr (Source::kSink) r.see(sink);
       for (int s = 0; s < n; ++s) r.see(states.lse(s));
       float w[kCached];
       for (int s = 0; s < n; ++s) {
@@ -30,6 +32,7 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
         if (s < kCached) w[s] = ws;
         r.total += ws;
       }
+      if constexpr (Source::kSink) r.total += r.weight(sink);
       r.finish(factor);
       TOut* dst = out.o_at<TOut>(token, head);
       // The parts that contribute (a part of zero weight is never read); two of them, the common
@@ -50,7 +53,8 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
       } else {
         for (int64_t d0 = 0; d0 < shape.head_size; d0 += kChunk) {
           const int64_t len = std::min(kChunk, shape.head_size - d0);
-          float acc[kChunk] = {};
+          float acc[kChunk];  // NaN where an LSE is (a sink's too: it has no O to carry the NaN into the sum)
+          std::fill(acc, acc + len, r.nan ? NAN : 0.0f);
           for (int s = 0; s < n; ++s) {
             const float ws = s < kCached ? w[s] : r.weight(states.lse(s));
             if (ws == 0.0f) continue;

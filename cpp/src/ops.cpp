@@ -98,23 +98,25 @@ constexpr ArgSpec kInplaceArgs[] = {
 constexpr OpSpec kInplace = make_op(kInplaceArgs, kBase2 | kHeadsFirst | kPdl, "o", "o_other", "lse_other", pair_sizes);
 static_assert(names_resolve(kInplace), "kInplace names its own arguments");
 
-// (out, out_lse) = merge of the S states of o, lse.
+// (out, out_lse) = merge of the S states of o, lse, and each head's sink (options.sink) where given.
 constexpr ArgSpec kStatesArgs[] = {
     {"out",     kOOut, {T, H, D},    kWrite, kRequired},
     {"out_lse", kLse,  {T, H},       kWrite, kOptional},
     {"o",       kOIn,  {T, S, H, D}, kRead,  kRequired},
     {"lse",     kLse,  {T, S, H},    kRead,  kRequired},
+    {"sink",    kLse,  {H},          kRead,  kOptional},
 };
 constexpr OpSpec kStates = make_op(kStatesArgs, kBase2 | kPdl, "out", "o", "lse", stack_sizes);
 static_assert(names_resolve(kStates), "kStates names its own arguments");
 
-// Row r of (out, out_lse) = merge of states indptr[r] to indptr[r + 1] - 1 of o, lse.
+// Row r of (out, out_lse) = merge of states indptr[r] to indptr[r + 1] - 1 of o, lse, and the sink.
 constexpr ArgSpec kVarlenArgs[] = {
     {"out",     kOOut,   {R, H, D}, kWrite, kRequired},
     {"out_lse", kLse,    {R, H},    kWrite, kOptional},
     {"o",       kOIn,    {N, H, D}, kRead,  kRequired},
     {"lse",     kLse,    {N, H},    kRead,  kRequired},
     {"indptr",  kIndptr, {R1},      kRead,  kRequired},
+    {"sink",    kLse,    {H},       kRead,  kOptional},
 };
 constexpr OpSpec kVarlen = make_op(kVarlenArgs, kBase2 | kPdl, "out", "o", "lse", range_sizes);
 static_assert(names_resolve(kVarlen), "kVarlen names its own arguments");
@@ -183,8 +185,14 @@ StateView state_of(const View& o, const View& lse) {
                    stride_or_0(lse, 0), stride_or_0(lse, 1)};
 }
 
-// o [tokens, S, heads, ...] and lse [tokens, S, heads], either of which may be absent.
-StackSource stack_of(const View& o, const View& lse, int64_t states) {
+// The sink [heads], where one is given and not empty (else no sink).
+SinkView sink_view(const View* sink) {
+  if (sink == nullptr || !sink->present() || sink->empty) return SinkView{};
+  return SinkView{static_cast<const float*>(sink->t->data), sink->strides[0]};
+}
+
+// o [tokens, S, heads, ...] and lse [tokens, S, heads], either of which may be absent, and the sink.
+StackSource stack_of(const View& o, const View& lse, int64_t states, const View* sink = nullptr) {
   return StackSource{data_or_null(o),
                      stride_or_0(o, 0),
                      stride_or_0(o, 1),
@@ -193,7 +201,8 @@ StackSource stack_of(const View& o, const View& lse, int64_t states) {
                      stride_or_0(lse, 0),
                      stride_or_0(lse, 1),
                      stride_or_0(lse, 2),
-                     states};
+                     states,
+                     sink_view(sink)};
 }
 
 // Two stacked states as a pair, for the two-way merge's kernel: the same weights, fewer registers
@@ -206,8 +215,9 @@ PairSource pair_of(const StackSource& x, int dtype, bool empty_o, bool empty_lse
                     nullptr, 0};
 }
 
-// o [total, heads, ...] and lse [total, heads], either of which may be absent, with indptr.
-RangeSource range_of(const View& o, const View& lse, const View& indptr, int64_t total) {
+// o [total, heads, ...] and lse [total, heads], either of which may be absent, with indptr and the
+// sink.
+RangeSource range_of(const View& o, const View& lse, const View& indptr, int64_t total, const View* sink = nullptr) {
   return RangeSource{data_or_null(o),
                      stride_or_0(o, 0),
                      stride_or_0(o, 1),
@@ -217,7 +227,8 @@ RangeSource range_of(const View& o, const View& lse, const View& indptr, int64_t
                      indptr.t->data,
                      indptr.strides[0],
                      indptr.t->dtype == ATTNMERGE_INT64,
-                     total};
+                     total,
+                     sink_view(sink)};
 }
 
 OutView out_view(const View& out, const View& out_lse, const Checked& c) {
@@ -294,14 +305,14 @@ attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnm
                                         const attnmerge_options* options, void* stream) {
   begin_call();
   Checked c;
-  const attnmerge_tensor* const args[] = {out, out_lse, o, lse};
+  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, sink_of(options)};
   if (attnmerge_status s = validate(kStates, args, options, c)) return s;
   const View &vout = c.views[0], &vout_lse = c.views[1], &vo = c.views[2], &vl = c.views[3];
   const Sizes& n = c.sizes;
   const MergeShape shape = merge_shape(n.tokens, n, c);
   const OutView dst = out_view(vout, vout_lse, c);
-  const StackSource src = stack_of(vo, vl, n.states);
-  if (n.states == 2)
+  const StackSource src = stack_of(vo, vl, n.states, &c.views[4]);
+  if (n.states == 2 && src.sink.lse == nullptr)  // a pair has no sink
     return run(c.all(), shape, pair_of(src, o->dtype, vo.empty, vl.empty, n.tokens), dst, o->dtype, out->dtype, stream,
                c.opt.flags);
   return run(c.all(), shape, src, dst, o->dtype, out->dtype, stream, c.opt.flags);
@@ -313,14 +324,14 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
                                         void* stream) {
   begin_call();
   Checked c;
-  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, indptr};
+  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, indptr, sink_of(options)};
   attnmerge_status s;
   if ((s = validate(kVarlen, args, options, c))) return s;
   const View &vout = c.views[0], &vout_lse = c.views[1], &vo = c.views[2], &vl = c.views[3], &vi = c.views[4];
   const Sizes& n = c.sizes;
   if ((s = check_indptr(vi, vo, out, n.rows))) return s;
-  return run(c.all(), merge_shape(n.rows, n, c), range_of(vo, vl, vi, n.total), out_view(vout, vout_lse, c), o->dtype,
-             out->dtype, stream, c.opt.flags);
+  return run(c.all(), merge_shape(n.rows, n, c), range_of(vo, vl, vi, n.total, &c.views[5]),
+             out_view(vout, vout_lse, c), o->dtype, out->dtype, stream, c.opt.flags);
 }
 
 attnmerge_status attnmerge_merge_backward(const attnmerge_tensor* grad_o_a, const attnmerge_tensor* grad_lse_a,

@@ -194,6 +194,15 @@ struct OptionsBeforeNames {
 };
 static_assert(offsetof(OptionsBeforeNames, struct_size) == offsetof(attnmerge_options, struct_size),
               "attnmerge_options only grows at its end");
+// And as a caller built against a header without sink lays it out.
+struct OptionsBeforeSink {
+  OptionsBeforeNames before;
+  const attnmerge_arg_name* arg_names;
+  int32_t num_arg_names;
+};
+static_assert(offsetof(OptionsBeforeSink, arg_names) == offsetof(attnmerge_options, arg_names) &&
+                  offsetof(OptionsBeforeSink, num_arg_names) == offsetof(attnmerge_options, num_arg_names),
+              "attnmerge_options only grows at its end");
 
 // A string of the caller's names table: NULL and "" are refused, as they would name nothing.
 attnmerge_status check_name_text(const char* text, int i, const char* field) {
@@ -208,18 +217,20 @@ attnmerge_status read_layout(const attnmerge_options* options, attnmerge_options
   if (options == nullptr) return ATTNMERGE_SUCCESS;
   // Field by field: a caller of an older layout owns no bytes past its struct_size.
   const uint32_t size = options->struct_size;
-  constexpr uint32_t kBefore = sizeof(OptionsBeforeNames), kNow = sizeof(attnmerge_options);
-  if (size != 0 && size != kBefore && size != kNow)
+  constexpr uint32_t kBefore = sizeof(OptionsBeforeNames), kNames = sizeof(OptionsBeforeSink),
+                     kNow = sizeof(attnmerge_options);
+  if (size != 0 && size != kBefore && size != kNames && size != kNow)
     return fail(ATTNMERGE_ERROR_VALUE,
-                "options.struct_size: expected 0, %u (attnmerge_options without arg_names) or %u (this library's "
-                "attnmerge_options), got %u",
-                static_cast<unsigned>(kBefore), static_cast<unsigned>(kNow), size);
+                "options.struct_size: expected 0, %u (attnmerge_options without arg_names), %u (without sink) or %u "
+                "(this library's attnmerge_options), got %u",
+                static_cast<unsigned>(kBefore), static_cast<unsigned>(kNames), static_cast<unsigned>(kNow), size);
   opt.flags = options->flags;
   opt.a_tokens = options->a_tokens;
   opt.output_scale = options->output_scale;
   opt.output_scale_ptr = options->output_scale_ptr;
   opt.struct_size = size;
-  if (size != kNow) return ATTNMERGE_SUCCESS;
+  if (size != kNames && size != kNow) return ATTNMERGE_SUCCESS;
+  if (size == kNow) opt.sink = options->sink;
   opt.arg_names = options->arg_names;
   opt.num_arg_names = options->num_arg_names;
   if (opt.num_arg_names < 0)
@@ -244,11 +255,17 @@ attnmerge_status describe(const ArgSpec* specs, const attnmerge_tensor* const* t
 }
 
 // Step 2: the options every op shares, as read_layout read them.  `op_flags` are the flags the op
-// understands; the dtype of `out` decides whether an output scale is allowed (FP8 only).
-attnmerge_status read_options(const attnmerge_options& opt, uint32_t op_flags, const View& out, float& inv_scale) {
+// understands, `takes_sink` whether it takes a sink; the dtype of `out` decides whether an output
+// scale is allowed (FP8 only).
+attnmerge_status read_options(const attnmerge_options& opt, uint32_t op_flags, bool takes_sink, const View& out,
+                              float& inv_scale) {
   if (opt.flags & ~op_flags)
     return fail(ATTNMERGE_ERROR_VALUE, "options.flags: expected flags within 0x%x for this op, got 0x%x", op_flags,
                 opt.flags);
+  if (opt.sink != nullptr && !takes_sink)
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "%s: expected none for this op (the N-way and variable-length merges take a sink), got a tensor",
+                out.names->of("sink"));
   const auto name = [&] { return out.names->of("output_scale"); };  // looked up only where a check fails
   const float scale = opt.output_scale;
   const bool fp8 = out.t->dtype == ATTNMERGE_FLOAT8_E4M3;
@@ -348,6 +365,10 @@ attnmerge_status check_outputs(Views views) {
 
 }  // namespace
 
+const attnmerge_tensor* sink_of(const attnmerge_options* options) {
+  return options != nullptr && options->struct_size == sizeof(attnmerge_options) ? options->sink : nullptr;
+}
+
 attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tensors, const attnmerge_options* options,
                           Checked& call) {
   call.count = op.count;
@@ -357,7 +378,7 @@ attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tenso
       (s = describe(op.args, tensors, op.count, lse_layout(call.opt, op.flags), call.names, call.views)))
     return s;
   const View& source = call.views[op.sizes_from];
-  if ((s = read_options(call.opt, op.flags, call.views[op.scale_of], call.inv_scale)) ||
+  if ((s = read_options(call.opt, op.flags, op.sink >= 0, call.views[op.scale_of], call.inv_scale)) ||
       (s = check_dtypes(op, views)) || (s = op.equations(views, source, call.opt, call.sizes)) ||
       (s = check_shapes(views, call.sizes, source, call.views[op.sizes_lse])) || (s = check_outputs(views)))
     return s;

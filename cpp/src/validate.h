@@ -124,6 +124,7 @@ struct OpSpec {
   // whose shape is checked first: a state at odds with its own LSE is named as such, not through
   // every other argument that disagrees with it.
   int sizes_from, sizes_lse;
+  int sink;  // the argument "sink" (options.sink), or -1: the op refuses one
   int dtype_of[kMaxArgs];  // ArgSpec::dtype_of
   Equations equations;
 };
@@ -150,6 +151,7 @@ constexpr OpSpec make_op(const ArgSpec (&args)[K], uint32_t flags, const char* s
             index_of(args, count, scale_of),
             index_of(args, count, sizes_from),
             index_of(args, count, sizes_lse),
+            index_of(args, count, "sink"),
             {},
             equations};
   for (int i = 0; i < kMaxArgs; ++i) op.dtype_of[i] = i < count ? index_of(args, count, args[i].dtype_of) : -1;
@@ -175,12 +177,17 @@ struct Checked {
   Views all() { return Views{views, count, &names}; }
 };
 
+// options->sink where struct_size covers it, else NULL: what an op whose table has a "sink"
+// argument passes validate() for it.
+const attnmerge_tensor* sink_of(const attnmerge_options* options);
+
 // Validates tensors[i] against op.args[i] into call.views[i], in one order for every op:
 //   0. the options' layout (struct_size) and the caller's names (arg_names), which every message
 //      after names the arguments by;
 //   1. each tensor alone: NULL, ndim, dtype, flags, device, sizes, strides, the unit-stride
 //      head_size axis of an O, pointer, alignment, a span within 2^63 bytes;
-//   2. the options (op.flags; an output scale only where op.scale_of is FP8);
+//   2. the options (op.flags; an output scale only where op.scale_of is FP8; a sink only where op.sink
+//      is an argument, which step 1 has described);
 //   3. every ArgSpec::dtype_of, where both are given;
 //   4. op.equations, then every given argument's shape against its Dims (op.sizes_lse first, then
 //      in table order);

@@ -239,68 +239,72 @@ def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mas
 
 def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Array | None = None,
                  return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
-                 base: Base = "e", states_axis: int = 1, stream: Stream = None, pdl: bool = False,
-                 _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
+                 base: Base = "e", states_axis: int = 1, sink: Array | None = None, stream: Stream = None,
+                 pdl: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
     """Merge S states in one pass, each input read once.
 
     states_axis=1: o [tokens, S, heads, head_size], lse float32 [tokens, S, heads] (FlashInfer's).
     states_axis=0: o [S, tokens, heads, head_size], lse [S, tokens, heads] (what an all-gather of
         per-rank states produces), read through its strides: no copy.
+    sink: attention sinks (gpt-oss): None, or float32 [heads], each head's sink logit in the LSE's
+        base, merged into every row of its head as one more state whose output is 0 (the merged
+        LSE counts it; a row with no states gets O = 0 and LSE = sink).  Add it in one merge only.
     out [tokens, heads, head_size], out_lse [tokens, heads], stream, pdl: as for merge().  S = 0
-    gives O = 0 and LSE = -inf.  Returns (out, out_lse).
+    gives O = 0 and LSE = -inf (the sink, with one).  Returns (out, out_lse).
     """
     if states_axis not in (0, 1) or isinstance(states_axis, bool):
         raise ValueError(f"states_axis: expected 0 or 1, got {states_axis!r}")
-    if _takes is not None and _takes(o, lse, None, None):
+    if _takes is not None and _takes(o, lse, sink, None):
         return _torch_ops.merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, states_axis,
-                                       stream, pdl, _names)
+                                       sink, stream, pdl, _names)
     flags = lse_flags(base) | (_C.PDL if pdl else 0)
     if _any_jax(out, out_lse):
         _refuse_jax_outputs(out, out_lse, "merge_states", _names)
     if out is None and _is_jax(o):
         out, out_lse = _jax_road("merge_states", out_lse, stream, _names)(
             o, lse, base=base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
-            output_scale=output_scale_arg(output_scale), states_axis=states_axis)
+            output_scale=output_scale_arg(output_scale), states_axis=states_axis, sink=sink)
         return out, (out_lse if return_lse else None)
     if out is None or out_lse is None or out_dtype is not None:  # else nothing to allocate or check
         shape = states_shape(o, states_axis, _names) if out is None or (out_lse is None and return_lse) else None
         out, out_lse = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
     if output_scale is not None:
         output_scale = output_scale_arg(output_scale)
-    _C.merge_states(out, out_lse, o, lse, flags, states_axis == 0, output_scale, stream, _names)
+    _C.merge_states(out, out_lse, o, lse, flags, states_axis == 0, output_scale, sink, stream, _names)
     return out, out_lse
 
 
 def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = None, out_lse: Array | None = None,
                  return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
-                 base: Base = "e", stream: Stream = None, pdl: bool = False,
+                 base: Base = "e", sink: Array | None = None, stream: Stream = None, pdl: bool = False,
                  _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
     """Row r of the result merges states indptr[r] .. indptr[r+1]-1 of o.
 
-    o: [total, heads, head_size], lse: float32 [total, heads]; indptr: int32 or int64 [rows + 1].
+    o: [total, heads, head_size], lse: float32 [total, heads]; indptr: int32 or int64 [rows + 1];
+    sink: None or float32 [heads], as for merge_states().
     out [rows, heads, head_size], out_lse [rows, heads], stream, pdl: as for merge().  A row with no states gets
-    O = 0 and LSE = -inf.  On the CPU a bad indptr raises ValueError; on the GPU it is never read
+    O = 0 and LSE = -inf (the sink, with one).  On the CPU a bad indptr raises ValueError; on the GPU it is never read
     back to the host, and each row takes states [clamp(indptr[r], 0, total),
     clamp(indptr[r+1], that, total)): no out-of-bounds access, and a row whose bounds cross is empty.
     Returns (out, out_lse).
     """
-    if _takes is not None and _takes(o, lse, None, None):
-        return _torch_ops.merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, stream,
-                                       pdl, _names)
+    if _takes is not None and _takes(o, lse, sink, None):
+        return _torch_ops.merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, sink,
+                                       stream, pdl, _names)
     flags = lse_flags(base) | (_C.PDL if pdl else 0)
     if _any_jax(out, out_lse):
         _refuse_jax_outputs(out, out_lse, "merge_varlen", _names)
     if out is None and _is_jax(o):
         out, out_lse = _jax_road("merge_varlen", out_lse, stream, _names)(
             o, lse, indptr, base=base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
-            output_scale=output_scale_arg(output_scale))
+            output_scale=output_scale_arg(output_scale), sink=sink)
         return out, (out_lse if return_lse else None)
     if out is None or out_lse is None or out_dtype is not None:  # else nothing to allocate or check
         shape = varlen_shape(o, indptr, _names) if out is None or (out_lse is None and return_lse) else None
         out, out_lse = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
     if output_scale is not None:
         output_scale = output_scale_arg(output_scale)
-    _C.merge_varlen(out, out_lse, o, lse, indptr, flags, output_scale, stream, _names)
+    _C.merge_varlen(out, out_lse, o, lse, indptr, flags, output_scale, sink, stream, _names)
     return out, out_lse
 
 

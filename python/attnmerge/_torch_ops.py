@@ -9,14 +9,16 @@ marking what an overload writes):
     merge_states, merge_states.out         S stacked states, states_axis 1 or 0
     merge_varlen, merge_varlen.out         row r merges states indptr[r] .. indptr[r+1]-1
 LSEs are float32 [tokens, heads] in any strides, base "e" (natural log) or "2"; output_scale is a
-one-element float32 tensor.  The kernels (CPU and CUDA) are attnmerge's own and run on torch's
-current stream (the capture stream under CUDA graph capture).  Autograd: see _register_autograd.
+one-element float32 tensor; sink (merge_states, merge_varlen) a float32 [heads] tensor of sink
+logits.  The kernels (CPU and CUDA) are attnmerge's own and run on torch's current stream (the
+capture stream under CUDA graph capture).  Autograd: see _register_autograd.
 
 merge, merge_inplace, merge_states and merge_varlen at the end are what the public functions call
 while traced (`takes`): they map the public arguments onto the overloads.
 """
 import contextlib
 import contextvars
+import math
 
 import torch
 
@@ -38,14 +40,14 @@ _SCHEMAS = {
                      f"{_OPTIONS}) -> ()",
     "merge_inplace.functional": f"(Tensor o, Tensor lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, *, "
                                 f"{_OPTIONS}) -> (Tensor o_merged, Tensor lse_merged)",
-    "merge_states": "(Tensor o, Tensor lse, Tensor? output_scale=None, *, ScalarType? out_dtype=None, "
-                    f"int states_axis=1, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
+    "merge_states": "(Tensor o, Tensor lse, Tensor? output_scale=None, Tensor? sink=None, *, "
+                    f"ScalarType? out_dtype=None, int states_axis=1, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
     "merge_states.out": "(Tensor o, Tensor lse, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
-                        f"Tensor? output_scale=None, int states_axis=1, {_OPTIONS}) -> ()",
-    "merge_varlen": "(Tensor o, Tensor lse, Tensor indptr, Tensor? output_scale=None, *, "
+                        f"Tensor? output_scale=None, Tensor? sink=None, int states_axis=1, {_OPTIONS}) -> ()",
+    "merge_varlen": "(Tensor o, Tensor lse, Tensor indptr, Tensor? output_scale=None, Tensor? sink=None, *, "
                     f"ScalarType? out_dtype=None, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
     "merge_varlen.out": "(Tensor o, Tensor lse, Tensor indptr, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
-                        f"Tensor? output_scale=None, {_OPTIONS}) -> ()",
+                        f"Tensor? output_scale=None, Tensor? sink=None, {_OPTIONS}) -> ()",
     # The gradients of the functional merges (what their registered autograd calls): inputs
     # whose `needs` flag is False get an empty tensor (not computed).
     "merge_backward": "(Tensor grad_out, Tensor? grad_out_lse, Tensor out, Tensor out_lse, Tensor o_a, Tensor lse_a, "
@@ -75,7 +77,7 @@ def _states_axis(states_axis):
 
 
 _RESULTS = {  # out_dtype None: that of the inputs, as in the public functions
-    # (output_scale, the functional overloads' last positional argument, plays no part)
+    # (output_scale and sink, the functional overloads' last positional arguments, play no part)
     "merge": lambda o_a, lse_a, o_b, lse_b, *_, out_dtype=None, **__: _new(o_b, tuple(o_b.shape),
                                                                            out_dtype or o_a.dtype),
     "merge_states": lambda o, lse, *_, out_dtype=None, states_axis=1, **__: _new(
@@ -131,13 +133,14 @@ def _merge_inplace_functional(o, lse, o_other, lse_other, mask=None, *, base="e"
     return o, lse
 
 
-def _merge_states_out(o, lse, *, out, out_lse=None, output_scale=None, states_axis=1, base="e", pdl=False):
-    _C.merge_states(out, out_lse, o, lse, _flags(base, pdl), _states_axis(states_axis) == 0, output_scale, None,
-                    _NAMES.get())
+def _merge_states_out(o, lse, *, out, out_lse=None, output_scale=None, sink=None, states_axis=1, base="e",
+                      pdl=False):
+    _C.merge_states(out, out_lse, o, lse, _flags(base, pdl), _states_axis(states_axis) == 0, output_scale, sink,
+                    None, _NAMES.get())
 
 
-def _merge_varlen_out(o, lse, indptr, *, out, out_lse=None, output_scale=None, base="e", pdl=False):
-    _C.merge_varlen(out, out_lse, o, lse, indptr, _flags(base, pdl), output_scale, None, _NAMES.get())
+def _merge_varlen_out(o, lse, indptr, *, out, out_lse=None, output_scale=None, sink=None, base="e", pdl=False):
+    _C.merge_varlen(out, out_lse, o, lse, indptr, _flags(base, pdl), output_scale, sink, None, _NAMES.get())
 
 
 def _merge_backward(grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, *, needs, a_tokens=None, base="e"):
@@ -173,16 +176,18 @@ def _merge_varlen_backward(grad_out, grad_out_lse, out, out_lse, o, lse, indptr,
     return grads
 
 
-def _functional(results, out_kernel, n_tensors):
+def _functional(results, out_kernel, n_tensors, extras=("output_scale",)):
     """The functional kernel: the results allocated as the fake implementation says, then filled.
-    Its positional arguments: the op's `n_tensors` inputs, then output_scale (positional, so that
-    autograd can be registered: it takes no keyword-only tensors; the dispatcher may drop it when
-    it is None)."""
+    Its positional arguments: the op's `n_tensors` inputs, then the optional tensors `extras`
+    (positional, so that autograd can be registered: it takes no keyword-only tensors; the
+    dispatcher may drop the trailing ones that are None)."""
     def kernel(*args, out_dtype=None, **options):
         tensors = args[:n_tensors]
-        scale = args[n_tensors] if len(args) > n_tensors else options.pop("output_scale", None)
+        for i, name in enumerate(extras):
+            given = options.pop(name, None)
+            options[name] = args[n_tensors + i] if len(args) > n_tensors + i else given
         out, out_lse = results(*tensors, out_dtype=out_dtype, **options)
-        out_kernel(*tensors, out=out, out_lse=out_lse, output_scale=scale, **options)
+        out_kernel(*tensors, out=out, out_lse=out_lse, **options)
         return out, out_lse
 
     return kernel
@@ -191,9 +196,9 @@ def _functional(results, out_kernel, n_tensors):
 _KERNELS = {
     "merge": _functional(_RESULTS["merge"], _merge_out, 4), "merge.out": _merge_out,
     "merge_inplace": _merge_inplace, "merge_inplace.functional": _merge_inplace_functional,
-    "merge_states": _functional(_RESULTS["merge_states"], _merge_states_out, 2),
+    "merge_states": _functional(_RESULTS["merge_states"], _merge_states_out, 2, ("output_scale", "sink")),
     "merge_states.out": _merge_states_out,
-    "merge_varlen": _functional(_RESULTS["merge_varlen"], _merge_varlen_out, 3),
+    "merge_varlen": _functional(_RESULTS["merge_varlen"], _merge_varlen_out, 3, ("output_scale", "sink")),
     "merge_varlen.out": _merge_varlen_out,
     "merge_backward": _merge_backward, "merge_states_backward": _merge_states_backward,
     "merge_varlen_backward": _merge_varlen_backward,
@@ -225,11 +230,14 @@ def _no_fp8_gradient(name, inputs, scale, out):
 
 
 def _setup(name, n_tensors):
-    """Saves the op's `n_tensors` tensor inputs (output_scale follows them) and its results."""
+    """Saves the op's `n_tensors` tensor inputs, its results and, after them, its sink (None where
+    it has none; output_scale and sink follow the tensor inputs)."""
     def setup_context(ctx, inputs, keyword_only_inputs, output):
         out, out_lse = output
-        _no_fp8_gradient(name, inputs[:n_tensors], inputs[n_tensors] if len(inputs) > n_tensors else None, out)
-        ctx.save_for_backward(*inputs[:n_tensors], out, out_lse)
+        scale = inputs[n_tensors] if len(inputs) > n_tensors else None
+        sink = inputs[n_tensors + 1] if len(inputs) > n_tensors + 1 else None
+        _no_fp8_gradient(name, (*inputs[:n_tensors], sink), scale, out)
+        ctx.save_for_backward(*inputs[:n_tensors], out, out_lse, sink)
         ctx.options = keyword_only_inputs
     return setup_context
 
@@ -248,8 +256,23 @@ def _incoming_lse(grad_out_lse):
     return None if grad_out_lse is None else grad_out_lse.contiguous()
 
 
+def _sink_grad(sink, out, out_lse, grad_out, grad_out_lse, base):
+    """The gradient of the sinks [heads]: the sink is a state of output 0, so per row
+    b^(sink - LSE) (dLSE - ln(b) <dO, O>), summed over the rows of each head; zero where the sink
+    is empty (+-inf) or of no weight, whatever dO holds."""
+    ln_b = math.log(2.0) if base == "2" else 1.0
+    s = sink.float()
+    p = torch.exp((s - out_lse) * ln_b)
+    p = torch.where(torch.isinf(s), torch.zeros_like(p), p)
+    row = -ln_b * (grad_out.float() * out.float()).sum(-1)
+    if grad_out_lse is not None:
+        row = row + grad_out_lse
+    g = torch.where(p != 0, p * row, torch.zeros_like(p)).sum(0)
+    return g.to(sink.dtype)
+
+
 def _merge_grad(ctx, grad_out, grad_out_lse):
-    o_a, lse_a, o_b, lse_b, out, out_lse = ctx.saved_tensors
+    o_a, lse_a, o_b, lse_b, out, out_lse, _ = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:4])
     grads = torch.ops.attnmerge.merge_backward(_incoming(grad_out, out), _incoming_lse(grad_out_lse), out, out_lse,
                                                o_a, lse_a, o_b,
@@ -258,23 +281,33 @@ def _merge_grad(ctx, grad_out, grad_out_lse):
     return (*_grads_or_none(grads, needs), None)  # output_scale: none
 
 
+def _sink_grad_of(ctx, sink_index, sink, out, out_lse, grad_out, grad_out_lse):
+    """The sink's gradient where autograd asks for it, else None."""
+    if sink is None or not ctx.needs_input_grad[sink_index]:
+        return None
+    return _sink_grad(sink, out, out_lse, _incoming(grad_out, out), _incoming_lse(grad_out_lse),
+                      ctx.options.get("base", "e"))
+
+
 def _merge_states_grad(ctx, grad_out, grad_out_lse):
-    o, lse, out, out_lse = ctx.saved_tensors
+    o, lse, out, out_lse, sink = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:2])
     grads = torch.ops.attnmerge.merge_states_backward(_incoming(grad_out, out), _incoming_lse(grad_out_lse), out,
                                                       out_lse, o, lse,
                                                       needs=needs, states_axis=ctx.options.get("states_axis", 1),
                                                       base=ctx.options.get("base", "e"))
-    return (*_grads_or_none(grads, needs), None)
+    # The states' gradients follow from out and out_lse, which count the sink.
+    return (*_grads_or_none(grads, needs), None, _sink_grad_of(ctx, 3, sink, out, out_lse, grad_out, grad_out_lse))
 
 
 def _merge_varlen_grad(ctx, grad_out, grad_out_lse):
-    o, lse, indptr, out, out_lse = ctx.saved_tensors
+    o, lse, indptr, out, out_lse, sink = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:2])
     grads = torch.ops.attnmerge.merge_varlen_backward(_incoming(grad_out, out), _incoming_lse(grad_out_lse), out,
                                                       out_lse, o, lse,
                                                       indptr, needs=needs, base=ctx.options.get("base", "e"))
-    return (*_grads_or_none(grads, needs), None, None)  # indptr, output_scale: none
+    return (*_grads_or_none(grads, needs), None, None,  # indptr, output_scale: none
+            _sink_grad_of(ctx, 4, sink, out, out_lse, grad_out, grad_out_lse))
 
 
 _AUTOGRAD = {
@@ -467,17 +500,19 @@ def merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl, names=Non
     return o, lse
 
 
-def merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, states_axis, stream, pdl,
+def merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, states_axis, sink, stream, pdl,
                  names=None):
     _no_stream(stream)
     return _call(torch.ops.attnmerge.merge_states.default, torch.ops.attnmerge.merge_states.out, o, o,
                  lambda: _merge.states_shape(o, states_axis, names), ("o", "o"), names, out, out_lse, return_lse,
-                 out_dtype, o, lse, output_scale=_scale(output_scale, o), states_axis=states_axis, base=_base(base),
-                 pdl=pdl)
+                 out_dtype, o, lse, output_scale=_scale(output_scale, o), sink=sink, states_axis=states_axis,
+                 base=_base(base), pdl=pdl)
 
 
-def merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, stream, pdl, names=None):
+def merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, sink, stream, pdl,
+                 names=None):
     _no_stream(stream)
     return _call(torch.ops.attnmerge.merge_varlen.default, torch.ops.attnmerge.merge_varlen.out, o, o,
                  lambda: _merge.varlen_shape(o, indptr, names), ("o", "o"), names, out, out_lse, return_lse,
-                 out_dtype, o, lse, indptr, output_scale=_scale(output_scale, o), base=_base(base), pdl=pdl)
+                 out_dtype, o, lse, indptr, output_scale=_scale(output_scale, o), sink=sink, base=_base(base),
+                 pdl=pdl)

@@ -91,9 +91,13 @@ def _scale_is_array(output_scale):
     return output_scale is not None and not isinstance(output_scale, (int, float, np.number))
 
 
-def _call(op, outs, operands, *, base, output_scale, a_tokens=None, vectorized=True):
-    """The FFI call of `op` with the options as attributes; output_scale as a number or, for an
-    array, as the last operand."""
+# The ops whose FFI call takes a sink operand (its attribute has_sink says whether it is read).
+_TAKE_SINK = ("merge_states", "merge_varlen")
+
+
+def _call(op, outs, operands, *, base, output_scale, a_tokens=None, vectorized=True, sink=None):
+    """The FFI call of `op` with the options as attributes; the sink (merge_states and merge_varlen:
+    an array, or None) and output_scale (a number or, for an array, an operand) after the operands."""
     base2 = lse_flags(_static("base", base)) != 0  # raises ValueError naming `base`
     scale_in_buffer = _scale_is_array(output_scale)
     if scale_in_buffer:
@@ -104,11 +108,15 @@ def _call(op, outs, operands, *, base, output_scale, a_tokens=None, vectorized=T
         number = 0.0 if output_scale is None else float(output_scale_arg(output_scale))  # 0.0: the C ABI's none
     a = -1 if a_tokens is None else int(_static("a_tokens", a_tokens))
     # One call over a flattened batch: every operand is broadcast to the batch (the handler folds
-    # leading dimensions into tokens), which per-example a_tokens, indptr or scale would break.
-    method = "broadcast_all" if vectorized and a < 0 and not scale_in_buffer else "sequential"
+    # leading dimensions into tokens), which per-example a_tokens, indptr, scale or sink would break.
+    method = "broadcast_all" if vectorized and a < 0 and not scale_in_buffer and sink is None else "sequential"
     call = jax.ffi.ffi_call(f"attnmerge_{op}", outs, vmap_method=method)
+    sinks = {}
+    if op in _TAKE_SINK:
+        operands = (*operands, jnp.full((1,), -jnp.inf, jnp.float32) if sink is None else sink)  # unread if None
+        sinks = {"has_sink": sink is not None}
     return call(*operands, scale, base2=base2, a_tokens=np.int64(a), output_scale=np.float32(number),
-                scale_in_buffer=scale_in_buffer)
+                scale_in_buffer=scale_in_buffer, **sinks)
 
 
 def _out_dtype(out_dtype, like):
@@ -147,14 +155,18 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *,
 
 
 def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_dtype: Any = None,
-                 output_scale: float | jax.Array | None = None, states_axis: int = 1) -> tuple[jax.Array, jax.Array]:
+                 output_scale: float | jax.Array | None = None, states_axis: int = 1,
+                 sink: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Merge S states in one pass, each input read once.
 
     o: [tokens, S, heads, head_size] float32, float16 or bfloat16; lse: float32 [tokens, S, heads]
     (FlashInfer's layout); with states_axis=0, [S, tokens, heads, head_size] and [S, tokens, heads]
     (an all-gather's).  Base, out_dtype and output_scale as in merge.
+    sink: None, or float32 [heads]: attention sinks, each head's sink logit in the LSE's base, one
+    more state of output 0 in every row of its head (differentiable; attnmerge.merge_states says
+    more).
     Returns (out [tokens, heads, head_size], out_lse float32 [tokens, heads]); S = 0 gives O = 0 and
-    LSE = -inf.
+    LSE = -inf (the sink, with one).
     """
     axis = _static("states_axis", states_axis)
     if axis not in (0, 1):
@@ -164,19 +176,21 @@ def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_dtype: A
     if axis == 0:  # XLA lays the transpose out for the call
         o, lse = jnp.swapaxes(o, 0, 1), jnp.swapaxes(lse, 0, 1)
     tokens, _, heads, head_size = _shape(o)
+    _expect_sink(sink, heads)
     dtype = _out_dtype(out_dtype, o)
     return _merged("merge_states", (tokens, heads, head_size), dtype, (o, lse), base, output_scale,
-                   lambda: _merge_states_fn(_base_key(base), dtype))
+                   lambda: _merge_states_fn(_base_key(base), dtype, sink is not None), sink=sink)
 
 
 def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base = "e", out_dtype: Any = None,
-                 output_scale: float | jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                 output_scale: float | jax.Array | None = None,
+                 sink: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Row r merges states indptr[r] .. indptr[r + 1] - 1 of a flat list.
 
     o: [total, heads, head_size] float32, float16 or bfloat16; lse: float32 [total, heads];
-    indptr: int32 or int64 [rows + 1].  A row with no states gets O = 0, LSE = -inf; on the GPU bad
-    bounds are clamped into [0, total] (attnmerge.merge_varlen says how).  Base, out_dtype and
-    output_scale as in merge.
+    indptr: int32 or int64 [rows + 1].  A row with no states gets O = 0, LSE = -inf (the sink, with
+    one); on the GPU bad bounds are clamped into [0, total] (attnmerge.merge_varlen says how).
+    Base, out_dtype and output_scale as in merge, sink as in merge_states.
     Returns (out [rows, heads, head_size], out_lse float32 [rows, heads]).
     """
     _expect_ndim("o", o, 3, "total, heads, head_size")
@@ -187,8 +201,14 @@ def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base 
         raise ValueError("indptr: expected rows + 1 >= 1 elements, got 0")
     dtype = _out_dtype(out_dtype, o)
     _, heads, head_size = _shape(o)
+    _expect_sink(sink, heads)
     return _merged("merge_varlen", (rows, heads, head_size), dtype, (o, lse, indptr), base, output_scale,
-                   lambda: _merge_varlen_fn(_base_key(base), dtype), vectorized=False)
+                   lambda: _merge_varlen_fn(_base_key(base), dtype, sink is not None), sink=sink, vectorized=False)
+
+
+def _expect_sink(sink, heads):
+    if sink is not None:
+        _expect("sink", sink, (heads,), "heads of o")
 
 
 # ---- gradients ------------------------------------------------------------------------------------
@@ -199,19 +219,22 @@ def _base_key(base):
     return "e" if base == "e" else 2
 
 
-def _merged(op, shape, dtype, operands, base, output_scale, differentiable, **options):
-    """The merge `op` of `operands` into (out of `shape` [rows, heads, head_size] and `dtype`,
-    out_lse): differentiable() (a custom_vjp over the backward) unless the output is FP8 or scaled;
-    such a call runs under a custom_vjp whose backward refuses by name (JAX would otherwise name
-    only its ffi_call), with an array output_scale among its arguments."""
+def _merged(op, shape, dtype, operands, base, output_scale, differentiable, sink=None, **options):
+    """The merge `op` of `operands` (and the sink, where one is given: an argument after them)
+    into (out of `shape` [rows, heads, head_size] and `dtype`, out_lse): differentiable() (a
+    custom_vjp over the backward) unless the output is FP8 or scaled; such a call runs under a
+    custom_vjp whose backward refuses by name (JAX would otherwise name only its ffi_call), with an
+    array output_scale among its arguments."""
+    sinks = () if sink is None else (sink,)
     if output_scale is None and dtype.name not in NO_GRADIENT_DTYPES:
-        return differentiable()(*operands)
+        return differentiable()(*operands, *sinks)
     outs = _results(*shape, dtype)
-    n = len(operands)
+    n, k = len(operands), len(operands) + len(sinks)
     scale_array = _scale_is_array(output_scale)
 
     def call(*x):
-        return _call(op, outs, x[:n], base=base, output_scale=x[n] if scale_array else output_scale, **options)
+        return _call(op, outs, x[:n], base=base, output_scale=x[k] if scale_array else output_scale,
+                     sink=x[n] if sinks else None, **options)
 
     f = jax.custom_vjp(call)
 
@@ -219,7 +242,7 @@ def _merged(op, shape, dtype, operands, base, output_scale, differentiable, **op
         raise NotImplementedError(f"attnmerge.jax.{op}: no gradient through an FP8 output or an output_scale")
 
     f.defvjp(lambda *x: (call(*x), None), refuse)
-    return f(*operands, *((output_scale,) if scale_array else ()))
+    return f(*operands, *sinks, *((output_scale,) if scale_array else ()))
 
 
 def _backward(op, grads, operands, *, base, a_tokens=None, vectorized=True):
@@ -276,31 +299,46 @@ def _merge_fn(base, dtype, a_tokens):
     return _with_vjp(forward, backward)
 
 
+def _sink_grad(sink, out, out_lse, grad_out, grad_out_lse, base):
+    """The gradient of the sinks [heads]: the sink is a state of output 0, so per row
+    b^(sink - LSE) (dLSE - ln(b) <dO, O>), summed over the rows of each head; zero where the sink
+    is empty (+-inf) or of no weight, whatever dO holds."""
+    ln_b = float(np.log(2.0)) if base == 2 else 1.0
+    p = jnp.exp((sink - out_lse) * ln_b)
+    p = jnp.where(jnp.isinf(sink), 0.0, p)
+    row = grad_out_lse - ln_b * jnp.sum(grad_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    return jnp.sum(jnp.where(p != 0, p * row, 0.0), axis=0).astype(sink.dtype)
+
+
 @functools.lru_cache(maxsize=None)
-def _merge_states_fn(base, dtype):
-    def forward(o, lse):
+def _merge_states_fn(base, dtype, has_sink):
+    def forward(o, lse, *sink):
         tokens, _, heads, head_size = _shape(o)
-        return _call("merge_states", _results(tokens, heads, head_size, dtype), (o, lse), base=base, output_scale=None)
+        return _call("merge_states", _results(tokens, heads, head_size, dtype), (o, lse), base=base, output_scale=None,
+                     sink=sink[0] if has_sink else None)
 
     def backward(inputs, out, out_lse, grad_out, grad_out_lse):
-        o, lse = inputs
-        return _backward("merge_states", (_like(o), _like(lse)), (grad_out, grad_out_lse, out, out_lse, o, lse),
-                         base=base)
+        o, lse, *sink = inputs
+        grads = _backward("merge_states", (_like(o), _like(lse)), (grad_out, grad_out_lse, out, out_lse, o, lse),
+                          base=base)
+        # The states' gradients follow from out and out_lse, which count the sink.
+        return (*grads, *(_sink_grad(s, out, out_lse, grad_out, grad_out_lse, base) for s in sink))
 
     return _with_vjp(forward, backward)
 
 
 @functools.lru_cache(maxsize=None)
-def _merge_varlen_fn(base, dtype):
-    def forward(o, lse, indptr):
+def _merge_varlen_fn(base, dtype, has_sink):
+    def forward(o, lse, indptr, *sink):
         _, heads, head_size = _shape(o)
         return _call("merge_varlen", _results(_shape(indptr)[0] - 1, heads, head_size, dtype), (o, lse, indptr),
-                     base=base, output_scale=None, vectorized=False)
+                     base=base, output_scale=None, vectorized=False, sink=sink[0] if has_sink else None)
 
     def backward(inputs, out, out_lse, grad_out, grad_out_lse):
-        o, lse, indptr = inputs
+        o, lse, indptr, *sink = inputs
         g_o, g_l = _backward("merge_varlen", (_like(o), _like(lse)),
                              (grad_out, grad_out_lse, out, out_lse, o, lse, indptr), base=base, vectorized=False)
-        return g_o, g_l, None  # indptr: integers, no gradient
+        return (g_o, g_l, None,  # indptr: integers, no gradient
+                *(_sink_grad(s, out, out_lse, grad_out, grad_out_lse, base) for s in sink))
 
     return _with_vjp(forward, backward)

@@ -106,10 +106,21 @@ void merge_inplace(py::handle o, py::handle lse, py::handle o_other, py::handle 
   call_library([&] { return attnmerge_merge_inplace(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream()); });
 }
 
+// The sink (None: none) as options.sink: the layout that has it.
+void set_sink(attnmerge_options& options, const attnmerge_tensor* sink) {
+  if (sink == nullptr) return;
+  options.struct_size = sizeof(attnmerge_options);
+  options.sink = sink;
+}
+
 void merge_states(py::handle out, py::handle out_lse, py::handle o, py::handle lse, uint32_t flags, bool states_first,
-                  py::handle output_scale, py::handle stream, py::handle names_table) {
+                  py::handle output_scale, py::handle sink, py::handle stream, py::handle names_table) {
   const CallerNames n(names_table);
-  CallArrays<4> c({{out, n("out"), kOut}, {out_lse, n("out_lse"), kF32}, {o, n("o"), kO}, {lse, n("lse"), kF32}},
+  CallArrays<5> c({{out, n("out"), kOut},
+                   {out_lse, n("out_lse"), kF32},
+                   {o, n("o"), kO},
+                   {lse, n("lse"), kF32},
+                   {sink, n("sink"), kF32}},
                   stream, 2, 2);
   if (states_first) {  // an all-gather's [S, tokens, ...], read through its strides
     c.views[2].swap_leading_axes();
@@ -118,22 +129,25 @@ void merge_states(py::handle out, py::handle out_lse, py::handle o, py::handle l
   attnmerge_options options = {flags, 0, 0.0f, nullptr};
   ArrayView scale;
   set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
+  set_sink(options, c.t[4]);
   n.pass_to(options);
   call_library([&] { return attnmerge_merge_states(c.t[0], c.t[1], c.t[2], c.t[3], &options, c.stream()); });
 }
 
 void merge_varlen(py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle indptr, uint32_t flags,
-                  py::handle output_scale, py::handle stream, py::handle names_table) {
+                  py::handle output_scale, py::handle sink, py::handle stream, py::handle names_table) {
   const CallerNames n(names_table);
-  CallArrays<5> c({{out, n("out"), kOut},
+  CallArrays<6> c({{out, n("out"), kOut},
                    {out_lse, n("out_lse"), kF32},
                    {o, n("o"), kO},
                    {lse, n("lse"), kF32},
-                   {indptr, n("indptr"), kIndexDtypes}},
+                   {indptr, n("indptr"), kIndexDtypes},
+                   {sink, n("sink"), kF32}},
                   stream, 2, 2);
   attnmerge_options options = {flags, 0, 0.0f, nullptr};
   ArrayView scale;
   set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
+  set_sink(options, c.t[5]);
   n.pass_to(options);
   call_library([&] { return attnmerge_merge_varlen(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream()); });
 }
@@ -291,10 +305,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("merge_inplace", &merge_inplace, py::arg("o"), py::arg("lse"), py::arg("o_other"), py::arg("lse_other"),
         py::arg("mask"), py::arg("flags"), py::arg("stream"), py::arg("names") = py::none());
   m.def("merge_states", &merge_states, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
-        py::arg("flags"), py::arg("states_first"), py::arg("output_scale"), py::arg("stream"),
+        py::arg("flags"), py::arg("states_first"), py::arg("output_scale"), py::arg("sink"), py::arg("stream"),
         py::arg("names") = py::none());
   m.def("merge_varlen", &merge_varlen, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
-        py::arg("indptr"), py::arg("flags"), py::arg("output_scale"), py::arg("stream"), py::arg("names") = py::none());
+        py::arg("indptr"), py::arg("flags"), py::arg("output_scale"), py::arg("sink"), py::arg("stream"),
+        py::arg("names") = py::none());
   m.def("merge_backward", &merge_backward, py::arg("grad_o_a"), py::arg("grad_lse_a"), py::arg("grad_o_b"),
         py::arg("grad_lse_b"), py::arg("grad_out"), py::arg("grad_out_lse"), py::arg("out"), py::arg("out_lse"),
         py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"), py::arg("lse_b"), py::arg("flags"), py::arg("a_tokens"),

@@ -102,22 +102,32 @@ ffi::Error merge(void* stream, int32_t device, ffi::AnyBuffer o_a, ffi::AnyBuffe
   return result(attnmerge_merge(&t_out, &t_out_lse, &t_oa, &t_la, &t_ob, &t_lb, &opt, stream));
 }
 
-ffi::Error merge_states(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer scale,
-                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse, bool base2,
-                        int64_t a_tokens, float output_scale, bool scale_in_buffer) {
+// The sink [heads] as options.sink, where has_sink (else the `sink` buffer is not read).
+void set_sink(attnmerge_options& opt, const attnmerge_tensor& sink, bool has_sink) {
+  if (!has_sink) return;
+  opt.struct_size = sizeof(attnmerge_options);
+  opt.sink = &sink;
+}
+
+ffi::Error merge_states(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink,
+                        ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
+                        bool base2, int64_t a_tokens, float output_scale, bool scale_in_buffer, bool has_sink) {
   const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
-  const attnmerge_tensor t_o = tensor(o, device, 4), t_l = tensor(lse, device, 3);
-  const attnmerge_options opt = options(base2, a_tokens, output_scale, scale_in_buffer, scale);
+  const attnmerge_tensor t_o = tensor(o, device, 4), t_l = tensor(lse, device, 3), t_sink = tensor(sink, device, 1);
+  attnmerge_options opt = options(base2, a_tokens, output_scale, scale_in_buffer, scale);
+  set_sink(opt, t_sink, has_sink);
   return result(attnmerge_merge_states(&t_out, &t_out_lse, &t_o, &t_l, &opt, stream));
 }
 
 ffi::Error merge_varlen(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer indptr,
-                        ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
-                        bool base2, int64_t a_tokens, float output_scale, bool scale_in_buffer) {
+                        ffi::AnyBuffer sink, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer> out_lse, bool base2, int64_t a_tokens, float output_scale,
+                        bool scale_in_buffer, bool has_sink) {
   const attnmerge_tensor t_indptr = index_tensor(indptr, device);
   const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
-  const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 2);
-  const attnmerge_options opt = options(base2, a_tokens, output_scale, scale_in_buffer, scale);
+  const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 2), t_sink = tensor(sink, device, 1);
+  attnmerge_options opt = options(base2, a_tokens, output_scale, scale_in_buffer, scale);
+  set_sink(opt, t_sink, has_sink);
   return result(attnmerge_merge_varlen(&t_out, &t_out_lse, &t_o, &t_l, &t_indptr, &opt, stream));
 }
 
@@ -175,18 +185,19 @@ ffi::Error merge_host(ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a, ffi::AnyBuffer o
                scale_in_buffer);
 }
 
-ffi::Error merge_states_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer scale,
+ffi::Error merge_states_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink, ffi::AnyBuffer scale,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse, bool base2,
-                             int64_t a_tokens, float output_scale, bool scale_in_buffer) {
-  return merge_states(nullptr, ATTNMERGE_HOST, o, lse, scale, out, out_lse, base2, a_tokens, output_scale,
-                      scale_in_buffer);
+                             int64_t a_tokens, float output_scale, bool scale_in_buffer, bool has_sink) {
+  return merge_states(nullptr, ATTNMERGE_HOST, o, lse, sink, scale, out, out_lse, base2, a_tokens, output_scale,
+                      scale_in_buffer, has_sink);
 }
 
-ffi::Error merge_varlen_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer indptr, ffi::AnyBuffer scale,
-                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse, bool base2,
-                             int64_t a_tokens, float output_scale, bool scale_in_buffer) {
-  return merge_varlen(nullptr, ATTNMERGE_HOST, o, lse, indptr, scale, out, out_lse, base2, a_tokens, output_scale,
-                      scale_in_buffer);
+ffi::Error merge_varlen_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer indptr, ffi::AnyBuffer sink,
+                             ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Result<ffi::AnyBuffer> out_lse, bool base2, int64_t a_tokens, float output_scale,
+                             bool scale_in_buffer, bool has_sink) {
+  return merge_varlen(nullptr, ATTNMERGE_HOST, o, lse, indptr, sink, scale, out, out_lse, base2, a_tokens,
+                      output_scale, scale_in_buffer, has_sink);
 }
 
 ffi::Error merge_backward_host(ffi::AnyBuffer grad_out, ffi::AnyBuffer grad_out_lse, ffi::AnyBuffer out,
@@ -215,23 +226,33 @@ ffi::Error merge_varlen_backward_host(ffi::AnyBuffer grad_out, ffi::AnyBuffer gr
 }
 
 // The bindings: CUDA handlers take XLA's stream and device ordinal first; then the input
-// buffers (the op's, then `scale`), the two results (out, out_lse) and the attributes.
+// buffers (the op's, then `sink` where kSink, then `scale`), the two results (out, out_lse) and
+// the attributes (has_sink last, where kSink).
 auto on_cuda() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<void*>>().Ctx<ffi::DeviceOrdinal>(); }
 
 auto on_host() { return ffi::Ffi::Bind(); }
 
-template <int kInputs, typename Binding>
+// The results and the attributes every forward takes.
+template <typename Binding>
+auto with_results(Binding binding) {
+  return std::move(binding)
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<bool>("base2")
+      .template Attr<int64_t>("a_tokens")
+      .template Attr<float>("output_scale")
+      .template Attr<bool>("scale_in_buffer");
+}
+
+// `kInputs` (>= 1) buffers, the results and the attributes (the binding moves only as a temporary).
+template <int kInputs, bool kSink = false, typename Binding>
 auto with_buffers(Binding binding) {
-  if constexpr (kInputs == 0) {
-    return std::move(binding)
-        .template Ret<ffi::AnyBuffer>()
-        .template Ret<ffi::AnyBuffer>()
-        .template Attr<bool>("base2")
-        .template Attr<int64_t>("a_tokens")
-        .template Attr<float>("output_scale")
-        .template Attr<bool>("scale_in_buffer");
+  if constexpr (kInputs > 1) {
+    return with_buffers<kInputs - 1, kSink>(std::move(binding).template Arg<ffi::AnyBuffer>());
+  } else if constexpr (kSink) {
+    return with_results(std::move(binding).template Arg<ffi::AnyBuffer>()).template Attr<bool>("has_sink");
   } else {
-    return with_buffers<kInputs - 1>(std::move(binding).template Arg<ffi::AnyBuffer>());
+    return with_results(std::move(binding).template Arg<ffi::AnyBuffer>());
   }
 }
 
@@ -252,10 +273,10 @@ auto with_grads(Binding binding) {
 // The handlers, exported with C linkage for attnmerge.jax to wrap in capsules (jax.ffi.pycapsule).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_cuda, merge, with_buffers<5>(on_cuda()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_host, merge_host, with_buffers<5>(on_host()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_cuda, merge_states, with_buffers<3>(on_cuda()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_host, merge_states_host, with_buffers<3>(on_host()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_cuda, merge_varlen, with_buffers<4>(on_cuda()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_host, merge_varlen_host, with_buffers<4>(on_host()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_cuda, merge_states, (with_buffers<4, true>(on_cuda())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_host, merge_states_host, (with_buffers<4, true>(on_host())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_cuda, merge_varlen, (with_buffers<5, true>(on_cuda())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_host, merge_varlen_host, (with_buffers<5, true>(on_host())));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_backward_cuda, merge_backward, (with_grads<8, 4>(on_cuda())));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_backward_host, merge_backward_host, (with_grads<8, 4>(on_host())));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_backward_cuda, merge_states_backward,

@@ -557,6 +557,35 @@ bad("varlen-output_scale-with-a-float32-out", "merge_varlen", options(output_sca
     ValueError, "output_scale", layers=PY)
 
 # ================================================================================================
+# sinks (merge_states and merge_varlen take one: float32 [heads]; every other op refuses one)
+
+
+def sink(shape=(H,), dtype=np.float32):
+    """A sink of `shape` and `dtype` given (random, as every input)."""
+    def change(a):
+        a.options["sink"] = a.lse(shape).astype(dtype)
+    return change
+
+
+for op, prefix in (("merge_states", "states"), ("merge_varlen", "varlen")):
+    bad(f"{prefix}-sink-one-head-too-many", op, sink((H + 1,)), ValueError, "sink", H, H + 1, layers=ANY)
+    bad(f"{prefix}-sink-2d", op, sink((1, H)), ValueError, "sink", 1, 2, layers=ANY)
+    bad(f"{prefix}-sink-float16", op, sink(dtype=np.float16), TypeError, "sink", "float32", "float16", layers=ANY)
+    bad(f"{prefix}-sink-overlaps-out_lse", op, lambda a: a.options.update(sink=a["out_lse"][0]), ValueError, "out_lse",
+        layers=HOST)
+
+
+def _sink_option(a):
+    given = a.lse((H,))
+    a.extra.append(given)
+    a.options["opts"] = c_abi.options(sink=c_abi.tensor_from(given))
+
+
+for op in ("merge", "merge_inplace", "merge_states_backward"):
+    bad(f"c-{op}-sink-refused", f"c.{op}", _sink_option, ERR_V, "sink", "none", starts="sink: expected none")
+
+
+# ================================================================================================
 # merge_states_backward (the gradients grad_o, grad_lse are its outputs)
 
 bad("states-backward-grad_out-fewer-tokens", "merge_states_backward", to("grad_out", lambda x, a: x[:T - 1]), ValueError,

@@ -58,17 +58,19 @@ def c_options(kw):
     """The C ABI's options of the Python options a row gives (those it has a form for)."""
     if not kw:
         return None
-    flags, a_tokens, scale, ptr = 0, 0, 0.0, None
+    flags, a_tokens, scale, ptr, sink = 0, 0, 0.0, None, None
     for k, v in kw.items():
         if k == "a_tokens":
             flags, a_tokens = flags | c_abi.A_TOKENS, v
+        elif k == "sink":
+            sink = c_abi.tensor_from(v)
         elif k == "output_scale" and isinstance(v, np.ndarray):
             ptr = v.ctypes.data
         elif k == "output_scale":
             scale = float(v)
         else:
             raise AssertionError(f"the option {k}={v!r} has no C ABI form: the row cannot run on the c layer")
-    return c_abi.options(flags=flags, a_tokens=a_tokens, output_scale=scale, output_scale_ptr=ptr)
+    return c_abi.options(flags=flags, a_tokens=a_tokens, output_scale=scale, output_scale_ptr=ptr, sink=sink)
 
 
 def snapshot(arrays):

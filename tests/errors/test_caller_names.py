@@ -266,13 +266,15 @@ def test_a_malformed_table_is_refused_before_any_other_check(opts, message):
 # ---- struct_size: which fields are read -----------------------------------------------------------
 
 BEFORE = ctypes.sizeof(c_abi.OptionsBeforeNames)
+NAMES = ctypes.sizeof(c_abi.OptionsBeforeSink)
 NOW = ctypes.sizeof(c_abi.Options)
 
 
 def test_the_layouts_sizes_are_the_headers():
-    """attnmerge.h gives the older layout's size on 64-bit platforms; this one adds a pointer and a count."""
+    """attnmerge.h gives the older layouts' sizes on 64-bit platforms; the names add a pointer and a
+    count, the sink a pointer."""
     if ctypes.sizeof(ctypes.c_void_p) == 8:
-        assert (BEFORE, NOW) == (40, 56)
+        assert (BEFORE, NAMES, NOW) == (40, 56, 64)
 
 
 @pytest.mark.parametrize("struct_size", [0, BEFORE])
@@ -283,14 +285,22 @@ def test_names_are_not_read_without_this_layouts_struct_size(struct_size):
     assert status == c_abi.ERROR_TYPE and message == "o_b: expected the dtype of o_a (float32), got float16"
 
 
-@pytest.mark.parametrize("struct_size", [1, BEFORE + 8, NOW - 4, NOW + 8])
+@pytest.mark.parametrize("struct_size", [NAMES, NOW])
+def test_names_are_read_with_a_layout_that_has_them(struct_size):
+    opts = c_abi.options(arg_names=VLLM)
+    opts.struct_size = struct_size
+    status, message, _ = merge(opts, o_b=rand((T, H, D), np.float16))
+    assert status == c_abi.ERROR_TYPE and message.startswith("suffix_output: ")
+
+
+@pytest.mark.parametrize("struct_size", [1, BEFORE + 8, NAMES - 4, NOW - 4, NOW + 8])
 def test_another_struct_size_is_refused(struct_size):
     opts = c_abi.options(arg_names=VLLM)
     opts.struct_size = struct_size
     status, message, outputs = merge(opts)
     assert status == c_abi.ERROR_VALUE and message == (
-        f"options.struct_size: expected 0, {BEFORE} (attnmerge_options without arg_names) or {NOW} "
-        f"(this library's attnmerge_options), got {struct_size}")
+        f"options.struct_size: expected 0, {BEFORE} (attnmerge_options without arg_names), {NAMES} (without sink) "
+        f"or {NOW} (this library's attnmerge_options), got {struct_size}")
     assert all(np.isnan(x).all() for x in outputs)
 
 
@@ -316,6 +326,15 @@ _OLDER_CALLER = textwrap.dedent("""
         assert merge(opts)[0] == c_abi.SUCCESS
         status, message, _ = merge(opts, o_b=rand((T, H, D), np.float16))
         assert message == "o_b: expected the dtype of o_a (float32), got float16", message
+    # The layout with names but no sink, likewise: its names are read, nothing after them.
+    size = ctypes.sizeof(c_abi.OptionsBeforeSink)
+    named = c_abi.OptionsBeforeSink.from_address(base + page - size)
+    names = (c_abi.ArgName * 1)(c_abi.ArgName(b"o_b", b"suffix_output"))
+    named.arg_names, named.num_arg_names, named.struct_size = ctypes.cast(names, ctypes.POINTER(c_abi.ArgName)), 1, size
+    opts = ctypes.cast(ctypes.pointer(named), c_abi.OptionsP)
+    assert merge(opts)[0] == c_abi.SUCCESS
+    status, message, _ = merge(opts, o_b=rand((T, H, D), np.float16))
+    assert message == "suffix_output: expected the dtype of o_a (float32), got float16", message
     print("read within the older layout")
 """)
 

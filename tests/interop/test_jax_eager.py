@@ -86,6 +86,11 @@ def test_merge_states_and_merge_varlen_return_new_jax_arrays(rng, states_axis):
     out, out_lse = attnmerge.merge_varlen(*put(o, lse, indptr))
     assert is_jax(out) and out.shape == (3, 4, 64)
     assert_merge_matches(np.asarray(out), np.asarray(out_lse), reference_merge_varlen(o, lse, indptr), "float32")
+    sink = random_state(rng, 1, 4, 1)[1][0]  # float32 [heads]: the sink goes down the same road
+    out, out_lse = attnmerge.merge_varlen(*put(o, lse, indptr), sink=put(sink)[0])
+    assert is_jax(out)
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), reference_merge_varlen(o, lse, indptr, sink=sink),
+                         "float32")
 
 
 @needs_extension

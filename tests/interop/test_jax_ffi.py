@@ -23,6 +23,7 @@ from oracle import (
     reference_merge_stacked,
     reference_merge_states_backward,
     reference_merge_varlen,
+    sink_state,
 )
 
 jax = pytest.importorskip("jax")
@@ -294,3 +295,50 @@ def test_gradients_under_vmap_and_none_through_fp8(rng, dev):
     fp8 = lambda a, b: amj.merge_states(a, b, out_dtype=jnp.float8_e4m3fn)[1].sum()  # noqa: E731
     with pytest.raises(NotImplementedError, match="attnmerge.jax.merge_states: no gradient through an FP8"):
         jax.grad(fp8)(put(o[0], dev), put(lse[0], dev))
+
+
+# attention sinks (merge_states and merge_varlen: a float32 [heads] operand, differentiable)
+
+
+@pytest.mark.parametrize("base", ["e", 2])
+def test_a_sink_under_jit_and_its_gradient(rng, dev, base):
+    o, lse, sink = random_o(rng, (6, 5, 3, 24)), random_lse(rng, (6, 5, 3)), random_lse(rng, (3,))
+    sink[1] = -np.inf  # no sink: zero gradient
+    f = jax.jit(functools.partial(amj.merge_states, base=base))
+    (out, out_lse), vjp = jax.vjp(lambda a, b, c: f(a, b, sink=c), put(o, dev), put(lse, dev), put(sink, dev))
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), reference_merge_stacked(o, lse, base=base, sink=sink),
+                         "float32")
+    g_out, g_lse = _cotangents(rng, out, out_lse)
+    grad_o, grad_lse, grad_sink = vjp((g_out, g_lse))
+    so, sl = sink_state(sink, 6, 24)  # the sink as the formula reads it: a state of O = 0
+    ref_o, ref_l = reference_merge_states_backward(np.concatenate([np.swapaxes(o, 0, 1), so[None]]),
+                                                   np.concatenate([np.swapaxes(lse, 0, 1), sl[None]]), np.asarray(out),
+                                                   np.asarray(out_lse), np.asarray(g_out), np.asarray(g_lse), base=base)
+    assert_merge_matches(np.asarray(grad_o), np.asarray(grad_lse),
+                         (np.swapaxes(ref_o[:-1], 0, 1), np.swapaxes(ref_l[:-1], 0, 1)), "float32", "grad")
+    np.testing.assert_allclose(np.asarray(grad_sink), ref_l[-1].sum(axis=0), rtol=2e-5, atol=1e-6)
+    assert np.asarray(grad_sink)[1] == 0
+
+
+def test_a_sink_in_merge_varlen_under_vmap_and_check_grads(rng, dev):
+    indptr = np.array([0, 2, 2, 6], dtype=np.int32)  # the middle row: the sink alone
+    o, lse, sink = random_o(rng, (6, 2, 8)), random_lse(rng, (6, 2)), random_lse(rng, (2,))
+    out, out_lse = jax.jit(amj.merge_varlen)(put(o, dev), put(lse, dev), put(indptr, dev), sink=put(sink, dev))
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), reference_merge_varlen(o, lse, indptr, sink=sink),
+                         "float32")
+    sinks = np.stack([sink, sink + 1.0])  # one sink per batch element
+    batched = jax.vmap(lambda s: amj.merge_states(put(o[:4, None].repeat(3, 1), dev), put(lse[:4, None].repeat(3, 1),
+                                                                                           dev), sink=s))(sinks)
+    for i in range(2):
+        ref = reference_merge_stacked(o[:4, None].repeat(3, 1), lse[:4, None].repeat(3, 1), sink=sinks[i])
+        assert_merge_matches(np.asarray(batched[0][i]), np.asarray(batched[1][i]), ref, "float32")
+    from jax.test_util import check_grads
+
+    check_grads(lambda a, b, c: amj.merge_varlen(a, b, indptr, sink=c), (put(o, dev), put(lse, dev), put(sink, dev)),
+                order=1, modes=["rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
+def test_a_sink_of_another_shape_is_refused_when_traced(rng):
+    o, lse = random_o(rng, (2, 3, 4, 8)), random_lse(rng, (2, 3, 4))
+    with pytest.raises(ValueError, match=r"sink: expected shape \[4\]"):
+        amj.merge_states(o, lse, sink=np.zeros(3, np.float32) + 1.0)

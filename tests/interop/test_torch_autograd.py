@@ -1,8 +1,9 @@
 """Autograd through torch.ops.attnmerge: merge, merge_states and merge_varlen are differentiable with
-respect to every O and LSE input, eagerly and under torch.compile, on the CPU and (marked gpu) on
-CUDA; their gradients are the float64 oracle's (p_i = b^(lse_i - LSE), dO_i = p_i dO,
-dlse_i = p_i (dLSE + ln(b) <dO, O_i - O>)); an empty part gets zero gradients; where no gradient is
-defined (an FP8 or scaled output) asking for one is refused by name."""
+respect to every O and LSE input (and merge_states and merge_varlen to their sink), eagerly and
+under torch.compile, on the CPU and (marked gpu) on CUDA; their gradients are the float64 oracle's
+(p_i = b^(lse_i - LSE), dO_i = p_i dO, dlse_i = p_i (dLSE + ln(b) <dO, O_i - O>); a sink is a state
+of O = 0, its gradient summed over the rows of its head); an empty part gets zero gradients; where
+no gradient is defined (an FP8 or scaled output) asking for one is refused by name."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,6 +19,7 @@ from oracle import (  # noqa: E402
     reference_merge_stacked,
     reference_merge_states_backward,
     reference_merge_varlen,
+    sink_state,
 )
 
 DEVICES = [pytest.param("cpu", id="cpu"),
@@ -124,6 +126,52 @@ def test_only_the_asked_gradients_and_only_out_or_only_out_lse_used(rng, device)
     assert rel(grad_lse, np.swapaxes(ref[1], 0, 1)) <= TOLERANCE["float32"]
 
 
+def sink_oracle(o, lse, sink, out, out_lse, grad_out, grad_out_lse, base):
+    """float64 gradients of one row group with a sink: the sink as one more state, of O = 0 (the
+    formula's own reading of it); o [S, T, H, D], lse [S, T, H].  Returns (grad_o, grad_lse, the
+    sink's gradient [H], summed over the T rows)."""
+    so, sl = sink_state(sink, out.shape[0], out.shape[2])
+    grad_o, grad_lse = reference_merge_states_backward(np.concatenate([o, so[None]]), np.concatenate([lse, sl[None]]),
+                                                       out, out_lse, grad_out, grad_out_lse, base=base)
+    return grad_o[:-1], grad_lse[:-1], grad_lse[-1].sum(axis=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("base", ["e", 2])
+def test_merge_states_sink_gradients_are_the_oracles(rng, device, base):
+    t, s, h, d = 6, 4, 4, 32
+    o, lse = random_o(rng, (t, s, h, d)), random_lse(rng, (t, s, h))
+    sink = random_lse(rng, (h,))
+    sink[1] = -np.inf  # no sink: zero gradient
+    x = [put(v, device) for v in (o, lse, sink)]
+    out, out_lse = attnmerge.merge_states(x[0], x[1], sink=x[2], base=base)
+    grad_out, grad_out_lse = incoming(rng, out, out_lse)
+    grads = torch.autograd.grad((out, out_lse), x, (grad_out, grad_out_lse))
+    ref = sink_oracle(np.swapaxes(o, 0, 1), np.swapaxes(lse, 0, 1), sink, *(
+        v.detach().cpu().numpy() for v in (out, out_lse, grad_out, grad_out_lse)), base)
+    assert rel(grads[0], np.swapaxes(ref[0], 0, 1)) <= TOLERANCE["float32"]
+    assert rel(grads[1], np.swapaxes(ref[1], 0, 1)) <= TOLERANCE["float32"]
+    assert rel(grads[2], ref[2]) <= TOLERANCE["float32"] and grads[2].shape == (h,) and grads[2][1] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_varlen_sink_gradients_are_the_oracles(rng, device):
+    indptr, h, d = [0, 3, 3, 5], 3, 16  # the middle row has no states: the sink alone
+    o, lse, sink = random_o(rng, (5, h, d)), random_lse(rng, (5, h)), random_lse(rng, (h,))
+    x = [put(v, device) for v in (o, lse, sink)]
+    out, out_lse = attnmerge.merge_varlen(x[0], x[1], torch.tensor(indptr, device=device), sink=x[2])
+    grad_out, grad_out_lse = incoming(rng, out, out_lse)
+    grads = torch.autograd.grad((out, out_lse), x, (grad_out, grad_out_lse))
+    saved = [v.detach().cpu().numpy() for v in (out, out_lse, grad_out, grad_out_lse)]
+    want_o, want_lse, want_sink = np.zeros(o.shape), np.zeros(lse.shape), np.zeros(h)
+    for r in range(len(indptr) - 1):
+        lo, hi = indptr[r], indptr[r + 1]
+        g_o, g_l, g_s = sink_oracle(o[lo:hi, None], lse[lo:hi, None], sink, *(v[r:r + 1] for v in saved), "e")
+        want_o[lo:hi], want_lse[lo:hi], want_sink = g_o[:, 0], g_l[:, 0], want_sink + g_s
+    assert rel(grads[0], want_o) <= TOLERANCE["float32"] and rel(grads[1], want_lse) <= TOLERANCE["float32"]
+    assert rel(grads[2], want_sink) <= TOLERANCE["float32"]
+
+
 def test_gradcheck_through_the_registered_ops():
     """torch.autograd.gradcheck of each op against finite differences of itself.  The library
     computes in float32 (it takes no float64): hence float32 inputs, a large step and tolerances
@@ -137,6 +185,10 @@ def test_gradcheck_through_the_registered_ops():
                                     (o[:, 0], lse[:, 0], o[:, 1], lse[:, 1]), **kw)
     indptr = torch.tensor([0, 2, 3])  # (an empty row's LSE is -inf: no finite difference there)
     assert torch.autograd.gradcheck(lambda a, b: attnmerge.merge_varlen(a, b, indptr), (o[:, 0], lse[:, 0]), **kw)
+    sink = torch.randn(2, generator=gen).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b, c: attnmerge.merge_states(a, b, sink=c), (o, lse, sink), **kw)
+    assert torch.autograd.gradcheck(lambda a, b, c: attnmerge.merge_varlen(a, b, torch.tensor([0, 2, 2, 3]), sink=c),
+                                    (o[:, 0], lse[:, 0], sink), **kw)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -154,10 +206,28 @@ def test_compiled_gradients_are_the_eager_ones(rng, device):
         assert torch.equal(e, c)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_sink_gradients_are_the_eager_ones(rng, device):
+    x = [put(v, device) for v in (random_o(rng, (5, 3, 2, 32)), random_lse(rng, (5, 3, 2)), random_lse(rng, (2,)))]
+
+    def loss(o, lse, sink):
+        out, out_lse = attnmerge.merge_states(o, lse, sink=sink)
+        return (out * out).sum() + out_lse.sum()
+
+    eager = torch.autograd.grad(loss(*x), x)
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(*x), x)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)
+
+
 def test_opcheck_of_the_backward_ops_and_of_the_differentiable_forwards(rng):
     o = torch.from_numpy(random_o(rng, (6, 3, 4, 32))).requires_grad_()
     lse = torch.from_numpy(random_lse(rng, (6, 3, 4))).requires_grad_()
     torch.library.opcheck(torch.ops.attnmerge.merge_states.default, (o, lse), {})
+    sink = torch.from_numpy(random_lse(rng, (4,))).requires_grad_()
+    torch.library.opcheck(torch.ops.attnmerge.merge_states.default, (o, lse, None, sink), {})
+    torch.library.opcheck(torch.ops.attnmerge.merge_varlen.default, (o[:, 0], lse[:, 0], torch.tensor([0, 4, 4, 6]),
+                                                                     None, sink), {})
     torch.library.opcheck(torch.ops.attnmerge.merge.default, (o[:, 0], lse[:, 0], o[:, 1], lse[:, 1]),
                           dict(a_tokens=4, base="2"))
     torch.library.opcheck(torch.ops.attnmerge.merge_varlen.default, (o[:, 0], lse[:, 0], torch.tensor([0, 4, 6])), {})

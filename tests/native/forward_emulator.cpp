@@ -153,13 +153,15 @@ int emulate_merge(int64_t tokens, int64_t a_tokens, int64_t heads, int64_t head_
 }
 
 // The N-way merge: o [tokens, states, heads, head_size], lse [tokens, states, heads], any strides;
-// out [tokens, heads, head_size], out_lse [tokens, heads] (null: none).  groups: CallFacts::groups.
+// out [tokens, heads, head_size], out_lse [tokens, heads] (null: none); sink [heads], `sink_stride`
+// apart (null: none).  groups: CallFacts::groups.
 int emulate_merge_states(int64_t tokens, int64_t states, int64_t heads, int64_t head_size, int in_dtype, int out_dtype,
                          int base2, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int groups,
                          float inv_scale, void* out, const int64_t* out_s, float* out_lse, const int64_t* ol_s,
-                         const void* o, const int64_t* o_s, const float* lse, const int64_t* l_s) {
+                         const void* o, const int64_t* o_s, const float* lse, const int64_t* l_s, const float* sink,
+                         int64_t sink_stride) {
   const MergeShape shape(tokens, heads, head_size, base2 != 0);
-  const StackSource src{o, o_s[0], o_s[1], o_s[2], lse, l_s[0], l_s[1], l_s[2], states};
+  const StackSource src{o, o_s[0], o_s[1], o_s[2], lse, l_s[0], l_s[1], l_s[2], states, SinkView{sink, sink_stride}};
   const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr);
   const CallFacts f = facts(vec, access_bytes, max_offset, bytes, 0, 0, groups);
   return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);
@@ -167,14 +169,15 @@ int emulate_merge_states(int64_t tokens, int64_t states, int64_t heads, int64_t 
 
 // The variable-length merge: row r of out [rows, heads, head_size] merges states [indptr[r],
 // indptr[r + 1]) of o [total, heads, head_size] and lse [total, heads]; indptr int64 or int32
-// (indptr64), `indptr_stride` elements apart.
+// (indptr64), `indptr_stride` elements apart; the sink as for the N-way merge.
 int emulate_merge_varlen(int64_t rows, int64_t total, int64_t heads, int64_t head_size, int in_dtype, int out_dtype,
                          int base2, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int groups,
                          float inv_scale, void* out, const int64_t* out_s, float* out_lse, const int64_t* ol_s,
                          const void* o, const int64_t* o_s, const float* lse, const int64_t* l_s, const void* indptr,
-                         int64_t indptr_stride, int indptr64) {
+                         int64_t indptr_stride, int indptr64, const float* sink, int64_t sink_stride) {
   const MergeShape shape(rows, heads, head_size, base2 != 0);
-  const RangeSource src{o, o_s[0], o_s[1], lse, l_s[0], l_s[1], indptr, indptr_stride, indptr64 != 0, total};
+  const RangeSource src{
+      o, o_s[0], o_s[1], lse, l_s[0], l_s[1], indptr, indptr_stride, indptr64 != 0, total, SinkView{sink, sink_stride}};
   const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr);
   const CallFacts f = facts(vec, access_bytes, max_offset, bytes, 0, 0, groups);
   return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);

@@ -67,9 +67,9 @@ int main() {
       if (flags.find('m') != std::string::npos) src.mask = &mask_byte;
       print(shape, src, out, facts, sms);
     } else if (op == "stack") {
-      print(shape, StackSource{&lse, 0, 0, 0, &lse, 0, 0, 0, states}, out, facts, sms);
+      print(shape, StackSource{&lse, 0, 0, 0, &lse, 0, 0, 0, states, SinkView{}}, out, facts, sms);
     } else if (op == "range") {
-      print(shape, RangeSource{&lse, 0, 0, &lse, 0, 0, &lse, 0, false, states}, out, facts, sms);
+      print(shape, RangeSource{&lse, 0, 0, &lse, 0, 0, &lse, 0, false, states, SinkView{}}, out, facts, sms);
     } else {
       std::printf("unknown op %s\n", op.c_str());
       return 2;

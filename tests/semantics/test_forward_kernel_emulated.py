@@ -6,7 +6,8 @@ a call (CallFacts: the SM count, the bytes moved, the largest offset, the forced
 is held to the float64 oracle with the GPU tests' tolerances: the two-way merge (flat, plain,
 with a_tokens, tiled rows, FP8 outputs), the in-place merge (rows in warps, in a block, over
 blocks; masked), the N-way and variable-length merges (rows of one chunk and of many, kStates of
-each group count; empty and NaN states inside a split row).  Inputs sit in NaN-filled buffers
+each group count; empty and NaN states inside a split row; attention sinks, empty, NaN and strided
+ones among them).  Inputs sit in NaN-filled buffers
 that end at an unreadable page (or begin after one): a read outside a view poisons the result or
 ends the process, a write outside it is caught; a masked-out token's pages are unreadable for the
 whole call (it reads its mask byte alone).  Results must be bit-identical whatever the order of the
@@ -101,6 +102,26 @@ def facts(data, vec, itemsizes):
 def head(sizes, in_dtype, out_dtype, base, fact):
     """The arguments every emulate_* call starts with: its sizes, dtypes, LSE base and facts."""
     return [ctypes.c_int64(v) for v in sizes] + [CODES[in_dtype], CODES[out_dtype], int(base == 2), *fact]
+
+
+def sink_args(data, rng, heads, tail):
+    """A sink drawn for an N-way or variable-length merge: None, or float32 [heads] in a fenced
+    buffer, some heads empty (-inf or +inf) or NaN; its fenced view (keep it alive: the pointer
+    argument points into it) and the (pointer, stride) arguments."""
+    if not data.draw(st.booleans()):
+        return None, None, sink_pointer(None)
+    sink = random_lse(rng, (heads,))
+    for h in range(heads):
+        sink[h] = data.draw(st.sampled_from((sink[h], sink[h], sink[h] + 20.0, -np.inf, np.inf, np.nan)))
+    view, _ = placed(sink, data.draw(layouts(1, False)), tail)
+    return sink, view, sink_pointer(view)
+
+
+def sink_pointer(view):
+    """The (pointer, stride) arguments of a sink view, or of none (the view must outlive the call)."""
+    if view is None:
+        return None, ctypes.c_int64(0)
+    return ctypes.c_void_p(view.ctypes.data), ctypes.c_int64(view.strides[0] // view.itemsize)
 
 
 def assert_out(out, out_lse, ref, out_dtype, inv_scale=1.0):
@@ -302,7 +323,8 @@ def test_merge_states(emu, data):
     empties(rng, lse, o, data.draw(st.sampled_from((0.0, 0.3, 1.0))))
     if t and s and data.draw(st.booleans()):  # a NaN LSE late in a row: the row is NaN
         lse[rng.integers(t), rng.integers(s), rng.integers(h)] = np.nan
-    ref = reference_merge_stacked(o, lse, base=base)
+    sink, _sink_alive, sink_ptr = sink_args(data, rng, h, tail)
+    ref = reference_merge_stacked(o, lse, base=base, sink=sink)
     vo, _ = placed(o, data.draw(layouts(4, True)), tail)
     vl, _ = placed(lse, data.draw(layouts(3, False)), tail)
     out, obuf = out_buffers((t, h, d), out_dtype, data.draw(layouts(3, True)), tail)
@@ -313,7 +335,7 @@ def test_merge_states(emu, data):
     groups = data.draw(st.sampled_from((0, 0, 1, 2, 4, 8, 16)))
     ptrs, strides = pointers(out, out_lse, vo, vl)
     run_orders(emu, lambda: emu.emulate_merge_states(
-        *head((t, s, h, d), in_dtype, out_dtype, base, fact), groups, ctypes.c_float(1.0), *ptrs),
+        *head((t, s, h, d), in_dtype, out_dtype, base, fact), groups, ctypes.c_float(1.0), *ptrs, *sink_ptr),
         [obuf] + ([lbuf] if with_lse else []), data.draw(st.integers(0, 1000)))
     assert_out(out, out_lse, ref, out_dtype)
     assert outside_view_is_nan(out, obuf) and (not with_lse or outside_view_is_nan(out_lse, lbuf))
@@ -338,7 +360,8 @@ def test_merge_varlen(emu, data):
     base, tail = data.draw(st.sampled_from(("e", 2))), data.draw(st.booleans())
     o, lse = random_o(rng, (total, h, d), in_dtype), random_lse(rng, (total, h))
     empties(rng, lse, o, 0.2)
-    ref = reference_merge_varlen(o, lse, indptr, base=base)
+    sink, _sink_alive, sink_ptr = sink_args(data, rng, h, tail)
+    ref = reference_merge_varlen(o, lse, indptr, base=base, sink=sink)
     vo, _ = placed(o, data.draw(layouts(3, True)), tail)
     vl, _ = placed(lse, data.draw(layouts(2, False)), tail)
     rows = len(counts)
@@ -352,8 +375,8 @@ def test_merge_varlen(emu, data):
     ptrs, strides = pointers(out, out_lse, vo, vl)
     run_orders(emu, lambda: emu.emulate_merge_varlen(
         *head((rows, total, h, d), in_dtype, out_dtype, base, fact), groups, ctypes.c_float(1.0), *ptrs,
-        ctypes.c_void_p(vi.ctypes.data), ctypes.c_int64(vi.strides[0] // vi.itemsize), int(ip_dtype == np.int64)),
-        [obuf, lbuf], data.draw(st.integers(0, 1000)))
+        ctypes.c_void_p(vi.ctypes.data), ctypes.c_int64(vi.strides[0] // vi.itemsize), int(ip_dtype == np.int64),
+        *sink_ptr), [obuf, lbuf], data.draw(st.integers(0, 1000)))
     assert_out(out, out_lse, ref, out_dtype)
     assert outside_view_is_nan(out, obuf) and outside_view_is_nan(out_lse, lbuf)
 
@@ -362,7 +385,7 @@ def test_merge_varlen(emu, data):
 # (op, tokens, states, heads, head_size, dtype, facts, plan fields expected): each strategy and
 # source of plan.h reached by the facts of a call, and merging right in every order of the threads.
 # facts: sms, bytes, far (64-bit offsets), groups (N-way), layout ("dense", "wide": the output's
-# heads twice head_size apart, "a": a_tokens < tokens), tokens_inner, mask.
+# heads twice head_size apart, "a": a_tokens < tokens), tokens_inner, mask, sink (N-way, varlen).
 KROWS, KSTATES = 0, 1
 PATHS = {
     "two-way flat, evict-first": ("merge", 16, 2, 4, 128, "bfloat16", dict(sms=132, bytes=1 << 20),
@@ -402,6 +425,18 @@ PATHS = {
                                      dict(strategy=KSTATES, groups=g)) for g in (2, 4, 8, 16)},
     "varlen rows": ("varlen", 5, 9, 2, 16, "float16", dict(sms=0, bytes=1 << 20, groups=1), dict(strategy=KROWS)),
     "varlen states": ("varlen", 5, 40, 2, 64, "bfloat16", dict(sms=132, bytes=1 << 20), dict(strategy=KSTATES)),
+    "N-way rows, two states and a sink": ("states", 6, 2, 3, 64, "bfloat16", dict(sms=132, bytes=1 << 20, sink=True),
+                                          dict(strategy=KROWS, chunk=4)),
+    "N-way rows, 4 in flight, a sink": ("states", 7, 3, 3, 40, "float16", dict(sms=132, bytes=1 << 20, sink=True),
+                                        dict(strategy=KROWS, chunk=4)),
+    "N-way rows, long rows, a sink": ("states", 7, 37, 2, 64, "bfloat16", dict(sms=132, bytes=1 << 20, groups=1,
+                                                                                sink=True), dict(strategy=KROWS, chunk=8)),
+    "N-way states, a sink": ("states", 4, 64, 2, 128, "bfloat16", dict(sms=132, bytes=1 << 20, sink=True),
+                             dict(strategy=KSTATES, groups=16)),
+    "varlen rows, a sink": ("varlen", 5, 9, 2, 16, "float16", dict(sms=0, bytes=1 << 20, groups=1, sink=True),
+                            dict(strategy=KROWS)),
+    "varlen states, a sink": ("varlen", 5, 40, 2, 64, "bfloat16", dict(sms=132, bytes=1 << 20, sink=True),
+                              dict(strategy=KSTATES)),
 }
 
 
@@ -414,6 +449,12 @@ def test_every_path_of_the_plan(emu, rng, name, fenced_tail):
 
     def fact(*os):  # the case's facts, the vector width its O arrays allow
         return fact_args(widest_vec(d, *os), os[0].itemsize, f["sms"], far, f["bytes"])
+
+    sink = sink_view = None
+    if f.get("sink"):  # one head's sink above its states, the other's empty (a row of no states: LSE = sink)
+        sink = np.array([3.0, -np.inf] + [0.5] * (h - 2), np.float32)
+        sink_view, _ = placed(sink, dict(steps={0: 2}), fenced_tail)
+    sink_ptr = sink_pointer(sink_view)
 
     if op in ("merge", "inplace"):
         o_a, o_b = random_o(rng, (t, h, d), dtype), random_o(rng, (t, h, d), dtype)
@@ -448,7 +489,7 @@ def test_every_path_of_the_plan(emu, rng, name, fenced_tail):
         o, lse = random_o(rng, (t, s, h, d), dtype), random_lse(rng, (t, s, h))
         empties(rng, lse, o, 0.2)
         lse[0, s - 1, 0] = np.nan  # a NaN late in a split row
-        ref_o, ref_lse = reference_merge_stacked(o, lse)
+        ref_o, ref_lse = reference_merge_stacked(o, lse, sink=sink)
         vo, _ = placed(o, dict(order=(1, 0, 2, 3)), fenced_tail)
         vl, _ = placed(lse, {}, fenced_tail)
         out, out_lse = out_buffers((t, h, d), dtype, {}, fenced_tail)[0], nan_array((t, h))
@@ -456,14 +497,14 @@ def test_every_path_of_the_plan(emu, rng, name, fenced_tail):
 
         def call():
             return emu.emulate_merge_states(*head((t, s, h, d), dtype, dtype, "e", fact(vo, out)),
-                                            f.get("groups", 0), ctypes.c_float(1.0), *ptrs)
+                                            f.get("groups", 0), ctypes.c_float(1.0), *ptrs, *sink_ptr)
     else:
         counts = [s, 0, 1, s + 3, 2][:t]
         indptr = np.concatenate([[1], 1 + np.cumsum(counts)]).astype(np.int64)
         total = int(indptr[-1]) + 2
         o, lse = random_o(rng, (total, h, d), dtype), random_lse(rng, (total, h))
         empties(rng, lse, o, 0.2)
-        ref_o, ref_lse = reference_merge_varlen(o, lse, indptr)
+        ref_o, ref_lse = reference_merge_varlen(o, lse, indptr, sink=sink)
         vo, _ = placed(o, {}, fenced_tail)
         vl, _ = placed(lse, {}, fenced_tail)
         vi, _ = placed(indptr, {}, fenced_tail)
@@ -473,7 +514,7 @@ def test_every_path_of_the_plan(emu, rng, name, fenced_tail):
         def call():
             return emu.emulate_merge_varlen(*head((t, total, h, d), dtype, dtype, "e", fact(vo, out)),
                                             f.get("groups", 0), ctypes.c_float(1.0), *ptrs,
-                                            ctypes.c_void_p(vi.ctypes.data), ctypes.c_int64(1), 1)
+                                            ctypes.c_void_p(vi.ctypes.data), ctypes.c_int64(1), 1, *sink_ptr)
     run_orders(emu, call, [out, out_lse], seed=len(name))
     got = plan(emu)
     assert {k: got[k] for k in want} == want, f"{name}: planned {got}"
@@ -504,7 +545,7 @@ def test_a_bad_indptr_is_clamped(emu, rng, case, index_dtype, groups):
         order(emu, 2, rows)
         check(emu, emu.emulate_merge_varlen(*head((rows, total, h, d), "float32", "float32", "e", fact), groups,
                                             ctypes.c_float(1.0), *ptrs, ctypes.c_void_p(vi.ctypes.data),
-                                            ctypes.c_int64(1), int(index_dtype == np.int64)))
+                                            ctypes.c_int64(1), int(index_dtype == np.int64), None, ctypes.c_int64(0)))
         assert plan(emu)["groups"] == groups
         assert_merge_matches(out, out_lse, ref, "float32")
         assert outside_view_is_nan(out, obuf) and outside_view_is_nan(out_lse, lbuf)

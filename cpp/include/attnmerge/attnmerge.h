@@ -150,12 +150,13 @@ typedef struct attnmerge_options {
   const float* output_scale_ptr;
   /* The layout's size, which says which of the fields after this one the library reads: 0, or
    * the size of the layout that ends here (the sizeof(attnmerge_options) of a caller built against
-   * a header without arg_names: 40 bytes on 64-bit platforms), reads none of them;
-   * sizeof(attnmerge_options) reads them all; any other size is refused.  Later versions add
-   * fields at the end and read them only where struct_size covers them, so that a caller built
-   * against an older header keeps working. */
+   * a header without arg_names: 40 bytes on 64-bit platforms), reads none of them; the size of the
+   * layout that ends at num_arg_names (a header without sink: 56 bytes) reads arg_names and
+   * num_arg_names; sizeof(attnmerge_options) reads them all; any other size is refused.  Later
+   * versions add fields at the end and read them only where struct_size covers them, so that a
+   * caller built against an older header keeps working. */
   uint32_t struct_size;
-  /* Read only with struct_size = sizeof(attnmerge_options).  The caller's names for the op's
+  /* Read where struct_size covers them (see struct_size).  The caller's names for the op's
    * arguments: num_arg_names entries (0: none; arg_names may then be NULL), each arg and name a
    * non-empty string (a NULL or empty one is refused, before any other check), which need only
    * live for the call.  Every message of the call names an argument by the first entry for it,
@@ -165,6 +166,21 @@ typedef struct attnmerge_options {
    * reads the table beyond those checks. */
   const attnmerge_arg_name* arg_names;
   int32_t num_arg_names;
+  /* Read only with struct_size = sizeof(attnmerge_options).  Attention sinks (gpt-oss,
+   * StreamingLLM): NULL for none, or a float32 tensor of shape [heads] (any stride >= 0), each
+   * head's sink logit in the LSE's base, merged into every row of its head as one more state whose
+   * output is 0 (its weight takes a share of the softmax, its output adds nothing):
+   *
+   *   m = max(sink, max_i lse_i),  W = exp(sink - m) + sum_i exp(lse_i - m),
+   *   O = sum_i (exp(lse_i - m) / W) * O_i,  LSE = m + log W    (the merged LSE counts the sink)
+   *
+   * with the semantics of any state (+inf counts as -inf, a NaN sink makes its rows NaN); a row
+   * with no states gets O = 0 and LSE = sink.  Put a head's sink into one merge of the states of
+   * a row, not into several.  The N-way and variable-length merges take one; the others refuse
+   * it, and so do the backwards: given the forward's out and out_lse, which count the sink, the
+   * states' gradients are those without one, and the sink's own gradient is, per head, the sum
+   * over the rows of that head of  b^(sink - LSE) * (dLSE - ln(b) <dO, O>)  (b = e, or 2). */
+  const attnmerge_tensor* sink;
 } attnmerge_options;
 
 /* Two-way merge: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).

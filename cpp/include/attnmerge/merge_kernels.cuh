@@ -32,10 +32,13 @@ constexpr int min_blocks() {
 }
 
 // The weights of a row of at most kChunk states into `r` (see, weigh, finish: row.h), from their
-// LSEs in `l` (-inf past the row's states); their weights go to `w`.  Shared by merge_kernel and
+// LSEs in `l` (-inf past the row's states); their weights go to `w`.  kSink: the row's sink (LSE
+// `sink`, output 0) is one more state, in the max and the total only.  Shared by merge_kernel and
 // merge_lse_kernel.
-template <int kChunk>
-__device__ __forceinline__ void weigh_row(const float (&l)[kChunk], float (&w)[kChunk], float factor, RowMerge& r) {
+template <int kChunk, bool kSink = false>
+__device__ __forceinline__ void weigh_row(const float (&l)[kChunk], float (&w)[kChunk], float factor, RowMerge& r,
+                                          float sink = -INFINITY) {
+  if constexpr (kSink) r.see(sink);
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) r.see(l[c]);
 #pragma unroll
@@ -43,6 +46,7 @@ __device__ __forceinline__ void weigh_row(const float (&l)[kChunk], float (&w)[k
   r.total = w[0];  // weights are >= +0: no 0 + w[0] on the chain
 #pragma unroll
   for (int c = 1; c < kChunk; ++c) r.total += w[c];
+  if constexpr (kSink) r.total += r.weight(sink);
   r.finish(factor);
 }
 
@@ -55,11 +59,12 @@ __device__ __forceinline__ void weigh_row(const float (&l)[kChunk], float (&w)[k
 // predicated loads.  lse_of(s) and o_of(s): where state s's LSE and this thread's pack of its O
 // lie (computed past n too, never read there).  After it, r.finish(factor) and acc[i] * r.inv give
 // the merged row; a zero-weight part is dropped unread as in the one-chunk path, and a NaN LSE
-// makes the row NaN.
-template <int kChunk, typename TIn, int VEC, typename LseOf, typename OOf>
-__device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pack<TIn, VEC> (&o)[kChunk],
-                                                  LseOf lse_of, OOf o_of, bool stream, RowMerge& r,
-                                                  float (&acc)[VEC]) {
+// makes the row NaN.  kSink: the row's sink (LSE `sink`, output 0) is one more state, weighed with
+// the first chunk.
+template <int kChunk, bool kSink = false, typename TIn, int VEC, typename LseOf, typename OOf>
+__device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pack<TIn, VEC> (&o)[kChunk], LseOf lse_of,
+                                                  OOf o_of, bool stream, RowMerge& r, float (&acc)[VEC],
+                                                  float sink = -INFINITY) {
   // A chunk's states weighed against r.m, without a branch: a state past n has LSE -inf, so
   // weight 0, and accumulate clears the words of its pack (never loaded).
   const auto add = [&] {
@@ -72,6 +77,10 @@ __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pac
   };
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) r.see(l[c]);
+  if constexpr (kSink) {
+    r.see(sink);
+    r.total += r.weight(sink);
+  }
   add();
   for (int s = kChunk; s < n; s += kChunk) {
 #pragma unroll
@@ -188,7 +197,8 @@ __device__ __forceinline__ I mask_token(const MergeShape& shape, I row, I token)
 // without being used.  Rows of more states take theirs in one pass against a running max
 // (accumulate_online), each further chunk one round trip.  The output scale and a NaN LSE are folded into the
 // weights, so the O path is one multiply-add per element and state.  A masked-out row reads its
-// mask byte and nothing else.
+// mask byte and nothing else.  A source's sink (kSink: the N-way and variable-length merges) is one
+// more state whose O is 0: it enters the weights alone.
 //
 // An InPlaceSource (kFusedLse) writes the merged LSE over an input's.  With kLanes each row lies
 // in one warp, whose lanes all read its LSEs and meet at a warp barrier (sync_row_lanes) before
@@ -251,6 +261,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
       o[c] = load_pack_if<TIn, VEC>(states.template o_at<TIn>(c), c < n, stream);
     }
   }
+  const float sink = sink_lse(src, head);  // -inf without one
   // Where the results go, worked out while the loads are in flight: at decode sizes a merge
   // lasts as long as its longest chain of dependent instructions, and everything after the loads
   // is on it.
@@ -278,7 +289,11 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   float acc[VEC] = {};
   if (kFew || n <= kChunk) {  // one round trip, the weights from the row's own max
     float w[kChunk];
-    weigh_row<kChunk>(l, w, factor, r);
+    weigh_row<kChunk, Source::kSink>(l, w, factor, r, sink);
+    if constexpr (Source::kSink) {  // a NaN sink has no O to carry its NaN into the sum
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] = r.nan ? NAN : 0.0f;
+    }
     if constexpr (kBarrier) {
       __syncthreads();  // every thread of the block has read its row's old LSEs
       if (!live) return;
@@ -290,9 +305,9 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
     for (int c = 0; c < kChunk; ++c)
       if (c < n) accumulate(acc, o[c], r.scale(w[c]), w[c]);
   } else if constexpr (!kFew) {
-    accumulate_online<kChunk>(
-        n, l, o, [&](int s) { return states.lse_ptr(s); },
-        [&](int s) { return states.template o_at<TIn>(s); }, stream, r, acc);
+    accumulate_online<kChunk, Source::kSink>(
+        n, l, o, [&](int s) { return states.lse_ptr(s); }, [&](int s) { return states.template o_at<TIn>(s); }, stream,
+        r, acc, sink);
     r.finish(factor);
     if (writes_lse) *lse_dst = r.lse();
 #pragma unroll
@@ -308,7 +323,8 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
 // then each of the first min(G, VEC) groups finishes VEC / min(G, VEC) of each pack's elements:
 // it rescales every group's partial to the row's max and sums them in a fixed order, so that
 // results are bit-identical from run to run, with the semantics of kRows (a zero-weight part is
-// dropped unread, a NaN LSE makes the row NaN, an all-empty row gives O = 0 and LSE -inf).
+// dropped unread, a NaN LSE makes the row NaN, an all-empty row gives O = 0 and LSE -inf); a
+// source's sink is counted once, by the finishing threads.
 // Built for latency, as split-KV decode calls it: no division, each chunk's loads predicated and
 // issued back to back with evict-first accesses (the plan streams every kStates call), and the
 // finishing reads of shared memory all in flight together.  32-bit offsets and VEC a multiple of
@@ -334,6 +350,7 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
   const auto states = src.template row<TIn>(token, head);
   const int n = live ? states.count() : 0;
   const int mine = n > g ? ((n - g - 1) >> kShift) + 1 : 0;  // this group's states
+  const float sink = sink_lse(src, head);  // the finishing threads' (head 0 where not live: valid)
   // The group's j-th state is the row's g + j G: 32-bit offsets from the row's first state by
   // fixed steps, each address one multiply-add from the row's pointers.
   const TIn* const orow = states.template o_at<TIn>(0);
@@ -372,6 +389,7 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
     mt[j] = part_mt[slot + j];
     r.m = fmaxf(r.m, mt[j].x);
   }
+  if constexpr (Source::kSink) r.see(sink);  // once a row, by its finishers, not by every group
   // Each group's partial rescaled to the row's max; one whose factor underflows to 0 is dropped
   // whole (as accumulate_online drops its own), a NaN total makes the row NaN.
   float f[kGroups];
@@ -382,6 +400,7 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
     r.total += f[j] != 0.0f ? mt[j].y * f[j] : 0.0f;
     r.nan |= is_nan(mt[j].y);
   }
+  if constexpr (Source::kSink) r.total += r.weight(sink);
   float sum[kEach] = {};
 #pragma unroll
   for (int j = 0; j < kGroups; ++j) {

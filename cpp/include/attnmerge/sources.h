@@ -11,6 +11,7 @@
 //                block, the LSE written after a block barrier;
 //   StackSource  S states stacked along a strided axis (the N-way merge);
 //   RangeSource  states [indptr[r], indptr[r+1]) of a flat list (the variable-length merge).
+// The last two may add each head's sink to its rows (kSink: SinkView, sink_lse).
 #pragma once
 
 #include <cmath>
@@ -19,6 +20,31 @@
 #include "attnmerge/views.h"
 
 namespace attnmerge {
+
+// Attention sinks (attnmerge_options.sink): each head's sink logit, in the LSE's base, one more
+// state of every row of the head, whose output is 0: it takes a share of the weight and adds
+// nothing to O.  lse null: no sink.
+struct SinkView {
+  const float* lse = nullptr;
+  int64_t stride = 0;
+
+  // The sink of `head` as a state's LSE: -inf (no weight) where there is none.
+  template <typename I>
+  ATTNMERGE_HD float at(I head) const {
+    return lse != nullptr ? lse[head * static_cast<I>(stride)] : -INFINITY;
+  }
+};
+
+// The sink of `head` for src's rows: -inf for a source that takes none (kSink false, known at
+// compile time, so that its kernels compile as if sinks did not exist).
+template <typename Source, typename I>
+ATTNMERGE_HD float sink_lse(const Source& src, I head) {
+  if constexpr (Source::kSink) {
+    return src.sink.at(head);
+  } else {
+    return -INFINITY;
+  }
+}
 
 // ---- sources: each gives a row's states through count(), lse(s) and o_at<T>(s) ----
 // Every state of a row has an O address that may be read, even one of no weight (a state the
@@ -33,6 +59,7 @@ struct PairSource {
   static constexpr int kMaxStates = 2;
   static constexpr bool kPlain = false;
   static constexpr bool kFusedLse = false;
+  static constexpr bool kSink = false;
   static constexpr bool kMaskedRows = true;  // where mask is not null
   static constexpr int kStream = -1;  // evict-first O accesses or not: MergeShape::stream
   StateView a, b;
@@ -87,6 +114,7 @@ struct PlainPairSource {
   static constexpr int kMaxStates = 2;
   static constexpr bool kPlain = true;
   static constexpr bool kFusedLse = false;
+  static constexpr bool kSink = false;
   static constexpr int kStream = kStreamO ? 1 : 0;
   static constexpr bool kFlat = kFlatRows;
   static constexpr bool kMaskedRows = kMasked;
@@ -160,12 +188,14 @@ struct StackSource {
   static constexpr int kMaxStates = 0;  // known at run time only
   static constexpr bool kPlain = false;
   static constexpr bool kFusedLse = false;
+  static constexpr bool kSink = true;
   static constexpr int kStream = -1;  // evict-first O accesses or not: MergeShape::stream
   const void* o;
   int64_t o_st, o_ss, o_sh;
   const float* lse;
   int64_t lse_st, lse_ss, lse_sh;
   int64_t states;
+  SinkView sink;
 
   template <typename I>
   ATTNMERGE_HD bool masked_out(I) const { return false; }
@@ -185,6 +215,7 @@ struct RangeSource {
   static constexpr int kMaxStates = 0;
   static constexpr bool kPlain = false;
   static constexpr bool kFusedLse = false;
+  static constexpr bool kSink = true;
   static constexpr int kStream = -1;  // evict-first O accesses or not: MergeShape::stream
   const void* o;
   int64_t o_st, o_sh;
@@ -194,6 +225,7 @@ struct RangeSource {
   int64_t indptr_stride;
   bool indptr64;
   int64_t total;
+  SinkView sink;
 
   template <typename I>
   ATTNMERGE_HD bool masked_out(I) const { return false; }

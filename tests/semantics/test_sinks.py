@@ -1,0 +1,162 @@
+"""Attention sinks: merge_states and merge_varlen with `sink`, against the oracle, on every device.
+
+merge_states(o, lse, *, sink=None, ...), merge_varlen(o, lse, indptr, *, sink=None, ...)
+
+sink: float32 [heads], any stride: each head's sink logit in the LSE's base, one more state of
+every row of its head whose O is 0 (oracle.sink_state):
+
+    m = max(sink, max_i lse_i),  W = exp(sink - m) + sum_i exp(lse_i - m),
+    O = sum_i (exp(lse_i - m) / W) O_i,  LSE = m + log W
+
+A row with no states gets O = 0 and LSE = sink; a sink of -inf (or +inf, an empty part) adds
+nothing; a NaN sink makes the rows of its head NaN.  The other ops refuse a sink, and shapes and
+dtypes are checked like any argument's (tests/errors/bad_inputs.py); gradients are in
+tests/interop/test_torch_autograd.py and test_jax_ffi.py; the GPU kernels' paths with a sink in
+test_forward_kernel_emulated.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnmerge
+from oracle import (DTYPES, assert_merge_matches, random_lse, random_o, random_stacked, reference_merge_stacked,
+                    reference_merge_varlen, strided_view)
+
+S_VALUES = (0, 1, 2, 3, 8, 64, 257)
+
+
+def states_call(device, o, lse, sink, states_axis=1, out_dtype=None, placed_sink=None, **kw):
+    """merge_states on the device, the sink copied there (or `placed_sink`, already there), into
+    NaN-poisoned outputs; (out, out_lse) read back."""
+    t, h, d = o.shape[1 - states_axis], o.shape[2], o.shape[3]
+    out, out_lse = device.nan((t, h, d), out_dtype or o.dtype), device.nan((t, h))
+    attnmerge.merge_states(device.put(o), device.put(lse), out=out, out_lse=out_lse, states_axis=states_axis,
+                           sink=device.put(sink) if placed_sink is None else placed_sink, **kw)
+    return device.get(out), device.get(out_lse)
+
+
+def varlen_call(device, o, lse, indptr, sink, out_dtype=None, **kw):
+    rows, h, d = len(indptr) - 1, o.shape[1], o.shape[2]
+    out, out_lse = device.nan((rows, h, d), out_dtype or o.dtype), device.nan((rows, h))
+    attnmerge.merge_varlen(device.put(o), device.put(lse), device.put(np.asarray(indptr, np.int64)), out=out,
+                           out_lse=out_lse, sink=device.put(sink), **kw)
+    return device.get(out), device.get(out_lse)
+
+
+def sinks(rng, heads, lse_scale=3.0):
+    return random_lse(rng, (heads,), lse_scale)
+
+
+# --------------------------------------------------------------------------------------------------
+# the formula
+
+
+@pytest.mark.parametrize("base", ("e", 2))
+@pytest.mark.parametrize("states_axis", (0, 1))
+@pytest.mark.parametrize("s", S_VALUES)
+def test_merge_states_with_a_sink(rng, device, s, states_axis, base):
+    o, lse = random_stacked(rng, 9, s, 4, 40, states_axis=states_axis)
+    sink = sinks(rng, 4)
+    out, out_lse = states_call(device, o, lse, sink, states_axis, base=base)
+    ref = reference_merge_stacked(o, lse, states_axis=states_axis, base=base, sink=sink)
+    assert_merge_matches(out, out_lse, ref, "float32")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s", (16, 64, 128))
+def test_decode_shapes_with_a_sink(rng, device, s, dtype):
+    """Few rows, many states: split-KV decode (on the GPU the state-parallel kernel)."""
+    o, lse = random_stacked(rng, 16, s, 32, 128, dtype=dtype)
+    sink = sinks(rng, 32)
+    out, out_lse = states_call(device, o, lse, sink)
+    assert_merge_matches(out, out_lse, reference_merge_stacked(o, lse, sink=sink), dtype)
+
+
+def test_float32_states_into_bfloat16_with_a_sink(rng, device):
+    """FA3's combine: float32 partials into a bfloat16 output."""
+    o, lse = random_stacked(rng, 16, 96, 8, 128, dtype="float32")
+    sink = sinks(rng, 8)
+    out, out_lse = states_call(device, o, lse, sink, out_dtype="bfloat16")
+    assert_merge_matches(out, out_lse, reference_merge_stacked(o, lse, sink=sink), "bfloat16")
+
+
+@pytest.mark.parametrize("base", ("e", 2))
+@pytest.mark.parametrize("counts", [(0, 1, 2, 5, 0, 17), (64, 0, 3), (0, 0)])
+def test_merge_varlen_with_a_sink(rng, device, counts, base):
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    o, lse = random_o(rng, (int(indptr[-1]), 3, 64)), random_lse(rng, (int(indptr[-1]), 3))
+    sink = sinks(rng, 3)
+    out, out_lse = varlen_call(device, o, lse, indptr, sink, base=base)
+    assert_merge_matches(out, out_lse, reference_merge_varlen(o, lse, indptr, base=base, sink=sink), "float32")
+
+
+# --------------------------------------------------------------------------------------------------
+# edges
+
+
+@pytest.mark.parametrize("op", ("states", "varlen"))
+def test_a_row_with_no_states_takes_the_sink(rng, device, op):
+    """O = 0 and LSE = the sink, exactly: the sink is the row's one state of weight."""
+    sink = sinks(rng, 5)
+    if op == "states":
+        o, lse = random_stacked(rng, 3, 0, 5, 24)
+        out, out_lse = states_call(device, o, lse, sink)
+    else:
+        o, lse = random_o(rng, (4, 5, 24)), random_lse(rng, (4, 5))
+        out, out_lse = varlen_call(device, o, lse, [0, 0, 4, 4], sink)
+        out, out_lse = out[[0, 2]], out_lse[[0, 2]]
+    assert (out == 0).all()
+    assert (out_lse == sink[None, :]).all()
+
+
+@pytest.mark.parametrize("s", (0, 2, 9, 64))
+def test_empty_and_nan_sinks(rng, device, s):
+    """-inf and +inf add nothing (the merge without a sink), NaN makes its head's rows NaN."""
+    o, lse = random_stacked(rng, 6, s, 4, 32)
+    sink = np.array([-np.inf, np.inf, np.nan, 1.5], np.float32)
+    out, out_lse = states_call(device, o, lse, sink)
+    ref_o, ref_lse = reference_merge_stacked(o, lse, sink=sink)
+    none_o, none_lse = reference_merge_stacked(o, lse)
+    np.testing.assert_array_equal(ref_o[:, :2], none_o[:, :2])
+    np.testing.assert_array_equal(ref_lse[:, :2], none_lse[:, :2])
+    assert np.isnan(out[:, 2]).all() and np.isnan(out_lse[:, 2]).all()
+    assert not np.isnan(out[:, [0, 1, 3]]).any() and not np.isnan(out_lse[:, [0, 1, 3]]).any()
+    assert_merge_matches(out, out_lse, (ref_o, ref_lse), "float32")
+
+
+def test_a_sink_far_above_the_states_takes_the_weight(rng, device):
+    """A sink 30 above every LSE: O shrinks by about e^-30 and LSE is the sink's (no overflow)."""
+    o, lse = random_stacked(rng, 5, 8, 3, 16)
+    sink = (lse.max(axis=(0, 1)) + 30.0).astype(np.float32)
+    out, out_lse = states_call(device, o, lse, sink)
+    assert_merge_matches(out, out_lse, reference_merge_stacked(o, lse, sink=sink), "float32")
+    assert np.abs(out).max() < 1e-9
+    np.testing.assert_allclose(out_lse, np.broadcast_to(sink, out_lse.shape), rtol=1e-6)
+
+
+def test_a_strided_sink(rng, device):
+    """The sink is read through its stride (here every other float of a NaN-filled buffer)."""
+    o, lse = random_stacked(rng, 7, 5, 4, 32)
+    sink = sinks(rng, 4)
+    view, buf = strided_view(sink, steps={0: 2})
+    dview, _ = device.strided(view, buf)
+    out, out_lse = states_call(device, o, lse, sink, placed_sink=dview)
+    assert_merge_matches(out, out_lse, reference_merge_stacked(o, lse, sink=sink), "float32")
+
+
+def test_one_sink_for_every_head(rng):
+    """A stride of 0: every head reads the same sink (NumPy, which has zero strides)."""
+    o, lse = random_stacked(rng, 7, 5, 4, 32)
+    one = np.broadcast_to(np.float32(0.75), (4,))
+    out, out_lse = attnmerge.merge_states(o, lse, sink=one)
+    assert_merge_matches(out, out_lse, reference_merge_stacked(o, lse, sink=np.full(4, 0.75, np.float32)), "float32")
+
+
+def test_the_allocated_outputs_count_the_sink(rng, device):
+    """Results allocated by the call (no out=) are those of the given outputs."""
+    o, lse = random_stacked(rng, 4, 6, 2, 16)
+    sink = sinks(rng, 2)
+    out, out_lse = attnmerge.merge_states(device.put(o), device.put(lse), sink=device.put(sink))
+    assert_merge_matches(device.get(out), device.get(out_lse), reference_merge_stacked(o, lse, sink=sink), "float32")
