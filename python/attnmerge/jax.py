@@ -19,15 +19,15 @@ with a TypeError.  ``output_scale`` may also be a float32 JAX array of one eleme
 device, traced like any input).
 
 Gradients: merge, merge_states and merge_varlen are differentiable (``jax.grad``, ``jax.vjp``) with
-respect to every O and LSE input, through ``custom_vjp`` over attnmerge's fused backward (its own
-FFI calls, from the saved inputs and results); an empty part gets zero gradients.  An FP8 or
+respect to every O and LSE input and the sink, through ``custom_vjp`` over attnmerge's fused
+backward (its own FFI calls, from the saved inputs and results); an empty part gets zero gradients.  An FP8 or
 scaled output has no gradient: asking for one raises NotImplementedError.
 
 Shapes are checked when the call is traced (a ValueError naming the argument); everything else
 (dtypes, values) by libattnmerge when the call runs, whose message, naming the argument, comes back
 in the error XLA raises.  Under ``jax.vmap`` merge and merge_states are one call over the flattened
-batch; merge with ``a_tokens``, with an array ``output_scale``, and merge_varlen run once per batch
-element.
+batch; merge with ``a_tokens``, either with an array ``output_scale``, merge_states with a ``sink``
+and merge_varlen run once per batch element.
 """
 from __future__ import annotations
 
