@@ -30,7 +30,8 @@ def main():
     fi = bench.FlashInferCUDA(bench.build_fi_library(bench.FI_DIR))
     fi.set_device(torch.cuda.current_device())
     env = dict(fi=fi, pdl=False)
-    timer = bench.Timer(100, 7, True, 100, 0.25)  # bench.py's defaults: --calls, --replays, flush, --slow-ms, --replay-budget
+    # bench.py's defaults: --calls, --replays, flush, --slow-ms, --replay-budget
+    timer = bench.Timer(100, 7, True, 100, 0.25)
     for op, p in cases:
         if bench.fi_skip(op, p):
             continue
