@@ -3,8 +3,9 @@ process, through ctypes, on the CPU path.
 
 Each op gets FUZZ_N argument sets (20,000 in all by default, in a few seconds) from a seeded NumPy Generator: random ndim,
 shapes (0 and huge included), strides (negative, zero, huge), dtype codes (valid and not), devices
-(-3..2), tensor flags, option flags, a_tokens, output_scale (value and pointer), NULL descriptors and
-NULL or misaligned data.  A crash kills pytest: that is the failure signal.
+(-3..2), tensor flags, option flags, a_tokens, output_scale (value and pointer), a sink (options.sink,
+read or not by struct_size; refused by the ops that take none), NULL descriptors and NULL or
+misaligned data.  A crash kills pytest: that is the failure signal.
 
 Every descriptor handed to the library is one of
   EMPTY     no elements: never touched, so its pointer and strides may be anything;
@@ -272,12 +273,22 @@ def _refuse(rng, t, role):
     return t
 
 
+# The ops that take a sink (options.sink, a float32 [heads]); every op's calls may carry one.
+TAKES_SINK = ("states", "varlen")
+SINK = Role("sink", 1, LSE, optional=True)
+
+
 @dataclass
 class Call:
     op: str
     tensors: dict  # name -> Tensor or None
     opts: object  # Options or None
     notes: list  # what the generator did, for failure messages
+    sink: object = None  # the sink's Tensor where the options carry one
+
+    def sink_read(self):
+        """Whether the library reads the options' sink: this layout's struct_size."""
+        return self.sink is not None and self.opts.struct_size == ctypes.sizeof(c_abi.Options)
 
     def run(self):
         t, o = self.tensors, self.opts
@@ -295,7 +306,8 @@ class Call:
         opts = self.opts and (f"Options(flags={self.opts.flags:#x}, a_tokens={self.opts.a_tokens}, "
                               f"output_scale={self.opts.output_scale}, "
                               f"output_scale_ptr={bool(self.opts.output_scale_ptr)})")
-        lines = [f"{self.op}:"] + [f"  {k} = {v!r}" for k, v in self.tensors.items()] + [f"  options = {opts}"]
+        lines = [f"{self.op}:"] + [f"  {k} = {v!r}" for k, v in self.tensors.items()] + [f"  options = {opts}",
+                                                                                         f"  sink = {self.sink!r}"]
         return "\n".join(lines + [f"  notes: {self.notes}"])
 
 
@@ -364,6 +376,17 @@ def generate(rng, op):
     device = int(rng.integers(0, 3)) if rng.random() < 0.06 else -1  # the whole call claims a GPU
     if device >= 0 and not NO_GPU:
         device = c_abi.load().attnmerge_device_count()  # an ordinal past the last GPU: refused
+    sink = None
+    if rng.random() < (0.5 if op in TAKES_SINK else 0.08):
+        sink = _good(rng, [H], FLOAT32, SINK, device)
+        if rng.random() < 0.2:
+            sink = _mutate(rng, sink, SINK)
+            notes_sink = ["mutated sink"]
+        else:
+            notes_sink = []
+        if classify(sink, SINK) == UNSAFE:
+            _refuse(rng, sink, SINK)
+            notes_sink.append("sink: refused")
     for role in ROLES[op]:
         if role.optional and rng.random() < 0.25:
             tensors[role.name] = None
@@ -395,7 +418,14 @@ def generate(rng, op):
     # indptr contents: mostly valid offsets into o, so that varlen gets past its host check
     if op in ("varlen", "varlen_backward"):
         _fill_indptr(rng, tensors["indptr"], tensors["o"], notes, next(r for r in ROLES[op] if r.name == "indptr"))
-    return Call(op, tensors, opts, notes)
+    if sink is not None:
+        opts = opts if opts is not None else c_abi.Options()
+        opts._sink = sink  # alive with opts
+        opts.sink = ctypes.pointer(sink)
+        # this layout's size (the sink read), or the layout before it (not read)
+        opts.struct_size = ctypes.sizeof(c_abi.Options if rng.random() < 0.85 else c_abi.OptionsBeforeSink)
+        notes += notes_sink + [f"sink given, struct_size {opts.struct_size}"]
+    return Call(op, tensors, opts, notes, sink)
 
 
 def _fill_indptr(rng, ip, o, notes, role):
@@ -450,6 +480,11 @@ def must_fail(call):
                 reasons.append("output_scale_ptr misaligned")
         if op in ("merge", "merge_backward") and o.flags & c_abi.A_TOKENS and o.a_tokens < 0:
             reasons.append("a_tokens < 0")
+    if call.sink_read():
+        if op not in TAKES_SINK:
+            reasons.append("a sink for an op that takes none")
+        elif classify(call.sink, SINK) == REFUSED:
+            reasons.append(f"sink {REFUSED}")
     if op == "merge" and t["o_a"] is not None and t["o_b"] is not None and t["o_a"].dtype != t["o_b"].dtype:
         reasons.append("o_a / o_b dtypes")
     if op == "inplace" and t["o"] is not None and t["o_other"] is not None and t["o"].dtype != t["o_other"].dtype:
@@ -469,7 +504,7 @@ def claims_a_device(call):
         t = call.tensors[role.name]
         if t is not None and t.device >= 0 and classify(t, role) != EMPTY:
             return True
-    return False
+    return call.sink_read() and call.sink.device >= 0 and classify(call.sink, SINK) != EMPTY
 
 
 def output_spans(call):
@@ -512,6 +547,7 @@ def _fuzz(op, n, seed):
             continue
         assert msg == "", "a success that left an error message: " + where
         assert not reasons, f"accepted although it must fail ({reasons}): " + where
+        stats["with a sink"] += call.sink_read()
         changed = np.flatnonzero(body != before[GUARD:-GUARD])
         if changed.size:
             spans = output_spans(call)
@@ -531,6 +567,7 @@ def test_c_abi_validation_fuzz(op):
     accepted = stats[0] / FUZZ_N
     assert accepted >= 0.05, f"too few valid calls: {dict(stats)}"
     assert stats["wrote"] >= 0.02 * FUZZ_N, f"too few calls that merged anything: {dict(stats)}"
+    assert stats["with a sink"] >= (0.02 * FUZZ_N if op in TAKES_SINK else 0), f"too few with a sink: {dict(stats)}"
     for status in (c_abi.ERROR_VALUE, c_abi.ERROR_TYPE) + ((c_abi.ERROR_NO_DEVICE,) if NO_GPU else ()):
         assert stats[status] > 0, f"no status {status} in {dict(stats)}"
 

@@ -160,3 +160,30 @@ def test_the_allocated_outputs_count_the_sink(rng, device):
     sink = sinks(rng, 2)
     out, out_lse = attnmerge.merge_states(device.put(o), device.put(lse), sink=device.put(sink))
     assert_merge_matches(device.get(out), device.get(out_lse), reference_merge_stacked(o, lse, sink=sink), "float32")
+
+
+# --------------------------------------------------------------------------------------------------
+# what a sink is for
+
+
+def test_split_kv_attention_with_sinks_is_attention_with_sinks(rng, device):
+    """gpt-oss's attention with sinks is a softmax over each head's scores and its sink logit, the
+    sink's column then dropped.  Split the keys into chunks, attend to each without the sink
+    (O_i, LSE_i), and merge_states with the sink: the same attention."""
+    t, h, d, keys, chunks = 4, 3, 32, 96, 6
+    q, k, v = (rng.standard_normal(s) for s in ((t, h, d), (keys, h, d), (keys, h, d)))
+    sink = rng.standard_normal(h)
+    scores = np.einsum("thd,khd->thk", q, k) / np.sqrt(d)  # [t, h, keys]
+    full = np.concatenate([scores, np.broadcast_to(sink[None, :, None], (t, h, 1))], axis=-1)
+    p = np.exp(full - full.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.einsum("thk,khd->thd", p[..., :-1], v)
+    want_lse = np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1)) + full.max(-1)
+    o = np.empty((t, chunks, h, d))
+    lse = np.empty((t, chunks, h))
+    for c, part in enumerate(np.split(np.arange(keys), chunks)):
+        s = scores[..., part]
+        lse[:, c] = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+        o[:, c] = np.einsum("thk,khd->thd", np.exp(s - lse[:, c, :, None]), v[part])
+    out, out_lse = states_call(device, o.astype(np.float32), lse.astype(np.float32), sink.astype(np.float32))
+    assert_merge_matches(out, out_lse, (want, want_lse), "float32")
