@@ -20,8 +20,8 @@ device, traced like any input).
 
 Gradients: merge, merge_states and merge_varlen are differentiable (``jax.grad``, ``jax.vjp``) with
 respect to every O and LSE input and the sink, through ``custom_vjp`` over attnmerge's fused
-backward (its own FFI calls, from the saved inputs and results); an empty part gets zero gradients.  An FP8 or
-scaled output has no gradient: asking for one raises NotImplementedError.
+backward (its own FFI calls, from the saved inputs and results); an empty part gets zero
+gradients.  An FP8 or scaled output has no gradient: asking for one raises NotImplementedError.
 
 Shapes are checked when the call is traced (a ValueError naming the argument); everything else
 (dtypes, values) by libattnmerge when the call runs, whose message, naming the argument, comes back
