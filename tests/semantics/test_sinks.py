@@ -187,3 +187,14 @@ def test_split_kv_attention_with_sinks_is_attention_with_sinks(rng, device):
         o[:, c] = np.einsum("thk,khd->thd", np.exp(s - lse[:, c, :, None]), v[part])
     out, out_lse = states_call(device, o.astype(np.float32), lse.astype(np.float32), sink.astype(np.float32))
     assert_merge_matches(out, out_lse, (want, want_lse), "float32")
+
+
+def test_a_chain_of_in_place_merges_takes_the_sink_as_its_first_state(rng, device):
+    """What the README says of the ops that take no sink: start the chain from O = 0, LSE = sink."""
+    t, s, h, d = 6, 4, 3, 32
+    o, lse = random_stacked(rng, t, s, h, d)
+    sink = sinks(rng, h)
+    acc_o, acc_lse = device.put(np.zeros((t, h, d), np.float32)), device.put(np.broadcast_to(sink, (t, h)).copy())
+    for i in range(s):
+        attnmerge.merge_inplace(acc_o, acc_lse, device.put(o[:, i]), device.put(lse[:, i]))
+    assert_merge_matches(device.get(acc_o), device.get(acc_lse), reference_merge_stacked(o, lse, sink=sink), "float32")
