@@ -18,7 +18,6 @@ while traced (`takes`): they map the public arguments onto the overloads.
 """
 import contextlib
 import contextvars
-import math
 
 import torch
 
@@ -256,21 +255,6 @@ def _incoming_lse(grad_out_lse):
     return None if grad_out_lse is None else grad_out_lse.contiguous()
 
 
-def _sink_grad(sink, out, out_lse, grad_out, grad_out_lse, base):
-    """The gradient of the sinks [heads]: the sink is a state of output 0, so per row
-    b^(sink - LSE) (dLSE - ln(b) <dO, O>), summed over the rows of each head; zero where the sink
-    is empty (+-inf) or of no weight, whatever dO holds."""
-    ln_b = math.log(2.0) if base == "2" else 1.0
-    s = sink.float()
-    p = torch.exp((s - out_lse) * ln_b)
-    p = torch.where(torch.isinf(s), torch.zeros_like(p), p)
-    row = -ln_b * (grad_out.float() * out.float()).sum(-1)
-    if grad_out_lse is not None:
-        row = row + grad_out_lse
-    g = torch.where(p != 0, p * row, torch.zeros_like(p)).sum(0)
-    return g.to(sink.dtype)
-
-
 def _merge_grad(ctx, grad_out, grad_out_lse):
     o_a, lse_a, o_b, lse_b, out, out_lse, _ = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:4])
@@ -285,8 +269,8 @@ def _sink_grad_of(ctx, sink_index, sink, out, out_lse, grad_out, grad_out_lse):
     """The sink's gradient where autograd asks for it, else None."""
     if sink is None or not ctx.needs_input_grad[sink_index]:
         return None
-    return _sink_grad(sink, out, out_lse, _incoming(grad_out, out), _incoming_lse(grad_out_lse),
-                      ctx.options.get("base", "e"))
+    return _merge.sink_gradient(torch, sink, out, out_lse, _incoming(grad_out, out), _incoming_lse(grad_out_lse),
+                                ctx.options.get("base", "e")).to(sink.dtype)
 
 
 def _merge_states_grad(ctx, grad_out, grad_out_lse):

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _XLA_HOW, _XLA_LIB
-from ._merge import lse_flags, output_scale_arg
+from ._merge import lse_flags, output_scale_arg, sink_gradient
 from ._types import NO_GRADIENT_DTYPES, Base
 
 __all__ = ["merge", "merge_states", "merge_varlen"]
@@ -299,15 +299,8 @@ def _merge_fn(base, dtype, a_tokens):
     return _with_vjp(forward, backward)
 
 
-def _sink_grad(sink, out, out_lse, grad_out, grad_out_lse, base):
-    """The gradient of the sinks [heads]: the sink is a state of output 0, so per row
-    b^(sink - LSE) (dLSE - ln(b) <dO, O>), summed over the rows of each head; zero where the sink
-    is empty (+-inf) or of no weight, whatever dO holds."""
-    ln_b = float(np.log(2.0)) if base == 2 else 1.0
-    p = jnp.exp((sink - out_lse) * ln_b)
-    p = jnp.where(jnp.isinf(sink), 0.0, p)
-    row = grad_out_lse - ln_b * jnp.sum(grad_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    return jnp.sum(jnp.where(p != 0, p * row, 0.0), axis=0).astype(sink.dtype)
+def _sink_gradient(sink, out, out_lse, grad_out, grad_out_lse, base):
+    return sink_gradient(jnp, sink, out, out_lse, grad_out, grad_out_lse, base).astype(sink.dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -322,7 +315,7 @@ def _merge_states_fn(base, dtype, has_sink):
         grads = _backward("merge_states", (_like(o), _like(lse)), (grad_out, grad_out_lse, out, out_lse, o, lse),
                           base=base)
         # The states' gradients follow from out and out_lse, which count the sink.
-        return (*grads, *(_sink_grad(s, out, out_lse, grad_out, grad_out_lse, base) for s in sink))
+        return (*grads, *(_sink_gradient(s, out, out_lse, grad_out, grad_out_lse, base) for s in sink))
 
     return _with_vjp(forward, backward)
 
@@ -339,6 +332,6 @@ def _merge_varlen_fn(base, dtype, has_sink):
         g_o, g_l = _backward("merge_varlen", (_like(o), _like(lse)),
                              (grad_out, grad_out_lse, out, out_lse, o, lse, indptr), base=base, vectorized=False)
         return (g_o, g_l, None,  # indptr: integers, no gradient
-                *(_sink_grad(s, out, out_lse, grad_out, grad_out_lse, base) for s in sink))
+                *(_sink_gradient(s, out, out_lse, grad_out, grad_out_lse, base) for s in sink))
 
     return _with_vjp(forward, backward)
