@@ -314,18 +314,17 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
 
 
 def sink_gradient(xp, sink, out, out_lse, grad_out, grad_out_lse, base):
-    """The gradient of a merge's sinks, float32 [heads], in the array namespace `xp` (torch or
-    jax.numpy: the frameworks that differentiate the merges).  The sink is a state whose O is 0,
-    so per row b^(sink - LSE) (dLSE - ln(b) <dO, O>), summed over the rows of each head; zero where
-    the sink is empty (+-inf) or of no weight, whatever dO holds.  out [rows, heads, head_size],
-    out_lse [rows, heads]: the forward's results; grad_out_lse may be None (0); base "e", 2 or "2".
-    The states' gradients need nothing of the sink: out and out_lse count it."""
+    """The gradient of a merge's sinks [heads], in the array namespace `xp` (torch or jax.numpy: the
+    frameworks that differentiate the merges), every array float32 (the caller's to convert).  The
+    sink is a state whose O is 0, so per row b^(sink - LSE) (dLSE - ln(b) <dO, O>), summed over the
+    rows of each head; zero where the sink is empty (+-inf) or of no weight, whatever dO holds.
+    out [rows, heads, head_size], out_lse [rows, heads]: the forward's results; grad_out_lse may be
+    None (0); base "e", 2 or "2".  The states' gradients need nothing of the sink: out and out_lse
+    count it."""
     ln_b = math.log(2.0) if base in (2, "2") else 1.0
-    f32 = xp.float32
-    s = xp.asarray(sink, dtype=f32)
-    p = xp.exp((s - out_lse) * ln_b)
-    p = xp.where(xp.isinf(s), xp.zeros_like(p), p)
-    row = -ln_b * (xp.asarray(grad_out, dtype=f32) * xp.asarray(out, dtype=f32)).sum(-1)
+    p = xp.exp((sink - out_lse) * ln_b)
+    p = xp.where(xp.isinf(sink), xp.zeros_like(p), p)
+    row = -ln_b * (grad_out * out).sum(-1)
     if grad_out_lse is not None:
         row = row + grad_out_lse
     return xp.where(p != 0, p * row, xp.zeros_like(p)).sum(0)

@@ -269,8 +269,8 @@ def _sink_grad_of(ctx, sink_index, sink, out, out_lse, grad_out, grad_out_lse):
     """The sink's gradient where autograd asks for it, else None."""
     if sink is None or not ctx.needs_input_grad[sink_index]:
         return None
-    return _merge.sink_gradient(torch, sink, out, out_lse, _incoming(grad_out, out), _incoming_lse(grad_out_lse),
-                                ctx.options.get("base", "e")).to(sink.dtype)
+    return _merge.sink_gradient(torch, sink.float(), out.float(), out_lse, _incoming(grad_out, out).float(),
+                                _incoming_lse(grad_out_lse), ctx.options.get("base", "e")).to(sink.dtype)
 
 
 def _merge_states_grad(ctx, grad_out, grad_out_lse):

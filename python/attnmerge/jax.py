@@ -300,7 +300,9 @@ def _merge_fn(base, dtype, a_tokens):
 
 
 def _sink_gradient(sink, out, out_lse, grad_out, grad_out_lse, base):
-    return sink_gradient(jnp, sink, out, out_lse, grad_out, grad_out_lse, base).astype(sink.dtype)
+    f32 = jnp.float32
+    return sink_gradient(jnp, sink.astype(f32), out.astype(f32), out_lse, grad_out.astype(f32), grad_out_lse,
+                         base).astype(sink.dtype)
 
 
 @functools.lru_cache(maxsize=None)
