@@ -283,10 +283,11 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
 
     o: [total, heads, head_size], lse: float32 [total, heads]; indptr: int32 or int64 [rows + 1];
     sink: None or float32 [heads], as for merge_states().
-    out [rows, heads, head_size], out_lse [rows, heads], stream, pdl: as for merge().  A row with no states gets
-    O = 0 and LSE = -inf (the sink, with one).  On the CPU a bad indptr raises ValueError; on the GPU it is never read
-    back to the host, and each row takes states [clamp(indptr[r], 0, total),
-    clamp(indptr[r+1], that, total)): no out-of-bounds access, and a row whose bounds cross is empty.
+    out [rows, heads, head_size], out_lse [rows, heads], stream, pdl: as for merge().  A row with no
+    states gets O = 0 and LSE = -inf (the sink, with one).  On the CPU a bad indptr raises
+    ValueError; on the GPU it is never read back to the host, and each row takes states
+    [clamp(indptr[r], 0, total), clamp(indptr[r+1], that, total)): no out-of-bounds access, and a
+    row whose bounds cross is empty.
     Returns (out, out_lse).
     """
     if _takes is not None and _takes(o, lse, sink, None):
@@ -328,7 +329,6 @@ def sink_gradient(xp, sink, out, out_lse, grad_out, grad_out_lse, base):
     if grad_out_lse is not None:
         row = row + grad_out_lse
     return xp.where(p != 0, p * row, xp.zeros_like(p)).sum(0)
-
 
 
 def _needs(needs_grad, count):
