@@ -230,7 +230,7 @@ attnmerge_status read_layout(const attnmerge_options* options, attnmerge_options
   opt.output_scale_ptr = options->output_scale_ptr;
   opt.struct_size = size;
   if (size != kNames && size != kNow) return ATTNMERGE_SUCCESS;
-  if (size == kNow) opt.sink = options->sink;
+  opt.sink = sink_of(options);  // the sink where this layout has it
   opt.arg_names = options->arg_names;
   opt.num_arg_names = options->num_arg_names;
   if (opt.num_arg_names < 0)
