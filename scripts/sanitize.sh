@@ -7,6 +7,8 @@
 #                     on their `cuda` device by -m gpu, and the GPU interop, compat and raw tests)
 #   SANITIZE_K        pytest -k filter (default: PyTorch only, no multi-GiB tests)
 #   SANITIZE_TIMEOUT  seconds per tool (default 900)
+#   SANITIZE_TOOLS    the tools to run (default: memcheck racecheck initcheck synccheck); one
+#                     tool per invocation lets several run side by side, each with its own OUT
 #   OUT               folder for the logs (<tool>.log); a temp folder if unset
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -22,7 +24,7 @@ LOGS="${OUT:-$(mktemp -d)}"
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1
 status=0
-for tool in memcheck racecheck initcheck synccheck; do
+for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
   # shellcheck disable=SC2086
   timeout "${SANITIZE_TIMEOUT:-900}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
     "$PY" -m pytest -q -x -p no:cacheprovider -m gpu $TESTS -k "$K" >"$LOGS/$tool.log" 2>&1
