@@ -192,6 +192,11 @@ ATTNMERGE_HD Pack<T, N> load_pack_if(const T* src, bool take, bool stream) {
   }
 #endif
   Pack<T, N> p{};
+#if !defined(__CUDA_ARCH__)
+  // On the host (the kernels emulated on the CPU, tests/native) the bits of a pack not taken are
+  // all ones, NaN in every storage type: a kernel that used them would show it.
+  for (uint32_t& w : p.w) w = ~0u;
+#endif
   if (take) p = load_pack<T, N>(src, stream);
   return p;
 }
