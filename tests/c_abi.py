@@ -125,6 +125,7 @@ _SIGNATURES = {
     "attnmerge_merge_inplace": (c_int, [TensorP, TensorP, TensorP, TensorP, TensorP, OptionsP, c_void_p]),
     "attnmerge_merge_states": (c_int, [TensorP, TensorP, TensorP, TensorP, OptionsP, c_void_p]),
     "attnmerge_merge_varlen": (c_int, [TensorP, TensorP, TensorP, TensorP, TensorP, OptionsP, c_void_p]),
+    "attnmerge_merge_share": (c_int, [TensorP, TensorP, TensorP, TensorP, c_int64, OptionsP, c_void_p]),
     "attnmerge_merge_backward": (c_int, [TensorP] * 12 + [OptionsP, c_void_p]),
     "attnmerge_merge_states_backward": (c_int, [TensorP] * 8 + [OptionsP, c_void_p]),
     "attnmerge_merge_varlen_backward": (c_int, [TensorP] * 9 + [OptionsP, c_void_p]),
@@ -271,6 +272,10 @@ def merge_states(out, out_lse, o, lse, opts=None, stream=None) -> int:
 
 def merge_varlen(out, out_lse, o, lse, indptr, opts=None, stream=None) -> int:
     return load().attnmerge_merge_varlen(ref(out), ref(out_lse), ref(o), ref(lse), ref(indptr), ref(opts), stream)
+
+
+def merge_share(out, out_lse, o, lse, index, opts=None, stream=None) -> int:
+    return load().attnmerge_merge_share(ref(out), ref(out_lse), ref(o), ref(lse), index, ref(opts), stream)
 
 
 def merge_backward(grad_o_a, grad_lse_a, grad_o_b, grad_lse_b, grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b,

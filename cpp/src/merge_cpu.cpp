@@ -39,7 +39,7 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
       // case, in one fused pass over head_size.
       int live = 0, first = -1, second = -1;
       for (int s = 0; s < n && live <= 2; ++s) {
-        if ((s < kCached ? w[s] : r.weight(states.lse(s))) == 0.0f) continue;
+        if (!states.reads_o(s) || (s < kCached ? w[s] : r.weight(states.lse(s))) == 0.0f) continue;
         (live++ == 0 ? first : second) = s;
       }
       if (live == 2 && n <= kCached) {
@@ -56,6 +56,7 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
           float acc[kChunk];  // NaN where an LSE is (a sink's too: it has no O to carry the NaN into the sum)
           std::fill(acc, acc + len, r.nan ? NAN : 0.0f);
           for (int s = 0; s < n; ++s) {
+            if (!states.reads_o(s)) continue;  // it weighs the row and adds nothing to O
             const float ws = s < kCached ? w[s] : r.weight(states.lse(s));
             if (ws == 0.0f) continue;
             const float scale = r.scale(ws);
@@ -75,11 +76,14 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
   }
 }
 
-// Bytes one row of the op moves, for the thread count: each input state read once, one write.
+// The O rows one row of the op reads, for the thread count: each input state's once (a share
+// reads its own state's alone).
 template <typename Source>
 int64_t states_per_row(const Source&) { return 2; }
 template <>
 int64_t states_per_row(const StackSource& src) { return src.states; }
+template <>
+int64_t states_per_row(const ShareSource&) { return 1; }
 
 }  // namespace
 
@@ -101,6 +105,7 @@ void cpu_merge(const MergeShape& shape, const Source& src, const OutView& out, i
 template void cpu_merge<PairSource>(const MergeShape&, const PairSource&, const OutView&, int, int);
 template void cpu_merge<StackSource>(const MergeShape&, const StackSource&, const OutView&, int, int);
 template void cpu_merge<RangeSource>(const MergeShape&, const RangeSource&, const OutView&, int, int);
+template void cpu_merge<ShareSource>(const MergeShape&, const ShareSource&, const OutView&, int, int);
 
 }  // namespace detail
 }  // namespace attnmerge

@@ -1,6 +1,6 @@
 // The GPU path's device side: device count, driver, pointer checks, the properties cache, the
 // record of the last launch and stream synchronization.  The merges' dispatch is merge_gpu.cuh,
-// instantiated once per source in merge_gpu_{pair,stack,range}.cu (compiled in parallel).
+// instantiated once per source in merge_gpu_{pair,stack,range,share}.cu (compiled in parallel).
 #include <cuda_runtime.h>
 
 #include <atomic>

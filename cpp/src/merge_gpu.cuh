@@ -1,6 +1,6 @@
 // The GPU merge of one source: the device made current, the launch plan made for its SM count
 // and compute capability, the header-only kernel dispatched over (input dtype, output dtype,
-// vector width), the launch recorded.  Included by merge_gpu_{pair,stack,range}.cu, one
+// vector width), the launch recorded.  Included by merge_gpu_{pair,stack,range,share}.cu, one
 // instantiation each, so that the kernels compile in parallel.
 #pragma once
 

@@ -40,6 +40,21 @@ attnmerge_status stack_sizes(Views, const View& o, const attnmerge_options&, Siz
   return ATTNMERGE_SUCCESS;
 }
 
+// A share's: o [tokens, heads, head_size], lse [tokens, S, heads].
+attnmerge_status share_sizes(Views views, const View& o, const attnmerge_options&, Sizes& n) {
+  n.tokens = o.shape[0];
+  n.heads = o.shape[1];
+  n.head_size = o.shape[2];
+  if (attnmerge_status s = check_head_size(o, n.head_size)) return s;
+  for (const View& v : views)
+    if (v.spec->shape[1] == Dim::kStates) {  // lse
+      n.states = v.shape[1];
+      if (n.states > INT32_MAX)
+        return fail(ATTNMERGE_ERROR_VALUE, "%s: expected at most 2^31 - 1 states, got %" PRId64, v.name(), n.states);
+    }
+  return ATTNMERGE_SUCCESS;
+}
+
 // A variable-length merge's: o [total, heads, head_size], indptr [rows + 1].
 attnmerge_status range_sizes(Views views, const View& o, const attnmerge_options&, Sizes& n) {
   n.total = o.shape[0];
@@ -120,6 +135,18 @@ constexpr ArgSpec kVarlenArgs[] = {
 };
 constexpr OpSpec kVarlen = make_op(kVarlenArgs, kBase2 | kPdl, "out", "o", "lse", range_sizes);
 static_assert(names_resolve(kVarlen), "kVarlen names its own arguments");
+
+// (out, out_lse) = the share of state `index` (whose O is o) in the merge of the S states of lse
+// and the sink: out may be o itself.
+constexpr ArgSpec kShareArgs[] = {
+    {"out",     kOOut, {T, H, D},    kWrite, kRequired},
+    {"out_lse", kLse,  {T, H},       kWrite, kOptional},
+    {"o",       kOIn,  {T, H, D},    kRead,  kRequired, kMayBeOutput},
+    {"lse",     kLse,  {T, S, H},    kRead,  kRequired},
+    {"sink",    kLse,  {H},          kRead,  kOptional},
+};
+constexpr OpSpec kShare = make_op(kShareArgs, kBase2 | kPdl, "out", "o", "lse", share_sizes);
+static_assert(names_resolve(kShare), "kShare names its own arguments");
 
 // The backward: the gradients (each optional: not written), dO and dLSE (optional: 0), the
 // forward's O (optional: <dO, O> from the states) and LSE, then the forward's inputs.  No output
@@ -231,6 +258,14 @@ RangeSource range_of(const View& o, const View& lse, const View& indptr, int64_t
                      sink_view(sink)};
 }
 
+// The share of state `own` whose O is o [tokens, heads, ...], of the states of lse [tokens, S,
+// heads] and the sink: every state's O address is o's (a states stride of 0), read for own alone.
+ShareSource share_of(const View& o, const View& lse, int64_t states, int64_t own, const View* sink) {
+  ShareSource src{stack_of(o, lse, states, sink), own};
+  src.o_st = stride_or_0(o, 0), src.o_ss = 0, src.o_sh = stride_or_0(o, 1);
+  return src;
+}
+
 OutView out_view(const View& out, const View& out_lse, const Checked& c) {
   return OutView{out.t->data,
                  out.strides[0],
@@ -331,6 +366,22 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
   const Sizes& n = c.sizes;
   if ((s = check_indptr(vi, vo, out, n.rows))) return s;
   return run(c.all(), merge_shape(n.rows, n, c), range_of(vo, vl, vi, n.total, &c.views[5]),
+             out_view(vout, vout_lse, c), o->dtype, out->dtype, stream, c.opt.flags);
+}
+
+attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                       const attnmerge_tensor* o, const attnmerge_tensor* lse, int64_t index,
+                                       const attnmerge_options* options, void* stream) {
+  begin_call();
+  Checked c;
+  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, sink_of(options)};
+  if (attnmerge_status s = validate(kShare, args, options, c)) return s;
+  const View &vout = c.views[0], &vout_lse = c.views[1], &vo = c.views[2], &vl = c.views[3];
+  const Sizes& n = c.sizes;
+  if (index < 0 || index >= n.states)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected 0 <= index < %" PRId64 " (the states of %s), got %" PRId64,
+                c.names.of("index"), n.states, vl.name(), index);
+  return run(c.all(), merge_shape(n.tokens, n, c), share_of(vo, vl, n.states, index, &c.views[4]),
              out_view(vout, vout_lse, c), o->dtype, out->dtype, stream, c.opt.flags);
 }
 

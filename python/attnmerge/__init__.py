@@ -7,7 +7,8 @@ O = sum (w_i / W) O_i, LSE = m + log W.  +inf LSE marks an empty part; all parts
 O = 0 and LSE = -inf; a part of weight zero is never read; a NaN LSE makes its row NaN.
 
 Ops: merge (two states), merge_inplace (into the first, optionally masked), merge_states (S
-stacked states in one pass) and merge_varlen (a per-row number of states given by indptr); the
+stacked states in one pass), merge_varlen (a per-row number of states given by indptr) and
+merge_share (one state's share of a merge, for context parallelism's reduce-scatter); the
 gradients of merge, merge_states and merge_varlen: merge_backward, merge_states_backward and
 merge_varlen_backward.  Arrays come from PyTorch, CuPy, JAX, Numba or NumPy (or as raw pointers:
 `attnmerge.raw`); the vLLM and FlashInfer conventions live in `attnmerge.compat`.  With torch
@@ -21,14 +22,14 @@ from typing import Any as _Any
 
 from . import _C
 from . import _torch_hook
-from ._merge import (merge, merge_backward, merge_inplace, merge_states, merge_states_backward, merge_varlen,
-                     merge_varlen_backward)
+from ._merge import (merge, merge_backward, merge_inplace, merge_share, merge_states, merge_states_backward,
+                     merge_varlen, merge_varlen_backward)
 
 _torch_hook.install()  # torch.ops.attnmerge.*, when torch is (or gets) imported
 
 __version__ = _C.version_string()
-__all__ = ["merge", "merge_inplace", "merge_states", "merge_varlen", "merge_backward", "merge_states_backward",
-           "merge_varlen_backward", "build_info", "last_launch", "cmake_dir", "include_dir",
+__all__ = ["merge", "merge_inplace", "merge_states", "merge_varlen", "merge_share", "merge_backward",
+           "merge_states_backward", "merge_varlen_backward", "build_info", "last_launch", "cmake_dir", "include_dir",
            "library_path", "__version__"]
 
 # Where the compiled part lives: beside _C (in an editable install, not beside this file).

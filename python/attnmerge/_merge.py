@@ -1,7 +1,8 @@
-"""The native API: merge, merge_inplace, merge_states, merge_varlen."""
+"""The native API: merge, merge_inplace, merge_states, merge_varlen, merge_share."""
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping
 
 from . import _C
@@ -310,6 +311,64 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
     return out, out_lse
 
 
+def index_arg(index, names=None):
+    """merge_share's index as an int (any integer, NumPy's too; not a bool): the C ABI checks its range."""
+    if not isinstance(index, bool):
+        try:
+            return operator.index(index)
+        except TypeError:
+            pass
+    raise TypeError(f"{_named(names, 'index')}: expected an int, got {index!r} ({type(index).__qualname__})")
+
+
+def share_shape(o, names=None):
+    """The [tokens, heads, head_size] of merge_share's result: that of o."""
+    s = _shape(o, "o", names)
+    if len(s) != 3:
+        raise ValueError(f"{_named(names, 'o')}: expected 3 dimensions, got {len(s)} (shape {list(s)})")
+    return s
+
+
+def merge_share(o: Array, lse: Array, index: int, *, out: Array | None = None, out_lse: Array | None = None,
+                return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
+                base: Base = "e", states_axis: int = 1, sink: Array | None = None, stream: Stream = None,
+                pdl: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
+    """The share of state `index` in the merge of S states, for context parallelism's combine by
+    reduce-scatter: out = (w_index / W) * o and out_lse = the merged LSE, so that the S states'
+    shares summed are merge_states of them.  Each rank all-gathers the LSEs (not the outputs),
+    scales its own output, and a reduce-scatter (or all-reduce) sums the shares.
+
+    o: state `index`'s O [tokens, heads, head_size] (the other states' O are not needed).
+    lse: every state's LSE, float32 [tokens, S, heads] (states_axis=1) or [S, tokens, heads]
+        (states_axis=0: an all-gather's, read through its strides); index: 0 <= index < S.
+    sink: None or float32 [heads], as for merge_states(); every rank's share takes the same sink.
+    out [tokens, heads, head_size] (may be o itself), out_lse [tokens, heads], out_dtype,
+    output_scale, stream, pdl: as for merge().  A state of zero weight gets a share of 0 (its O is
+    not read), an all-empty row O = 0 and LSE = -inf, a NaN LSE a NaN row.  Returns (out, out_lse).
+    """
+    if states_axis not in (0, 1) or isinstance(states_axis, bool):
+        raise ValueError(f"states_axis: expected 0 or 1, got {states_axis!r}")
+    index = index_arg(index, _names)
+    if _takes is not None and _takes(o, lse, sink, None):
+        return _torch_ops.merge_share(o, lse, index, out, out_lse, return_lse, out_dtype, output_scale, base,
+                                      states_axis, sink, stream, pdl, _names)
+    flags = lse_flags(base) | (_C.PDL if pdl else 0)
+    if _any_jax(out, out_lse):
+        _refuse_jax_outputs(out, out_lse, "merge_share", _names)
+    if out is None and _is_jax(o):
+        out, out_lse = _jax_road("merge_share", out_lse, stream, _names)(
+            o, lse, index, base=base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
+            output_scale=output_scale_arg(output_scale), states_axis=states_axis, sink=sink)
+        return out, (out_lse if return_lse else None)
+    if out is None or out_lse is None or out_dtype is not None:  # else nothing to allocate or check
+        shape = share_shape(o, _names) if out is None or (out_lse is None and return_lse) else None
+        out, out_lse = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
+    if output_scale is not None:
+        output_scale = output_scale_arg(output_scale)
+    _C.merge_share(out, out_lse, o, lse, index, flags, states_axis == 0, output_scale, sink, stream, _names)
+    return out, out_lse
+
+
 # --------------------------------------------------------------------------------------------------
 # The backward: the gradients of a merge's inputs from those of its outputs (issue 16).
 
@@ -329,6 +388,28 @@ def sink_gradient(xp, sink, out, out_lse, grad_out, grad_out_lse, base):
     if grad_out_lse is not None:
         row = row + grad_out_lse
     return xp.where(p != 0, p * row, xp.zeros_like(p)).sum(0)
+
+
+def share_gradient(xp, o, lse, index, out_lse, grad_out, grad_out_lse, base, states_axis):
+    """The gradients (of o, of lse) of merge_share, in the array namespace `xp` (torch or jax.numpy),
+    every array float32 (the caller's to convert).  With p_i = b^(lse_i - LSE) and g = ln(b) p_index
+    <dO, o> a row: do = p_index dO, dlse_i = p_i (dLSE - g), plus g for i = index; zero for a state
+    of no weight (an empty one, or any of an all-empty row), whatever dO and its O hold.  o and lse
+    as the forward took them (lse [tokens, S, heads], or [S, tokens, heads] with states_axis 0),
+    out_lse [tokens, heads]: the forward's merged LSE; grad_out_lse may be None (0); base "e", 2 or
+    "2".  A sink's gradient is sink_gradient's, of the forward's out and out_lse."""
+    ln_b = math.log(2.0) if base in (2, "2") else 1.0
+    along = (lambda x: x[:, None]) if states_axis == 1 else (lambda x: x[None])  # [tokens, heads] -> lse's rank
+    p = xp.exp((lse - along(out_lse)) * ln_b)
+    p = xp.where(xp.isinf(lse), xp.zeros_like(p), p)
+    p_own = p[:, index] if states_axis == 1 else p[index]
+    g = xp.where(p_own != 0, ln_b * p_own * (grad_out * o).sum(-1), xp.zeros_like(p_own))
+    row = -g if grad_out_lse is None else grad_out_lse - g
+    grad_lse = xp.where(p != 0, p * along(row), xp.zeros_like(p))
+    cut = (lambda a, b: grad_lse[:, a:b]) if states_axis == 1 else (lambda a, b: grad_lse[a:b])
+    grad_lse = xp.concatenate([cut(0, index), cut(index, index + 1) + along(g), cut(index + 1, None)], axis=states_axis)
+    grad_o = xp.where(p_own[..., None] != 0, p_own[..., None] * grad_out, xp.zeros_like(grad_out))
+    return grad_o, grad_lse
 
 
 def _needs(needs_grad, count):

@@ -8,12 +8,13 @@ marking what an overload writes):
     merge_inplace, merge_inplace.functional  (o, lse) <- merge, masked; the functional one leaves o, lse
     merge_states, merge_states.out         S stacked states, states_axis 1 or 0
     merge_varlen, merge_varlen.out         row r merges states indptr[r] .. indptr[r+1]-1
+    merge_share, merge_share.out           state `index`'s share of the merge of S states' LSEs
 LSEs are float32 [tokens, heads] in any strides, base "e" (natural log) or "2"; output_scale is a
-one-element float32 tensor; sink (merge_states, merge_varlen) a float32 [heads] tensor of sink
-logits.  The kernels (CPU and CUDA) are attnmerge's own and run on torch's current stream (the
+one-element float32 tensor; sink (merge_states, merge_varlen, merge_share) a float32 [heads] tensor
+of sink logits.  The kernels (CPU and CUDA) are attnmerge's own and run on torch's current stream (the
 capture stream under CUDA graph capture).  Autograd: see _register_autograd.
 
-merge, merge_inplace, merge_states and merge_varlen at the end are what the public functions call
+merge, merge_inplace, merge_states, merge_varlen and merge_share at the end are what the public functions call
 while traced (`takes`): they map the public arguments onto the overloads.
 """
 import contextlib
@@ -47,6 +48,10 @@ _SCHEMAS = {
                     f"ScalarType? out_dtype=None, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
     "merge_varlen.out": "(Tensor o, Tensor lse, Tensor indptr, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
                         f"Tensor? output_scale=None, Tensor? sink=None, {_OPTIONS}) -> ()",
+    "merge_share": "(Tensor o, Tensor lse, Tensor? output_scale=None, Tensor? sink=None, *, int index, "
+                   f"ScalarType? out_dtype=None, int states_axis=1, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
+    "merge_share.out": "(Tensor o, Tensor lse, *, int index, Tensor(a!) out, Tensor(b!)? out_lse=None, "
+                       f"Tensor? output_scale=None, Tensor? sink=None, int states_axis=1, {_OPTIONS}) -> ()",
     # The gradients of the functional merges (what their registered autograd calls): inputs
     # whose `needs` flag is False get an empty tensor (not computed).
     "merge_backward": "(Tensor grad_out, Tensor? grad_out_lse, Tensor out, Tensor out_lse, Tensor o_a, Tensor lse_a, "
@@ -83,6 +88,8 @@ _RESULTS = {  # out_dtype None: that of the inputs, as in the public functions
         o, _merge.states_shape(o, _states_axis(states_axis), _NAMES.get()), out_dtype or o.dtype),
     "merge_varlen": lambda o, lse, indptr, *_, out_dtype=None, **__: _new(
         o, _merge.varlen_shape(o, indptr, _NAMES.get()), out_dtype or o.dtype),
+    "merge_share": lambda o, lse, *_, out_dtype=None, **__: _new(o, _merge.share_shape(o, _NAMES.get()),
+                                                                 out_dtype or o.dtype),
     "merge_inplace.functional": lambda o, lse, *_, **__: (torch.empty_like(o), torch.empty_like(lse)),
     "merge_backward": lambda grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, *, needs, **_: tuple(
         _grad_like(x, need) for x, need in zip((o_a, lse_a, o_b, lse_b), needs)),
@@ -142,6 +149,13 @@ def _merge_varlen_out(o, lse, indptr, *, out, out_lse=None, output_scale=None, s
     _C.merge_varlen(out, out_lse, o, lse, indptr, _flags(base, pdl), output_scale, sink, None, _NAMES.get())
 
 
+def _merge_share_out(o, lse, *, index, out, out_lse=None, output_scale=None, sink=None, states_axis=1, base="e",
+                     pdl=False):
+    names = _NAMES.get()
+    _C.merge_share(out, out_lse, o, lse, _merge.index_arg(index, names), _flags(base, pdl),
+                   _states_axis(states_axis) == 0, output_scale, sink, None, names)
+
+
 def _merge_backward(grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, *, needs, a_tokens=None, base="e"):
     grads = _RESULTS["merge_backward"](grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, needs=needs)
     # With a_tokens the library writes a's gradients for its first a_tokens tokens: a's later
@@ -199,6 +213,8 @@ _KERNELS = {
     "merge_states.out": _merge_states_out,
     "merge_varlen": _functional(_RESULTS["merge_varlen"], _merge_varlen_out, 3, ("output_scale", "sink")),
     "merge_varlen.out": _merge_varlen_out,
+    "merge_share": _functional(_RESULTS["merge_share"], _merge_share_out, 2, ("output_scale", "sink")),
+    "merge_share.out": _merge_share_out,
     "merge_backward": _merge_backward, "merge_states_backward": _merge_states_backward,
     "merge_varlen_backward": _merge_varlen_backward,
 }
@@ -294,10 +310,26 @@ def _merge_varlen_grad(ctx, grad_out, grad_out_lse):
             _sink_grad_of(ctx, 4, sink, out, out_lse, grad_out, grad_out_lse))
 
 
+def _merge_share_grad(ctx, grad_out, grad_out_lse):
+    """merge_share's gradients in torch ops (_merge.share_gradient): a share reads one O, so its
+    backward is elementwise work over it and the LSEs, which no fused kernel would shorten."""
+    o, lse, out, out_lse, sink = ctx.saved_tensors
+    grad_o = grad_lse = None
+    if any(ctx.needs_input_grad[:2]):
+        f32 = torch.float32
+        grad_o, grad_lse = _merge.share_gradient(torch, o.to(f32), lse, ctx.options["index"], out_lse,
+                                                 _incoming(grad_out, out).to(f32), _incoming_lse(grad_out_lse),
+                                                 ctx.options.get("base", "e"), ctx.options.get("states_axis", 1))
+        grad_o = grad_o.to(o.dtype) if ctx.needs_input_grad[0] else None
+        grad_lse = grad_lse if ctx.needs_input_grad[1] else None
+    return grad_o, grad_lse, None, _sink_grad_of(ctx, 3, sink, out, out_lse, grad_out, grad_out_lse)
+
+
 _AUTOGRAD = {
     "merge": (_setup("merge", 4), _merge_grad),
     "merge_states": (_setup("merge_states", 2), _merge_states_grad),
     "merge_varlen": (_setup("merge_varlen", 3), _merge_varlen_grad),
+    "merge_share": (_setup("merge_share", 2), _merge_share_grad),
 }
 
 
@@ -500,3 +532,12 @@ def merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_sca
                  lambda: _merge.varlen_shape(o, indptr, names), ("o", "o"), names, out, out_lse, return_lse,
                  out_dtype, o, lse, indptr, output_scale=_scale(output_scale, o), sink=sink, base=_base(base),
                  pdl=pdl)
+
+
+def merge_share(o, lse, index, out, out_lse, return_lse, out_dtype, output_scale, base, states_axis, sink, stream, pdl,
+                names=None):
+    _no_stream(stream)
+    return _call(torch.ops.attnmerge.merge_share.default, torch.ops.attnmerge.merge_share.out, o, o,
+                 lambda: _merge.share_shape(o, names), ("o", "o"), names, out, out_lse, return_lse, out_dtype, o, lse,
+                 index=index, output_scale=_scale(output_scale, o), sink=sink, states_axis=states_axis,
+                 base=_base(base), pdl=pdl)

@@ -5,29 +5,34 @@
     out, out_lse = jax.jit(attnmerge.jax.merge)(o_a, lse_a, o_b, lse_b)
     f = jax.jit(lambda *s: attnmerge.jax.merge(*s, base=2, out_dtype=jnp.float32))
 
-Importing this module registers the FFI targets ``attnmerge_merge``, ``attnmerge_merge_states`` and
-``attnmerge_merge_varlen`` (and their backwards) for the CUDA and CPU platforms.
+Importing this module registers the FFI targets ``attnmerge_merge``, ``attnmerge_merge_states``,
+``attnmerge_merge_varlen`` and ``attnmerge_merge_share`` (and the backwards of the first three) for
+the CUDA and CPU platforms.
 
-This is the one road of JAX arrays: ``attnmerge.merge``, ``merge_states`` and ``merge_varlen`` call
+This is the one road of JAX arrays: ``attnmerge.merge``, ``merge_states``, ``merge_varlen`` and
+``merge_share`` call
 these functions for a call whose results would be allocated like a JAX array, and attnmerge never
 writes a JAX array (they are immutable).
 
-Options (``base``, ``out_dtype``, ``a_tokens``, ``states_axis``, a float ``output_scale``) are static:
+Options (``base``, ``out_dtype``, ``a_tokens``, ``states_axis``, merge_share's ``index``, a float
+``output_scale``) are static:
 Python values, fixed when the function is traced, so a jitted function passes them itself (as
 above, or with ``functools.partial``), and needs no ``static_argnames``.  A traced option is refused
 with a TypeError.  ``output_scale`` may also be a float32 JAX array of one element (read on the
 device, traced like any input).
 
-Gradients: merge, merge_states and merge_varlen are differentiable (``jax.grad``, ``jax.vjp``) with
-respect to every O and LSE input and the sink, through ``custom_vjp`` over attnmerge's fused
-backward (its own FFI calls, from the saved inputs and results); an empty part gets zero
-gradients.  An FP8 or scaled output has no gradient: asking for one raises NotImplementedError.
+Gradients: merge, merge_states, merge_varlen and merge_share are differentiable (``jax.grad``,
+``jax.vjp``) with respect to every O and LSE input and the sink, through ``custom_vjp``: over
+attnmerge's fused backward (its own FFI calls, from the saved inputs and results), and for
+merge_share in jax.numpy (elementwise work over its one O); an empty part gets zero gradients.
+An FP8 or scaled output has no gradient: asking for one raises NotImplementedError.
 
 Shapes are checked when the call is traced (a ValueError naming the argument); everything else
 (dtypes, values) by libattnmerge when the call runs, whose message, naming the argument, comes back
 in the error XLA raises.  Under ``jax.vmap`` merge and merge_states are one call over the flattened
-batch; merge with ``a_tokens``, either with an array ``output_scale``, merge_states with a ``sink``
-and merge_varlen run once per batch element.
+batch, and so is merge_share; merge with ``a_tokens``, any of them with an array
+``output_scale``, merge_states and merge_share with a ``sink``, and merge_varlen run once per batch
+element.
 """
 from __future__ import annotations
 
@@ -41,12 +46,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _XLA_HOW, _XLA_LIB
-from ._merge import lse_flags, output_scale_arg, sink_gradient
+from ._merge import index_arg, lse_flags, output_scale_arg, share_gradient, sink_gradient
 from ._types import NO_GRADIENT_DTYPES, Base
 
-__all__ = ["merge", "merge_states", "merge_varlen"]
+__all__ = ["merge", "merge_states", "merge_varlen", "merge_share"]
 
-_OPS = ("merge", "merge_states", "merge_varlen", "merge_backward", "merge_states_backward", "merge_varlen_backward")
+_OPS = ("merge", "merge_states", "merge_varlen", "merge_share", "merge_backward", "merge_states_backward",
+        "merge_varlen_backward")
 
 
 def _register():
@@ -92,12 +98,13 @@ def _scale_is_array(output_scale):
 
 
 # The ops whose FFI call takes a sink operand (its attribute has_sink says whether it is read).
-_TAKE_SINK = ("merge_states", "merge_varlen")
+_TAKE_SINK = ("merge_states", "merge_varlen", "merge_share")
 
 
-def _call(op, outs, operands, *, base, output_scale, a_tokens=None, vectorized=True, sink=None):
-    """The FFI call of `op` with the options as attributes; the sink (merge_states and merge_varlen:
-    an array, or None) and output_scale (a number or, for an array, an operand) after the operands."""
+def _call(op, outs, operands, *, base, output_scale, a_tokens=None, vectorized=True, sink=None, index=None):
+    """The FFI call of `op` with the options as attributes; the sink (merge_states, merge_varlen and
+    merge_share: an array, or None) and output_scale (a number or, for an array, an operand) after
+    the operands; merge_share's index an attribute of its own."""
     base2 = lse_flags(_static("base", base)) != 0  # raises ValueError naming `base`
     scale_in_buffer = _scale_is_array(output_scale)
     if scale_in_buffer:
@@ -115,6 +122,8 @@ def _call(op, outs, operands, *, base, output_scale, a_tokens=None, vectorized=T
     if op in _TAKE_SINK:
         operands = (*operands, jnp.full((1,), -jnp.inf, jnp.float32) if sink is None else sink)  # unread if None
         sinks = {"has_sink": sink is not None}
+    if index is not None:
+        sinks["index"] = np.int64(index)
     return call(*operands, scale, base2=base2, a_tokens=np.int64(a), output_scale=np.float32(number),
                 scale_in_buffer=scale_in_buffer, **sinks)
 
@@ -204,6 +213,39 @@ def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base 
     _expect_sink(sink, heads)
     return _merged("merge_varlen", (rows, heads, head_size), dtype, (o, lse, indptr), base, output_scale,
                    lambda: _merge_varlen_fn(_base_key(base), dtype, sink is not None), sink=sink, vectorized=False)
+
+
+def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", out_dtype: Any = None,
+                output_scale: float | jax.Array | None = None, states_axis: int = 1,
+                sink: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The share of state `index` in the merge of S states: out = (w_index / W) * o and out_lse the
+    merged LSE, so that the states' shares summed are merge_states of them (context parallelism's
+    combine by reduce-scatter: attnmerge.merge_share says more).
+
+    o: state `index`'s O [tokens, heads, head_size] float32, float16 or bfloat16; lse: every
+    state's LSE, float32 [tokens, S, heads], or [S, tokens, heads] with states_axis=0 (an
+    all-gather's); index: a Python int, 0 <= index < S (static).  Base, out_dtype, output_scale
+    and sink as in merge_states.
+    Returns (out [tokens, heads, head_size], out_lse float32 [tokens, heads]).
+    """
+    axis = _static("states_axis", states_axis)
+    if axis not in (0, 1):
+        raise ValueError(f"states_axis: expected 0 or 1, got {axis!r}")
+    index = index_arg(_static("index", index))
+    _expect_ndim("o", o, 3, "tokens, heads, head_size")
+    tokens, heads, head_size = _shape(o)
+    _expect_ndim("lse", lse, 3, "tokens, S, heads" if axis == 1 else "S, tokens, heads")
+    states = _shape(lse)[axis]
+    _expect("lse", lse, (tokens, states, heads) if axis == 1 else (states, tokens, heads),
+            "tokens and heads of o" if axis == 1 else "heads and tokens of o")
+    if axis == 0:  # XLA lays the transpose out for the call
+        lse = jnp.swapaxes(lse, 0, 1)
+    if not 0 <= index < states:
+        raise ValueError(f"index: expected 0 <= index < {states} (the states of lse), got {index}")
+    _expect_sink(sink, heads)
+    dtype = _out_dtype(out_dtype, o)
+    return _merged("merge_share", (tokens, heads, head_size), dtype, (o, lse), base, output_scale,
+                   lambda: _merge_share_fn(_base_key(base), dtype, index, sink is not None), sink=sink, index=index)
 
 
 def _expect_sink(sink, heads):
@@ -334,6 +376,22 @@ def _merge_varlen_fn(base, dtype, has_sink):
         g_o, g_l = _backward("merge_varlen", (_like(o), _like(lse)),
                              (grad_out, grad_out_lse, out, out_lse, o, lse, indptr), base=base, vectorized=False)
         return (g_o, g_l, None,  # indptr: integers, no gradient
+                *(_sink_gradient(s, out, out_lse, grad_out, grad_out_lse, base) for s in sink))
+
+    return _with_vjp(forward, backward)
+
+
+@functools.lru_cache(maxsize=None)
+def _merge_share_fn(base, dtype, index, has_sink):
+    def forward(o, lse, *sink):
+        return _call("merge_share", _results(*_shape(o), dtype), (o, lse), base=base, output_scale=None,
+                     sink=sink[0] if has_sink else None, index=index)
+
+    def backward(inputs, out, out_lse, grad_out, grad_out_lse):
+        o, lse, *sink = inputs
+        f32 = jnp.float32
+        g_o, g_l = share_gradient(jnp, o.astype(f32), lse, index, out_lse, grad_out.astype(f32), grad_out_lse, base, 1)
+        return (g_o.astype(o.dtype), g_l,
                 *(_sink_gradient(s, out, out_lse, grad_out, grad_out_lse, base) for s in sink))
 
     return _with_vjp(forward, backward)

@@ -152,6 +152,26 @@ void merge_varlen(py::handle out, py::handle out_lse, py::handle o, py::handle l
   call_library([&] { return attnmerge_merge_varlen(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream()); });
 }
 
+void merge_share(py::handle out, py::handle out_lse, py::handle o, py::handle lse, int64_t index, uint32_t flags,
+                 bool states_first, py::handle output_scale, py::handle sink, py::handle stream,
+                 py::handle names_table) {
+  const CallerNames n(names_table);
+  CallArrays<5> c({{out, n("out"), kOut},
+                   {out_lse, n("out_lse"), kF32},
+                   {o, n("o"), kO},
+                   {lse, n("lse"), kF32},
+                   {sink, n("sink"), kF32}},
+                  stream, 2, 2);
+  if (states_first) c.views[3].swap_leading_axes();  // an all-gather's [S, tokens, heads], read through its strides
+  attnmerge_options options = {flags, 0, 0.0f, nullptr};
+  ArrayView scale;
+  set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
+  set_sink(options, c.t[4]);
+  n.pass_to(options);
+  call_library(
+      [&] { return attnmerge_merge_share(c.t[0], c.t[1], c.t[2], c.t[3], index, &options, c.stream()); });
+}
+
 // A field of a raw descriptor that must be a Python int (pybind11's own cast error names no argument).
 py::handle raw_int(py::handle v, const char* name, const char* field) {
   if (!PyLong_Check(v.ptr()) || PyBool_Check(v.ptr()))
@@ -310,6 +330,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("merge_varlen", &merge_varlen, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
         py::arg("indptr"), py::arg("flags"), py::arg("output_scale"), py::arg("sink"), py::arg("stream"),
         py::arg("names") = py::none());
+  m.def("merge_share", &merge_share, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
+        py::arg("index"), py::arg("flags"), py::arg("states_first"), py::arg("output_scale"), py::arg("sink"),
+        py::arg("stream"), py::arg("names") = py::none());
   m.def("merge_backward", &merge_backward, py::arg("grad_o_a"), py::arg("grad_lse_a"), py::arg("grad_o_b"),
         py::arg("grad_lse_b"), py::arg("grad_out"), py::arg("grad_out_lse"), py::arg("out"), py::arg("out_lse"),
         py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"), py::arg("lse_b"), py::arg("flags"), py::arg("a_tokens"),

@@ -131,6 +131,17 @@ ffi::Error merge_varlen(void* stream, int32_t device, ffi::AnyBuffer o, ffi::Any
   return result(attnmerge_merge_varlen(&t_out, &t_out_lse, &t_o, &t_l, &t_indptr, &opt, stream));
 }
 
+ffi::Error merge_share(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink,
+                       ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
+                       bool base2, int64_t a_tokens, float output_scale, bool scale_in_buffer, bool has_sink,
+                       int64_t index) {
+  const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
+  const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 3), t_sink = tensor(sink, device, 1);
+  attnmerge_options opt = options(base2, a_tokens, output_scale, scale_in_buffer, scale);
+  set_sink(opt, t_sink, has_sink);
+  return result(attnmerge_merge_share(&t_out, &t_out_lse, &t_o, &t_l, index, &opt, stream));
+}
+
 // The backward of each merge (attnmerge.jax's custom_vjp): the incoming gradients, the forward's
 // results and inputs, then the inputs' gradients as results.
 
@@ -200,6 +211,13 @@ ffi::Error merge_varlen_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffe
                       output_scale, scale_in_buffer, has_sink);
 }
 
+ffi::Error merge_share_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink, ffi::AnyBuffer scale,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse, bool base2,
+                            int64_t a_tokens, float output_scale, bool scale_in_buffer, bool has_sink, int64_t index) {
+  return merge_share(nullptr, ATTNMERGE_HOST, o, lse, sink, scale, out, out_lse, base2, a_tokens, output_scale,
+                     scale_in_buffer, has_sink, index);
+}
+
 ffi::Error merge_backward_host(ffi::AnyBuffer grad_out, ffi::AnyBuffer grad_out_lse, ffi::AnyBuffer out,
                                ffi::AnyBuffer out_lse, ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a, ffi::AnyBuffer o_b,
                                ffi::AnyBuffer lse_b, ffi::Result<ffi::AnyBuffer> grad_o_a,
@@ -227,7 +245,7 @@ ffi::Error merge_varlen_backward_host(ffi::AnyBuffer grad_out, ffi::AnyBuffer gr
 
 // The bindings: CUDA handlers take XLA's stream and device ordinal first; then the input
 // buffers (the op's, then `sink` where kSink, then `scale`), the two results (out, out_lse) and
-// the attributes (has_sink last, where kSink).
+// the attributes (has_sink after them, where kSink; then merge_share's index).
 auto on_cuda() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<void*>>().Ctx<ffi::DeviceOrdinal>(); }
 
 auto on_host() { return ffi::Ffi::Bind(); }
@@ -277,6 +295,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_cuda, merge_states, (wi
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_host, merge_states_host, (with_buffers<4, true>(on_host())));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_cuda, merge_varlen, (with_buffers<5, true>(on_cuda())));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_host, merge_varlen_host, (with_buffers<5, true>(on_host())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_share_cuda, merge_share,
+                              (with_buffers<4, true>(on_cuda()).Attr<int64_t>("index")));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_share_host, merge_share_host,
+                              (with_buffers<4, true>(on_host()).Attr<int64_t>("index")));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_backward_cuda, merge_backward, (with_grads<8, 4>(on_cuda())));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_backward_host, merge_backward_host, (with_grads<8, 4>(on_host())));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_backward_cuda, merge_states_backward,

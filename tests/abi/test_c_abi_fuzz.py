@@ -1,7 +1,7 @@
 """Fuzzing of the C ABI's validation (issue 6, item 6; the backward's entry points too, issue 16), in
 process, through ctypes, on the CPU path.
 
-Each op gets FUZZ_N argument sets (20,000 in all by default, in a few seconds) from a seeded NumPy Generator: random ndim,
+Each op gets FUZZ_N argument sets (5,000 by default, in a few seconds) from a seeded NumPy Generator: random ndim,
 shapes (0 and huge included), strides (negative, zero, huge), dtype codes (valid and not), devices
 (-3..2), tensor flags, option flags, a_tokens, output_scale (value and pointer), a sink (options.sink,
 read or not by struct_size; refused by the ops that take none), NULL descriptors and NULL or
@@ -40,7 +40,7 @@ import pytest
 import c_abi
 from c_abi import BFLOAT16, BOOL, FLOAT8_E4M3, FLOAT16, FLOAT32, INT32, INT64, UINT8
 
-FUZZ_N = int(os.environ.get("ATTNMERGE_FUZZ_N", "5000"))  # per op: 20,000 in all
+FUZZ_N = int(os.environ.get("ATTNMERGE_FUZZ_N", "5000"))  # per op
 SEED = int(os.environ.get("ATTNMERGE_FUZZ_SEED", "20250606"))
 
 IN = frozenset({FLOAT32, FLOAT16, BFLOAT16})
@@ -49,7 +49,7 @@ LSE = frozenset({FLOAT32})
 MASK = frozenset({UINT8, BOOL})
 INDEX = frozenset({INT32, INT64})
 SIZE = c_abi.dtype_sizes()
-ALLOWED_FLAGS = {"merge": 15, "inplace": 11, "states": 9, "varlen": 9,  # PDL (8) everywhere
+ALLOWED_FLAGS = {"merge": 15, "inplace": 11, "states": 9, "varlen": 9, "share": 9,  # PDL (8) everywhere
                  "merge_backward": 15, "states_backward": 9, "varlen_backward": 9}
 BACKWARD = {"merge_backward": c_abi.merge_backward, "states_backward": c_abi.merge_states_backward,
             "varlen_backward": c_abi.merge_varlen_backward}
@@ -97,6 +97,8 @@ ROLES = {
                Role("o", 4, IN, is_o=True), Role("lse", 3, LSE)],
     "varlen": [Role("out", 3, OUT, True, True), Role("out_lse", 2, LSE, True, optional=True),
                Role("o", 3, IN, is_o=True), Role("lse", 2, LSE), Role("indptr", 1, INDEX)],
+    "share": [Role("out", 3, OUT, True, True), Role("out_lse", 2, LSE, True, optional=True),
+              Role("o", 3, IN, is_o=True), Role("lse", 3, LSE)],
     # The backward: gradients (outputs, each optional), dO and dLSE (optional), the forward's O
     # (optional) and LSE, then the forward's inputs.
     "merge_backward": [Role("grad_o_a", 3, IN, True, True, True), Role("grad_lse_a", 2, LSE, True, optional=True),
@@ -274,7 +276,7 @@ def _refuse(rng, t, role):
 
 
 # The ops that take a sink (options.sink, a float32 [heads]); every op's calls may carry one.
-TAKES_SINK = ("states", "varlen")
+TAKES_SINK = ("states", "varlen", "share")
 SINK = Role("sink", 1, LSE, optional=True)
 
 
@@ -285,6 +287,7 @@ class Call:
     opts: object  # Options or None
     notes: list  # what the generator did, for failure messages
     sink: object = None  # the sink's Tensor where the options carry one
+    index: int = 0  # merge_share's state
 
     def sink_read(self):
         """Whether the library reads the options' sink: this layout's struct_size."""
@@ -298,6 +301,8 @@ class Call:
             return c_abi.merge_inplace(t["o"], t["lse"], t["o_other"], t["lse_other"], t["mask"], o)
         if self.op == "states":
             return c_abi.merge_states(t["out"], t["out_lse"], t["o"], t["lse"], o)
+        if self.op == "share":
+            return c_abi.merge_share(t["out"], t["out_lse"], t["o"], t["lse"], self.index, o)
         if self.op in BACKWARD:
             return BACKWARD[self.op](*(t[r.name] for r in ROLES[self.op]), o)
         return c_abi.merge_varlen(t["out"], t["out_lse"], t["o"], t["lse"], t["indptr"], o)
@@ -307,7 +312,8 @@ class Call:
                               f"output_scale={self.opts.output_scale}, "
                               f"output_scale_ptr={bool(self.opts.output_scale_ptr)})")
         lines = [f"{self.op}:"] + [f"  {k} = {v!r}" for k, v in self.tensors.items()] + [f"  options = {opts}",
-                                                                                         f"  sink = {self.sink!r}"]
+                                                                                         f"  sink = {self.sink!r}",
+                                                                                         f"  index = {self.index}"]
         return "\n".join(lines + [f"  notes: {self.notes}"])
 
 
@@ -355,6 +361,9 @@ def generate(rng, op):
     elif op == "varlen":
         N, R = _size(rng, (0, 1, 2, 3, 5, 8)), _size(rng, (0, 1, 2, 3, 4))
         shapes = dict(out=[R, H, D], out_lse=[R, H], o=[N, H, D], lse=[N, H], indptr=[R + 1])
+    elif op == "share":
+        S = _size(rng, (1, 1, 2, 3, 4))
+        shapes = dict(out=[T, H, D], out_lse=[T, H], o=[T, H, D], lse=[T, S, H])
     elif op == "merge_backward":
         ta = ga = T  # a's tokens, and those of its gradients (only the a_tokens read)
         if flags & c_abi.A_TOKENS and rng.random() < 0.7:
@@ -425,7 +434,12 @@ def generate(rng, op):
         # this layout's size (the sink read), or the layout before it (not read)
         opts.struct_size = ctypes.sizeof(c_abi.Options if rng.random() < 0.85 else c_abi.OptionsBeforeSink)
         notes += notes_sink + [f"sink given, struct_size {opts.struct_size}"]
-    return Call(op, tensors, opts, notes, sink)
+    index = 0
+    if op == "share":  # mostly a state of the call's, now and then none (refused)
+        states = shapes["lse"][1]
+        index = int(rng.integers(0, states)) if states > 0 and rng.random() < 0.9 else int(
+            rng.choice([-1, states, 2**31, 2**63 - 1, -(2**63)]))
+    return Call(op, tensors, opts, notes, sink, index)
 
 
 def _fill_indptr(rng, ip, o, notes, role):
@@ -485,6 +499,8 @@ def must_fail(call):
             reasons.append("a sink for an op that takes none")
         elif classify(call.sink, SINK) == REFUSED:
             reasons.append(f"sink {REFUSED}")
+    if op == "share" and t["lse"] is not None and t["lse"].ndim == 3 and not 0 <= call.index < t["lse"].shape[1]:
+        reasons.append("index past the states")
     if op == "merge" and t["o_a"] is not None and t["o_b"] is not None and t["o_a"].dtype != t["o_b"].dtype:
         reasons.append("o_a / o_b dtypes")
     if op == "inplace" and t["o"] is not None and t["o_other"] is not None and t["o"].dtype != t["o_other"].dtype:

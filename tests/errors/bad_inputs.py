@@ -14,7 +14,8 @@ Layers (`layers`):
           (strides, overlap, alignment, read-only flags);
     c     the same arrays as C ABI descriptors (tests/c_abi.py), the status ERROR_TYPE for a
           TypeError and ERROR_VALUE for a ValueError.
-Entry points: the native API (merge, merge_inplace, merge_states, merge_varlen, merge_states_backward),
+Entry points: the native API (merge, merge_inplace, merge_states, merge_varlen, merge_share,
+merge_states_backward),
 the compat layers (vllm, fi.*), and, with changes to their own descriptors, the raw layer
 (raw.merge: attnmerge.raw's tuples) and the C ABI (c.*: the ctypes descriptors).
 
@@ -113,6 +114,8 @@ def baseline(op, rng) -> Args:
     if family == "merge_varlen":
         return Args(rng, dict(o=o(TOTAL, H, D), lse=lse(TOTAL, H), indptr=np.array(INDPTR, np.int32),
                               out=poisoned((N_ROWS, H, D)), out_lse=poisoned((N_ROWS, H))))
+    if family == "merge_share":
+        return Args(rng, dict(o=o(T, H, D), lse=lse(T, S, H), index=1, out=poisoned((T, H, D)), out_lse=poisoned((T, H))))
     if family == "merge_states_backward":
         return Args(rng, dict(grad_out=o(T, H, D), grad_out_lse=lse(T, H), out=o(T, H, D), out_lse=lse(T, H),
                               o=o(T, S, H, D), lse=lse(T, S, H), grad_o=poisoned((T, S, H, D)), grad_lse=poisoned((T, S, H))))
@@ -557,7 +560,40 @@ bad("varlen-output_scale-with-a-float32-out", "merge_varlen", options(output_sca
     ValueError, "output_scale", layers=PY)
 
 # ================================================================================================
-# sinks (merge_states and merge_varlen take one: float32 [heads]; every other op refuses one)
+# merge_share (o: state index's O [T, H, D]; lse: every state's LSE [T, S, H]; index an int)
+
+for index in (S, S + 5, -1):
+    bad(f"share-index-{index}", "merge_share", to("index", index), ValueError, "index", S, layers=ANY,
+        contains=(f"got {index}",))
+for index, kind in ((1.0, "float"), (True, "bool"), ("1", "str"), (None, "NoneType")):
+    bad(f"share-index-{kind}", "merge_share", to("index", index), TypeError, "index", "int", kind, layers=PY)
+bad("share-o-4d", "merge_share", shaped("o", (T, S, H, D)), ValueError, "o", 3, 4, layers=ANY)
+bad("share-lse-2d", "merge_share", to("lse", lambda x, a: x[:, 0]), ValueError, "lse", 3, 2, layers=ANY)
+for name, shape in (("lse", (T + 1, S, H)), ("lse", (T, S, H + 1)), ("out", (T, H, D + 1)), ("out_lse", (T - 1, H))):
+    bad(f"share-shape-{name}-{'x'.join(map(str, shape))}", "merge_share", shaped(name, shape), ValueError, name, *shape,
+        layers=ANY)
+bad("share-lse-float16", "merge_share", astype("lse", dtype=np.float16), TypeError, "lse", "float32", "float16",
+    layers=ANY)
+bad("share-o-float8", "merge_share", astype("o", dtype=dtype_of(FP8)), TypeError, "o", layers=HOST)
+for axis in (2, -1):
+    bad(f"share-states_axis-{axis}", "merge_share", options(states_axis=axis), ValueError, "states_axis", layers=PY)
+bad("share-out_lse-overlaps-lse", "merge_share", to("out_lse", lambda x, a: a["lse"][:, 1]), ValueError, "out_lse",
+    layers=HOST)
+
+
+def _out_a_token_past_o(a):
+    """out overlaps o without being it (o itself is allowed: in place)."""
+    buf = np.concatenate([a["o"], poisoned((1, H, D))])
+    a["o"], a["out"] = buf[:T], buf[1:]
+    a.extra.append(buf)
+
+
+bad("share-out-partially-overlaps-o", "merge_share", _out_a_token_past_o, ValueError, "out", layers=HOST)
+bad("share-output_scale-with-a-float32-out", "merge_share", options(output_scale=2.0), ValueError, "output_scale",
+    layers=ANY)
+
+# ================================================================================================
+# sinks (merge_states, merge_varlen and merge_share take one: float32 [heads]; every other op refuses one)
 
 
 def sink(shape=(H,), dtype=np.float32):
@@ -567,7 +603,7 @@ def sink(shape=(H,), dtype=np.float32):
     return change
 
 
-for op, prefix in (("merge_states", "states"), ("merge_varlen", "varlen")):
+for op, prefix in (("merge_states", "states"), ("merge_varlen", "varlen"), ("merge_share", "share")):
     bad(f"{prefix}-sink-one-head-too-many", op, sink((H + 1,)), ValueError, "sink", H, H + 1, layers=ANY)
     bad(f"{prefix}-sink-2d", op, sink((1, H)), ValueError, "sink", 1, 2, layers=ANY)
     bad(f"{prefix}-sink-float16", op, sink(dtype=np.float16), TypeError, "sink", "float32", "float16", layers=ANY)
@@ -964,6 +1000,10 @@ bad("c-states-heads-first-flag-not-allowed", "c.merge_states", opts(flags=c_abi.
 bad("c-states-lse-ndim-2", "c.merge_states", field_("lse", ndim=2), ERR_V, "lse")
 bad("c-states-out_lse-overlaps-lse", "c.merge_states", lambda a: setattr(a["out_lse"], "data", a["lse"].data), ERR_V,
     "out_lse")
+
+# a state's share
+bad("c-share-lse-NULL-descriptor", "c.merge_share", null("lse"), ERR_T, "lse")
+bad("c-share-heads-first-flag-not-allowed", "c.merge_share", opts(flags=c_abi.LSE_HEADS_FIRST), ERR_V, "options.flags")
 
 # variable length
 

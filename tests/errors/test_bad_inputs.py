@@ -29,6 +29,8 @@ PY_OPS = {
     "merge_states": lambda a, kw: attnmerge.merge_states(a["o"], a["lse"], out=a["out"], out_lse=a["out_lse"], **kw),
     "merge_varlen": lambda a, kw: attnmerge.merge_varlen(a["o"], a["lse"], a["indptr"], out=a["out"],
                                                          out_lse=a["out_lse"], **kw),
+    "merge_share": lambda a, kw: attnmerge.merge_share(a["o"], a["lse"], a["index"], out=a["out"],
+                                                       out_lse=a["out_lse"], **kw),
     "merge_states_backward": lambda a, kw: attnmerge.merge_states_backward(
         a["grad_out"], a["grad_out_lse"], a["out"], a["out_lse"], a["o"], a["lse"], grad_o=a["grad_o"],
         grad_lse=a["grad_lse"], **kw),
@@ -47,6 +49,7 @@ C_OPS = {
     "merge_inplace": lambda t, o: c_abi.merge_inplace(t["o"], t["lse"], t["o_other"], t["lse_other"], t["mask"], o),
     "merge_states": lambda t, o: c_abi.merge_states(t["out"], t["out_lse"], t["o"], t["lse"], o),
     "merge_varlen": lambda t, o: c_abi.merge_varlen(t["out"], t["out_lse"], t["o"], t["lse"], t["indptr"], o),
+    "merge_share": lambda t, o: c_abi.merge_share(t["out"], t["out_lse"], t["o"], t["lse"], t["index"], o),
     "merge_states_backward": lambda t, o: c_abi.merge_states_backward(
         t["grad_o"], t["grad_lse"], t["grad_out"], t["grad_out_lse"], t["out"], t["out_lse"], t["o"], t["lse"], o),
 }
@@ -95,7 +98,7 @@ def run(row: Bad, layer: str, rng):
     elif row.op.startswith("c."):
         a.arrays = {k: v for k, v in a.items() if isinstance(v, np.ndarray)}
         for k in list(a):
-            a[k] = None if a[k] is None else c_abi.tensor_from(a[k])
+            a[k] = c_abi.tensor_from(a[k]) if isinstance(a[k], np.ndarray) else a[k]  # merge_share's index: as is
         row.change(a)
     else:
         row.change(a)
@@ -123,8 +126,8 @@ def run(row: Bad, layer: str, rng):
             expect = row.error
         else:
             t = {k: (c_abi.tensor_from(v) if isinstance(v, np.ndarray) else v) for k, v in a.items()}
-            assert all(v is None or isinstance(v, c_abi.Tensor) for v in t.values()), \
-                f"{row.id}: an argument that is no array cannot be a C descriptor"
+            assert all(v is None or isinstance(v, (c_abi.Tensor, int)) for v in t.values()), \
+                f"{row.id}: an argument that is no array (or merge_share's int index) cannot be a C descriptor"
             status = C_OPS[row.op](t, c_options(a.options))
             errors = row.error if isinstance(row.error, tuple) else (row.error,)
             expect = row.c_error if row.c_error is not None else tuple(STATUS_OF[e] for e in errors)
@@ -172,7 +175,7 @@ def test_the_table_is_large_enough_and_its_ids_unique():
     ids = [r.id for r in ROWS]
     assert len(ids) == len(set(ids)), sorted({i for i in ids if ids.count(i) > 1})
     assert len(ids) >= 250
-    assert {r.op.split(".")[0] for r in ROWS} >= {"merge", "merge_inplace", "merge_states", "merge_varlen",
+    assert {r.op.split(".")[0] for r in ROWS} >= {"merge", "merge_inplace", "merge_states", "merge_varlen", "merge_share",
                                                   "merge_states_backward", "vllm", "fi", "raw", "c"}
     assert sum("cuda" in r.layers for r in ROWS) >= 60 and sum("c" in r.layers for r in ROWS) >= 100
 

@@ -1,8 +1,10 @@
 """Context parallelism across processes (examples/context_parallel.py), on the CPU with gloo.
 
-P processes each compute the attention state of one shard of the keys for the same queries,
-all-gather (O, LSE) with torch.distributed into [P, tokens, heads, D] / [P, tokens, heads] buffers and
-merge them with attnmerge.merge_states(..., states_axis=0).  Every rank's result must be the
+P processes each compute the attention state of one shard of the keys for the same queries, and
+either all-gather (O, LSE) with torch.distributed into [P, tokens, heads, D] / [P, tokens, heads]
+buffers and merge them with attnmerge.merge_states(..., states_axis=0) (--combine gather), or
+all-gather the LSEs alone and sum each rank's attnmerge.merge_share (--combine share).  Every
+rank's result must be the
 single-process attention over all the keys, computed here in float64 (float32 inputs: relative L2
 error < 1e-5, LSE within 1e-5).  Two launchers: the script itself as torchrun starts it (env://
 rendezvous, one subprocess per rank), and its importable `run` under torch.multiprocessing (file://).
@@ -71,8 +73,9 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.parametrize("combine", ["gather", "share"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_the_script_as_torchrun_starts_it(tmp_path, world):
+def test_the_script_as_torchrun_starts_it(tmp_path, world, combine):
     """`torchrun --nproc-per-node P examples/context_parallel.py`, emulated: one process per rank,
     with torchrun's environment variables (env:// rendezvous on a free local port)."""
     port = free_port()
@@ -82,7 +85,8 @@ def test_the_script_as_torchrun_starts_it(tmp_path, world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-        cmd = [sys.executable, EXAMPLE, "--device=cpu", "--backend=gloo", f"--save={tmp_path}", *args]
+        cmd = [sys.executable, EXAMPLE, "--device=cpu", "--backend=gloo", f"--save={tmp_path}", f"--combine={combine}",
+               *args]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:
@@ -102,22 +106,24 @@ def test_the_script_as_torchrun_starts_it(tmp_path, world):
     check(results, world)
 
 
-def _worker(rank, world, init_method, folder, problem):
+def _worker(rank, world, init_method, folder, problem, combine="gather"):
     """torch.multiprocessing target: the example's importable run(), its result saved for the test."""
     sys.path.insert(0, os.path.dirname(EXAMPLE))
     import context_parallel
 
     torch.set_num_threads(1)
-    out, out_lse = context_parallel.run(rank, world, init_method, backend="gloo", device="cpu", **problem)
+    out, out_lse = context_parallel.run(rank, world, init_method, backend="gloo", device="cpu", combine=combine,
+                                       **problem)
     torch.save({"out": out, "out_lse": out_lse}, os.path.join(folder, f"rank{rank}.pt"))
 
 
+@pytest.mark.parametrize("combine", ["gather", "share"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_the_importable_run_under_torch_multiprocessing(tmp_path, world):
+def test_the_importable_run_under_torch_multiprocessing(tmp_path, world, combine):
     import torch.multiprocessing as mp
 
     init = f"file://{tmp_path / 'rendezvous'}"
-    mp.spawn(_worker, args=(world, init, str(tmp_path), PROBLEM), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, init, str(tmp_path), PROBLEM, combine), nprocs=world, join=True)
     results = []
     for rank in range(world):
         saved = torch.load(os.path.join(tmp_path, f"rank{rank}.pt"))
@@ -137,3 +143,19 @@ def test_an_empty_shard_is_an_empty_part():
     ref_o, ref_lse = reference(q, k, v, 0.25)
     assert rel_l2(out.numpy(), ref_o) < 1e-5
     assert_lse_close(out_lse.numpy(), ref_lse)
+
+
+def test_the_shares_of_every_shard_sum_to_the_attention():
+    """The share combine without processes: each shard's merge_share of the gathered LSEs, summed, is
+    the attention over all the keys (an empty shard's share is 0)."""
+    cp = example()
+    q, k, v = cp.make_problem(seed=2, tokens=6, heads=3, head_size=32, keys=5)
+    bounds = [cp.shard_bounds(5, 7, r) for r in range(7)]  # 7 ranks, 5 keys: two empty shards
+    states = [cp.partial_attention(q, k[b:e], v[b:e], 0.5) for b, e in bounds]
+    lse_all = torch.stack([s[1] for s in states])
+    shares = [attnmerge.merge_share(o, lse_all, r, states_axis=0) for r, (o, _) in enumerate(states)]
+    ref_o, ref_lse = reference(q, k, v, 0.5)
+    assert rel_l2(sum(s[0].double() for s in shares).numpy(), ref_o) < 1e-5
+    for _, out_lse in shares:
+        assert_lse_close(out_lse.numpy(), ref_lse)
+    assert all((shares[r][0] == 0).all() for r, (b, e) in enumerate(bounds) if b == e)

@@ -19,10 +19,12 @@ from oracle import (
     assert_merge_matches,
     assert_o_close,
     nan_array,
+    random_lse,
     random_stacked,
     random_pair,
     random_state,
     reference_merge,
+    reference_merge_share,
     reference_merge_stacked,
     reference_merge_varlen,
 )
@@ -91,6 +93,10 @@ def test_merge_states_and_merge_varlen_return_new_jax_arrays(rng, states_axis):
     assert is_jax(out)
     assert_merge_matches(np.asarray(out), np.asarray(out_lse), reference_merge_varlen(o, lse, indptr, sink=sink),
                          "float32")
+    lse_all = random_lse(rng, (7, 3, 4))  # merge_share: o is state 1 of three
+    out, out_lse = attnmerge.merge_share(*put(o, lse_all), 1)
+    assert is_jax(out)
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), reference_merge_share(o, lse_all, 1), "float32")
 
 
 @needs_extension

@@ -20,6 +20,7 @@ from oracle import (
     assert_lse_close,
     random_state,
     reference_merge,
+    reference_merge_share,
     reference_merge_stacked,
     reference_merge_states_backward,
     reference_merge_varlen,
@@ -342,3 +343,61 @@ def test_a_sink_of_another_shape_is_refused_when_traced(rng):
     o, lse = random_o(rng, (2, 3, 4, 8)), random_lse(rng, (2, 3, 4))
     with pytest.raises(ValueError, match=r"sink: expected shape \[4\]"):
         amj.merge_states(o, lse, sink=np.zeros(3, np.float32) + 1.0)
+
+
+# merge_share: one state's share of the N-way merge (static index; differentiable)
+
+
+@pytest.mark.parametrize("states_axis", [0, 1])
+@pytest.mark.parametrize("base", ["e", 2])
+def test_merge_share_under_jit_and_its_gradients(rng, dev, states_axis, base):
+    """The share's gradients are those of merge_states of the states whose O is 0 but index's."""
+    t, s, h, d, index = 5, 4, 3, 24, 1
+    o, lse, sink = random_o(rng, (t, h, d)), random_lse(rng, (s, t, h)), random_lse(rng, (h,))
+    lse[2, 1, 0] = -np.inf  # an empty state
+    given = lse if states_axis == 0 else np.swapaxes(lse, 0, 1)
+    f = jax.jit(functools.partial(amj.merge_share, index=index, states_axis=states_axis, base=base))
+    (out, out_lse), vjp = jax.vjp(lambda a, b, c: f(a, b, sink=c), put(o, dev), put(given, dev), put(sink, dev))
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse),
+                         reference_merge_share(o, lse, index, states_axis=0, base=base, sink=sink), "float32")
+    g_out, g_lse = _cotangents(rng, out, out_lse)
+    grad_o, grad_lse, grad_sink = vjp((g_out, g_lse))
+    stacked = np.zeros((s, t, h, d))
+    stacked[index] = o
+    so, sl = sink_state(sink, t, d)
+    ref_o, ref_l = reference_merge_states_backward(np.concatenate([stacked, so[None]]), np.concatenate([lse, sl[None]]),
+                                                   np.asarray(out), np.asarray(out_lse), np.asarray(g_out),
+                                                   np.asarray(g_lse), base=base)
+    want_l = ref_l[:-1] if states_axis == 0 else np.swapaxes(ref_l[:-1], 0, 1)
+    assert_merge_matches(np.asarray(grad_o), np.asarray(grad_lse), (ref_o[index], want_l), "float32", "grad")
+    np.testing.assert_allclose(np.asarray(grad_sink), ref_l[-1].sum(axis=0), rtol=2e-5, atol=1e-6)
+
+
+def test_merge_share_under_vmap_is_one_call_and_the_shares_sum_to_the_merge(rng, dev):
+    """vmap over ranks: each batch element is one rank's share; summed, they are merge_states."""
+    o, lse = random_o(rng, (3, 6, 2, 16)), random_lse(rng, (3, 6, 2))  # [S, T, H, D], [S, T, H]
+    share = functools.partial(amj.merge_share, index=0, states_axis=0)
+    f = jax.vmap(share, in_axes=(0, None))
+    assert ffi_calls(f, o, lse) == (1, False)
+    outs = [np.asarray(amj.merge_share(put(o[i], dev), put(lse, dev), i, states_axis=0)[0]) for i in range(3)]
+    ref = reference_merge_stacked(o, lse, states_axis=0)
+    assert_merge_matches(sum(x.astype(np.float64) for x in outs).astype(np.float32), None, ref, "float32")
+    out, _ = f(put(o, dev), put(lse, dev))  # every element index 0: o[i]'s share as state 0
+    for i in range(3):
+        assert_merge_matches(np.asarray(out[i]), None, reference_merge_share(o[i], lse, 0, states_axis=0), "float32")
+    from jax.test_util import check_grads
+
+    check_grads(lambda a, b: amj.merge_share(a, b, 2, states_axis=0), (put(o[2], dev), put(lse, dev)), order=1,
+                modes=["rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
+def test_merge_share_arguments_are_checked_when_traced(rng):
+    o, lse = random_o(rng, (2, 3, 8)), random_lse(rng, (2, 4, 3))
+    with pytest.raises(ValueError, match=r"index: expected 0 <= index < 4 \(the states of lse\), got 4"):
+        amj.merge_share(o, lse, 4)
+    with pytest.raises(TypeError, match="index: expected an int"):
+        amj.merge_share(o, lse, 1.5)
+    with pytest.raises(ValueError, match=r"lse: expected shape \[2, 4, 3\]"):
+        amj.merge_share(o, lse[:, :, :2], 1)
+    with pytest.raises(TypeError, match="index: expected a Python value"):
+        jax.jit(lambda a, b, i: amj.merge_share(a, b, i))(o, lse, 1)

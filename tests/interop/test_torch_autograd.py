@@ -1,8 +1,9 @@
-"""Autograd through torch.ops.attnmerge: merge, merge_states and merge_varlen are differentiable with
-respect to every O and LSE input (and merge_states and merge_varlen to their sink), eagerly and
+"""Autograd through torch.ops.attnmerge: merge, merge_states, merge_varlen and merge_share are
+differentiable with respect to every O and LSE input (and all but merge to their sink), eagerly and
 under torch.compile, on the CPU and (marked gpu) on CUDA; their gradients are the float64 oracle's
 (p_i = b^(lse_i - LSE), dO_i = p_i dO, dlse_i = p_i (dLSE + ln(b) <dO, O_i - O>); a sink is a state
-of O = 0, its gradient summed over the rows of its head); an empty part gets zero gradients; where
+of O = 0, its gradient summed over the rows of its head; a share is the N-way merge whose other
+states' O are 0); an empty part gets zero gradients; where
 no gradient is defined (an FP8 or scaled output) asking for one is refused by name."""
 from __future__ import annotations
 
@@ -172,6 +173,51 @@ def test_merge_varlen_sink_gradients_are_the_oracles(rng, device):
     assert rel(grads[2], want_sink) <= TOLERANCE["float32"]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("states_axis", [0, 1])
+@pytest.mark.parametrize("base", ["e", 2])
+def test_merge_share_gradients_are_those_of_the_merge_whose_other_outputs_are_zero(rng, device, states_axis, base):
+    """merge_share(o, lse, index) is merge_states of the states whose O is o for `index` and 0 for
+    the others: its gradients are that merge's (the float64 oracle's), with a sink too."""
+    t, s, h, d, index = 6, 4, 3, 32, 2
+    o, lse, sink = random_o(rng, (t, h, d)), random_lse(rng, (s, t, h)), random_lse(rng, (h,))
+    lse[1, 2, 0] = -np.inf  # an empty state
+    lse[:, 4, 1] = -np.inf  # an all-empty row (the sink of head 1 too)
+    sink[1] = -np.inf
+    given = lse if states_axis == 0 else np.swapaxes(lse, 0, 1)
+    x = [put(v, device) for v in (o, given, sink)]
+    out, out_lse = attnmerge.merge_share(x[0], x[1], index, states_axis=states_axis, base=base, sink=x[2])
+    grad_out, grad_out_lse = incoming(rng, out, out_lse)
+    grads = torch.autograd.grad((out, out_lse), x, (grad_out, grad_out_lse))
+    stacked = np.zeros((s, t, h, d))
+    stacked[index] = o
+    want_o, want_lse, want_sink = sink_oracle(stacked, lse, sink, *(
+        v.detach().cpu().numpy() for v in (out, out_lse, grad_out, grad_out_lse)), base)
+    assert rel(grads[0], want_o[index]) <= TOLERANCE["float32"]
+    assert rel(grads[1], want_lse if states_axis == 0 else np.swapaxes(want_lse, 0, 1)) <= TOLERANCE["float32"]
+    assert rel(grads[2], want_sink) <= TOLERANCE["float32"] and grads[2][1] == 0
+    g_lse = grads[1] if states_axis == 0 else grads[1].transpose(0, 1)
+    assert torch.all(g_lse[1, 2, 0] == 0) and torch.all(g_lse[:, 4, 1] == 0)  # empty: zero, never NaN
+    assert torch.all(grads[0][4, 1] == 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_share_gradient_of_a_bfloat16_state(rng, device):
+    t, s, h, d, index = 5, 3, 2, 64, 0
+    o, lse = random_o(rng, (t, h, d), "bfloat16"), random_lse(rng, (t, s, h))
+    x = [put(o, device, "bfloat16"), put(lse, device)]
+    out, out_lse = attnmerge.merge_share(x[0], x[1], index)
+    grad_out, grad_out_lse = incoming(rng, out, out_lse)
+    grads = torch.autograd.grad((out, out_lse), x, (grad_out, grad_out_lse))
+    stacked = np.zeros((s, t, h, d))
+    stacked[index] = x[0].detach().float().cpu().numpy()
+    ref = reference_merge_states_backward(stacked, np.swapaxes(lse, 0, 1), out.detach().float().cpu().numpy(),
+                                          out_lse.detach().cpu().numpy(), grad_out.float().cpu().numpy(),
+                                          grad_out_lse.cpu().numpy())
+    assert grads[0].dtype == torch.bfloat16 and rel(grads[0].float(), ref[0][index]) <= TOLERANCE["bfloat16"]
+    assert rel(grads[1], np.swapaxes(ref[1], 0, 1)) <= TOLERANCE["bfloat16"]
+
+
 def test_gradcheck_through_the_registered_ops():
     """torch.autograd.gradcheck of each op against finite differences of itself.  The library
     computes in float32 (it takes no float64): hence float32 inputs, a large step and tolerances
@@ -189,6 +235,8 @@ def test_gradcheck_through_the_registered_ops():
     assert torch.autograd.gradcheck(lambda a, b, c: attnmerge.merge_states(a, b, sink=c), (o, lse, sink), **kw)
     assert torch.autograd.gradcheck(lambda a, b, c: attnmerge.merge_varlen(a, b, torch.tensor([0, 2, 2, 3]), sink=c),
                                     (o[:, 0], lse[:, 0], sink), **kw)
+    assert torch.autograd.gradcheck(lambda a, b, c: attnmerge.merge_share(a, b, 2, sink=c, base=2),
+                                    (o[:, 0], lse, sink), **kw)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -220,6 +268,20 @@ def test_compiled_sink_gradients_are_the_eager_ones(rng, device):
         assert torch.equal(e, c)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_share_gradients_are_the_eager_ones(rng, device):
+    x = [put(v, device) for v in (random_o(rng, (5, 2, 32)), random_lse(rng, (3, 5, 2)), random_lse(rng, (2,)))]
+
+    def loss(o, lse, sink):
+        out, out_lse = attnmerge.merge_share(o, lse, 1, states_axis=0, sink=sink)
+        return (out * out).sum() + out_lse.sum()
+
+    eager = torch.autograd.grad(loss(*x), x)
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(*x), x)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(e, c, rtol=1e-6, atol=1e-7)  # torch ops: the compiler may fuse them
+
+
 def test_opcheck_of_the_backward_ops_and_of_the_differentiable_forwards(rng):
     o = torch.from_numpy(random_o(rng, (6, 3, 4, 32))).requires_grad_()
     lse = torch.from_numpy(random_lse(rng, (6, 3, 4))).requires_grad_()
@@ -231,6 +293,9 @@ def test_opcheck_of_the_backward_ops_and_of_the_differentiable_forwards(rng):
     torch.library.opcheck(torch.ops.attnmerge.merge.default, (o[:, 0], lse[:, 0], o[:, 1], lse[:, 1]),
                           dict(a_tokens=4, base="2"))
     torch.library.opcheck(torch.ops.attnmerge.merge_varlen.default, (o[:, 0], lse[:, 0], torch.tensor([0, 4, 6])), {})
+    torch.library.opcheck(torch.ops.attnmerge.merge_share.default, (o[:, 0], lse, None, sink), dict(index=2))
+    torch.library.opcheck(torch.ops.attnmerge.merge_share.default, (o[:, 0], lse.transpose(0, 1)),
+                          dict(index=0, states_axis=0, base="2"))
     with torch.no_grad():
         out, out_lse = torch.ops.attnmerge.merge_states(o, lse)
     g, gl = torch.randn_like(out), torch.randn_like(out_lse)

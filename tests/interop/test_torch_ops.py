@@ -3,7 +3,8 @@
 - Registered whenever attnmerge and torch are both imported, in either order; `import attnmerge`
   never imports torch.
 - Overloads: merge / merge.out, merge_inplace (writes o, lse) / merge_inplace.functional,
-  merge_states / merge_states.out, merge_varlen / merge_varlen.out; the schemas mark exactly the
+  merge_states / merge_states.out, merge_varlen / merge_varlen.out, merge_share / merge_share.out;
+  the schemas mark exactly the
   tensors each writes.  Results equal the float64 oracle (tests/oracle.py) as the eager API's do.
 - torch.library.opcheck passes for every overload; fake (meta) results have the real shapes and dtypes.
 - torch.compile(fullgraph=True) over every public and compat function: no graph break, the op in the
@@ -36,6 +37,7 @@ from oracle import (  # noqa: E402
     random_pair,
     random_state,
     reference_merge,
+    reference_merge_share,
     reference_merge_stacked,
     reference_merge_varlen,
     to_f64,
@@ -88,6 +90,7 @@ WRITES = {
     "merge_inplace.default": {"o", "lse"}, "merge_inplace.functional": set(),
     "merge_states.default": set(), "merge_states.out": {"out", "out_lse"},
     "merge_varlen.default": set(), "merge_varlen.out": {"out", "out_lse"},
+    "merge_share.default": set(), "merge_share.out": {"out", "out_lse"},
 }
 
 
@@ -232,16 +235,19 @@ def samples(rng):
         ("merge_states.out", (v, s), dict(out=new(6, 4, 32), out_lse=new(6, 4))),
         ("merge_varlen.default", (f[0], f[1], indptr), {}),
         ("merge_varlen.out", (f[0], f[1], indptr.long()), dict(out=new(3, 4, 32), out_lse=None)),
+        ("merge_share.default", (f[0], s), dict(index=1)),
+        ("merge_share.default", (f[0], s0), dict(index=2, states_axis=0, out_dtype=torch.bfloat16, base="2")),
+        ("merge_share.out", (f[0], s), dict(index=0, out=new(6, 4, 32), out_lse=new(6, 4))),
     ]
 
 
-@pytest.mark.parametrize("i", range(13))
+@pytest.mark.parametrize("i", range(16))
 def test_opcheck(rng, i):
     name, args, kwargs = samples(rng)[i]
     torch.library.opcheck(overload(name), args, kwargs)
 
 
-@pytest.mark.parametrize("i", [0, 1, 2, 7, 8, 9, 11])
+@pytest.mark.parametrize("i", [0, 1, 2, 7, 8, 9, 11, 13, 14])
 def test_fake_results_have_the_real_shapes_dtypes_and_strides(rng, i):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -389,6 +395,14 @@ def test_compiled_merge_states_and_merge_varlen(rng):
     assert graphs.ops_called() == {"attnmerge.merge_varlen.default"}
 
 
+def test_compiled_merge_share(rng):
+    o, lse = random_o(rng, (7, 4, 64), "bfloat16"), random_lse(rng, (3, 7, 4))
+    f, graphs = compiled(lambda o, lse: attnmerge.merge_share(o, lse, 2, states_axis=0, out_dtype=torch.float32))
+    out, out_lse = f(put(o), put(lse))
+    assert_merge_matches(get(out), get(out_lse), reference_merge_share(o, lse, 2, states_axis=0), "float32")
+    assert graphs.ops_called() == {"attnmerge.merge_share.default"}
+
+
 def test_compiled_vllm_merge_attn_states_as_cascade_attention_calls_it(rng):
     """vLLM's cascade_attention: merge_attn_states(output, prefix_output, prefix_lse, suffix_output,
     suffix_lse), LSEs [heads, tokens], output written in place, None returned."""
@@ -470,11 +484,13 @@ def _grad_calls(t):
                                                                     o_b, lse_b),
         "attnmerge::merge_states": lambda: attnmerge.merge_states(o_b[:, None], lse_b[:, None]),
         "attnmerge::merge_varlen": lambda: attnmerge.merge_varlen(o_b, lse_b, torch.tensor([0, 13])),
+        "attnmerge::merge_share.out": lambda: attnmerge.merge_share(o_b, lse_b[:, None], 0, out=torch.empty(13, 4, 64)),
         "attnmerge::merge_inplace.functional": lambda: ops.merge_inplace.functional(o_a, lse_a, o_b, lse_b),
     }
 
 
-DIFFERENTIABLE = ("attnmerge::merge", "attnmerge::merge_states", "attnmerge::merge_varlen")  # test_torch_autograd.py
+DIFFERENTIABLE = ("attnmerge::merge", "attnmerge::merge_states", "attnmerge::merge_varlen",  # test_torch_autograd.py
+                  "attnmerge::merge_share")
 
 
 @pytest.mark.parametrize("which", ["o", "lse"])

@@ -167,6 +167,20 @@ int emulate_merge_states(int64_t tokens, int64_t states, int64_t heads, int64_t 
   return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);
 }
 
+// A state's share of the N-way merge: o [tokens, heads, head_size] (state `index`'s O), lse
+// [tokens, states, heads], any strides; out, out_lse and the sink as for the N-way merge.
+int emulate_merge_share(int64_t tokens, int64_t states, int64_t heads, int64_t head_size, int in_dtype, int out_dtype,
+                        int base2, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int groups,
+                        float inv_scale, void* out, const int64_t* out_s, float* out_lse, const int64_t* ol_s,
+                        const void* o, const int64_t* o_s, const float* lse, const int64_t* l_s, int64_t index,
+                        const float* sink, int64_t sink_stride) {
+  const MergeShape shape(tokens, heads, head_size, base2 != 0);
+  const ShareSource src{{o, o_s[0], 0, o_s[1], lse, l_s[0], l_s[1], l_s[2], states, SinkView{sink, sink_stride}}, index};
+  const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr);
+  const CallFacts f = facts(vec, access_bytes, max_offset, bytes, 0, 0, groups);
+  return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);
+}
+
 // The variable-length merge: row r of out [rows, heads, head_size] merges states [indptr[r],
 // indptr[r + 1]) of o [total, heads, head_size] and lse [total, heads]; indptr int64 or int32
 // (indptr64), `indptr_stride` elements apart; the sink as for the N-way merge.

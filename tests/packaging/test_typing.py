@@ -57,7 +57,7 @@ def test_the_stub_names_exactly_what_the_module_exports():
         assert stub_functions[name] == params, f"_C.{name}: the stub says {stub_functions[name]}, _C {params}"
 
 
-PUBLIC = [attnmerge.merge, attnmerge.merge_inplace, attnmerge.merge_states, attnmerge.merge_varlen,
+PUBLIC = [attnmerge.merge, attnmerge.merge_inplace, attnmerge.merge_states, attnmerge.merge_varlen, attnmerge.merge_share,
           attnmerge.build_info, attnmerge.last_launch, attnmerge.cmake_dir, attnmerge.include_dir,
           attnmerge.library_path, raw.merge, vllm.merge_attn_states, flashinfer.merge_state,
           flashinfer.merge_state_in_place, flashinfer.merge_states, flashinfer.variable_length_merge_states]

@@ -7,7 +7,7 @@ is held to the float64 oracle with the GPU tests' tolerances: the two-way merge 
 with a_tokens, tiled rows, FP8 outputs), the in-place merge (rows in warps, in a block, over
 blocks; masked), the N-way and variable-length merges (rows of one chunk and of many, kStates of
 each group count; empty and NaN states inside a split row; attention sinks, empty, NaN and strided
-ones among them).  Inputs sit in NaN-filled buffers
+ones among them), and a state's share of the N-way merge (kRows whatever groups are asked for).  Inputs sit in NaN-filled buffers
 that end at an unreadable page (or begin after one): a read outside a view poisons the result or
 ends the process, a write outside it is caught; a masked-out token's pages are unreadable for the
 whole call (it reads its mask byte alone).  Results must be bit-identical whatever the order of the
@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from emulators import CODES, ORDERS, build, check, compiled_types, launches, order, pointers, widest_vec
 from oracle import (assert_fp8_close, assert_lse_close, assert_merge_matches, clamp_indptr, fp8_dtype, nan_array,
                     outside_view_is_nan, random_lse, random_o, reference_merge, reference_merge_ranges,
-                    reference_merge_stacked, reference_merge_varlen, strided_view, to_f64)
+                    reference_merge_share, reference_merge_stacked, reference_merge_varlen, strided_view, to_f64)
 from test_backward import layouts
 from test_merge_varlen import BAD_INDPTR
 
@@ -341,6 +341,47 @@ def test_merge_states(emu, data):
     assert outside_view_is_nan(out, obuf) and (not with_lse or outside_view_is_nan(out_lse, lbuf))
 
 
+# ---- a state's share of the N-way merge ----------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_merge_share(emu, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    t, h = data.draw(st.integers(0, 6)), data.draw(st.integers(1, 3))
+    s = data.draw(st.sampled_from((1, 2, 3, 4, 5, 8, 9, 17, 64)))
+    index = data.draw(st.integers(0, s - 1))
+    d = data.draw(st.sampled_from((1, 8, 16, 40, 64, 128, 136)))
+    in_dtype, out_dtype = data.draw(st.sampled_from(compiled_types(emu)))
+    h = enough_heads(h, t, d, out_dtype)
+    if out_dtype == "float8_e4m3fn":
+        fp8_dtype()
+    base, tail = data.draw(st.sampled_from(("e", 2))), data.draw(st.booleans())
+    o, lse = random_o(rng, (t, h, d), in_dtype), random_lse(rng, (t, s, h))
+    stacked = np.repeat(o[:, None], s, axis=1)  # empties() marks states and poisons their O: index's is o's
+    empties(rng, lse, stacked, data.draw(st.sampled_from((0.0, 0.3, 1.0))))
+    o = np.ascontiguousarray(stacked[:, index])
+    if t and data.draw(st.booleans()):  # a NaN LSE of any state: the row is NaN
+        lse[rng.integers(t), rng.integers(s), rng.integers(h)] = np.nan
+    sink, _sink_alive, sink_ptr = sink_args(data, rng, h, tail)
+    ref = reference_merge_share(o, lse, index, base=base, sink=sink)
+    vo, _ = placed(o, data.draw(layouts(3, True)), tail)
+    vl, _ = placed(lse, data.draw(layouts(3, False)), tail)
+    out, obuf = out_buffers((t, h, d), out_dtype, data.draw(layouts(3, True)), tail)
+    with_lse = data.draw(st.booleans())
+    out_lse, lbuf = out_buffers((t, h), "float32", data.draw(layouts(2, False)), tail) if with_lse else (None, None)
+    vec = widest_vec(d, vo, out)
+    fact = facts(data, vec, (vo.itemsize, out.itemsize))
+    groups = data.draw(st.sampled_from((0, 0, 1, 2, 16)))  # asked for groups, a share still takes kRows
+    ptrs, strides = pointers(out, out_lse, vo, vl)
+    run_orders(emu, lambda: emu.emulate_merge_share(
+        *head((t, s, h, d), in_dtype, out_dtype, base, fact), groups, ctypes.c_float(1.0), *ptrs,
+        ctypes.c_int64(index), *sink_ptr), [obuf] + ([lbuf] if with_lse else []), data.draw(st.integers(0, 1000)))
+    assert t == 0 or plan(emu)["strategy"] == KROWS
+    assert_out(out, out_lse, ref, out_dtype)
+    assert outside_view_is_nan(out, obuf) and (not with_lse or outside_view_is_nan(out_lse, lbuf))
+
+
 # ---- the variable-length merge -------------------------------------------------------------------
 
 
@@ -437,6 +478,14 @@ PATHS = {
                             dict(strategy=KROWS)),
     "varlen states, a sink": ("varlen", 5, 40, 2, 64, "bfloat16", dict(sms=132, bytes=1 << 20, sink=True),
                               dict(strategy=KSTATES)),
+    "share rows, 4 in flight": ("share", 6, 3, 3, 40, "float16", dict(sms=132, bytes=1 << 20),
+                                dict(strategy=KROWS, chunk=4)),
+    "share rows, long rows, a sink": ("share", 4, 37, 2, 64, "bfloat16", dict(sms=132, bytes=1 << 20, sink=True),
+                                      dict(strategy=KROWS, chunk=8)),
+    "share rows at decode, groups asked for": ("share", 2, 64, 2, 128, "bfloat16",
+                                               dict(sms=132, bytes=1 << 20, groups=16), dict(strategy=KROWS, chunk=8)),
+    "share rows, 64-bit offsets": ("share", 3, 20, 2, 16, "float32", dict(sms=132, bytes=1 << 20, far=True),
+                                   dict(strategy=KROWS, index32=0)),
 }
 
 
@@ -498,6 +547,21 @@ def test_every_path_of_the_plan(emu, rng, name, fenced_tail):
         def call():
             return emu.emulate_merge_states(*head((t, s, h, d), dtype, dtype, "e", fact(vo, out)),
                                             f.get("groups", 0), ctypes.c_float(1.0), *ptrs, *sink_ptr)
+    elif op == "share":
+        index = s - 2  # a state late in the row: past the first chunk where s > 8
+        o, lse = random_o(rng, (t, h, d), dtype), random_lse(rng, (t, s, h))
+        lse[rng.random(lse.shape) < 0.2] = -np.inf  # empty states (index's too, sometimes)
+        lse[0, s - 1, 0] = np.nan  # a NaN late in a row, in a state whose O is not given
+        ref_o, ref_lse = reference_merge_share(o, lse, index, sink=sink)
+        vo, _ = placed(o, {}, fenced_tail)
+        vl, _ = placed(lse, dict(order=(1, 0, 2)), fenced_tail)  # an all-gather's [S, tokens, heads]
+        out, out_lse = out_buffers((t, h, d), dtype, {}, fenced_tail)[0], nan_array((t, h))
+        ptrs, strides = pointers(out, out_lse, vo, vl)
+
+        def call():
+            return emu.emulate_merge_share(*head((t, s, h, d), dtype, dtype, "e", fact(vo, out)),
+                                           f.get("groups", 0), ctypes.c_float(1.0), *ptrs, ctypes.c_int64(index),
+                                           *sink_ptr)
     else:
         counts = [s, 0, 1, s + 3, 2][:t]
         indptr = np.concatenate([[1], 1 + np.cumsum(counts)]).astype(np.int64)

@@ -176,8 +176,9 @@ typedef struct attnmerge_options {
    *
    * with the semantics of any state (+inf counts as -inf, a NaN sink makes its rows NaN); a row
    * with no states gets O = 0 and LSE = sink.  Put a head's sink into one merge of the states of
-   * a row, not into several.  The N-way and variable-length merges take one; the others refuse
-   * it, and so do the backwards: given the forward's out and out_lse, which count the sink, the
+   * a row, not into several (the shares of one merge, attnmerge_merge_share, each take it: they
+   * are one merge).  The N-way and variable-length merges and the share take one; the others
+   * refuse it, and so do the backwards: given the forward's out and out_lse, which count the sink, the
    * states' gradients are those without one, and the sink's own gradient is, per head, the sum
    * over the rows of that head of  b^(sink - LSE) * (dLSE - ln(b) <dO, O>)  (b = e, or 2). */
   const attnmerge_tensor* sink;
@@ -219,6 +220,28 @@ ATTNMERGE_API attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* ou
                                                       const attnmerge_tensor* o, const attnmerge_tensor* lse,
                                                       const attnmerge_tensor* indptr,
                                                       const attnmerge_options* options, void* stream);
+
+/* The share of one state in an N-way merge, for context parallelism's combine by reduce-scatter
+ * (vLLM's decode context parallelism: every rank gathers the LSEs of all, scales its own output
+ * by its share, and a reduce-scatter sums the shares).  For a row whose S states' LSEs are given
+ * and whose state `index` has O = o (the others' O are not needed):
+ *
+ *   m = max_i lse_i,  w_i = exp(lse_i - m),  W = sum_i w_i,
+ *   out = (w_index / W) * o,  out_lse = m + log W      (the merged LSE of the S states)
+ *
+ * so that the S states' shares summed are the N-way merge of them (each share rounded once to
+ * out's dtype).  o [tokens, heads, head_size]: state `index`'s O; lse [tokens, S, heads]: every
+ * state's LSE, any strides (an all-gather's [S, tokens, heads] passed as its permutation);
+ * 0 <= index < S.  out [tokens, heads, head_size] may be o itself (the same view); out_lse
+ * [tokens, heads] may be NULL.  The semantics of the N-way merge: a state of zero weight gives a
+ * share of 0 without its O being read, an all-empty row O = 0 and LSE -inf, a NaN LSE a NaN row.
+ * options.sink as the N-way merge takes it, in every rank's share alike (it weighs each share;
+ * having no O, it adds to none).  Gradients (no C entry point; the torch ops and attnmerge.jax
+ * compute them): with p_i = b^(lse_i - LSE) and g = ln(b) <dO, out>, do = p_index dO and
+ * dlse_i = p_i (dLSE - g), plus g for i = index. */
+ATTNMERGE_API attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                                     const attnmerge_tensor* o, const attnmerge_tensor* lse,
+                                                     int64_t index, const attnmerge_options* options, void* stream);
 
 /* Backward of the merges: the gradients of a merge's inputs from those of its outputs, in one
  * pass over the data.  For a row (token, head) with the forward's output O and LSE, the gradients

@@ -31,6 +31,11 @@ constexpr int min_blocks() {
   return Source::kMaxStates == 2 ? 1 : kChunk <= kSmallChunk ? 4 : 3;
 }
 
+// Every state's O is read (a row's reads_o(s) for all but ShareSource's rows).
+struct ReadsEveryO {
+  __device__ constexpr bool operator()(int) const { return true; }
+};
+
 // The weights of a row of at most kChunk states into `r` (see, weigh, finish: row.h), from their
 // LSEs in `l` (-inf past the row's states); their weights go to `w`.  kSink: the row's sink (LSE
 // `sink`, output 0) is one more state, in the max and the total only.  Shared by merge_kernel and
@@ -61,18 +66,21 @@ __device__ __forceinline__ void weigh_row(const float (&l)[kChunk], float (&w)[k
 // the merged row; a zero-weight part is dropped unread as in the one-chunk path, and a NaN LSE
 // makes the row NaN.  kSink: the row's sink (LSE `sink`, output 0) is one more state, weighed with
 // the first chunk.
-template <int kChunk, bool kSink = false, typename TIn, int VEC, typename LseOf, typename OOf>
+template <int kChunk, bool kSink = false, typename TIn, int VEC, typename LseOf, typename OOf,
+          typename ReadsO = ReadsEveryO>
 __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pack<TIn, VEC> (&o)[kChunk], LseOf lse_of,
                                                   OOf o_of, bool stream, RowMerge& r, float (&acc)[VEC],
-                                                  float sink = -INFINITY) {
+                                                  float sink = -INFINITY, ReadsO reads_o = {}) {
   // A chunk's states weighed against r.m, without a branch: a state past n has LSE -inf, so
-  // weight 0, and accumulate clears the words of its pack (never loaded).
-  const auto add = [&] {
+  // weight 0, and accumulate clears the words of its pack (never loaded), as it does for a state
+  // whose O is not read.
+  const auto add = [&](int s) {
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) {
       const float w = r.weight(l[c]);
       r.total += w;
-      accumulate(acc, o[c], w, w);
+      const float wo = reads_o(s + c) ? w : 0.0f;
+      accumulate(acc, o[c], wo, wo);
     }
   };
 #pragma unroll
@@ -81,12 +89,12 @@ __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pac
     r.see(sink);
     r.total += r.weight(sink);
   }
-  add();
+  add(0);
   for (int s = kChunk; s < n; s += kChunk) {
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) {
       l[c] = load_lse_if(lse_of(s + c), s + c < n);
-      o[c] = load_pack_if<TIn, VEC>(o_of(s + c), s + c < n, stream);
+      o[c] = load_pack_if<TIn, VEC>(o_of(s + c), s + c < n && reads_o(s + c), stream);
     }
     const float before = r.m;
 #pragma unroll
@@ -98,7 +106,7 @@ __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pac
     r.total *= keep;
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] = keep != 0.0f ? acc[i] * keep : 0.0f;
-    add();
+    add(s);
   }
 }
 
@@ -258,7 +266,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
       if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c), stream);
     } else {
       l[c] = load_lse_if(states.lse_ptr(c), c < n);
-      o[c] = load_pack_if<TIn, VEC>(states.template o_at<TIn>(c), c < n, stream);
+      o[c] = load_pack_if<TIn, VEC>(states.template o_at<TIn>(c), c < n && states.reads_o(c), stream);
     }
   }
   const float sink = sink_lse(src, head);  // -inf without one
@@ -303,11 +311,11 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
     if (writes_lse) *lse_dst = merged_lse;  // its latency hidden behind the O math
 #pragma unroll
     for (int c = 0; c < kChunk; ++c)
-      if (c < n) accumulate(acc, o[c], r.scale(w[c]), w[c]);
+      if (c < n && states.reads_o(c)) accumulate(acc, o[c], r.scale(w[c]), w[c]);
   } else if constexpr (!kFew) {
     accumulate_online<kChunk, Source::kSink>(
         n, l, o, [&](int s) { return states.lse_ptr(s); }, [&](int s) { return states.template o_at<TIn>(s); }, stream,
-        r, acc, sink);
+        r, acc, sink, [&](int s) { return states.reads_o(s); });
     r.finish(factor);
     if (writes_lse) *lse_dst = r.lse();
 #pragma unroll
@@ -544,7 +552,7 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
       return plan.shape.stream
                  ? launch_detail::rows<PlainPairSource<true>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream)
                  : launch_detail::rows<PlainPairSource<false>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream);
-  } else {
+  } else if constexpr (takes_states<Source>()) {
     if (plan.strategy == Strategy::kStates) {  // only with 16-byte accesses (the plan's condition)
       if constexpr (VEC * (sizeof(TIn) > sizeof(TOut) ? sizeof(TIn) : sizeof(TOut)) == 16) {
         return launch_detail::states<Source, TIn, TOut, VEC>(plan, src, out, stream);

@@ -7,8 +7,8 @@
 //
 // Strategies:
 //   kRows    one thread per pack of one row walks the row's states, a chunk of them in flight
-//            (merge_kernel): every two-way merge, and N-way or variable-length merges with enough
-//            rows to fill the GPU or few states a row;
+//            (merge_kernel): every two-way merge and share of a state, and N-way or
+//            variable-length merges with enough rows to fill the GPU or few states a row;
 //   kStates  a row's states shared by `groups` groups of threads, each taking its own states a
 //            chunk of loads at a time, their partial (max, total) and accumulators combined
 //            through shared memory (merge_states_kernel): split-KV decode, few rows and many
@@ -134,12 +134,20 @@ inline LaunchDims row_dims(int64_t packs, int64_t rows, int sms, int max_threads
   return d;
 }
 
+// Whether a source's rows may be shared by groups of threads (kStates): those of the N-way and
+// variable-length merges.  A share reads one O a row, which kRows' threads read once each.
+template <typename Source>
+constexpr bool takes_states() {
+  return std::is_same<Source, StackSource>::value || std::is_same<Source, RangeSource>::value;
+}
+
 namespace plan_detail {
 
-// States a row has, for the strategy: S of the N-way merge, the mean of the variable-length one.
+// States a row has, for the strategy: S of the N-way merge (and of a share of one), the mean of
+// the variable-length one.
 template <typename Source>
 int64_t states_per_row(const Source& src, const MergeShape& shape) {
-  if constexpr (std::is_same<Source, StackSource>::value) {
+  if constexpr (std::is_same<Source, StackSource>::value || std::is_same<Source, ShareSource>::value) {
     return src.states;
   } else if constexpr (std::is_same<Source, RangeSource>::value) {
     const int64_t rows = shape.tokens;
@@ -284,7 +292,7 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     const int64_t states = plan_detail::states_per_row(src, s);
     // kStates: 32-bit offsets and 16-byte accesses (whole float4s of accumulator a thread).
     int groups = 1;
-    if (plan.index32 && facts.access_bytes == 16 && facts.vec % 4 == 0) {
+    if (takes_states<Source>() && plan.index32 && facts.access_bytes == 16 && facts.vec % 4 == 0) {
       if (facts.groups > 0) {
         const int64_t most = std::min<int64_t>(kMaxStateGroups, kStateBlockThreads / std::max<int64_t>(s.packs, 1));
         while (2 * groups <= std::min<int64_t>(facts.groups, most)) groups *= 2;

@@ -10,8 +10,10 @@
 //                each row in one warp, the LSE written after a warp barrier, or each row in one
 //                block, the LSE written after a block barrier;
 //   StackSource  S states stacked along a strided axis (the N-way merge);
-//   RangeSource  states [indptr[r], indptr[r+1]) of a flat list (the variable-length merge).
-// The last two may add each head's sink to its rows (kSink: SinkView, sink_lse).
+//   RangeSource  states [indptr[r], indptr[r+1]) of a flat list (the variable-length merge);
+//   ShareSource  S states' LSEs stacked and one state's O (the share of that state in the merge:
+//                context parallelism's combine by reduce-scatter).
+// The last three may add each head's sink to its rows (kSink: SinkView, sink_lse).
 #pragma once
 
 #include <cmath>
@@ -46,9 +48,10 @@ ATTNMERGE_HD float sink_lse(const Source& src, I head) {
   }
 }
 
-// ---- sources: each gives a row's states through count(), lse(s) and o_at<T>(s) ----
+// ---- sources: each gives a row's states through count(), lse(s), o_at<T>(s) and reads_o(s) ----
 // Every state of a row has an O address that may be read, even one of no weight (a state the
-// row lacks gets another's), so that the kernels load O without waiting for the LSEs.
+// row lacks gets another's), so that the kernels load O without waiting for the LSEs.  reads_o(s)
+// false: state s weighs the row but adds nothing to O (its O is not read), as a sink does.
 // row<T>(token, head, at): o_at(s) points `at` elements into state s's row (a thread's pack),
 // that offset added in the launch's index type with the row's own (fewer address instructions
 // before the first load).
@@ -74,6 +77,7 @@ struct PairSource {
     ATTNMERGE_HD float lse(int s) const { return l[s]; }
     template <typename T>
     ATTNMERGE_HD const T* o_at(int s) const { return static_cast<const T*>(o[s]); }
+    ATTNMERGE_HD constexpr bool reads_o(int) const { return true; }
   };
 
   // Whether the rows of `token` are left as they are: asked before anything else of them is read.
@@ -180,6 +184,7 @@ struct StridedRow {
   ATTNMERGE_HD float lse(int s) const { return *lse_ptr(s); }
   template <typename T>
   ATTNMERGE_HD const T* o_at(int s) const { return static_cast<const T*>(o0) + s * o_ss; }
+  ATTNMERGE_HD constexpr bool reads_o(int) const { return true; }
 };
 
 // S states along a strided axis: O [tokens, S, heads, head_size] and LSE [tokens, S, heads] in
@@ -245,6 +250,27 @@ struct RangeSource {
     return StridedRow<I>{static_cast<const T*>(o) + (begin * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at),
                          lse + (begin * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
                          static_cast<I>(o_st), static_cast<I>(lse_st), static_cast<int>(n < INT32_MAX ? n : INT32_MAX)};
+  }
+};
+
+// A row of ShareSource: a StridedRow whose states' O addresses are all own's (a states stride of
+// 0), read for own alone.
+template <typename I>
+struct ShareRow : StridedRow<I> {
+  int own;
+  ATTNMERGE_HD bool reads_o(int s) const { return s == own; }
+};
+
+// The share of state `own` in the merge of S states, each head's sink too: StackSource's LSE
+// [tokens, S, heads] (any strides: an all-gather's [S, tokens, heads]) and own's O alone, O
+// [tokens, heads, head_size] (o_ss 0): the output is (w_own / W) O_own and the merged LSE, so that
+// the states' shares summed (a reduce-scatter across context-parallel ranks) are the merge.
+struct ShareSource : StackSource {
+  int64_t own;  // 0 <= own < states
+
+  template <typename T, typename I>
+  ATTNMERGE_HD ShareRow<I> row(I token, I head, I at = I{0}) const {
+    return ShareRow<I>{StackSource::row<T>(token, head, at), static_cast<int>(own)};
   }
 };
 
