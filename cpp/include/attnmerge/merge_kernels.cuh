@@ -31,11 +31,6 @@ constexpr int min_blocks() {
   return Source::kMaxStates == 2 ? 1 : kChunk <= kSmallChunk ? 4 : 3;
 }
 
-// Every state's O is read (a row's reads_o(s) for all but ShareSource's rows).
-struct ReadsEveryO {
-  __device__ constexpr bool operator()(int) const { return true; }
-};
-
 // The weights of a row of at most kChunk states into `r` (see, weigh, finish: row.h), from their
 // LSEs in `l` (-inf past the row's states); their weights go to `w`.  kSink: the row's sink (LSE
 // `sink`, output 0) is one more state, in the max and the total only.  Shared by merge_kernel and
@@ -66,21 +61,18 @@ __device__ __forceinline__ void weigh_row(const float (&l)[kChunk], float (&w)[k
 // the merged row; a zero-weight part is dropped unread as in the one-chunk path, and a NaN LSE
 // makes the row NaN.  kSink: the row's sink (LSE `sink`, output 0) is one more state, weighed with
 // the first chunk.
-template <int kChunk, bool kSink = false, typename TIn, int VEC, typename LseOf, typename OOf,
-          typename ReadsO = ReadsEveryO>
+template <int kChunk, bool kSink = false, typename TIn, int VEC, typename LseOf, typename OOf>
 __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pack<TIn, VEC> (&o)[kChunk], LseOf lse_of,
                                                   OOf o_of, bool stream, RowMerge& r, float (&acc)[VEC],
-                                                  float sink = -INFINITY, ReadsO reads_o = {}) {
+                                                  float sink = -INFINITY) {
   // A chunk's states weighed against r.m, without a branch: a state past n has LSE -inf, so
-  // weight 0, and accumulate clears the words of its pack (never loaded), as it does for a state
-  // whose O is not read.
-  const auto add = [&](int s) {
+  // weight 0, and accumulate clears the words of its pack (never loaded).
+  const auto add = [&] {
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) {
       const float w = r.weight(l[c]);
       r.total += w;
-      const float wo = reads_o(s + c) ? w : 0.0f;
-      accumulate(acc, o[c], wo, wo);
+      accumulate(acc, o[c], w, w);
     }
   };
 #pragma unroll
@@ -89,12 +81,12 @@ __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pac
     r.see(sink);
     r.total += r.weight(sink);
   }
-  add(0);
+  add();
   for (int s = kChunk; s < n; s += kChunk) {
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) {
       l[c] = load_lse_if(lse_of(s + c), s + c < n);
-      o[c] = load_pack_if<TIn, VEC>(o_of(s + c), s + c < n && reads_o(s + c), stream);
+      o[c] = load_pack_if<TIn, VEC>(o_of(s + c), s + c < n, stream);
     }
     const float before = r.m;
 #pragma unroll
@@ -106,7 +98,7 @@ __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pac
     r.total *= keep;
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] = keep != 0.0f ? acc[i] * keep : 0.0f;
-    add(s);
+    add();
   }
 }
 
@@ -266,7 +258,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
       if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c), stream);
     } else {
       l[c] = load_lse_if(states.lse_ptr(c), c < n);
-      o[c] = load_pack_if<TIn, VEC>(states.template o_at<TIn>(c), c < n && states.reads_o(c), stream);
+      o[c] = load_pack_if<TIn, VEC>(states.template o_at<TIn>(c), c < n, stream);
     }
   }
   const float sink = sink_lse(src, head);  // -inf without one
@@ -311,11 +303,11 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
     if (writes_lse) *lse_dst = merged_lse;  // its latency hidden behind the O math
 #pragma unroll
     for (int c = 0; c < kChunk; ++c)
-      if (c < n && states.reads_o(c)) accumulate(acc, o[c], r.scale(w[c]), w[c]);
+      if (c < n) accumulate(acc, o[c], r.scale(w[c]), w[c]);
   } else if constexpr (!kFew) {
     accumulate_online<kChunk, Source::kSink>(
         n, l, o, [&](int s) { return states.lse_ptr(s); }, [&](int s) { return states.template o_at<TIn>(s); }, stream,
-        r, acc, sink, [&](int s) { return states.reads_o(s); });
+        r, acc, sink);
     r.finish(factor);
     if (writes_lse) *lse_dst = r.lse();
 #pragma unroll
@@ -423,6 +415,51 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
   if (k == 0 && g == 0) out.store_lse(token, head, r.lse());
 }
 
+// A state's share (ShareSource), laid out as kRows: one thread per pack of a row.  The thread's
+// one O load, the own state's pack, goes out first; the row's LSEs follow kChunk at a time, floats
+// only, weighed against a running max (each chunk's loads predicated and issued together, the
+// total rescaled when a chunk raises the max); the pack is scaled once, by its weight against the
+// final max.  A thread holds one pack and a chunk of floats, so an SM holds as many threads as
+// the two-way merge's, each O load in flight with its LSEs: the N-way merge's kernel, which keeps
+// a pack per state of a chunk, left a share latency-bound (benchmarks/NOTES.md).  The semantics
+// are the N-way merge's: a zero-weight share is 0 and its pack cleared unread, a NaN LSE (or
+// sink) makes the row NaN, an all-empty row gives O = 0 and LSE -inf.
+template <typename TIn, typename TOut, int VEC, typename I, int kChunk>
+__global__ void __launch_bounds__(kBlockThreads) merge_share_kernel(const MergeShape shape, const ShareSource src,
+                                                                    const OutView out) {
+  const I row = launch_row<I>();
+  const I k = static_cast<I>(blockIdx.y) * static_cast<I>(blockDim.x) + static_cast<I>(threadIdx.x);
+  if (row >= static_cast<I>(shape.rows) || k >= static_cast<I>(shape.packs)) return;
+  I token, head;
+  if (!locate_row<ShareSource>(shape, row, token, head)) return;
+  const auto states = src.template row<TIn>(token, head, k * VEC);
+  const bool stream = shape.stream;
+  const Pack<TIn, VEC> own = load_pack<TIn, VEC>(states.template o_at<TIn>(states.own), stream);
+  const float own_lse = states.lse(states.own);
+  const int n = states.count();
+  RowMerge r(shape.base2);
+  const float sink = src.sink.at(head);  // -inf without one: weight 0
+  r.see(sink);
+  r.total = r.weight(sink);
+  for (int s = 0; s < n; s += kChunk) {
+    float l[kChunk];
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) l[c] = load_lse_if(states.lse_ptr(s + c), s + c < n);
+    const float before = r.m;
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) r.see(l[c]);
+    r.total *= r.weight(before);  // 1 while the max stands, 0 from -FLT_MAX: no branch
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) r.total += r.weight(l[c]);
+  }
+  r.finish(out.inverse_scale());
+  const float w = r.weight(own_lse);
+  float acc[VEC] = {};
+  accumulate(acc, own, r.scale(w), w);  // a NaN row: the scale is NaN, so is every element
+  store_pack<TOut, VEC>(out.o_at<TOut>(token, head, k * VEC), acc, stream);
+  if (k == 0) out.store_lse(token, head, r.lse());
+}
+
 // The merged LSEs alone, one thread per row: the second launch of an in-place merge whose rows
 // span blocks (every thread of a row in merge_kernel reads the row's LSEs, so none may write it
 // there).  O and its dtypes play no part.
@@ -504,6 +541,17 @@ cudaError_t rows(const LaunchPlan& plan, const Source& src, const OutView& out, 
   }
 }
 
+// A share (merge_share_kernel) with index type I and kChunk LSEs in flight.
+template <typename TIn, typename TOut, int VEC>
+cudaError_t share(const LaunchPlan& plan, const ShareSource& src, const OutView& out, cudaStream_t stream) {
+  const auto go = [&](auto kernel) { return launch(kernel, plan, plan.main, src, out, stream); };
+  if (plan.chunk <= kSmallChunk)
+    return plan.index32 ? go(merge_share_kernel<TIn, TOut, VEC, int32_t, kSmallChunk>)
+                        : go(merge_share_kernel<TIn, TOut, VEC, int64_t, kSmallChunk>);
+  return plan.index32 ? go(merge_share_kernel<TIn, TOut, VEC, int32_t, kStateChunk>)
+                      : go(merge_share_kernel<TIn, TOut, VEC, int64_t, kStateChunk>);
+}
+
 // kStates with the plan's groups.
 template <typename Source, typename TIn, typename TOut, int VEC>
 cudaError_t states(const LaunchPlan& plan, const Source& src, const OutView& out, cudaStream_t stream) {
@@ -552,7 +600,9 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
       return plan.shape.stream
                  ? launch_detail::rows<PlainPairSource<true>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream)
                  : launch_detail::rows<PlainPairSource<false>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream);
-  } else if constexpr (takes_states<Source>()) {
+  } else if constexpr (std::is_same<Source, ShareSource>::value) {
+    return launch_detail::share<TIn, TOut, VEC>(plan, src, out, stream);
+  } else {
     if (plan.strategy == Strategy::kStates) {  // only with 16-byte accesses (the plan's condition)
       if constexpr (VEC * (sizeof(TIn) > sizeof(TOut) ? sizeof(TIn) : sizeof(TOut)) == 16) {
         return launch_detail::states<Source, TIn, TOut, VEC>(plan, src, out, stream);
