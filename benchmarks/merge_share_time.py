@@ -1,0 +1,46 @@
+"""merge_share on a GPU: one rank's share of the merge of S states (bf16 O [tokens, 32, 128], LSEs
+an all-gather's [S, tokens, 32]), against a two-way merge of the same rows (two O read, one
+written) and the bench's streaming floor (2.04 us + bytes / 4.37 TB/s).  CUDA graph replay, input
+sets rotated past L2, the median of 3 alternations.  Needs PyTorch with CUDA.
+
+    python benchmarks/merge_share_time.py
+"""
+
+import torch
+
+import attnmerge
+from attnmerge.bench.timing import graph_us, input_sets
+
+HEADS, HEAD_SIZE = 32, 128
+CASES = [(1, 8), (16, 8), (16, 64), (128, 8), (2048, 8), (8192, 4)]  # (tokens, S)
+
+
+def main():
+    for tokens, states in CASES:
+        # one O read and one written, S LSEs read and one written
+        nbytes = tokens * HEADS * HEAD_SIZE * 2 * 2 + tokens * (states + 1) * HEADS * 4
+        sets = []
+        for _ in range(input_sets(nbytes)):
+            o = torch.randn(tokens, HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16)
+            lse = torch.randn(states, tokens, HEADS, device="cuda")
+            sets.append((o, lse, torch.empty_like(o), torch.empty(tokens, HEADS, device="cuda")))
+
+        def share(o, lse, out, out_lse):
+            attnmerge.merge_share(o, lse, states - 1, out=out, out_lse=out_lse, states_axis=0)
+
+        def pair(o, lse, out, out_lse):
+            attnmerge.merge(o, lse[0], o, lse[-1], out=out, out_lse=out_lse)
+
+        a, b = [], []
+        for _ in range(3):
+            a.append(graph_us(torch, share, sets))
+            b.append(graph_us(torch, pair, sets))
+        a.sort()
+        b.sort()
+        floor = 2.04 + nbytes / 4.37e6
+        print(f"{tokens} tokens, S = {states}: merge_share {a[1]:.2f} us, two-way merge {b[1]:.2f} us, "
+              f"floor {floor:.2f} us ({nbytes / 1e6:.2f} MB)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""merge_states with and without a sink on a GPU (bf16 O [tokens, S, 32, 128]): what attention
+sinks cost where they are given.  CUDA graph replay, input sets rotated past L2, the median of 3
+alternations.  Needs PyTorch with CUDA.
+
+    python benchmarks/sink_time.py
+"""
+
+import torch
+
+import attnmerge
+from attnmerge.bench.timing import graph_us, input_sets
+
+HEADS, HEAD_SIZE = 32, 128
+CASES = [(16, 16), (16, 64), (16, 128), (128, 16), (128, 64), (8192, 2), (8192, 4), (8192, 64)]  # (tokens, S)
+
+
+def main():
+    for tokens, states in CASES:
+        nbytes = tokens * states * HEADS * HEAD_SIZE * 2 + tokens * HEADS * HEAD_SIZE * 2
+        sets = []
+        for _ in range(input_sets(nbytes)):
+            o = torch.randn(tokens, states, HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16)
+            lse = torch.randn(tokens, states, HEADS, device="cuda")
+            sets.append((o, lse, torch.empty(tokens, HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16),
+                         torch.empty(tokens, HEADS, device="cuda")))
+        sink = torch.randn(HEADS, device="cuda")
+
+        def plain(o, lse, out, out_lse):
+            attnmerge.merge_states(o, lse, out=out, out_lse=out_lse)
+
+        def sunk(o, lse, out, out_lse):
+            attnmerge.merge_states(o, lse, out=out, out_lse=out_lse, sink=sink)
+
+        a, b = [], []
+        for _ in range(3):
+            a.append(graph_us(torch, plain, sets))
+            b.append(graph_us(torch, sunk, sets))
+        a.sort()
+        b.sort()
+        print(f"{tokens} tokens, S = {states}: no sink {a[1]:.2f} us, a sink {b[1]:.2f} us, ratio {b[1] / a[1]:.3f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
