@@ -311,8 +311,8 @@ def _merge_varlen_grad(ctx, grad_out, grad_out_lse):
 
 
 def _merge_share_grad(ctx, grad_out, grad_out_lse):
-    """merge_share's gradients in torch ops (_merge.share_gradient): a share reads one O, so its
-    backward is elementwise work over it and the LSEs, which no fused kernel would shorten."""
+    """merge_share's gradients in torch ops (_merge.share_gradient): elementwise work over the one
+    O, dO and the LSEs, with no backward kernel of its own (a few passes where one would do)."""
     o, lse, out, out_lse, sink = ctx.saved_tensors
     grad_o = grad_lse = None
     if any(ctx.needs_input_grad[:2]):

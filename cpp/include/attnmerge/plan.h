@@ -7,8 +7,9 @@
 //
 // Strategies:
 //   kRows    one thread per pack of one row walks the row's states, a chunk of them in flight
-//            (merge_kernel): every two-way merge and share of a state, and N-way or
-//            variable-length merges with enough rows to fill the GPU or few states a row;
+//            (merge_kernel; a state's share: merge_share_kernel, one O load a thread): every
+//            two-way merge and share, and N-way or variable-length merges with enough rows to fill
+//            the GPU or few states a row;
 //   kStates  a row's states shared by `groups` groups of threads, each taking its own states a
 //            chunk of loads at a time, their partial (max, total) and accumulators combined
 //            through shared memory (merge_states_kernel): split-KV decode, few rows and many

@@ -51,7 +51,8 @@ ATTNMERGE_HD float sink_lse(const Source& src, I head) {
 // ---- sources: each gives a row's states through count(), lse(s), o_at<T>(s) and reads_o(s) ----
 // Every state of a row has an O address that may be read, even one of no weight (a state the
 // row lacks gets another's), so that the kernels load O without waiting for the LSEs.  reads_o(s)
-// false: state s weighs the row but adds nothing to O (its O is not read), as a sink does.
+// false: state s weighs the row but adds nothing to O (its O is not read), as a sink does (the
+// CPU loop asks; the GPU's share kernel loads the own state's O alone).
 // row<T>(token, head, at): o_at(s) points `at` elements into state s's row (a thread's pack),
 // that offset added in the launch's index type with the row's own (fewer address instructions
 // before the first load).
