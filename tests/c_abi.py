@@ -27,6 +27,7 @@ READ_ONLY, DEVICE_KNOWN = 1, 2  # attnmerge_tensor.flags
 
 # attnmerge_options.flags
 LSE_BASE2, LSE_HEADS_FIRST, A_TOKENS, PDL = 1, 2, 4, 8
+LSE_B_BASE2, LSE_B_BASE_E, OUT_LSE_BASE2, OUT_LSE_BASE_E = 16, 32, 64, 128  # mixed bases
 
 
 class Tensor(Structure):

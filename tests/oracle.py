@@ -73,6 +73,18 @@ def to_f64(x) -> np.ndarray:
 # the oracle
 
 
+def natural(lse, base):
+    """A float64 copy of an LSE of base `base` ('e' or 2) as a natural one (mixed bases: each LSE is
+    an exact log-sum-exp in its own base, so the merge of several is that of their natural ones)."""
+    return to_f64(lse) * (math.log(2.0) if base in (2, "2") else 1.0)
+
+
+def rebased(ref, base):
+    """An oracle's (O, LSE) whose LSE is natural, with the LSE in base `base`."""
+    o, lse = ref
+    return o, lse / (math.log(2.0) if base in (2, "2") else 1.0)
+
+
 def reference_merge(o_a, lse_a, o_b, lse_b, *, base="e", a_tokens=None):
     """float64 (O [T, H, D], LSE [T, H]) of the two-way merge, from the formula.
 

@@ -82,7 +82,8 @@ constexpr Presence kRequired = Presence::kRequired, kOptional = Presence::kOptio
 constexpr Alias kMayBeOutput = Alias::kMayBeOutput, kNoAlias = Alias::kNone;
 
 constexpr uint32_t kBase2 = ATTNMERGE_LSE_BASE2, kHeadsFirst = ATTNMERGE_LSE_HEADS_FIRST, kATokens = ATTNMERGE_A_TOKENS,
-                   kPdl = ATTNMERGE_PDL;
+                   kPdl = ATTNMERGE_PDL, kBBase = ATTNMERGE_LSE_B_BASE2 | ATTNMERGE_LSE_B_BASE_E,
+                   kOutBase = ATTNMERGE_OUT_LSE_BASE2 | ATTNMERGE_OUT_LSE_BASE_E;
 
 // Each op: its arguments' table, then make_op(table, the options.flags it takes, the argument whose
 // dtype allows an output scale, the state its sizes come from and that state's LSE, its shape
@@ -99,7 +100,7 @@ constexpr ArgSpec kMergeArgs[] = {
     {"lse_b",    kLse,  {T, H},          kRead,  kRequired,  kMayBeOutput},
 };
 constexpr OpSpec kMerge =
-    make_op(kMergeArgs, kBase2 | kHeadsFirst | kATokens | kPdl, "out", "o_b", "lse_b", pair_sizes);
+    make_op(kMergeArgs, kBase2 | kBBase | kOutBase | kHeadsFirst | kATokens | kPdl, "out", "o_b", "lse_b", pair_sizes);
 static_assert(names_resolve(kMerge), "kMerge names its own arguments");
 
 // (o, lse) <- merge((o, lse), (o_other, lse_other)) on the rows whose mask is not 0.
@@ -110,7 +111,8 @@ constexpr ArgSpec kInplaceArgs[] = {
     {"lse_other", kLse,  {T, H},    kRead,      kRequired, kMayBeOutput},
     {"mask",      kMask, {T},       kRead,      kOptional},
 };
-constexpr OpSpec kInplace = make_op(kInplaceArgs, kBase2 | kHeadsFirst | kPdl, "o", "o_other", "lse_other", pair_sizes);
+constexpr OpSpec kInplace =
+    make_op(kInplaceArgs, kBase2 | kBBase | kHeadsFirst | kPdl, "o", "o_other", "lse_other", pair_sizes);
 static_assert(names_resolve(kInplace), "kInplace names its own arguments");
 
 // (out, out_lse) = merge of the S states of o, lse, and each head's sink (options.sink) where given.
@@ -121,7 +123,7 @@ constexpr ArgSpec kStatesArgs[] = {
     {"lse",     kLse,  {T, S, H},    kRead,  kRequired},
     {"sink",    kLse,  {H},          kRead,  kOptional},
 };
-constexpr OpSpec kStates = make_op(kStatesArgs, kBase2 | kPdl, "out", "o", "lse", stack_sizes);
+constexpr OpSpec kStates = make_op(kStatesArgs, kBase2 | kOutBase | kPdl, "out", "o", "lse", stack_sizes);
 static_assert(names_resolve(kStates), "kStates names its own arguments");
 
 // Row r of (out, out_lse) = merge of states indptr[r] to indptr[r + 1] - 1 of o, lse, and the sink.
@@ -133,7 +135,7 @@ constexpr ArgSpec kVarlenArgs[] = {
     {"indptr",  kIndptr, {R1},      kRead,  kRequired},
     {"sink",    kLse,    {H},       kRead,  kOptional},
 };
-constexpr OpSpec kVarlen = make_op(kVarlenArgs, kBase2 | kPdl, "out", "o", "lse", range_sizes);
+constexpr OpSpec kVarlen = make_op(kVarlenArgs, kBase2 | kOutBase | kPdl, "out", "o", "lse", range_sizes);
 static_assert(names_resolve(kVarlen), "kVarlen names its own arguments");
 
 // (out, out_lse) = the share of state `index` (whose O is o) in the merge of the S states of lse
@@ -145,7 +147,7 @@ constexpr ArgSpec kShareArgs[] = {
     {"lse",     kLse,  {T, S, H},    kRead,  kRequired},
     {"sink",    kLse,  {H},          kRead,  kOptional},
 };
-constexpr OpSpec kShare = make_op(kShareArgs, kBase2 | kPdl, "out", "o", "lse", share_sizes);
+constexpr OpSpec kShare = make_op(kShareArgs, kBase2 | kOutBase | kPdl, "out", "o", "lse", share_sizes);
 static_assert(names_resolve(kShare), "kShare names its own arguments");
 
 // The backward: the gradients (each optional: not written), dO and dLSE (optional: 0), the
@@ -266,6 +268,14 @@ ShareSource share_of(const View& o, const View& lse, int64_t states, int64_t own
   return src;
 }
 
+// The LSE bases of a call (options.flags, checked): the inputs' (a's, every state's, the sink's),
+// and that of an argument with flags of its own (to_base2, to_base_e: at most one set), the
+// inputs' where it has neither.
+bool inputs_base2(uint32_t flags) { return (flags & ATTNMERGE_LSE_BASE2) != 0; }
+bool lse_base2(uint32_t flags, uint32_t to_base2, uint32_t to_base_e) {
+  return (flags & to_base2) ? true : (flags & to_base_e) ? false : inputs_base2(flags);
+}
+
 OutView out_view(const View& out, const View& out_lse, const Checked& c) {
   return OutView{out.t->data,
                  out.strides[0],
@@ -275,7 +285,9 @@ OutView out_view(const View& out, const View& out_lse, const Checked& c) {
                  stride_or_0(out_lse, 1),
                  c.inv_scale,
                  c.opt.output_scale_ptr,
-                 false};
+                 false,
+                 base_change(inputs_base2(c.opt.flags), lse_base2(c.opt.flags, ATTNMERGE_OUT_LSE_BASE2,
+                                                                  ATTNMERGE_OUT_LSE_BASE_E))};
 }
 
 // out_lse is the very LSE of an input it merges (read by every thread of a row, written by one).
@@ -286,13 +298,15 @@ bool lse_in_place(const View& out_lse, const View& lse_a, const View& lse_b) {
 
 // `tokens`: the output's first axis (a variable-length merge's rows).
 MergeShape merge_shape(int64_t tokens, const Sizes& n, const Checked& c) {
-  return MergeShape{tokens, n.heads, n.head_size, (c.opt.flags & ATTNMERGE_LSE_BASE2) != 0};
+  return MergeShape{tokens, n.heads, n.head_size, inputs_base2(c.opt.flags)};
 }
 
 // The two-way and in-place merges' common end: a = (o_a, lse_a), b = (o_b, lse_b).
 attnmerge_status run_pair(Checked& c, const View& out, const View& out_lse, const View& o_a, const View& lse_a,
                           const View& o_b, const View& lse_b, const View* mask, void* stream) {
   PairSource src{state_of(o_a, lse_a), state_of(o_b, lse_b), c.sizes.a_tokens, nullptr, 0};
+  src.b_scale = base_change(lse_base2(c.opt.flags, ATTNMERGE_LSE_B_BASE2, ATTNMERGE_LSE_B_BASE_E),
+                            inputs_base2(c.opt.flags));
   if (mask != nullptr && mask->present() && !mask->empty) {
     src.mask = static_cast<const uint8_t*>(mask->t->data);
     src.mask_stride = mask->strides[0];

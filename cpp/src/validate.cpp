@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
+#include <utility>
 
 namespace attnmerge {
 namespace detail {
@@ -262,6 +263,14 @@ attnmerge_status read_options(const attnmerge_options& opt, uint32_t op_flags, b
   if (opt.flags & ~op_flags)
     return fail(ATTNMERGE_ERROR_VALUE, "options.flags: expected flags within 0x%x for this op, got 0x%x", op_flags,
                 opt.flags);
+  // An argument's base (attnmerge.h's mixed bases) is one or the other.
+  for (const auto& pair : {std::pair<uint32_t, const char*>{ATTNMERGE_LSE_B_BASE2 | ATTNMERGE_LSE_B_BASE_E,
+                                                            "ATTNMERGE_LSE_B_BASE2 and ATTNMERGE_LSE_B_BASE_E"},
+                           {ATTNMERGE_OUT_LSE_BASE2 | ATTNMERGE_OUT_LSE_BASE_E,
+                            "ATTNMERGE_OUT_LSE_BASE2 and ATTNMERGE_OUT_LSE_BASE_E"}})
+    if ((opt.flags & pair.first) == pair.first)
+      return fail(ATTNMERGE_ERROR_VALUE, "options.flags: expected at most one of %s, got both (0x%x)", pair.second,
+                  opt.flags);
   if (opt.sink != nullptr && !takes_sink)
     return fail(ATTNMERGE_ERROR_VALUE,
                 "%s: expected none for this op (the N-way and variable-length merges take a sink), got a tensor",

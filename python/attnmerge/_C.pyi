@@ -51,4 +51,8 @@ ROLE_MASK: int
 ROLE_INDPTR: int
 LSE_BASE2: int
 LSE_HEADS_FIRST: int
+LSE_B_BASE2: int
+LSE_B_BASE_E: int
+OUT_LSE_BASE2: int
+OUT_LSE_BASE_E: int
 PDL: int

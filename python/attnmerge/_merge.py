@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from . import _C
 from ._arrays import dtype_name, empty, family
-from ._types import O_IN_DTYPES, Array, Base, DType, Stream
+from ._types import O_IN_DTYPES, Array, Base, DType, PairBase, Stream
 
 # attnmerge._torch_ops and its `takes` once torch is imported (attnmerge._torch_hook sets them).  Each
 # function first asks whether the call must go through torch.ops.attnmerge (while torch.compile or
@@ -16,13 +16,52 @@ _torch_ops = None
 _takes = None
 
 
-def lse_flags(base: Base) -> int:
-    """C ABI flags for an LSE base: 'e' (natural log, the default) or 2 (log2-sum-exp2)."""
-    if base == "e":
-        return 0
-    if base == 2 and not isinstance(base, bool):
-        return _C.LSE_BASE2
-    raise ValueError(f"base: expected 'e' or 2, got {base!r}")
+def _is_base2(base, name: str, expected: str = "'e' or 2") -> bool:
+    """Whether an LSE base is 2: 'e' (natural log) or 2 (log2-sum-exp2); else a ValueError naming `name`."""
+    if isinstance(base, str) and base == "e":
+        return False
+    if not isinstance(base, (bool, str, tuple)) and base == 2:
+        return True
+    raise ValueError(f"{name}: expected {expected}, got {base!r}")
+
+
+def lse_bases(base: PairBase, out_base: Base | None = None, *, pair: bool = False,
+              names: Mapping[str, str] | None = None) -> tuple[Base, Base, Base]:
+    """The LSE bases of a call, checked, as ('e' or 2) for (a, b, out): `base` every input LSE's, or
+    for the two-way and in-place merges (pair) a pair (a's, b's); out_base the merged LSE's (None:
+    a's).  The one reading of base and out_base: the flags, the frameworks' gradients and the
+    JAX attributes all ask it."""
+    name = _named(names, "base")
+    if pair and isinstance(base, tuple):
+        expected = "'e', 2 or a pair of them (a's base, b's)"
+        try:
+            if len(base) != 2:
+                raise ValueError
+            a, b = (2 if _is_base2(x, name) else "e" for x in base)
+        except ValueError:
+            raise ValueError(f"{name}: expected {expected}, got {base!r}") from None
+    else:
+        a = b = 2 if _is_base2(base, name, "'e', 2 or a pair of them (a's base, b's)" if pair else "'e' or 2") else "e"
+    out = a if out_base is None else (2 if _is_base2(out_base, _named(names, "out_base"), "None, 'e' or 2") else "e")
+    return a, b, out
+
+
+def lse_flags(base: PairBase, out_base: Base | None = None, *, pair: bool = False,
+              names: Mapping[str, str] | None = None) -> int:
+    """C ABI flags for the LSE bases (lse_bases): ATTNMERGE_LSE_BASE2 for a's, and b's and the
+    merged LSE's own flags where they differ from a's."""
+    a, b, out = lse_bases(base, out_base, pair=pair, names=names)
+    flags = _C.LSE_BASE2 if a == 2 else 0
+    if b != a:
+        flags |= _C.LSE_B_BASE2 if b == 2 else _C.LSE_B_BASE_E
+    if out != a:
+        flags |= _C.OUT_LSE_BASE2 if out == 2 else _C.OUT_LSE_BASE_E
+    return flags
+
+
+def base_change(from_base: Base, to_base: Base) -> float:
+    """The factor that turns an LSE of base `from_base` into one of `to_base` (1 where they agree)."""
+    return 1.0 if from_base == to_base else math.log(2.0) if from_base == 2 else 1.0 / math.log(2.0)
 
 
 def a_tokens_arg(a_tokens: int | None, name: str = "a_tokens") -> int:
@@ -164,17 +203,20 @@ def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like
 
 def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | None = None,
           out_lse: Array | None = None, return_lse: bool = True, out_dtype: DType | None = None,
-          output_scale: float | Array | None = None, base: Base = "e", a_tokens: int | None = None,
-          stream: Stream = None, pdl: bool = False,
+          output_scale: float | Array | None = None, base: PairBase = "e", out_base: Base | None = None,
+          a_tokens: int | None = None, stream: Stream = None, pdl: bool = False,
           _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
     """Merge two attention states: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
 
     o_a, o_b: [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype for both).
-    lse_a, lse_b: float32 [tokens, heads], natural log (base="e") or base 2 (base=2); any strides,
-        so a [heads, tokens] buffer is passed as its transpose (`lse.T`).
+    lse_a, lse_b: float32 [tokens, heads], natural log (base="e") or base 2 (base=2), or each its
+        own (base=(a's, b's): FlashInfer's base-2 state with FlashAttention's natural one, say);
+        any strides, so a [heads, tokens] buffer is passed as its transpose (`lse.T`).
     out: [tokens, heads, head_size] in any of the three dtypes or float8_e4m3fn; allocated in the
         caller's array library when None, with dtype `out_dtype` (default: that of o_a).
-    out_lse: float32 [tokens, heads], in the input's base; allocated when None and return_lse.
+    out_lse: float32 [tokens, heads], in base out_base (None: lse_a's); allocated when None and
+        return_lse.  Mixed bases are converted in float32 (b's LSE into a's base before the merge,
+        the merged LSE after it): one rounding each, no launch of their own.
     output_scale: FP8 outputs store value / output_scale (saturating to +-448): None (no scale), a
         finite number > 0, or a one-element float32 array on the arrays' device, read by the kernel
         (no host round trip).  Other outputs take none (1 is accepted: it changes nothing).
@@ -201,15 +243,17 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
     """
     if _takes is not None and _takes(o_a, lse_a, o_b, lse_b):
         return _torch_ops.merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base,
-                                a_tokens, stream, pdl, _names)
-    flags = (0 if base == "e" else lse_flags(base)) | (_C.PDL if pdl else 0)
+                                out_base, a_tokens, stream, pdl, _names)
+    flags = (0 if base == "e" and out_base is None else lse_flags(base, out_base, pair=True, names=_names)) | (
+        _C.PDL if pdl else 0)
     a_tok = -1 if a_tokens is None else a_tokens_arg(a_tokens, _named(_names, "a_tokens"))
     if _any_jax(out, out_lse):
         _refuse_jax_outputs(out, out_lse, "merge", _names)
     if out is None and _is_jax(o_b):
         out, out_lse = _jax_road("merge", out_lse, stream, _names)(
-            o_a, lse_a, o_b, lse_b, base=base, out_dtype=_result_dtype(out_dtype, o_a, "o_a", _names),
-            a_tokens=a_tokens, output_scale=output_scale_arg(output_scale))
+            o_a, lse_a, o_b, lse_b, base=base, out_base=out_base,
+            out_dtype=_result_dtype(out_dtype, o_a, "o_a", _names), a_tokens=a_tokens,
+            output_scale=output_scale_arg(output_scale))
         return out, (out_lse if return_lse else None)
     if out is None or out_lse is None or out_dtype is not None:  # else nothing to allocate or check
         shape = _shape(o_b, "o_b", _names) if out is None or (out_lse is None and return_lse) else None
@@ -221,12 +265,13 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
 
 
 def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mask: Array | None = None,
-                  base: Base = "e", stream: Stream = None, pdl: bool = False,
+                  base: PairBase = "e", stream: Stream = None, pdl: bool = False,
                   _names: Mapping[str, str] | None = None) -> tuple[Array, Array]:
     """(o, lse) <- merge((o, lse), (o_other, lse_other)), in place.
 
     o, o_other: [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype).
-    lse, lse_other: float32 [tokens, heads] in base e (or base=2).
+    lse, lse_other: float32 [tokens, heads] in base e (or base=2), or each its own (base=(lse's,
+        lse_other's)); the merged LSE replaces lse in lse's base.
     mask: None, or uint8 / bool [tokens]: rows of tokens whose mask is 0 are left untouched.
     stream, pdl: as for merge().  Returns (o, lse).
     """
@@ -235,14 +280,16 @@ def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mas
     if _any_jax(o, lse):
         _refuse_jax(_named(_names, "o" if _is_jax(o) else "lse"), "merge",
                     "o, lse = attnmerge.merge(o, lse, o_other, lse_other); a mask is a jnp.where")
-    _C.merge_inplace(o, lse, o_other, lse_other, mask, lse_flags(base) | (_C.PDL if pdl else 0), stream, _names)
+    flags = lse_flags(base, pair=True, names=_names) | (_C.PDL if pdl else 0)
+    _C.merge_inplace(o, lse, o_other, lse_other, mask, flags, stream, _names)
     return o, lse
 
 
 def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Array | None = None,
                  return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
-                 base: Base = "e", states_axis: int = 1, sink: Array | None = None, stream: Stream = None,
-                 pdl: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
+                 base: Base = "e", out_base: Base | None = None, states_axis: int = 1, sink: Array | None = None,
+                 stream: Stream = None, pdl: bool = False,
+                 _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
     """Merge S states in one pass, each input read once.
 
     states_axis=1: o [tokens, S, heads, head_size], lse float32 [tokens, S, heads] (FlashInfer's).
@@ -251,20 +298,21 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
     sink: attention sinks (gpt-oss): None, or float32 [heads], each head's sink logit in the LSE's
         base, merged into every row of its head as one more state whose output is 0 (the merged
         LSE counts it; a row with no states gets O = 0 and LSE = sink).  Add it in one merge only.
-    out [tokens, heads, head_size], out_lse [tokens, heads], stream, pdl: as for merge().  S = 0
-    gives O = 0 and LSE = -inf (the sink, with one).  Returns (out, out_lse).
+    out [tokens, heads, head_size], out_lse [tokens, heads], out_base, stream, pdl: as for merge()
+    (out_lse in the states' base unless out_base says).  S = 0 gives O = 0 and LSE = -inf (the
+    sink, with one).  Returns (out, out_lse).
     """
     if states_axis not in (0, 1) or isinstance(states_axis, bool):
         raise ValueError(f"states_axis: expected 0 or 1, got {states_axis!r}")
     if _takes is not None and _takes(o, lse, sink, None):
-        return _torch_ops.merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, states_axis,
-                                       sink, stream, pdl, _names)
-    flags = lse_flags(base) | (_C.PDL if pdl else 0)
+        return _torch_ops.merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, out_base,
+                                       states_axis, sink, stream, pdl, _names)
+    flags = lse_flags(base, out_base, names=_names) | (_C.PDL if pdl else 0)
     if _any_jax(out, out_lse):
         _refuse_jax_outputs(out, out_lse, "merge_states", _names)
     if out is None and _is_jax(o):
         out, out_lse = _jax_road("merge_states", out_lse, stream, _names)(
-            o, lse, base=base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
+            o, lse, base=base, out_base=out_base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
             output_scale=output_scale_arg(output_scale), states_axis=states_axis, sink=sink)
         return out, (out_lse if return_lse else None)
     if out is None or out_lse is None or out_dtype is not None:  # else nothing to allocate or check
@@ -278,13 +326,13 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
 
 def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = None, out_lse: Array | None = None,
                  return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
-                 base: Base = "e", sink: Array | None = None, stream: Stream = None, pdl: bool = False,
-                 _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
+                 base: Base = "e", out_base: Base | None = None, sink: Array | None = None, stream: Stream = None,
+                 pdl: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
     """Row r of the result merges states indptr[r] .. indptr[r+1]-1 of o.
 
     o: [total, heads, head_size], lse: float32 [total, heads]; indptr: int32 or int64 [rows + 1];
     sink: None or float32 [heads], as for merge_states().
-    out [rows, heads, head_size], out_lse [rows, heads], stream, pdl: as for merge().  A row with no
+    out [rows, heads, head_size], out_lse [rows, heads], out_base, stream, pdl: as for merge().  A row with no
     states gets O = 0 and LSE = -inf (the sink, with one).  On the CPU a bad indptr raises
     ValueError; on the GPU it is never read back to the host, and each row takes states
     [clamp(indptr[r], 0, total), clamp(indptr[r+1], that, total)): no out-of-bounds access, and a
@@ -292,14 +340,14 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
     Returns (out, out_lse).
     """
     if _takes is not None and _takes(o, lse, sink, None):
-        return _torch_ops.merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, sink,
-                                       stream, pdl, _names)
-    flags = lse_flags(base) | (_C.PDL if pdl else 0)
+        return _torch_ops.merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base,
+                                       out_base, sink, stream, pdl, _names)
+    flags = lse_flags(base, out_base, names=_names) | (_C.PDL if pdl else 0)
     if _any_jax(out, out_lse):
         _refuse_jax_outputs(out, out_lse, "merge_varlen", _names)
     if out is None and _is_jax(o):
         out, out_lse = _jax_road("merge_varlen", out_lse, stream, _names)(
-            o, lse, indptr, base=base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
+            o, lse, indptr, base=base, out_base=out_base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
             output_scale=output_scale_arg(output_scale), sink=sink)
         return out, (out_lse if return_lse else None)
     if out is None or out_lse is None or out_dtype is not None:  # else nothing to allocate or check
@@ -331,8 +379,9 @@ def share_shape(o, names=None):
 
 def merge_share(o: Array, lse: Array, index: int, *, out: Array | None = None, out_lse: Array | None = None,
                 return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
-                base: Base = "e", states_axis: int = 1, sink: Array | None = None, stream: Stream = None,
-                pdl: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
+                base: Base = "e", out_base: Base | None = None, states_axis: int = 1, sink: Array | None = None,
+                stream: Stream = None, pdl: bool = False,
+                _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
     """The share of state `index` in the merge of S states, for context parallelism's combine by
     reduce-scatter: out = (w_index / W) * o and out_lse = the merged LSE, so that the S states'
     shares summed are merge_states of them.  Each rank all-gathers the LSEs (not the outputs),
@@ -343,7 +392,7 @@ def merge_share(o: Array, lse: Array, index: int, *, out: Array | None = None, o
         (states_axis=0: an all-gather's, read through its strides); index: 0 <= index < S.
     sink: None or float32 [heads], as for merge_states(); every rank's share takes the same sink.
     out [tokens, heads, head_size] (may be o itself), out_lse [tokens, heads], out_dtype,
-    output_scale, stream, pdl: as for merge().  A state of zero weight gets a share of 0 (its O is
+    output_scale, out_base, stream, pdl: as for merge().  A state of zero weight gets a share of 0 (its O is
     not read), an all-empty row O = 0 and LSE = -inf, a NaN LSE a NaN row.  Returns (out, out_lse).
     """
     if states_axis not in (0, 1) or isinstance(states_axis, bool):
@@ -351,13 +400,13 @@ def merge_share(o: Array, lse: Array, index: int, *, out: Array | None = None, o
     index = index_arg(index, _names)
     if _takes is not None and _takes(o, lse, sink, None):
         return _torch_ops.merge_share(o, lse, index, out, out_lse, return_lse, out_dtype, output_scale, base,
-                                      states_axis, sink, stream, pdl, _names)
-    flags = lse_flags(base) | (_C.PDL if pdl else 0)
+                                      out_base, states_axis, sink, stream, pdl, _names)
+    flags = lse_flags(base, out_base, names=_names) | (_C.PDL if pdl else 0)
     if _any_jax(out, out_lse):
         _refuse_jax_outputs(out, out_lse, "merge_share", _names)
     if out is None and _is_jax(o):
         out, out_lse = _jax_road("merge_share", out_lse, stream, _names)(
-            o, lse, index, base=base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
+            o, lse, index, base=base, out_base=out_base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
             output_scale=output_scale_arg(output_scale), states_axis=states_axis, sink=sink)
         return out, (out_lse if return_lse else None)
     if out is None or out_lse is None or out_dtype is not None:  # else nothing to allocate or check

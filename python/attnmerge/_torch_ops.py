@@ -9,7 +9,9 @@ marking what an overload writes):
     merge_states, merge_states.out         S stacked states, states_axis 1 or 0
     merge_varlen, merge_varlen.out         row r merges states indptr[r] .. indptr[r+1]-1
     merge_share, merge_share.out           state `index`'s share of the merge of S states' LSEs
-LSEs are float32 [tokens, heads] in any strides, base "e" (natural log) or "2"; output_scale is a
+LSEs are float32 [tokens, heads] in any strides, base "e" (natural log) or "2" (merge and
+merge_inplace: also "2,e" or "e,2", a's and b's), out_base None (the inputs') or "e" or "2" for the
+merged LSE (not merge_inplace, whose LSE keeps lse's base); output_scale is a
 one-element float32 tensor; sink (merge_states, merge_varlen, merge_share) a float32 [heads] tensor
 of sink logits.  The kernels (CPU and CUDA) are attnmerge's own and run on torch's current stream (the
 capture stream under CUDA graph capture).  Autograd: see _register_autograd.
@@ -31,27 +33,28 @@ _NS = "attnmerge"
 # The schemas: "(a!)" marks a tensor the op writes (so autograd, functionalization and the compilers
 # know), and the functional overloads return new tensors that alias no input.
 _OPTIONS = 'str base="e", bool pdl=False'
+_OUT_OPTIONS = 'str base="e", str? out_base=None, bool pdl=False'  # the ops that write an out_lse
 _SCHEMAS = {
     "merge": "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, Tensor? output_scale=None, *, "
-             f"ScalarType? out_dtype=None, SymInt? a_tokens=None, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
+             f"ScalarType? out_dtype=None, SymInt? a_tokens=None, {_OUT_OPTIONS}) -> (Tensor out, Tensor out_lse)",
     "merge.out": "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
-                 f"Tensor? output_scale=None, SymInt? a_tokens=None, {_OPTIONS}) -> ()",
+                 f"Tensor? output_scale=None, SymInt? a_tokens=None, {_OUT_OPTIONS}) -> ()",
     "merge_inplace": f"(Tensor(a!) o, Tensor(b!) lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, *, "
                      f"{_OPTIONS}) -> ()",
     "merge_inplace.functional": f"(Tensor o, Tensor lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, *, "
                                 f"{_OPTIONS}) -> (Tensor o_merged, Tensor lse_merged)",
     "merge_states": "(Tensor o, Tensor lse, Tensor? output_scale=None, Tensor? sink=None, *, "
-                    f"ScalarType? out_dtype=None, int states_axis=1, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
+                    f"ScalarType? out_dtype=None, int states_axis=1, {_OUT_OPTIONS}) -> (Tensor out, Tensor out_lse)",
     "merge_states.out": "(Tensor o, Tensor lse, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
-                        f"Tensor? output_scale=None, Tensor? sink=None, int states_axis=1, {_OPTIONS}) -> ()",
+                        f"Tensor? output_scale=None, Tensor? sink=None, int states_axis=1, {_OUT_OPTIONS}) -> ()",
     "merge_varlen": "(Tensor o, Tensor lse, Tensor indptr, Tensor? output_scale=None, Tensor? sink=None, *, "
-                    f"ScalarType? out_dtype=None, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
+                    f"ScalarType? out_dtype=None, {_OUT_OPTIONS}) -> (Tensor out, Tensor out_lse)",
     "merge_varlen.out": "(Tensor o, Tensor lse, Tensor indptr, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
-                        f"Tensor? output_scale=None, Tensor? sink=None, {_OPTIONS}) -> ()",
+                        f"Tensor? output_scale=None, Tensor? sink=None, {_OUT_OPTIONS}) -> ()",
     "merge_share": "(Tensor o, Tensor lse, Tensor? output_scale=None, Tensor? sink=None, *, int index, "
-                   f"ScalarType? out_dtype=None, int states_axis=1, {_OPTIONS}) -> (Tensor out, Tensor out_lse)",
+                   f"ScalarType? out_dtype=None, int states_axis=1, {_OUT_OPTIONS}) -> (Tensor out, Tensor out_lse)",
     "merge_share.out": "(Tensor o, Tensor lse, *, int index, Tensor(a!) out, Tensor(b!)? out_lse=None, "
-                       f"Tensor? output_scale=None, Tensor? sink=None, int states_axis=1, {_OPTIONS}) -> ()",
+                       f"Tensor? output_scale=None, Tensor? sink=None, int states_axis=1, {_OUT_OPTIONS}) -> ()",
     # The gradients of the functional merges (what their registered autograd calls): inputs
     # whose `needs` flag is False get an empty tensor (not computed).
     "merge_backward": "(Tensor grad_out, Tensor? grad_out_lse, Tensor out, Tensor out_lse, Tensor o_a, Tensor lse_a, "
@@ -117,20 +120,37 @@ def _fake_nothing(*args, **kwargs):  # the mutating overloads return nothing
 _NAMES = contextvars.ContextVar("attnmerge_names", default=None)
 
 
-def _flags(base, pdl):
-    if base not in ("e", "2"):
-        raise ValueError(f"base: expected 'e' or '2', got {base!r}")
-    return _merge.lse_flags(2 if base == "2" else "e") | (_C.PDL if pdl else 0)
+def _base_value(text, name="base", pair=False):
+    """A schema's base string ("e", "2"; a pair's "2,e") as the public functions take it."""
+    if pair and isinstance(text, str) and "," in text:
+        return tuple(_base_value(t, name) for t in text.split(","))
+    if text not in ("e", "2"):
+        expected = "'e', '2' or a pair of them ('2,e': a's, b's)" if pair else "'e' or '2'"
+        raise ValueError(f"{name}: expected {expected}, got {text!r}")
+    return 2 if text == "2" else "e"
 
 
-def _merge_out(o_a, lse_a, o_b, lse_b, *, out, out_lse=None, output_scale=None, a_tokens=None, base="e", pdl=False):
+def _bases(options, pair=False):
+    """(a's, b's, out's) bases of an op's options (_merge.lse_bases)."""
+    out_base = options.get("out_base")
+    return _merge.lse_bases(_base_value(options.get("base", "e"), pair=pair),
+                            None if out_base is None else _base_value(out_base, "out_base"), pair=pair)
+
+
+def _flags(base, pdl, out_base=None, pair=False):
+    a, b, out = _bases({"base": base, "out_base": out_base}, pair)
+    return _merge.lse_flags((a, b), out, pair=True) | (_C.PDL if pdl else 0)
+
+
+def _merge_out(o_a, lse_a, o_b, lse_b, *, out, out_lse=None, output_scale=None, a_tokens=None, base="e",
+               out_base=None, pdl=False):
     names = _NAMES.get()
-    _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, _flags(base, pdl),
+    _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, _flags(base, pdl, out_base, pair=True),
              _merge.a_tokens_arg(a_tokens, _merge._named(names, "a_tokens")), output_scale, None, names)
 
 
 def _merge_inplace(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
-    _C.merge_inplace(o, lse, o_other, lse_other, mask, _flags(base, pdl), None, _NAMES.get())
+    _C.merge_inplace(o, lse, o_other, lse_other, mask, _flags(base, pdl, pair=True), None, _NAMES.get())
 
 
 def _merge_inplace_functional(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
@@ -140,19 +160,20 @@ def _merge_inplace_functional(o, lse, o_other, lse_other, mask=None, *, base="e"
 
 
 def _merge_states_out(o, lse, *, out, out_lse=None, output_scale=None, sink=None, states_axis=1, base="e",
+                      out_base=None, pdl=False):
+    _C.merge_states(out, out_lse, o, lse, _flags(base, pdl, out_base), _states_axis(states_axis) == 0, output_scale,
+                    sink, None, _NAMES.get())
+
+
+def _merge_varlen_out(o, lse, indptr, *, out, out_lse=None, output_scale=None, sink=None, base="e", out_base=None,
                       pdl=False):
-    _C.merge_states(out, out_lse, o, lse, _flags(base, pdl), _states_axis(states_axis) == 0, output_scale, sink,
-                    None, _NAMES.get())
-
-
-def _merge_varlen_out(o, lse, indptr, *, out, out_lse=None, output_scale=None, sink=None, base="e", pdl=False):
-    _C.merge_varlen(out, out_lse, o, lse, indptr, _flags(base, pdl), output_scale, sink, None, _NAMES.get())
+    _C.merge_varlen(out, out_lse, o, lse, indptr, _flags(base, pdl, out_base), output_scale, sink, None, _NAMES.get())
 
 
 def _merge_share_out(o, lse, *, index, out, out_lse=None, output_scale=None, sink=None, states_axis=1, base="e",
-                     pdl=False):
+                     out_base=None, pdl=False):
     names = _NAMES.get()
-    _C.merge_share(out, out_lse, o, lse, _merge.index_arg(index, names), _flags(base, pdl),
+    _C.merge_share(out, out_lse, o, lse, _merge.index_arg(index, names), _flags(base, pdl, out_base),
                    _states_axis(states_axis) == 0, output_scale, sink, None, names)
 
 
@@ -271,58 +292,81 @@ def _incoming_lse(grad_out_lse):
     return None if grad_out_lse is None else grad_out_lse.contiguous()
 
 
+def _text(base):
+    """A base ('e' or 2) as the schemas spell it."""
+    return "2" if base == 2 else "e"
+
+
+def _in_inputs_base(ctx, out_lse, grad_out_lse, pair=False):
+    """(a's base, b's base, out_lse, its incoming gradient), the last two in a's base where out_base
+    differs: the backward ops take one base, and a gradient through lse' = c lse is c dlse'."""
+    a, b, out = _bases(ctx.options, pair)
+    grad_out_lse = _incoming_lse(grad_out_lse)
+    c = _merge.base_change(a, out)
+    if c != 1.0:
+        out_lse = out_lse / c
+        grad_out_lse = None if grad_out_lse is None else grad_out_lse * c
+    return a, b, out_lse, grad_out_lse
+
+
 def _merge_grad(ctx, grad_out, grad_out_lse):
     o_a, lse_a, o_b, lse_b, out, out_lse, _ = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:4])
-    grads = torch.ops.attnmerge.merge_backward(_incoming(grad_out, out), _incoming_lse(grad_out_lse), out, out_lse,
-                                               o_a, lse_a, o_b,
-                                               lse_b, needs=needs, a_tokens=ctx.options.get("a_tokens"),
-                                               base=ctx.options.get("base", "e"))
+    a, b, out_lse, grad_out_lse = _in_inputs_base(ctx, out_lse, grad_out_lse, pair=True)
+    c_b = _merge.base_change(b, a)  # lse_b in a's base, as the forward merged it
+    grads = list(torch.ops.attnmerge.merge_backward(_incoming(grad_out, out), grad_out_lse, out, out_lse, o_a, lse_a,
+                                                    o_b, lse_b * c_b if c_b != 1.0 else lse_b, needs=needs,
+                                                    a_tokens=ctx.options.get("a_tokens"), base=_text(a)))
+    if c_b != 1.0 and needs[3]:
+        grads[3] = grads[3] * c_b
     return (*_grads_or_none(grads, needs), None)  # output_scale: none
 
 
-def _sink_grad_of(ctx, sink_index, sink, out, out_lse, grad_out, grad_out_lse):
-    """The sink's gradient where autograd asks for it, else None."""
+def _sink_grad_of(ctx, sink_index, sink, out, out_lse, grad_out, grad_out_lse, base):
+    """The sink's gradient where autograd asks for it, else None (out_lse and its gradient in the
+    inputs' base)."""
     if sink is None or not ctx.needs_input_grad[sink_index]:
         return None
     return _merge.sink_gradient(torch, sink.float(), out.float(), out_lse, _incoming(grad_out, out).float(),
-                                _incoming_lse(grad_out_lse), ctx.options.get("base", "e")).to(sink.dtype)
+                                grad_out_lse, base).to(sink.dtype)
 
 
 def _merge_states_grad(ctx, grad_out, grad_out_lse):
     o, lse, out, out_lse, sink = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:2])
-    grads = torch.ops.attnmerge.merge_states_backward(_incoming(grad_out, out), _incoming_lse(grad_out_lse), out,
-                                                      out_lse, o, lse,
+    base, _, out_lse, grad_out_lse = _in_inputs_base(ctx, out_lse, grad_out_lse)
+    grads = torch.ops.attnmerge.merge_states_backward(_incoming(grad_out, out), grad_out_lse, out, out_lse, o, lse,
                                                       needs=needs, states_axis=ctx.options.get("states_axis", 1),
-                                                      base=ctx.options.get("base", "e"))
+                                                      base=_text(base))
     # The states' gradients follow from out and out_lse, which count the sink.
-    return (*_grads_or_none(grads, needs), None, _sink_grad_of(ctx, 3, sink, out, out_lse, grad_out, grad_out_lse))
+    return (*_grads_or_none(grads, needs), None,
+            _sink_grad_of(ctx, 3, sink, out, out_lse, grad_out, grad_out_lse, base))
 
 
 def _merge_varlen_grad(ctx, grad_out, grad_out_lse):
     o, lse, indptr, out, out_lse, sink = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:2])
-    grads = torch.ops.attnmerge.merge_varlen_backward(_incoming(grad_out, out), _incoming_lse(grad_out_lse), out,
-                                                      out_lse, o, lse,
-                                                      indptr, needs=needs, base=ctx.options.get("base", "e"))
+    base, _, out_lse, grad_out_lse = _in_inputs_base(ctx, out_lse, grad_out_lse)
+    grads = torch.ops.attnmerge.merge_varlen_backward(_incoming(grad_out, out), grad_out_lse, out, out_lse, o, lse,
+                                                      indptr, needs=needs, base=_text(base))
     return (*_grads_or_none(grads, needs), None, None,  # indptr, output_scale: none
-            _sink_grad_of(ctx, 4, sink, out, out_lse, grad_out, grad_out_lse))
+            _sink_grad_of(ctx, 4, sink, out, out_lse, grad_out, grad_out_lse, base))
 
 
 def _merge_share_grad(ctx, grad_out, grad_out_lse):
     """merge_share's gradients in torch ops (_merge.share_gradient): elementwise work over the one
     O, dO and the LSEs, with no backward kernel of its own (a few passes where one would do)."""
     o, lse, out, out_lse, sink = ctx.saved_tensors
+    base, _, out_lse, grad_out_lse = _in_inputs_base(ctx, out_lse, grad_out_lse)
     grad_o = grad_lse = None
     if any(ctx.needs_input_grad[:2]):
         f32 = torch.float32
         grad_o, grad_lse = _merge.share_gradient(torch, o.to(f32), lse, ctx.options["index"], out_lse,
-                                                 _incoming(grad_out, out).to(f32), _incoming_lse(grad_out_lse),
-                                                 ctx.options.get("base", "e"), ctx.options.get("states_axis", 1))
+                                                 _incoming(grad_out, out).to(f32), grad_out_lse, base,
+                                                 ctx.options.get("states_axis", 1))
         grad_o = grad_o.to(o.dtype) if ctx.needs_input_grad[0] else None
         grad_lse = grad_lse if ctx.needs_input_grad[1] else None
-    return grad_o, grad_lse, None, _sink_grad_of(ctx, 3, sink, out, out_lse, grad_out, grad_out_lse)
+    return grad_o, grad_lse, None, _sink_grad_of(ctx, 3, sink, out, out_lse, grad_out, grad_out_lse, base)
 
 
 _AUTOGRAD = {
@@ -448,9 +492,14 @@ def _no_stream(stream):
                          f"torch's current stream; use torch.cuda.stream(...) to choose it), got {stream!r}")
 
 
-def _base(base):
-    _merge.lse_flags(base)  # the public function's check
-    return "e" if base == "e" else "2"
+def _base(base, names=None, pair=False):
+    """The public functions' base as the schemas' str ("e", "2", a pair's "2,e"), checked."""
+    a, b, _ = _merge.lse_bases(base, pair=pair, names=names)
+    return _text(a) if a == b else f"{_text(a)},{_text(b)}"
+
+
+def _out_base(out_base, names=None):
+    return None if out_base is None else _text(_merge.lse_bases("e", out_base, names=names)[2])
 
 
 def _scale(output_scale, like):
@@ -501,43 +550,45 @@ class _Named:
         _NAMES.reset(self.token)
 
 
-def merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base, a_tokens, stream, pdl,
-          names=None):
+def merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base, out_base, a_tokens,
+          stream, pdl, names=None):
     _no_stream(stream)
     return _call(torch.ops.attnmerge.merge.default, torch.ops.attnmerge.merge.out, o_b, o_a, lambda: tuple(o_b.shape),
                  ("o_b", "o_a"), names, out, out_lse, return_lse, out_dtype, o_a, lse_a, o_b, lse_b,
-                 output_scale=_scale(output_scale, o_b), a_tokens=a_tokens, base=_base(base), pdl=pdl)
+                 output_scale=_scale(output_scale, o_b), a_tokens=a_tokens, base=_base(base, names, pair=True),
+                 out_base=_out_base(out_base, names), pdl=pdl)
 
 
 def merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl, names=None):
     _no_stream(stream)
     with _names_for_kernels(names):
-        torch.ops.attnmerge.merge_inplace.default(o, lse, o_other, lse_other, mask, base=_base(base), pdl=pdl)
+        torch.ops.attnmerge.merge_inplace.default(o, lse, o_other, lse_other, mask, base=_base(base, names, pair=True),
+                                                  pdl=pdl)
     return o, lse
 
 
-def merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, states_axis, sink, stream, pdl,
-                 names=None):
+def merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, out_base, states_axis, sink, stream,
+                 pdl, names=None):
     _no_stream(stream)
     return _call(torch.ops.attnmerge.merge_states.default, torch.ops.attnmerge.merge_states.out, o, o,
                  lambda: _merge.states_shape(o, states_axis, names), ("o", "o"), names, out, out_lse, return_lse,
                  out_dtype, o, lse, output_scale=_scale(output_scale, o), sink=sink, states_axis=states_axis,
-                 base=_base(base), pdl=pdl)
+                 base=_base(base, names), out_base=_out_base(out_base, names), pdl=pdl)
 
 
-def merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, sink, stream, pdl,
+def merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, out_base, sink, stream, pdl,
                  names=None):
     _no_stream(stream)
     return _call(torch.ops.attnmerge.merge_varlen.default, torch.ops.attnmerge.merge_varlen.out, o, o,
                  lambda: _merge.varlen_shape(o, indptr, names), ("o", "o"), names, out, out_lse, return_lse,
-                 out_dtype, o, lse, indptr, output_scale=_scale(output_scale, o), sink=sink, base=_base(base),
-                 pdl=pdl)
+                 out_dtype, o, lse, indptr, output_scale=_scale(output_scale, o), sink=sink, base=_base(base, names),
+                 out_base=_out_base(out_base, names), pdl=pdl)
 
 
-def merge_share(o, lse, index, out, out_lse, return_lse, out_dtype, output_scale, base, states_axis, sink, stream, pdl,
-                names=None):
+def merge_share(o, lse, index, out, out_lse, return_lse, out_dtype, output_scale, base, out_base, states_axis, sink,
+                stream, pdl, names=None):
     _no_stream(stream)
     return _call(torch.ops.attnmerge.merge_share.default, torch.ops.attnmerge.merge_share.out, o, o,
                  lambda: _merge.share_shape(o, names), ("o", "o"), names, out, out_lse, return_lse, out_dtype, o, lse,
                  index=index, output_scale=_scale(output_scale, o), sink=sink, states_axis=states_axis,
-                 base=_base(base), pdl=pdl)
+                 base=_base(base, names), out_base=_out_base(out_base, names), pdl=pdl)

@@ -17,6 +17,8 @@ Stream = Any
 DType = Any
 # The LSE's base: "e" (natural log) or 2 (log2-sum-exp2, FlashInfer's).
 Base = Union[Literal["e"], Literal[2]]
+# The two-way and in-place merges' LSE bases: one for both states, or (a's, b's).
+PairBase = Union[Base, tuple[Base, Base]]
 
 
 class DTypeInfo(NamedTuple):

@@ -14,7 +14,7 @@ This is the one road of JAX arrays: ``attnmerge.merge``, ``merge_states``, ``mer
 these functions for a call whose results would be allocated like a JAX array, and attnmerge never
 writes a JAX array (they are immutable).
 
-Options (``base``, ``out_dtype``, ``a_tokens``, ``states_axis``, merge_share's ``index``, a float
+Options (``base``, ``out_base``, ``out_dtype``, ``a_tokens``, ``states_axis``, merge_share's ``index``, a float
 ``output_scale``) are static:
 Python values, fixed when the function is traced, so a jitted function passes them itself (as
 above, or with ``functools.partial``), and needs no ``static_argnames``.  A traced option is refused
@@ -46,8 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _XLA_HOW, _XLA_LIB
-from ._merge import index_arg, lse_flags, output_scale_arg, share_gradient, sink_gradient
-from ._types import NO_GRADIENT_DTYPES, Base
+from ._merge import base_change, index_arg, lse_bases, lse_flags, output_scale_arg, share_gradient, sink_gradient
+from ._types import NO_GRADIENT_DTYPES, Base, PairBase
 
 __all__ = ["merge", "merge_states", "merge_varlen", "merge_share"]
 
@@ -101,11 +101,11 @@ def _scale_is_array(output_scale):
 _TAKE_SINK = ("merge_states", "merge_varlen", "merge_share")
 
 
-def _call(op, outs, operands, *, base, output_scale, a_tokens=None, vectorized=True, sink=None, index=None):
-    """The FFI call of `op` with the options as attributes; the sink (merge_states, merge_varlen and
-    merge_share: an array, or None) and output_scale (a number or, for an array, an operand) after
-    the operands; merge_share's index an attribute of its own."""
-    base2 = lse_flags(_static("base", base)) != 0  # raises ValueError naming `base`
+def _call(op, outs, operands, *, bases, output_scale, a_tokens=None, vectorized=True, sink=None, index=None):
+    """The FFI call of `op` with the options as attributes (`bases`: _bases' key); the sink
+    (merge_states, merge_varlen and merge_share: an array, or None) and output_scale (a number or,
+    for an array, an operand) after the operands; merge_share's index an attribute of its own."""
+    flags = lse_flags(bases[:2], bases[2], pair=True)
     scale_in_buffer = _scale_is_array(output_scale)
     if scale_in_buffer:
         scale = jnp.reshape(jnp.asarray(output_scale, dtype=jnp.float32), (1,))
@@ -124,7 +124,7 @@ def _call(op, outs, operands, *, base, output_scale, a_tokens=None, vectorized=T
         sinks = {"has_sink": sink is not None}
     if index is not None:
         sinks["index"] = np.int64(index)
-    return call(*operands, scale, base2=base2, a_tokens=np.int64(a), output_scale=np.float32(number),
+    return call(*operands, scale, lse_flags=np.int64(flags), a_tokens=np.int64(a), output_scale=np.float32(number),
                 scale_in_buffer=scale_in_buffer, **sinks)
 
 
@@ -136,18 +136,19 @@ def _results(tokens, heads, head_size, dtype):
     return (jax.ShapeDtypeStruct((tokens, heads, head_size), dtype), jax.ShapeDtypeStruct((tokens, heads), jnp.float32))
 
 
-def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *, base: Base = "e",
-          out_dtype: Any = None, a_tokens: int | None = None,
+def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *, base: PairBase = "e",
+          out_base: Base | None = None, out_dtype: Any = None, a_tokens: int | None = None,
           output_scale: float | jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Merge two attention states: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
 
     o_a, o_b: [tokens, heads, head_size] float32, float16 or bfloat16 (one dtype).
-    lse_a, lse_b: float32 [tokens, heads], natural log (base="e") or base 2 (base=2).
+    lse_a, lse_b: float32 [tokens, heads], natural log (base="e") or base 2 (base=2), or each its
+        own (base=(a's, b's)); out_base: the merged LSE's base (None: lse_a's).
     out_dtype: the dtype of out (default that of o_b): float32, float16, bfloat16 or float8_e4m3fn.
     a_tokens: only the first a_tokens tokens merge a with b (o_a, lse_a then need only a_tokens
         tokens); the others take b alone (vLLM's prefill_tokens_with_context).
     output_scale: FP8 outputs store value / output_scale: a float or a float32 array of one element.
-    Returns (out [tokens, heads, head_size], out_lse float32 [tokens, heads], in the input's base).
+    Returns (out [tokens, heads, head_size], out_lse float32 [tokens, heads], in base out_base).
     """
     _expect_ndim("o_b", o_b, 3, "tokens, heads, head_size")
     tokens, heads, head_size = _shape(o_b)
@@ -159,18 +160,19 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *,
                          f"got {_shape(o_a)}")
     _expect("lse_a", lse_a, _shape(o_a)[:2], "tokens, heads of o_a")
     dtype = _out_dtype(out_dtype, o_b)
-    return _merged("merge", (tokens, heads, head_size), dtype, (o_a, lse_a, o_b, lse_b), base, output_scale,
-                   lambda: _merge_fn(_base_key(base), dtype, a_tokens), a_tokens=a_tokens)
+    bases = _bases(base, out_base, pair=True)
+    return _merged("merge", (tokens, heads, head_size), dtype, (o_a, lse_a, o_b, lse_b), bases, output_scale,
+                   lambda: _merge_fn(bases, dtype, a_tokens), a_tokens=a_tokens)
 
 
-def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_dtype: Any = None,
+def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_base: Base | None = None, out_dtype: Any = None,
                  output_scale: float | jax.Array | None = None, states_axis: int = 1,
                  sink: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Merge S states in one pass, each input read once.
 
     o: [tokens, S, heads, head_size] float32, float16 or bfloat16; lse: float32 [tokens, S, heads]
     (FlashInfer's layout); with states_axis=0, [S, tokens, heads, head_size] and [S, tokens, heads]
-    (an all-gather's).  Base, out_dtype and output_scale as in merge.
+    (an all-gather's).  Base, out_base, out_dtype and output_scale as in merge.
     sink: None, or float32 [heads]: attention sinks, each head's sink logit in the LSE's base, one
     more state of output 0 in every row of its head (differentiable; attnmerge.merge_states says
     more).
@@ -187,11 +189,13 @@ def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_dtype: A
     tokens, _, heads, head_size = _shape(o)
     _expect_sink(sink, heads)
     dtype = _out_dtype(out_dtype, o)
-    return _merged("merge_states", (tokens, heads, head_size), dtype, (o, lse), base, output_scale,
-                   lambda: _merge_states_fn(_base_key(base), dtype, sink is not None), sink=sink)
+    bases = _bases(base, out_base)
+    return _merged("merge_states", (tokens, heads, head_size), dtype, (o, lse), bases, output_scale,
+                   lambda: _merge_states_fn(bases, dtype, sink is not None), sink=sink)
 
 
-def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base = "e", out_dtype: Any = None,
+def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base = "e", out_base: Base | None = None,
+                 out_dtype: Any = None,
                  output_scale: float | jax.Array | None = None,
                  sink: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Row r merges states indptr[r] .. indptr[r + 1] - 1 of a flat list.
@@ -199,7 +203,7 @@ def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base 
     o: [total, heads, head_size] float32, float16 or bfloat16; lse: float32 [total, heads];
     indptr: int32 or int64 [rows + 1].  A row with no states gets O = 0, LSE = -inf (the sink, with
     one); on the GPU bad bounds are clamped into [0, total] (attnmerge.merge_varlen says how).
-    Base, out_dtype and output_scale as in merge, sink as in merge_states.
+    Base, out_base, out_dtype and output_scale as in merge, sink as in merge_states.
     Returns (out [rows, heads, head_size], out_lse float32 [rows, heads]).
     """
     _expect_ndim("o", o, 3, "total, heads, head_size")
@@ -211,11 +215,13 @@ def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base 
     dtype = _out_dtype(out_dtype, o)
     _, heads, head_size = _shape(o)
     _expect_sink(sink, heads)
-    return _merged("merge_varlen", (rows, heads, head_size), dtype, (o, lse, indptr), base, output_scale,
-                   lambda: _merge_varlen_fn(_base_key(base), dtype, sink is not None), sink=sink, vectorized=False)
+    bases = _bases(base, out_base)
+    return _merged("merge_varlen", (rows, heads, head_size), dtype, (o, lse, indptr), bases, output_scale,
+                   lambda: _merge_varlen_fn(bases, dtype, sink is not None), sink=sink, vectorized=False)
 
 
-def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", out_dtype: Any = None,
+def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", out_base: Base | None = None,
+                out_dtype: Any = None,
                 output_scale: float | jax.Array | None = None, states_axis: int = 1,
                 sink: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The share of state `index` in the merge of S states: out = (w_index / W) * o and out_lse the
@@ -224,8 +230,8 @@ def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", o
 
     o: state `index`'s O [tokens, heads, head_size] float32, float16 or bfloat16; lse: every
     state's LSE, float32 [tokens, S, heads], or [S, tokens, heads] with states_axis=0 (an
-    all-gather's); index: a Python int, 0 <= index < S (static).  Base, out_dtype, output_scale
-    and sink as in merge_states.
+    all-gather's); index: a Python int, 0 <= index < S (static).  Base, out_base, out_dtype,
+    output_scale and sink as in merge_states.
     Returns (out [tokens, heads, head_size], out_lse float32 [tokens, heads]).
     """
     axis = _static("states_axis", states_axis)
@@ -244,8 +250,9 @@ def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", o
         raise ValueError(f"index: expected 0 <= index < {states} (the states of lse), got {index}")
     _expect_sink(sink, heads)
     dtype = _out_dtype(out_dtype, o)
-    return _merged("merge_share", (tokens, heads, head_size), dtype, (o, lse), base, output_scale,
-                   lambda: _merge_share_fn(_base_key(base), dtype, index, sink is not None), sink=sink, index=index)
+    bases = _bases(base, out_base)
+    return _merged("merge_share", (tokens, heads, head_size), dtype, (o, lse), bases, output_scale,
+                   lambda: _merge_share_fn(bases, dtype, index, sink is not None), sink=sink, index=index)
 
 
 def _expect_sink(sink, heads):
@@ -255,13 +262,20 @@ def _expect_sink(sink, heads):
 
 # ---- gradients ------------------------------------------------------------------------------------
 
-def _base_key(base):
-    """The base as a cache key ("e" or 2), checked (a ValueError naming `base`)."""
-    lse_flags(_static("base", base))
-    return "e" if base == "e" else 2
+def _bases(base, out_base, pair=False):
+    """The bases of a call, (a's, b's, the merged LSE's), each "e" or 2: a cache key, checked (a
+    ValueError naming `base` or `out_base`)."""
+    return lse_bases(_static("base", base), _static("out_base", out_base), pair=pair)
 
 
-def _merged(op, shape, dtype, operands, base, output_scale, differentiable, sink=None, **options):
+def _in_inputs_base(bases, out_lse, grad_out_lse):
+    """out_lse and its cotangent in the inputs' base (a's) where the merged LSE's differs: the
+    backward calls take one base, and a gradient through lse' = c lse is c dlse'."""
+    c = base_change(bases[0], bases[2])
+    return (out_lse, grad_out_lse) if c == 1.0 else (out_lse / c, grad_out_lse * c)
+
+
+def _merged(op, shape, dtype, operands, bases, output_scale, differentiable, sink=None, **options):
     """The merge `op` of `operands` (and the sink, where one is given: an argument after them)
     into (out of `shape` [rows, heads, head_size] and `dtype`, out_lse): differentiable() (a
     custom_vjp over the backward) unless the output is FP8 or scaled; such a call runs under a
@@ -275,7 +289,7 @@ def _merged(op, shape, dtype, operands, base, output_scale, differentiable, sink
     scale_array = _scale_is_array(output_scale)
 
     def call(*x):
-        return _call(op, outs, x[:n], base=base, output_scale=x[k] if scale_array else output_scale,
+        return _call(op, outs, x[:n], bases=bases, output_scale=x[k] if scale_array else output_scale,
                      sink=x[n] if sinks else None, **options)
 
     f = jax.custom_vjp(call)
@@ -318,20 +332,29 @@ def _with_vjp(forward, backward):
 
 
 @functools.lru_cache(maxsize=None)
-def _merge_fn(base, dtype, a_tokens):
+def _merge_fn(bases, dtype, a_tokens):
+    base, base_b, _ = bases
+    c_b = base_change(base_b, base)  # lse_b into a's base, as the forward merges it
+
     def forward(o_a, lse_a, o_b, lse_b):
         tokens, heads, head_size = _shape(o_b)
-        return _call("merge", _results(tokens, heads, head_size, dtype), (o_a, lse_a, o_b, lse_b), base=base,
+        return _call("merge", _results(tokens, heads, head_size, dtype), (o_a, lse_a, o_b, lse_b), bases=bases,
                      output_scale=None, a_tokens=a_tokens)
 
     def backward(inputs, out, out_lse, grad_out, grad_out_lse):
         o_a, lse_a, o_b, lse_b = inputs
+        out_lse, grad_out_lse = _in_inputs_base(bases, out_lse, grad_out_lse)
+        if c_b != 1.0:
+            lse_b = lse_b * c_b
         k = _shape(o_a)[0] if a_tokens is None else int(a_tokens)  # a's later tokens are never read
         heads, head_size = _shape(o_b)[1:]
         grads = (jax.ShapeDtypeStruct((k, heads, head_size), o_a.dtype), jax.ShapeDtypeStruct((k, heads), jnp.float32),
                  _like(o_b), _like(lse_b))
-        g_oa, g_la, g_ob, g_lb = _backward("merge", grads, (grad_out, grad_out_lse, out, out_lse, *inputs), base=base,
+        g_oa, g_la, g_ob, g_lb = _backward("merge", grads,
+                                           (grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b), base=base,
                                            a_tokens=a_tokens)
+        if c_b != 1.0:
+            g_lb = g_lb * c_b
         pad = _shape(o_a)[0] - k
         if pad:
             g_oa = jnp.concatenate([g_oa, jnp.zeros((pad, heads, head_size), g_oa.dtype)])
@@ -348,14 +371,17 @@ def _sink_gradient(sink, out, out_lse, grad_out, grad_out_lse, base):
 
 
 @functools.lru_cache(maxsize=None)
-def _merge_states_fn(base, dtype, has_sink):
+def _merge_states_fn(bases, dtype, has_sink):
+    base = bases[0]
+
     def forward(o, lse, *sink):
         tokens, _, heads, head_size = _shape(o)
-        return _call("merge_states", _results(tokens, heads, head_size, dtype), (o, lse), base=base, output_scale=None,
-                     sink=sink[0] if has_sink else None)
+        return _call("merge_states", _results(tokens, heads, head_size, dtype), (o, lse), bases=bases,
+                     output_scale=None, sink=sink[0] if has_sink else None)
 
     def backward(inputs, out, out_lse, grad_out, grad_out_lse):
         o, lse, *sink = inputs
+        out_lse, grad_out_lse = _in_inputs_base(bases, out_lse, grad_out_lse)
         grads = _backward("merge_states", (_like(o), _like(lse)), (grad_out, grad_out_lse, out, out_lse, o, lse),
                           base=base)
         # The states' gradients follow from out and out_lse, which count the sink.
@@ -365,14 +391,17 @@ def _merge_states_fn(base, dtype, has_sink):
 
 
 @functools.lru_cache(maxsize=None)
-def _merge_varlen_fn(base, dtype, has_sink):
+def _merge_varlen_fn(bases, dtype, has_sink):
+    base = bases[0]
+
     def forward(o, lse, indptr, *sink):
         _, heads, head_size = _shape(o)
         return _call("merge_varlen", _results(_shape(indptr)[0] - 1, heads, head_size, dtype), (o, lse, indptr),
-                     base=base, output_scale=None, vectorized=False, sink=sink[0] if has_sink else None)
+                     bases=bases, output_scale=None, vectorized=False, sink=sink[0] if has_sink else None)
 
     def backward(inputs, out, out_lse, grad_out, grad_out_lse):
         o, lse, indptr, *sink = inputs
+        out_lse, grad_out_lse = _in_inputs_base(bases, out_lse, grad_out_lse)
         g_o, g_l = _backward("merge_varlen", (_like(o), _like(lse)),
                              (grad_out, grad_out_lse, out, out_lse, o, lse, indptr), base=base, vectorized=False)
         return (g_o, g_l, None,  # indptr: integers, no gradient
@@ -382,13 +411,16 @@ def _merge_varlen_fn(base, dtype, has_sink):
 
 
 @functools.lru_cache(maxsize=None)
-def _merge_share_fn(base, dtype, index, has_sink):
+def _merge_share_fn(bases, dtype, index, has_sink):
+    base = bases[0]
+
     def forward(o, lse, *sink):
-        return _call("merge_share", _results(*_shape(o), dtype), (o, lse), base=base, output_scale=None,
+        return _call("merge_share", _results(*_shape(o), dtype), (o, lse), bases=bases, output_scale=None,
                      sink=sink[0] if has_sink else None, index=index)
 
     def backward(inputs, out, out_lse, grad_out, grad_out_lse):
         o, lse, *sink = inputs
+        out_lse, grad_out_lse = _in_inputs_base(bases, out_lse, grad_out_lse)
         f32 = jnp.float32
         g_o, g_l = share_gradient(jnp, o.astype(f32), lse, index, out_lse, grad_out.astype(f32), grad_out_lse, base, 1)
         return (g_o.astype(o.dtype), g_l,

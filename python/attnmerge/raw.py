@@ -6,7 +6,7 @@ from typing import Literal, Tuple
 
 from . import _C
 from ._merge import a_tokens_arg, lse_flags
-from ._types import Base
+from ._types import Base, PairBase
 
 # (ptr, dtype name, stride_token, stride_head) and (ptr, stride_0, stride_1), strides in elements.
 ODesc = Tuple[int, str, int, int]
@@ -15,8 +15,8 @@ LseDesc = Tuple[int, int, int]
 
 def merge(*, tokens: int, heads: int, head_size: int, out: ODesc, o_a: ODesc, lse_a: LseDesc, o_b: ODesc,
           lse_b: LseDesc, out_lse: LseDesc | None = None, device: Literal["cpu"] | int, stream: int = 0,
-          base: Base = "e", a_tokens: int | None = None, lse_heads_first: bool = False, pdl: bool = False,
-          check_pointers: bool = True) -> None:
+          base: PairBase = "e", out_base: Base | None = None, a_tokens: int | None = None,
+          lse_heads_first: bool = False, pdl: bool = False, check_pointers: bool = True) -> None:
     """Two-way merge over raw pointers.
 
     out, o_a, o_b: (ptr, dtype, stride_token, stride_head) with dtype "float32", "float16" or
@@ -26,12 +26,14 @@ def merge(*, tokens: int, heads: int, head_size: int, out: ODesc, o_a: ODesc, ls
         [heads, tokens] with lse_heads_first=True; out_lse may be None.
     device: "cpu" for host memory, else the CUDA device ordinal that owns every pointer.
     stream: a cudaStream_t as an int (0: the legacy default stream); ignored on the CPU.
-    base: "e" or 2.  pdl: programmatic dependent launch (see attnmerge.merge).
+    base: "e" or 2, or (lse_a's, lse_b's); out_base: out_lse's (None: lse_a's).  pdl: programmatic
+        dependent launch (see attnmerge.merge).
     check_pointers: ask CUDA where each pointer lives before the merge (an error for memory of
         another device, or device memory handed to the CPU path); False trusts `device` and skips
         one query per pointer (~0.1 us each), for callers that know where their buffers are.
     """
-    flags = lse_flags(base) | (_C.LSE_HEADS_FIRST if lse_heads_first else 0) | (_C.PDL if pdl else 0)
+    flags = lse_flags(base, out_base, pair=True) | (_C.LSE_HEADS_FIRST if lse_heads_first else 0) | (
+        _C.PDL if pdl else 0)
     if device == "cpu":
         dev = -1
     elif isinstance(device, int) and not isinstance(device, bool) and device >= 0:

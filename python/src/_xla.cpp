@@ -70,10 +70,11 @@ ffi::Error result(attnmerge_status status) {
                                                                              : ffi::Error::InvalidArgument(message);
 }
 
-// The options every call takes: the LSE base and a_tokens (< 0: none).
-attnmerge_options base_options(bool base2, int64_t a_tokens) {
+// The options every call takes: the LSE bases (attnmerge.h's ATTNMERGE_LSE_BASE2 and, for a
+// forward, the mixed bases' flags: the library checks them) and a_tokens (< 0: none).
+attnmerge_options base_options(int64_t lse_flags, int64_t a_tokens) {
   attnmerge_options opt = {};
-  opt.flags = base2 ? ATTNMERGE_LSE_BASE2 : 0u;
+  opt.flags = static_cast<uint32_t>(lse_flags);
   if (a_tokens >= 0) {
     opt.flags |= ATTNMERGE_A_TOKENS;
     opt.a_tokens = a_tokens;
@@ -83,9 +84,9 @@ attnmerge_options base_options(bool base2, int64_t a_tokens) {
 
 // A forward's: those, and the output scale as a number (0: none) or, with scale_in_buffer, the
 // float32 of the `scale` buffer (on the op's device).
-attnmerge_options options(bool base2, int64_t a_tokens, float output_scale, bool scale_in_buffer,
+attnmerge_options options(int64_t lse_flags, int64_t a_tokens, float output_scale, bool scale_in_buffer,
                           const ffi::AnyBuffer& scale) {
-  attnmerge_options opt = base_options(base2, a_tokens);
+  attnmerge_options opt = base_options(lse_flags, a_tokens);
   opt.output_scale = output_scale;
   if (scale_in_buffer) opt.output_scale_ptr = static_cast<const float*>(scale.untyped_data());
   return opt;
@@ -93,12 +94,12 @@ attnmerge_options options(bool base2, int64_t a_tokens, float output_scale, bool
 
 ffi::Error merge(void* stream, int32_t device, ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a, ffi::AnyBuffer o_b,
                  ffi::AnyBuffer lse_b, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
-                 ffi::Result<ffi::AnyBuffer> out_lse, bool base2, int64_t a_tokens, float output_scale,
+                 ffi::Result<ffi::AnyBuffer> out_lse, int64_t lse_flags, int64_t a_tokens, float output_scale,
                  bool scale_in_buffer) {
   const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
   const attnmerge_tensor t_oa = tensor(o_a, device, 3), t_la = tensor(lse_a, device, 2);
   const attnmerge_tensor t_ob = tensor(o_b, device, 3), t_lb = tensor(lse_b, device, 2);
-  const attnmerge_options opt = options(base2, a_tokens, output_scale, scale_in_buffer, scale);
+  const attnmerge_options opt = options(lse_flags, a_tokens, output_scale, scale_in_buffer, scale);
   return result(attnmerge_merge(&t_out, &t_out_lse, &t_oa, &t_la, &t_ob, &t_lb, &opt, stream));
 }
 
@@ -111,33 +112,33 @@ void set_sink(attnmerge_options& opt, const attnmerge_tensor& sink, bool has_sin
 
 ffi::Error merge_states(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink,
                         ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
-                        bool base2, int64_t a_tokens, float output_scale, bool scale_in_buffer, bool has_sink) {
+                        int64_t lse_flags, int64_t a_tokens, float output_scale, bool scale_in_buffer, bool has_sink) {
   const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
   const attnmerge_tensor t_o = tensor(o, device, 4), t_l = tensor(lse, device, 3), t_sink = tensor(sink, device, 1);
-  attnmerge_options opt = options(base2, a_tokens, output_scale, scale_in_buffer, scale);
+  attnmerge_options opt = options(lse_flags, a_tokens, output_scale, scale_in_buffer, scale);
   set_sink(opt, t_sink, has_sink);
   return result(attnmerge_merge_states(&t_out, &t_out_lse, &t_o, &t_l, &opt, stream));
 }
 
 ffi::Error merge_varlen(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer indptr,
                         ffi::AnyBuffer sink, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::AnyBuffer> out_lse, bool base2, int64_t a_tokens, float output_scale,
+                        ffi::Result<ffi::AnyBuffer> out_lse, int64_t lse_flags, int64_t a_tokens, float output_scale,
                         bool scale_in_buffer, bool has_sink) {
   const attnmerge_tensor t_indptr = index_tensor(indptr, device);
   const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
   const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 2), t_sink = tensor(sink, device, 1);
-  attnmerge_options opt = options(base2, a_tokens, output_scale, scale_in_buffer, scale);
+  attnmerge_options opt = options(lse_flags, a_tokens, output_scale, scale_in_buffer, scale);
   set_sink(opt, t_sink, has_sink);
   return result(attnmerge_merge_varlen(&t_out, &t_out_lse, &t_o, &t_l, &t_indptr, &opt, stream));
 }
 
 ffi::Error merge_share(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink,
                        ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
-                       bool base2, int64_t a_tokens, float output_scale, bool scale_in_buffer, bool has_sink,
+                       int64_t lse_flags, int64_t a_tokens, float output_scale, bool scale_in_buffer, bool has_sink,
                        int64_t index) {
   const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
   const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 3), t_sink = tensor(sink, device, 1);
-  attnmerge_options opt = options(base2, a_tokens, output_scale, scale_in_buffer, scale);
+  attnmerge_options opt = options(lse_flags, a_tokens, output_scale, scale_in_buffer, scale);
   set_sink(opt, t_sink, has_sink);
   return result(attnmerge_merge_share(&t_out, &t_out_lse, &t_o, &t_l, index, &opt, stream));
 }
@@ -156,7 +157,7 @@ ffi::Error merge_backward(void* stream, int32_t device, ffi::AnyBuffer grad_out,
   const attnmerge_tensor t_out = tensor(out, device, 3), t_out_lse = tensor(out_lse, device, 2);
   const attnmerge_tensor t_oa = tensor(o_a, device, 3), t_la = tensor(lse_a, device, 2);
   const attnmerge_tensor t_ob = tensor(o_b, device, 3), t_lb = tensor(lse_b, device, 2);
-  const attnmerge_options opt = base_options(base2, a_tokens);
+  const attnmerge_options opt = base_options(base2 ? ATTNMERGE_LSE_BASE2 : 0, a_tokens);
   return result(attnmerge_merge_backward(&t_goa, &t_gla, &t_gob, &t_glb, &t_go, &t_gl, &t_out, &t_out_lse, &t_oa,
                                          &t_la, &t_ob, &t_lb, &opt, stream));
 }
@@ -169,7 +170,7 @@ ffi::Error merge_states_backward(void* stream, int32_t device, ffi::AnyBuffer gr
   const attnmerge_tensor t_go = tensor(grad_out, device, 3), t_gl = tensor(grad_out_lse, device, 2);
   const attnmerge_tensor t_out = tensor(out, device, 3), t_out_lse = tensor(out_lse, device, 2);
   const attnmerge_tensor t_o = tensor(o, device, 4), t_l = tensor(lse, device, 3);
-  const attnmerge_options opt = base_options(base2, a_tokens);
+  const attnmerge_options opt = base_options(base2 ? ATTNMERGE_LSE_BASE2 : 0, a_tokens);
   return result(attnmerge_merge_states_backward(&t_gr, &t_grl, &t_go, &t_gl, &t_out, &t_out_lse, &t_o, &t_l, &opt,
                                                 stream));
 }
@@ -183,7 +184,7 @@ ffi::Error merge_varlen_backward(void* stream, int32_t device, ffi::AnyBuffer gr
   const attnmerge_tensor t_out = tensor(out, device, 3), t_out_lse = tensor(out_lse, device, 2);
   const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 2);
   const attnmerge_tensor t_indptr = index_tensor(indptr, device);
-  const attnmerge_options opt = base_options(base2, a_tokens);
+  const attnmerge_options opt = base_options(base2 ? ATTNMERGE_LSE_BASE2 : 0, a_tokens);
   return result(attnmerge_merge_varlen_backward(&t_gr, &t_grl, &t_go, &t_gl, &t_out, &t_out_lse, &t_o, &t_l,
                                                 &t_indptr, &opt, stream));
 }
@@ -191,30 +192,30 @@ ffi::Error merge_varlen_backward(void* stream, int32_t device, ffi::AnyBuffer gr
 // The host handlers: the same, on the CPU (no stream, device ATTNMERGE_HOST).
 ffi::Error merge_host(ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a, ffi::AnyBuffer o_b, ffi::AnyBuffer lse_b,
                       ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
-                      bool base2, int64_t a_tokens, float output_scale, bool scale_in_buffer) {
-  return merge(nullptr, ATTNMERGE_HOST, o_a, lse_a, o_b, lse_b, scale, out, out_lse, base2, a_tokens, output_scale,
+                      int64_t lse_flags, int64_t a_tokens, float output_scale, bool scale_in_buffer) {
+  return merge(nullptr, ATTNMERGE_HOST, o_a, lse_a, o_b, lse_b, scale, out, out_lse, lse_flags, a_tokens, output_scale,
                scale_in_buffer);
 }
 
 ffi::Error merge_states_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink, ffi::AnyBuffer scale,
-                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse, bool base2,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse, int64_t lse_flags,
                              int64_t a_tokens, float output_scale, bool scale_in_buffer, bool has_sink) {
-  return merge_states(nullptr, ATTNMERGE_HOST, o, lse, sink, scale, out, out_lse, base2, a_tokens, output_scale,
+  return merge_states(nullptr, ATTNMERGE_HOST, o, lse, sink, scale, out, out_lse, lse_flags, a_tokens, output_scale,
                       scale_in_buffer, has_sink);
 }
 
 ffi::Error merge_varlen_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer indptr, ffi::AnyBuffer sink,
                              ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
-                             ffi::Result<ffi::AnyBuffer> out_lse, bool base2, int64_t a_tokens, float output_scale,
+                             ffi::Result<ffi::AnyBuffer> out_lse, int64_t lse_flags, int64_t a_tokens, float output_scale,
                              bool scale_in_buffer, bool has_sink) {
-  return merge_varlen(nullptr, ATTNMERGE_HOST, o, lse, indptr, sink, scale, out, out_lse, base2, a_tokens,
+  return merge_varlen(nullptr, ATTNMERGE_HOST, o, lse, indptr, sink, scale, out, out_lse, lse_flags, a_tokens,
                       output_scale, scale_in_buffer, has_sink);
 }
 
 ffi::Error merge_share_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink, ffi::AnyBuffer scale,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse, bool base2,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse, int64_t lse_flags,
                             int64_t a_tokens, float output_scale, bool scale_in_buffer, bool has_sink, int64_t index) {
-  return merge_share(nullptr, ATTNMERGE_HOST, o, lse, sink, scale, out, out_lse, base2, a_tokens, output_scale,
+  return merge_share(nullptr, ATTNMERGE_HOST, o, lse, sink, scale, out, out_lse, lse_flags, a_tokens, output_scale,
                      scale_in_buffer, has_sink, index);
 }
 
@@ -256,7 +257,7 @@ auto with_results(Binding binding) {
   return std::move(binding)
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>()
-      .template Attr<bool>("base2")
+      .template Attr<int64_t>("lse_flags")
       .template Attr<int64_t>("a_tokens")
       .template Attr<float>("output_scale")
       .template Attr<bool>("scale_in_buffer");

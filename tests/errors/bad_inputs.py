@@ -945,7 +945,11 @@ def _c_lse_a_inside_out(a):
 
 bad("c-merge-out-partially-overlaps-o_b", "c.merge", _c_out_over_o_b, ERR_V, "out")
 bad("c-merge-o_b-dtype-differs-from-o_a", "c.merge", field_("o_b", dtype=c_abi.FLOAT16, strides=[H * D, D, 1]), ERR_T, "o_b")
-bad("c-merge-unknown-option-flags", "c.merge", opts(flags=0x80), ERR_V, "options.flags")
+bad("c-merge-unknown-option-flags", "c.merge", opts(flags=0x100), ERR_V, "options.flags")
+bad("c-merge-both-bases-of-lse_b", "c.merge", opts(flags=c_abi.LSE_B_BASE2 | c_abi.LSE_B_BASE_E), ERR_V,
+    "options.flags")
+bad("c-merge-both-bases-of-out_lse", "c.merge", opts(flags=c_abi.OUT_LSE_BASE2 | c_abi.OUT_LSE_BASE_E), ERR_V,
+    "options.flags")
 bad("c-merge-output_scale-with-float32-out", "c.merge", opts(output_scale=0.5), ERR_V, "output_scale")
 bad("c-merge-output_scale_ptr-with-bfloat16-out", "c.merge", both(out_of("bfloat16"), _scale_ptr([2.0])), ERR_V,
     "output_scale")
@@ -980,6 +984,7 @@ bad("c-inplace-lse-NULL-descriptor", "c.merge_inplace", null("lse"), ERR_T, "lse
 bad("c-inplace-o_other-NULL-descriptor", "c.merge_inplace", null("o_other"), ERR_T, "o_other")
 bad("c-inplace-a_tokens-flag-not-allowed", "c.merge_inplace", opts(flags=c_abi.A_TOKENS, a_tokens=1), ERR_V,
     "options.flags")
+bad("c-inplace-out-lse-base-not-allowed", "c.merge_inplace", opts(flags=c_abi.OUT_LSE_BASE2), ERR_V, "options.flags")
 bad("c-inplace-mask-int32", "c.merge_inplace", both(_with_mask, field_("mask", dtype=c_abi.INT32)), ERR_T, "mask")
 bad("c-inplace-mask-NULL-data", "c.merge_inplace", both(_with_mask, field_("mask", data=None)), ERR_V, "mask")
 bad("c-inplace-mask-negative-stride", "c.merge_inplace", both(_with_mask, _mask_walks_back), ERR_V, "mask")
@@ -997,6 +1002,7 @@ def _more_than_int32_states(a):
 bad("c-states-o-NULL-descriptor", "c.merge_states", null("o"), ERR_T, "o")
 bad("c-states-more-than-int32-states", "c.merge_states", _more_than_int32_states, ERR_V, "o")
 bad("c-states-heads-first-flag-not-allowed", "c.merge_states", opts(flags=c_abi.LSE_HEADS_FIRST), ERR_V, "options.flags")
+bad("c-states-lse-b-base-not-allowed", "c.merge_states", opts(flags=c_abi.LSE_B_BASE_E), ERR_V, "options.flags")
 bad("c-states-lse-ndim-2", "c.merge_states", field_("lse", ndim=2), ERR_V, "lse")
 bad("c-states-out_lse-overlaps-lse", "c.merge_states", lambda a: setattr(a["out_lse"], "data", a["lse"].data), ERR_V,
     "out_lse")

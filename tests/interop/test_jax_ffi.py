@@ -18,7 +18,9 @@ from oracle import (
     random_o,
     assert_fp8_close,
     assert_lse_close,
+    natural,
     random_state,
+    rebased,
     reference_merge,
     reference_merge_share,
     reference_merge_stacked,
@@ -241,6 +243,51 @@ def test_merge_states_gradients_are_the_oracles(rng, dev, base):
     assert_merge_matches(np.asarray(grad_o), np.asarray(grad_lse),
                          (np.swapaxes(ref[0], 0, 1), np.swapaxes(ref[1], 0, 1)), "float32", "grad")
     assert np.all(np.asarray(grad_o)[1, 2] == 0) and np.all(np.asarray(grad_lse)[1, 2] == 0)
+
+
+def _ln(base):
+    return np.log(2.0) if base == 2 else 1.0
+
+
+@pytest.mark.parametrize("a,b,out_base", [("e", 2, "e"), (2, "e", 2), ("e", "e", 2)])
+def test_mixed_bases_under_jit_and_their_gradients(rng, dev, a, b, out_base):
+    """Each state in its own base, the merged LSE in out_base: the oracle's merge of the natural
+    LSEs, and its natural gradients by the chain rule (dlse_i = ln(b_i) dlambda_i, dLAMBDA = dLSE /
+    ln(b_out))."""
+    o_a, lse_a = random_state(rng, 6, 2, 24)
+    o_b, lse_b = random_state(rng, 6, 2, 24)
+    lse_b[2, 1] = -np.inf  # an empty part: zero gradients
+    f = jax.jit(functools.partial(amj.merge, base=(a, b), out_base=out_base))
+    (out, out_lse), vjp = jax.vjp(f, *[put(x, dev) for x in (o_a, lse_a, o_b, lse_b)])
+    ref = rebased(reference_merge(o_a, natural(lse_a, a), o_b, natural(lse_b, b)), out_base)
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), ref, "float32")
+    g_out, g_lse = _cotangents(rng, out, out_lse)
+    grads = vjp((g_out, g_lse))
+    ref = reference_merge_states_backward(np.stack([o_a, o_b]), np.stack([natural(lse_a, a), natural(lse_b, b)]),
+                                          np.asarray(out), natural(np.asarray(out_lse), out_base), np.asarray(g_out),
+                                          np.asarray(g_lse) / _ln(out_base), base="e")
+    assert_merge_matches(np.asarray(grads[0]), np.asarray(grads[1]), (ref[0][0], ref[1][0] * _ln(a)), "float32", "grad")
+    assert_merge_matches(np.asarray(grads[2]), np.asarray(grads[3]), (ref[0][1], ref[1][1] * _ln(b)), "float32", "grad")
+    assert np.all(np.asarray(grads[3])[2, 1] == 0)
+
+
+@pytest.mark.parametrize("op", ["merge_states", "merge_varlen", "merge_share"])
+def test_the_merged_lse_in_its_own_base_under_jit(rng, dev, op):
+    o, lse = random_o(rng, (5, 3, 2, 16)), random_lse(rng, (5, 3, 2))
+    sink = random_lse(rng, (2,))
+    if op == "merge_states":
+        f = lambda ob: amj.merge_states(put(o, dev), put(lse, dev), sink=put(sink, dev), out_base=ob)  # noqa: E731
+        ref = reference_merge_stacked(o, lse, sink=sink)
+    elif op == "merge_varlen":
+        indptr = np.array([0, 2, 5], np.int32)
+        f = lambda ob: amj.merge_varlen(put(o[:, 0], dev), put(lse[:, 0], dev), put(indptr, dev),  # noqa: E731
+                                        sink=put(sink, dev), out_base=ob)
+        ref = reference_merge_varlen(o[:, 0], lse[:, 0], indptr, sink=sink)
+    else:
+        f = lambda ob: amj.merge_share(put(o[:, 1], dev), put(lse, dev), 1, sink=put(sink, dev), out_base=ob)  # noqa: E731
+        ref = reference_merge_share(o[:, 1], lse, 1, sink=sink)
+    out, out_lse = jax.jit(f, static_argnums=0)(2)
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), rebased(ref, 2), "float32")
 
 
 @pytest.mark.parametrize("a_tokens", [None, 3])

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch", minversion="2.4")
 
 import attnmerge  # noqa: E402
 from oracle import (  # noqa: E402
+    natural,
     random_lse,
     random_o,
     reference_merge,
@@ -65,6 +66,61 @@ def test_merge_states_gradients_are_the_oracles(rng, device, dtype, base):
     assert grad_o.dtype == o_t.dtype and grad_o.shape == o_t.shape
     assert torch.all(grad_o[2, 1] == 0) and torch.all(grad_lse[2, 1] == 0)  # empty: zero, never NaN
     assert torch.all(grad_o[4, :, 0] == 0) and torch.all(grad_lse[4, :, 0] == 0)
+
+
+def ln_base(base):
+    return np.log(2.0) if base == 2 else 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("a,b,out_base", [("e", 2, "e"), (2, "e", 2), ("e", "e", 2), (2, 2, "e")])
+def test_mixed_bases_gradients_are_the_oracles_chain_rule(rng, device, a, b, out_base):
+    """Each LSE of base b_i is lse_i = lambda_i / ln(b_i) of a natural one: the oracle's natural
+    gradients, dlse_i = ln(b_i) dlambda_i, with dLAMBDA = dLSE / ln(b_out)."""
+    t, h, d = 6, 2, 32
+    o_a, lse_a, o_b, lse_b = random_o(rng, (t, h, d)), random_lse(rng, (t, h)), random_o(rng, (t, h, d)), random_lse(
+        rng, (t, h))
+    lse_b[1, 0] = -np.inf  # an empty part
+    x = [put(v, device) for v in (o_a, lse_a, o_b, lse_b)]
+    out, out_lse = attnmerge.merge(*x, base=(a, b), out_base=out_base)
+    grad_out, grad_out_lse = incoming(rng, out, out_lse)
+    grads = torch.autograd.grad((out, out_lse), x, (grad_out, grad_out_lse))
+    out64, lse64 = out.detach().cpu().numpy(), out_lse.detach().cpu().numpy()
+    ref = reference_merge_states_backward(np.stack([o_a, o_b]), np.stack([natural(lse_a, a), natural(lse_b, b)]),
+                                          out64, natural(lse64, out_base), grad_out.cpu().numpy(),
+                                          grad_out_lse.cpu().numpy() / ln_base(out_base), base="e")
+    assert rel(grads[0], ref[0][0]) <= TOLERANCE["float32"] and rel(grads[2], ref[0][1]) <= TOLERANCE["float32"]
+    assert rel(grads[1], ref[1][0] * ln_base(a)) <= TOLERANCE["float32"]
+    assert rel(grads[3], ref[1][1] * ln_base(b)) <= TOLERANCE["float32"]
+    assert torch.all(grads[3][1, 0] == 0) and torch.all(grads[2][1, 0] == 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["merge_states", "merge_varlen", "merge_share"])
+def test_the_merged_lses_own_base_changes_the_gradients_by_the_chain_rule(rng, device, op):
+    """out_base 2 of base-e states: out_lse2 = out_lse / ln 2, so each gradient equals that of the
+    base-e call with grad_out_lse / ln 2 (and a sink's too)."""
+    o, lse, sink = random_o(rng, (5, 3, 2, 16)), random_lse(rng, (5, 3, 2)), random_lse(rng, (2,))
+
+    def run(out_base, scale):
+        x = [put(v, device) for v in (o, lse, sink)]
+        if op == "merge_states":
+            out, out_lse = attnmerge.merge_states(x[0], x[1], sink=x[2], out_base=out_base)
+        elif op == "merge_varlen":
+            out, out_lse = attnmerge.merge_varlen(x[0][:, 0], x[1][:, 0], torch.tensor([0, 2, 5], device=device),
+                                                  sink=x[2], out_base=out_base)
+        else:
+            out, out_lse = attnmerge.merge_share(x[0][:, 0], x[1], 1, sink=x[2], out_base=out_base)
+        g = torch.Generator().manual_seed(3)
+        grad_out = torch.randn(out.shape, generator=g).to(device)
+        grad_out_lse = torch.randn(out_lse.shape, generator=g).to(device) * scale
+        return out_lse.detach(), torch.autograd.grad((out, out_lse), x, (grad_out, grad_out_lse))
+
+    lse2, mixed = run(2, 1.0)
+    lse_e, same = run(None, 1.0 / np.log(2.0))
+    torch.testing.assert_close(lse2 * np.log(2.0), lse_e, rtol=1e-6, atol=1e-6)
+    for m, s in zip(mixed, same):
+        torch.testing.assert_close(m, s, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -237,6 +293,11 @@ def test_gradcheck_through_the_registered_ops():
                                     (o[:, 0], lse[:, 0], sink), **kw)
     assert torch.autograd.gradcheck(lambda a, b, c: attnmerge.merge_share(a, b, 2, sink=c, base=2),
                                     (o[:, 0], lse, sink), **kw)
+    # mixed LSE bases (their gradients converted around the one-base backward)
+    assert torch.autograd.gradcheck(lambda a, b, c, d: attnmerge.merge(a, b, c, d, base=(2, "e"), out_base="e"),
+                                    (o[:, 0], lse[:, 0], o[:, 1], lse[:, 1]), **kw)
+    assert torch.autograd.gradcheck(lambda a, b, c: attnmerge.merge_states(a, b, sink=c, out_base=2), (o, lse, sink),
+                                    **kw)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -292,6 +353,9 @@ def test_opcheck_of_the_backward_ops_and_of_the_differentiable_forwards(rng):
                                                                      None, sink), {})
     torch.library.opcheck(torch.ops.attnmerge.merge.default, (o[:, 0], lse[:, 0], o[:, 1], lse[:, 1]),
                           dict(a_tokens=4, base="2"))
+    torch.library.opcheck(torch.ops.attnmerge.merge.default, (o[:, 0], lse[:, 0], o[:, 1], lse[:, 1]),
+                          dict(base="2,e", out_base="e"))
+    torch.library.opcheck(torch.ops.attnmerge.merge_states.default, (o, lse, None, sink), dict(out_base="2"))
     torch.library.opcheck(torch.ops.attnmerge.merge_varlen.default, (o[:, 0], lse[:, 0], torch.tensor([0, 4, 6])), {})
     torch.library.opcheck(torch.ops.attnmerge.merge_share.default, (o[:, 0], lse, None, sink), dict(index=2))
     torch.library.opcheck(torch.ops.attnmerge.merge_share.default, (o[:, 0], lse.transpose(0, 1)),

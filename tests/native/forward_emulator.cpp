@@ -11,6 +11,7 @@
 //
 // The call's facts (plan.h's CallFacts) are the test's to give, as the C ABI would read them off
 // its tensors or otherwise: a plan for any facts must merge right.
+#include <attnmerge/attnmerge.h>
 #include <attnmerge/merge_kernels.cuh>
 
 #include "emulator.h"
@@ -58,8 +59,18 @@ CallFacts facts(int vec, int access_bytes, int64_t max_offset, int64_t bytes, in
   return f;
 }
 
-OutView out_view(void* o, const int64_t* os, float* l, const int64_t* ls, float inv_scale, const float* scale) {
-  return OutView{o, os[0], os[1], l, l ? ls[0] : 0, l ? ls[1] : 0, inv_scale, scale, false};
+// `bases`: the C ABI's base flags (ATTNMERGE_LSE_BASE2, ATTNMERGE_LSE_B_*, ATTNMERGE_OUT_LSE_*), read
+// as libattnmerge reads them: the inputs' base, and an argument's own where its flag says.
+bool base2_of(int bases, unsigned to_base2, unsigned to_base_e) {
+  return (bases & to_base2) ? true : (bases & to_base_e) ? false : (bases & ATTNMERGE_LSE_BASE2) != 0;
+}
+bool inputs_base2(int bases) { return (bases & ATTNMERGE_LSE_BASE2) != 0; }
+
+OutView out_view(void* o, const int64_t* os, float* l, const int64_t* ls, float inv_scale, const float* scale,
+                 int bases) {
+  OutView v{o, os[0], os[1], l, l ? ls[0] : 0, l ? ls[1] : 0, inv_scale, scale, false};
+  v.lse_scale = base_change(inputs_base2(bases), base2_of(bases, ATTNMERGE_OUT_LSE_BASE2, ATTNMERGE_OUT_LSE_BASE_E));
+  return v;
 }
 
 // The runtime's own check (emulate_runtime_check): each of a block's 64 threads posts its index,
@@ -139,14 +150,15 @@ void emulate_plan(int64_t* fields) {
 // (o_a, lse_a) = (out, out_lse) with b, rows whose token's mask byte is 0 left alone (mask null:
 // none).  O [tokens, heads, head_size] (a: a_tokens tokens), LSEs [tokens, heads], any strides.
 int emulate_merge(int64_t tokens, int64_t a_tokens, int64_t heads, int64_t head_size, int in_dtype, int out_dtype,
-                  int base2, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int tokens_inner,
+                  int bases, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int tokens_inner,
                   int pdl, int in_place, float inv_scale, const float* scale, void* out, const int64_t* out_s,
                   float* out_lse, const int64_t* ol_s, const void* o_a, const int64_t* oa_s, const float* lse_a,
                   const int64_t* la_s, const void* o_b, const int64_t* ob_s, const float* lse_b, const int64_t* lb_s,
                   const uint8_t* mask, int64_t mask_stride) {
-  const MergeShape shape(tokens, heads, head_size, base2 != 0);
+  const MergeShape shape(tokens, heads, head_size, inputs_base2(bases));
   PairSource src{state(o_a, oa_s, lse_a, la_s), state(o_b, ob_s, lse_b, lb_s), a_tokens, mask, mask_stride};
-  OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, scale);
+  src.b_scale = base_change(base2_of(bases, ATTNMERGE_LSE_B_BASE2, ATTNMERGE_LSE_B_BASE_E), inputs_base2(bases));
+  OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, scale, bases);
   dst.lse_in_place = in_place != 0;
   const CallFacts f = facts(vec, access_bytes, max_offset, bytes, tokens_inner, pdl, 0);
   return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);
@@ -156,13 +168,13 @@ int emulate_merge(int64_t tokens, int64_t a_tokens, int64_t heads, int64_t head_
 // out [tokens, heads, head_size], out_lse [tokens, heads] (null: none); sink [heads], `sink_stride`
 // apart (null: none).  groups: CallFacts::groups.
 int emulate_merge_states(int64_t tokens, int64_t states, int64_t heads, int64_t head_size, int in_dtype, int out_dtype,
-                         int base2, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int groups,
+                         int bases, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int groups,
                          float inv_scale, void* out, const int64_t* out_s, float* out_lse, const int64_t* ol_s,
                          const void* o, const int64_t* o_s, const float* lse, const int64_t* l_s, const float* sink,
                          int64_t sink_stride) {
-  const MergeShape shape(tokens, heads, head_size, base2 != 0);
+  const MergeShape shape(tokens, heads, head_size, inputs_base2(bases));
   const StackSource src{o, o_s[0], o_s[1], o_s[2], lse, l_s[0], l_s[1], l_s[2], states, SinkView{sink, sink_stride}};
-  const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr);
+  const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr, bases);
   const CallFacts f = facts(vec, access_bytes, max_offset, bytes, 0, 0, groups);
   return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);
 }
@@ -170,13 +182,13 @@ int emulate_merge_states(int64_t tokens, int64_t states, int64_t heads, int64_t 
 // A state's share of the N-way merge: o [tokens, heads, head_size] (state `index`'s O), lse
 // [tokens, states, heads], any strides; out, out_lse and the sink as for the N-way merge.
 int emulate_merge_share(int64_t tokens, int64_t states, int64_t heads, int64_t head_size, int in_dtype, int out_dtype,
-                        int base2, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int groups,
+                        int bases, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int groups,
                         float inv_scale, void* out, const int64_t* out_s, float* out_lse, const int64_t* ol_s,
                         const void* o, const int64_t* o_s, const float* lse, const int64_t* l_s, int64_t index,
                         const float* sink, int64_t sink_stride) {
-  const MergeShape shape(tokens, heads, head_size, base2 != 0);
+  const MergeShape shape(tokens, heads, head_size, inputs_base2(bases));
   const ShareSource src{{o, o_s[0], 0, o_s[1], lse, l_s[0], l_s[1], l_s[2], states, SinkView{sink, sink_stride}}, index};
-  const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr);
+  const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr, bases);
   const CallFacts f = facts(vec, access_bytes, max_offset, bytes, 0, 0, groups);
   return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);
 }
@@ -185,14 +197,14 @@ int emulate_merge_share(int64_t tokens, int64_t states, int64_t heads, int64_t h
 // indptr[r + 1]) of o [total, heads, head_size] and lse [total, heads]; indptr int64 or int32
 // (indptr64), `indptr_stride` elements apart; the sink as for the N-way merge.
 int emulate_merge_varlen(int64_t rows, int64_t total, int64_t heads, int64_t head_size, int in_dtype, int out_dtype,
-                         int base2, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int groups,
+                         int bases, int vec, int access_bytes, int sms, int64_t max_offset, int64_t bytes, int groups,
                          float inv_scale, void* out, const int64_t* out_s, float* out_lse, const int64_t* ol_s,
                          const void* o, const int64_t* o_s, const float* lse, const int64_t* l_s, const void* indptr,
                          int64_t indptr_stride, int indptr64, const float* sink, int64_t sink_stride) {
-  const MergeShape shape(rows, heads, head_size, base2 != 0);
+  const MergeShape shape(rows, heads, head_size, inputs_base2(bases));
   const RangeSource src{
       o, o_s[0], o_s[1], lse, l_s[0], l_s[1], indptr, indptr_stride, indptr64 != 0, total, SinkView{sink, sink_stride}};
-  const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr);
+  const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr, bases);
   const CallFacts f = facts(vec, access_bytes, max_offset, bytes, 0, 0, groups);
   return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);
 }

@@ -30,9 +30,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from emulators import CODES, ORDERS, build, check, compiled_types, launches, order, pointers, widest_vec
+from attnmerge._merge import lse_flags
 from oracle import (assert_fp8_close, assert_lse_close, assert_merge_matches, clamp_indptr, fp8_dtype, nan_array,
-                    outside_view_is_nan, random_lse, random_o, reference_merge, reference_merge_ranges,
-                    reference_merge_share, reference_merge_stacked, reference_merge_varlen, strided_view, to_f64)
+                    natural, outside_view_is_nan, random_lse, random_o, rebased, reference_merge,
+                    reference_merge_ranges, reference_merge_share, reference_merge_stacked, reference_merge_varlen,
+                    strided_view, to_f64)
 from test_backward import layouts
 from test_merge_varlen import BAD_INDPTR
 
@@ -100,8 +102,14 @@ def facts(data, vec, itemsizes):
 
 
 def head(sizes, in_dtype, out_dtype, base, fact):
-    """The arguments every emulate_* call starts with: its sizes, dtypes, LSE base and facts."""
-    return [ctypes.c_int64(v) for v in sizes] + [CODES[in_dtype], CODES[out_dtype], int(base == 2), *fact]
+    """The arguments every emulate_* call starts with: its sizes, dtypes, LSE bases and facts.  base:
+    'e' or 2 for every LSE, or (a's, b's, the merged LSE's): the C ABI's flags for them."""
+    flags = lse_flags(base[:2], base[2], pair=True) if isinstance(base, tuple) else int(base == 2)
+    return [ctypes.c_int64(v) for v in sizes] + [CODES[in_dtype], CODES[out_dtype], flags, *fact]
+
+
+# LSE bases drawn for a call: (a's, b's, the merged LSE's), mixed (attnmerge.h's mixed bases) or not.
+BASES = st.tuples(*(st.sampled_from(("e", 2)),) * 3)
 
 
 def sink_args(data, rng, heads, tail):
@@ -230,12 +238,14 @@ def test_merge(emu, data):
     if out_dtype == "float8_e4m3fn":
         fp8_dtype()
     a_tokens = data.draw(st.sampled_from((t, t, 0, t // 2)))
-    base = data.draw(st.sampled_from(("e", 2)))
+    base = data.draw(BASES)  # mixed bases: not the plain kernels' case
     tail = data.draw(st.booleans())
     o_a, o_b = random_o(rng, (t, h, d), in_dtype), random_o(rng, (t, h, d), in_dtype)
     lse_a, lse_b = random_lse(rng, (t, h)), random_lse(rng, (t, h))
     empties(rng, lse_a, o_a, 0.2)
-    ref = reference_merge(o_a, lse_a, o_b, lse_b, base=base, a_tokens=a_tokens)
+    empties(rng, lse_b, o_b, 0.1)
+    ref = rebased(reference_merge(o_a, natural(lse_a, base[0]), o_b, natural(lse_b, base[1]), a_tokens=a_tokens),
+                  base[2])
     dense = data.draw(st.booleans())  # the flat kernel's layout, else any
     lay = (lambda n: dict()) if dense else (lambda n: data.draw(layouts(n, n == 3)))
     va, _ = placed(o_a[:a_tokens], lay(3), tail)
@@ -274,13 +284,15 @@ def test_merge_inplace(emu, data):
     d = data.draw(st.sampled_from((1, 8, 24, 80, 128, 512, 2056)))
     dtype = data.draw(st.sampled_from(("float32", "float16", "bfloat16")))
     h = enough_heads(h, t, d, dtype)
-    base, tail = data.draw(st.sampled_from(("e", 2))), data.draw(st.booleans())
+    tail = data.draw(st.booleans())
+    base = data.draw(BASES)
+    base = (*base[:2], base[0])  # the merged LSE replaces lse, in lse's base
     o, o_other = random_o(rng, (t, h, d), dtype), random_o(rng, (t, h, d), dtype)
     lse, lse_other = random_lse(rng, (t, h)), random_lse(rng, (t, h))
     empties(rng, lse_other, o_other, 0.2)
     masked = data.draw(st.booleans())
     mask = (rng.random(t) < 0.5).astype(np.uint8) if masked else None
-    ref_o, ref_lse = reference_merge(o, lse, o_other, lse_other, base=base)
+    ref_o, ref_lse = rebased(reference_merge(o, natural(lse, base[0]), o_other, natural(lse_other, base[1])), base[0])
     if masked:
         keep = mask == 0
         ref_o[keep], ref_lse[keep] = to_f64(o[keep]), to_f64(lse[keep])
@@ -320,13 +332,15 @@ def test_merge_states(emu, data):
     h = enough_heads(h, t, d, out_dtype)
     if out_dtype == "float8_e4m3fn":
         fp8_dtype()
-    base, tail = data.draw(st.sampled_from(("e", 2))), data.draw(st.booleans())
+    base, tail = data.draw(BASES), data.draw(st.booleans())
+    base = (base[0], base[0], base[2])  # one base for the states, the merged LSE's own
     o, lse = random_o(rng, (t, s, h, d), in_dtype), random_lse(rng, (t, s, h))
     empties(rng, lse, o, data.draw(st.sampled_from((0.0, 0.3, 1.0))))
     if t and s and data.draw(st.booleans()):  # a NaN LSE late in a row: the row is NaN
         lse[rng.integers(t), rng.integers(s), rng.integers(h)] = np.nan
     sink, _sink_alive, sink_ptr = sink_args(data, rng, h, tail)
-    ref = reference_merge_stacked(o, lse, base=base, sink=sink)
+    ref = rebased(reference_merge_stacked(o, natural(lse, base[0]), sink=None if sink is None else natural(
+        sink, base[0])), base[2])
     vo, _ = placed(o, data.draw(layouts(4, True)), tail)
     vl, _ = placed(lse, data.draw(layouts(3, False)), tail)
     out, obuf = out_buffers((t, h, d), out_dtype, data.draw(layouts(3, True)), tail)
@@ -358,7 +372,8 @@ def test_merge_share(emu, data):
     h = enough_heads(h, t, d, out_dtype)
     if out_dtype == "float8_e4m3fn":
         fp8_dtype()
-    base, tail = data.draw(st.sampled_from(("e", 2))), data.draw(st.booleans())
+    base, tail = data.draw(BASES), data.draw(st.booleans())
+    base = (base[0], base[0], base[2])
     o, lse = random_o(rng, (t, h, d), in_dtype), random_lse(rng, (t, s, h))
     stacked = np.repeat(o[:, None], s, axis=1)  # empties() marks states and poisons their O: index's is o's
     empties(rng, lse, stacked, data.draw(st.sampled_from((0.0, 0.3, 1.0))))
@@ -366,7 +381,8 @@ def test_merge_share(emu, data):
     if t and data.draw(st.booleans()):  # a NaN LSE of any state: the row is NaN
         lse[rng.integers(t), rng.integers(s), rng.integers(h)] = np.nan
     sink, _sink_alive, sink_ptr = sink_args(data, rng, h, tail)
-    ref = reference_merge_share(o, lse, index, base=base, sink=sink)
+    ref = rebased(reference_merge_share(o, natural(lse, base[0]), index, sink=None if sink is None else natural(
+        sink, base[0])), base[2])
     vo, _ = placed(o, data.draw(layouts(3, True)), tail)
     vl, _ = placed(lse, data.draw(layouts(3, False)), tail)
     out, obuf = out_buffers((t, h, d), out_dtype, data.draw(layouts(3, True)), tail)
@@ -400,11 +416,13 @@ def test_merge_varlen(emu, data):
     h = enough_heads(h, len(counts), d, out_dtype)
     if out_dtype == "float8_e4m3fn":
         fp8_dtype()
-    base, tail = data.draw(st.sampled_from(("e", 2))), data.draw(st.booleans())
+    base, tail = data.draw(BASES), data.draw(st.booleans())
+    base = (base[0], base[0], base[2])
     o, lse = random_o(rng, (total, h, d), in_dtype), random_lse(rng, (total, h))
     empties(rng, lse, o, 0.2)
     sink, _sink_alive, sink_ptr = sink_args(data, rng, h, tail)
-    ref = reference_merge_varlen(o, lse, indptr, base=base, sink=sink)
+    ref = rebased(reference_merge_varlen(o, natural(lse, base[0]), indptr, sink=None if sink is None else natural(
+        sink, base[0])), base[2])
     vo, _ = placed(o, data.draw(layouts(3, True)), tail)
     vl, _ = placed(lse, data.draw(layouts(2, False)), tail)
     rows = len(counts)

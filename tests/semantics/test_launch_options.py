@@ -86,7 +86,7 @@ def test_an_unknown_option_flag_is_still_refused(rng):
     o_a, lse_a, o_b, lse_b = _states(rng, tokens=3, heads=2, head_size=8)
     out, out_lse = nan_array(o_a.shape), nan_array(lse_a.shape)
     T = c_abi.tensor_from
-    status = c_abi.merge(T(out), T(out_lse), T(o_a), T(lse_a), T(o_b), T(lse_b), c_abi.options(flags=16))
+    status = c_abi.merge(T(out), T(out_lse), T(o_a), T(lse_a), T(o_b), T(lse_b), c_abi.options(flags=1 << 8))
     assert status == c_abi.ERROR_VALUE and "options.flags" in c_abi.last_error()
     assert np.isnan(out).all() and np.isnan(out_lse).all()
 

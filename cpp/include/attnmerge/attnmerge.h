@@ -123,6 +123,22 @@ typedef struct attnmerge_tensor {
  * it to finish before it reads anything, so that its launch latency overlaps that kernel's tail.
  * The results are those of a plain launch. */
 #define ATTNMERGE_PDL 8u
+/* Mixed LSE bases: the base of one LSE argument, whatever ATTNMERGE_LSE_BASE2 says of the others
+ * (a flag that names the base the call has anyway changes nothing; both of a pair are refused).
+ * Engines differ (FlashInfer writes base-2 LSEs, FlashAttention natural ones), and converting an
+ * LSE is a launch of its own at decode sizes.  The merge converts in float32: the second state's
+ * LSE into the first's base before the merge (one multiplication by ln 2 or log2 e, one rounding),
+ * the merged LSE into its base after it.
+ *   LSE_B_*: lse_b of the two-way merge, lse_other of the in-place merge (the in-place merge's
+ *            merged LSE replaces lse, in lse's base);
+ *   OUT_LSE_*: out_lse of the two-way, N-way and variable-length merges and of the share (the
+ *            sink is in the inputs' base; the merged LSE counts it, then is converted).
+ * The backwards take one base for every LSE (ATTNMERGE_LSE_BASE2 or not) and refuse these flags:
+ * convert the forward's LSEs first (a gradient through lse' = c lse is c dlse'). */
+#define ATTNMERGE_LSE_B_BASE2 16u
+#define ATTNMERGE_LSE_B_BASE_E 32u
+#define ATTNMERGE_OUT_LSE_BASE2 64u
+#define ATTNMERGE_OUT_LSE_BASE_E 128u
 
 /* The caller's name for one argument (attnmerge_options.arg_names): `arg` is its name in this
  * header ("o_a", "lse_b", "mask", "grad_out", ...; or "a_tokens" and "output_scale", the options

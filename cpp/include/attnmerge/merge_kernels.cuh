@@ -285,6 +285,9 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
     writes_lse = k == 0 && lse_dst != nullptr;
   }
   RowMerge r(shape.base2);
+  // The merged LSE as the output takes it (OutView::lse_value): a plain source has one base, the
+  // plan's condition, so its kernels do not multiply by 1.
+  const auto merged_lse = [&] { return Source::kPlain ? r.lse() : out.lse_value(r.lse()); };
   const float factor = Source::kPlain ? out.inv_scale : out.inverse_scale();
   float acc[VEC] = {};
   if (kFew || n <= kChunk) {  // one round trip, the weights from the row's own max
@@ -299,8 +302,8 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
       if (!live) return;
     }
     if constexpr (kLanes) sync_row_lanes(static_cast<int>(shape.packs));
-    const float merged_lse = r.lse();  // computed unconditionally: a store under a predicate, no branch
-    if (writes_lse) *lse_dst = merged_lse;  // its latency hidden behind the O math
+    const float lse_v = merged_lse();  // computed unconditionally: a store under a predicate, no branch
+    if (writes_lse) *lse_dst = lse_v;  // its latency hidden behind the O math
 #pragma unroll
     for (int c = 0; c < kChunk; ++c)
       if (c < n) accumulate(acc, o[c], r.scale(w[c]), w[c]);
@@ -309,7 +312,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
         n, l, o, [&](int s) { return states.lse_ptr(s); }, [&](int s) { return states.template o_at<TIn>(s); }, stream,
         r, acc, sink);
     r.finish(factor);
-    if (writes_lse) *lse_dst = r.lse();
+    if (writes_lse) *lse_dst = merged_lse();
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] *= r.inv;
   }

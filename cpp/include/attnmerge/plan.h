@@ -255,7 +255,8 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     // a tile would mostly be padding.
     if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
     s.stream = plan_detail::stream_o(src, facts.bytes, s.tile_shift < 0);
-    const bool plain = src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr;
+    const bool plain = src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr && src.b_scale == 1.0f &&
+                       out.lse_scale == 1.0f;  // PlainPairSource has one base
     // Flat rows: dense heads and the same row strides in every view (PlainPairSource's kFlatRows).
     const bool dense = plan.index32 && flattens(src.a, s.heads) && flattens(src.b, s.heads) && flattens(out, s.heads) &&
                        same_rows(src.a, src.b) && same_rows(src.a, out);

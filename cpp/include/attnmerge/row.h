@@ -13,6 +13,13 @@ namespace attnmerge {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// The factor that turns an LSE of one base into the other's (mixed bases: attnmerge.h's
+// ATTNMERGE_LSE_B_* and ATTNMERGE_OUT_LSE_*): exactly 1 where the bases agree, so that a call of
+// one base multiplies by 1 and its results keep every bit.
+ATTNMERGE_HD constexpr float base_change(bool from_base2, bool to_base2) {
+  return from_base2 == to_base2 ? 1.0f : from_base2 ? kLn2 : kLog2e;
+}
+
 // 2^x and log2(x).  On the device, the hardware's approximations (relative error near 2^-22,
 // below a float32 ulp of any LSE that matters; subnormal weights flush to 0, which only drops
 // parts already 2^-126 below the largest): each is one instruction where the exact versions

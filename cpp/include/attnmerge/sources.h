@@ -70,6 +70,9 @@ struct PairSource {
   int64_t a_tokens;
   const uint8_t* mask;  // may be null
   int64_t mask_stride;
+  // b's LSEs into a's base (base_change): 1 but for ATTNMERGE_LSE_B_*, which only this source
+  // takes (the plan gives such calls no plain kernel).
+  float b_scale = 1.0f;
 
   struct Row {
     const void* o[2];
@@ -97,7 +100,7 @@ struct PairSource {
     r.o[1] = b.o_at<T>(token, head, at);
     r.o[0] = has_a ? a.o_at<T>(token_a, head, at) : r.o[1];  // no a: weight 0, b's row stands in
     r.l[0] = has_a ? a.lse_at(token_a, head) : -INFINITY;
-    r.l[1] = take ? b.lse_at(token, head) : -INFINITY;
+    r.l[1] = take ? b.lse_at(token, head) * b_scale : -INFINITY;
     return r;
   }
 };

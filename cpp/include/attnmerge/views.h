@@ -104,6 +104,9 @@ struct OutView {
   // and one writes the merged LSE: on the GPU after a block barrier, or in a second launch where a
   // row spans blocks (the launch plan's choice, plan.h).
   bool lse_in_place;
+  // The merged LSE's base from the inputs' (base_change): 1 but for ATTNMERGE_OUT_LSE_*, which the
+  // in-place merge does not take (its LSE stays lse's), nor do the plain kernels (the plan's).
+  float lse_scale = 1.0f;
 
   ATTNMERGE_HD float inverse_scale() const { return scale != nullptr ? 1.0f / *scale : inv_scale; }
 
@@ -122,9 +125,11 @@ struct OutView {
   ATTNMERGE_HD float* lse_at(I token, I head) const {
     return lse != nullptr ? lse_row(token, head) : nullptr;
   }
+  // The merged LSE `v`, in the inputs' base, as the output takes it.
+  ATTNMERGE_HD float lse_value(float v) const { return v * lse_scale; }
   template <typename I>
   ATTNMERGE_HD void store_lse(I token, I head, float v) const {
-    if (float* p = lse_at(token, head)) *p = v;
+    if (float* p = lse_at(token, head)) *p = lse_value(v);
   }
 };
 
