@@ -49,7 +49,9 @@ LSE = frozenset({FLOAT32})
 MASK = frozenset({UINT8, BOOL})
 INDEX = frozenset({INT32, INT64})
 SIZE = c_abi.dtype_sizes()
-ALLOWED_FLAGS = {"merge": 15, "inplace": 11, "states": 9, "varlen": 9, "share": 9,  # PDL (8) everywhere
+B_BASES, OUT_BASES = c_abi.LSE_B_BASE2 | c_abi.LSE_B_BASE_E, c_abi.OUT_LSE_BASE2 | c_abi.OUT_LSE_BASE_E
+ALLOWED_FLAGS = {"merge": 15 | B_BASES | OUT_BASES, "inplace": 11 | B_BASES, "states": 9 | OUT_BASES,  # PDL (8)
+                 "varlen": 9 | OUT_BASES, "share": 9 | OUT_BASES,  # everywhere; mixed bases in the forwards
                  "merge_backward": 15, "states_backward": 9, "varlen_backward": 9}
 BACKWARD = {"merge_backward": c_abi.merge_backward, "states_backward": c_abi.merge_states_backward,
             "varlen_backward": c_abi.merge_varlen_backward}
@@ -481,6 +483,8 @@ def must_fail(call):
     if o is not None:
         if o.flags & ~ALLOWED_FLAGS[op]:
             reasons.append("options.flags")
+        elif (o.flags & B_BASES) == B_BASES or (o.flags & OUT_BASES) == OUT_BASES:
+            reasons.append("options.flags: both bases of one argument")
         if op in BACKWARD and (o.output_scale not in (0.0, 1.0) or bool(o.output_scale_ptr)):
             reasons.append("output_scale in a backward (no FP8 output has a gradient)")
         if op not in BACKWARD and out is not None and out.dtype in OUT:

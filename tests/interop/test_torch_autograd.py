@@ -316,6 +316,21 @@ def test_compiled_gradients_are_the_eager_ones(rng, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_compiled_mixed_bases_gradients_are_the_eager_ones(rng, device):
+    x = [put(v, device) for v in (random_o(rng, (5, 2, 32)), random_lse(rng, (5, 2)),
+                                  random_o(rng, (5, 2, 32)), random_lse(rng, (5, 2)))]
+
+    def loss(*a):
+        out, out_lse = attnmerge.merge(*a, base=(2, "e"), out_base="e")
+        return (out * out).sum() + out_lse.sum()
+
+    eager = torch.autograd.grad(loss(*x), x)
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(*x), x)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(e, c, rtol=1e-6, atol=1e-7)  # the conversions are torch ops: fusable
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_compiled_sink_gradients_are_the_eager_ones(rng, device):
     x = [put(v, device) for v in (random_o(rng, (5, 3, 2, 32)), random_lse(rng, (5, 3, 2)), random_lse(rng, (2,)))]
 

@@ -203,6 +203,22 @@ def test_the_c_abi_refuses_both_bases_of_one_argument_before_any_write(rng, flag
     assert np.isnan(out).all()
 
 
+@pytest.mark.parametrize("base2", (False, True))
+def test_c_abi_flags_that_name_the_calls_own_base_change_no_bit(rng, base2):
+    """LSE_B_* and OUT_LSE_* naming the base the call has anyway: the results of a call without them."""
+    same = (c_abi.LSE_B_BASE2 | c_abi.OUT_LSE_BASE2) if base2 else (c_abi.LSE_B_BASE_E | c_abi.OUT_LSE_BASE_E)
+    base = c_abi.LSE_BASE2 if base2 else 0
+    o_a, lse_a, o_b, lse_b = random_o(rng, (5, 3, 16)), random_lse(rng, (5, 3)), random_o(rng, (5, 3, 16)), random_lse(
+        rng, (5, 3))
+    results = []
+    for flags in (base, base | same):
+        out, out_lse = np.full_like(o_a, np.nan), np.full_like(lse_a, np.nan)
+        tensors = [c_abi.tensor_from(x) for x in (out, out_lse, o_a, lse_a, o_b, lse_b)]
+        assert c_abi.merge(*tensors, c_abi.options(flags)) == c_abi.SUCCESS, c_abi.last_error()
+        results.append((out, out_lse))
+    assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
+
+
 @pytest.mark.parametrize("flags", [c_abi.LSE_B_BASE2, c_abi.OUT_LSE_BASE_E])
 def test_the_c_abi_backward_takes_one_base(rng, flags):
     """The backward takes every LSE in one base: its caller converts (a gradient through lse' = c lse

@@ -1,0 +1,84 @@
+"""Mixed LSE bases on a GPU (bf16, 32 heads, head size 128): what a call whose LSEs come in two bases
+costs against one in a single base, and against converting the LSE first (a launch of its own):
+
+    merge(..., base=2)                   one base: the plain two-way kernel
+    merge(..., base=(2, "e"))            b's LSE converted as it is read: the general kernel
+    lse_b * log2(e); merge(..., base=2)  the conversion a caller would launch without mixed bases
+    merge_states(..., base=2) / (..., out_base="e")   the merged LSE converted as it is stored
+
+CUDA graph replay, input sets rotated past L2, the median of 3 alternations.  Needs PyTorch with
+CUDA.
+
+    python benchmarks/lse_bases_time.py
+"""
+
+import math
+
+import torch
+
+import attnmerge
+from attnmerge.bench.timing import graph_us, input_sets
+
+HEADS, HEAD_SIZE = 32, 128
+PAIR_TOKENS = (1, 16, 512, 8192)
+STATES_CASES = [(16, 64), (8192, 4)]  # (tokens, S)
+
+
+def median3(fns, sets):
+    times = [[] for _ in fns]
+    for _ in range(3):
+        for t, fn in zip(times, fns):
+            t.append(graph_us(torch, fn, sets))
+    return [sorted(t)[1] for t in times]
+
+
+def pairs():
+    log2e = 1.0 / math.log(2.0)
+    for tokens in PAIR_TOKENS:
+        nbytes = 3 * tokens * HEADS * HEAD_SIZE * 2
+        sets = []
+        for _ in range(input_sets(nbytes)):
+            o_a, o_b, out = (torch.randn(tokens, HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16)
+                             for _ in range(3))
+            lse_a, lse_b, out_lse, conv = (torch.randn(tokens, HEADS, device="cuda") for _ in range(4))
+            sets.append((o_a, lse_a, o_b, lse_b, out, out_lse, conv))
+
+        def one(o_a, lse_a, o_b, lse_b, out, out_lse, conv):
+            attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse, base=2)
+
+        def mixed(o_a, lse_a, o_b, lse_b, out, out_lse, conv):
+            attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse, base=(2, "e"))
+
+        def converted(o_a, lse_a, o_b, lse_b, out, out_lse, conv):
+            torch.mul(lse_b, log2e, out=conv)
+            attnmerge.merge(o_a, lse_a, o_b, conv, out=out, out_lse=out_lse, base=2)
+
+        a, b, c = median3((one, mixed, converted), sets)
+        print(f"merge {tokens} tokens: one base {a:.2f} us, mixed {b:.2f} us ({b / a:.3f}x), converted first "
+              f"{c:.2f} us ({c / a:.3f}x)", flush=True)
+
+
+def states():
+    for tokens, s in STATES_CASES:
+        nbytes = (s + 1) * tokens * HEADS * HEAD_SIZE * 2
+        sets = []
+        for _ in range(input_sets(nbytes)):
+            o = torch.randn(tokens, s, HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16)
+            lse = torch.randn(tokens, s, HEADS, device="cuda")
+            sets.append((o, lse, torch.empty(tokens, HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16),
+                         torch.empty(tokens, HEADS, device="cuda")))
+
+        def one(o, lse, out, out_lse):
+            attnmerge.merge_states(o, lse, out=out, out_lse=out_lse, base=2)
+
+        def other_out(o, lse, out, out_lse):
+            attnmerge.merge_states(o, lse, out=out, out_lse=out_lse, base=2, out_base="e")
+
+        a, b = median3((one, other_out), sets)
+        print(f"merge_states {tokens} tokens, S = {s}: one base {a:.2f} us, out_base 'e' {b:.2f} us "
+              f"({b / a:.3f}x)", flush=True)
+
+
+if __name__ == "__main__":
+    pairs()
+    states()
