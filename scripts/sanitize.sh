@@ -3,8 +3,9 @@
 # machine where attnmerge is already installed (run scripts/gpu-test.sh first).  One line per tool
 # with its error summary; the exit status is 1 if any tool reported an error or failed to finish.
 #
-#   SANITIZE_TESTS    test files (default: the semantic suites of the five ops, FP8 outputs and sinks, run
-#                     on their `cuda` device by -m gpu, and the GPU interop, compat and raw tests)
+#   SANITIZE_TESTS    test files (default: the semantic suites of the five ops, FP8 outputs, sinks and
+#                     mixed LSE bases, run on their `cuda` device by -m gpu, and the GPU interop, compat
+#                     and raw tests)
 #   SANITIZE_K        pytest -k filter (default: PyTorch only, no multi-GiB tests)
 #   SANITIZE_TIMEOUT  seconds per tool (default 900)
 #   SANITIZE_TOOLS    the tools to run (default: memcheck racecheck initcheck synccheck); one
@@ -16,7 +17,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
 SEMANTICS="tests/semantics/test_merge.py tests/semantics/test_merge_inplace.py tests/semantics/test_merge_states.py
   tests/semantics/test_merge_varlen.py tests/semantics/test_merge_share.py tests/semantics/test_fp8_outputs.py
-  tests/semantics/test_sinks.py"
+  tests/semantics/test_sinks.py tests/semantics/test_lse_bases.py"
 INTEROP="tests/interop/test_gpu_arrays.py tests/interop/test_cuda_graphs.py tests/interop/test_streams.py
   tests/interop/test_devices.py tests/compat tests/abi/test_raw_pointers.py"
 TESTS="${SANITIZE_TESTS:-$SEMANTICS $INTEROP}"

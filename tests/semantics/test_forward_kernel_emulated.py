@@ -270,6 +270,8 @@ def test_merge(emu, data):
         [obuf] + ([lbuf] if with_lse else []), data.draw(st.integers(0, 1000)))
     assert_out(out, out_lse, ref, out_dtype, inv_scale)
     assert outside_view_is_nan(out, obuf) and (not with_lse or outside_view_is_nan(out_lse, lbuf))
+    if base[1] != base[0] or base[2] != base[0]:  # PlainPairSource has one base
+        assert not plan(emu)["plain"]
 
 
 # ---- the in-place merge --------------------------------------------------------------------------
@@ -316,6 +318,8 @@ def test_merge_inplace(emu, data):
         ctypes.c_void_p(vm.ctypes.data) if masked else None, ctypes.c_int64(step)))
     assert_merge_matches(vo, vl, (ref_o, ref_lse), dtype)
     assert outside_view_is_nan(vo, bo) and outside_view_is_nan(vl, bl)
+    if base[1] != base[0]:  # PlainPairSource has one base
+        assert not plan(emu)["plain"]
 
 
 # ---- the N-way merge -----------------------------------------------------------------------------

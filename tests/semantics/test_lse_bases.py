@@ -76,6 +76,20 @@ def test_mixed_bases_with_a_tokens_and_lses_laid_out_heads_first(rng, device, a,
     assert_merge_matches(*got, ref, "float32")
 
 
+@pytest.mark.parametrize("a,b,out", [(2, "e", "e"), ("e", 2, 2), ("e", "e", 2)])
+def test_a_two_way_merge_written_over_its_first_state_in_another_base(rng, device, a, b, out):
+    """out = o_a and out_lse = lse_a: the merged LSE written over an input's, in the same launch on
+    the GPU (every lane of a row reads the old one first), converted into out_base."""
+    t, h, d = 19, 4, 128
+    o_a, o_b = random_o(rng, (t, h, d), "bfloat16"), random_o(rng, (t, h, d), "bfloat16")
+    lse_a, lse_b = random_lse(rng, (t, h)), random_lse(rng, (t, h))
+    special_rows(rng, lse_a, lse_b)
+    ref = rebased(reference_merge(o_a, natural(lse_a, a), o_b, natural(lse_b, b)), out)
+    da, dla = device.put(o_a), device.put(lse_a)
+    attnmerge.merge(da, dla, device.put(o_b), device.put(lse_b), out=da, out_lse=dla, base=(a, b), out_base=out)
+    assert_merge_matches(device.get(da), device.get(dla), ref, "bfloat16")
+
+
 def test_bases_spelled_out_that_agree_change_no_bit(rng, device):
     o_a, lse_a, o_b, lse_b = (random_o(rng, (9, 4, 72), "float16"), random_lse(rng, (9, 4)),
                               random_o(rng, (9, 4, 72), "float16"), random_lse(rng, (9, 4)))
