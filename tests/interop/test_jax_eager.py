@@ -23,6 +23,8 @@ from oracle import (
     random_stacked,
     random_pair,
     random_state,
+    natural,
+    rebased,
     reference_merge,
     reference_merge_share,
     reference_merge_stacked,
@@ -49,6 +51,24 @@ def is_jax(x):
 
 
 # ---- the road: attnmerge.jax ----------------------------------------------------------------------
+
+
+@needs_extension
+def test_mixed_bases_take_the_road_too(rng):
+    o_a, lse_a, o_b, lse_b = pair(rng)
+    out, out_lse = attnmerge.merge(*put(o_a, lse_a, o_b, lse_b), base=(2, "e"), out_base="e")
+    ref = rebased(reference_merge(o_a, natural(lse_a, 2), o_b, natural(lse_b, "e")), "e")
+    assert is_jax(out) and is_jax(out_lse)
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), ref, "float32")
+    o, lse = random_stacked(rng, 6, 3, 2, 16)
+    for fn, args, ref in [
+        (attnmerge.merge_states, put(o, lse), reference_merge_stacked(o, lse)),
+        (attnmerge.merge_varlen, put(o[:, 0], lse[:, 0], np.array([0, 2, 6], np.int32)),
+         reference_merge_varlen(o[:, 0], lse[:, 0], np.array([0, 2, 6]))),
+        (attnmerge.merge_share, [*put(o[:, 1], lse), 1], reference_merge_share(o[:, 1], lse, 1)),
+    ]:
+        out, out_lse = fn(*args, out_base=2)
+        assert_merge_matches(np.asarray(out), np.asarray(out_lse), rebased(ref, 2), "float32")
 
 
 @needs_extension
