@@ -17,19 +17,11 @@ import math
 import torch
 
 import attnmerge
-from attnmerge.bench.timing import graph_us, input_sets
+from attnmerge.bench.timing import alternated_graph_us, input_sets
 
 HEADS, HEAD_SIZE = 32, 128
 PAIR_TOKENS = (1, 16, 512, 8192)
 STATES_CASES = [(16, 64), (8192, 4)]  # (tokens, S)
-
-
-def median3(fns, sets):
-    times = [[] for _ in fns]
-    for _ in range(3):
-        for t, fn in zip(times, fns):
-            t.append(graph_us(torch, fn, sets))
-    return [sorted(t)[1] for t in times]
 
 
 def pairs():
@@ -53,7 +45,7 @@ def pairs():
             torch.mul(lse_b, log2e, out=conv)
             attnmerge.merge(o_a, lse_a, o_b, conv, out=out, out_lse=out_lse, base=2)
 
-        a, b, c = median3((one, mixed, converted), sets)
+        a, b, c = alternated_graph_us(torch, (one, mixed, converted), sets)
         print(f"merge {tokens} tokens: one base {a:.2f} us, mixed {b:.2f} us ({b / a:.3f}x), converted first "
               f"{c:.2f} us ({c / a:.3f}x)", flush=True)
 
@@ -74,7 +66,7 @@ def states():
         def other_out(o, lse, out, out_lse):
             attnmerge.merge_states(o, lse, out=out, out_lse=out_lse, base=2, out_base="e")
 
-        a, b = median3((one, other_out), sets)
+        a, b = alternated_graph_us(torch, (one, other_out), sets)
         print(f"merge_states {tokens} tokens, S = {s}: one base {a:.2f} us, out_base 'e' {b:.2f} us "
               f"({b / a:.3f}x)", flush=True)
 

@@ -9,7 +9,7 @@ sets rotated past L2, the median of 3 alternations.  Needs PyTorch with CUDA.
 import torch
 
 import attnmerge
-from attnmerge.bench.timing import graph_us, input_sets
+from attnmerge.bench.timing import alternated_graph_us, input_sets
 
 HEADS, HEAD_SIZE = 32, 128
 CASES = [(1, 8), (16, 8), (16, 64), (128, 8), (2048, 8), (8192, 4)]  # (tokens, S)
@@ -31,14 +31,9 @@ def main():
         def pair(o, lse, out, out_lse):
             attnmerge.merge(o, lse[0], o, lse[-1], out=out, out_lse=out_lse)
 
-        a, b = [], []
-        for _ in range(3):
-            a.append(graph_us(torch, share, sets))
-            b.append(graph_us(torch, pair, sets))
-        a.sort()
-        b.sort()
+        a, b = alternated_graph_us(torch, (share, pair), sets)
         floor = 2.04 + nbytes / 4.37e6
-        print(f"{tokens} tokens, S = {states}: merge_share {a[1]:.2f} us, two-way merge {b[1]:.2f} us, "
+        print(f"{tokens} tokens, S = {states}: merge_share {a:.2f} us, two-way merge {b:.2f} us, "
               f"floor {floor:.2f} us ({nbytes / 1e6:.2f} MB)", flush=True)
 
 

@@ -8,7 +8,7 @@ alternations.  Needs PyTorch with CUDA.
 import torch
 
 import attnmerge
-from attnmerge.bench.timing import graph_us, input_sets
+from attnmerge.bench.timing import alternated_graph_us, input_sets
 
 HEADS, HEAD_SIZE = 32, 128
 CASES = [(16, 16), (16, 64), (16, 128), (128, 16), (128, 64), (8192, 2), (8192, 4), (8192, 64)]  # (tokens, S)
@@ -31,14 +31,8 @@ def main():
         def sunk(o, lse, out, out_lse):
             attnmerge.merge_states(o, lse, out=out, out_lse=out_lse, sink=sink)
 
-        a, b = [], []
-        for _ in range(3):
-            a.append(graph_us(torch, plain, sets))
-            b.append(graph_us(torch, sunk, sets))
-        a.sort()
-        b.sort()
-        print(f"{tokens} tokens, S = {states}: no sink {a[1]:.2f} us, a sink {b[1]:.2f} us, ratio {b[1] / a[1]:.3f}",
-              flush=True)
+        a, b = alternated_graph_us(torch, (plain, sunk), sets)
+        print(f"{tokens} tokens, S = {states}: no sink {a:.2f} us, a sink {b:.2f} us, ratio {b / a:.3f}", flush=True)
 
 
 if __name__ == "__main__":

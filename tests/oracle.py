@@ -75,8 +75,9 @@ def to_f64(x) -> np.ndarray:
 
 def natural(lse, base):
     """A float64 copy of an LSE of base `base` ('e' or 2) as a natural one (mixed bases: each LSE is
-    an exact log-sum-exp in its own base, so the merge of several is that of their natural ones)."""
-    return to_f64(lse) * (math.log(2.0) if base in (2, "2") else 1.0)
+    an exact log-sum-exp in its own base, so the merge of several is that of their natural ones);
+    None (no sink, say) stays None."""
+    return None if lse is None else to_f64(lse) * (math.log(2.0) if base in (2, "2") else 1.0)
 
 
 def rebased(ref, base):

@@ -32,8 +32,8 @@ def lse_bases(base: PairBase, out_base: Base | None = None, *, pair: bool = Fals
     a's).  The one reading of base and out_base: the flags, the frameworks' gradients and the
     JAX attributes all ask it."""
     name = _named(names, "base")
+    expected = "'e', 2 or a pair of them (a's base, b's)" if pair else "'e' or 2"
     if pair and isinstance(base, tuple):
-        expected = "'e', 2 or a pair of them (a's base, b's)"
         try:
             if len(base) != 2:
                 raise ValueError
@@ -41,7 +41,7 @@ def lse_bases(base: PairBase, out_base: Base | None = None, *, pair: bool = Fals
         except ValueError:
             raise ValueError(f"{name}: expected {expected}, got {base!r}") from None
     else:
-        a = b = 2 if _is_base2(base, name, "'e', 2 or a pair of them (a's base, b's)" if pair else "'e' or 2") else "e"
+        a = b = 2 if _is_base2(base, name, expected) else "e"
     out = a if out_base is None else (2 if _is_base2(out_base, _named(names, "out_base"), "None, 'e' or 2") else "e")
     return a, b, out
 

@@ -108,8 +108,11 @@ def head(sizes, in_dtype, out_dtype, base, fact):
     return [ctypes.c_int64(v) for v in sizes] + [CODES[in_dtype], CODES[out_dtype], flags, *fact]
 
 
-# LSE bases drawn for a call: (a's, b's, the merged LSE's), mixed (attnmerge.h's mixed bases) or not.
+# LSE bases drawn for a call: (a's, b's, the merged LSE's), mixed (attnmerge.h's mixed bases) or not;
+# the in-place merge's LSE stays a's, the N-way, variable-length and share merges' states share one.
 BASES = st.tuples(*(st.sampled_from(("e", 2)),) * 3)
+IN_PLACE_BASES = BASES.map(lambda b: (b[0], b[1], b[0]))
+STATES_BASES = BASES.map(lambda b: (b[0], b[0], b[2]))
 
 
 def sink_args(data, rng, heads, tail):
@@ -286,9 +289,7 @@ def test_merge_inplace(emu, data):
     d = data.draw(st.sampled_from((1, 8, 24, 80, 128, 512, 2056)))
     dtype = data.draw(st.sampled_from(("float32", "float16", "bfloat16")))
     h = enough_heads(h, t, d, dtype)
-    tail = data.draw(st.booleans())
-    base = data.draw(BASES)
-    base = (*base[:2], base[0])  # the merged LSE replaces lse, in lse's base
+    base, tail = data.draw(IN_PLACE_BASES), data.draw(st.booleans())
     o, o_other = random_o(rng, (t, h, d), dtype), random_o(rng, (t, h, d), dtype)
     lse, lse_other = random_lse(rng, (t, h)), random_lse(rng, (t, h))
     empties(rng, lse_other, o_other, 0.2)
@@ -336,15 +337,13 @@ def test_merge_states(emu, data):
     h = enough_heads(h, t, d, out_dtype)
     if out_dtype == "float8_e4m3fn":
         fp8_dtype()
-    base, tail = data.draw(BASES), data.draw(st.booleans())
-    base = (base[0], base[0], base[2])  # one base for the states, the merged LSE's own
+    base, tail = data.draw(STATES_BASES), data.draw(st.booleans())
     o, lse = random_o(rng, (t, s, h, d), in_dtype), random_lse(rng, (t, s, h))
     empties(rng, lse, o, data.draw(st.sampled_from((0.0, 0.3, 1.0))))
     if t and s and data.draw(st.booleans()):  # a NaN LSE late in a row: the row is NaN
         lse[rng.integers(t), rng.integers(s), rng.integers(h)] = np.nan
     sink, _sink_alive, sink_ptr = sink_args(data, rng, h, tail)
-    ref = rebased(reference_merge_stacked(o, natural(lse, base[0]), sink=None if sink is None else natural(
-        sink, base[0])), base[2])
+    ref = rebased(reference_merge_stacked(o, natural(lse, base[0]), sink=natural(sink, base[0])), base[2])
     vo, _ = placed(o, data.draw(layouts(4, True)), tail)
     vl, _ = placed(lse, data.draw(layouts(3, False)), tail)
     out, obuf = out_buffers((t, h, d), out_dtype, data.draw(layouts(3, True)), tail)
@@ -376,8 +375,7 @@ def test_merge_share(emu, data):
     h = enough_heads(h, t, d, out_dtype)
     if out_dtype == "float8_e4m3fn":
         fp8_dtype()
-    base, tail = data.draw(BASES), data.draw(st.booleans())
-    base = (base[0], base[0], base[2])
+    base, tail = data.draw(STATES_BASES), data.draw(st.booleans())
     o, lse = random_o(rng, (t, h, d), in_dtype), random_lse(rng, (t, s, h))
     stacked = np.repeat(o[:, None], s, axis=1)  # empties() marks states and poisons their O: index's is o's
     empties(rng, lse, stacked, data.draw(st.sampled_from((0.0, 0.3, 1.0))))
@@ -385,8 +383,7 @@ def test_merge_share(emu, data):
     if t and data.draw(st.booleans()):  # a NaN LSE of any state: the row is NaN
         lse[rng.integers(t), rng.integers(s), rng.integers(h)] = np.nan
     sink, _sink_alive, sink_ptr = sink_args(data, rng, h, tail)
-    ref = rebased(reference_merge_share(o, natural(lse, base[0]), index, sink=None if sink is None else natural(
-        sink, base[0])), base[2])
+    ref = rebased(reference_merge_share(o, natural(lse, base[0]), index, sink=natural(sink, base[0])), base[2])
     vo, _ = placed(o, data.draw(layouts(3, True)), tail)
     vl, _ = placed(lse, data.draw(layouts(3, False)), tail)
     out, obuf = out_buffers((t, h, d), out_dtype, data.draw(layouts(3, True)), tail)
@@ -420,13 +417,11 @@ def test_merge_varlen(emu, data):
     h = enough_heads(h, len(counts), d, out_dtype)
     if out_dtype == "float8_e4m3fn":
         fp8_dtype()
-    base, tail = data.draw(BASES), data.draw(st.booleans())
-    base = (base[0], base[0], base[2])
+    base, tail = data.draw(STATES_BASES), data.draw(st.booleans())
     o, lse = random_o(rng, (total, h, d), in_dtype), random_lse(rng, (total, h))
     empties(rng, lse, o, 0.2)
     sink, _sink_alive, sink_ptr = sink_args(data, rng, h, tail)
-    ref = rebased(reference_merge_varlen(o, natural(lse, base[0]), indptr, sink=None if sink is None else natural(
-        sink, base[0])), base[2])
+    ref = rebased(reference_merge_varlen(o, natural(lse, base[0]), indptr, sink=natural(sink, base[0])), base[2])
     vo, _ = placed(o, data.draw(layouts(3, True)), tail)
     vl, _ = placed(lse, data.draw(layouts(2, False)), tail)
     rows = len(counts)

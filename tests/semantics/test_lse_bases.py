@@ -149,8 +149,7 @@ def test_the_merged_lse_of_n_states_in_its_own_base(rng, device, base, out_base,
     out, out_lse = device.nan((7, 4, 48)), device.nan((7, 4))
     attnmerge.merge_states(device.put(o), device.put(lse), out=out, out_lse=out_lse, base=base, out_base=out_base,
                            sink=None if sink is None else device.put(sink))
-    ref = rebased(reference_merge_stacked(o, natural(lse, base), sink=None if sink is None else natural(sink, base)),
-                  out_base)
+    ref = rebased(reference_merge_stacked(o, natural(lse, base), sink=natural(sink, base)), out_base)
     assert_merge_matches(device.get(out), device.get(out_lse), ref, "float32")
 
 

@@ -40,6 +40,16 @@ def graph_us(torch, fn, sets, calls=50):
     return statistics.median(times)
 
 
+def alternated_graph_us(torch, fns, sets, rounds=3):
+    """graph_us of each of `fns` over the same sets, timed in turn `rounds` times (so that a drift of
+    the GPU's clocks meets them alike): each one's median, in the order of fns."""
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for t, fn in zip(times, fns):
+            t.append(graph_us(torch, fn, sets))
+    return [statistics.median(t) for t in times]
+
+
 def eager_us(torch, fn, sets, calls=100):
     """Time per call of fn(*set) called eagerly from Python, us on the GPU's clock: the larger of
     the host's and the kernel's time (median of 7 loops of `calls`)."""
