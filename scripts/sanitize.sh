@@ -17,7 +17,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
 SEMANTICS="tests/semantics/test_merge.py tests/semantics/test_merge_inplace.py tests/semantics/test_merge_states.py
   tests/semantics/test_merge_varlen.py tests/semantics/test_merge_share.py tests/semantics/test_fp8_outputs.py
-  tests/semantics/test_sinks.py tests/semantics/test_lse_bases.py"
+  tests/semantics/test_sinks.py tests/semantics/test_lse_bases.py tests/semantics/test_group_fp8.py"
 INTEROP="tests/interop/test_gpu_arrays.py tests/interop/test_cuda_graphs.py tests/interop/test_streams.py
   tests/interop/test_devices.py tests/compat tests/abi/test_raw_pointers.py"
 TESTS="${SANITIZE_TESTS:-$SEMANTICS $INTEROP}"

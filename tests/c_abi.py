@@ -83,10 +83,22 @@ class OptionsBeforeSink(Structure):
     _fields_ = _OPTIONS_BEFORE_NAMES + _OPTIONS_NAMES
 
 
+_OPTIONS_SINK = [("sink", POINTER(Tensor))]
+
+
+class OptionsBeforeGroups(Structure):
+    """attnmerge_options as a caller built against a header without group_scales lays it out."""
+
+    _fields_ = _OPTIONS_BEFORE_NAMES + _OPTIONS_NAMES + _OPTIONS_SINK
+
+
 class Options(Structure):
     """attnmerge_options."""
 
-    _fields_ = _OPTIONS_BEFORE_NAMES + _OPTIONS_NAMES + [("sink", POINTER(Tensor))]
+    _fields_ = _OPTIONS_BEFORE_NAMES + _OPTIONS_NAMES + _OPTIONS_SINK + [
+        ("group_scales", POINTER(Tensor)),
+        ("group_size", c_int32),
+    ]
 
 
 class LaunchInfo(Structure):
@@ -236,9 +248,11 @@ def ref(t):
     return t if t is None or isinstance(t, ctypes._Pointer) else ctypes.byref(t)
 
 
-def options(flags=0, a_tokens=0, output_scale=0.0, output_scale_ptr=None, arg_names=None, sink=None) -> Options:
-    """Options; arg_names: {arg: name} or (arg, name) pairs (None for a NULL string), and sink, a
-    Tensor, each of which also sets struct_size to this layout's (the one that reads them)."""
+def options(flags=0, a_tokens=0, output_scale=0.0, output_scale_ptr=None, arg_names=None, sink=None,
+            group_scales=None, group_size=0) -> Options:
+    """Options; arg_names: {arg: name} or (arg, name) pairs (None for a NULL string), sink and
+    group_scales, Tensors, each of which also sets struct_size to this layout's (the one that
+    reads them), and group_size."""
     o = Options()
     o.flags = flags
     o.a_tokens = a_tokens
@@ -256,6 +270,11 @@ def options(flags=0, a_tokens=0, output_scale=0.0, output_scale_ptr=None, arg_na
         o._sink = sink  # alive with o
         o.sink = ctypes.pointer(sink)
         o.struct_size = ctypes.sizeof(Options)
+    if group_scales is not None:
+        o._group_scales = group_scales  # alive with o
+        o.group_scales = ctypes.pointer(group_scales)
+        o.struct_size = ctypes.sizeof(Options)
+    o.group_size = group_size
     return o
 
 

@@ -495,6 +495,39 @@ def assert_fp8_close(actual, expected_f64, scale=1.0, what="out", ulps=1):
         )
 
 
+#: per-group FP8: the floor of a group's largest magnitude
+GROUP_AMAX_FLOOR = 1e-10
+
+
+def reference_group_scales(x, group_size, ue8m0=False) -> np.ndarray:
+    """The per-group FP8 scales of float64 values x [..., D], from the formula: for each group of
+    group_size consecutive elements of the last axis, amax = max |x| over its non-NaN elements (0
+    where all are NaN), scale = max(amax, 1e-10) / 448, rounded up to a power of two where ue8m0.
+    Returns float64 [..., D // group_size]."""
+    x = np.asarray(x, dtype=np.float64)
+    g = x.reshape(x.shape[:-1] + (x.shape[-1] // group_size, group_size))
+    amax = np.max(np.where(np.isnan(g), 0.0, np.abs(g)), axis=-1)
+    scale = np.maximum(amax, GROUP_AMAX_FLOOR) / FP8_MAX
+    return np.exp2(np.ceil(np.log2(scale))) if ue8m0 else scale
+
+
+def assert_group_fp8_close(out, scales, expected_f64, group_size, ue8m0=False, what="out"):
+    """A per-group FP8 output and its scales against the oracle: each scale within float32 rounding
+    of the formula's (the kernel takes the amax of float32 values; with ue8m0 exactly the power of
+    two), and each element within one FP8 step of its float64 value divided by the scale stored (so
+    that the two checks stay apart: a scale a rounding off does not move every element)."""
+    scales = np.asarray(scales, dtype=np.float64)
+    want = reference_group_scales(expected_f64, group_size, ue8m0)
+    assert scales.shape == want.shape, f"{what} scales: shape {scales.shape} != expected {want.shape}"
+    if ue8m0:
+        assert np.array_equal(scales, want), f"{what} scales: {scales[scales != want][:5]} != {want[scales != want][:5]}"
+    else:
+        bad = np.abs(scales - want) > 4e-6 * want
+        assert not bad.any(), f"{what} scales at {np.argwhere(bad)[:5].tolist()}: {scales[bad][:5]} != {want[bad][:5]}"
+    per_element = np.repeat(scales, group_size, axis=-1)
+    assert_fp8_close(out, np.asarray(expected_f64, dtype=np.float64) / per_element, 1.0, what)
+
+
 def random_stacked(rng, tokens, s, heads, head_size, dtype="float32", states_axis=1, lse_scale=3.0):
     """(o, lse) of S stacked states, contiguous in the layout of states_axis."""
     if states_axis == 1:

@@ -2,6 +2,8 @@
 // into contiguous row ranges across threads when the input is large enough to pay for them.  Unlike
 // the kernels it reads no O of zero weight at all: on the CPU nothing is gained by fetching early.
 #include <algorithm>
+#include <cmath>
+#include <type_traits>
 
 #include "cpu_parallel.h"
 #include "internal.h"
@@ -10,8 +12,21 @@ namespace attnmerge {
 namespace detail {
 namespace {
 
-constexpr int64_t kChunk = 256;  // head_size elements accumulated at a time, on the stack
+constexpr int64_t kChunk = 256;  // head_size elements accumulated at a time, on the stack (whole FP8 groups)
 constexpr int kCached = 64;      // the weights of a row's first states, kept rather than recomputed
+
+// Per-group FP8 (OutView::group) of acc, the merged elements d0 .. d0 + len of row (token, head),
+// in place, and each group's scale stored: whole groups, as kChunk is a multiple of every group.
+void quantize_groups(float* acc, int64_t len, const OutView& out, int64_t token, int64_t head, int64_t d0) {
+  for (int64_t g0 = 0; g0 < len; g0 += out.group) {
+    float amax = 0.0f;  // fmax leaves NaN elements out
+    for (int64_t e = g0; e < g0 + out.group; ++e) amax = std::fmax(amax, std::fabs(acc[e]));
+    const float scale = group_scale(amax, out.ue8m0);
+    const float inv = 1.0f / scale;
+    for (int64_t e = g0; e < g0 + out.group; ++e) acc[e] *= inv;
+    *out.group_scale_at(token, head, (d0 + g0) / out.group) = scale;
+  }
+}
 
 template <typename Source, typename TIn, typename TOut>
 ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src, const OutView& out, int64_t row_begin, int64_t row_end) {
@@ -42,7 +57,7 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
         if (!states.reads_o(s) || (s < kCached ? w[s] : r.weight(states.lse(s))) == 0.0f) continue;
         (live++ == 0 ? first : second) = s;
       }
-      if (live == 2 && n <= kCached) {
+      if (live == 2 && n <= kCached && out.group == 0) {
         const TIn* x = states.template o_at<TIn>(first);
         const TIn* y = states.template o_at<TIn>(second);
         const float sx = r.scale(w[first]), sy = r.scale(w[second]);
@@ -62,6 +77,9 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
             const float scale = r.scale(ws);
             const TIn* o = states.template o_at<TIn>(s) + d0;
             for (int64_t d = 0; d < len; ++d) acc[d] += scale * Convert<TIn>::load(o[d]);
+          }
+          if constexpr (std::is_same<TOut, float8_e4m3_t>::value) {
+            if (out.group > 0) quantize_groups(acc, len, out, token, head, d0);
           }
 #pragma GCC ivdep
           for (int64_t d = 0; d < len; ++d) dst[d0 + d] = Convert<TOut>::store(acc[d]);

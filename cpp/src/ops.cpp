@@ -76,14 +76,14 @@ constexpr uint32_t kOIn = ATTNMERGE_ROLE_O_IN, kOOut = ATTNMERGE_ROLE_O_OUT, kLs
 // The tables' axes: tokens, heads, head_size, S, the total states and rows of a variable-length
 // merge (R1 = rows + 1), the tokens of a that are read, and a itself (Dim).
 constexpr Dim T = Dim::kTokens, H = Dim::kHeads, D = Dim::kHeadSize, S = Dim::kStates, N = Dim::kTotal, R = Dim::kRows,
-              R1 = Dim::kRowsPlus1, A = Dim::kATokens, AOrMore = Dim::kATokensOrMore;
+              R1 = Dim::kRowsPlus1, A = Dim::kATokens, AOrMore = Dim::kATokensOrMore, G = Dim::kScaleGroups;
 constexpr Use kRead = Use::kRead, kWrite = Use::kWrite, kReadWrite = Use::kReadWrite;
 constexpr Presence kRequired = Presence::kRequired, kOptional = Presence::kOptional;
 constexpr Alias kMayBeOutput = Alias::kMayBeOutput, kNoAlias = Alias::kNone;
 
 constexpr uint32_t kBase2 = ATTNMERGE_LSE_BASE2, kHeadsFirst = ATTNMERGE_LSE_HEADS_FIRST, kATokens = ATTNMERGE_A_TOKENS,
                    kPdl = ATTNMERGE_PDL, kBBase = ATTNMERGE_LSE_B_BASE2 | ATTNMERGE_LSE_B_BASE_E,
-                   kOutBase = ATTNMERGE_OUT_LSE_BASE2 | ATTNMERGE_OUT_LSE_BASE_E;
+                   kOutBase = ATTNMERGE_OUT_LSE_BASE2 | ATTNMERGE_OUT_LSE_BASE_E, kUe8m0 = ATTNMERGE_GROUP_SCALE_UE8M0;
 
 // Each op: its arguments' table, then make_op(table, the options.flags it takes, the argument whose
 // dtype allows an output scale, the state its sizes come from and that state's LSE, its shape
@@ -98,9 +98,10 @@ constexpr ArgSpec kMergeArgs[] = {
     {"lse_a",    kLse,  {AOrMore, H},    kRead,  kRequired,  kMayBeOutput},
     {"o_b",      kOIn,  {T, H, D},       kRead,  kRequired,  kMayBeOutput,  "o_a"},
     {"lse_b",    kLse,  {T, H},          kRead,  kRequired,  kMayBeOutput},
+    {"group_scales", kLse, {T, H, G},    kWrite, kOptional},
 };
-constexpr OpSpec kMerge =
-    make_op(kMergeArgs, kBase2 | kBBase | kOutBase | kHeadsFirst | kATokens | kPdl, "out", "o_b", "lse_b", pair_sizes);
+constexpr OpSpec kMerge = make_op(kMergeArgs, kBase2 | kBBase | kOutBase | kHeadsFirst | kATokens | kPdl | kUe8m0,
+                                  "out", "o_b", "lse_b", pair_sizes);
 static_assert(names_resolve(kMerge), "kMerge names its own arguments");
 
 // (o, lse) <- merge((o, lse), (o_other, lse_other)) on the rows whose mask is not 0.
@@ -122,8 +123,9 @@ constexpr ArgSpec kStatesArgs[] = {
     {"o",       kOIn,  {T, S, H, D}, kRead,  kRequired},
     {"lse",     kLse,  {T, S, H},    kRead,  kRequired},
     {"sink",    kLse,  {H},          kRead,  kOptional},
+    {"group_scales", kLse, {T, H, G}, kWrite, kOptional},
 };
-constexpr OpSpec kStates = make_op(kStatesArgs, kBase2 | kOutBase | kPdl, "out", "o", "lse", stack_sizes);
+constexpr OpSpec kStates = make_op(kStatesArgs, kBase2 | kOutBase | kPdl | kUe8m0, "out", "o", "lse", stack_sizes);
 static_assert(names_resolve(kStates), "kStates names its own arguments");
 
 // Row r of (out, out_lse) = merge of states indptr[r] to indptr[r + 1] - 1 of o, lse, and the sink.
@@ -134,8 +136,10 @@ constexpr ArgSpec kVarlenArgs[] = {
     {"lse",     kLse,    {N, H},    kRead,  kRequired},
     {"indptr",  kIndptr, {R1},      kRead,  kRequired},
     {"sink",    kLse,    {H},       kRead,  kOptional},
+    {"group_scales", kLse, {R, H, G}, kWrite, kOptional},
 };
-constexpr OpSpec kVarlen = make_op(kVarlenArgs, kBase2 | kOutBase | kPdl, "out", "o", "lse", range_sizes);
+constexpr OpSpec kVarlen =
+    make_op(kVarlenArgs, kBase2 | kOutBase | kPdl | kUe8m0, "out", "o", "lse", range_sizes);
 static_assert(names_resolve(kVarlen), "kVarlen names its own arguments");
 
 // (out, out_lse) = the share of state `index` (whose O is o) in the merge of the S states of lse
@@ -146,8 +150,9 @@ constexpr ArgSpec kShareArgs[] = {
     {"o",       kOIn,  {T, H, D},    kRead,  kRequired, kMayBeOutput},
     {"lse",     kLse,  {T, S, H},    kRead,  kRequired},
     {"sink",    kLse,  {H},          kRead,  kOptional},
+    {"group_scales", kLse, {T, H, G}, kWrite, kOptional},
 };
-constexpr OpSpec kShare = make_op(kShareArgs, kBase2 | kOutBase | kPdl, "out", "o", "lse", share_sizes);
+constexpr OpSpec kShare = make_op(kShareArgs, kBase2 | kOutBase | kPdl | kUe8m0, "out", "o", "lse", share_sizes);
 static_assert(names_resolve(kShare), "kShare names its own arguments");
 
 // The backward: the gradients (each optional: not written), dO and dLSE (optional: 0), the
@@ -276,8 +281,9 @@ bool lse_base2(uint32_t flags, uint32_t to_base2, uint32_t to_base_e) {
   return (flags & to_base2) ? true : (flags & to_base_e) ? false : inputs_base2(flags);
 }
 
-OutView out_view(const View& out, const View& out_lse, const Checked& c) {
-  return OutView{out.t->data,
+// `scales`: the group scales [tokens, heads, groups] (absent: none).
+OutView out_view(const View& out, const View& out_lse, const View& scales, const Checked& c) {
+  OutView v{out.t->data,
                  out.strides[0],
                  out.strides[1],
                  out_lse.present() ? static_cast<float*>(out_lse.t->data) : nullptr,
@@ -288,6 +294,13 @@ OutView out_view(const View& out, const View& out_lse, const Checked& c) {
                  false,
                  base_change(inputs_base2(c.opt.flags), lse_base2(c.opt.flags, ATTNMERGE_OUT_LSE_BASE2,
                                                                   ATTNMERGE_OUT_LSE_BASE_E))};
+  if (scales.present() && !scales.empty) {
+    v.group_scales = static_cast<float*>(scales.t->data);
+    v.gs_st = scales.strides[0], v.gs_sh = scales.strides[1], v.gs_sg = scales.strides[2];
+    v.group = c.opt.group_size;
+    v.ue8m0 = (c.opt.flags & ATTNMERGE_GROUP_SCALE_UE8M0) != 0;
+  }
+  return v;
 }
 
 // out_lse is the very LSE of an input it merges (read by every thread of a row, written by one).
@@ -302,8 +315,9 @@ MergeShape merge_shape(int64_t tokens, const Sizes& n, const Checked& c) {
 }
 
 // The two-way and in-place merges' common end: a = (o_a, lse_a), b = (o_b, lse_b).
+// `scales`: the group scales (absent: none; the in-place merge has none).
 attnmerge_status run_pair(Checked& c, const View& out, const View& out_lse, const View& o_a, const View& lse_a,
-                          const View& o_b, const View& lse_b, const View* mask, void* stream) {
+                          const View& o_b, const View& lse_b, const View& scales, const View* mask, void* stream) {
   PairSource src{state_of(o_a, lse_a), state_of(o_b, lse_b), c.sizes.a_tokens, nullptr, 0};
   src.b_scale = base_change(lse_base2(c.opt.flags, ATTNMERGE_LSE_B_BASE2, ATTNMERGE_LSE_B_BASE_E),
                             inputs_base2(c.opt.flags));
@@ -311,7 +325,7 @@ attnmerge_status run_pair(Checked& c, const View& out, const View& out_lse, cons
     src.mask = static_cast<const uint8_t*>(mask->t->data);
     src.mask_stride = mask->strides[0];
   }
-  OutView dst = out_view(out, out_lse, c);
+  OutView dst = out_view(out, out_lse, scales, c);
   dst.lse_in_place = lse_in_place(out_lse, lse_a, lse_b);
   return run(c.all(), merge_shape(c.sizes.tokens, c.sizes, c), src, dst, o_a.t->dtype, out.t->dtype, stream,
              c.opt.flags);
@@ -332,10 +346,10 @@ attnmerge_status attnmerge_merge(const attnmerge_tensor* out, const attnmerge_te
                                  const attnmerge_options* options, void* stream) {
   begin_call();
   Checked c;
-  const attnmerge_tensor* const args[] = {out, out_lse, o_a, lse_a, o_b, lse_b};
+  const attnmerge_tensor* const args[] = {out, out_lse, o_a, lse_a, o_b, lse_b, group_scales_of(options)};
   if (attnmerge_status s = validate(kMerge, args, options, c)) return s;
   const View* v = c.views;
-  return run_pair(c, v[0], v[1], v[2], v[3], v[4], v[5], nullptr, stream);
+  return run_pair(c, v[0], v[1], v[2], v[3], v[4], v[5], v[6], nullptr, stream);
 }
 
 attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnmerge_tensor* lse,
@@ -346,7 +360,8 @@ attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnme
   const attnmerge_tensor* const args[] = {o, lse, o_other, lse_other, mask};
   if (attnmerge_status s = validate(kInplace, args, options, c)) return s;
   const View* v = c.views;
-  return run_pair(c, v[0], v[1], v[0], v[1], v[2], v[3], &v[4], stream);  // (o, lse) is a and the output
+  const View none;  // no group scales
+  return run_pair(c, v[0], v[1], v[0], v[1], v[2], v[3], none, &v[4], stream);  // (o, lse) is a and the output
 }
 
 attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
@@ -354,12 +369,12 @@ attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnm
                                         const attnmerge_options* options, void* stream) {
   begin_call();
   Checked c;
-  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, sink_of(options)};
+  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, sink_of(options), group_scales_of(options)};
   if (attnmerge_status s = validate(kStates, args, options, c)) return s;
   const View &vout = c.views[0], &vout_lse = c.views[1], &vo = c.views[2], &vl = c.views[3];
   const Sizes& n = c.sizes;
   const MergeShape shape = merge_shape(n.tokens, n, c);
-  const OutView dst = out_view(vout, vout_lse, c);
+  const OutView dst = out_view(vout, vout_lse, c.views[5], c);
   const StackSource src = stack_of(vo, vl, n.states, &c.views[4]);
   if (n.states == 2 && src.sink.lse == nullptr)  // a pair has no sink
     return run(c.all(), shape, pair_of(src, o->dtype, vo.empty, vl.empty, n.tokens), dst, o->dtype, out->dtype, stream,
@@ -373,14 +388,14 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
                                         void* stream) {
   begin_call();
   Checked c;
-  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, indptr, sink_of(options)};
+  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, indptr, sink_of(options), group_scales_of(options)};
   attnmerge_status s;
   if ((s = validate(kVarlen, args, options, c))) return s;
   const View &vout = c.views[0], &vout_lse = c.views[1], &vo = c.views[2], &vl = c.views[3], &vi = c.views[4];
   const Sizes& n = c.sizes;
   if ((s = check_indptr(vi, vo, out, n.rows))) return s;
   return run(c.all(), merge_shape(n.rows, n, c), range_of(vo, vl, vi, n.total, &c.views[5]),
-             out_view(vout, vout_lse, c), o->dtype, out->dtype, stream, c.opt.flags);
+             out_view(vout, vout_lse, c.views[6], c), o->dtype, out->dtype, stream, c.opt.flags);
 }
 
 attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
@@ -388,7 +403,7 @@ attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnme
                                        const attnmerge_options* options, void* stream) {
   begin_call();
   Checked c;
-  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, sink_of(options)};
+  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, sink_of(options), group_scales_of(options)};
   if (attnmerge_status s = validate(kShare, args, options, c)) return s;
   const View &vout = c.views[0], &vout_lse = c.views[1], &vo = c.views[2], &vl = c.views[3];
   const Sizes& n = c.sizes;
@@ -396,7 +411,7 @@ attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnme
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected 0 <= index < %" PRId64 " (the states of %s), got %" PRId64,
                 c.names.of("index"), n.states, vl.name(), index);
   return run(c.all(), merge_shape(n.tokens, n, c), share_of(vo, vl, n.states, index, &c.views[4]),
-             out_view(vout, vout_lse, c), o->dtype, out->dtype, stream, c.opt.flags);
+             out_view(vout, vout_lse, c.views[5], c), o->dtype, out->dtype, stream, c.opt.flags);
 }
 
 attnmerge_status attnmerge_merge_backward(const attnmerge_tensor* grad_o_a, const attnmerge_tensor* grad_lse_a,

@@ -57,16 +57,6 @@ attnmerge_status locate(Views views, const float* scale, bool no_rows, int& devi
   return ATTNMERGE_SUCCESS;
 }
 
-namespace {
-// The size of the widest O dtype among the call's arrays.
-std::size_t widest_o(Views views) {
-  std::size_t widest = 0;
-  for (const View& v : views)
-    if (v.present() && v.spec->is_o()) widest = std::max(widest, dtype_size(v.t->dtype));
-  return widest;
-}
-}  // namespace
-
 CallFacts call_facts(Views views, int64_t head_size, uint32_t flags) {
   CallFacts facts;
   facts.vec = choose_vec(views, head_size);
@@ -82,20 +72,6 @@ CallFacts call_facts(Views views, int64_t head_size, uint32_t flags) {
     if (v.ndim == 2 && v.strides[0] < v.strides[1]) facts.lse_tokens_inner = true;  // a two-axis LSE
   }
   return facts;
-}
-
-int choose_vec(Views views, int64_t head_size) {
-  const std::size_t widest = widest_o(views);
-  for (int vec = static_cast<int>(16 / widest); vec > 1; vec /= 2) {
-    bool ok = head_size % vec == 0;
-    for (const View& v : views) {
-      if (!ok || !v.present() || !v.spec->is_o() || v.empty) continue;
-      ok = reinterpret_cast<uintptr_t>(v.t->data) % (vec * dtype_size(v.t->dtype)) == 0;
-      for (int axis = 0; ok && axis < v.ndim - 1; ++axis) ok = v.shape[axis] <= 1 || v.strides[axis] % vec == 0;
-    }
-    if (ok) return vec;
-  }
-  return 1;
 }
 
 }  // namespace detail

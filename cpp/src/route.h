@@ -16,10 +16,6 @@ attnmerge_status locate(Views views, const float* scale, bool no_rows, int& devi
 // What the launch plan needs to know of the arrays of a forward call (plan.h).
 CallFacts call_facts(Views views, int64_t head_size, uint32_t flags);
 
-// The widest vector (elements) that the pointer and strides of every O of the call and head_size
-// allow, within 16 bytes per access.
-int choose_vec(Views views, int64_t head_size);
-
 // A forward merge: on its device, the CPU path or a launch.
 template <typename Source>
 attnmerge_status run(Views views, const MergeShape& shape, const Source& src, const OutView& out, int in_dtype,

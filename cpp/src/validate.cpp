@@ -108,6 +108,7 @@ int64_t size_of(Dim d, const Sizes& n) {
     case Dim::kRowsPlus1: return n.rows + 1;
     case Dim::kATokens:
     case Dim::kATokensOrMore: return n.a_tokens;
+    case Dim::kScaleGroups: return n.scale_groups;
     case Dim::kNone: break;
   }
   return 0;
@@ -204,6 +205,15 @@ struct OptionsBeforeSink {
 static_assert(offsetof(OptionsBeforeSink, arg_names) == offsetof(attnmerge_options, arg_names) &&
                   offsetof(OptionsBeforeSink, num_arg_names) == offsetof(attnmerge_options, num_arg_names),
               "attnmerge_options only grows at its end");
+// And as a caller built against a header without group_scales lays it out.
+struct OptionsBeforeGroups {
+  OptionsBeforeSink before;
+  const attnmerge_tensor* sink;
+};
+static_assert(offsetof(OptionsBeforeGroups, sink) == offsetof(attnmerge_options, sink),
+              "attnmerge_options only grows at its end");
+constexpr uint32_t kSizeBeforeNames = sizeof(OptionsBeforeNames), kSizeBeforeSink = sizeof(OptionsBeforeSink),
+                   kSizeBeforeGroups = sizeof(OptionsBeforeGroups), kSizeNow = sizeof(attnmerge_options);
 
 // A string of the caller's names table: NULL and "" are refused, as they would name nothing.
 attnmerge_status check_name_text(const char* text, int i, const char* field) {
@@ -218,20 +228,22 @@ attnmerge_status read_layout(const attnmerge_options* options, attnmerge_options
   if (options == nullptr) return ATTNMERGE_SUCCESS;
   // Field by field: a caller of an older layout owns no bytes past its struct_size.
   const uint32_t size = options->struct_size;
-  constexpr uint32_t kBefore = sizeof(OptionsBeforeNames), kNames = sizeof(OptionsBeforeSink),
-                     kNow = sizeof(attnmerge_options);
-  if (size != 0 && size != kBefore && size != kNames && size != kNow)
+  if (size != 0 && size != kSizeBeforeNames && size != kSizeBeforeSink && size != kSizeBeforeGroups &&
+      size != kSizeNow)
     return fail(ATTNMERGE_ERROR_VALUE,
-                "options.struct_size: expected 0, %u (attnmerge_options without arg_names), %u (without sink) or %u "
-                "(this library's attnmerge_options), got %u",
-                static_cast<unsigned>(kBefore), static_cast<unsigned>(kNames), static_cast<unsigned>(kNow), size);
+                "options.struct_size: expected 0, %u (attnmerge_options without arg_names), %u (without sink), %u "
+                "(without group_scales) or %u (this library's attnmerge_options), got %u",
+                static_cast<unsigned>(kSizeBeforeNames), static_cast<unsigned>(kSizeBeforeSink),
+                static_cast<unsigned>(kSizeBeforeGroups), static_cast<unsigned>(kSizeNow), size);
   opt.flags = options->flags;
   opt.a_tokens = options->a_tokens;
   opt.output_scale = options->output_scale;
   opt.output_scale_ptr = options->output_scale_ptr;
   opt.struct_size = size;
-  if (size != kNames && size != kNow) return ATTNMERGE_SUCCESS;
-  opt.sink = sink_of(options);  // the sink where this layout has it
+  if (size == 0 || size == kSizeBeforeNames) return ATTNMERGE_SUCCESS;
+  opt.sink = sink_of(options);  // the sink and the group scales where this layout has them
+  opt.group_scales = group_scales_of(options);
+  if (size == kSizeNow) opt.group_size = options->group_size;
   opt.arg_names = options->arg_names;
   opt.num_arg_names = options->num_arg_names;
   if (opt.num_arg_names < 0)
@@ -256,10 +268,10 @@ attnmerge_status describe(const ArgSpec* specs, const attnmerge_tensor* const* t
 }
 
 // Step 2: the options every op shares, as read_layout read them.  `op_flags` are the flags the op
-// understands, `takes_sink` whether it takes a sink; the dtype of `out` decides whether an output
-// scale is allowed (FP8 only).
-attnmerge_status read_options(const attnmerge_options& opt, uint32_t op_flags, bool takes_sink, const View& out,
-                              float& inv_scale) {
+// understands, `takes_sink` (`takes_groups`) whether it takes a sink (group scales); the dtype of
+// `out` decides whether an output scale or group scales are allowed (FP8 only).
+attnmerge_status read_options(const attnmerge_options& opt, uint32_t op_flags, bool takes_sink, bool takes_groups,
+                              const View& out, float& inv_scale) {
   if (opt.flags & ~op_flags)
     return fail(ATTNMERGE_ERROR_VALUE, "options.flags: expected flags within 0x%x for this op, got 0x%x", op_flags,
                 opt.flags);
@@ -275,9 +287,28 @@ attnmerge_status read_options(const attnmerge_options& opt, uint32_t op_flags, b
     return fail(ATTNMERGE_ERROR_VALUE,
                 "%s: expected none for this op (the N-way and variable-length merges take a sink), got a tensor",
                 out.names->of("sink"));
-  const auto name = [&] { return out.names->of("output_scale"); };  // looked up only where a check fails
-  const float scale = opt.output_scale;
+  const bool groups = opt.group_scales != nullptr;
+  if (groups && !takes_groups)
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "%s: expected none for this op (the two-way, N-way and variable-length merges and the share take "
+                "group scales), got a tensor",
+                out.names->of("group_scales"));
+  if (!groups && opt.group_size != 0)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected 0 without group_scales, got %d", out.names->of("group_size"),
+                opt.group_size);
+  if (!groups && (opt.flags & ATTNMERGE_GROUP_SCALE_UE8M0))
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "options.flags: expected ATTNMERGE_GROUP_SCALE_UE8M0 only with group_scales, got 0x%x and none",
+                opt.flags);
   const bool fp8 = out.t->dtype == ATTNMERGE_FLOAT8_E4M3;
+  if (groups && !fp8)
+    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected dtype float8_e4m3 for per-group scales (%s), got %s", out.name(),
+                out.names->of("group_scales"), dtype_name(out.t->dtype));
+  const auto name = [&] { return out.names->of("output_scale"); };  // looked up only where a check fails
+  if (groups && (opt.output_scale != 0.0f || opt.output_scale_ptr != nullptr))
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected none with %s (each group has its own scale), got a scale",
+                name(), out.names->of("group_scales"));
+  const float scale = opt.output_scale;
   if (scale != 0.0f && scale != 1.0f && !fp8)
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected none (or 1) for a %s output, got %g", name(),
                 dtype_name(out.t->dtype), scale);
@@ -332,6 +363,27 @@ attnmerge_status read_a_tokens(const attnmerge_options& opt, const View& source,
 
 namespace {
 
+// Step 4: options.group_size, where group scales are given, against head_size and the vectors of
+// the O arrays (a group's lanes lie in one warp), into sizes.scale_groups.
+attnmerge_status check_group_size(const attnmerge_options& opt, Views views, Sizes& n) {
+  if (opt.group_scales == nullptr) return ATTNMERGE_SUCCESS;
+  const int64_t g = opt.group_size;
+  const char* name = views.names->of("group_size");
+  if (g < 8 || (g & (g - 1)) != 0)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a power of two >= 8, got %" PRId64, name, g);
+  if (n.head_size % g != 0)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a divisor of head_size (%" PRId64 "), got %" PRId64, name,
+                n.head_size, g);
+  const int vec = choose_vec(views, n.head_size);
+  if (g > 32 * vec)
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "%s: expected at most %d (a warp's 32 lanes of %d elements each, the vector the O arrays' pointers "
+                "and strides allow), got %" PRId64,
+                name, 32 * vec, vec, g);
+  n.scale_groups = n.head_size / g;
+  return ATTNMERGE_SUCCESS;
+}
+
 // Step 4: every given argument has the shape its Dims give in `sizes` (read off `source`), `first`
 // before the others.
 attnmerge_status check_shape_of(const View& v, const Sizes& sizes, const View& source) {
@@ -375,7 +427,13 @@ attnmerge_status check_outputs(Views views) {
 }  // namespace
 
 const attnmerge_tensor* sink_of(const attnmerge_options* options) {
-  return options != nullptr && options->struct_size == sizeof(attnmerge_options) ? options->sink : nullptr;
+  return options != nullptr && (options->struct_size == kSizeBeforeGroups || options->struct_size == kSizeNow)
+             ? options->sink
+             : nullptr;
+}
+
+const attnmerge_tensor* group_scales_of(const attnmerge_options* options) {
+  return options != nullptr && options->struct_size == kSizeNow ? options->group_scales : nullptr;
 }
 
 attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tensors, const attnmerge_options* options,
@@ -387,8 +445,10 @@ attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tenso
       (s = describe(op.args, tensors, op.count, lse_layout(call.opt, op.flags), call.names, call.views)))
     return s;
   const View& source = call.views[op.sizes_from];
-  if ((s = read_options(call.opt, op.flags, op.sink >= 0, call.views[op.scale_of], call.inv_scale)) ||
+  if ((s = read_options(call.opt, op.flags, op.sink >= 0, op.group_scales >= 0, call.views[op.scale_of],
+                        call.inv_scale)) ||
       (s = check_dtypes(op, views)) || (s = op.equations(views, source, call.opt, call.sizes)) ||
+      (s = check_group_size(call.opt, views, call.sizes)) ||
       (s = check_shapes(views, call.sizes, source, call.views[op.sizes_lse])) || (s = check_outputs(views)))
     return s;
   return ATTNMERGE_SUCCESS;
@@ -416,6 +476,27 @@ attnmerge_status check_indptr(const View& vi, const View& o, const attnmerge_ten
     }
   }
   return ATTNMERGE_SUCCESS;
+}
+
+std::size_t widest_o(Views views) {
+  std::size_t widest = 0;
+  for (const View& v : views)
+    if (v.present() && v.spec->is_o()) widest = std::max(widest, dtype_size(v.t->dtype));
+  return widest;
+}
+
+int choose_vec(Views views, int64_t head_size) {
+  const std::size_t widest = widest_o(views);
+  for (int vec = static_cast<int>(16 / widest); vec > 1; vec /= 2) {
+    bool ok = head_size % vec == 0;
+    for (const View& v : views) {
+      if (!ok || !v.present() || !v.spec->is_o() || v.empty) continue;
+      ok = reinterpret_cast<uintptr_t>(v.t->data) % (vec * dtype_size(v.t->dtype)) == 0;
+      for (int axis = 0; ok && axis < v.ndim - 1; ++axis) ok = v.shape[axis] <= 1 || v.strides[axis] % vec == 0;
+    }
+    if (ok) return vec;
+  }
+  return 1;
 }
 
 bool same_view(const View& x, const View& y) {

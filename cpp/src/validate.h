@@ -23,6 +23,7 @@ enum class Dim : uint8_t {
   kRowsPlus1,  // indptr's entries
   kATokens,  // the tokens of a two-way merge's a that are read: options.a_tokens, or tokens
   kATokensOrMore,  // a itself: at least those with ATTNMERGE_A_TOKENS (only they are read), else exactly
+  kScaleGroups,  // the per-group FP8 scales of a row: head_size / options.group_size
 };
 
 enum class Use : uint8_t {
@@ -94,6 +95,7 @@ struct Views {
 // The sizes of an op's shape equations, which every argument's Dims are read in.
 struct Sizes {
   int64_t tokens = 0, heads = 0, head_size = 0, states = 0, total = 0, rows = 0;
+  int64_t scale_groups = 0;  // kScaleGroups
   int64_t a_tokens = 0;  // kATokens
   bool a_tokens_given = false;  // ATTNMERGE_A_TOKENS: kATokensOrMore means at least a_tokens
 };
@@ -125,6 +127,7 @@ struct OpSpec {
   // every other argument that disagrees with it.
   int sizes_from, sizes_lse;
   int sink;  // the argument "sink" (options.sink), or -1: the op refuses one
+  int group_scales;  // the argument "group_scales" (options.group_scales), or -1: the op refuses them
   int dtype_of[kMaxArgs];  // ArgSpec::dtype_of
   Equations equations;
 };
@@ -152,6 +155,7 @@ constexpr OpSpec make_op(const ArgSpec (&args)[K], uint32_t flags, const char* s
             index_of(args, count, sizes_from),
             index_of(args, count, sizes_lse),
             index_of(args, count, "sink"),
+            index_of(args, count, "group_scales"),
             {},
             equations};
   for (int i = 0; i < kMaxArgs; ++i) op.dtype_of[i] = i < count ? index_of(args, count, args[i].dtype_of) : -1;
@@ -177,20 +181,29 @@ struct Checked {
   Views all() { return Views{views, count, &names}; }
 };
 
-// options->sink where struct_size covers it, else NULL: what an op whose table has a "sink"
-// argument passes validate() for it.
+// options->sink (options->group_scales) where struct_size covers it, else NULL: what an op whose
+// table has a "sink" ("group_scales") argument passes validate() for it.
 const attnmerge_tensor* sink_of(const attnmerge_options* options);
+const attnmerge_tensor* group_scales_of(const attnmerge_options* options);
+
+// The size of the widest O dtype among the call's arrays.
+std::size_t widest_o(Views views);
+
+// The widest vector (elements) that the pointer and strides of every O of the call and head_size
+// allow, within 16 bytes per access.
+int choose_vec(Views views, int64_t head_size);
 
 // Validates tensors[i] against op.args[i] into call.views[i], in one order for every op:
 //   0. the options' layout (struct_size) and the caller's names (arg_names), which every message
 //      after names the arguments by;
 //   1. each tensor alone: NULL, ndim, dtype, flags, device, sizes, strides, the unit-stride
 //      head_size axis of an O, pointer, alignment, a span within 2^63 bytes;
-//   2. the options (op.flags; an output scale only where op.scale_of is FP8; a sink only where op.sink
-//      is an argument, which step 1 has described);
+//   2. the options (op.flags; an output scale or group scales only where op.scale_of is FP8; a sink
+//      (group scales) only where op.sink (op.group_scales) is an argument, which step 1 has
+//      described);
 //   3. every ArgSpec::dtype_of, where both are given;
-//   4. op.equations, then every given argument's shape against its Dims (op.sizes_lse first, then
-//      in table order);
+//   4. op.equations, options.group_size against head_size and the arrays' vectors, then every
+//      given argument's shape against its Dims (op.sizes_lse first, then in table order);
 //   5. the outputs: writable, no element written twice, apart from the outputs before them and
 //      from every input (an input with Alias::kMayBeOutput may be the very same view as an output
 //      of its kind).

@@ -82,6 +82,43 @@ def output_scale_arg(output_scale):
     return output_scale
 
 
+def groups_arg(group_size, scale_ue8m0, out, out_dtype, names=None):
+    """A call's per-group FP8 arguments as the layers below take them: (out_dtype, group_size, flags),
+    out_dtype defaulting to float8_e4m3fn where group_size is given and no out, group_size 0 and
+    flags 0 where it is None.  An int >= 1 or None here (the C ABI checks the rest: a power of two
+    >= 8 dividing head_size, ...), so that the scales can be allocated; scale_ue8m0 only with it."""
+    if group_size is None:
+        if scale_ue8m0:
+            raise ValueError(f"{_named(names, 'scale_ue8m0')}: expected False without group_size, got "
+                             f"{scale_ue8m0!r}")
+        return out_dtype, 0, 0
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"{_named(names, 'group_size')}: expected None or a power of two >= 8, got {group_size!r}")
+    if out is None and out_dtype is None:
+        out_dtype = "float8_e4m3fn"
+    return out_dtype, group_size, _C.GROUP_SCALE_UE8M0 if scale_ue8m0 else 0
+
+
+def group_scales_like(out, group_scales, group_size, names=None):
+    """The per-group scales as given, or allocated like out: float32 [tokens, heads, head_size //
+    group_size] (a group_size that does not divide head_size is the C ABI's to refuse)."""
+    if group_scales is not None:
+        return group_scales
+    shape = _shape(out, "out", names)
+    return empty(out, tuple(shape[:2]) + (shape[2] // group_size,), "float32", _named(names, "out"))
+
+
+def _results(out, out_lse, group_scales, group_size):
+    """A merge's results: (out, out_lse), and the group scales where group_size was given."""
+    return (out, out_lse) if group_size is None else (out, out_lse, group_scales)
+
+
+def _refuse_jax_groups(group_size, op, names):
+    if group_size is not None:
+        raise NotImplementedError(f"{_named(names, 'group_size')}: per-group FP8 outputs are not in "
+                                  f"attnmerge.jax.{op}; merge JAX arrays into a float32 or bfloat16 output")
+
+
 def _named(names, arg):
     """The caller's name of the argument `arg`: a compat layer's (`names`, {native: its own}), else
     `arg`.  Every message names arguments through it, so that a compat layer's caller reads its own
@@ -204,8 +241,9 @@ def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like
 def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | None = None,
           out_lse: Array | None = None, return_lse: bool = True, out_dtype: DType | None = None,
           output_scale: float | Array | None = None, base: PairBase = "e", out_base: Base | None = None,
-          a_tokens: int | None = None, stream: Stream = None, pdl: bool = False,
-          _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
+          a_tokens: int | None = None, group_size: int | None = None, group_scales: Array | None = None,
+          scale_ue8m0: bool = False, stream: Stream = None, pdl: bool = False,
+          _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge two attention states: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
 
     o_a, o_b: [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype for both).
@@ -222,6 +260,15 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
         (no host round trip).  Other outputs take none (1 is accepted: it changes nothing).
     a_tokens: only the first a_tokens tokens merge a with b; later rows take b alone and a needs
         only a_tokens tokens (vLLM's prefill_tokens_with_context).
+    group_size, group_scales, scale_ue8m0: per-group FP8 (DeepSeek-V3's 1 x 128 blocks, vLLM's
+        per_token_group_quant_fp8): each group of group_size consecutive elements of a row gets
+        scale = max(amax, 1e-10) / 448 (amax: the group's largest |value|, NaN left out; rounded
+        up to a power of two with scale_ue8m0), written to group_scales (float32 [tokens, heads,
+        head_size // group_size], any strides; allocated like out when None), and out =
+        value * (1 / scale) in FP8 E4M3 (out_dtype defaults to float8_e4m3fn).  group_size: a
+        power of two >= 8 dividing head_size, at most 32 x the vector the O arrays' alignment
+        allows (128 for aligned float32 inputs, 256 for 16-bit ones).  With group_size the call
+        returns (out, out_lse, group_scales).  Not with output_scale, nor on JAX arrays.
     stream: None (the current stream of the arrays' framework, else the legacy default stream), an
         int cudaStream_t, or an object with .cuda_stream or .ptr.  Ignored for host arrays.
     pdl: programmatic dependent launch (sm_90 and newer, else ignored): the kernel is scheduled
@@ -243,13 +290,18 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
     """
     if _takes is not None and _takes(o_a, lse_a, o_b, lse_b):
         return _torch_ops.merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base,
-                                out_base, a_tokens, stream, pdl, _names)
+                                out_base, a_tokens, stream, pdl, _names, (group_size, group_scales, scale_ue8m0))
     flags = (0 if base == "e" and out_base is None else lse_flags(base, out_base, pair=True, names=_names)) | (
         _C.PDL if pdl else 0)
+    group = 0
+    if group_size is not None or scale_ue8m0:
+        out_dtype, group, group_flags = groups_arg(group_size, scale_ue8m0, out, out_dtype, _names)
+        flags |= group_flags
     a_tok = -1 if a_tokens is None else a_tokens_arg(a_tokens, _named(_names, "a_tokens"))
     if _any_jax(out, out_lse):
         _refuse_jax_outputs(out, out_lse, "merge", _names)
     if out is None and _is_jax(o_b):
+        _refuse_jax_groups(group_size, "merge", _names)
         out, out_lse = _jax_road("merge", out_lse, stream, _names)(
             o_a, lse_a, o_b, lse_b, base=base, out_base=out_base,
             out_dtype=_result_dtype(out_dtype, o_a, "o_a", _names), a_tokens=a_tokens,
@@ -260,8 +312,10 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
         out, out_lse = _outputs(o_b, o_a, shape, out, out_lse, return_lse, out_dtype, names=_names)
     if output_scale is not None:
         output_scale = output_scale_arg(output_scale)
-    _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, flags, a_tok, output_scale, stream, _names)
-    return out, out_lse
+    if group:
+        group_scales = group_scales_like(out, group_scales, group, _names)
+    _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, flags, a_tok, output_scale, stream, _names, group_scales, group)
+    return _results(out, out_lse, group_scales, group_size)
 
 
 def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mask: Array | None = None,
@@ -288,8 +342,9 @@ def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mas
 def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Array | None = None,
                  return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
                  base: Base = "e", out_base: Base | None = None, states_axis: int = 1, sink: Array | None = None,
+                 group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
                  stream: Stream = None, pdl: bool = False,
-                 _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
+                 _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge S states in one pass, each input read once.
 
     states_axis=1: o [tokens, S, heads, head_size], lse float32 [tokens, S, heads] (FlashInfer's).
@@ -298,19 +353,23 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
     sink: attention sinks (gpt-oss): None, or float32 [heads], each head's sink logit in the LSE's
         base, merged into every row of its head as one more state whose output is 0 (the merged
         LSE counts it; a row with no states gets O = 0 and LSE = sink).  Add it in one merge only.
-    out [tokens, heads, head_size], out_lse [tokens, heads], out_base, stream, pdl: as for merge()
-    (out_lse in the states' base unless out_base says).  S = 0 gives O = 0 and LSE = -inf (the
-    sink, with one).  Returns (out, out_lse).
+    out [tokens, heads, head_size], out_lse [tokens, heads], out_base, group_size, group_scales,
+    scale_ue8m0, stream, pdl: as for merge() (out_lse in the states' base unless out_base says).
+    S = 0 gives O = 0 and LSE = -inf (the sink, with one).  Returns (out, out_lse), and the group
+    scales with group_size.
     """
     if states_axis not in (0, 1) or isinstance(states_axis, bool):
         raise ValueError(f"states_axis: expected 0 or 1, got {states_axis!r}")
     if _takes is not None and _takes(o, lse, sink, None):
         return _torch_ops.merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, out_base,
-                                       states_axis, sink, stream, pdl, _names)
+                                       states_axis, sink, stream, pdl, _names, (group_size, group_scales, scale_ue8m0))
     flags = lse_flags(base, out_base, names=_names) | (_C.PDL if pdl else 0)
+    out_dtype, group, group_flags = groups_arg(group_size, scale_ue8m0, out, out_dtype, _names)
+    flags |= group_flags
     if _any_jax(out, out_lse):
         _refuse_jax_outputs(out, out_lse, "merge_states", _names)
     if out is None and _is_jax(o):
+        _refuse_jax_groups(group_size, "merge_states", _names)
         out, out_lse = _jax_road("merge_states", out_lse, stream, _names)(
             o, lse, base=base, out_base=out_base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
             output_scale=output_scale_arg(output_scale), states_axis=states_axis, sink=sink)
@@ -320,19 +379,25 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
         out, out_lse = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
     if output_scale is not None:
         output_scale = output_scale_arg(output_scale)
-    _C.merge_states(out, out_lse, o, lse, flags, states_axis == 0, output_scale, sink, stream, _names)
-    return out, out_lse
+    if group:
+        group_scales = group_scales_like(out, group_scales, group, _names)
+    _C.merge_states(out, out_lse, o, lse, flags, states_axis == 0, output_scale, sink, stream, _names, group_scales,
+                    group)
+    return _results(out, out_lse, group_scales, group_size)
 
 
 def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = None, out_lse: Array | None = None,
                  return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
-                 base: Base = "e", out_base: Base | None = None, sink: Array | None = None, stream: Stream = None,
-                 pdl: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
+                 base: Base = "e", out_base: Base | None = None, sink: Array | None = None,
+                 group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
+                 stream: Stream = None, pdl: bool = False,
+                 _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Row r of the result merges states indptr[r] .. indptr[r+1]-1 of o.
 
     o: [total, heads, head_size], lse: float32 [total, heads]; indptr: int32 or int64 [rows + 1];
     sink: None or float32 [heads], as for merge_states().
-    out [rows, heads, head_size], out_lse [rows, heads], out_base, stream, pdl: as for merge().  A row with no
+    out [rows, heads, head_size], out_lse [rows, heads], out_base, group_size, group_scales (float32
+    [rows, heads, head_size // group_size]), scale_ue8m0, stream, pdl: as for merge().  A row with no
     states gets O = 0 and LSE = -inf (the sink, with one).  On the CPU a bad indptr raises
     ValueError; on the GPU it is never read back to the host, and each row takes states
     [clamp(indptr[r], 0, total), clamp(indptr[r+1], that, total)): no out-of-bounds access, and a
@@ -341,11 +406,14 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
     """
     if _takes is not None and _takes(o, lse, sink, None):
         return _torch_ops.merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base,
-                                       out_base, sink, stream, pdl, _names)
+                                       out_base, sink, stream, pdl, _names, (group_size, group_scales, scale_ue8m0))
     flags = lse_flags(base, out_base, names=_names) | (_C.PDL if pdl else 0)
+    out_dtype, group, group_flags = groups_arg(group_size, scale_ue8m0, out, out_dtype, _names)
+    flags |= group_flags
     if _any_jax(out, out_lse):
         _refuse_jax_outputs(out, out_lse, "merge_varlen", _names)
     if out is None and _is_jax(o):
+        _refuse_jax_groups(group_size, "merge_varlen", _names)
         out, out_lse = _jax_road("merge_varlen", out_lse, stream, _names)(
             o, lse, indptr, base=base, out_base=out_base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
             output_scale=output_scale_arg(output_scale), sink=sink)
@@ -355,8 +423,10 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
         out, out_lse = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
     if output_scale is not None:
         output_scale = output_scale_arg(output_scale)
-    _C.merge_varlen(out, out_lse, o, lse, indptr, flags, output_scale, sink, stream, _names)
-    return out, out_lse
+    if group:
+        group_scales = group_scales_like(out, group_scales, group, _names)
+    _C.merge_varlen(out, out_lse, o, lse, indptr, flags, output_scale, sink, stream, _names, group_scales, group)
+    return _results(out, out_lse, group_scales, group_size)
 
 
 def index_arg(index, names=None):
@@ -380,8 +450,9 @@ def share_shape(o, names=None):
 def merge_share(o: Array, lse: Array, index: int, *, out: Array | None = None, out_lse: Array | None = None,
                 return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
                 base: Base = "e", out_base: Base | None = None, states_axis: int = 1, sink: Array | None = None,
+                group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
                 stream: Stream = None, pdl: bool = False,
-                _names: Mapping[str, str] | None = None) -> tuple[Array, Array | None]:
+                _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """The share of state `index` in the merge of S states, for context parallelism's combine by
     reduce-scatter: out = (w_index / W) * o and out_lse = the merged LSE, so that the S states'
     shares summed are merge_states of them.  Each rank all-gathers the LSEs (not the outputs),
@@ -392,19 +463,25 @@ def merge_share(o: Array, lse: Array, index: int, *, out: Array | None = None, o
         (states_axis=0: an all-gather's, read through its strides); index: 0 <= index < S.
     sink: None or float32 [heads], as for merge_states(); every rank's share takes the same sink.
     out [tokens, heads, head_size] (may be o itself), out_lse [tokens, heads], out_dtype,
-    output_scale, out_base, stream, pdl: as for merge().  A state of zero weight gets a share of 0 (its O is
-    not read), an all-empty row O = 0 and LSE = -inf, a NaN LSE a NaN row.  Returns (out, out_lse).
+    output_scale, out_base, group_size, group_scales, scale_ue8m0, stream, pdl: as for merge() (each
+    share quantized on its own: summed shares are not the merge's FP8 groups).  A state of zero
+    weight gets a share of 0 (its O is not read), an all-empty row O = 0 and LSE = -inf, a NaN LSE
+    a NaN row.  Returns (out, out_lse), and the group scales with group_size.
     """
     if states_axis not in (0, 1) or isinstance(states_axis, bool):
         raise ValueError(f"states_axis: expected 0 or 1, got {states_axis!r}")
     index = index_arg(index, _names)
     if _takes is not None and _takes(o, lse, sink, None):
         return _torch_ops.merge_share(o, lse, index, out, out_lse, return_lse, out_dtype, output_scale, base,
-                                      out_base, states_axis, sink, stream, pdl, _names)
+                                      out_base, states_axis, sink, stream, pdl, _names,
+                                      (group_size, group_scales, scale_ue8m0))
     flags = lse_flags(base, out_base, names=_names) | (_C.PDL if pdl else 0)
+    out_dtype, group, group_flags = groups_arg(group_size, scale_ue8m0, out, out_dtype, _names)
+    flags |= group_flags
     if _any_jax(out, out_lse):
         _refuse_jax_outputs(out, out_lse, "merge_share", _names)
     if out is None and _is_jax(o):
+        _refuse_jax_groups(group_size, "merge_share", _names)
         out, out_lse = _jax_road("merge_share", out_lse, stream, _names)(
             o, lse, index, base=base, out_base=out_base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
             output_scale=output_scale_arg(output_scale), states_axis=states_axis, sink=sink)
@@ -414,8 +491,11 @@ def merge_share(o: Array, lse: Array, index: int, *, out: Array | None = None, o
         out, out_lse = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
     if output_scale is not None:
         output_scale = output_scale_arg(output_scale)
-    _C.merge_share(out, out_lse, o, lse, index, flags, states_axis == 0, output_scale, sink, stream, _names)
-    return out, out_lse
+    if group:
+        group_scales = group_scales_like(out, group_scales, group, _names)
+    _C.merge_share(out, out_lse, o, lse, index, flags, states_axis == 0, output_scale, sink, stream, _names,
+                   group_scales, group)
+    return _results(out, out_lse, group_scales, group_size)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -34,11 +34,14 @@ _NS = "attnmerge"
 # know), and the functional overloads return new tensors that alias no input.
 _OPTIONS = 'str base="e", bool pdl=False'
 _OUT_OPTIONS = 'str base="e", str? out_base=None, bool pdl=False'  # the ops that write an out_lse
+# Per-group FP8 outputs: the out= overloads only (an FP8 output has no gradient), the scales written.
+_GROUPS = 'Tensor(c!)? group_scales=None, int group_size=0, bool scale_ue8m0=False'
+
 _SCHEMAS = {
     "merge": "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, Tensor? output_scale=None, *, "
              f"ScalarType? out_dtype=None, SymInt? a_tokens=None, {_OUT_OPTIONS}) -> (Tensor out, Tensor out_lse)",
     "merge.out": "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
-                 f"Tensor? output_scale=None, SymInt? a_tokens=None, {_OUT_OPTIONS}) -> ()",
+                 f"Tensor? output_scale=None, SymInt? a_tokens=None, {_GROUPS}, {_OUT_OPTIONS}) -> ()",
     "merge_inplace": f"(Tensor(a!) o, Tensor(b!) lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, *, "
                      f"{_OPTIONS}) -> ()",
     "merge_inplace.functional": f"(Tensor o, Tensor lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, *, "
@@ -46,15 +49,17 @@ _SCHEMAS = {
     "merge_states": "(Tensor o, Tensor lse, Tensor? output_scale=None, Tensor? sink=None, *, "
                     f"ScalarType? out_dtype=None, int states_axis=1, {_OUT_OPTIONS}) -> (Tensor out, Tensor out_lse)",
     "merge_states.out": "(Tensor o, Tensor lse, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
-                        f"Tensor? output_scale=None, Tensor? sink=None, int states_axis=1, {_OUT_OPTIONS}) -> ()",
+                        f"Tensor? output_scale=None, Tensor? sink=None, int states_axis=1, {_GROUPS}, "
+                        f"{_OUT_OPTIONS}) -> ()",
     "merge_varlen": "(Tensor o, Tensor lse, Tensor indptr, Tensor? output_scale=None, Tensor? sink=None, *, "
                     f"ScalarType? out_dtype=None, {_OUT_OPTIONS}) -> (Tensor out, Tensor out_lse)",
     "merge_varlen.out": "(Tensor o, Tensor lse, Tensor indptr, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
-                        f"Tensor? output_scale=None, Tensor? sink=None, {_OUT_OPTIONS}) -> ()",
+                        f"Tensor? output_scale=None, Tensor? sink=None, {_GROUPS}, {_OUT_OPTIONS}) -> ()",
     "merge_share": "(Tensor o, Tensor lse, Tensor? output_scale=None, Tensor? sink=None, *, int index, "
                    f"ScalarType? out_dtype=None, int states_axis=1, {_OUT_OPTIONS}) -> (Tensor out, Tensor out_lse)",
     "merge_share.out": "(Tensor o, Tensor lse, *, int index, Tensor(a!) out, Tensor(b!)? out_lse=None, "
-                       f"Tensor? output_scale=None, Tensor? sink=None, int states_axis=1, {_OUT_OPTIONS}) -> ()",
+                       f"Tensor? output_scale=None, Tensor? sink=None, int states_axis=1, {_GROUPS}, "
+                       f"{_OUT_OPTIONS}) -> ()",
     # The gradients of the functional merges (what their registered autograd calls): inputs
     # whose `needs` flag is False get an empty tensor (not computed).
     "merge_backward": "(Tensor grad_out, Tensor? grad_out_lse, Tensor out, Tensor out_lse, Tensor o_a, Tensor lse_a, "
@@ -142,11 +147,16 @@ def _flags(base, pdl, out_base=None, pair=False):
     return _merge.lse_flags((a, b), out, pair=True) | (_C.PDL if pdl else 0)
 
 
-def _merge_out(o_a, lse_a, o_b, lse_b, *, out, out_lse=None, output_scale=None, a_tokens=None, base="e",
-               out_base=None, pdl=False):
+def _group_flags(scale_ue8m0):
+    return _C.GROUP_SCALE_UE8M0 if scale_ue8m0 else 0
+
+
+def _merge_out(o_a, lse_a, o_b, lse_b, *, out, out_lse=None, output_scale=None, a_tokens=None, group_scales=None,
+               group_size=0, scale_ue8m0=False, base="e", out_base=None, pdl=False):
     names = _NAMES.get()
-    _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, _flags(base, pdl, out_base, pair=True),
-             _merge.a_tokens_arg(a_tokens, _merge._named(names, "a_tokens")), output_scale, None, names)
+    _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, _flags(base, pdl, out_base, pair=True) | _group_flags(scale_ue8m0),
+             _merge.a_tokens_arg(a_tokens, _merge._named(names, "a_tokens")), output_scale, None, names, group_scales,
+             group_size)
 
 
 def _merge_inplace(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
@@ -159,22 +169,24 @@ def _merge_inplace_functional(o, lse, o_other, lse_other, mask=None, *, base="e"
     return o, lse
 
 
-def _merge_states_out(o, lse, *, out, out_lse=None, output_scale=None, sink=None, states_axis=1, base="e",
-                      out_base=None, pdl=False):
-    _C.merge_states(out, out_lse, o, lse, _flags(base, pdl, out_base), _states_axis(states_axis) == 0, output_scale,
-                    sink, None, _NAMES.get())
+def _merge_states_out(o, lse, *, out, out_lse=None, output_scale=None, sink=None, states_axis=1, group_scales=None,
+                      group_size=0, scale_ue8m0=False, base="e", out_base=None, pdl=False):
+    _C.merge_states(out, out_lse, o, lse, _flags(base, pdl, out_base) | _group_flags(scale_ue8m0),
+                    _states_axis(states_axis) == 0, output_scale, sink, None, _NAMES.get(), group_scales, group_size)
 
 
-def _merge_varlen_out(o, lse, indptr, *, out, out_lse=None, output_scale=None, sink=None, base="e", out_base=None,
-                      pdl=False):
-    _C.merge_varlen(out, out_lse, o, lse, indptr, _flags(base, pdl, out_base), output_scale, sink, None, _NAMES.get())
+def _merge_varlen_out(o, lse, indptr, *, out, out_lse=None, output_scale=None, sink=None, group_scales=None,
+                      group_size=0, scale_ue8m0=False, base="e", out_base=None, pdl=False):
+    _C.merge_varlen(out, out_lse, o, lse, indptr, _flags(base, pdl, out_base) | _group_flags(scale_ue8m0),
+                    output_scale, sink, None, _NAMES.get(), group_scales, group_size)
 
 
-def _merge_share_out(o, lse, *, index, out, out_lse=None, output_scale=None, sink=None, states_axis=1, base="e",
-                     out_base=None, pdl=False):
+def _merge_share_out(o, lse, *, index, out, out_lse=None, output_scale=None, sink=None, states_axis=1,
+                     group_scales=None, group_size=0, scale_ue8m0=False, base="e", out_base=None, pdl=False):
     names = _NAMES.get()
-    _C.merge_share(out, out_lse, o, lse, _merge.index_arg(index, names), _flags(base, pdl, out_base),
-                   _states_axis(states_axis) == 0, output_scale, sink, None, names)
+    _C.merge_share(out, out_lse, o, lse, _merge.index_arg(index, names),
+                   _flags(base, pdl, out_base) | _group_flags(scale_ue8m0), _states_axis(states_axis) == 0,
+                   output_scale, sink, None, names, group_scales, group_size)
 
 
 def _merge_backward(grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, *, needs, a_tokens=None, base="e"):
@@ -515,20 +527,28 @@ def _out_dtype(out_dtype):
     return getattr(torch, dtype_name(out_dtype, "out_dtype"))
 
 
-def _call(functional, out_variant, like, in_dtype_of, shape_of, arg_names, names, out, out_lse, return_lse, out_dtype,
-          *args, **options):
+def _call(functional, out_variant, like, in_dtype_of, shape_of, arg_names, names, groups, out, out_lse, return_lse,
+          out_dtype, *args, **options):
     """The functional overload when no output is given (the one autograd can attach to), else the
     out= overload, any missing output allocated as the eager path allocates it; `names` (the
-    caller's, or None) reach the kernels."""
+    caller's, or None) reach the kernels.  `groups`: the public call's (group_size, group_scales,
+    scale_ue8m0), which take the out= overload (no gradient through FP8), the scales allocated as
+    the eager path allocates them and returned after out_lse."""
+    group_size, group_scales, scale_ue8m0 = groups if groups is not None else (None, None, False)
+    out_dtype, group, _ = _merge.groups_arg(group_size, scale_ue8m0, out, out_dtype, names)
     with _names_for_kernels(names):
-        if out is None and out_lse is None:
+        if out is None and out_lse is None and group_size is None and group_scales is None:
             res, res_lse = functional(*args, out_dtype=_out_dtype(out_dtype), **options)
             return res, (res_lse if return_lse else None)
         shape = shape_of() if out is None or (out_lse is None and return_lse) else None
         out, out_lse = _merge._outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, *arg_names,
                                        names)
+        if group:
+            group_scales = _merge.group_scales_like(out, group_scales, group, names)
+        if group_scales is not None or group:
+            options.update(group_scales=group_scales, group_size=group, scale_ue8m0=bool(scale_ue8m0))
         out_variant(*args, out=out, out_lse=out_lse, **options)
-        return out, out_lse
+        return _merge._results(out, out_lse, group_scales, group_size)
 
 
 def _names_for_kernels(names):
@@ -551,10 +571,10 @@ class _Named:
 
 
 def merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base, out_base, a_tokens,
-          stream, pdl, names=None):
+          stream, pdl, names=None, groups=None):
     _no_stream(stream)
     return _call(torch.ops.attnmerge.merge.default, torch.ops.attnmerge.merge.out, o_b, o_a, lambda: tuple(o_b.shape),
-                 ("o_b", "o_a"), names, out, out_lse, return_lse, out_dtype, o_a, lse_a, o_b, lse_b,
+                 ("o_b", "o_a"), names, groups, out, out_lse, return_lse, out_dtype, o_a, lse_a, o_b, lse_b,
                  output_scale=_scale(output_scale, o_b), a_tokens=a_tokens, base=_base(base, names, pair=True),
                  out_base=_out_base(out_base, names), pdl=pdl)
 
@@ -568,27 +588,27 @@ def merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl, names=Non
 
 
 def merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, out_base, states_axis, sink, stream,
-                 pdl, names=None):
+                 pdl, names=None, groups=None):
     _no_stream(stream)
     return _call(torch.ops.attnmerge.merge_states.default, torch.ops.attnmerge.merge_states.out, o, o,
-                 lambda: _merge.states_shape(o, states_axis, names), ("o", "o"), names, out, out_lse, return_lse,
-                 out_dtype, o, lse, output_scale=_scale(output_scale, o), sink=sink, states_axis=states_axis,
-                 base=_base(base, names), out_base=_out_base(out_base, names), pdl=pdl)
+                 lambda: _merge.states_shape(o, states_axis, names), ("o", "o"), names, groups, out, out_lse,
+                 return_lse, out_dtype, o, lse, output_scale=_scale(output_scale, o), sink=sink,
+                 states_axis=states_axis, base=_base(base, names), out_base=_out_base(out_base, names), pdl=pdl)
 
 
 def merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, out_base, sink, stream, pdl,
-                 names=None):
+                 names=None, groups=None):
     _no_stream(stream)
     return _call(torch.ops.attnmerge.merge_varlen.default, torch.ops.attnmerge.merge_varlen.out, o, o,
-                 lambda: _merge.varlen_shape(o, indptr, names), ("o", "o"), names, out, out_lse, return_lse,
+                 lambda: _merge.varlen_shape(o, indptr, names), ("o", "o"), names, groups, out, out_lse, return_lse,
                  out_dtype, o, lse, indptr, output_scale=_scale(output_scale, o), sink=sink, base=_base(base, names),
                  out_base=_out_base(out_base, names), pdl=pdl)
 
 
 def merge_share(o, lse, index, out, out_lse, return_lse, out_dtype, output_scale, base, out_base, states_axis, sink,
-                stream, pdl, names=None):
+                stream, pdl, names=None, groups=None):
     _no_stream(stream)
     return _call(torch.ops.attnmerge.merge_share.default, torch.ops.attnmerge.merge_share.out, o, o,
-                 lambda: _merge.share_shape(o, names), ("o", "o"), names, out, out_lse, return_lse, out_dtype, o, lse,
-                 index=index, output_scale=_scale(output_scale, o), sink=sink, states_axis=states_axis,
+                 lambda: _merge.share_shape(o, names), ("o", "o"), names, groups, out, out_lse, return_lse, out_dtype,
+                 o, lse, index=index, output_scale=_scale(output_scale, o), sink=sink, states_axis=states_axis,
                  base=_base(base, names), out_base=_out_base(out_base, names), pdl=pdl)

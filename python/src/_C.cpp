@@ -72,22 +72,34 @@ void set_output_scale(attnmerge_options& options, py::handle scale, ArrayView& h
   options.output_scale_ptr = static_cast<const float*>(holder.t.data);
 }
 
+// The per-group FP8 scales (None: none) and group size as options.group_scales and group_size: the
+// layout that has them (a group_size without scales goes too, for the C ABI to refuse).
+void set_group_scales(attnmerge_options& options, const attnmerge_tensor* scales, int32_t group_size) {
+  if (scales == nullptr && group_size == 0) return;
+  options.struct_size = sizeof(attnmerge_options);
+  options.group_scales = scales;
+  options.group_size = group_size;
+}
+
 // ---- the ops: arguments as the C ABI takes them, then flags, options, the stream (None: that of
 // the framework of the array outputs are allocated like, `like`) and the caller's names ----------
 
 void merge(py::handle out, py::handle out_lse, py::handle o_a, py::handle lse_a, py::handle o_b, py::handle lse_b,
-           uint32_t flags, int64_t a_tokens, py::handle output_scale, py::handle stream, py::handle names_table) {
+           uint32_t flags, int64_t a_tokens, py::handle output_scale, py::handle stream, py::handle names_table,
+           py::handle group_scales, int32_t group_size) {
   const CallerNames n(names_table);
-  CallArrays<6> c({{out, n("out"), kOut},
+  CallArrays<7> c({{out, n("out"), kOut},
                    {out_lse, n("out_lse"), kF32},
                    {o_a, n("o_a"), kO},
                    {lse_a, n("lse_a"), kF32},
                    {o_b, n("o_b"), kO},
-                   {lse_b, n("lse_b"), kF32}},
+                   {lse_b, n("lse_b"), kF32},
+                   {group_scales, n("group_scales"), kF32}},
                   stream, 4, 2);
   attnmerge_options options = {flags | (a_tokens >= 0 ? ATTNMERGE_A_TOKENS : 0u), a_tokens, 0.0f, nullptr};
   ArrayView scale;
   set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
+  set_group_scales(options, c.t[6], group_size);
   n.pass_to(options);
   call_library([&] { return attnmerge_merge(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], &options, c.stream()); });
 }
@@ -114,13 +126,15 @@ void set_sink(attnmerge_options& options, const attnmerge_tensor* sink) {
 }
 
 void merge_states(py::handle out, py::handle out_lse, py::handle o, py::handle lse, uint32_t flags, bool states_first,
-                  py::handle output_scale, py::handle sink, py::handle stream, py::handle names_table) {
+                  py::handle output_scale, py::handle sink, py::handle stream, py::handle names_table,
+                  py::handle group_scales, int32_t group_size) {
   const CallerNames n(names_table);
-  CallArrays<5> c({{out, n("out"), kOut},
+  CallArrays<6> c({{out, n("out"), kOut},
                    {out_lse, n("out_lse"), kF32},
                    {o, n("o"), kO},
                    {lse, n("lse"), kF32},
-                   {sink, n("sink"), kF32}},
+                   {sink, n("sink"), kF32},
+                   {group_scales, n("group_scales"), kF32}},
                   stream, 2, 2);
   if (states_first) {  // an all-gather's [S, tokens, ...], read through its strides
     c.views[2].swap_leading_axes();
@@ -130,43 +144,49 @@ void merge_states(py::handle out, py::handle out_lse, py::handle o, py::handle l
   ArrayView scale;
   set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
   set_sink(options, c.t[4]);
+  set_group_scales(options, c.t[5], group_size);
   n.pass_to(options);
   call_library([&] { return attnmerge_merge_states(c.t[0], c.t[1], c.t[2], c.t[3], &options, c.stream()); });
 }
 
 void merge_varlen(py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle indptr, uint32_t flags,
-                  py::handle output_scale, py::handle sink, py::handle stream, py::handle names_table) {
+                  py::handle output_scale, py::handle sink, py::handle stream, py::handle names_table,
+                  py::handle group_scales, int32_t group_size) {
   const CallerNames n(names_table);
-  CallArrays<6> c({{out, n("out"), kOut},
+  CallArrays<7> c({{out, n("out"), kOut},
                    {out_lse, n("out_lse"), kF32},
                    {o, n("o"), kO},
                    {lse, n("lse"), kF32},
                    {indptr, n("indptr"), kIndexDtypes},
-                   {sink, n("sink"), kF32}},
+                   {sink, n("sink"), kF32},
+                   {group_scales, n("group_scales"), kF32}},
                   stream, 2, 2);
   attnmerge_options options = {flags, 0, 0.0f, nullptr};
   ArrayView scale;
   set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
   set_sink(options, c.t[5]);
+  set_group_scales(options, c.t[6], group_size);
   n.pass_to(options);
   call_library([&] { return attnmerge_merge_varlen(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream()); });
 }
 
 void merge_share(py::handle out, py::handle out_lse, py::handle o, py::handle lse, int64_t index, uint32_t flags,
                  bool states_first, py::handle output_scale, py::handle sink, py::handle stream,
-                 py::handle names_table) {
+                 py::handle names_table, py::handle group_scales, int32_t group_size) {
   const CallerNames n(names_table);
-  CallArrays<5> c({{out, n("out"), kOut},
+  CallArrays<6> c({{out, n("out"), kOut},
                    {out_lse, n("out_lse"), kF32},
                    {o, n("o"), kO},
                    {lse, n("lse"), kF32},
-                   {sink, n("sink"), kF32}},
+                   {sink, n("sink"), kF32},
+                   {group_scales, n("group_scales"), kF32}},
                   stream, 2, 2);
   if (states_first) c.views[3].swap_leading_axes();  // an all-gather's [S, tokens, heads], read through its strides
   attnmerge_options options = {flags, 0, 0.0f, nullptr};
   ArrayView scale;
   set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
   set_sink(options, c.t[4]);
+  set_group_scales(options, c.t[5], group_size);
   n.pass_to(options);
   call_library(
       [&] { return attnmerge_merge_share(c.t[0], c.t[1], c.t[2], c.t[3], index, &options, c.stream()); });
@@ -321,18 +341,19 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "attnmerge's binding of libattnmerge (internal; use the attnmerge package)";
   m.def("merge", &merge, py::arg("out"), py::arg("out_lse"), py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"),
         py::arg("lse_b"), py::arg("flags"), py::arg("a_tokens"), py::arg("output_scale"), py::arg("stream"),
-        py::arg("names") = py::none());
+        py::arg("names") = py::none(), py::arg("group_scales") = py::none(), py::arg("group_size") = 0);
   m.def("merge_inplace", &merge_inplace, py::arg("o"), py::arg("lse"), py::arg("o_other"), py::arg("lse_other"),
         py::arg("mask"), py::arg("flags"), py::arg("stream"), py::arg("names") = py::none());
   m.def("merge_states", &merge_states, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
         py::arg("flags"), py::arg("states_first"), py::arg("output_scale"), py::arg("sink"), py::arg("stream"),
-        py::arg("names") = py::none());
+        py::arg("names") = py::none(), py::arg("group_scales") = py::none(), py::arg("group_size") = 0);
   m.def("merge_varlen", &merge_varlen, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
         py::arg("indptr"), py::arg("flags"), py::arg("output_scale"), py::arg("sink"), py::arg("stream"),
-        py::arg("names") = py::none());
+        py::arg("names") = py::none(), py::arg("group_scales") = py::none(), py::arg("group_size") = 0);
   m.def("merge_share", &merge_share, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
         py::arg("index"), py::arg("flags"), py::arg("states_first"), py::arg("output_scale"), py::arg("sink"),
-        py::arg("stream"), py::arg("names") = py::none());
+        py::arg("stream"), py::arg("names") = py::none(), py::arg("group_scales") = py::none(),
+        py::arg("group_size") = 0);
   m.def("merge_backward", &merge_backward, py::arg("grad_o_a"), py::arg("grad_lse_a"), py::arg("grad_o_b"),
         py::arg("grad_lse_b"), py::arg("grad_out"), py::arg("grad_out_lse"), py::arg("out"), py::arg("out_lse"),
         py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"), py::arg("lse_b"), py::arg("flags"), py::arg("a_tokens"),
@@ -397,4 +418,5 @@ PYBIND11_MODULE(_C, m) {
   m.attr("OUT_LSE_BASE2") = ATTNMERGE_OUT_LSE_BASE2;
   m.attr("OUT_LSE_BASE_E") = ATTNMERGE_OUT_LSE_BASE_E;
   m.attr("PDL") = ATTNMERGE_PDL;
+  m.attr("GROUP_SCALE_UE8M0") = ATTNMERGE_GROUP_SCALE_UE8M0;
 }

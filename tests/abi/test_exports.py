@@ -136,6 +136,7 @@ def test_options_carry_their_layouts_size_and_a_size_not_this_layouts_is_refused
     lse = rng.standard_normal((3, 2, 2)).astype(np.float32)
     size = ctypes.sizeof(c_abi.Options)
     names = ctypes.sizeof(c_abi.OptionsBeforeSink)  # also accepted (tests/errors/test_caller_names.py)
+    sink = ctypes.sizeof(c_abi.OptionsBeforeGroups)
     for struct_size, ok in ((0, True), (size, True), (size - 4, False), (size + 8, False), (1, False)):
         out, out_lse = np.full((3, 2, 8), np.nan, np.float32), np.full((3, 2), np.nan, np.float32)
         opts = c_abi.options()
@@ -148,7 +149,7 @@ def test_options_carry_their_layouts_size_and_a_size_not_this_layouts_is_refused
             before = ctypes.sizeof(c_abi.OptionsBeforeNames)  # also accepted (tests/errors/test_caller_names.py)
             assert status == c_abi.ERROR_VALUE and c_abi.last_error() == (
                 f"options.struct_size: expected 0, {before} (attnmerge_options without arg_names), {names} (without "
-                f"sink) or {size} (this library's attnmerge_options), got {struct_size}")
+                f"sink), {sink} (without group_scales) or {size} (this library's attnmerge_options), got {struct_size}")
             assert np.isnan(out).all() and np.isnan(out_lse).all()
 
 

@@ -210,7 +210,7 @@ def test_a_message_that_names_no_argument_is_unchanged():
     names = dict(VLLM, options="opts", flags="f")
     status, message, _ = merge(c_abi.options(flags=1 << 20, arg_names=names))
     assert status == c_abi.ERROR_VALUE
-    assert message == "options.flags: expected flags within 0xff for this op, got 0x100000"
+    assert message == "options.flags: expected flags within 0x1ff for this op, got 0x100000"
 
 
 def test_the_first_entry_for_an_argument_is_the_one_used():
@@ -267,14 +267,15 @@ def test_a_malformed_table_is_refused_before_any_other_check(opts, message):
 
 BEFORE = ctypes.sizeof(c_abi.OptionsBeforeNames)
 NAMES = ctypes.sizeof(c_abi.OptionsBeforeSink)
+SINK = ctypes.sizeof(c_abi.OptionsBeforeGroups)
 NOW = ctypes.sizeof(c_abi.Options)
 
 
 def test_the_layouts_sizes_are_the_headers():
     """attnmerge.h gives the older layouts' sizes on 64-bit platforms; the names add a pointer and a
-    count, the sink a pointer."""
+    count, the sink a pointer, the group scales a pointer and a count."""
     if ctypes.sizeof(ctypes.c_void_p) == 8:
-        assert (BEFORE, NAMES, NOW) == (40, 56, 64)
+        assert (BEFORE, NAMES, SINK, NOW) == (40, 56, 64, 80)
 
 
 @pytest.mark.parametrize("struct_size", [0, BEFORE])
@@ -285,7 +286,7 @@ def test_names_are_not_read_without_this_layouts_struct_size(struct_size):
     assert status == c_abi.ERROR_TYPE and message == "o_b: expected the dtype of o_a (float32), got float16"
 
 
-@pytest.mark.parametrize("struct_size", [NAMES, NOW])
+@pytest.mark.parametrize("struct_size", [NAMES, SINK, NOW])
 def test_names_are_read_with_a_layout_that_has_them(struct_size):
     opts = c_abi.options(arg_names=VLLM)
     opts.struct_size = struct_size
@@ -293,14 +294,14 @@ def test_names_are_read_with_a_layout_that_has_them(struct_size):
     assert status == c_abi.ERROR_TYPE and message.startswith("suffix_output: ")
 
 
-@pytest.mark.parametrize("struct_size", [1, BEFORE + 8, NAMES - 4, NOW - 4, NOW + 8])
+@pytest.mark.parametrize("struct_size", [1, BEFORE + 8, NAMES - 4, SINK - 4, NOW - 4, NOW + 8])
 def test_another_struct_size_is_refused(struct_size):
     opts = c_abi.options(arg_names=VLLM)
     opts.struct_size = struct_size
     status, message, outputs = merge(opts)
     assert status == c_abi.ERROR_VALUE and message == (
-        f"options.struct_size: expected 0, {BEFORE} (attnmerge_options without arg_names), {NAMES} (without sink) "
-        f"or {NOW} (this library's attnmerge_options), got {struct_size}")
+        f"options.struct_size: expected 0, {BEFORE} (attnmerge_options without arg_names), {NAMES} (without sink), "
+        f"{SINK} (without group_scales) or {NOW} (this library's attnmerge_options), got {struct_size}")
     assert all(np.isnan(x).all() for x in outputs)
 
 
@@ -335,6 +336,16 @@ _OLDER_CALLER = textwrap.dedent("""
     assert merge(opts)[0] == c_abi.SUCCESS
     status, message, _ = merge(opts, o_b=rand((T, H, D), np.float16))
     assert message == "suffix_output: expected the dtype of o_a (float32), got float16", message
+    # The layout that ends at sink, likewise: its sink is read (a wrong one refused), nothing after it.
+    size = ctypes.sizeof(c_abi.OptionsBeforeGroups)
+    sunk = c_abi.OptionsBeforeGroups.from_address(base + page - size)
+    sunk.struct_size, sunk.arg_names, sunk.num_arg_names = size, None, 0
+    sink_data = np.zeros(H + 1, np.float32)
+    sink = c_abi.tensor_from(sink_data)
+    sunk.sink = ctypes.pointer(sink)
+    opts = ctypes.cast(ctypes.pointer(sunk), c_abi.OptionsP)
+    status, message, _ = merge(opts)
+    assert message.startswith("sink: expected none for this op"), message
     print("read within the older layout")
 """)
 

@@ -66,10 +66,23 @@ bool base2_of(int bases, unsigned to_base2, unsigned to_base_e) {
 }
 bool inputs_base2(int bases) { return (bases & ATTNMERGE_LSE_BASE2) != 0; }
 
+// The per-group FP8 scales of the calls that follow (emulate_group_scales): where they go, their
+// strides [tokens, heads, groups], the group size (0: none) and UE8M0.
+struct GroupScales {
+  float* scales = nullptr;
+  int64_t strides[3] = {0, 0, 0};
+  int group = 0;
+  bool ue8m0 = false;
+};
+thread_local GroupScales t_groups;
+
 OutView out_view(void* o, const int64_t* os, float* l, const int64_t* ls, float inv_scale, const float* scale,
                  int bases) {
   OutView v{o, os[0], os[1], l, l ? ls[0] : 0, l ? ls[1] : 0, inv_scale, scale, false};
   v.lse_scale = base_change(inputs_base2(bases), base2_of(bases, ATTNMERGE_OUT_LSE_BASE2, ATTNMERGE_OUT_LSE_BASE_E));
+  const GroupScales& g = t_groups;
+  v.group_scales = g.scales, v.gs_st = g.strides[0], v.gs_sh = g.strides[1], v.gs_sg = g.strides[2];
+  v.group = g.group, v.ue8m0 = g.ue8m0;
   return v;
 }
 
@@ -99,6 +112,18 @@ void neighbours(float* out, int barrier) {
 }  // namespace
 
 extern "C" {
+
+// The per-group FP8 scales of the calls that follow (OutView::group_scales): `scales` [tokens,
+// heads, head_size / group] with strides `strides` (elements), groups of `group` elements (0:
+// none, as before any call of this), rounded up to powers of two where ue8m0.
+void emulate_group_scales(float* scales, const int64_t* strides, int group, int ue8m0) {
+  t_groups = GroupScales{};
+  if (group == 0) return;
+  t_groups.scales = scales;
+  std::copy(strides, strides + 3, t_groups.strides);
+  t_groups.group = group;
+  t_groups.ue8m0 = ue8m0 != 0;
+}
 
 // The (input, output) storage types compiled, as dtype codes at codes[2 i], codes[2 i + 1]; how many.
 int emulate_types(int* codes, int most) { return emu::codes_of(Compiled{}, codes, most); }

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from emulators import CODES, ORDERS, build, check, compiled_types, launches, order, pointers, widest_vec
 from attnmerge._merge import lse_flags
-from oracle import (assert_fp8_close, assert_lse_close, assert_merge_matches, clamp_indptr, fp8_dtype, nan_array,
+from oracle import (assert_fp8_close, assert_group_fp8_close, assert_lse_close, assert_merge_matches, clamp_indptr, fp8_dtype, nan_array,
                     natural, outside_view_is_nan, random_lse, random_o, rebased, reference_merge,
                     reference_merge_ranges, reference_merge_share, reference_merge_stacked, reference_merge_varlen,
                     strided_view, to_f64)
@@ -716,3 +716,78 @@ if __name__ == "__main__":  # test_a_masked_row_reads_its_mask_byte_alone's proc
     lib = ctypes.CDLL(sys.argv[1])
     lib.emulate_error.restype = ctypes.c_char_p
     masked_call(lib, sys.argv[2])
+
+
+# ---- per-group FP8 outputs -----------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_per_group_fp8_outputs(emu, data):
+    """Each op into FP8 with per-group scales (OutView::group_scales): a group's lanes meet at its
+    shuffles whatever the rows' place in their warps (heads of 1 to 16 packs, vectors of 1 to 8
+    elements, rows past the block's packs), the scales in any layout; the plan keeps such calls on
+    kRows, even where it would split a decode-sized row's states over groups."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    op = data.draw(st.sampled_from(("merge", "merge_states", "merge_share", "merge_varlen")))
+    t, h = data.draw(st.integers(0, 5)), data.draw(st.integers(1, 3))
+    d = data.draw(st.sampled_from((8, 16, 64, 128, 136, 256)))
+    s = data.draw(st.sampled_from((1, 2, 5, 9, 40)))
+    fp8_dtype()
+    tail = data.draw(st.booleans())
+    out, obuf = out_buffers((t, h, d), "float8_e4m3fn", data.draw(layouts(3, True)), tail)
+    if op == "merge":
+        o, lse = random_o(rng, (2, t, h, d), "bfloat16"), random_lse(rng, (2, t, h))
+        empties(rng, lse, o, data.draw(st.sampled_from((0.0, 0.3))))
+        ref = reference_merge(o[0], lse[0], o[1], lse[1])[0]
+        views = [placed(x, data.draw(layouts(x.ndim, x.ndim == 3)), tail)[0] for x in (o[0], lse[0], o[1], lse[1])]
+        vec = widest_vec(d, views[0], views[2], out)
+    elif op == "merge_varlen":
+        indptr = np.sort(rng.integers(0, s * t + 1, t + 1)).astype(np.int64)
+        indptr[0], total = 0, max(int(indptr[-1]), 1)
+        o, lse = random_o(rng, (total, h, d), "bfloat16"), random_lse(rng, (total, h))
+        ref = reference_merge_varlen(o, lse, indptr)[0]
+        views = [placed(o, data.draw(layouts(3, True)), tail)[0], placed(lse, data.draw(layouts(2, False)), tail)[0]]
+        vec = widest_vec(d, views[0], out)
+    else:
+        o, lse = random_o(rng, (t, s, h, d), "bfloat16"), random_lse(rng, (t, s, h))
+        empties(rng, lse, o, data.draw(st.sampled_from((0.0, 0.3))))
+        index = data.draw(st.integers(0, s - 1))
+        if op == "merge_share":
+            o = np.ascontiguousarray(o[:, index])
+            ref = reference_merge_share(o, lse, index)[0]
+        else:
+            ref = reference_merge_stacked(o, lse)[0]
+        views = [placed(o, data.draw(layouts(o.ndim, True)), tail)[0], placed(lse, data.draw(layouts(3, False)), tail)[0]]
+        vec = widest_vec(d, views[0], out)
+    group = data.draw(st.sampled_from([g for g in (8, 16, 32, 64, 128, 256) if d % g == 0 and g <= 32 * vec]))
+    ue8m0 = data.draw(st.booleans())
+    scales, sbuf = out_buffers((t, h, d // group), "float32", data.draw(layouts(3, False)), tail)
+    (sptr, sstrides), _scales_alive = pointers(scales)
+    emu.emulate_group_scales(sptr, sstrides, group, int(ue8m0))
+    fact = facts(data, vec, (2, 1))
+    groups = data.draw(st.sampled_from((0, 2, 16)))  # asked for kStates: per-group FP8 stays on kRows
+    ptrs, _keep = pointers(out, None, *views)
+    head_args = head((t, s if op != "merge_varlen" else len(indptr) - 1, h, d), "bfloat16", "float8_e4m3fn", "e", fact)
+    calls = {
+        "merge": lambda: emu.emulate_merge(*head((t, t, h, d), "bfloat16", "float8_e4m3fn", "e", fact), 0, 0, 0,
+                                           ctypes.c_float(1.0), None, *ptrs, None, ctypes.c_int64(0)),
+        "merge_states": lambda: emu.emulate_merge_states(*head_args, groups, ctypes.c_float(1.0), *ptrs, None,
+                                                         ctypes.c_int64(0)),
+        "merge_share": lambda: emu.emulate_merge_share(*head_args, groups, ctypes.c_float(1.0), *ptrs,
+                                                       ctypes.c_int64(index if op == "merge_share" else 0), None,
+                                                       ctypes.c_int64(0)),
+        "merge_varlen": lambda: emu.emulate_merge_varlen(
+            *head((len(indptr) - 1 if op == "merge_varlen" else 0, o.shape[0], h, d), "bfloat16", "float8_e4m3fn", "e",
+                  fact), groups, ctypes.c_float(1.0), *ptrs,
+            ctypes.c_void_p(indptr.ctypes.data) if op == "merge_varlen" else None, ctypes.c_int64(1), 1, None,
+            ctypes.c_int64(0)),
+    }
+    try:
+        run_orders(emu, calls[op], [obuf, sbuf], data.draw(st.integers(0, 1000)))
+    finally:
+        emu.emulate_group_scales(None, None, 0, 0)
+    if t:
+        assert plan(emu)["strategy"] == KROWS and not plan(emu)["plain"]
+    assert_group_fp8_close(out, scales, ref, group, ue8m0)
+    assert outside_view_is_nan(out, obuf) and outside_view_is_nan(scales, sbuf)

@@ -139,6 +139,9 @@ typedef struct attnmerge_tensor {
 #define ATTNMERGE_LSE_B_BASE_E 32u
 #define ATTNMERGE_OUT_LSE_BASE2 64u
 #define ATTNMERGE_OUT_LSE_BASE_E 128u
+/* Per-group FP8 outputs (options.group_scales): each group's scale rounded up to a power of two
+ * (UE8M0, as DeepGEMM's Blackwell kernels take them). */
+#define ATTNMERGE_GROUP_SCALE_UE8M0 256u
 
 /* The caller's name for one argument (attnmerge_options.arg_names): `arg` is its name in this
  * header ("o_a", "lse_b", "mask", "grad_out", ...; or "a_tokens" and "output_scale", the options
@@ -168,7 +171,8 @@ typedef struct attnmerge_options {
    * the size of the layout that ends here (the sizeof(attnmerge_options) of a caller built against
    * a header without arg_names: 40 bytes on 64-bit platforms), reads none of them; the size of the
    * layout that ends at num_arg_names (a header without sink: 56 bytes) reads arg_names and
-   * num_arg_names; sizeof(attnmerge_options) reads them all; any other size is refused.  Later
+   * num_arg_names; the size of the layout that ends at sink (64 bytes) reads those and sink;
+   * sizeof(attnmerge_options) reads them all; any other size is refused.  Later
    * versions add fields at the end and read them only where struct_size covers them, so that a
    * caller built against an older header keeps working. */
   uint32_t struct_size;
@@ -182,7 +186,7 @@ typedef struct attnmerge_options {
    * reads the table beyond those checks. */
   const attnmerge_arg_name* arg_names;
   int32_t num_arg_names;
-  /* Read only with struct_size = sizeof(attnmerge_options).  Attention sinks (gpt-oss,
+  /* Read where struct_size covers it (see struct_size).  Attention sinks (gpt-oss,
    * StreamingLLM): NULL for none, or a float32 tensor of shape [heads] (any stride >= 0), each
    * head's sink logit in the LSE's base, merged into every row of its head as one more state whose
    * output is 0 (its weight takes a share of the softmax, its output adds nothing):
@@ -198,6 +202,27 @@ typedef struct attnmerge_options {
    * states' gradients are those without one, and the sink's own gradient is, per head, the sum
    * over the rows of that head of  b^(sink - LSE) * (dLSE - ln(b) <dO, O>)  (b = e, or 2). */
   const attnmerge_tensor* sink;
+  /* Read only with struct_size = sizeof(attnmerge_options), the layout that ends here (a header
+   * without them: 64 bytes on 64-bit platforms, which reads sink and none of these).  Per-group FP8
+   * outputs (DeepSeek-V3's 1 x 128 blocks; vLLM's per_token_group_quant_fp8), for a GEMM that
+   * takes block-scaled FP8 next (the output projection): NULL for none, or a float32 tensor
+   * [tokens, heads, head_size / group_size] (any strides >= 0: a [tokens, heads x head_size /
+   * group_size] buffer, or DeepGEMM's column-major one passed as a permutation) that receives one
+   * scale per group of group_size consecutive elements of a row.  For the merged values x of a
+   * group:
+   *
+   *   amax = max |x_e| (NaN elements left out),  scale = max(amax, 1e-10) / 448
+   *          (with ATTNMERGE_GROUP_SCALE_UE8M0 rounded up to a power of two),
+   *   out_e = x_e * (1 / scale), rounded once to nearest even, saturating to +-448 (NaN stays NaN)
+   *
+   * out must be FP8 E4M3 and no output_scale given; group_size a power of two from 8 up that
+   * divides head_size and is at most 32 times the elements a vector access takes of every O array
+   * (its pointer's and strides' alignment, within 16 bytes: at most 128 for aligned float32
+   * inputs, 256 for 16-bit ones; any up to 32), as one warp's lanes share a group.  The two-way,
+   * N-way and variable-length merges and the share take them; an all-empty row's groups get
+   * O = 0 and scale 1e-10 / 448.  The rest of the call's semantics are unchanged. */
+  const attnmerge_tensor* group_scales;
+  int32_t group_size;
 } attnmerge_options;
 
 /* Two-way merge: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).

@@ -144,6 +144,36 @@ ATTNMERGE_HD constexpr bool flat_launch() {
   }
 }
 
+// Whether a kernel of Source writing TOut may quantize per group (OutView::group): FP8 outputs of
+// the general sources (the plan keeps the plain ones, and kStates, for calls without groups), so
+// that the other kernels carry none of it.
+template <typename Source, typename TOut>
+ATTNMERGE_HD constexpr bool takes_groups() {
+  return std::is_same<TOut, float8_e4m3_t>::value && !Source::kPlain;
+}
+
+// Per-group FP8 (OutView::group) of this thread's pack `acc` of the merged row (token, head), pack
+// k: the group's largest magnitude over its lanes by shuffles, its scale (group_scale) stored by
+// its first lane, and the pack multiplied by the scale's inverse.  A group is group / VEC
+// consecutive lanes of one warp, aligned (a power of two, at most 32, dividing the block's x
+// extent or the row's packs: the C ABI's and the plan's conditions), and its lanes are all live or
+// all gone, as a row's threads leave together.
+template <int VEC, typename I>
+__device__ __forceinline__ void quantize_group(float (&acc)[VEC], const OutView& out, I token, I head, I k) {
+  const int lanes = out.group / VEC;
+  float amax = 0.0f;  // fmaxf leaves NaN elements out
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) amax = fmaxf(amax, fabsf(acc[i]));
+  const unsigned lane = (threadIdx.y * blockDim.x + threadIdx.x) & 31u;
+  const unsigned mask = lanes >= 32 ? 0xffffffffu : ((1u << lanes) - 1u) << (lane & ~static_cast<unsigned>(lanes - 1));
+  for (int d = 1; d < lanes; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, d));
+  const float scale = group_scale(amax, out.ue8m0);
+  const float inv = 1.0f / scale;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) acc[i] *= inv;
+  if ((k & static_cast<I>(lanes - 1)) == 0) *out.group_scale_at(token, head, k / static_cast<I>(lanes)) = scale;
+}
+
 // The row (token, head) of this thread under kRows.  With I = int32_t the grid has no z extent
 // (rows < 2^31) and these products fit.
 template <typename I>
@@ -316,6 +346,9 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] *= r.inv;
   }
+  if constexpr (takes_groups<Source, TOut>()) {
+    if (out.group > 0) quantize_group(acc, out, token, head, k);
+  }
   store_pack<TOut, VEC>(dst, acc, stream);
 }
 
@@ -459,6 +492,9 @@ __global__ void __launch_bounds__(kBlockThreads) merge_share_kernel(const MergeS
   const float w = r.weight(own_lse);
   float acc[VEC] = {};
   accumulate(acc, own, r.scale(w), w);  // a NaN row: the scale is NaN, so is every element
+  if constexpr (takes_groups<ShareSource, TOut>()) {
+    if (out.group > 0) quantize_group(acc, out, token, head, k);
+  }
   store_pack<TOut, VEC>(out.o_at<TOut>(token, head, k * VEC), acc, stream);
   if (k == 0) out.store_lse(token, head, r.lse());
 }

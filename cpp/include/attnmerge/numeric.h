@@ -234,4 +234,18 @@ struct Word {
   }
 };
 
+// Per-group FP8 (attnmerge.h's group_scales): the scale of a group whose largest magnitude is
+// `amax` (NaN elements left out by the caller's fmaxf), max(amax, 1e-10) / 448, or that rounded
+// up to a power of two (UE8M0).  The floor keeps an all-zero group's scale finite and nonzero, as
+// vLLM's per_token_group_quant_fp8 does; the one owner of the formula, for the kernels and the
+// CPU path.
+constexpr float kFp8Max = 448.0f;
+constexpr float kGroupAmaxFloor = 1e-10f;
+ATTNMERGE_HD float group_scale(float amax, bool ue8m0) {
+  const float scale = (amax > kGroupAmaxFloor ? amax : kGroupAmaxFloor) / kFp8Max;  // amax >= +0, or +inf
+  if (!ue8m0) return scale;
+  // A positive normal float (or +inf) up to the next power of two: a carry out of the mantissa.
+  return detail::bits_to_float((detail::float_to_bits(scale) + 0x7fffffu) & 0xff800000u);
+}
+
 }  // namespace attnmerge

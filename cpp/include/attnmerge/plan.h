@@ -256,7 +256,7 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
     s.stream = plan_detail::stream_o(src, facts.bytes, s.tile_shift < 0);
     const bool plain = src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr && src.b_scale == 1.0f &&
-                       out.lse_scale == 1.0f;  // PlainPairSource has one base
+                       out.lse_scale == 1.0f && out.group == 0;  // PlainPairSource: one base, no groups
     // Flat rows: dense heads and the same row strides in every view (PlainPairSource's kFlatRows).
     const bool dense = plan.index32 && flattens(src.a, s.heads) && flattens(src.b, s.heads) && flattens(out, s.heads) &&
                        same_rows(src.a, src.b) && same_rows(src.a, out);
@@ -292,9 +292,10 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
   } else {
     s.stream = plan_detail::stream_o(src, facts.bytes, false);
     const int64_t states = plan_detail::states_per_row(src, s);
-    // kStates: 32-bit offsets and 16-byte accesses (whole float4s of accumulator a thread).
+    // kStates: 32-bit offsets and 16-byte accesses (whole float4s of accumulator a thread); no
+    // per-group FP8, whose groups lie in kRows' warps.
     int groups = 1;
-    if (takes_states<Source>() && plan.index32 && facts.access_bytes == 16 && facts.vec % 4 == 0) {
+    if (takes_states<Source>() && plan.index32 && facts.access_bytes == 16 && facts.vec % 4 == 0 && out.group == 0) {
       if (facts.groups > 0) {
         const int64_t most = std::min<int64_t>(kMaxStateGroups, kStateBlockThreads / std::max<int64_t>(s.packs, 1));
         while (2 * groups <= std::min<int64_t>(facts.groups, most)) groups *= 2;

@@ -107,6 +107,14 @@ struct OutView {
   // The merged LSE's base from the inputs' (base_change): 1 but for ATTNMERGE_OUT_LSE_*, which the
   // in-place merge does not take (its LSE stays lse's), nor do the plain kernels (the plan's).
   float lse_scale = 1.0f;
+  // Per-group FP8 (group > 0: elements a group, a power of two dividing head_size): the scale of
+  // group j of row (token, head) at group_scales + token * gs_st + head * gs_sh + j * gs_sg
+  // (group_scale, numeric.h), and the row's O multiplied by its inverse.  Only the general kRows
+  // kernels and the share's take it (the plan's condition), each group in one warp's lanes.
+  float* group_scales = nullptr;
+  int64_t gs_st = 0, gs_sh = 0, gs_sg = 0;
+  int32_t group = 0;
+  bool ue8m0 = false;
 
   ATTNMERGE_HD float inverse_scale() const { return scale != nullptr ? 1.0f / *scale : inv_scale; }
 
@@ -117,6 +125,10 @@ struct OutView {
   }
   // Where the row's merged LSE goes: null when none is written (lse_at), or, for an output known
   // to have one (lse set), without the check (lse_row).
+  template <typename I>
+  ATTNMERGE_HD float* group_scale_at(I token, I head, I j) const {
+    return group_scales + (token * static_cast<I>(gs_st) + head * static_cast<I>(gs_sh) + j * static_cast<I>(gs_sg));
+  }
   template <typename I>
   ATTNMERGE_HD float* lse_row(I token, I head) const {
     return lse + (token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh));
