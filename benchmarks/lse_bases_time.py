@@ -17,7 +17,7 @@ import math
 import torch
 
 import attnmerge
-from attnmerge.bench.timing import alternated_graph_us, input_sets
+from attnmerge.bench.timing import alternated_graph_us, input_sets, stacked_sets
 
 HEADS, HEAD_SIZE = 32, 128
 PAIR_TOKENS = (1, 16, 512, 8192)
@@ -52,13 +52,7 @@ def pairs():
 
 def states():
     for tokens, s in STATES_CASES:
-        nbytes = (s + 1) * tokens * HEADS * HEAD_SIZE * 2
-        sets = []
-        for _ in range(input_sets(nbytes)):
-            o = torch.randn(tokens, s, HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16)
-            lse = torch.randn(tokens, s, HEADS, device="cuda")
-            sets.append((o, lse, torch.empty(tokens, HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16),
-                         torch.empty(tokens, HEADS, device="cuda")))
+        sets = stacked_sets(torch, tokens, s, HEADS, HEAD_SIZE)
 
         def one(o, lse, out, out_lse):
             attnmerge.merge_states(o, lse, out=out, out_lse=out_lse, base=2)

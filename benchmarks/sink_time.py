@@ -8,7 +8,7 @@ alternations.  Needs PyTorch with CUDA.
 import torch
 
 import attnmerge
-from attnmerge.bench.timing import alternated_graph_us, input_sets
+from attnmerge.bench.timing import alternated_graph_us, stacked_sets
 
 HEADS, HEAD_SIZE = 32, 128
 CASES = [(16, 16), (16, 64), (16, 128), (128, 16), (128, 64), (8192, 2), (8192, 4), (8192, 64)]  # (tokens, S)
@@ -16,13 +16,7 @@ CASES = [(16, 16), (16, 64), (16, 128), (128, 16), (128, 64), (8192, 2), (8192, 
 
 def main():
     for tokens, states in CASES:
-        nbytes = tokens * states * HEADS * HEAD_SIZE * 2 + tokens * HEADS * HEAD_SIZE * 2
-        sets = []
-        for _ in range(input_sets(nbytes)):
-            o = torch.randn(tokens, states, HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16)
-            lse = torch.randn(tokens, states, HEADS, device="cuda")
-            sets.append((o, lse, torch.empty(tokens, HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16),
-                         torch.empty(tokens, HEADS, device="cuda")))
+        sets = stacked_sets(torch, tokens, states, HEADS, HEAD_SIZE)
         sink = torch.randn(HEADS, device="cuda")
 
         def plain(o, lse, out, out_lse):

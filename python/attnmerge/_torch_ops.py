@@ -545,7 +545,7 @@ def _call(functional, out_variant, like, in_dtype_of, shape_of, arg_names, names
                                        names)
         if group:
             group_scales = _merge.group_scales_like(out, group_scales, group, names)
-        if group_scales is not None or group:
+        if group_scales is not None:  # given, or allocated for a group_size
             options.update(group_scales=group_scales, group_size=group, scale_ue8m0=bool(scale_ue8m0))
         out_variant(*args, out=out, out_lse=out_lse, **options)
         return _merge._results(out, out_lse, group_scales, group_size)

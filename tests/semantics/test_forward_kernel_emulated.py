@@ -768,19 +768,17 @@ def test_per_group_fp8_outputs(emu, data):
     fact = facts(data, vec, (2, 1))
     groups = data.draw(st.sampled_from((0, 2, 16)))  # asked for kStates: per-group FP8 stays on kRows
     ptrs, _keep = pointers(out, None, *views)
-    head_args = head((t, s if op != "merge_varlen" else len(indptr) - 1, h, d), "bfloat16", "float8_e4m3fn", "e", fact)
-    calls = {
+    head_args = head((t, s, h, d), "bfloat16", "float8_e4m3fn", "e", fact)  # merge_states', merge_share's
+    calls = {  # each called only for its own op, whose variables it reads
         "merge": lambda: emu.emulate_merge(*head((t, t, h, d), "bfloat16", "float8_e4m3fn", "e", fact), 0, 0, 0,
                                            ctypes.c_float(1.0), None, *ptrs, None, ctypes.c_int64(0)),
         "merge_states": lambda: emu.emulate_merge_states(*head_args, groups, ctypes.c_float(1.0), *ptrs, None,
                                                          ctypes.c_int64(0)),
         "merge_share": lambda: emu.emulate_merge_share(*head_args, groups, ctypes.c_float(1.0), *ptrs,
-                                                       ctypes.c_int64(index if op == "merge_share" else 0), None,
-                                                       ctypes.c_int64(0)),
+                                                       ctypes.c_int64(index), None, ctypes.c_int64(0)),
         "merge_varlen": lambda: emu.emulate_merge_varlen(
-            *head((len(indptr) - 1 if op == "merge_varlen" else 0, o.shape[0], h, d), "bfloat16", "float8_e4m3fn", "e",
-                  fact), groups, ctypes.c_float(1.0), *ptrs,
-            ctypes.c_void_p(indptr.ctypes.data) if op == "merge_varlen" else None, ctypes.c_int64(1), 1, None,
+            *head((len(indptr) - 1, o.shape[0], h, d), "bfloat16", "float8_e4m3fn", "e", fact), groups,
+            ctypes.c_float(1.0), *ptrs, ctypes.c_void_p(indptr.ctypes.data), ctypes.c_int64(1), 1, None,
             ctypes.c_int64(0)),
     }
     try:

@@ -14,6 +14,17 @@ def input_sets(nbytes):
     return max(1, min(32, (512 << 20) // max(1, nbytes)))
 
 
+def stacked_sets(torch, tokens, states, heads, head_size):
+    """Input sets of an N-way merge on the GPU, as many as input_sets gives for their bytes: each
+    (o bf16 [tokens, states, heads, head_size], lse float32 [tokens, states, heads], and the outputs
+    out bf16 [tokens, heads, head_size], out_lse float32 [tokens, heads])."""
+    nbytes = (states + 1) * tokens * heads * head_size * 2
+    return [(torch.randn(tokens, states, heads, head_size, device="cuda", dtype=torch.bfloat16),
+             torch.randn(tokens, states, heads, device="cuda"),
+             torch.empty(tokens, heads, head_size, device="cuda", dtype=torch.bfloat16),
+             torch.empty(tokens, heads, device="cuda")) for _ in range(input_sets(nbytes))]
+
+
 def graph_us(torch, fn, sets, calls=50):
     """GPU time per call of fn(*set), us: `calls` calls (sets in turn) captured in one CUDA graph,
     the median of 7 replays timed by events."""
