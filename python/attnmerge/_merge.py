@@ -113,10 +113,9 @@ def _results(out, out_lse, group_scales, group_size):
     return (out, out_lse) if group_size is None else (out, out_lse, group_scales)
 
 
-def _refuse_jax_groups(group_size, op, names):
-    if group_size is not None:
-        raise NotImplementedError(f"{_named(names, 'group_size')}: per-group FP8 outputs are not in "
-                                  f"attnmerge.jax.{op}; merge JAX arrays into a float32 or bfloat16 output")
+def _jax_results(results, return_lse):
+    """attnmerge.jax's results as the native functions return them: out_lse None unless return_lse."""
+    return (results[0], results[1] if return_lse else None, *results[2:])
 
 
 def _named(names, arg):
@@ -167,14 +166,15 @@ def _refuse_jax_outputs(out, out_lse, op, names):
     _refuse_jax(out_name if _is_jax(out) else lse_name, op, f"leave {out_name}=None and {lse_name}=None")
 
 
-def _jax_road(op, out_lse, stream, names):
+def _jax_road(op, out_lse, stream, names, group_scales=None):
     """attnmerge.jax's `op`: the road of a call whose results would be allocated like a JAX array.
     Its results are new JAX arrays on XLA's buffers and stream, so nothing may be handed over to be
-    written and no stream chosen."""
-    if out_lse is not None:
-        arg = _named(names, "out_lse")
-        raise ValueError(f"{arg}: expected None, got {type(out_lse).__qualname__}: results allocated like a JAX "
-                         f"array come from attnmerge.jax.{op}, which returns new ones (leave {arg}=None)")
+    written (out_lse, group_scales) and no stream chosen."""
+    for name, given in (("out_lse", out_lse), ("group_scales", group_scales)):
+        if given is not None:
+            arg = _named(names, name)
+            raise ValueError(f"{arg}: expected None, got {type(given).__qualname__}: results allocated like a JAX "
+                             f"array come from attnmerge.jax.{op}, which returns new ones (leave {arg}=None)")
     if stream is not None:
         raise ValueError(f"stream: expected None for JAX arrays (attnmerge.jax runs on the stream XLA gives the "
                          f"call), got {stream!r}")
@@ -268,7 +268,7 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
         value * (1 / scale) in FP8 E4M3 (out_dtype defaults to float8_e4m3fn).  group_size: a
         power of two >= 8 dividing head_size, at most 32 x the vector the O arrays' alignment
         allows (128 for aligned float32 inputs, 256 for 16-bit ones).  With group_size the call
-        returns (out, out_lse, group_scales).  Not with output_scale, nor on JAX arrays.
+        returns (out, out_lse, group_scales).  Not with output_scale.
     stream: None (the current stream of the arrays' framework, else the legacy default stream), an
         int cudaStream_t, or an object with .cuda_stream or .ptr.  Ignored for host arrays.
     pdl: programmatic dependent launch (sm_90 and newer, else ignored): the kernel is scheduled
@@ -301,12 +301,10 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
     if _any_jax(out, out_lse):
         _refuse_jax_outputs(out, out_lse, "merge", _names)
     if out is None and _is_jax(o_b):
-        _refuse_jax_groups(group_size, "merge", _names)
-        out, out_lse = _jax_road("merge", out_lse, stream, _names)(
+        return _jax_results(_jax_road("merge", out_lse, stream, _names, group_scales)(
             o_a, lse_a, o_b, lse_b, base=base, out_base=out_base,
             out_dtype=_result_dtype(out_dtype, o_a, "o_a", _names), a_tokens=a_tokens,
-            output_scale=output_scale_arg(output_scale))
-        return out, (out_lse if return_lse else None)
+            output_scale=output_scale_arg(output_scale), group_size=group_size, scale_ue8m0=scale_ue8m0), return_lse)
     if out is None or out_lse is None or out_dtype is not None:  # else nothing to allocate or check
         shape = _shape(o_b, "o_b", _names) if out is None or (out_lse is None and return_lse) else None
         out, out_lse = _outputs(o_b, o_a, shape, out, out_lse, return_lse, out_dtype, names=_names)
@@ -369,11 +367,10 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
     if _any_jax(out, out_lse):
         _refuse_jax_outputs(out, out_lse, "merge_states", _names)
     if out is None and _is_jax(o):
-        _refuse_jax_groups(group_size, "merge_states", _names)
-        out, out_lse = _jax_road("merge_states", out_lse, stream, _names)(
+        return _jax_results(_jax_road("merge_states", out_lse, stream, _names, group_scales)(
             o, lse, base=base, out_base=out_base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
-            output_scale=output_scale_arg(output_scale), states_axis=states_axis, sink=sink)
-        return out, (out_lse if return_lse else None)
+            output_scale=output_scale_arg(output_scale), states_axis=states_axis, sink=sink, group_size=group_size,
+            scale_ue8m0=scale_ue8m0), return_lse)
     if out is None or out_lse is None or out_dtype is not None:  # else nothing to allocate or check
         shape = states_shape(o, states_axis, _names) if out is None or (out_lse is None and return_lse) else None
         out, out_lse = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
@@ -413,11 +410,10 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
     if _any_jax(out, out_lse):
         _refuse_jax_outputs(out, out_lse, "merge_varlen", _names)
     if out is None and _is_jax(o):
-        _refuse_jax_groups(group_size, "merge_varlen", _names)
-        out, out_lse = _jax_road("merge_varlen", out_lse, stream, _names)(
+        return _jax_results(_jax_road("merge_varlen", out_lse, stream, _names, group_scales)(
             o, lse, indptr, base=base, out_base=out_base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
-            output_scale=output_scale_arg(output_scale), sink=sink)
-        return out, (out_lse if return_lse else None)
+            output_scale=output_scale_arg(output_scale), sink=sink, group_size=group_size, scale_ue8m0=scale_ue8m0),
+            return_lse)
     if out is None or out_lse is None or out_dtype is not None:  # else nothing to allocate or check
         shape = varlen_shape(o, indptr, _names) if out is None or (out_lse is None and return_lse) else None
         out, out_lse = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)
@@ -481,11 +477,10 @@ def merge_share(o: Array, lse: Array, index: int, *, out: Array | None = None, o
     if _any_jax(out, out_lse):
         _refuse_jax_outputs(out, out_lse, "merge_share", _names)
     if out is None and _is_jax(o):
-        _refuse_jax_groups(group_size, "merge_share", _names)
-        out, out_lse = _jax_road("merge_share", out_lse, stream, _names)(
+        return _jax_results(_jax_road("merge_share", out_lse, stream, _names, group_scales)(
             o, lse, index, base=base, out_base=out_base, out_dtype=_result_dtype(out_dtype, o, "o", _names),
-            output_scale=output_scale_arg(output_scale), states_axis=states_axis, sink=sink)
-        return out, (out_lse if return_lse else None)
+            output_scale=output_scale_arg(output_scale), states_axis=states_axis, sink=sink, group_size=group_size,
+            scale_ue8m0=scale_ue8m0), return_lse)
     if out is None or out_lse is None or out_dtype is not None:  # else nothing to allocate or check
         shape = share_shape(o, _names) if out is None or (out_lse is None and return_lse) else None
         out, out_lse = _outputs(o, o, shape, out, out_lse, return_lse, out_dtype, "o", "o", _names)

@@ -15,7 +15,7 @@ these functions for a call whose results would be allocated like a JAX array, an
 writes a JAX array (they are immutable).
 
 Options (``base``, ``out_base``, ``out_dtype``, ``a_tokens``, ``states_axis``, merge_share's ``index``, a float
-``output_scale``) are static:
+``output_scale``, ``group_size``, ``scale_ue8m0``) are static:
 Python values, fixed when the function is traced, so a jitted function passes them itself (as
 above, or with ``functools.partial``), and needs no ``static_argnames``.  A traced option is refused
 with a TypeError.  ``output_scale`` may also be a float32 JAX array of one element (read on the
@@ -25,7 +25,8 @@ Gradients: merge, merge_states, merge_varlen and merge_share are differentiable 
 ``jax.vjp``) with respect to every O and LSE input and the sink, through ``custom_vjp``: over
 attnmerge's fused backward (its own FFI calls, from the saved inputs and results), and for
 merge_share in jax.numpy (elementwise work over its one O); an empty part gets zero gradients.
-An FP8 or scaled output has no gradient: asking for one raises NotImplementedError.
+An FP8 or scaled output (per-group FP8 too) has no gradient: asking for one raises
+NotImplementedError.
 
 Shapes are checked when the call is traced (a ValueError naming the argument); everything else
 (dtypes, values) by libattnmerge when the call runs, whose message, naming the argument, comes back
@@ -46,7 +47,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _XLA_HOW, _XLA_LIB
-from ._merge import base_change, index_arg, lse_bases, lse_flags, output_scale_arg, share_gradient, sink_gradient
+from ._merge import (
+    base_change,
+    groups_arg,
+    index_arg,
+    lse_bases,
+    lse_flags,
+    output_scale_arg,
+    share_gradient,
+    sink_gradient,
+)
 from ._types import NO_GRADIENT_DTYPES, Base, PairBase
 
 __all__ = ["merge", "merge_states", "merge_varlen", "merge_share"]
@@ -101,11 +111,16 @@ def _scale_is_array(output_scale):
 _TAKE_SINK = ("merge_states", "merge_varlen", "merge_share")
 
 
-def _call(op, outs, operands, *, bases, output_scale, a_tokens=None, vectorized=True, sink=None, index=None):
+def _call(op, outs, operands, *, bases, output_scale, a_tokens=None, vectorized=True, sink=None, index=None,
+          groups=(0, 0)):
     """The FFI call of `op` with the options as attributes (`bases`: _bases' key); the sink
     (merge_states, merge_varlen and merge_share: an array, or None) and output_scale (a number or,
-    for an array, an operand) after the operands; merge_share's index an attribute of its own."""
-    flags = lse_flags(bases[:2], bases[2], pair=True)
+    for an array, an operand) after the operands; merge_share's index an attribute of its own.
+    `outs`: (out, out_lse)'s shapes; `groups`: (group_size, its flags), where group_size > 0 adds
+    the group scales [rows, heads, head_size // group_size] to the results (every call has that
+    result: one of no elements, unwritten, without groups)."""
+    group, group_flags = groups
+    flags = lse_flags(bases[:2], bases[2], pair=True) | group_flags
     scale_in_buffer = _scale_is_array(output_scale)
     if scale_in_buffer:
         scale = jnp.reshape(jnp.asarray(output_scale, dtype=jnp.float32), (1,))
@@ -117,19 +132,30 @@ def _call(op, outs, operands, *, bases, output_scale, a_tokens=None, vectorized=
     # One call over a flattened batch: every operand is broadcast to the batch (the handler folds
     # leading dimensions into tokens), which per-example a_tokens, indptr, scale or sink would break.
     method = "broadcast_all" if vectorized and a < 0 and not scale_in_buffer and sink is None else "sequential"
-    call = jax.ffi.ffi_call(f"attnmerge_{op}", outs, vmap_method=method)
+    rows, heads, head_size = outs[0].shape
+    scales = jax.ShapeDtypeStruct((rows, heads, head_size // group) if group else (0,), jnp.float32)
+    call = jax.ffi.ffi_call(f"attnmerge_{op}", (*outs, scales), vmap_method=method)
     sinks = {}
     if op in _TAKE_SINK:
         operands = (*operands, jnp.full((1,), -jnp.inf, jnp.float32) if sink is None else sink)  # unread if None
         sinks = {"has_sink": sink is not None}
     if index is not None:
         sinks["index"] = np.int64(index)
-    return call(*operands, scale, lse_flags=np.int64(flags), a_tokens=np.int64(a), output_scale=np.float32(number),
-                scale_in_buffer=scale_in_buffer, **sinks)
+    results = call(*operands, scale, flags=np.int64(flags), a_tokens=np.int64(a), output_scale=np.float32(number),
+                   scale_in_buffer=scale_in_buffer, group_size=np.int64(group), **sinks)
+    return tuple(results) if group else tuple(results[:2])
 
 
 def _out_dtype(out_dtype, like):
     return like.dtype if _static("out_dtype", out_dtype) is None else jnp.dtype(out_dtype)
+
+
+def _groups(group_size, scale_ue8m0, out_dtype):
+    """(out_dtype, (group_size, flags)): a call's per-group FP8 options, static; out_dtype defaults
+    to float8_e4m3fn with a group_size, which is 0 without one."""
+    out_dtype, group, flags = groups_arg(_static("group_size", group_size), _static("scale_ue8m0", scale_ue8m0),
+                                         None, out_dtype)
+    return out_dtype, (group, flags)
 
 
 def _results(tokens, heads, head_size, dtype):
@@ -138,7 +164,8 @@ def _results(tokens, heads, head_size, dtype):
 
 def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *, base: PairBase = "e",
           out_base: Base | None = None, out_dtype: Any = None, a_tokens: int | None = None,
-          output_scale: float | jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+          output_scale: float | jax.Array | None = None, group_size: int | None = None,
+          scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
     """Merge two attention states: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
 
     o_a, o_b: [tokens, heads, head_size] float32, float16 or bfloat16 (one dtype).
@@ -148,7 +175,12 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *,
     a_tokens: only the first a_tokens tokens merge a with b (o_a, lse_a then need only a_tokens
         tokens); the others take b alone (vLLM's prefill_tokens_with_context).
     output_scale: FP8 outputs store value / output_scale: a float or a float32 array of one element.
-    Returns (out [tokens, heads, head_size], out_lse float32 [tokens, heads], in base out_base).
+    group_size, scale_ue8m0: per-group FP8 (static): each group of group_size consecutive elements
+        of a row gets scale = max(amax, 1e-10) / 448 (rounded up to a power of two with
+        scale_ue8m0) and out = value * (1 / scale) in float8_e4m3fn (out_dtype's default then);
+        attnmerge.merge says more.  Not with output_scale.
+    Returns (out [tokens, heads, head_size], out_lse float32 [tokens, heads], in base out_base),
+    and with group_size the group scales, float32 [tokens, heads, head_size // group_size].
     """
     _expect_ndim("o_b", o_b, 3, "tokens, heads, head_size")
     tokens, heads, head_size = _shape(o_b)
@@ -159,25 +191,28 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *,
         raise ValueError(f"o_a: expected shape [{a} or more, {heads}, {head_size}] (tokens, heads, head_size of o_b), "
                          f"got {_shape(o_a)}")
     _expect("lse_a", lse_a, _shape(o_a)[:2], "tokens, heads of o_a")
+    out_dtype, groups = _groups(group_size, scale_ue8m0, out_dtype)
     dtype = _out_dtype(out_dtype, o_b)
     bases = _bases(base, out_base, pair=True)
-    return _merged("merge", (tokens, heads, head_size), dtype, (o_a, lse_a, o_b, lse_b), bases, output_scale,
+    return _merged("merge", (tokens, heads, head_size), dtype, (o_a, lse_a, o_b, lse_b), bases, output_scale, groups,
                    lambda: _merge_fn(bases, dtype, a_tokens), a_tokens=a_tokens)
 
 
 def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_base: Base | None = None, out_dtype: Any = None,
                  output_scale: float | jax.Array | None = None, states_axis: int = 1,
-                 sink: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                 sink: jax.Array | None = None, group_size: int | None = None,
+                 scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
     """Merge S states in one pass, each input read once.
 
     o: [tokens, S, heads, head_size] float32, float16 or bfloat16; lse: float32 [tokens, S, heads]
     (FlashInfer's layout); with states_axis=0, [S, tokens, heads, head_size] and [S, tokens, heads]
-    (an all-gather's).  Base, out_base, out_dtype and output_scale as in merge.
+    (an all-gather's).  Base, out_base, out_dtype, output_scale, group_size and scale_ue8m0 as in
+    merge.
     sink: None, or float32 [heads]: attention sinks, each head's sink logit in the LSE's base, one
     more state of output 0 in every row of its head (differentiable; attnmerge.merge_states says
     more).
-    Returns (out [tokens, heads, head_size], out_lse float32 [tokens, heads]); S = 0 gives O = 0 and
-    LSE = -inf (the sink, with one).
+    Returns (out [tokens, heads, head_size], out_lse float32 [tokens, heads]), and the group scales
+    with group_size; S = 0 gives O = 0 and LSE = -inf (the sink, with one).
     """
     axis = _static("states_axis", states_axis)
     if axis not in (0, 1):
@@ -188,23 +223,26 @@ def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_base: Ba
         o, lse = jnp.swapaxes(o, 0, 1), jnp.swapaxes(lse, 0, 1)
     tokens, _, heads, head_size = _shape(o)
     _expect_sink(sink, heads)
+    out_dtype, groups = _groups(group_size, scale_ue8m0, out_dtype)
     dtype = _out_dtype(out_dtype, o)
     bases = _bases(base, out_base)
-    return _merged("merge_states", (tokens, heads, head_size), dtype, (o, lse), bases, output_scale,
+    return _merged("merge_states", (tokens, heads, head_size), dtype, (o, lse), bases, output_scale, groups,
                    lambda: _merge_states_fn(bases, dtype, sink is not None), sink=sink)
 
 
 def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base = "e", out_base: Base | None = None,
                  out_dtype: Any = None,
-                 output_scale: float | jax.Array | None = None,
-                 sink: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                 output_scale: float | jax.Array | None = None, sink: jax.Array | None = None,
+                 group_size: int | None = None, scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
     """Row r merges states indptr[r] .. indptr[r + 1] - 1 of a flat list.
 
     o: [total, heads, head_size] float32, float16 or bfloat16; lse: float32 [total, heads];
     indptr: int32 or int64 [rows + 1].  A row with no states gets O = 0, LSE = -inf (the sink, with
     one); on the GPU bad bounds are clamped into [0, total] (attnmerge.merge_varlen says how).
-    Base, out_base, out_dtype and output_scale as in merge, sink as in merge_states.
-    Returns (out [rows, heads, head_size], out_lse float32 [rows, heads]).
+    Base, out_base, out_dtype, output_scale, group_size and scale_ue8m0 as in merge, sink as in
+    merge_states.
+    Returns (out [rows, heads, head_size], out_lse float32 [rows, heads]), and the group scales
+    [rows, heads, head_size // group_size] with group_size.
     """
     _expect_ndim("o", o, 3, "total, heads, head_size")
     _expect("lse", lse, _shape(o)[:2], "total, heads of o")
@@ -212,18 +250,20 @@ def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base 
     rows = _shape(indptr)[0] - 1
     if rows < 0:
         raise ValueError("indptr: expected rows + 1 >= 1 elements, got 0")
+    out_dtype, groups = _groups(group_size, scale_ue8m0, out_dtype)
     dtype = _out_dtype(out_dtype, o)
     _, heads, head_size = _shape(o)
     _expect_sink(sink, heads)
     bases = _bases(base, out_base)
-    return _merged("merge_varlen", (rows, heads, head_size), dtype, (o, lse, indptr), bases, output_scale,
+    return _merged("merge_varlen", (rows, heads, head_size), dtype, (o, lse, indptr), bases, output_scale, groups,
                    lambda: _merge_varlen_fn(bases, dtype, sink is not None), sink=sink, vectorized=False)
 
 
 def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", out_base: Base | None = None,
                 out_dtype: Any = None,
                 output_scale: float | jax.Array | None = None, states_axis: int = 1,
-                sink: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                sink: jax.Array | None = None, group_size: int | None = None,
+                scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
     """The share of state `index` in the merge of S states: out = (w_index / W) * o and out_lse the
     merged LSE, so that the states' shares summed are merge_states of them (context parallelism's
     combine by reduce-scatter: attnmerge.merge_share says more).
@@ -231,8 +271,10 @@ def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", o
     o: state `index`'s O [tokens, heads, head_size] float32, float16 or bfloat16; lse: every
     state's LSE, float32 [tokens, S, heads], or [S, tokens, heads] with states_axis=0 (an
     all-gather's); index: a Python int, 0 <= index < S (static).  Base, out_base, out_dtype,
-    output_scale and sink as in merge_states.
-    Returns (out [tokens, heads, head_size], out_lse float32 [tokens, heads]).
+    output_scale, sink, group_size and scale_ue8m0 as in merge_states (each share quantized on its
+    own).
+    Returns (out [tokens, heads, head_size], out_lse float32 [tokens, heads]), and the group scales
+    with group_size.
     """
     axis = _static("states_axis", states_axis)
     if axis not in (0, 1):
@@ -249,9 +291,10 @@ def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", o
     if not 0 <= index < states:
         raise ValueError(f"index: expected 0 <= index < {states} (the states of lse), got {index}")
     _expect_sink(sink, heads)
+    out_dtype, groups = _groups(group_size, scale_ue8m0, out_dtype)
     dtype = _out_dtype(out_dtype, o)
     bases = _bases(base, out_base)
-    return _merged("merge_share", (tokens, heads, head_size), dtype, (o, lse), bases, output_scale,
+    return _merged("merge_share", (tokens, heads, head_size), dtype, (o, lse), bases, output_scale, groups,
                    lambda: _merge_share_fn(bases, dtype, index, sink is not None), sink=sink, index=index)
 
 
@@ -275,14 +318,15 @@ def _in_inputs_base(bases, out_lse, grad_out_lse):
     return (out_lse, grad_out_lse) if c == 1.0 else (out_lse / c, grad_out_lse * c)
 
 
-def _merged(op, shape, dtype, operands, bases, output_scale, differentiable, sink=None, **options):
+def _merged(op, shape, dtype, operands, bases, output_scale, groups, differentiable, sink=None, **options):
     """The merge `op` of `operands` (and the sink, where one is given: an argument after them)
-    into (out of `shape` [rows, heads, head_size] and `dtype`, out_lse): differentiable() (a
-    custom_vjp over the backward) unless the output is FP8 or scaled; such a call runs under a
-    custom_vjp whose backward refuses by name (JAX would otherwise name only its ffi_call), with an
-    array output_scale among its arguments."""
+    into (out of `shape` [rows, heads, head_size] and `dtype`, out_lse, and the group scales where
+    `groups` (_groups') has a group size): differentiable() (a custom_vjp over the backward) unless
+    the output is FP8, scaled or in groups; such a call runs under a custom_vjp whose backward
+    refuses by name (JAX would otherwise name only its ffi_call), with an array output_scale among
+    its arguments."""
     sinks = () if sink is None else (sink,)
-    if output_scale is None and dtype.name not in NO_GRADIENT_DTYPES:
+    if output_scale is None and not groups[0] and dtype.name not in NO_GRADIENT_DTYPES:
         return differentiable()(*operands, *sinks)
     outs = _results(*shape, dtype)
     n, k = len(operands), len(operands) + len(sinks)
@@ -290,12 +334,13 @@ def _merged(op, shape, dtype, operands, bases, output_scale, differentiable, sin
 
     def call(*x):
         return _call(op, outs, x[:n], bases=bases, output_scale=x[k] if scale_array else output_scale,
-                     sink=x[n] if sinks else None, **options)
+                     sink=x[n] if sinks else None, groups=groups, **options)
 
     f = jax.custom_vjp(call)
 
     def refuse(*_):
-        raise NotImplementedError(f"attnmerge.jax.{op}: no gradient through an FP8 output or an output_scale")
+        raise NotImplementedError(f"attnmerge.jax.{op}: no gradient through an FP8 output, an output_scale or "
+                                  f"group scales")
 
     f.defvjp(lambda *x: (call(*x), None), refuse)
     return f(*operands, *sinks, *((output_scale,) if scale_array else ()))

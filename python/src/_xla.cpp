@@ -2,6 +2,8 @@
 // pybind11 module, a thin layer over the C ABI: each handler describes XLA's buffers (row-major,
 // on the device XLA names) as attnmerge_tensor and calls libattnmerge on the stream XLA gives,
 // which validates everything; its status and message come back as the handler's error.
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -70,11 +72,12 @@ ffi::Error result(attnmerge_status status) {
                                                                              : ffi::Error::InvalidArgument(message);
 }
 
-// The options every call takes: the LSE bases (attnmerge.h's ATTNMERGE_LSE_BASE2 and, for a
-// forward, the mixed bases' flags: the library checks them) and a_tokens (< 0: none).
-attnmerge_options base_options(int64_t lse_flags, int64_t a_tokens) {
+// The options every call takes: the flags (attnmerge.h's ATTNMERGE_LSE_BASE2 and, for a forward,
+// the mixed bases' and ATTNMERGE_GROUP_SCALE_UE8M0: the library checks them) and a_tokens (< 0:
+// none).
+attnmerge_options base_options(int64_t flags, int64_t a_tokens) {
   attnmerge_options opt = {};
-  opt.flags = static_cast<uint32_t>(lse_flags);
+  opt.flags = static_cast<uint32_t>(flags);
   if (a_tokens >= 0) {
     opt.flags |= ATTNMERGE_A_TOKENS;
     opt.a_tokens = a_tokens;
@@ -82,24 +85,32 @@ attnmerge_options base_options(int64_t lse_flags, int64_t a_tokens) {
   return opt;
 }
 
-// A forward's: those, and the output scale as a number (0: none) or, with scale_in_buffer, the
-// float32 of the `scale` buffer (on the op's device).
-attnmerge_options options(int64_t lse_flags, int64_t a_tokens, float output_scale, bool scale_in_buffer,
-                          const ffi::AnyBuffer& scale) {
-  attnmerge_options opt = base_options(lse_flags, a_tokens);
+// A forward's: those, the output scale as a number (0: none) or, with scale_in_buffer, the float32
+// of the `scale` buffer (on the op's device), and the per-group scales where group_size > 0 (else
+// that result, of no elements, is not written).
+attnmerge_options options(int64_t flags, int64_t a_tokens, float output_scale, bool scale_in_buffer,
+                          const ffi::AnyBuffer& scale, const attnmerge_tensor& group_scales, int64_t group_size) {
+  attnmerge_options opt = base_options(flags, a_tokens);
   opt.output_scale = output_scale;
   if (scale_in_buffer) opt.output_scale_ptr = static_cast<const float*>(scale.untyped_data());
+  if (group_size > 0) {
+    opt.struct_size = sizeof(attnmerge_options);
+    opt.group_scales = &group_scales;
+    // Past int32: a value no power of two, which the C ABI refuses by name.
+    opt.group_size = static_cast<int32_t>(std::min<int64_t>(group_size, INT32_MAX));
+  }
   return opt;
 }
 
 ffi::Error merge(void* stream, int32_t device, ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a, ffi::AnyBuffer o_b,
                  ffi::AnyBuffer lse_b, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
-                 ffi::Result<ffi::AnyBuffer> out_lse, int64_t lse_flags, int64_t a_tokens, float output_scale,
-                 bool scale_in_buffer) {
+                 ffi::Result<ffi::AnyBuffer> out_lse, ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags,
+                 int64_t a_tokens, float output_scale, bool scale_in_buffer, int64_t group_size) {
   const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
   const attnmerge_tensor t_oa = tensor(o_a, device, 3), t_la = tensor(lse_a, device, 2);
   const attnmerge_tensor t_ob = tensor(o_b, device, 3), t_lb = tensor(lse_b, device, 2);
-  const attnmerge_options opt = options(lse_flags, a_tokens, output_scale, scale_in_buffer, scale);
+  const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
+  const attnmerge_options opt = options(flags, a_tokens, output_scale, scale_in_buffer, scale, t_gs, group_size);
   return result(attnmerge_merge(&t_out, &t_out_lse, &t_oa, &t_la, &t_ob, &t_lb, &opt, stream));
 }
 
@@ -112,33 +123,37 @@ void set_sink(attnmerge_options& opt, const attnmerge_tensor& sink, bool has_sin
 
 ffi::Error merge_states(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink,
                         ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
-                        int64_t lse_flags, int64_t a_tokens, float output_scale, bool scale_in_buffer, bool has_sink) {
+                        ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags, int64_t a_tokens, float output_scale,
+                        bool scale_in_buffer, int64_t group_size, bool has_sink) {
   const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
   const attnmerge_tensor t_o = tensor(o, device, 4), t_l = tensor(lse, device, 3), t_sink = tensor(sink, device, 1);
-  attnmerge_options opt = options(lse_flags, a_tokens, output_scale, scale_in_buffer, scale);
+  const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
+  attnmerge_options opt = options(flags, a_tokens, output_scale, scale_in_buffer, scale, t_gs, group_size);
   set_sink(opt, t_sink, has_sink);
   return result(attnmerge_merge_states(&t_out, &t_out_lse, &t_o, &t_l, &opt, stream));
 }
 
 ffi::Error merge_varlen(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer indptr,
                         ffi::AnyBuffer sink, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::AnyBuffer> out_lse, int64_t lse_flags, int64_t a_tokens, float output_scale,
-                        bool scale_in_buffer, bool has_sink) {
+                        ffi::Result<ffi::AnyBuffer> out_lse, ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags,
+                        int64_t a_tokens, float output_scale, bool scale_in_buffer, int64_t group_size, bool has_sink) {
   const attnmerge_tensor t_indptr = index_tensor(indptr, device);
   const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
   const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 2), t_sink = tensor(sink, device, 1);
-  attnmerge_options opt = options(lse_flags, a_tokens, output_scale, scale_in_buffer, scale);
+  const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
+  attnmerge_options opt = options(flags, a_tokens, output_scale, scale_in_buffer, scale, t_gs, group_size);
   set_sink(opt, t_sink, has_sink);
   return result(attnmerge_merge_varlen(&t_out, &t_out_lse, &t_o, &t_l, &t_indptr, &opt, stream));
 }
 
 ffi::Error merge_share(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink,
                        ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
-                       int64_t lse_flags, int64_t a_tokens, float output_scale, bool scale_in_buffer, bool has_sink,
-                       int64_t index) {
+                       ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags, int64_t a_tokens, float output_scale,
+                       bool scale_in_buffer, int64_t group_size, bool has_sink, int64_t index) {
   const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
   const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 3), t_sink = tensor(sink, device, 1);
-  attnmerge_options opt = options(lse_flags, a_tokens, output_scale, scale_in_buffer, scale);
+  const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
+  attnmerge_options opt = options(flags, a_tokens, output_scale, scale_in_buffer, scale, t_gs, group_size);
   set_sink(opt, t_sink, has_sink);
   return result(attnmerge_merge_share(&t_out, &t_out_lse, &t_o, &t_l, index, &opt, stream));
 }
@@ -192,31 +207,36 @@ ffi::Error merge_varlen_backward(void* stream, int32_t device, ffi::AnyBuffer gr
 // The host handlers: the same, on the CPU (no stream, device ATTNMERGE_HOST).
 ffi::Error merge_host(ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a, ffi::AnyBuffer o_b, ffi::AnyBuffer lse_b,
                       ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
-                      int64_t lse_flags, int64_t a_tokens, float output_scale, bool scale_in_buffer) {
-  return merge(nullptr, ATTNMERGE_HOST, o_a, lse_a, o_b, lse_b, scale, out, out_lse, lse_flags, a_tokens, output_scale,
-               scale_in_buffer);
+                      ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags, int64_t a_tokens, float output_scale,
+                      bool scale_in_buffer, int64_t group_size) {
+  return merge(nullptr, ATTNMERGE_HOST, o_a, lse_a, o_b, lse_b, scale, out, out_lse, group_scales, flags, a_tokens,
+               output_scale, scale_in_buffer, group_size);
 }
 
 ffi::Error merge_states_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink, ffi::AnyBuffer scale,
-                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse, int64_t lse_flags,
-                             int64_t a_tokens, float output_scale, bool scale_in_buffer, bool has_sink) {
-  return merge_states(nullptr, ATTNMERGE_HOST, o, lse, sink, scale, out, out_lse, lse_flags, a_tokens, output_scale,
-                      scale_in_buffer, has_sink);
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
+                             ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags, int64_t a_tokens,
+                             float output_scale, bool scale_in_buffer, int64_t group_size, bool has_sink) {
+  return merge_states(nullptr, ATTNMERGE_HOST, o, lse, sink, scale, out, out_lse, group_scales, flags, a_tokens,
+                      output_scale, scale_in_buffer, group_size, has_sink);
 }
 
 ffi::Error merge_varlen_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer indptr, ffi::AnyBuffer sink,
                              ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
-                             ffi::Result<ffi::AnyBuffer> out_lse, int64_t lse_flags, int64_t a_tokens, float output_scale,
-                             bool scale_in_buffer, bool has_sink) {
-  return merge_varlen(nullptr, ATTNMERGE_HOST, o, lse, indptr, sink, scale, out, out_lse, lse_flags, a_tokens,
-                      output_scale, scale_in_buffer, has_sink);
+                             ffi::Result<ffi::AnyBuffer> out_lse, ffi::Result<ffi::AnyBuffer> group_scales,
+                             int64_t flags, int64_t a_tokens, float output_scale, bool scale_in_buffer,
+                             int64_t group_size, bool has_sink) {
+  return merge_varlen(nullptr, ATTNMERGE_HOST, o, lse, indptr, sink, scale, out, out_lse, group_scales, flags,
+                      a_tokens, output_scale, scale_in_buffer, group_size, has_sink);
 }
 
 ffi::Error merge_share_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink, ffi::AnyBuffer scale,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse, int64_t lse_flags,
-                            int64_t a_tokens, float output_scale, bool scale_in_buffer, bool has_sink, int64_t index) {
-  return merge_share(nullptr, ATTNMERGE_HOST, o, lse, sink, scale, out, out_lse, lse_flags, a_tokens, output_scale,
-                     scale_in_buffer, has_sink, index);
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
+                            ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags, int64_t a_tokens,
+                            float output_scale, bool scale_in_buffer, int64_t group_size, bool has_sink,
+                            int64_t index) {
+  return merge_share(nullptr, ATTNMERGE_HOST, o, lse, sink, scale, out, out_lse, group_scales, flags, a_tokens,
+                     output_scale, scale_in_buffer, group_size, has_sink, index);
 }
 
 ffi::Error merge_backward_host(ffi::AnyBuffer grad_out, ffi::AnyBuffer grad_out_lse, ffi::AnyBuffer out,
@@ -245,22 +265,24 @@ ffi::Error merge_varlen_backward_host(ffi::AnyBuffer grad_out, ffi::AnyBuffer gr
 }
 
 // The bindings: CUDA handlers take XLA's stream and device ordinal first; then the input
-// buffers (the op's, then `sink` where kSink, then `scale`), the two results (out, out_lse) and
-// the attributes (has_sink after them, where kSink; then merge_share's index).
+// buffers (the op's, then `sink` where kSink, then `scale`), the three results (out, out_lse,
+// group_scales) and the attributes (has_sink after them, where kSink; then merge_share's index).
 auto on_cuda() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<void*>>().Ctx<ffi::DeviceOrdinal>(); }
 
 auto on_host() { return ffi::Ffi::Bind(); }
 
-// The results and the attributes every forward takes.
+// The results (out, out_lse, group_scales) and the attributes every forward takes.
 template <typename Binding>
 auto with_results(Binding binding) {
   return std::move(binding)
       .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>()
-      .template Attr<int64_t>("lse_flags")
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int64_t>("flags")
       .template Attr<int64_t>("a_tokens")
       .template Attr<float>("output_scale")
-      .template Attr<bool>("scale_in_buffer");
+      .template Attr<bool>("scale_in_buffer")
+      .template Attr<int64_t>("group_size");
 }
 
 // `kInputs` (>= 1) buffers, the results and the attributes (the binding moves only as a temporary).

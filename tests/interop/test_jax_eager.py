@@ -16,6 +16,7 @@ from attnmerge.compat import vllm
 from oracle import (
     DTYPES,
     all_nan,
+    assert_group_fp8_close,
     assert_merge_matches,
     assert_o_close,
     nan_array,
@@ -120,6 +121,22 @@ def test_merge_states_and_merge_varlen_return_new_jax_arrays(rng, states_axis):
 
 
 @needs_extension
+def test_per_group_fp8_takes_the_road_and_returns_the_scales(rng):
+    o, lse = random_stacked(rng, 6, 5, 2, 128, "bfloat16")
+    for fn, args, ref in [
+        (attnmerge.merge, put(o[:, 0], lse[:, 0], o[:, 1], lse[:, 1]),
+         reference_merge(o[:, 0], lse[:, 0], o[:, 1], lse[:, 1])),
+        (attnmerge.merge_states, put(o, lse), reference_merge_stacked(o, lse)),
+        (attnmerge.merge_varlen, put(o[:, 0], lse[:, 0], np.array([0, 2, 6], np.int32)),
+         reference_merge_varlen(o[:, 0], lse[:, 0], np.array([0, 2, 6]))),
+        (attnmerge.merge_share, [*put(o[:, 1], lse), 1], reference_merge_share(o[:, 1], lse, 1)),
+    ]:
+        out, out_lse, scales = fn(*args, group_size=64, scale_ue8m0=True, return_lse=False)
+        assert is_jax(out) and is_jax(scales) and out_lse is None and out.dtype == jnp.float8_e4m3fn
+        assert_group_fp8_close(np.asarray(out), np.asarray(scales), ref[0], 64, True)
+
+
+@needs_extension
 def test_the_native_functions_trace_under_jit(rng):
     h = pair(rng)
     out, out_lse = jax.jit(lambda *s: attnmerge.merge(*s, base=2))(*put(*h))
@@ -159,6 +176,8 @@ def test_the_jax_road_takes_no_output_and_no_stream(rng):
         attnmerge.merge(*d, out_lse=np.zeros((37, 5), np.float32))
     with pytest.raises(ValueError, match=r"^stream: expected None for JAX arrays"):
         attnmerge.merge(*d, stream=0)
+    with pytest.raises(ValueError, match=r"^group_scales: expected None, got ndarray: .*attnmerge.jax.merge"):
+        attnmerge.merge(*d, group_size=8, group_scales=np.zeros((37, 5, 9), np.float32))
 
 
 @pytest.mark.parametrize("arg", ["o", "lse"])

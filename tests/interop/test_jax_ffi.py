@@ -17,6 +17,7 @@ from oracle import (
     random_lse,
     random_o,
     assert_fp8_close,
+    assert_group_fp8_close,
     assert_lse_close,
     natural,
     random_state,
@@ -197,6 +198,67 @@ def test_fp8_outputs_with_an_output_scale(rng, dev, scale):
     o, lse = random_o(rng, (7, 5, 3, 32)), random_lse(rng, (7, 5, 3))
     out, _ = amj.merge_states(put(o, dev), put(lse, dev), out_dtype=jnp.float8_e4m3fn, output_scale=arg)
     assert_fp8_close(np.asarray(out), reference_merge_stacked(o, lse)[0], value)
+
+
+# per-group FP8 (group_size=, scale_ue8m0=: the group scales a third result)
+
+
+def _grouped(op, rng, dev, **kwargs):
+    """`op`'s call under jit with `kwargs` on random bfloat16 states with an empty and a NaN row, and
+    the float64 reference of its O."""
+    o, lse = random_o(rng, (9, 6, 3, 128), "bfloat16"), random_lse(rng, (9, 6, 3))
+    lse[2, :, 1] = -np.inf
+    lse[4, 1, 0] = np.nan
+    if op == "merge":
+        args, ref = (o[:, 0], lse[:, 0], o[:, 1], lse[:, 1]), reference_merge(o[:, 0], lse[:, 0], o[:, 1], lse[:, 1])
+    elif op == "merge_states":
+        args, ref = (o, lse), reference_merge_stacked(o, lse)
+    elif op == "merge_varlen":
+        indptr = np.array([0, 4, 4, 9], np.int32)
+        args, ref = (o[:, 0], lse[:, 0], indptr), reference_merge_varlen(o[:, 0], lse[:, 0], indptr)
+    else:
+        args, ref = (o[:, 4], lse), reference_merge_share(o[:, 4], lse, 4)
+        kwargs["index"] = 4
+    f = jax.jit(functools.partial(getattr(amj, op), **kwargs))
+    return f(*[put(x, dev) for x in args]), ref[0]
+
+
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["float", "ue8m0"])
+@pytest.mark.parametrize("op", ["merge", "merge_states", "merge_varlen", "merge_share"])
+def test_per_group_fp8_under_jit(rng, dev, op, ue8m0):
+    (out, out_lse, scales), ref = _grouped(op, rng, dev, group_size=32, scale_ue8m0=ue8m0)
+    assert out.dtype == jnp.float8_e4m3fn and scales.dtype == np.float32
+    assert scales.shape == out.shape[:2] + (4,)
+    assert_group_fp8_close(np.asarray(out), np.asarray(scales), ref, 32, ue8m0)
+    assert out_lse.dtype == np.float32 and out_lse.shape == out.shape[:2]
+
+
+def test_per_group_fp8_under_vmap_is_one_call_and_has_no_gradient(rng, dev):
+    o, lse = random_o(rng, (2, 5, 4, 3, 64), "float16"), random_lse(rng, (2, 5, 4, 3))
+    f = jax.vmap(functools.partial(amj.merge_states, group_size=16))
+    assert ffi_calls(f, o, lse) == (1, False)
+    out, _, scales = f(put(o, dev), put(lse, dev))
+    assert scales.shape == (2, 5, 3, 4)
+    for i in range(2):
+        assert_group_fp8_close(np.asarray(out[i]), np.asarray(scales[i]), reference_merge_stacked(o[i], lse[i])[0],
+                               16)
+    loss = lambda a, b: amj.merge_states(a, b, group_size=16)[1].sum()  # noqa: E731
+    with pytest.raises(NotImplementedError, match="attnmerge.jax.merge_states: no gradient .* group scales"):
+        jax.grad(loss)(put(o[0], dev), put(lse[0], dev))
+
+
+def test_bad_group_arguments_are_named(rng, dev):
+    h = [put(x, dev) for x in random_state(rng, 4, 2, 64) + random_state(rng, 4, 2, 64)]
+    with pytest.raises(Exception, match=r"group_size: expected a divisor of head_size \(64\), got 128"):
+        jax.block_until_ready(amj.merge(*h, group_size=128))
+    with pytest.raises(Exception, match=r"out: expected dtype float8_e4m3 for per-group scales"):
+        jax.block_until_ready(amj.merge(*h, group_size=16, out_dtype=jnp.bfloat16))
+    with pytest.raises(Exception, match=r"output_scale: expected none with group_scales"):
+        jax.block_until_ready(amj.merge(*h, group_size=16, output_scale=0.5))
+    with pytest.raises(ValueError, match=r"^scale_ue8m0: expected False without group_size"):
+        amj.merge(*h, scale_ue8m0=True)
+    with pytest.raises(TypeError, match=r"^group_size: expected a Python value"):
+        jax.jit(lambda g, *x: amj.merge(*x, group_size=g))(16, *h)
 
 
 def test_the_all_gather_layout(rng, dev):
