@@ -6,7 +6,8 @@
 //        flags: any of m (masked), a (a_tokens < tokens), t (LSEs [heads, tokens]), p (PDL),
 //        g (a gap between tokens: O's token stride one head longer than its heads), w (the output's
 //        heads twice head_size apart: dense, but its rows step unlike the inputs'), s (a small call:
-//        1 MB moved), x (each vector access is 16 bytes); then, optionally, the MB the call moves
+//        1 MB moved), x (each vector access is 16 bytes), q (per-group FP8 outputs, groups of
+//        8 vectors); then, optionally, the MB the call moves
 //        (else 2^40 bytes, or 1 MB with s)
 //   out: strategy chunk groups launches plain fused_lse index32  grid.x grid.y grid.z  block.x block.y block.z  smem
 //        flat lane_lse vec stream
@@ -61,6 +62,7 @@ int main() {
     const int64_t lse_st = tokens_inner ? 1 : heads, lse_sh = tokens_inner ? tokens : 1;
     const int64_t out_sh = (flags.find('w') != std::string::npos ? 2 : 1) * head_size;
     OutView out{&lse, o_st / head_size * out_sh, out_sh, &lse, lse_st, lse_sh, 1.0f, nullptr, op == "inplace"};
+    if (flags.find('q') != std::string::npos) out.group_scales = &lse, out.group = 8 * vec;
     const StateView view{&lse, o_st, head_size, &lse, lse_st, lse_sh};
     if (op == "pair" || op == "inplace") {
       PairSource src{view, view, flags.find('a') != std::string::npos ? tokens - 1 : tokens, nullptr, 0};

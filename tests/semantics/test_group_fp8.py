@@ -97,7 +97,8 @@ def test_a_group_of_one_value_stores_it_as_448(device):
 @pytest.mark.parametrize("ue8m0", [False, True], ids=["float", "ue8m0"])
 @pytest.mark.parametrize("states", [1, 3, 9, 40])
 def test_merge_states(rng, device, states, ue8m0):
-    """Decode shapes included (few rows, many states): the per-group output takes the row kernel."""
+    """Decode shapes included (few rows, many states: on the GPU the states kernel, whose groups'
+    finishing threads meet in shared memory)."""
     o, lse = random_stacked(rng, 5, states, 8, 128, "bfloat16")
     lse[1, :, 2] = -np.inf
     sink = random_lse(rng, (8,))

@@ -23,6 +23,7 @@ import attnmerge
 from plan_spec import (ELEMENT_BYTES, PAIR_BLOCK_THREADS, STATE_THREADS_PER_SM, expected_kernel, groups_for,
                        states_rows_limit, vec_for)
 from oracle import (
+    assert_group_fp8_close,
     assert_merge_matches,
     random_lse,
     random_o,
@@ -217,6 +218,41 @@ def test_merge_varlen_strategies(rng, torch, sms, counts):
     groups = groups_for(mean, d // 8, len(counts) * h, sms)
     assert (info["kernel"], info["state_groups"]) == ("states" if groups > 1 else "rows", groups)
     assert_merge_matches(get(torch, out), get(torch, out_lse), reference_merge_varlen(o, lse, indptr), "bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ue8m0", (False, True), ids=("float", "ue8m0"))
+@pytest.mark.parametrize("group", (8, 32, 128))
+@pytest.mark.parametrize("in_dtype", ("bfloat16", "float32"))
+def test_per_group_fp8_changes_no_choice(rng, torch, sms, in_dtype, group, ue8m0):
+    """A decode-sized N-way merge (16 tokens, 64 states) and variable-length merge with per-group
+    FP8 outputs take the kernel and groups they would take without (the states kernel: a group's
+    finishing threads, in several warps, meet in shared memory), NaN and empty states inside the
+    split rows; a merge of few states per row, the rows kernel."""
+    t, s, h, d = 16, 64, 8, 128
+    packs = d // vec_for(d, in_dtype)
+    o, lse = random_stacked(rng, t, s, h, d, in_dtype)
+    lse[rng.random(lse.shape) < 0.1] = -np.inf
+    lse[3, 40, 2] = np.nan
+    lse[5, :, 1] = -np.inf
+    indptr = np.arange(0, t * s + 1, s, dtype=np.int32)
+    flat = (o.reshape(t * s, h, d), lse.reshape(t * s, h))
+    for call, ref, kernel in [
+        (lambda: attnmerge.merge_states(put(torch, o), put(torch, lse), group_size=group, scale_ue8m0=ue8m0),
+         reference_merge_stacked(o, lse)[0], expected_kernel(s, packs, t * h, sms)),
+        (lambda: attnmerge.merge_varlen(*[put(torch, x) for x in (*flat, indptr)], group_size=group,
+                                        scale_ue8m0=ue8m0),
+         reference_merge_varlen(*flat, indptr)[0], expected_kernel(s, packs, t * h, sms)),
+        (lambda: attnmerge.merge_states(put(torch, o[:, :3]), put(torch, lse[:, :3]), group_size=group,
+                                        scale_ue8m0=ue8m0),
+         reference_merge_stacked(o[:, :3], lse[:, :3])[0], ("rows", 1)),
+    ]:
+        out, _, scales = call()
+        info = attnmerge.last_launch()
+        assert (info["kernel"], info["state_groups"]) == kernel
+        torch.cuda.synchronize()
+        assert_group_fp8_close(out.float().cpu().numpy(), scales.cpu().numpy(), ref, group, ue8m0)
+    assert kernel[0] == "rows" and expected_kernel(s, packs, t * h, sms)[0] == "states"
 
 
 @pytest.mark.gpu

@@ -59,11 +59,12 @@ HEADS = 32
 
 
 def n_way_calls(op):
-    # flags: x where each vector access is 16 bytes (8 16-bit or 4 float32 elements), - where not
+    # flags: x where each vector access is 16 bytes (8 16-bit or 4 float32 elements), - where not;
+    # q per-group FP8 outputs
     for tokens, states, (head_size, vec, flags), sms in itertools.product(
             (1, 3, 16, 128, 256, 1024, 8192), (0, 1, 3, 4, 5, 8, 9, 16, 17, 64, 65, 255, 256, 257),
             ((128, 8, "x"), (128, 8, "-"), (128, 4, "x"), (128, 4, "-"), (64, 8, "x"), (256, 8, "x"), (67, 1, "-"),
-             (80, 8, "x"), (2048, 8, "x")), SMS):
+             (80, 8, "x"), (2048, 8, "x"), (128, 8, "xq"), (128, 4, "xq"), (256, 8, "xq"), (128, 8, "q")), SMS):
         total = tokens * states if op == "range" else states
         yield (op, tokens, HEADS, head_size, total, vec, sms, flags)
 
@@ -76,13 +77,14 @@ def test_n_way_strategy_groups_and_chunk(probe, op):
         states = total if op == "stack" else -(-total // tokens)
         packs, rows = head_size // vec, tokens * heads
         index32 = (total if op == "range" else tokens * max(states, 1)) * heads * head_size < INDEX32_LIMIT
-        groups = groups_for(states, packs, rows, sms, 16 if flags == "x" else 0) if index32 else 1
+        groups = groups_for(states, packs, rows, sms, 16 if "x" in flags else 0) if index32 else 1
         if groups > 1:
             assert (plan["strategy"], plan["groups"]) == ("states", groups), call
             assert (plan["bx"], plan["by"]) == (packs, groups), call
             per_block = plan["bx"] * plan["by"] * plan["bz"]
             assert per_block <= STATE_BLOCK and plan["gx"] * plan["bz"] >= rows > (plan["gx"] - 1) * plan["bz"], call
-            assert plan["smem"] == plan["bz"] * groups * (2 + packs * vec) * 4, call
+            amax_slots = packs if "q" in flags else 0  # per-group FP8: an amax slot a pack
+            assert plan["smem"] == plan["bz"] * (groups * (2 + packs * vec) + amax_slots) * 4, call
             assert plan["chunk"] == 4, call  # the states kernel keeps 4 states a thread in flight
         else:
             assert (plan["strategy"], plan["groups"], plan["chunk"]) == ("rows", 1, chunk_for(states)), call

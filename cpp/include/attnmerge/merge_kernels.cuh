@@ -145,8 +145,8 @@ ATTNMERGE_HD constexpr bool flat_launch() {
 }
 
 // Whether a kernel of Source writing TOut may quantize per group (OutView::group): FP8 outputs of
-// the general sources (the plan keeps the plain ones, and kStates, for calls without groups), so
-// that the other kernels carry none of it.
+// the general sources (the plan keeps the plain ones for calls without groups), so that the other
+// kernels carry none of it.
 template <typename Source, typename TOut>
 ATTNMERGE_HD constexpr bool takes_groups() {
   return std::is_same<TOut, float8_e4m3_t>::value && !Source::kPlain;
@@ -172,6 +172,33 @@ __device__ __forceinline__ void quantize_group(float (&acc)[VEC], const OutView&
 #pragma unroll
   for (int i = 0; i < VEC; ++i) acc[i] *= inv;
   if ((k & static_cast<I>(lanes - 1)) == 0) *out.group_scale_at(token, head, k / static_cast<I>(lanes)) = scale;
+}
+
+// Per-group FP8 under kStates, where a group's elements lie with several finishing threads (its
+// packs' finishers, in several warps): their largest magnitudes meet in the row's `slots` (one a
+// group, zeroed before the block's first barrier) by atomicMax of their bits (non-negative
+// floats order as their bits, and a maximum is the same in any order), then each finisher scales
+// its `x`, the elements e0 .. e0 + N - 1 of pack k, and the group's first element's finisher stores
+// its scale.  Every thread of the block comes here (a barrier), finishing or not.
+template <int VEC, int N>
+__device__ __forceinline__ void quantize_group_shared(float (&x)[N], const OutView& out, unsigned* slots,
+                                                      bool finishing, int32_t token, int32_t head, int k, int e0) {
+  // A group's packs, a power of two (group >= 8 >= VEC, kStates' VEC being 4 or 8): by shifts.
+  const int shift = __ffs(out.group / VEC) - 1, j = k >> shift;
+  unsigned* const slot = slots + j;
+  if (finishing) {
+    float amax = 0.0f;  // fmaxf leaves NaN elements out
+#pragma unroll
+    for (int e = 0; e < N; ++e) amax = fmaxf(amax, fabsf(x[e]));
+    atomicMax(slot, detail::float_to_bits(amax));
+  }
+  __syncthreads();
+  if (!finishing) return;
+  const float scale = group_scale(detail::bits_to_float(*slot), out.ue8m0);
+  const float inv = 1.0f / scale;
+#pragma unroll
+  for (int e = 0; e < N; ++e) x[e] *= inv;
+  if (j << shift == k && e0 == 0) *out.group_scale_at(token, head, j) = scale;
 }
 
 // The row (token, head) of this thread under kRows.  With I = int32_t the grid has no z extent
@@ -360,7 +387,8 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
 // it rescales every group's partial to the row's max and sums them in a fixed order, so that
 // results are bit-identical from run to run, with the semantics of kRows (a zero-weight part is
 // dropped unread, a NaN LSE makes the row NaN, an all-empty row gives O = 0 and LSE -inf); a
-// source's sink is counted once, by the finishing threads.
+// source's sink is counted once, by the finishing threads.  Per-group FP8 (takes_groups) meets
+// once more, in shared memory (quantize_group_shared).
 // Built for latency, as split-KV decode calls it: no division, each chunk's loads predicated and
 // issued back to back with evict-first accesses (the plan streams every kStates call), and the
 // finishing reads of shared memory all in flight together.  32-bit offsets and VEC a multiple of
@@ -405,48 +433,66 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
   float acc[VEC] = {};
   accumulate_online<kChunk>(mine, l, o, lse_of, o_of, true, part, acc);
   // Shared memory: each slot's (row, group) accumulators, [slot][pack][VEC] floats, then its
-  // (max, total).
+  // (max, total), then (per-group FP8) each row's groups' amax slots, a pack's worth a row.
   extern __shared__ float4 shared[];
   const int slot = static_cast<int>(threadIdx.z) * kGroups;
   float* const part_acc = reinterpret_cast<float*>(shared);
   float2* const part_mt =
       reinterpret_cast<float2*>(shared + static_cast<int>(blockDim.z) * kGroups * packs * (VEC / 4));
+  unsigned* const amax_slots =
+      reinterpret_cast<unsigned*>(part_mt + static_cast<int>(blockDim.z) * kGroups) + threadIdx.z * packs;
+  constexpr bool kQuantize = takes_groups<Source, TOut>();
+  if constexpr (kQuantize) {
+    if (out.group > 0 && g == 0) amax_slots[k] = 0u;
+  }
 #pragma unroll
   for (int q = 0; q < VEC / 4; ++q)
     shared[((slot + g) * packs + k) * (VEC / 4) + q] =
         make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
   if (k == 0) part_mt[slot + g] = make_float2(part.m, part.nan ? NAN : part.total);  // a NaN travels as a total
   __syncthreads();
-  if (g >= kFinishers || !live) return;
-  float2 mt[kGroups];
+  const bool finishing = g < kFinishers && live;
   RowMerge r(shape.base2);
-#pragma unroll
-  for (int j = 0; j < kGroups; ++j) {
-    mt[j] = part_mt[slot + j];
-    r.m = fmaxf(r.m, mt[j].x);
-  }
-  if constexpr (Source::kSink) r.see(sink);  // once a row, by its finishers, not by every group
-  // Each group's partial rescaled to the row's max; one whose factor underflows to 0 is dropped
-  // whole (as accumulate_online drops its own), a NaN total makes the row NaN.
-  float f[kGroups];
-  r.total = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kGroups; ++j) {
-    f[j] = r.weight(mt[j].x);
-    r.total += f[j] != 0.0f ? mt[j].y * f[j] : 0.0f;
-    r.nan |= is_nan(mt[j].y);
-  }
-  if constexpr (Source::kSink) r.total += r.weight(sink);
   float sum[kEach] = {};
+  // The row's finish, this thread's kEach elements of pack k.
+  const auto finish = [&] {
+    float2 mt[kGroups];
 #pragma unroll
-  for (int j = 0; j < kGroups; ++j) {
-    const float* const a = part_acc + ((slot + j) * packs + k) * VEC + g * kEach;
+    for (int j = 0; j < kGroups; ++j) {
+      mt[j] = part_mt[slot + j];
+      r.m = fmaxf(r.m, mt[j].x);
+    }
+    if constexpr (Source::kSink) r.see(sink);  // once a row, by its finishers, not by every group
+    // Each group's partial rescaled to the row's max; one whose factor underflows to 0 is dropped
+    // whole (as accumulate_online drops its own), a NaN total makes the row NaN.
+    float f[kGroups];
+    r.total = 0.0f;
 #pragma unroll
-    for (int e = 0; e < kEach; ++e) sum[e] += f[j] != 0.0f ? f[j] * a[e] : 0.0f;
+    for (int j = 0; j < kGroups; ++j) {
+      f[j] = r.weight(mt[j].x);
+      r.total += f[j] != 0.0f ? mt[j].y * f[j] : 0.0f;
+      r.nan |= is_nan(mt[j].y);
+    }
+    if constexpr (Source::kSink) r.total += r.weight(sink);
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j) {
+      const float* const a = part_acc + ((slot + j) * packs + k) * VEC + g * kEach;
+#pragma unroll
+      for (int e = 0; e < kEach; ++e) sum[e] += f[j] != 0.0f ? f[j] * a[e] : 0.0f;
+    }
+    r.finish(out.inverse_scale());
+#pragma unroll
+    for (int e = 0; e < kEach; ++e) sum[e] *= r.inv;
+  };
+  if constexpr (kQuantize) {
+    if (finishing) finish();
+    if (out.group > 0)  // the same for every thread of the launch: all meet at its barrier
+      quantize_group_shared<VEC>(sum, out, amax_slots, finishing, token, head, k, g * kEach);
+    if (!finishing) return;
+  } else {
+    if (!finishing) return;
+    finish();
   }
-  r.finish(out.inverse_scale());
-#pragma unroll
-  for (int e = 0; e < kEach; ++e) sum[e] *= r.inv;
   store_pack<TOut, kEach>(out.o_at<TOut>(token, head) + k * VEC + g * kEach, sum, true);
   if (k == 0 && g == 0) out.store_lse(token, head, r.lse());
 }

@@ -213,8 +213,9 @@ inline int state_groups(int64_t states, int64_t packs, int64_t rows, int sms) {
 // The launch of kStates with `groups` groups over `rows` rows of `packs` packs: blocks of whole
 // rows (packs x groups x rows a block), up to kStateBlockThreads, as few rows a block as it takes
 // to give every SM a block (`sms`, 0: unknown); shared memory for each group's (max, total) and
-// each pack's accumulator of `vec` floats.
-inline LaunchDims state_dims(int64_t packs, int64_t rows, int groups, int vec, int sms) {
+// each pack's accumulator of `vec` floats, and with per-group FP8 (`quantized`) an amax slot a
+// pack (a row has at most one FP8 group a pack).
+inline LaunchDims state_dims(int64_t packs, int64_t rows, int groups, int vec, int sms, bool quantized = false) {
   const int64_t per_row = packs * groups;
   int64_t threads = kStateBlockThreads;
   while (threads > kMinBlockThreads && (rows * per_row + threads - 1) / threads < sms) threads /= 2;
@@ -223,7 +224,8 @@ inline LaunchDims state_dims(int64_t packs, int64_t rows, int groups, int vec, i
   d.block[0] = static_cast<uint32_t>(packs), d.block[1] = static_cast<uint32_t>(groups);
   d.block[2] = static_cast<uint32_t>(rows_per_block);
   d.grid[0] = plan_detail::div_up(rows, rows_per_block), d.grid[1] = 1, d.grid[2] = 1;
-  d.smem = static_cast<uint32_t>(rows_per_block * groups * (2 + packs * vec) * sizeof(float));
+  d.smem = static_cast<uint32_t>(rows_per_block * (groups * (2 + packs * vec) + (quantized ? packs : 0)) *
+                                 sizeof(float));
   return d;
 }
 
@@ -292,10 +294,9 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
   } else {
     s.stream = plan_detail::stream_o(src, facts.bytes, false);
     const int64_t states = plan_detail::states_per_row(src, s);
-    // kStates: 32-bit offsets and 16-byte accesses (whole float4s of accumulator a thread); no
-    // per-group FP8, whose groups lie in kRows' warps.
+    // kStates: 32-bit offsets and 16-byte accesses (whole float4s of accumulator a thread).
     int groups = 1;
-    if (takes_states<Source>() && plan.index32 && facts.access_bytes == 16 && facts.vec % 4 == 0 && out.group == 0) {
+    if (takes_states<Source>() && plan.index32 && facts.access_bytes == 16 && facts.vec % 4 == 0) {
       if (facts.groups > 0) {
         const int64_t most = std::min<int64_t>(kMaxStateGroups, kStateBlockThreads / std::max<int64_t>(s.packs, 1));
         while (2 * groups <= std::min<int64_t>(facts.groups, most)) groups *= 2;
@@ -308,7 +309,7 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
       plan.groups = groups;
       plan.chunk = kSmallChunk;
       s.stream = true;  // the kernel's accesses are evict-first
-      plan.main = state_dims(s.packs, s.rows, groups, facts.vec, device.sms);
+      plan.main = state_dims(s.packs, s.rows, groups, facts.vec, device.sms, out.group > 0);
     } else {
       plan.chunk = states <= kSmallChunk ? kSmallChunk : kStateChunk;
       plan.main = row_dims(s.packs, s.rows, device.sms);

@@ -297,6 +297,15 @@ cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(
 inline void __syncthreads() { emulated::detail::wait(true, 0); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) { emulated::detail::wait(false, mask); }
 
+inline int __ffs(int x) { return __builtin_ffs(x); }
+
+// The emulated threads change hands only where one waits, so an atomic is a plain read-modify-write.
+inline unsigned atomicMax(unsigned* address, unsigned v) {
+  const unsigned old = *address;
+  if (v > old) *address = v;
+  return old;
+}
+
 // The value of lane (this lane ^ offset) of the mask: every lane of it posts its own, all meet,
 // each takes its partner's, all meet again before a slot may be reused.
 inline float __shfl_xor_sync(unsigned mask, float v, int offset) {
