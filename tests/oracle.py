@@ -86,12 +86,13 @@ def rebased(ref, base):
     return o, lse / (math.log(2.0) if base in (2, "2") else 1.0)
 
 
-def reference_merge(o_a, lse_a, o_b, lse_b, *, base="e", a_tokens=None):
+def reference_merge(o_a, lse_a, o_b, lse_b, *, base="e", a_tokens=None, sink=None):
     """float64 (O [T, H, D], LSE [T, H]) of the two-way merge, from the formula.
 
     a_tokens=k: only the first k tokens merge a with b; later rows take b alone (a is treated as an
     empty part there and is never read), so o_a / lse_a need only k tokens.
     LSE arrays are logical [tokens, heads] (pass a transposed view for a heads-first layout).
+    sink [H]: one more state per row (sink_state).
     """
     ob = to_f64(o_b)
     lb = to_f64(lse_b)
@@ -101,6 +102,9 @@ def reference_merge(o_a, lse_a, o_b, lse_b, *, base="e", a_tokens=None):
     la = np.full((tokens, heads), -np.inf)
     oa[:k] = to_f64(o_a)[:k]
     la[:k] = to_f64(lse_a)[:k]
+    if sink is not None:
+        so, sl = sink_state(sink, tokens, head_size)
+        return reference_merge_states([oa, ob, so], [la, lb, sl], base=base)
     return reference_merge_states([oa, ob], [la, lb], base=base)
 
 

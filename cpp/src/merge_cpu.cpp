@@ -121,6 +121,7 @@ void cpu_merge(const MergeShape& shape, const Source& src, const OutView& out, i
 }
 
 template void cpu_merge<PairSource>(const MergeShape&, const PairSource&, const OutView&, int, int);
+template void cpu_merge<SinkPairSource>(const MergeShape&, const SinkPairSource&, const OutView&, int, int);
 template void cpu_merge<StackSource>(const MergeShape&, const StackSource&, const OutView&, int, int);
 template void cpu_merge<RangeSource>(const MergeShape&, const RangeSource&, const OutView&, int, int);
 template void cpu_merge<ShareSource>(const MergeShape&, const ShareSource&, const OutView&, int, int);

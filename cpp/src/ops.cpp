@@ -89,7 +89,8 @@ constexpr uint32_t kBase2 = ATTNMERGE_LSE_BASE2, kHeadsFirst = ATTNMERGE_LSE_HEA
 // dtype allows an output scale, the state its sizes come from and that state's LSE, its shape
 // equations).
 // clang-format off
-// (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)); out may be o_a or o_b itself, out_lse lse_a or lse_b.
+// (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)) and each head's sink where given; out may be
+// o_a or o_b itself, out_lse lse_a or lse_b.
 constexpr ArgSpec kMergeArgs[] = {
     // name      role   shape            use     presence    alias          dtype of
     {"out",      kOOut, {T, H, D},       kWrite, kRequired},
@@ -98,6 +99,7 @@ constexpr ArgSpec kMergeArgs[] = {
     {"lse_a",    kLse,  {AOrMore, H},    kRead,  kRequired,  kMayBeOutput},
     {"o_b",      kOIn,  {T, H, D},       kRead,  kRequired,  kMayBeOutput,  "o_a"},
     {"lse_b",    kLse,  {T, H},          kRead,  kRequired,  kMayBeOutput},
+    {"sink",     kLse,  {H},             kRead,  kOptional},
     {"group_scales", kLse, {T, H, G},    kWrite, kOptional},
 };
 constexpr OpSpec kMerge = make_op(kMergeArgs, kBase2 | kBBase | kOutBase | kHeadsFirst | kATokens | kPdl | kUe8m0,
@@ -315,9 +317,10 @@ MergeShape merge_shape(int64_t tokens, const Sizes& n, const Checked& c) {
 }
 
 // The two-way and in-place merges' common end: a = (o_a, lse_a), b = (o_b, lse_b).
-// `scales`: the group scales (absent: none; the in-place merge has none).
+// `scales`: the group scales and `sink` the sink (absent: none; the in-place merge has neither).
 attnmerge_status run_pair(Checked& c, const View& out, const View& out_lse, const View& o_a, const View& lse_a,
-                          const View& o_b, const View& lse_b, const View& scales, const View* mask, void* stream) {
+                          const View& o_b, const View& lse_b, const View& scales, const View& sink, const View* mask,
+                          void* stream) {
   PairSource src{state_of(o_a, lse_a), state_of(o_b, lse_b), c.sizes.a_tokens, nullptr, 0};
   src.b_scale = base_change(lse_base2(c.opt.flags, ATTNMERGE_LSE_B_BASE2, ATTNMERGE_LSE_B_BASE_E),
                             inputs_base2(c.opt.flags));
@@ -327,8 +330,11 @@ attnmerge_status run_pair(Checked& c, const View& out, const View& out_lse, cons
   }
   OutView dst = out_view(out, out_lse, scales, c);
   dst.lse_in_place = lse_in_place(out_lse, lse_a, lse_b);
-  return run(c.all(), merge_shape(c.sizes.tokens, c.sizes, c), src, dst, o_a.t->dtype, out.t->dtype, stream,
-             c.opt.flags);
+  const MergeShape shape = merge_shape(c.sizes.tokens, c.sizes, c);
+  const SinkView sinks = sink_view(&sink);
+  if (sinks.lse != nullptr)
+    return run(c.all(), shape, SinkPairSource{src, sinks}, dst, o_a.t->dtype, out.t->dtype, stream, c.opt.flags);
+  return run(c.all(), shape, src, dst, o_a.t->dtype, out.t->dtype, stream, c.opt.flags);
 }
 
 }  // namespace
@@ -346,10 +352,11 @@ attnmerge_status attnmerge_merge(const attnmerge_tensor* out, const attnmerge_te
                                  const attnmerge_options* options, void* stream) {
   begin_call();
   Checked c;
-  const attnmerge_tensor* const args[] = {out, out_lse, o_a, lse_a, o_b, lse_b, group_scales_of(options)};
+  const attnmerge_tensor* const args[] = {out,   out_lse, o_a, lse_a, o_b, lse_b, sink_of(options),
+                                          group_scales_of(options)};
   if (attnmerge_status s = validate(kMerge, args, options, c)) return s;
   const View* v = c.views;
-  return run_pair(c, v[0], v[1], v[2], v[3], v[4], v[5], v[6], nullptr, stream);
+  return run_pair(c, v[0], v[1], v[2], v[3], v[4], v[5], v[7], v[6], nullptr, stream);
 }
 
 attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnmerge_tensor* lse,
@@ -360,8 +367,8 @@ attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnme
   const attnmerge_tensor* const args[] = {o, lse, o_other, lse_other, mask};
   if (attnmerge_status s = validate(kInplace, args, options, c)) return s;
   const View* v = c.views;
-  const View none;  // no group scales
-  return run_pair(c, v[0], v[1], v[0], v[1], v[2], v[3], none, &v[4], stream);  // (o, lse) is a and the output
+  const View none;  // no group scales, no sink
+  return run_pair(c, v[0], v[1], v[0], v[1], v[2], v[3], none, none, &v[4], stream);  // (o, lse): a and the output
 }
 
 attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
@@ -376,9 +383,12 @@ attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnm
   const MergeShape shape = merge_shape(n.tokens, n, c);
   const OutView dst = out_view(vout, vout_lse, c.views[5], c);
   const StackSource src = stack_of(vo, vl, n.states, &c.views[4]);
-  if (n.states == 2 && src.sink.lse == nullptr)  // a pair has no sink
-    return run(c.all(), shape, pair_of(src, o->dtype, vo.empty, vl.empty, n.tokens), dst, o->dtype, out->dtype, stream,
-               c.opt.flags);
+  if (n.states == 2) {  // the two-way merge's kernels
+    const PairSource pair = pair_of(src, o->dtype, vo.empty, vl.empty, n.tokens);
+    if (src.sink.lse != nullptr)
+      return run(c.all(), shape, SinkPairSource{pair, src.sink}, dst, o->dtype, out->dtype, stream, c.opt.flags);
+    return run(c.all(), shape, pair, dst, o->dtype, out->dtype, stream, c.opt.flags);
+  }
   return run(c.all(), shape, src, dst, o->dtype, out->dtype, stream, c.opt.flags);
 }
 

@@ -285,7 +285,7 @@ attnmerge_status read_options(const attnmerge_options& opt, uint32_t op_flags, b
                   opt.flags);
   if (opt.sink != nullptr && !takes_sink)
     return fail(ATTNMERGE_ERROR_VALUE,
-                "%s: expected none for this op (the N-way and variable-length merges take a sink), got a tensor",
+                "%s: expected none for this op (the in-place merge and the backwards take none), got a tensor",
                 out.names->of("sink"));
   const bool groups = opt.group_scales != nullptr;
   if (groups && !takes_groups)

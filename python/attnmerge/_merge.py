@@ -241,8 +241,8 @@ def _outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, like
 def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | None = None,
           out_lse: Array | None = None, return_lse: bool = True, out_dtype: DType | None = None,
           output_scale: float | Array | None = None, base: PairBase = "e", out_base: Base | None = None,
-          a_tokens: int | None = None, group_size: int | None = None, group_scales: Array | None = None,
-          scale_ue8m0: bool = False, stream: Stream = None, pdl: bool = False,
+          a_tokens: int | None = None, sink: Array | None = None, group_size: int | None = None,
+          group_scales: Array | None = None, scale_ue8m0: bool = False, stream: Stream = None, pdl: bool = False,
           _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge two attention states: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
 
@@ -260,6 +260,9 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
         (no host round trip).  Other outputs take none (1 is accepted: it changes nothing).
     a_tokens: only the first a_tokens tokens merge a with b; later rows take b alone and a needs
         only a_tokens tokens (vLLM's prefill_tokens_with_context).
+    sink: attention sinks (gpt-oss), as for merge_states(): None, or float32 [heads], each head's
+        sink logit in lse_a's base, one more state of output 0 in every row of its head (cascade
+        attention's shared prefix and unique suffix, with the sink added once, here).
     group_size, group_scales, scale_ue8m0: per-group FP8 (DeepSeek-V3's 1 x 128 blocks, vLLM's
         per_token_group_quant_fp8): each group of group_size consecutive elements of a row gets
         scale = max(amax, 1e-10) / 448 (amax: the group's largest |value|, NaN left out; rounded
@@ -288,9 +291,9 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
     _names (attnmerge's own layers): {argument: the caller's name for it}, which every message then
     uses (attnmerge.compat passes vLLM's and FlashInfer's names).  The same in the functions below.
     """
-    if _takes is not None and _takes(o_a, lse_a, o_b, lse_b):
+    if _takes is not None and (_takes(o_a, lse_a, o_b, lse_b) or (sink is not None and _takes(sink, None, None, None))):
         return _torch_ops.merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base,
-                                out_base, a_tokens, stream, pdl, _names, (group_size, group_scales, scale_ue8m0))
+                                out_base, a_tokens, stream, pdl, _names, (group_size, group_scales, scale_ue8m0), sink)
     flags = (0 if base == "e" and out_base is None else lse_flags(base, out_base, pair=True, names=_names)) | (
         _C.PDL if pdl else 0)
     group = 0
@@ -304,7 +307,8 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
         return _jax_results(_jax_road("merge", out_lse, stream, _names, group_scales)(
             o_a, lse_a, o_b, lse_b, base=base, out_base=out_base,
             out_dtype=_result_dtype(out_dtype, o_a, "o_a", _names), a_tokens=a_tokens,
-            output_scale=output_scale_arg(output_scale), group_size=group_size, scale_ue8m0=scale_ue8m0), return_lse)
+            output_scale=output_scale_arg(output_scale), sink=sink, group_size=group_size, scale_ue8m0=scale_ue8m0),
+            return_lse)
     if out is None or out_lse is None or out_dtype is not None:  # else nothing to allocate or check
         shape = _shape(o_b, "o_b", _names) if out is None or (out_lse is None and return_lse) else None
         out, out_lse = _outputs(o_b, o_a, shape, out, out_lse, return_lse, out_dtype, names=_names)
@@ -312,7 +316,8 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
         output_scale = output_scale_arg(output_scale)
     if group:
         group_scales = group_scales_like(out, group_scales, group, _names)
-    _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, flags, a_tok, output_scale, stream, _names, group_scales, group)
+    _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, flags, a_tok, output_scale, stream, _names, group_scales, group,
+             sink)
     return _results(out, out_lse, group_scales, group_size)
 
 

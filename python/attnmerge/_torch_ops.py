@@ -12,8 +12,8 @@ marking what an overload writes):
 LSEs are float32 [tokens, heads] in any strides, base "e" (natural log) or "2" (merge and
 merge_inplace: also "2,e" or "e,2", a's and b's), out_base None (the inputs') or "e" or "2" for the
 merged LSE (not merge_inplace, whose LSE keeps lse's base); output_scale is a
-one-element float32 tensor; sink (merge_states, merge_varlen, merge_share) a float32 [heads] tensor
-of sink logits.  The kernels (CPU and CUDA) are attnmerge's own and run on torch's current stream (the
+one-element float32 tensor; sink (merge, merge_states, merge_varlen, merge_share) a float32 [heads]
+tensor of sink logits.  The kernels (CPU and CUDA) are attnmerge's own and run on torch's current stream (the
 capture stream under CUDA graph capture).  Autograd: see _register_autograd.
 
 merge, merge_inplace, merge_states, merge_varlen and merge_share at the end are what the public functions call
@@ -38,10 +38,11 @@ _OUT_OPTIONS = 'str base="e", str? out_base=None, bool pdl=False'  # the ops tha
 _GROUPS = 'Tensor(c!)? group_scales=None, int group_size=0, bool scale_ue8m0=False'
 
 _SCHEMAS = {
-    "merge": "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, Tensor? output_scale=None, *, "
+    "merge": "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, Tensor? output_scale=None, Tensor? sink=None, *, "
              f"ScalarType? out_dtype=None, SymInt? a_tokens=None, {_OUT_OPTIONS}) -> (Tensor out, Tensor out_lse)",
     "merge.out": "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
-                 f"Tensor? output_scale=None, SymInt? a_tokens=None, {_GROUPS}, {_OUT_OPTIONS}) -> ()",
+                 f"Tensor? output_scale=None, Tensor? sink=None, SymInt? a_tokens=None, {_GROUPS}, {_OUT_OPTIONS}) "
+                 "-> ()",
     "merge_inplace": f"(Tensor(a!) o, Tensor(b!) lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, *, "
                      f"{_OPTIONS}) -> ()",
     "merge_inplace.functional": f"(Tensor o, Tensor lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, *, "
@@ -151,12 +152,12 @@ def _group_flags(scale_ue8m0):
     return _C.GROUP_SCALE_UE8M0 if scale_ue8m0 else 0
 
 
-def _merge_out(o_a, lse_a, o_b, lse_b, *, out, out_lse=None, output_scale=None, a_tokens=None, group_scales=None,
-               group_size=0, scale_ue8m0=False, base="e", out_base=None, pdl=False):
+def _merge_out(o_a, lse_a, o_b, lse_b, *, out, out_lse=None, output_scale=None, sink=None, a_tokens=None,
+               group_scales=None, group_size=0, scale_ue8m0=False, base="e", out_base=None, pdl=False):
     names = _NAMES.get()
     _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, _flags(base, pdl, out_base, pair=True) | _group_flags(scale_ue8m0),
              _merge.a_tokens_arg(a_tokens, _merge._named(names, "a_tokens")), output_scale, None, names, group_scales,
-             group_size)
+             group_size, sink)
 
 
 def _merge_inplace(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
@@ -240,7 +241,7 @@ def _functional(results, out_kernel, n_tensors, extras=("output_scale",)):
 
 
 _KERNELS = {
-    "merge": _functional(_RESULTS["merge"], _merge_out, 4), "merge.out": _merge_out,
+    "merge": _functional(_RESULTS["merge"], _merge_out, 4, ("output_scale", "sink")), "merge.out": _merge_out,
     "merge_inplace": _merge_inplace, "merge_inplace.functional": _merge_inplace_functional,
     "merge_states": _functional(_RESULTS["merge_states"], _merge_states_out, 2, ("output_scale", "sink")),
     "merge_states.out": _merge_states_out,
@@ -322,7 +323,7 @@ def _in_inputs_base(ctx, out_lse, grad_out_lse, pair=False):
 
 
 def _merge_grad(ctx, grad_out, grad_out_lse):
-    o_a, lse_a, o_b, lse_b, out, out_lse, _ = ctx.saved_tensors
+    o_a, lse_a, o_b, lse_b, out, out_lse, sink = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:4])
     a, b, out_lse, grad_out_lse = _in_inputs_base(ctx, out_lse, grad_out_lse, pair=True)
     c_b = _merge.base_change(b, a)  # lse_b in a's base, as the forward merged it
@@ -331,7 +332,9 @@ def _merge_grad(ctx, grad_out, grad_out_lse):
                                                     a_tokens=ctx.options.get("a_tokens"), base=_text(a)))
     if c_b != 1.0 and needs[3]:
         grads[3] = grads[3] * c_b
-    return (*_grads_or_none(grads, needs), None)  # output_scale: none
+    # The states' gradients follow from out and out_lse, which count the sink (in a's base).
+    return (*_grads_or_none(grads, needs), None,  # output_scale: none
+            _sink_grad_of(ctx, 5, sink, out, out_lse, grad_out, grad_out_lse, a))
 
 
 def _sink_grad_of(ctx, sink_index, sink, out, out_lse, grad_out, grad_out_lse, base):
@@ -571,12 +574,12 @@ class _Named:
 
 
 def merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base, out_base, a_tokens,
-          stream, pdl, names=None, groups=None):
+          stream, pdl, names=None, groups=None, sink=None):
     _no_stream(stream)
     return _call(torch.ops.attnmerge.merge.default, torch.ops.attnmerge.merge.out, o_b, o_a, lambda: tuple(o_b.shape),
                  ("o_b", "o_a"), names, groups, out, out_lse, return_lse, out_dtype, o_a, lse_a, o_b, lse_b,
-                 output_scale=_scale(output_scale, o_b), a_tokens=a_tokens, base=_base(base, names, pair=True),
-                 out_base=_out_base(out_base, names), pdl=pdl)
+                 output_scale=_scale(output_scale, o_b), sink=sink, a_tokens=a_tokens,
+                 base=_base(base, names, pair=True), out_base=_out_base(out_base, names), pdl=pdl)
 
 
 def merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl, names=None):

@@ -32,8 +32,7 @@ Shapes are checked when the call is traced (a ValueError naming the argument); e
 (dtypes, values) by libattnmerge when the call runs, whose message, naming the argument, comes back
 in the error XLA raises.  Under ``jax.vmap`` merge and merge_states are one call over the flattened
 batch, and so is merge_share; merge with ``a_tokens``, any of them with an array
-``output_scale``, merge_states and merge_share with a ``sink``, and merge_varlen run once per batch
-element.
+``output_scale`` or a ``sink``, and merge_varlen run once per batch element.
 """
 from __future__ import annotations
 
@@ -107,15 +106,11 @@ def _scale_is_array(output_scale):
     return output_scale is not None and not isinstance(output_scale, (int, float, np.number))
 
 
-# The ops whose FFI call takes a sink operand (its attribute has_sink says whether it is read).
-_TAKE_SINK = ("merge_states", "merge_varlen", "merge_share")
-
-
 def _call(op, outs, operands, *, bases, output_scale, a_tokens=None, vectorized=True, sink=None, index=None,
           groups=(0, 0)):
-    """The FFI call of `op` with the options as attributes (`bases`: _bases' key); the sink
-    (merge_states, merge_varlen and merge_share: an array, or None) and output_scale (a number or,
-    for an array, an operand) after the operands; merge_share's index an attribute of its own.
+    """The FFI call of `op` with the options as attributes (`bases`: _bases' key); the sink (an
+    array, or None: an operand that has_sink says is not read) and output_scale (a number or, for an
+    array, an operand) after the operands; merge_share's index an attribute of its own.
     `outs`: (out, out_lse)'s shapes; `groups`: (group_size, its flags), where group_size > 0 adds
     the group scales [rows, heads, head_size // group_size] to the results (every call has that
     result: one of no elements, unwritten, without groups)."""
@@ -135,14 +130,11 @@ def _call(op, outs, operands, *, bases, output_scale, a_tokens=None, vectorized=
     rows, heads, head_size = outs[0].shape
     scales = jax.ShapeDtypeStruct((rows, heads, head_size // group) if group else (0,), jnp.float32)
     call = jax.ffi.ffi_call(f"attnmerge_{op}", (*outs, scales), vmap_method=method)
-    sinks = {}
-    if op in _TAKE_SINK:
-        operands = (*operands, jnp.full((1,), -jnp.inf, jnp.float32) if sink is None else sink)  # unread if None
-        sinks = {"has_sink": sink is not None}
-    if index is not None:
-        sinks["index"] = np.int64(index)
-    results = call(*operands, scale, flags=np.int64(flags), a_tokens=np.int64(a), output_scale=np.float32(number),
-                   scale_in_buffer=scale_in_buffer, group_size=np.int64(group), **sinks)
+    unread = jnp.full((1,), -jnp.inf, jnp.float32)
+    indexed = {} if index is None else {"index": np.int64(index)}
+    results = call(*operands, unread if sink is None else sink, scale, flags=np.int64(flags), a_tokens=np.int64(a),
+                   output_scale=np.float32(number), scale_in_buffer=scale_in_buffer, group_size=np.int64(group),
+                   has_sink=sink is not None, **indexed)
     return tuple(results) if group else tuple(results[:2])
 
 
@@ -164,8 +156,8 @@ def _results(tokens, heads, head_size, dtype):
 
 def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *, base: PairBase = "e",
           out_base: Base | None = None, out_dtype: Any = None, a_tokens: int | None = None,
-          output_scale: float | jax.Array | None = None, group_size: int | None = None,
-          scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
+          output_scale: float | jax.Array | None = None, sink: jax.Array | None = None,
+          group_size: int | None = None, scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
     """Merge two attention states: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
 
     o_a, o_b: [tokens, heads, head_size] float32, float16 or bfloat16 (one dtype).
@@ -175,6 +167,7 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *,
     a_tokens: only the first a_tokens tokens merge a with b (o_a, lse_a then need only a_tokens
         tokens); the others take b alone (vLLM's prefill_tokens_with_context).
     output_scale: FP8 outputs store value / output_scale: a float or a float32 array of one element.
+    sink: None, or float32 [heads], as in merge_states (in lse_a's base; differentiable).
     group_size, scale_ue8m0: per-group FP8 (static): each group of group_size consecutive elements
         of a row gets scale = max(amax, 1e-10) / 448 (rounded up to a power of two with
         scale_ue8m0) and out = value * (1 / scale) in float8_e4m3fn (out_dtype's default then);
@@ -191,11 +184,12 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *,
         raise ValueError(f"o_a: expected shape [{a} or more, {heads}, {head_size}] (tokens, heads, head_size of o_b), "
                          f"got {_shape(o_a)}")
     _expect("lse_a", lse_a, _shape(o_a)[:2], "tokens, heads of o_a")
+    _expect_sink(sink, heads)
     out_dtype, groups = _groups(group_size, scale_ue8m0, out_dtype)
     dtype = _out_dtype(out_dtype, o_b)
     bases = _bases(base, out_base, pair=True)
     return _merged("merge", (tokens, heads, head_size), dtype, (o_a, lse_a, o_b, lse_b), bases, output_scale, groups,
-                   lambda: _merge_fn(bases, dtype, a_tokens), a_tokens=a_tokens)
+                   lambda: _merge_fn(bases, dtype, a_tokens, sink is not None), sink=sink, a_tokens=a_tokens)
 
 
 def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_base: Base | None = None, out_dtype: Any = None,
@@ -377,17 +371,17 @@ def _with_vjp(forward, backward):
 
 
 @functools.lru_cache(maxsize=None)
-def _merge_fn(bases, dtype, a_tokens):
+def _merge_fn(bases, dtype, a_tokens, has_sink):
     base, base_b, _ = bases
     c_b = base_change(base_b, base)  # lse_b into a's base, as the forward merges it
 
-    def forward(o_a, lse_a, o_b, lse_b):
+    def forward(o_a, lse_a, o_b, lse_b, *sink):
         tokens, heads, head_size = _shape(o_b)
         return _call("merge", _results(tokens, heads, head_size, dtype), (o_a, lse_a, o_b, lse_b), bases=bases,
-                     output_scale=None, a_tokens=a_tokens)
+                     output_scale=None, a_tokens=a_tokens, sink=sink[0] if has_sink else None)
 
     def backward(inputs, out, out_lse, grad_out, grad_out_lse):
-        o_a, lse_a, o_b, lse_b = inputs
+        o_a, lse_a, o_b, lse_b, *sink = inputs
         out_lse, grad_out_lse = _in_inputs_base(bases, out_lse, grad_out_lse)
         if c_b != 1.0:
             lse_b = lse_b * c_b
@@ -404,7 +398,8 @@ def _merge_fn(bases, dtype, a_tokens):
         if pad:
             g_oa = jnp.concatenate([g_oa, jnp.zeros((pad, heads, head_size), g_oa.dtype)])
             g_la = jnp.concatenate([g_la, jnp.zeros((pad, heads), g_la.dtype)])
-        return g_oa, g_la, g_ob, g_lb
+        # The states' gradients follow from out and out_lse, which count the sink (in a's base).
+        return (g_oa, g_la, g_ob, g_lb, *(_sink_gradient(s, out, out_lse, grad_out, grad_out_lse, base) for s in sink))
 
     return _with_vjp(forward, backward)
 

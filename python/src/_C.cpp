@@ -81,24 +81,33 @@ void set_group_scales(attnmerge_options& options, const attnmerge_tensor* scales
   options.group_size = group_size;
 }
 
+// The sink (None: none) as options.sink: the layout that has it.
+void set_sink(attnmerge_options& options, const attnmerge_tensor* sink) {
+  if (sink == nullptr) return;
+  options.struct_size = sizeof(attnmerge_options);
+  options.sink = sink;
+}
+
 // ---- the ops: arguments as the C ABI takes them, then flags, options, the stream (None: that of
 // the framework of the array outputs are allocated like, `like`) and the caller's names ----------
 
 void merge(py::handle out, py::handle out_lse, py::handle o_a, py::handle lse_a, py::handle o_b, py::handle lse_b,
            uint32_t flags, int64_t a_tokens, py::handle output_scale, py::handle stream, py::handle names_table,
-           py::handle group_scales, int32_t group_size) {
+           py::handle group_scales, int32_t group_size, py::handle sink) {
   const CallerNames n(names_table);
-  CallArrays<7> c({{out, n("out"), kOut},
+  CallArrays<8> c({{out, n("out"), kOut},
                    {out_lse, n("out_lse"), kF32},
                    {o_a, n("o_a"), kO},
                    {lse_a, n("lse_a"), kF32},
                    {o_b, n("o_b"), kO},
                    {lse_b, n("lse_b"), kF32},
-                   {group_scales, n("group_scales"), kF32}},
+                   {group_scales, n("group_scales"), kF32},
+                   {sink, n("sink"), kF32}},
                   stream, 4, 2);
   attnmerge_options options = {flags | (a_tokens >= 0 ? ATTNMERGE_A_TOKENS : 0u), a_tokens, 0.0f, nullptr};
   ArrayView scale;
   set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
+  set_sink(options, c.t[7]);
   set_group_scales(options, c.t[6], group_size);
   n.pass_to(options);
   call_library([&] { return attnmerge_merge(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], &options, c.stream()); });
@@ -116,13 +125,6 @@ void merge_inplace(py::handle o, py::handle lse, py::handle o_other, py::handle 
   attnmerge_options options = {flags, 0, 0.0f, nullptr};
   n.pass_to(options);
   call_library([&] { return attnmerge_merge_inplace(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream()); });
-}
-
-// The sink (None: none) as options.sink: the layout that has it.
-void set_sink(attnmerge_options& options, const attnmerge_tensor* sink) {
-  if (sink == nullptr) return;
-  options.struct_size = sizeof(attnmerge_options);
-  options.sink = sink;
 }
 
 void merge_states(py::handle out, py::handle out_lse, py::handle o, py::handle lse, uint32_t flags, bool states_first,
@@ -341,7 +343,8 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "attnmerge's binding of libattnmerge (internal; use the attnmerge package)";
   m.def("merge", &merge, py::arg("out"), py::arg("out_lse"), py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"),
         py::arg("lse_b"), py::arg("flags"), py::arg("a_tokens"), py::arg("output_scale"), py::arg("stream"),
-        py::arg("names") = py::none(), py::arg("group_scales") = py::none(), py::arg("group_size") = 0);
+        py::arg("names") = py::none(), py::arg("group_scales") = py::none(), py::arg("group_size") = 0,
+        py::arg("sink") = py::none());
   m.def("merge_inplace", &merge_inplace, py::arg("o"), py::arg("lse"), py::arg("o_other"), py::arg("lse_other"),
         py::arg("mask"), py::arg("flags"), py::arg("stream"), py::arg("names") = py::none());
   m.def("merge_states", &merge_states, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),

@@ -102,23 +102,24 @@ attnmerge_options options(int64_t flags, int64_t a_tokens, float output_scale, b
   return opt;
 }
 
-ffi::Error merge(void* stream, int32_t device, ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a, ffi::AnyBuffer o_b,
-                 ffi::AnyBuffer lse_b, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
-                 ffi::Result<ffi::AnyBuffer> out_lse, ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags,
-                 int64_t a_tokens, float output_scale, bool scale_in_buffer, int64_t group_size) {
-  const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
-  const attnmerge_tensor t_oa = tensor(o_a, device, 3), t_la = tensor(lse_a, device, 2);
-  const attnmerge_tensor t_ob = tensor(o_b, device, 3), t_lb = tensor(lse_b, device, 2);
-  const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
-  const attnmerge_options opt = options(flags, a_tokens, output_scale, scale_in_buffer, scale, t_gs, group_size);
-  return result(attnmerge_merge(&t_out, &t_out_lse, &t_oa, &t_la, &t_ob, &t_lb, &opt, stream));
-}
-
 // The sink [heads] as options.sink, where has_sink (else the `sink` buffer is not read).
 void set_sink(attnmerge_options& opt, const attnmerge_tensor& sink, bool has_sink) {
   if (!has_sink) return;
   opt.struct_size = sizeof(attnmerge_options);
   opt.sink = &sink;
+}
+
+ffi::Error merge(void* stream, int32_t device, ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a, ffi::AnyBuffer o_b,
+                 ffi::AnyBuffer lse_b, ffi::AnyBuffer sink, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
+                 ffi::Result<ffi::AnyBuffer> out_lse, ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags,
+                 int64_t a_tokens, float output_scale, bool scale_in_buffer, int64_t group_size, bool has_sink) {
+  const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
+  const attnmerge_tensor t_oa = tensor(o_a, device, 3), t_la = tensor(lse_a, device, 2);
+  const attnmerge_tensor t_ob = tensor(o_b, device, 3), t_lb = tensor(lse_b, device, 2);
+  const attnmerge_tensor t_gs = tensor(*group_scales, device, 3), t_sink = tensor(sink, device, 1);
+  attnmerge_options opt = options(flags, a_tokens, output_scale, scale_in_buffer, scale, t_gs, group_size);
+  set_sink(opt, t_sink, has_sink);
+  return result(attnmerge_merge(&t_out, &t_out_lse, &t_oa, &t_la, &t_ob, &t_lb, &opt, stream));
 }
 
 ffi::Error merge_states(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink,
@@ -206,11 +207,11 @@ ffi::Error merge_varlen_backward(void* stream, int32_t device, ffi::AnyBuffer gr
 
 // The host handlers: the same, on the CPU (no stream, device ATTNMERGE_HOST).
 ffi::Error merge_host(ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a, ffi::AnyBuffer o_b, ffi::AnyBuffer lse_b,
-                      ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
-                      ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags, int64_t a_tokens, float output_scale,
-                      bool scale_in_buffer, int64_t group_size) {
-  return merge(nullptr, ATTNMERGE_HOST, o_a, lse_a, o_b, lse_b, scale, out, out_lse, group_scales, flags, a_tokens,
-               output_scale, scale_in_buffer, group_size);
+                      ffi::AnyBuffer sink, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Result<ffi::AnyBuffer> out_lse, ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags,
+                      int64_t a_tokens, float output_scale, bool scale_in_buffer, int64_t group_size, bool has_sink) {
+  return merge(nullptr, ATTNMERGE_HOST, o_a, lse_a, o_b, lse_b, sink, scale, out, out_lse, group_scales, flags,
+               a_tokens, output_scale, scale_in_buffer, group_size, has_sink);
 }
 
 ffi::Error merge_states_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink, ffi::AnyBuffer scale,
@@ -265,8 +266,8 @@ ffi::Error merge_varlen_backward_host(ffi::AnyBuffer grad_out, ffi::AnyBuffer gr
 }
 
 // The bindings: CUDA handlers take XLA's stream and device ordinal first; then the input
-// buffers (the op's, then `sink` where kSink, then `scale`), the three results (out, out_lse,
-// group_scales) and the attributes (has_sink after them, where kSink; then merge_share's index).
+// buffers (the op's, then `sink`, then `scale`), the three results (out, out_lse, group_scales)
+// and the attributes (then merge_share's index).
 auto on_cuda() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<void*>>().Ctx<ffi::DeviceOrdinal>(); }
 
 auto on_host() { return ffi::Ffi::Bind(); }
@@ -282,16 +283,15 @@ auto with_results(Binding binding) {
       .template Attr<int64_t>("a_tokens")
       .template Attr<float>("output_scale")
       .template Attr<bool>("scale_in_buffer")
-      .template Attr<int64_t>("group_size");
+      .template Attr<int64_t>("group_size")
+      .template Attr<bool>("has_sink");
 }
 
 // `kInputs` (>= 1) buffers, the results and the attributes (the binding moves only as a temporary).
-template <int kInputs, bool kSink = false, typename Binding>
+template <int kInputs, typename Binding>
 auto with_buffers(Binding binding) {
   if constexpr (kInputs > 1) {
-    return with_buffers<kInputs - 1, kSink>(std::move(binding).template Arg<ffi::AnyBuffer>());
-  } else if constexpr (kSink) {
-    return with_results(std::move(binding).template Arg<ffi::AnyBuffer>()).template Attr<bool>("has_sink");
+    return with_buffers<kInputs - 1>(std::move(binding).template Arg<ffi::AnyBuffer>());
   } else {
     return with_results(std::move(binding).template Arg<ffi::AnyBuffer>());
   }
@@ -312,16 +312,16 @@ auto with_grads(Binding binding) {
 }  // namespace
 
 // The handlers, exported with C linkage for attnmerge.jax to wrap in capsules (jax.ffi.pycapsule).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_cuda, merge, with_buffers<5>(on_cuda()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_host, merge_host, with_buffers<5>(on_host()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_cuda, merge_states, (with_buffers<4, true>(on_cuda())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_host, merge_states_host, (with_buffers<4, true>(on_host())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_cuda, merge_varlen, (with_buffers<5, true>(on_cuda())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_host, merge_varlen_host, (with_buffers<5, true>(on_host())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_cuda, merge, (with_buffers<6>(on_cuda())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_host, merge_host, (with_buffers<6>(on_host())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_cuda, merge_states, (with_buffers<4>(on_cuda())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_host, merge_states_host, (with_buffers<4>(on_host())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_cuda, merge_varlen, (with_buffers<5>(on_cuda())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_host, merge_varlen_host, (with_buffers<5>(on_host())));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_share_cuda, merge_share,
-                              (with_buffers<4, true>(on_cuda()).Attr<int64_t>("index")));
+                              (with_buffers<4>(on_cuda()).Attr<int64_t>("index")));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_share_host, merge_share_host,
-                              (with_buffers<4, true>(on_host()).Attr<int64_t>("index")));
+                              (with_buffers<4>(on_host()).Attr<int64_t>("index")));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_backward_cuda, merge_backward, (with_grads<8, 4>(on_cuda())));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_backward_host, merge_backward_host, (with_grads<8, 4>(on_host())));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_backward_cuda, merge_states_backward,

@@ -278,7 +278,7 @@ def _refuse(rng, t, role):
 
 
 # The ops that take a sink (options.sink, a float32 [heads]); every op's calls may carry one.
-TAKES_SINK = ("states", "varlen", "share")
+TAKES_SINK = ("merge", "states", "varlen", "share")
 SINK = Role("sink", 1, LSE, optional=True)
 
 

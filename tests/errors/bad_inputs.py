@@ -603,7 +603,7 @@ def sink(shape=(H,), dtype=np.float32):
     return change
 
 
-for op, prefix in (("merge_states", "states"), ("merge_varlen", "varlen"), ("merge_share", "share")):
+for op, prefix in (("merge", "merge"), ("merge_states", "states"), ("merge_varlen", "varlen"), ("merge_share", "share")):
     bad(f"{prefix}-sink-one-head-too-many", op, sink((H + 1,)), ValueError, "sink", H, H + 1, layers=ANY)
     bad(f"{prefix}-sink-2d", op, sink((1, H)), ValueError, "sink", 1, 2, layers=ANY)
     bad(f"{prefix}-sink-float16", op, sink(dtype=np.float16), TypeError, "sink", "float32", "float16", layers=ANY)
@@ -617,7 +617,7 @@ def _sink_option(a):
     a.options["opts"] = c_abi.options(sink=c_abi.tensor_from(given))
 
 
-for op in ("merge", "merge_inplace", "merge_states_backward"):
+for op in ("merge_inplace", "merge_states_backward"):
     bad(f"c-{op}-sink-refused", f"c.{op}", _sink_option, ERR_V, "sink", "none", starts="sink: expected none")
 
 

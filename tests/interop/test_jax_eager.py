@@ -121,6 +121,15 @@ def test_merge_states_and_merge_varlen_return_new_jax_arrays(rng, states_axis):
 
 
 @needs_extension
+def test_a_sink_takes_the_road_too(rng):
+    h = pair(rng)
+    sink = random_lse(rng, (5,))
+    out, out_lse = attnmerge.merge(*put(*h, sink)[:4], sink=put(sink)[0])
+    assert is_jax(out) and is_jax(out_lse)
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), reference_merge(*h, sink=sink), "float32")
+
+
+@needs_extension
 def test_per_group_fp8_takes_the_road_and_returns_the_scales(rng):
     o, lse = random_stacked(rng, 6, 5, 2, 128, "bfloat16")
     for fn, args, ref in [

@@ -430,6 +430,25 @@ def test_a_sink_under_jit_and_its_gradient(rng, dev, base):
     assert np.asarray(grad_sink)[1] == 0
 
 
+@pytest.mark.parametrize("a_tokens", [None, 3])
+def test_a_sink_in_merge_under_jit_vmap_and_its_gradient(rng, dev, a_tokens):
+    h = random_state(rng, 6, 3, 16) + random_state(rng, 6, 3, 16)
+    sink = random_lse(rng, (3,))
+    f = jax.jit(functools.partial(amj.merge, a_tokens=a_tokens))
+    out, out_lse = f(*[put(x, dev) for x in h], sink=put(sink, dev))
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), reference_merge(*h, a_tokens=a_tokens, sink=sink),
+                         "float32")
+    sinks = np.stack([sink, sink - 2.0])  # one sink per batch element: a loop
+    batched = jax.vmap(lambda s: amj.merge(*[put(x, dev) for x in h], sink=s))(sinks)
+    for i in range(2):
+        assert_merge_matches(np.asarray(batched[0][i]), np.asarray(batched[1][i]),
+                             reference_merge(*h, sink=sinks[i]), "float32")
+    from jax.test_util import check_grads
+
+    check_grads(lambda a, b, c, d, s: amj.merge(a, b, c, d, sink=s, a_tokens=a_tokens),
+                tuple(put(x, dev) for x in (*h, sink)), order=1, modes=["rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
 def test_a_sink_in_merge_varlen_under_vmap_and_check_grads(rng, dev):
     indptr = np.array([0, 2, 2, 6], dtype=np.int32)  # the middle row: the sink alone
     o, lse, sink = random_o(rng, (6, 2, 8)), random_lse(rng, (6, 2)), random_lse(rng, (2,))

@@ -1,5 +1,5 @@
 """Autograd through torch.ops.attnmerge: merge, merge_states, merge_varlen and merge_share are
-differentiable with respect to every O and LSE input (and all but merge to their sink), eagerly and
+differentiable with respect to every O and LSE input (and to their sink), eagerly and
 under torch.compile, on the CPU and (marked gpu) on CUDA; their gradients are the float64 oracle's
 (p_i = b^(lse_i - LSE), dO_i = p_i dO, dlse_i = p_i (dLSE + ln(b) <dO, O_i - O>); a sink is a state
 of O = 0, its gradient summed over the rows of its head; a share is the N-way merge whose other
@@ -209,6 +209,40 @@ def test_merge_states_sink_gradients_are_the_oracles(rng, device, base):
     assert rel(grads[0], np.swapaxes(ref[0], 0, 1)) <= TOLERANCE["float32"]
     assert rel(grads[1], np.swapaxes(ref[1], 0, 1)) <= TOLERANCE["float32"]
     assert rel(grads[2], ref[2]) <= TOLERANCE["float32"] and grads[2].shape == (h,) and grads[2][1] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("a_tokens", [None, 4])
+@pytest.mark.parametrize("base", ["e", (2, "e")])
+def test_merge_sink_gradients_are_the_oracles(rng, device, base, a_tokens):
+    """The two-way merge with a sink (in a's base), with LSEs of two bases and with a_tokens (a's
+    later tokens: zero gradients); the sink alone requiring grad takes the op too."""
+    t, h, d = 7, 3, 32
+    o_a, lse_a, o_b, lse_b = (random_o(rng, (t, h, d)), random_lse(rng, (t, h)), random_o(rng, (t, h, d)),
+                              random_lse(rng, (t, h)))
+    sink = random_lse(rng, (h,))
+    sink[2] = -np.inf  # no sink: zero gradient
+    x = [put(v, device) for v in (o_a, lse_a, o_b, lse_b, sink)]
+    out, out_lse = attnmerge.merge(*x[:4], sink=x[4], base=base, a_tokens=a_tokens)
+    grad_out, grad_out_lse = incoming(rng, out, out_lse)
+    grads = torch.autograd.grad((out, out_lse), x, (grad_out, grad_out_lse))
+    a_base = base if base == "e" else base[0]
+    lse_b_in_a = lse_b if base == "e" else lse_b / np.log(2.0)  # the forward's b, in a's base
+    k = t if a_tokens is None else a_tokens
+    oa, la = o_a.copy(), lse_a.copy()
+    la[k:] = -np.inf  # a's later tokens: not merged
+    g_o, g_l, g_s = sink_oracle(np.stack([oa, o_b]), np.stack([la, lse_b_in_a]), sink, *(
+        v.detach().cpu().numpy() for v in (out, out_lse, grad_out, grad_out_lse)), a_base)
+    assert rel(grads[0], g_o[0]) <= TOLERANCE["float32"] and rel(grads[1], g_l[0]) <= TOLERANCE["float32"]
+    assert rel(grads[2], g_o[1]) <= TOLERANCE["float32"]
+    c_b = 1.0 if base == "e" else 1.0 / np.log(2.0)  # d(lse_b in a's base) / d lse_b
+    assert rel(grads[3], g_l[1] * c_b) <= TOLERANCE["float32"]
+    assert rel(grads[4], g_s) <= TOLERANCE["float32"] and grads[4][2] == 0
+    assert (grads[0][k:] == 0).all() and (grads[1][k:] == 0).all()
+    only_sink = [v.detach() for v in x[:4]]
+    out, out_lse = attnmerge.merge(*only_sink, sink=x[4], base=base, a_tokens=a_tokens)
+    (g,) = torch.autograd.grad((out, out_lse), (x[4],), (grad_out, grad_out_lse))
+    assert rel(g, g_s) <= TOLERANCE["float32"]
 
 
 @pytest.mark.parametrize("device", DEVICES)

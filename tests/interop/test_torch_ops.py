@@ -220,6 +220,7 @@ def samples(rng):
     v0, s0 = [put(x) for x in random_stacked(rng, 6, 3, 4, 32, states_axis=0)]
     indptr = torch.tensor([0, 2, 2, 6], dtype=torch.int32)
     mask = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.uint8)
+    sink = put(random_lse(rng, (4,)))
     new = lambda *shape, dtype=torch.float32: torch.empty(shape, dtype=dtype)  # noqa: E731
     return [
         ("merge.default", (o_a, lse_a, o_b, lse_b), {}),
@@ -242,6 +243,9 @@ def samples(rng):
                                                      group_scales=new(6, 4, 2), group_size=16, scale_ue8m0=True)),
         ("merge_states.out", (v, s), dict(out=new(6, 4, 32, dtype=torch.float8_e4m3fn), group_scales=new(6, 4, 1),
                                           group_size=32)),
+        ("merge.default", (o_a, lse_a, o_b, lse_b, None, sink), dict(a_tokens=3)),
+        ("merge.out", (*f,), dict(out=new(6, 4, 32), out_lse=new(6, 4), sink=sink, base="2,e")),
+        ("merge_states.default", (v, s, None, sink), dict(out_base="2")),
     ]
 
 
@@ -254,7 +258,7 @@ def _fp8_out(kwargs):
 _FP8_OUT_CHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
-@pytest.mark.parametrize("i", range(18))
+@pytest.mark.parametrize("i", range(21))
 def test_opcheck(rng, i):
     name, args, kwargs = samples(rng)[i]
     torch.library.opcheck(overload(name), args, kwargs, **(dict(test_utils=_FP8_OUT_CHECKS) if _fp8_out(kwargs) else {}))

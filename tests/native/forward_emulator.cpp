@@ -76,6 +76,9 @@ struct GroupScales {
 };
 thread_local GroupScales t_groups;
 
+// The sink of the two-way merges that follow (emulate_pair_sink; lse null: none).
+thread_local SinkView t_pair_sink;
+
 OutView out_view(void* o, const int64_t* os, float* l, const int64_t* ls, float inv_scale, const float* scale,
                  int bases) {
   OutView v{o, os[0], os[1], l, l ? ls[0] : 0, l ? ls[1] : 0, inv_scale, scale, false};
@@ -124,6 +127,10 @@ void emulate_group_scales(float* scales, const int64_t* strides, int group, int 
   t_groups.group = group;
   t_groups.ue8m0 = ue8m0 != 0;
 }
+
+// The sink [heads] of the two-way merges that follow (SinkPairSource), `stride` apart (null: none,
+// as before any call of this).
+void emulate_pair_sink(const float* sink, int64_t stride) { t_pair_sink = SinkView{sink, stride}; }
 
 // The (input, output) storage types compiled, as dtype codes at codes[2 i], codes[2 i + 1]; how many.
 int emulate_types(int* codes, int most) { return emu::codes_of(Compiled{}, codes, most); }
@@ -186,6 +193,10 @@ int emulate_merge(int64_t tokens, int64_t a_tokens, int64_t heads, int64_t head_
   OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, scale, bases);
   dst.lse_in_place = in_place != 0;
   const CallFacts f = facts(vec, access_bytes, max_offset, bytes, tokens_inner, pdl, 0);
+  if (t_pair_sink.lse != nullptr) {  // as the C ABI runs a two-way merge with a sink
+    const SinkPairSource sunk{src, t_pair_sink};
+    return run(in_dtype, out_dtype, plan_merge(shape, sunk, dst, f, DeviceInfo{sms, 9}), sunk, dst);
+  }
   return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);
 }
 

@@ -247,8 +247,17 @@ def test_merge(emu, data):
     lse_a, lse_b = random_lse(rng, (t, h)), random_lse(rng, (t, h))
     empties(rng, lse_a, o_a, 0.2)
     empties(rng, lse_b, o_b, 0.1)
-    ref = rebased(reference_merge(o_a, natural(lse_a, base[0]), o_b, natural(lse_b, base[1]), a_tokens=a_tokens),
-                  base[2])
+    # a sink (SinkPairSource): in a's base, empty and NaN heads among them, strided
+    sink = data.draw(st.sampled_from((None, "some", "empty_or_nan")))
+    if sink is not None:
+        sink_buf = np.full(2 * h, np.nan, np.float32)
+        sink_buf[::2] = random_lse(rng, (h,))
+        if sink == "empty_or_nan":  # and head 0's last row of no states: O = 0, or NaN with a NaN sink
+            sink_buf[0] = data.draw(st.sampled_from((-np.inf, np.inf, np.nan)))
+            lse_a[-1, 0] = lse_b[-1, 0] = -np.inf
+        sink = sink_buf[::2]
+    ref = rebased(reference_merge(o_a, natural(lse_a, base[0]), o_b, natural(lse_b, base[1]), a_tokens=a_tokens,
+                                  sink=None if sink is None else natural(sink, base[0])), base[2])
     dense = data.draw(st.booleans())  # the flat kernel's layout, else any
     lay = (lambda n: dict()) if dense else (lambda n: data.draw(layouts(n, n == 3)))
     va, _ = placed(o_a[:a_tokens], lay(3), tail)
@@ -266,14 +275,19 @@ def test_merge(emu, data):
     tokens_inner = data.draw(st.booleans())  # tiled rows where the plan takes them
     pdl = data.draw(st.booleans())
     ptrs, strides = pointers(out, out_lse, va, vla, vb, vlb)
-    run_orders(emu, lambda: emu.emulate_merge(
-        *head((t, a_tokens, h, d), in_dtype, out_dtype, base, fact), int(tokens_inner), int(pdl), 0,
-        ctypes.c_float(1.0 if scale is not None else inv_scale), None if scale is None else ctypes.c_void_p(
-            scale.ctypes.data), *ptrs, None, ctypes.c_int64(0)),
-        [obuf] + ([lbuf] if with_lse else []), data.draw(st.integers(0, 1000)))
+    if sink is not None:
+        emu.emulate_pair_sink(ctypes.c_void_p(sink.ctypes.data), ctypes.c_int64(2))
+    try:
+        run_orders(emu, lambda: emu.emulate_merge(
+            *head((t, a_tokens, h, d), in_dtype, out_dtype, base, fact), int(tokens_inner), int(pdl), 0,
+            ctypes.c_float(1.0 if scale is not None else inv_scale), None if scale is None else ctypes.c_void_p(
+                scale.ctypes.data), *ptrs, None, ctypes.c_int64(0)),
+            [obuf] + ([lbuf] if with_lse else []), data.draw(st.integers(0, 1000)))
+    finally:
+        emu.emulate_pair_sink(None, ctypes.c_int64(0))
     assert_out(out, out_lse, ref, out_dtype, inv_scale)
     assert outside_view_is_nan(out, obuf) and (not with_lse or outside_view_is_nan(out_lse, lbuf))
-    if base[1] != base[0] or base[2] != base[0]:  # PlainPairSource has one base
+    if base[1] != base[0] or base[2] != base[0] or sink is not None:  # PlainPairSource: one base, no sink
         assert not plan(emu)["plain"]
 
 

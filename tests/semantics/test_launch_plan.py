@@ -285,6 +285,11 @@ def test_two_way_kernels(rng, torch):
     assert attnmerge.last_launch()["kernel"] == "rows_plain"
     attnmerge.merge(*args, a_tokens=5)
     assert attnmerge.last_launch()["kernel"] == "rows"
+    sink = random_lse(rng, (h,))
+    out, out_lse = attnmerge.merge(*args, sink=put(torch, sink))  # a sink: the general two-way kernel
+    assert attnmerge.last_launch()["kernel"] == "rows"
+    assert_merge_matches(get(torch, out), get(torch, out_lse), reference_merge(o_a, lse_a, o_b, lse_b, sink=sink),
+                         "float16")
     attnmerge.merge(*args, out=args[0], out_lse=args[1])  # into o_a and lse_a: the in-place kernel
     assert (attnmerge.last_launch()["kernel"], attnmerge.last_launch()["launches"]) == ("rows_inplace", 1)
     assert_merge_matches(get(torch, args[0]), get(torch, args[1]), reference_merge(o_a, lse_a, o_b, lse_b), "float16")

@@ -1,6 +1,8 @@
-"""Attention sinks: merge_states and merge_varlen with `sink`, against the oracle, on every device.
+"""Attention sinks: merge, merge_states and merge_varlen with `sink`, against the oracle, on every
+device (merge_share's are in test_merge_share.py).
 
-merge_states(o, lse, *, sink=None, ...), merge_varlen(o, lse, indptr, *, sink=None, ...)
+merge(o_a, lse_a, o_b, lse_b, *, sink=None, ...), merge_states(o, lse, *, sink=None, ...),
+merge_varlen(o, lse, indptr, *, sink=None, ...)
 
 sink: float32 [heads], any stride: each head's sink logit in the LSE's base, one more state of
 every row of its head whose O is 0 (oracle.sink_state):
@@ -9,8 +11,8 @@ every row of its head whose O is 0 (oracle.sink_state):
     O = sum_i (exp(lse_i - m) / W) O_i,  LSE = m + log W
 
 A row with no states gets O = 0 and LSE = sink; a sink of -inf (or +inf, an empty part) adds
-nothing; a NaN sink makes the rows of its head NaN.  The other ops refuse a sink, and shapes and
-dtypes are checked like any argument's (tests/errors/bad_inputs.py); gradients are in
+nothing; a NaN sink makes the rows of its head NaN.  The in-place merge refuses a sink (a chain of
+them takes it as its first state), and shapes and dtypes are checked like any argument's (tests/errors/bad_inputs.py); gradients are in
 tests/interop/test_torch_autograd.py and test_jax_ffi.py; the GPU kernels' paths with a sink in
 test_forward_kernel_emulated.py.
 """
@@ -21,8 +23,8 @@ import numpy as np
 import pytest
 
 import attnmerge
-from oracle import (DTYPES, assert_merge_matches, random_lse, random_o, random_stacked, reference_merge_stacked,
-                    reference_merge_varlen, strided_view)
+from oracle import (DTYPES, assert_group_fp8_close, assert_merge_matches, random_lse, random_o,
+                    random_stacked, reference_merge, reference_merge_stacked, reference_merge_varlen, strided_view)
 
 S_VALUES = (0, 1, 2, 3, 8, 64, 257)
 
@@ -80,6 +82,92 @@ def test_float32_states_into_bfloat16_with_a_sink(rng, device):
     sink = sinks(rng, 8)
     out, out_lse = states_call(device, o, lse, sink, out_dtype="bfloat16")
     assert_merge_matches(out, out_lse, reference_merge_stacked(o, lse, sink=sink), "bfloat16")
+
+
+def merge_call(device, o_a, lse_a, o_b, lse_b, sink, out_dtype=None, **kw):
+    """merge on the device into NaN-poisoned outputs; (out, out_lse) read back."""
+    out, out_lse = device.nan(o_b.shape, out_dtype or o_b.dtype), device.nan(lse_b.shape)
+    attnmerge.merge(*[device.put(x) for x in (o_a, lse_a, o_b, lse_b)], out=out, out_lse=out_lse,
+                    sink=device.put(sink), **kw)
+    return device.get(out), device.get(out_lse)
+
+
+@pytest.mark.parametrize("base", ("e", 2))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", (1, 16, 200))
+def test_merge_with_a_sink(rng, device, tokens, dtype, base):
+    """The two-way merge with a sink (cascade attention's prefix and suffix, the sink added once):
+    a NaN sink's head NaN, an empty part and an empty row among the others."""
+    h, d = 4, 64
+    o_a, lse_a = random_o(rng, (tokens, h, d), dtype), random_lse(rng, (tokens, h))
+    o_b, lse_b = random_o(rng, (tokens, h, d), dtype), random_lse(rng, (tokens, h))
+    lse_a[0, 1] = -np.inf
+    lse_a[-1, 2] = lse_b[-1, 2] = -np.inf
+    sink = sinks(rng, h)
+    sink[3] = np.nan
+    out, out_lse = merge_call(device, o_a, lse_a, o_b, lse_b, sink, base=base)
+    ref = reference_merge(o_a, lse_a, o_b, lse_b, base=base, sink=sink)
+    assert np.isnan(out[:, 3]).all() and np.isnan(out_lse[:, 3]).all()
+    assert_merge_matches(out, out_lse, ref, dtype)
+    np.testing.assert_array_equal(out_lse[-1, 2], sink[2])  # a row of no states: LSE = the sink, O = 0
+    assert (out[-1, 2] == 0).all()
+
+
+@pytest.mark.parametrize("layout", ("heads_first", "a_tokens", "mixed_bases", "float32_into_bf16"))
+def test_merge_with_a_sink_and_the_two_way_options(rng, device, layout):
+    """With vLLM's [heads, tokens] LSEs (tiled rows past 64 tokens on the GPU), a_tokens, LSEs of
+    two bases (the sink in a's), and float32 states into a bfloat16 output."""
+    t, h, d = 130, 3, 128
+    o_a, lse_a = random_o(rng, (t, h, d)), random_lse(rng, (t, h))
+    o_b, lse_b = random_o(rng, (t, h, d)), random_lse(rng, (t, h))
+    sink = sinks(rng, h)
+    kw, ref_kw, out_dtype = {}, {}, None
+    if layout == "heads_first":
+        lse_a, lse_b = np.ascontiguousarray(lse_a.T).T, np.ascontiguousarray(lse_b.T).T
+    elif layout == "a_tokens":
+        kw = ref_kw = dict(a_tokens=50)
+    elif layout == "float32_into_bf16":
+        out_dtype = "bfloat16"
+    if layout == "mixed_bases":  # lse_b natural, a's (and the sink's) base 2
+        out, out_lse = merge_call(device, o_a, lse_a, o_b, lse_b, sink, base=(2, "e"))
+        ref = reference_merge(o_a, lse_a, o_b, lse_b / np.log(2.0), base=2, sink=sink)
+    else:
+        out, out_lse = merge_call(device, o_a, lse_a, o_b, lse_b, sink, out_dtype, **kw)
+        ref = reference_merge(o_a, lse_a, o_b, lse_b, sink=sink, **ref_kw)
+    assert_merge_matches(out, out_lse, ref, out_dtype or "float32")
+
+
+def test_merge_with_a_sink_into_per_group_fp8(rng, device):
+    o_a, lse_a = random_o(rng, (9, 2, 128), "bfloat16"), random_lse(rng, (9, 2))
+    o_b, lse_b = random_o(rng, (9, 2, 128), "bfloat16"), random_lse(rng, (9, 2))
+    sink = sinks(rng, 2)
+    out, _, scales = attnmerge.merge(*[device.put(x) for x in (o_a, lse_a, o_b, lse_b)], sink=device.put(sink),
+                                     group_size=64)
+    ref_o, _ = reference_merge(o_a, lse_a, o_b, lse_b, sink=sink)
+    assert_group_fp8_close(device.get(out), device.get(scales), ref_o, 64)
+
+
+def test_cascade_attention_with_sinks_is_attention_with_sinks(rng, device):
+    """A shared prefix's attention and each request's suffix's, each without the sink, merged with
+    it: gpt-oss's attention with sinks over the whole key set."""
+    t, h, d, prefix, suffix = 5, 2, 32, 40, 24
+    q, k, v = (rng.standard_normal(s) for s in ((t, h, d), (prefix + suffix, h, d), (prefix + suffix, h, d)))
+    sink = rng.standard_normal(h)
+    scores = np.einsum("thd,khd->thk", q, k) / np.sqrt(d)
+    full = np.concatenate([scores, np.broadcast_to(sink[None, :, None], (t, h, 1))], axis=-1)
+    m = full.max(-1, keepdims=True)
+    p = np.exp(full - m) / np.exp(full - m).sum(-1, keepdims=True)
+    want, want_lse = np.einsum("thk,khd->thd", p[..., :-1], v), np.log(np.exp(full - m).sum(-1)) + m[..., 0]
+
+    def part(keys):
+        s = scores[..., keys]
+        lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+        return np.einsum("thk,khd->thd", np.exp(s - lse[..., None]), v[keys]).astype(np.float32), lse.astype(np.float32)
+
+    o_p, lse_p = part(np.arange(prefix))
+    o_s, lse_s = part(np.arange(prefix, prefix + suffix))
+    out, out_lse = merge_call(device, o_p, lse_p, o_s, lse_s, sink.astype(np.float32))
+    assert_merge_matches(out, out_lse, (want, want_lse), "float32")
 
 
 @pytest.mark.parametrize("base", ("e", 2))

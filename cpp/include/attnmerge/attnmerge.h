@@ -197,8 +197,9 @@ typedef struct attnmerge_options {
    * with the semantics of any state (+inf counts as -inf, a NaN sink makes its rows NaN); a row
    * with no states gets O = 0 and LSE = sink.  Put a head's sink into one merge of the states of
    * a row, not into several (the shares of one merge, attnmerge_merge_share, each take it: they
-   * are one merge).  The N-way and variable-length merges and the share take one; the others
-   * refuse it, and so do the backwards: given the forward's out and out_lse, which count the sink, the
+   * are one merge).  The two-way, N-way and variable-length merges and the share take one (the
+   * two-way merge's in lse_a's base: cascade attention's prefix and suffix, the sink added
+   * once); the in-place merge refuses it, and so do the backwards: given the forward's out and out_lse, which count the sink, the
    * states' gradients are those without one, and the sink's own gradient is, per head, the sum
    * over the rows of that head of  b^(sink - LSE) * (dLSE - ln(b) <dO, O>)  (b = e, or 2). */
   const attnmerge_tensor* sink;
@@ -225,7 +226,7 @@ typedef struct attnmerge_options {
   int32_t group_size;
 } attnmerge_options;
 
-/* Two-way merge: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
+/* Two-way merge: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)), and options->sink where given.
  * out_lse may be NULL: no LSE is written.  options may be NULL (the defaults).  stream is a
  * cudaStream_t (NULL: the legacy default stream), ignored for host tensors.  out may be o_a or o_b itself (the same view), never a
  * partial overlap of them.  dtypes: o_a and o_b share one of float32, float16 or bfloat16; out

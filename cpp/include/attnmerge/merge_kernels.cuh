@@ -687,7 +687,7 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
                  : launch_detail::rows<PlainPairSource<false>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream);
   } else if constexpr (std::is_same<Source, ShareSource>::value) {
     return launch_detail::share<TIn, TOut, VEC>(plan, src, out, stream);
-  } else {
+  } else if constexpr (takes_states<Source>()) {  // a SinkPairSource takes the two-way kRows kernel
     if (plan.strategy == Strategy::kStates) {  // only with 16-byte accesses (the plan's condition)
       if constexpr (VEC * (sizeof(TIn) > sizeof(TOut) ? sizeof(TIn) : sizeof(TOut)) == 16) {
         return launch_detail::states<Source, TIn, TOut, VEC>(plan, src, out, stream);

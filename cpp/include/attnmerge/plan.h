@@ -251,14 +251,15 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
   plan.pdl = facts.pdl && device.major >= 9;
   if (s.rows == 0) return plan;
   plan.launches = 1;
-  if constexpr (std::is_same<Source, PairSource>::value) {
+  if constexpr (is_pair_source<Source>()) {
     // LSEs whose tokens are the faster axis (vLLM's [heads, tokens]): rows in tiles of 8 tokens,
     // so that a warp's rows share their LSE sectors (MergeShape::tile); not at decode sizes, where
     // a tile would mostly be padding.
     if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
     s.stream = plan_detail::stream_o(src, facts.bytes, s.tile_shift < 0);
-    const bool plain = src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr && src.b_scale == 1.0f &&
-                       out.lse_scale == 1.0f && out.group == 0;  // PlainPairSource: one base, no groups
+    const bool plain = !Source::kSink && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr &&
+                       src.b_scale == 1.0f && out.lse_scale == 1.0f &&
+                       out.group == 0;  // PlainPairSource: one base, no groups, no sink
     // Flat rows: dense heads and the same row strides in every view (PlainPairSource's kFlatRows).
     const bool dense = plan.index32 && flattens(src.a, s.heads) && flattens(src.b, s.heads) && flattens(out, s.heads) &&
                        same_rows(src.a, src.b) && same_rows(src.a, out);

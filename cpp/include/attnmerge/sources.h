@@ -3,6 +3,7 @@
 // walk over the rows, and the GPU kernels and the CPU loop take the same sources:
 //   PairSource   two states, a limited to its first a_tokens tokens, rows optionally masked
 //                (the two-way merge and the in-place merge);
+//   SinkPairSource  PairSource with each head's sink (the two-way merge's options.sink);
 //   PlainPairSource  two states of every token, on an untiled launch whose output scale is a
 //                number (not a pointer): the common two-way merge, without those steps (a mask
 //                only in place: kMasked);
@@ -13,11 +14,13 @@
 //   RangeSource  states [indptr[r], indptr[r+1]) of a flat list (the variable-length merge);
 //   ShareSource  S states' LSEs stacked and one state's O (the share of that state in the merge:
 //                context parallelism's combine by reduce-scatter).
-// The last three may add each head's sink to its rows (kSink: SinkView, sink_lse).
+// SinkPairSource and the last three may add each head's sink to its rows (kSink: SinkView,
+// sink_lse).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "attnmerge/views.h"
 
@@ -104,6 +107,21 @@ struct PairSource {
     return r;
   }
 };
+
+// PairSource with each head's sink, one more state of output 0 in every row (kSink): a type of its
+// own, so that the two-way merge's calls without one, and the in-place merge (which takes none),
+// keep kernels that carry nothing of it.
+struct SinkPairSource : PairSource {
+  static constexpr bool kSink = true;
+  SinkView sink;
+};
+
+// Whether Source is a two-way merge's (PairSource, SinkPairSource), which the plan lays out by the
+// two-way rules.
+template <typename Source>
+ATTNMERGE_HD constexpr bool is_pair_source() {
+  return std::is_same<Source, PairSource>::value || std::is_same<Source, SinkPairSource>::value;
+}
 
 // PairSource with every token in a and b and no mask; a launch with it must be untiled and have
 // no output scale pointer (kPlain), and its evict-first choice is made at compile time (kStream),
