@@ -11,7 +11,7 @@ stacked states in one pass), merge_varlen (a per-row number of states given by i
 merge_share (one state's share of a merge, for context parallelism's reduce-scatter); the
 gradients of merge, merge_states and merge_varlen: merge_backward, merge_states_backward and
 merge_varlen_backward.  Arrays come from PyTorch, CuPy, JAX, Numba or NumPy (or as raw pointers:
-`attnmerge.raw`); the vLLM and FlashInfer conventions live in `attnmerge.compat`.  With torch
+`attnmerge.raw`); the vLLM, FlashInfer and SGLang conventions live in `attnmerge.compat`.  With torch
 imported (before or after attnmerge), the ops are also registered as torch.ops.attnmerge.*, which
 these functions become under torch.compile and torch.export (attnmerge._torch_ops).
 """

@@ -27,6 +27,7 @@ torch = pytest.importorskip("torch", minversion="2.4")  # torch.library.register
 
 import attnmerge  # noqa: E402
 from attnmerge.compat import flashinfer as fi  # noqa: E402
+from attnmerge.compat import sglang  # noqa: E402
 from attnmerge.compat import vllm  # noqa: E402
 from oracle import (  # noqa: E402
     DTYPES,
@@ -474,6 +475,19 @@ def test_compiled_flashinfer_functions(rng):
     f, _ = compiled(fi.variable_length_merge_states)
     v, s = f(put(vv), put(sv), torch.from_numpy(indptr))
     assert_merge_matches(get(v), get(s), reference_merge_varlen(vv, sv, indptr, base=2), "float32", "v")
+
+
+def test_compiled_sglang_functions(rng):
+    """SGLang's chunked-prefix merge: allocated results, or written into given ones."""
+    h = pair(rng, dtype="bfloat16")
+    f, graphs = compiled(sglang.merge_state)
+    out, out_lse = f(*[put(x) for x in h])
+    assert_merge_matches(get(out), get(out_lse), reference_merge(*h), "bfloat16")
+    f, graphs = compiled(sglang.merge_state_v2)
+    v, s = poisoned(h[0].shape, "bfloat16"), poisoned(h[1].shape)
+    assert f(*[put(x) for x in h], v, s)[0] is v
+    assert_merge_matches(get(v), get(s), reference_merge(*h), "bfloat16")
+    assert graphs.ops_called() == {"attnmerge.merge.out"}
 
 
 def test_compiled_with_a_stream_argument_is_refused():
