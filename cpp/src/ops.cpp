@@ -332,8 +332,15 @@ attnmerge_status run_pair(Checked& c, const View& out, const View& out_lse, cons
   dst.lse_in_place = lse_in_place(out_lse, lse_a, lse_b);
   const MergeShape shape = merge_shape(c.sizes.tokens, c.sizes, c);
   const SinkView sinks = sink_view(&sink);
-  if (sinks.lse != nullptr)
+  if (sinks.lse != nullptr) {
+    // A merge into an input's LSE runs in place (its rows' threads meet before the LSE is
+    // written), and the in-place kernels take no sink.
+    if (dst.lse_in_place)
+      return fail(ATTNMERGE_ERROR_VALUE,
+                  "%s: expected none where %s is %s (a merge in place takes no sink), got a tensor", sink.name(),
+                  out_lse.name(), same_view(out_lse, lse_a) ? lse_a.name() : lse_b.name());
     return run(c.all(), shape, SinkPairSource{src, sinks}, dst, o_a.t->dtype, out.t->dtype, stream, c.opt.flags);
+  }
   return run(c.all(), shape, src, dst, o_a.t->dtype, out.t->dtype, stream, c.opt.flags);
 }
 
@@ -352,8 +359,8 @@ attnmerge_status attnmerge_merge(const attnmerge_tensor* out, const attnmerge_te
                                  const attnmerge_options* options, void* stream) {
   begin_call();
   Checked c;
-  const attnmerge_tensor* const args[] = {out,   out_lse, o_a, lse_a, o_b, lse_b, sink_of(options),
-                                          group_scales_of(options)};
+  const attnmerge_tensor* const args[] = {
+      out, out_lse, o_a, lse_a, o_b, lse_b, sink_of(options), group_scales_of(options)};
   if (attnmerge_status s = validate(kMerge, args, options, c)) return s;
   const View* v = c.views;
   return run_pair(c, v[0], v[1], v[2], v[3], v[4], v[5], v[7], v[6], nullptr, stream);

@@ -137,6 +137,25 @@ def test_merge_with_a_sink_and_the_two_way_options(rng, device, layout):
     assert_merge_matches(out, out_lse, ref, out_dtype or "float32")
 
 
+def test_a_merge_into_its_own_lse_takes_no_sink(rng, device):
+    """out_lse given as lse_a (or lse_b) runs the merge in place, which takes no sink: refused by
+    name before any write; the output O alone may still be an input's."""
+    o_a, lse_a = random_o(rng, (6, 2, 32)), random_lse(rng, (6, 2))
+    o_b, lse_b = random_o(rng, (6, 2, 32)), random_lse(rng, (6, 2))
+    d = [device.put(x) for x in (o_a, lse_a, o_b, lse_b)]
+    sink = device.put(sinks(rng, 2))
+    for own in (1, 3):
+        with pytest.raises(ValueError, match=f"^sink: expected none where out_lse is {('lse_a', 'lse_b')[own // 2]} "
+                                             r"\(a merge in place takes no sink\)"):
+            attnmerge.merge(*d, out=d[0], out_lse=d[own], sink=sink)
+    np.testing.assert_array_equal(device.get(d[0]), o_a)
+    np.testing.assert_array_equal(device.get(d[1]), lse_a)
+    out_lse = device.nan((6, 2))
+    attnmerge.merge(*d, out=d[2], out_lse=out_lse, sink=sink)  # out is o_b: each thread reads its pack first
+    assert_merge_matches(device.get(d[2]), device.get(out_lse),
+                         reference_merge(o_a, lse_a, o_b, lse_b, sink=device.get(sink)), "float32")
+
+
 def test_merge_with_a_sink_into_per_group_fp8(rng, device):
     o_a, lse_a = random_o(rng, (9, 2, 128), "bfloat16"), random_lse(rng, (9, 2))
     o_b, lse_b = random_o(rng, (9, 2, 128), "bfloat16"), random_lse(rng, (9, 2))

@@ -199,7 +199,8 @@ typedef struct attnmerge_options {
    * a row, not into several (the shares of one merge, attnmerge_merge_share, each take it: they
    * are one merge).  The two-way, N-way and variable-length merges and the share take one (the
    * two-way merge's in lse_a's base: cascade attention's prefix and suffix, the sink added
-   * once); the in-place merge refuses it, and so do the backwards: given the forward's out and out_lse, which count the sink, the
+   * once; not where out_lse is lse_a or lse_b); the in-place merge refuses it, and so do the
+   * backwards: given the forward's out and out_lse, which count the sink, the
    * states' gradients are those without one, and the sink's own gradient is, per head, the sum
    * over the rows of that head of  b^(sink - LSE) * (dLSE - ln(b) <dO, O>)  (b = e, or 2). */
   const attnmerge_tensor* sink;

@@ -685,9 +685,13 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
       return plan.shape.stream
                  ? launch_detail::rows<PlainPairSource<true>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream)
                  : launch_detail::rows<PlainPairSource<false>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream);
+  } else if constexpr (std::is_same<Source, SinkPairSource>::value) {
+    // The two-way kRows kernel, never in place: its kernels have no barrier before the LSE store
+    // (the C ABI refuses a sink where out_lse is an input's).
+    if (plan.fused_lse || plan.launches != 1) return cudaErrorInvalidValue;
   } else if constexpr (std::is_same<Source, ShareSource>::value) {
     return launch_detail::share<TIn, TOut, VEC>(plan, src, out, stream);
-  } else if constexpr (takes_states<Source>()) {  // a SinkPairSource takes the two-way kRows kernel
+  } else if constexpr (takes_states<Source>()) {
     if (plan.strategy == Strategy::kStates) {  // only with 16-byte accesses (the plan's condition)
       if constexpr (VEC * (sizeof(TIn) > sizeof(TOut) ? sizeof(TIn) : sizeof(TOut)) == 16) {
         return launch_detail::states<Source, TIn, TOut, VEC>(plan, src, out, stream);
