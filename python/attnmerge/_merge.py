@@ -289,7 +289,7 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
     The same in the functions below.
 
     _names (attnmerge's own layers): {argument: the caller's name for it}, which every message then
-    uses (attnmerge.compat passes vLLM's and FlashInfer's names).  The same in the functions below.
+    uses (attnmerge.compat passes vLLM's, FlashInfer's and SGLang's names).  The same in the functions below.
     """
     if _takes is not None and (_takes(o_a, lse_a, o_b, lse_b) or (sink is not None and _takes(sink, None, None, None))):
         return _torch_ops.merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base,
