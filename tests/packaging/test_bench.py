@@ -20,8 +20,10 @@ def test_the_cpu_benchmark_writes_its_figures(tmp_path):
     assert "float32" in {r["dtype"] for r in result["rows"]}
     for r in result["rows"]:
         assert r["GBps"] > 0 and r["np_add_GBps"] > 0 and r["call_us"] > 0
-        # the median of paired ratios and the ratio of the medians estimate the same thing
-        assert 0.5 < r["ratio_to_np_add"] / (r["GBps"] / r["np_add_GBps"]) < 2
+        # the median of paired ratios and the ratio of the medians estimate the same thing; on a
+        # shared CPU under load they part by more than 2x (2.2x seen with a build beside the run),
+        # while a unit or an inverted ratio would be off by far more
+        assert 0.25 < r["ratio_to_np_add"] / (r["GBps"] / r["np_add_GBps"]) < 4
 
 
 def test_cpu_timings_alternate_and_the_ratio_is_the_median_of_each_pairs(monkeypatch):
