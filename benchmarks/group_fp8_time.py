@@ -19,7 +19,7 @@ runs eagerly, several kernels, and the line says so).
 import torch
 
 import attnmerge
-from attnmerge.bench.timing import alternated_graph_us, input_sets, stacked_sets
+from attnmerge.bench.timing import alternated_graph_us, pair_sets, stacked_sets
 
 HEADS, HEAD_SIZE, GROUP = 32, 128, 128
 PAIR_TOKENS = (1, 16, 512, 8192)
@@ -52,15 +52,9 @@ def check(fused_scales, out):
 
 def pairs(quant, how):
     for tokens in PAIR_TOKENS:
-        nbytes = 3 * tokens * HEADS * HEAD_SIZE * 2
-        sets = []
-        for _ in range(input_sets(nbytes)):
-            o_a, o_b, out = (torch.randn(tokens, HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16)
-                             for _ in range(3))
-            lse_a, lse_b, out_lse = (torch.randn(tokens, HEADS, device="cuda") for _ in range(3))
-            q = torch.empty(tokens, HEADS, HEAD_SIZE, device="cuda", dtype=FP8)
-            scales = torch.empty(tokens, HEADS, HEAD_SIZE // GROUP, device="cuda")
-            sets.append((o_a, lse_a, o_b, lse_b, out, out_lse, q, scales))
+        sets = [(*s, torch.empty(tokens, HEADS, HEAD_SIZE, device="cuda", dtype=FP8),
+                 torch.empty(tokens, HEADS, HEAD_SIZE // GROUP, device="cuda"))
+                for s in pair_sets(torch, tokens, HEADS, HEAD_SIZE)]
         o_a, lse_a, o_b, lse_b, out, out_lse, q, scales = sets[0]
         attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse)
         attnmerge.merge(o_a, lse_a, o_b, lse_b, out=q, out_lse=out_lse, group_scales=scales, group_size=GROUP)

@@ -17,7 +17,7 @@ import math
 import torch
 
 import attnmerge
-from attnmerge.bench.timing import alternated_graph_us, input_sets, stacked_sets
+from attnmerge.bench.timing import alternated_graph_us, pair_sets, stacked_sets
 
 HEADS, HEAD_SIZE = 32, 128
 PAIR_TOKENS = (1, 16, 512, 8192)
@@ -27,13 +27,8 @@ STATES_CASES = [(16, 64), (8192, 4)]  # (tokens, S)
 def pairs():
     log2e = 1.0 / math.log(2.0)
     for tokens in PAIR_TOKENS:
-        nbytes = 3 * tokens * HEADS * HEAD_SIZE * 2
-        sets = []
-        for _ in range(input_sets(nbytes)):
-            o_a, o_b, out = (torch.randn(tokens, HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16)
-                             for _ in range(3))
-            lse_a, lse_b, out_lse, conv = (torch.randn(tokens, HEADS, device="cuda") for _ in range(4))
-            sets.append((o_a, lse_a, o_b, lse_b, out, out_lse, conv))
+        # and a buffer for lse_b converted
+        sets = [(*s, torch.empty(tokens, HEADS, device="cuda")) for s in pair_sets(torch, tokens, HEADS, HEAD_SIZE)]
 
         def one(o_a, lse_a, o_b, lse_b, out, out_lse, conv):
             attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse, base=2)

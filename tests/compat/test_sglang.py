@@ -26,14 +26,10 @@ from oracle import (
 )
 
 
-def pair(rng, tokens=33, heads=4, head_size=128, dtype="float16"):
-    return random_pair(rng, tokens, heads, head_size, dtype)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fn", [sglang.merge_state, sglang.merge_state_v2], ids=["merge_state", "merge_state_v2"])
 def test_natural_log_into_new_arrays(rng, fn, dtype):
-    a_o, a_l, b_o, b_l = pair(rng, dtype=dtype)
+    a_o, a_l, b_o, b_l = random_pair(rng, 33, 4, 128, dtype)
     out, out_lse = fn(a_o, a_l, b_o, b_l)
     assert isinstance(out, np.ndarray) and out.dtype == np_dtype(dtype) and out.shape == a_o.shape
     assert out_lse.dtype == np.float32 and out_lse.shape == a_l.shape
@@ -42,7 +38,7 @@ def test_natural_log_into_new_arrays(rng, fn, dtype):
 
 
 def test_given_outputs_are_written_and_returned_positionally_or_by_keyword(rng):
-    a_o, a_l, b_o, b_l = pair(rng, dtype="bfloat16")
+    a_o, a_l, b_o, b_l = random_pair(rng, 33, 4, 128, "bfloat16")
     output, output_lse = nan_array(a_o.shape, a_o.dtype), nan_array(a_l.shape)
     res = sglang.merge_state(a_o, a_l, b_o, b_l, output, output_lse)
     assert res[0] is output and res[1] is output_lse
@@ -54,7 +50,7 @@ def test_given_outputs_are_written_and_returned_positionally_or_by_keyword(rng):
 
 
 def test_errors_name_sglangs_arguments(rng):
-    a_o, a_l, b_o, b_l = pair(rng, 5, 3, 8, "float32")
+    a_o, a_l, b_o, b_l = random_pair(rng, 5, 3, 8, "float32")
     with pytest.raises(ValueError) as info:
         sglang.merge_state(a_o, a_l, b_o, b_l[:-1])
     assert str(info.value).startswith("suffix_lse: expected shape [5, 3]"), str(info.value)
@@ -70,7 +66,7 @@ def test_errors_name_sglangs_arguments(rng):
 def test_every_function_on_every_device(rng, device, dtype):
     """Both functions on the `device` fixture's arrays (NumPy on the CPU, torch on CUDA): the
     caller's library and device, the oracle's values."""
-    a_o, a_l, b_o, b_l = pair(rng, 33, 4, 128, dtype)
+    a_o, a_l, b_o, b_l = random_pair(rng, 33, 4, 128, dtype)
     out, out_lse = sglang.merge_state(*(device.put(x) for x in (a_o, a_l, b_o, b_l)))
     assert device.is_mine(out) and device.is_mine(out_lse) and out.dtype == device.dtype(dtype)
     assert_merge_matches(device.get(out), device.get(out_lse), reference_merge(a_o, a_l, b_o, b_l), dtype)

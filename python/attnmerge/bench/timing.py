@@ -14,6 +14,19 @@ def input_sets(nbytes):
     return max(1, min(32, (512 << 20) // max(1, nbytes)))
 
 
+def pair_sets(torch, tokens, heads, head_size):
+    """Input sets of a two-way merge on the GPU, as many as input_sets gives for their bytes: each
+    (o_a, lse_a, o_b, lse_b: bf16 [tokens, heads, head_size] and float32 [tokens, heads], and the
+    outputs out, out_lse of those shapes)."""
+    nbytes = 3 * tokens * heads * head_size * 2
+    return [(torch.randn(tokens, heads, head_size, device="cuda", dtype=torch.bfloat16),
+             torch.randn(tokens, heads, device="cuda"),
+             torch.randn(tokens, heads, head_size, device="cuda", dtype=torch.bfloat16),
+             torch.randn(tokens, heads, device="cuda"),
+             torch.empty(tokens, heads, head_size, device="cuda", dtype=torch.bfloat16),
+             torch.empty(tokens, heads, device="cuda")) for _ in range(input_sets(nbytes))]
+
+
 def stacked_sets(torch, tokens, states, heads, head_size):
     """Input sets of an N-way merge on the GPU, as many as input_sets gives for their bytes: each
     (o bf16 [tokens, states, heads, head_size], lse float32 [tokens, states, heads], and the outputs
