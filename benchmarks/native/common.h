@@ -94,7 +94,7 @@ template <typename Source>
 cudaError_t launch_bf16(const attnmerge::LaunchPlan& plan, const Source& src, const attnmerge::OutView& out,
                         cudaStream_t stream) {
   using attnmerge::bfloat16_t;
-  if constexpr (Source::kMaxStates == 2) {
+  if constexpr (Source::Traits::kMaxStates == 2) {
     if (plan.vec == 16) return attnmerge::launch_merge<bfloat16_t, bfloat16_t, 16>(plan, src, out, stream);
   }
   return attnmerge::launch_merge<bfloat16_t, bfloat16_t, 8>(plan, src, out, stream);

@@ -64,7 +64,7 @@ cudaError_t merge(const void* o_a, const float* lse_a, const Set& s, void* out, 
                        tokens, nullptr, 0};
   const OutView dst{out, st, kHeadSize, out_lse, kHeads, 1, 1.0f, nullptr, false};
   LaunchPlan plan = bf16_plan(shape, src, dst, claimed_bytes, knobs.sms, knobs.pdl, false, knobs.one_access ? 0 : 16);
-  if (knobs.unflat) plan.flat = false;
+  if (knobs.unflat && plan.variant == Variant::kRowsPlainFlat) plan.variant = Variant::kRowsPlain;
   if (knobs.width > 0) plan.main = row_dims(plan.shape.packs, plan.shape.rows, knobs.sms, knobs.width);
   return launch_bf16(plan, src, dst, stream);
 }
@@ -132,16 +132,17 @@ void in_place(int64_t tokens, bool masked, int sms, cudaStream_t stream) {
                          tokens, mask, 1};
     const OutView dst{s.o_a, st, kHeadSize, s.lse_a, kHeads, 1, 1.0f, nullptr, true};
     LaunchPlan plan = bf16_plan(shape, src, dst, bytes, sms, false, false, variant == 3 ? 0 : 16);
+    const bool lanes_planned = plan.variant == Variant::kInPlaceWarp || plan.variant == Variant::kInPlacePlainFlat;
     if (variant == 1) {
       plan.main = row_dims(plan.shape.packs, plan.shape.rows, sms, kPairBlockThreads, plan.shape.packs);
-      plan.lane_lse = false;
+      plan.variant = Variant::kInPlaceBlock;
     }
-    if (variant == 1 || variant == 2) plan.plain = plan.flat = false;
+    if (variant == 2 && lanes_planned) plan.variant = Variant::kInPlaceWarp;
     if (variant >= 4) {  // the plan's kernel in wider blocks (rows kept whole in a block or a warp)
       int64_t lanes = 1;
       while (lanes < plan.shape.packs) lanes *= 2;
       plan.main = row_dims(plan.shape.packs, plan.shape.rows, sms, variant == 4 ? 512 : 1024,
-                           plan.lane_lse ? 0 : plan.shape.packs, plan.lane_lse ? lanes : 0);
+                           lanes_planned ? 0 : plan.shape.packs, lanes_planned ? lanes : 0);
     }
     check_cuda(launch_bf16(plan, src, dst, stream), "launch");
   };

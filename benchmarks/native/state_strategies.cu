@@ -78,12 +78,12 @@ void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
   facts.access_bytes = 16;
   facts.bytes = bytes;
   const LaunchPlan library = plan_merge(shape, source(sets[0]), dest(sets[0]), facts, DeviceInfo{sms, 9});
-  // Variants: the plan's, kRows, kStates with G groups.
-  struct Variant {
+  // Contenders: the plan's, kRows, kStates with G groups.
+  struct Contender {
     std::string name;
     LaunchPlan plan;
   };
-  std::vector<Variant> vs;
+  std::vector<Contender> vs;
   vs.push_back({"plan", library});
   const auto planned = [&](int groups) {
     CallFacts f = facts;
@@ -151,11 +151,11 @@ void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
   }
   std::printf("S=%-4lld %5lld tok %-9s %8.1f MB | plan %s", static_cast<long long>(states), static_cast<long long>(tokens),
               f32 ? "f32->bf16" : "bf16", bytes / 1e6,
-              library.strategy == Strategy::kStates
+              library.strategy() == Strategy::kStates
                   ? ("G" + std::to_string(library.groups)).c_str()
                   : "rows");
   const int calls = bytes > (int64_t{256} << 20) ? 10 : 100;
-  for (Variant& v : vs) {
+  for (Contender& v : vs) {
     run_into_set0(v.plan);
     check_cuda(cudaMemcpy(o.data(), sets[0].out, out_elems * 2, cudaMemcpyDeviceToHost), "copy");
     check_cuda(cudaMemcpy(l.data(), sets[0].out_lse, l.size() * 4, cudaMemcpyDeviceToHost), "copy");

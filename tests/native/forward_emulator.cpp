@@ -162,20 +162,25 @@ void emulate_split_row(int64_t tokens, int64_t heads, int tile_shift, int64_t ro
 // lane_lse, vec, stream, tile_shift, pdl, at fields[0 .. 12].
 void emulate_plan(int64_t* fields) {
   const LaunchPlan& p = t_plan;
-  const int64_t v[] = {static_cast<int64_t>(p.strategy),
+  const Variant v = p.variant;
+  const bool plain = v == Variant::kRowsPlain || v == Variant::kRowsPlainFlat || v == Variant::kInPlacePlainFlat;
+  const bool fused = v == Variant::kInPlaceWarp || v == Variant::kInPlaceBlock || v == Variant::kInPlacePlainFlat;
+  const bool flat = v == Variant::kRowsPlainFlat || v == Variant::kInPlacePlainFlat;
+  const bool lanes = v == Variant::kInPlaceWarp || v == Variant::kInPlacePlainFlat;
+  const int64_t f[] = {static_cast<int64_t>(p.strategy()),
                        p.chunk,
                        p.groups,
-                       p.launches,
+                       p.launches(),
                        p.index32,
-                       p.plain,
-                       p.flat,
-                       p.fused_lse,
-                       p.lane_lse,
+                       plain,
+                       flat,
+                       fused,
+                       lanes,
                        p.vec,
                        p.shape.stream,
                        p.shape.tile_shift,
                        p.pdl};
-  std::copy(std::begin(v), std::end(v), fields);
+  std::copy(std::begin(f), std::end(f), fields);
 }
 
 // The two-way merge into out (and out_lse, null: none), or, with in_place, the in-place merge of

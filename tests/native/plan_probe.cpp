@@ -26,10 +26,15 @@ namespace {
 template <typename Source>
 void print(const MergeShape& shape, const Source& src, const OutView& out, const CallFacts& facts, int sms) {
   const LaunchPlan p = plan_merge(shape, src, out, facts, DeviceInfo{sms, 9});
-  std::printf("%s %d %d %d %d %d %d  %u %u %u  %u %u %u  %u  %d %d %d %d\n", p.strategy == Strategy::kStates ? "states" : "rows",
-              p.chunk, p.groups, p.launches, p.plain, p.fused_lse, p.index32, p.main.grid[0],
-              p.main.grid[1], p.main.grid[2], p.main.block[0], p.main.block[1], p.main.block[2], p.main.smem, p.flat,
-              p.lane_lse, p.vec, p.shape.stream);
+  const Variant v = p.variant;
+  const bool plain = v == Variant::kRowsPlain || v == Variant::kRowsPlainFlat || v == Variant::kInPlacePlainFlat;
+  const bool fused = v == Variant::kInPlaceWarp || v == Variant::kInPlaceBlock || v == Variant::kInPlacePlainFlat;
+  const bool flat = v == Variant::kRowsPlainFlat || v == Variant::kInPlacePlainFlat;
+  const bool lanes = v == Variant::kInPlaceWarp || v == Variant::kInPlacePlainFlat;
+  std::printf("%s %d %d %d %d %d %d  %u %u %u  %u %u %u  %u  %d %d %d %d\n",
+              p.strategy() == Strategy::kStates ? "states" : "rows", p.chunk, p.groups, p.launches(), plain, fused,
+              p.index32, p.main.grid[0], p.main.grid[1], p.main.grid[2], p.main.block[0], p.main.block[1],
+              p.main.block[2], p.main.smem, flat, lanes, p.vec, p.shape.stream);
 }
 
 }  // namespace

@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src
   const I row = slot >> group_shift;
   if (row >= shape.rows) return;  // the row's lanes leave together
   I token, head;
-  shape.split_row<false>(row, token, head);
+  shape.split_row<Tiles::kNone>(row, token, head);
   const auto r = args.src.template row<TIn>(token, head);
   // Two-state rows are never split: their state indices stay constants (their pointers in registers).
   const bool split = Src::kMaxStates != 2 && group_shift != 0;

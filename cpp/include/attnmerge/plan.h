@@ -84,26 +84,57 @@ struct LaunchDims {
   uint32_t smem = 0;  // dynamic shared memory, bytes
 };
 
+// The kernel a GPU call runs, with the choices of its source that are fixed when it is compiled:
+// launch_merge is a switch over it, each case compiled only where plan_merge may give it
+// (may_plan), so that every kernel the library compiles can be launched.
+enum class Variant : int32_t {
+  kNone = 0,          // no rows: nothing launched
+  kRows,              // kRows, merge_kernel over the call's own source (two-way merges but the plain
+                      // and in-place ones, N-way and variable-length merges)
+  kRowsLseAfter,      // PairSource whose LSE is an input's, rows over several blocks: kRows without
+                      // the LSE, then the LSEs alone (merge_lse_kernel), two launches
+  kRowsPlain,         // PlainPairSource, rows split into token and head
+  kRowsPlainFlat,     // PlainPairSource, rows flat on one grid axis (32-bit offsets)
+  kInPlaceWarp,       // InPlaceSource<PairSource>, each row in one warp: a warp barrier before the LSE store
+  kInPlaceBlock,      // InPlaceSource<PairSource>, each row in one block: a block barrier before it
+  kInPlacePlainFlat,  // InPlaceSource<PlainPairSource with flat rows>, each row in one warp (32-bit offsets)
+  kStates,            // kStates, merge_states_kernel with `groups` groups a row
+  kShare,             // a state's share, merge_share_kernel
+};
+
+// The variant's name, as the plan's tests and benchmarks print it.
+constexpr const char* variant_name(Variant v) {
+  switch (v) {
+    case Variant::kNone: return "none";
+    case Variant::kRows: return "rows";
+    case Variant::kRowsLseAfter: return "rows_lse_after";
+    case Variant::kRowsPlain: return "rows_plain";
+    case Variant::kRowsPlainFlat: return "rows_plain_flat";
+    case Variant::kInPlaceWarp: return "inplace_warp";
+    case Variant::kInPlaceBlock: return "inplace_block";
+    case Variant::kInPlacePlainFlat: return "inplace_plain_flat";
+    case Variant::kStates: return "states";
+    case Variant::kShare: return "share";
+  }
+  return "unknown";
+}
+
 struct LaunchPlan {
   MergeShape shape;  // packs, stream and row order filled in
-  Strategy strategy = Strategy::kRows;
+  Variant variant = Variant::kNone;
   int vec = 1;           // elements a thread takes of a row: one access, or two (two-state kernels)
   int chunk = 2;         // states a thread keeps in flight: kRows 2 for two-state sources, else 4 or 8;
                          // kStates kSmallChunk
   int groups = 1;        // kStates: groups of threads sharing a row's states (a power of two)
   bool index32 = false;  // 32-bit offsets: every element offset of the call fits in 30 bits
-  bool plain = false;    // PairSource: the plain kernel (PlainPairSource; in place, under InPlaceSource)
-  bool flat = false;     // plain, 32-bit offsets, every view flattens (views.h) and one grid axis: rows
-                         // taken flat (flat_launch)
-  bool fused_lse = false;  // out.lse is an input's LSE, written in the same launch (InPlaceSource)
-  bool lane_lse = false;   // fused_lse with each row in one warp: a warp barrier before the store
-                           // (else a block barrier)
   bool pdl = false;
-  int launches = 0;   // 0 (nothing to do), 1, or 2 (an in-place merge whose rows span blocks: the LSEs after)
   LaunchDims main;    // the merge
-  LaunchDims lse;     // the second launch, when launches == 2 (merge_lse_kernel)
+  LaunchDims lse;     // the second launch of kRowsLseAfter (merge_lse_kernel)
 
   explicit LaunchPlan(const MergeShape& s) : shape(s) {}
+
+  Strategy strategy() const { return variant == Variant::kStates ? Strategy::kStates : Strategy::kRows; }
+  int launches() const { return variant == Variant::kNone ? 0 : variant == Variant::kRowsLseAfter ? 2 : 1; }
 };
 
 namespace plan_detail {
@@ -140,6 +171,29 @@ inline LaunchDims row_dims(int64_t packs, int64_t rows, int sms, int max_threads
 template <typename Source>
 constexpr bool takes_states() {
   return std::is_same<Source, StackSource>::value || std::is_same<Source, RangeSource>::value;
+}
+
+// Whether plan_merge may give a call of Source variant v with threads that each take `access`
+// bytes of the wider O dtype (the plan's vec x its size), O's cache policy `cache` and rows masked
+// or not (each fixed when compiled in the plain variants; kAsShape and kByToken: either, at run
+// time): the kernels launch_merge compiles, so that each can be launched.  Two 16-byte accesses a
+// thread only in a masked in-place merge of 16 MB or more, never evict-first (plan_merge); a mask
+// only in place; kStates with 16-byte accesses alone.
+template <typename Source>
+constexpr bool may_plan(Variant v, int access, Cache cache = Cache::kAsShape, Mask mask = Mask::kByToken) {
+  constexpr bool kPair = std::is_same<Source, PairSource>::value;
+  const bool in_place = v == Variant::kInPlaceWarp || v == Variant::kInPlaceBlock ||
+                        v == Variant::kInPlacePlainFlat || v == Variant::kRowsLseAfter;
+  if (access > 16 && !(kPair && in_place && mask == Mask::kByToken && cache != Cache::kEvictFirst)) return false;
+  switch (v) {
+    case Variant::kNone: return true;
+    case Variant::kRows: return !std::is_same<Source, ShareSource>::value;
+    case Variant::kRowsPlain:
+    case Variant::kRowsPlainFlat: return kPair && mask == Mask::kNone;
+    case Variant::kStates: return takes_states<Source>() && access == 16;
+    case Variant::kShare: return std::is_same<Source, ShareSource>::value;
+    default: return kPair;  // in place
+  }
 }
 
 namespace plan_detail {
@@ -236,12 +290,14 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
   LaunchPlan plan(shape);
   MergeShape& s = plan.shape;
   plan.vec = facts.vec;
+  // An in-place merge: out.lse is an input's LSE, which its rows' threads weigh by.
+  [[maybe_unused]] const bool lse_in_place = out.lse_in_place && out.lse != nullptr;
   if constexpr (std::is_same<Source, PairSource>::value) {
     // Two 16-byte accesses a thread for a masked in-place merge of 16 MB or more, where every O
     // allows them and a row has an even number: half the threads, so half the masked-out ones,
     // whose launch and mask byte are most of such a call's cost (measured faster there only;
     // slower for smaller and unmasked calls: benchmarks/NOTES.md).
-    if (src.mask != nullptr && out.lse_in_place && !plan_detail::stream_o(src, facts.bytes, false) &&
+    if (src.mask != nullptr && lse_in_place && !plan_detail::stream_o(src, facts.bytes, false) &&
         facts.access_bytes == 16 && shape.head_size % (2 * facts.vec) == 0)
       plan.vec = 2 * facts.vec;
   }
@@ -250,47 +306,42 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
   plan.index32 = facts.max_offset < (int64_t{1} << 30);
   plan.pdl = facts.pdl && device.major >= 9;
   if (s.rows == 0) return plan;
-  plan.launches = 1;
   if constexpr (is_pair_source<Source>()) {
     // LSEs whose tokens are the faster axis (vLLM's [heads, tokens]): rows in tiles of 8 tokens,
     // so that a warp's rows share their LSE sectors (MergeShape::tile); not at decode sizes, where
     // a tile would mostly be padding.
     if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
     s.stream = plan_detail::stream_o(src, facts.bytes, s.tile_shift < 0);
-    const bool plain = !Source::kSink && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr &&
+    const bool plain = !Source::Traits::kSink && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr &&
                        src.b_scale == 1.0f && out.lse_scale == 1.0f &&
                        out.group == 0;  // PlainPairSource: one base, no groups, no sink
     // Flat rows: dense heads and the same row strides in every view (PlainPairSource's kFlatRows).
     const bool dense = plan.index32 && flattens(src.a, s.heads) && flattens(src.b, s.heads) && flattens(out, s.heads) &&
                        same_rows(src.a, src.b) && same_rows(src.a, out);
-    const bool lse_in_place = out.lse_in_place && out.lse != nullptr;
     // An in-place merge overwrites the LSE its row's threads weigh by.  Rows of at most a warp's
     // packs: each padded to a power of two lanes, so that it lies in one warp, whose lanes meet
-    // at a warp barrier before the store (a masked row's threads leave at once).  Wider rows in
-    // one block: a block barrier before the store (blocks not narrowed below a row).  Rows over
-    // several blocks: the LSEs in a second launch.
+    // at a warp barrier before the store (a masked row's threads leave at once); the plain source
+    // there where its rows are flat.  Wider rows in one block: a block barrier before the store
+    // (blocks not narrowed below a row).  Rows over several blocks: the LSEs in a second launch.
     if (lse_in_place && s.packs <= 32) {
       int64_t lanes = 1;
       while (lanes < s.packs) lanes *= 2;
       plan.main = row_dims(s.packs, s.rows, device.sms, pair_block_threads(facts.bytes, true, src.mask != nullptr), 0,
                            lanes);
-      plan.fused_lse = plan.lane_lse = true;
+      plan.variant = plain && dense ? Variant::kInPlacePlainFlat : Variant::kInPlaceWarp;
+    } else if (lse_in_place) {
+      plan.main = row_dims(s.packs, s.rows, device.sms, kPairBlockThreads, s.packs);
+      plan.variant = plan.main.grid[1] == 1 ? Variant::kInPlaceBlock : Variant::kRowsLseAfter;
+      if (plan.variant == Variant::kRowsLseAfter) plan.lse = row_dims(1, s.rows, device.sms, kPairBlockThreads);
     } else {
-      plan.main =
-          row_dims(s.packs, s.rows, device.sms, lse_in_place ? kPairBlockThreads : pair_block_threads(facts.bytes),
-                   lse_in_place ? s.packs : 0);
-      if (lse_in_place) {
-        plan.fused_lse = plan.main.grid[1] == 1;
-        if (!plan.fused_lse) {
-          plan.launches = 2;
-          plan.lse = row_dims(1, s.rows, device.sms, kPairBlockThreads);
-        }
-      }
+      plan.main = row_dims(s.packs, s.rows, device.sms, pair_block_threads(facts.bytes));
+      // The plain source: rows flat where every view is dense and the grid has one axis (a mask
+      // only in place: the two-way merge takes none).
+      const bool flat = dense && plan.main.grid[1] == 1 && plan.main.grid[2] == 1;
+      plan.variant = !plain || src.mask != nullptr ? Variant::kRows
+                     : flat                         ? Variant::kRowsPlainFlat
+                                                    : Variant::kRowsPlain;
     }
-    // The plain source in place only with its rows flat and in warps (a mask only in place: the
-    // two-way merge takes none).
-    plan.plain = plain && (!out.lse_in_place ? src.mask == nullptr : plan.lane_lse && dense);
-    plan.flat = plan.plain && dense && plan.main.grid[1] == 1 && plan.main.grid[2] == 1;  // flat_launch's
     return plan;
   } else {
     s.stream = plan_detail::stream_o(src, facts.bytes, false);
@@ -306,12 +357,13 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
       }
     }
     if (groups > 1) {
-      plan.strategy = Strategy::kStates;
+      plan.variant = Variant::kStates;
       plan.groups = groups;
       plan.chunk = kSmallChunk;
       s.stream = true;  // the kernel's accesses are evict-first
       plan.main = state_dims(s.packs, s.rows, groups, facts.vec, device.sms, out.group > 0);
     } else {
+      plan.variant = std::is_same<Source, ShareSource>::value ? Variant::kShare : Variant::kRows;
       plan.chunk = states <= kSmallChunk ? kSmallChunk : kStateChunk;
       plan.main = row_dims(s.packs, s.rows, device.sms);
     }

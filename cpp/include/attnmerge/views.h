@@ -21,6 +21,9 @@ ATTNMERGE_HD uint32_t mul_hi(uint32_t a, uint32_t b) {
 #endif
 }
 
+// Whether a launch's rows may be in tiles (MergeShape::tile), or are known to be untiled.
+enum class Tiles : int8_t { kMaybe, kNone };
+
 struct MergeShape {
   int64_t tokens, heads, head_size;
   int64_t rows;  // rows the launch covers: tokens * heads, rounded up to whole tiles when tiled
@@ -57,10 +60,11 @@ struct MergeShape {
 
   // (token, head) of a row; token may be >= tokens in the last tile (a row to skip).  With
   // I = int32_t the caller guarantees rows < 2^31.
-  // kMayTile false: the caller knows the launch is untiled (no tile step compiled in).
+  // Tiles::kNone: the caller knows the launch is untiled (no tile step compiled in).
   // The same arithmetic on the host (the CPU path, the tests' emulated kernels) as on the device.
-  template <bool kMayTile = true, typename I>
+  template <Tiles kTiles = Tiles::kMaybe, typename I>
   ATTNMERGE_HD void split_row(I row, I& token, I& head) const {
+    constexpr bool kMayTile = kTiles == Tiles::kMaybe;
     const I g = static_cast<I>(kMayTile ? group() : heads);
     I q;
     if (sizeof(I) == 4 || (rows >> 31) == 0) {
