@@ -80,6 +80,7 @@ attnmerge::LaunchPlan bf16_plan(const attnmerge::MergeShape& shape, const Source
                                 int64_t bytes, int sms, bool pdl = false, bool lse_tokens_inner = false,
                                 int access_bytes = 16) {
   attnmerge::CallFacts facts;
+  facts.in = facts.out = attnmerge::Dtype::kBFloat16;
   facts.vec = 8;
   facts.access_bytes = access_bytes;
   facts.bytes = bytes;

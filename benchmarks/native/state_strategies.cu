@@ -74,6 +74,8 @@ void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
     return OutView{s.out, kHeads * kHeadSize, kHeadSize, s.out_lse, kHeads, 1, 1.0f, nullptr, false};
   };
   CallFacts facts;
+  facts.in = dtype_of<TIn>();
+  facts.out = Dtype::kBFloat16;
   facts.vec = kVec;
   facts.access_bytes = 16;
   facts.bytes = bytes;

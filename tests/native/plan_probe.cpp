@@ -51,6 +51,7 @@ int main() {
     if (!(in >> op >> tokens >> heads >> head_size >> states >> vec >> sms)) continue;
     in >> flags;
     CallFacts facts;
+    facts.in = facts.out = Dtype::kBFloat16;  // the probe's calls: bfloat16 in and out
     facts.vec = vec;
     facts.access_bytes = flags.find('x') != std::string::npos ? 16 : 0;
     // large: evict-first by the sources' own rules only; s (small): a call of 1 MB

@@ -639,66 +639,74 @@ cudaError_t states(const LaunchPlan& plan, const Source& src, const OutView& out
 template <typename TIn, typename TOut, int VEC, typename Source>
 cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutView& out, cudaStream_t stream) {
   using namespace launch_detail;
+  constexpr Dtype kIn = dtype_of<TIn>(), kOut = dtype_of<TOut>();
   constexpr int kAccess = VEC * static_cast<int>(sizeof(TIn) > sizeof(TOut) ? sizeof(TIn) : sizeof(TOut));
   const bool evict = plan.shape.stream;
   switch (plan.variant) {
     case Variant::kNone:
       return cudaSuccess;
     case Variant::kRows:
-      if constexpr (may_plan<Source>(Variant::kRows, kAccess)) return rows<Source, TIn, TOut, VEC>(plan, src, out, stream);
+      if constexpr (may_plan<Source>(Variant::kRows, kIn, kOut, kAccess))
+        return rows<Source, TIn, TOut, VEC>(plan, src, out, stream);
       break;
     case Variant::kRowsLseAfter:
-      if constexpr (may_plan<Source>(Variant::kRowsLseAfter, kAccess))
+      if constexpr (may_plan<Source>(Variant::kRowsLseAfter, kIn, kOut, kAccess))
         return plan.index32 ? rows_lse_after<TIn, TOut, VEC, int32_t>(plan, src, out, stream)
                             : rows_lse_after<TIn, TOut, VEC, int64_t>(plan, src, out, stream);
       break;
     case Variant::kRowsPlain:
-      if constexpr (may_plan<Source>(Variant::kRowsPlain, kAccess, Cache::kAsShape, Mask::kNone))
+      if constexpr (may_plan<Source>(Variant::kRowsPlain, kIn, kOut, kAccess, Cache::kAsShape, Mask::kNone))
         return evict ? rows<PlainPairSource<Cache::kEvictFirst>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream)
                      : rows<PlainPairSource<Cache::kDefault>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream);
       break;
     case Variant::kRowsPlainFlat:  // 32-bit offsets (the plan's condition)
-      if constexpr (may_plan<Source>(Variant::kRowsPlainFlat, kAccess, Cache::kAsShape, Mask::kNone)) {
+      if constexpr (may_plan<Source>(Variant::kRowsPlainFlat, kIn, kOut, kAccess, Cache::kAsShape, Mask::kNone)) {
+        using Evict = PlainPairSource<Cache::kEvictFirst, RowIndex::kFlat>;
+        using Keep = PlainPairSource<Cache::kDefault, RowIndex::kFlat>;
         const StateView a = flat_rows(src.a), b = flat_rows(src.b);
         const OutView o = flat_rows(out);
-        return evict ? rows<PlainPairSource<Cache::kEvictFirst, RowIndex::kFlat>, TIn, TOut, VEC, int32_t, 2>(plan, {a, b}, o, stream)
-                     : rows<PlainPairSource<Cache::kDefault, RowIndex::kFlat>, TIn, TOut, VEC, int32_t, 2>(plan, {a, b}, o, stream);
+        return evict ? rows<Evict, TIn, TOut, VEC, int32_t, 2>(plan, {a, b}, o, stream)
+                     : rows<Keep, TIn, TOut, VEC, int32_t, 2>(plan, {a, b}, o, stream);
       }
       break;
     case Variant::kInPlaceWarp:
-      if constexpr (may_plan<Source>(Variant::kInPlaceWarp, kAccess))
+      if constexpr (may_plan<Source>(Variant::kInPlaceWarp, kIn, kOut, kAccess))
         return rows<InPlaceSource<PairSource, LseWrite::kWarp>, TIn, TOut, VEC>(plan, {src}, out, stream);
       break;
     case Variant::kInPlaceBlock:
-      if constexpr (may_plan<Source>(Variant::kInPlaceBlock, kAccess))
+      if constexpr (may_plan<Source>(Variant::kInPlaceBlock, kIn, kOut, kAccess))
         return rows<InPlaceSource<PairSource, LseWrite::kBlock>, TIn, TOut, VEC>(plan, {src}, out, stream);
       break;
     case Variant::kInPlacePlainFlat:  // rows in warps and flat, 32-bit offsets (the plan's conditions)
-      if constexpr (may_plan<Source>(Variant::kInPlacePlainFlat, kAccess)) {
+      if constexpr (may_plan<Source>(Variant::kInPlacePlainFlat, kIn, kOut, kAccess)) {
         const auto in_warps = [&](auto flat) {
-          flat.a = flat_rows(src.a), flat.b = flat_rows(src.b), flat.mask = src.mask, flat.mask_stride = src.mask_stride;
-          return rows<InPlaceSource<decltype(flat), LseWrite::kWarp>, TIn, TOut, VEC, int32_t, 2>(plan, {flat}, flat_rows(out),
-                                                                                       stream);
+          flat.a = flat_rows(src.a), flat.b = flat_rows(src.b);
+          flat.mask = src.mask, flat.mask_stride = src.mask_stride;
+          using InPlace = InPlaceSource<decltype(flat), LseWrite::kWarp>;
+          return rows<InPlace, TIn, TOut, VEC, int32_t, 2>(plan, {flat}, flat_rows(out), stream);
         };
         constexpr Variant kV = Variant::kInPlacePlainFlat;
-        constexpr bool kEvictMasked = may_plan<Source>(kV, kAccess, Cache::kEvictFirst, Mask::kByToken);
-        constexpr bool kUnmasked = may_plan<Source>(kV, kAccess, Cache::kDefault, Mask::kNone);
-        constexpr bool kEvictUnmasked = may_plan<Source>(kV, kAccess, Cache::kEvictFirst, Mask::kNone);
+        constexpr bool kEvictMasked = may_plan<Source>(kV, kIn, kOut, kAccess, Cache::kEvictFirst, Mask::kByToken);
+        constexpr bool kUnmasked = may_plan<Source>(kV, kIn, kOut, kAccess, Cache::kDefault, Mask::kNone);
+        constexpr bool kEvictUnmasked = may_plan<Source>(kV, kIn, kOut, kAccess, Cache::kEvictFirst, Mask::kNone);
+        constexpr RowIndex kFlat = RowIndex::kFlat;
         if (src.mask != nullptr) {
-          if (!evict) return in_warps(PlainPairSource<Cache::kDefault, RowIndex::kFlat, Mask::kByToken>{});
-          if constexpr (kEvictMasked) return in_warps(PlainPairSource<Cache::kEvictFirst, RowIndex::kFlat, Mask::kByToken>{});
+          if (!evict) return in_warps(PlainPairSource<Cache::kDefault, kFlat, Mask::kByToken>{});
+          if constexpr (kEvictMasked) return in_warps(PlainPairSource<Cache::kEvictFirst, kFlat, Mask::kByToken>{});
         } else if (!evict) {
-          if constexpr (kUnmasked) return in_warps(PlainPairSource<Cache::kDefault, RowIndex::kFlat>{});
+          if constexpr (kUnmasked) return in_warps(PlainPairSource<Cache::kDefault, kFlat>{});
         } else {
-          if constexpr (kEvictUnmasked) return in_warps(PlainPairSource<Cache::kEvictFirst, RowIndex::kFlat>{});
+          if constexpr (kEvictUnmasked) return in_warps(PlainPairSource<Cache::kEvictFirst, kFlat>{});
         }
       }
       break;
     case Variant::kStates:  // 16-byte accesses (the plan's condition)
-      if constexpr (may_plan<Source>(Variant::kStates, kAccess)) return states<Source, TIn, TOut, VEC>(plan, src, out, stream);
+      if constexpr (may_plan<Source>(Variant::kStates, kIn, kOut, kAccess))
+        return states<Source, TIn, TOut, VEC>(plan, src, out, stream);
       break;
     case Variant::kShare:
-      if constexpr (may_plan<Source>(Variant::kShare, kAccess)) return share<TIn, TOut, VEC>(plan, src, out, stream);
+      if constexpr (may_plan<Source>(Variant::kShare, kIn, kOut, kAccess))
+        return share<TIn, TOut, VEC>(plan, src, out, stream);
       break;
   }
   return cudaErrorInvalidValue;  // a plan made for other facts than these

@@ -59,6 +59,41 @@ constexpr int kStateThreadsPerSM = 1024;
 
 enum class Strategy : int32_t { kRows = 0, kStates = 1 };
 
+// The storage type of an O, as the plan tells them apart (kUnknown: not told).
+enum class Dtype : int8_t { kUnknown, kFloat32, kFloat16, kBFloat16, kFloat8E4M3 };
+
+template <typename T>
+constexpr Dtype dtype_of() {
+  if constexpr (std::is_same<T, float>::value) return Dtype::kFloat32;
+  if constexpr (std::is_same<T, half_t>::value) return Dtype::kFloat16;
+  if constexpr (std::is_same<T, bfloat16_t>::value) return Dtype::kBFloat16;
+  if constexpr (std::is_same<T, float8_e4m3_t>::value) return Dtype::kFloat8E4M3;
+  return Dtype::kUnknown;
+}
+
+struct DtypePair {
+  Dtype in, out;
+};
+
+// The (input, output) dtype pairs whose two-way merges take the plain kernels (PlainPairSource):
+// every other pair takes the general one (PairSource).  Each pair here costs 32 kernels per
+// architecture; which pairs earn them is measured by benchmarks/plain_pairs_time.py.
+constexpr DtypePair kPlainPairs[] = {
+    {Dtype::kFloat32, Dtype::kFloat32},     {Dtype::kFloat16, Dtype::kFloat16},
+    {Dtype::kBFloat16, Dtype::kBFloat16},   {Dtype::kFloat16, Dtype::kFloat8E4M3},
+    {Dtype::kBFloat16, Dtype::kFloat8E4M3},
+};
+
+constexpr bool plain_pair(Dtype in, Dtype out) {
+  for (const DtypePair& p : kPlainPairs)
+    if (p.in == in && p.out == out) return true;
+  return false;
+}
+
+// One known dtype in and out: the in-place merge's (its output is its input), the only calls
+// whose merged LSE overwrites an input's in the merge's own launch.
+constexpr bool one_dtype(Dtype in, Dtype out) { return in == out && in != Dtype::kUnknown; }
+
 // The GPU a call runs on; 0: not known (blocks of kBlockThreads, no PDL).
 struct DeviceInfo {
   int sms = 0;
@@ -68,6 +103,8 @@ struct DeviceInfo {
 // What the caller knows of a call beyond its sources: the C ABI reads these off the validated
 // tensors.
 struct CallFacts {
+  Dtype in = Dtype::kUnknown;     // the storage types of the inputs' O and the output's: the plain and
+  Dtype out = Dtype::kUnknown;    // in-place kernels only for the pairs that have them (general otherwise)
   int vec = 1;                    // elements per vector access that every O pointer and stride allow
   int access_bytes = 0;           // bytes of that access for the widest O dtype (vec x its size); 0: not known
   int64_t max_offset = 0;         // the largest element offset into any array of the call
@@ -173,27 +210,37 @@ constexpr bool takes_states() {
   return std::is_same<Source, StackSource>::value || std::is_same<Source, RangeSource>::value;
 }
 
-// Whether plan_merge may give a call of Source variant v with threads that each take `access`
-// bytes of the wider O dtype (the plan's vec x its size), O's cache policy `cache` and rows masked
-// or not (each fixed when compiled in the plain variants; kAsShape and kByToken: either, at run
-// time): the kernels launch_merge compiles, so that each can be launched.  Two 16-byte accesses a
-// thread only in a masked in-place merge of 16 MB or more, never evict-first (plan_merge); a mask
-// only in place; kStates with 16-byte accesses alone.
+// Whether plan_merge may give a call of Source variant v with O of storage types (in, out),
+// threads that each take `access` bytes of the wider O dtype (the plan's vec x its size), O's
+// cache policy `cache` and rows masked or not (each fixed when compiled in the plain variants;
+// kAsShape and kByToken: either, at run time): the kernels launch_merge compiles, so that each
+// can be launched.  The plain variants for kPlainPairs; in place in one launch and two 16-byte
+// accesses a thread only for one dtype (one_dtype); two accesses only in a masked in-place merge
+// of 16 MB or more, never evict-first (plan_merge); a mask only in place; kStates with 16-byte
+// accesses alone.
 template <typename Source>
-constexpr bool may_plan(Variant v, int access, Cache cache = Cache::kAsShape, Mask mask = Mask::kByToken) {
+constexpr bool may_plan(Variant v, Dtype in, Dtype out, int access, Cache cache = Cache::kAsShape,
+                        Mask mask = Mask::kByToken) {
   constexpr bool kPair = std::is_same<Source, PairSource>::value;
+  if (v == Variant::kNone) return true;
   const bool in_place = v == Variant::kInPlaceWarp || v == Variant::kInPlaceBlock ||
                         v == Variant::kInPlacePlainFlat || v == Variant::kRowsLseAfter;
-  if (access > 16 && !(kPair && in_place && mask == Mask::kByToken && cache != Cache::kEvictFirst)) return false;
+  if (access > 16 && !(kPair && in_place && one_dtype(in, out) && mask == Mask::kByToken &&
+                       cache != Cache::kEvictFirst))
+    return false;
   switch (v) {
-    case Variant::kNone: return true;
+    case Variant::kNone: return true;  // (no kernel)
     case Variant::kRows: return !std::is_same<Source, ShareSource>::value;
+    case Variant::kRowsLseAfter: return kPair;
     case Variant::kRowsPlain:
-    case Variant::kRowsPlainFlat: return kPair && mask == Mask::kNone;
+    case Variant::kRowsPlainFlat: return kPair && plain_pair(in, out) && mask == Mask::kNone;
+    case Variant::kInPlaceWarp:
+    case Variant::kInPlaceBlock: return kPair && one_dtype(in, out);
+    case Variant::kInPlacePlainFlat: return kPair && one_dtype(in, out) && plain_pair(in, out);
     case Variant::kStates: return takes_states<Source>() && access == 16;
     case Variant::kShare: return std::is_same<Source, ShareSource>::value;
-    default: return kPair;  // in place
   }
+  return false;
 }
 
 namespace plan_detail {
@@ -297,8 +344,9 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     // allows them and a row has an even number: half the threads, so half the masked-out ones,
     // whose launch and mask byte are most of such a call's cost (measured faster there only;
     // slower for smaller and unmasked calls: benchmarks/NOTES.md).
-    if (src.mask != nullptr && lse_in_place && !plan_detail::stream_o(src, facts.bytes, false) &&
-        facts.access_bytes == 16 && shape.head_size % (2 * facts.vec) == 0)
+    if (src.mask != nullptr && lse_in_place && one_dtype(facts.in, facts.out) &&
+        !plan_detail::stream_o(src, facts.bytes, false) && facts.access_bytes == 16 &&
+        shape.head_size % (2 * facts.vec) == 0)
       plan.vec = 2 * facts.vec;
   }
   s.packs = shape.head_size / plan.vec;
@@ -313,8 +361,8 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
     s.stream = plan_detail::stream_o(src, facts.bytes, s.tile_shift < 0);
     const bool plain = !Source::Traits::kSink && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr &&
-                       src.b_scale == 1.0f && out.lse_scale == 1.0f &&
-                       out.group == 0;  // PlainPairSource: one base, no groups, no sink
+                       src.b_scale == 1.0f && out.lse_scale == 1.0f && out.group == 0 &&
+                       plain_pair(facts.in, facts.out);  // PlainPairSource: one base, no groups, no sink
     // Flat rows: dense heads and the same row strides in every view (PlainPairSource's kFlatRows).
     const bool dense = plan.index32 && flattens(src.a, s.heads) && flattens(src.b, s.heads) && flattens(out, s.heads) &&
                        same_rows(src.a, src.b) && same_rows(src.a, out);
@@ -322,8 +370,11 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     // packs: each padded to a power of two lanes, so that it lies in one warp, whose lanes meet
     // at a warp barrier before the store (a masked row's threads leave at once); the plain source
     // there where its rows are flat.  Wider rows in one block: a block barrier before the store
-    // (blocks not narrowed below a row).  Rows over several blocks: the LSEs in a second launch.
-    if (lse_in_place && s.packs <= 32) {
+    // (blocks not narrowed below a row).  Rows over several blocks, and an output of another
+    // dtype than the inputs' (whose in-place kernels are not compiled: may_plan): the LSEs in a
+    // second launch.
+    const bool one_launch = one_dtype(facts.in, facts.out);
+    if (lse_in_place && one_launch && s.packs <= 32) {
       int64_t lanes = 1;
       while (lanes < s.packs) lanes *= 2;
       plan.main = row_dims(s.packs, s.rows, device.sms, pair_block_threads(facts.bytes, true, src.mask != nullptr), 0,
@@ -331,7 +382,7 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
       plan.variant = plain && dense ? Variant::kInPlacePlainFlat : Variant::kInPlaceWarp;
     } else if (lse_in_place) {
       plan.main = row_dims(s.packs, s.rows, device.sms, kPairBlockThreads, s.packs);
-      plan.variant = plan.main.grid[1] == 1 ? Variant::kInPlaceBlock : Variant::kRowsLseAfter;
+      plan.variant = one_launch && plan.main.grid[1] == 1 ? Variant::kInPlaceBlock : Variant::kRowsLseAfter;
       if (plan.variant == Variant::kRowsLseAfter) plan.lse = row_dims(1, s.rows, device.sms, kPairBlockThreads);
     } else {
       plan.main = row_dims(s.packs, s.rows, device.sms, pair_block_threads(facts.bytes));
