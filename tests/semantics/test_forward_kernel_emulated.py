@@ -497,6 +497,8 @@ PATHS = {
                                         dict(strategy=KSTATES, groups=16)),
     **{f"N-way states, {g} groups": ("states", 3, 41, 2, 64, "float32", dict(sms=132, bytes=1 << 20, groups=g),
                                      dict(strategy=KSTATES, groups=g)) for g in (2, 4, 8, 16)},
+    "N-way states, one pack a row, more rows than a block's z axis takes": (
+        "states", 70, 9, 1, 4, "float32", dict(sms=0, bytes=1 << 20, groups=2), dict(strategy=KSTATES, groups=2)),
     "varlen rows": ("varlen", 5, 9, 2, 16, "float16", dict(sms=0, bytes=1 << 20, groups=1), dict(strategy=KROWS)),
     "varlen states": ("varlen", 5, 40, 2, 64, "bfloat16", dict(sms=132, bytes=1 << 20), dict(strategy=KSTATES)),
     "N-way rows, two states and a sink": ("states", 6, 2, 3, 64, "bfloat16", dict(sms=132, bytes=1 << 20, sink=True),

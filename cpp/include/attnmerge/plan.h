@@ -56,6 +56,8 @@ constexpr int kMinBlockThreads = 128;
 constexpr int kStateBlockThreads = 256;
 constexpr int kMaxStateGroups = 16;
 constexpr int kStateThreadsPerSM = 1024;
+// CUDA's limit on a block's z extent (kStates' rows per block).
+constexpr int64_t kMaxBlockZ = 64;
 
 enum class Strategy : int32_t { kRows = 0, kStates = 1 };
 
@@ -312,15 +314,15 @@ inline int state_groups(int64_t states, int64_t packs, int64_t rows, int sms) {
 }
 
 // The launch of kStates with `groups` groups over `rows` rows of `packs` packs: blocks of whole
-// rows (packs x groups x rows a block), up to kStateBlockThreads, as few rows a block as it takes
-// to give every SM a block (`sms`, 0: unknown); shared memory for each group's (max, total) and
+// rows (packs x groups x rows per block), up to kStateBlockThreads and kMaxBlockZ rows, as few rows
+// per block as it takes to give every SM a block (`sms`, 0: unknown); shared memory for each group's (max, total) and
 // each pack's accumulator of `vec` floats, and with per-group FP8 (`quantized`) an amax slot a
 // pack (a row has at most one FP8 group a pack).
 inline LaunchDims state_dims(int64_t packs, int64_t rows, int groups, int vec, int sms, bool quantized = false) {
   const int64_t per_row = packs * groups;
   int64_t threads = kStateBlockThreads;
   while (threads > kMinBlockThreads && (rows * per_row + threads - 1) / threads < sms) threads /= 2;
-  const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(threads / per_row, rows));
+  const int64_t rows_per_block = std::max<int64_t>(1, std::min({threads / per_row, rows, kMaxBlockZ}));
   LaunchDims d;
   d.block[0] = static_cast<uint32_t>(packs), d.block[1] = static_cast<uint32_t>(groups);
   d.block[2] = static_cast<uint32_t>(rows_per_block);
