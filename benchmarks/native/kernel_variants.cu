@@ -3,7 +3,7 @@
 //   flat      the plan's rows taken flat (one offset a view, no row division) against split into
 //             token and head;
 //   accesses  the plan's two 16-byte accesses a thread against one;
-//   evict     evict-first O loads and stores: the library's choice (plan.h stream_o), always, never;
+//   evict     evict-first O loads and stores: the library's choice (plan.h evict_first_o), always, never;
 //   pdl       a chain of two dependent merges with and without programmatic dependent launch;
 //   in place  the in-place merge, unmasked and half masked: the plan's (rows in warps meeting at a
 //             warp barrier before the LSE store) against the block barrier, the general source and
@@ -55,7 +55,7 @@ struct Knobs {
 };
 
 // One merge of set `s` (a_o/a_lse may be another set's output, for the chain) as the library plans
-// it, evict-first forced by the `bytes` the call claims (the plan's stream_o reads it).
+// it, evict-first forced by the `bytes` the call claims (the plan's evict_first_o reads it).
 cudaError_t merge(const void* o_a, const float* lse_a, const Set& s, void* out, float* out_lse, int64_t tokens,
                   int64_t claimed_bytes, Knobs knobs, cudaStream_t stream) {
   const MergeShape shape{tokens, kHeads, kHeadSize, false};

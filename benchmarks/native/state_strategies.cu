@@ -101,8 +101,8 @@ void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
   rows128.main = row_dims(rows.shape.packs, rows.shape.rows, sms, kMinBlockThreads, kMinBlockThreads);
   vs.push_back({"rows128", rows128});
   LaunchPlan evict = library;  // the plan with the other evict-first choice
-  evict.shape.stream = !library.shape.stream;
-  vs.push_back({library.shape.stream ? "plan-cached" : "plan-evict", evict});
+  evict.shape.evict_first = !library.shape.evict_first;
+  vs.push_back({library.shape.evict_first ? "plan-cached" : "plan-evict", evict});
   // kStates with G groups, where kRows would not fill the GPU twice over.
   if (rows.shape.rows * rows.shape.packs <= int64_t{sms} * 4096)
     for (int g = 2; g <= kMaxStateGroups && rows.shape.packs * g <= kStateBlockThreads; g *= 2)

@@ -181,7 +181,7 @@ void emulate_plan(int64_t* fields) {
                        fused,
                        lanes,
                        p.vec,
-                       p.shape.stream,
+                       p.shape.evict_first,
                        p.shape.tile_shift,
                        p.pdl};
   std::copy(std::begin(f), std::end(f), fields);

@@ -34,7 +34,7 @@ void print(const MergeShape& shape, const Source& src, const OutView& out, const
   std::printf("%s %d %d %d %d %d %d  %u %u %u  %u %u %u  %u  %d %d %d %d\n",
               p.strategy() == Strategy::kStates ? "states" : "rows", p.chunk, p.groups, p.launches(), plain, fused,
               p.index32, p.main.grid[0], p.main.grid[1], p.main.grid[2], p.main.block[0], p.main.block[1],
-              p.main.block[2], p.main.smem, flat, lanes, p.vec, p.shape.stream);
+              p.main.block[2], p.main.smem, flat, lanes, p.vec, p.shape.evict_first);
 }
 
 }  // namespace

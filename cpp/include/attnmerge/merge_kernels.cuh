@@ -20,7 +20,7 @@ namespace attnmerge {
 // kRows: the widest block and the blocks per SM the compiler must leave room for.  Two-state
 // kernels: about 30 registers, full occupancy, compiled for blocks of up to kPairMaxBlockThreads
 // (the plan's widths, pair_block_threads), no cap.  N-way kernels of 8 states in flight: 3 blocks
-// cap them at 85 registers (faster than uncapped and than 4 states a chunk: benchmarks/NOTES.md);
+// cap them at 85 registers (faster than uncapped and than 4 states per chunk: benchmarks/NOTES.md);
 // of 4 states: 4 blocks, 64 registers.
 template <typename Source>
 constexpr int max_threads() {
@@ -63,7 +63,7 @@ __device__ __forceinline__ void weigh_row(const float (&l)[kChunk], float (&w)[k
 // the first chunk.
 template <int kChunk, bool kSink = false, typename TIn, int VEC, typename LseOf, typename OOf>
 __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pack<TIn, VEC> (&o)[kChunk], LseOf lse_of,
-                                                  OOf o_of, bool stream, RowMerge& r, float (&acc)[VEC],
+                                                  OOf o_of, bool evict_first, RowMerge& r, float (&acc)[VEC],
                                                   float sink = -INFINITY) {
   // A chunk's states weighed against r.m, without a branch: a state past n has LSE -inf, so
   // weight 0, and accumulate clears the words of its pack (never loaded).
@@ -86,7 +86,7 @@ __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pac
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) {
       l[c] = load_lse_if(lse_of(s + c), s + c < n);
-      o[c] = load_pack_if<TIn, VEC>(o_of(s + c), s + c < n, stream);
+      o[c] = load_pack_if<TIn, VEC>(o_of(s + c), s + c < n, evict_first);
     }
     const float before = r.m;
 #pragma unroll
@@ -150,7 +150,7 @@ __device__ __forceinline__ void quantize_group(float (&acc)[VEC], const OutView&
 }
 
 // Per-group FP8 under kStates, where a group's elements lie with several finishing threads (its
-// packs' finishers, in several warps): their largest magnitudes meet in the row's `slots` (one a
+// packs' finishers, in several warps): their largest magnitudes meet in the row's `slots` (one per
 // group, zeroed before the block's first barrier) by atomicMax of their bits (non-negative
 // floats order as their bits, and a maximum is the same in any order), then each finisher scales
 // its `x`, the elements e0 .. e0 + N - 1 of pack k, and the group's first element's finisher stores
@@ -284,7 +284,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
     }
   }();
   const int n = kBarrier && !live ? 0 : states.count();
-  const bool stream = Traits::kCache == Cache::kAsShape ? shape.stream : Traits::kCache == Cache::kEvictFirst;
+  const bool evict_first = Traits::kCache == Cache::kAsShape ? shape.evict_first : Traits::kCache == Cache::kEvictFirst;
   constexpr bool kFew = Traits::kMaxStates > 0 && Traits::kMaxStates <= kChunk;  // at most a chunk, always
   // The first chunk: every load in flight at once.
   float l[kChunk];
@@ -293,10 +293,10 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   for (int c = 0; c < kChunk; ++c) {
     if constexpr (kFew) {  // a count known at compile time: no predicate
       l[c] = c < n ? states.lse(c) : -INFINITY;  // -inf: no weight, no NaN
-      if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c), stream);
+      if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c), evict_first);
     } else {
       l[c] = load_lse_if(states.lse_ptr(c), c < n);
-      o[c] = load_pack_if<TIn, VEC>(states.template o_at<TIn>(c), c < n, stream);
+      o[c] = load_pack_if<TIn, VEC>(states.template o_at<TIn>(c), c < n, evict_first);
     }
   }
   const float sink = sink_lse(src, head);  // -inf without one
@@ -347,8 +347,8 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
       if (c < n) accumulate(acc, o[c], r.scale(w[c]), w[c]);
   } else if constexpr (!kFew) {
     accumulate_online<kChunk, Traits::kSink>(
-        n, l, o, [&](int s) { return states.lse_ptr(s); }, [&](int s) { return states.template o_at<TIn>(s); }, stream,
-        r, acc, sink);
+        n, l, o, [&](int s) { return states.lse_ptr(s); }, [&](int s) { return states.template o_at<TIn>(s); },
+        evict_first, r, acc, sink);
     r.finish(factor);
     if (writes_lse) *lse_dst = merged_lse();
 #pragma unroll
@@ -357,7 +357,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   if constexpr (takes_groups<Source, TOut>()) {
     if (out.group > 0) quantize_group(acc, out, token, head, k);
   }
-  store_pack<TOut, VEC>(dst, acc, stream);
+  store_pack<TOut, VEC>(dst, acc, evict_first);
 }
 
 // kStates.  A block holds whole rows: threadIdx.x the pack, threadIdx.y the group, threadIdx.z
@@ -371,7 +371,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
 // source's sink is counted once, by the finishing threads.  Per-group FP8 (takes_groups) meets
 // once more, in shared memory (quantize_group_shared).
 // Built for latency, as split-KV decode calls it: no division, each chunk's loads predicated and
-// issued back to back with evict-first accesses (the plan streams every kStates call), and the
+// issued back to back with evict-first accesses (the plan makes every kStates call's so), and the
 // finishing reads of shared memory all in flight together.  32-bit offsets and VEC a multiple of
 // 4 (the plan's conditions).  Every thread reaches the barrier: none leaves early.
 template <typename Source, typename TIn, typename TOut, int VEC, int kGroups>
@@ -414,7 +414,7 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
   float acc[VEC] = {};
   accumulate_online<kChunk>(mine, l, o, lse_of, o_of, true, part, acc);
   // Shared memory: each slot's (row, group) accumulators, [slot][pack][VEC] floats, then its
-  // (max, total), then (per-group FP8) each row's groups' amax slots, a pack's worth a row.
+  // (max, total), then (per-group FP8) each row's groups' amax slots, a pack's worth per row.
   extern __shared__ float4 shared[];
   const int slot = static_cast<int>(threadIdx.z) * kGroups;
   float* const part_acc = reinterpret_cast<float*>(shared);
@@ -496,8 +496,8 @@ __global__ void __launch_bounds__(kBlockThreads) merge_share_kernel(const MergeS
   I token, head;
   if (!locate_row<ShareSource>(shape, row, token, head)) return;
   const auto states = src.template row<TIn>(token, head, k * VEC);
-  const bool stream = shape.stream;
-  const Pack<TIn, VEC> own = load_pack<TIn, VEC>(states.template o_at<TIn>(states.own), stream);
+  const bool evict_first = shape.evict_first;
+  const Pack<TIn, VEC> own = load_pack<TIn, VEC>(states.template o_at<TIn>(states.own), evict_first);
   const float own_lse = states.lse(states.own);
   const int n = states.count();
   RowMerge r(shape.base2);
@@ -522,7 +522,7 @@ __global__ void __launch_bounds__(kBlockThreads) merge_share_kernel(const MergeS
   if constexpr (takes_groups<ShareSource, TOut>()) {
     if (out.group > 0) quantize_group(acc, out, token, head, k);
   }
-  store_pack<TOut, VEC>(out.o_at<TOut>(token, head, k * VEC), acc, stream);
+  store_pack<TOut, VEC>(out.o_at<TOut>(token, head, k * VEC), acc, evict_first);
   if (k == 0) out.store_lse(token, head, r.lse());
 }
 
@@ -641,7 +641,7 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
   using namespace launch_detail;
   constexpr Dtype kIn = dtype_of<TIn>(), kOut = dtype_of<TOut>();
   constexpr int kAccess = VEC * static_cast<int>(sizeof(TIn) > sizeof(TOut) ? sizeof(TIn) : sizeof(TOut));
-  const bool evict = plan.shape.stream;
+  const bool evict = plan.shape.evict_first;
   switch (plan.variant) {
     case Variant::kNone:
       return cudaSuccess;

@@ -7,9 +7,9 @@
 //
 // Strategies:
 //   kRows    one thread per pack of one row walks the row's states, a chunk of them in flight
-//            (merge_kernel; a state's share: merge_share_kernel, one O load a thread): every
+//            (merge_kernel; a state's share: merge_share_kernel, one O load per thread): every
 //            two-way merge and share, and N-way or variable-length merges with enough rows to fill
-//            the GPU or few states a row;
+//            the GPU or few states per row;
 //   kStates  a row's states shared by `groups` groups of threads, each taking its own states a
 //            chunk of loads at a time, their partial (max, total) and accumulators combined
 //            through shared memory (merge_states_kernel): split-KV decode, few rows and many
@@ -35,7 +35,7 @@ namespace attnmerge {
 #define ATTNMERGE_STATE_CHUNK 8
 #endif
 // kRows: the widest block of the N-way kernels (their register cap leaves room for 3 or 4 of them
-// an SM) and of the two-state kernels under 32 MB and in place (wider blocks only measured faster
+// per SM) and of the two-state kernels under 32 MB and in place (wider blocks only measured faster
 // for larger two-way merges: pair_block_threads, benchmarks/NOTES.md).
 constexpr int kBlockThreads = ATTNMERGE_BLOCK_THREADS;
 constexpr int kPairBlockThreads = ATTNMERGE_PAIR_BLOCK_THREADS;
@@ -43,8 +43,8 @@ constexpr int kPairBlockThreads = ATTNMERGE_PAIR_BLOCK_THREADS;
 // costs them nothing): the plan's widths go up to it.
 constexpr int kPairMaxBlockThreads = 1024;
 // States of the N-way and variable-length merges whose LSE and O loads a thread keeps in flight:
-// 8 moves a row of up to 8 states in one memory round trip; rows of at most kSmallChunk states a
-// thread take a kernel that keeps 4 (fewer registers, more threads an SM).
+// 8 moves a row of up to 8 states in one memory round trip; rows of at most kSmallChunk states per
+// thread take a kernel that keeps 4 (fewer registers, more threads per SM).
 constexpr int kStateChunk = ATTNMERGE_STATE_CHUNK;
 constexpr int kSmallChunk = 4;
 // A decode-sized merge spreads over more SMs with narrower blocks, down to this width.
@@ -137,7 +137,7 @@ enum class Variant : int32_t {
   kInPlaceWarp,       // InPlaceSource<PairSource>, each row in one warp: a warp barrier before the LSE store
   kInPlaceBlock,      // InPlaceSource<PairSource>, each row in one block: a block barrier before it
   kInPlacePlainFlat,  // InPlaceSource<PlainPairSource with flat rows>, each row in one warp (32-bit offsets)
-  kStates,            // kStates, merge_states_kernel with `groups` groups a row
+  kStates,            // kStates, merge_states_kernel with `groups` groups per row
   kShare,             // a state's share, merge_share_kernel
 };
 
@@ -159,7 +159,7 @@ constexpr const char* variant_name(Variant v) {
 }
 
 struct LaunchPlan {
-  MergeShape shape;  // packs, stream and row order filled in
+  MergeShape shape;  // packs, evict_first and row order filled in
   Variant variant = Variant::kNone;
   int vec = 1;           // elements a thread takes of a row: one access, or two (two-state kernels)
   int chunk = 2;         // states a thread keeps in flight: kRows 2 for two-state sources, else 4 or 8;
@@ -217,7 +217,7 @@ constexpr bool takes_states() {
 // cache policy `cache` and rows masked or not (each fixed when compiled in the plain variants;
 // kAsShape and kByToken: either, at run time): the kernels launch_merge compiles, so that each
 // can be launched.  The plain variants for kPlainPairs; in place in one launch and two 16-byte
-// accesses a thread only for one dtype (one_dtype); two accesses only in a masked in-place merge
+// accesses per thread only for one dtype (one_dtype); two accesses only in a masked in-place merge
 // of 16 MB or more, never evict-first (plan_merge); a mask only in place; kStates with 16-byte
 // accesses alone.
 template <typename Source>
@@ -268,7 +268,7 @@ int64_t states_per_row(const Source& src, const MergeShape& shape) {
 // chunk under 512 MB (evict-first faster at 69 and 137 MB, cached loads at 1.2 and 4.4 GB),
 // variable-length merges (benchmarks/NOTES.md).
 template <typename Source>
-bool stream_o(const Source& src, int64_t bytes, bool pair_in_order) {
+bool evict_first_o(const Source& src, int64_t bytes, bool pair_in_order) {
   if constexpr (std::is_same<Source, RangeSource>::value) {
     return true;
   } else if constexpr (std::is_same<Source, StackSource>::value) {
@@ -283,7 +283,7 @@ bool stream_o(const Source& src, int64_t bytes, bool pair_in_order) {
 
 // The widest block of a two-way merge moving `bytes`: kPairBlockThreads, or wider for calls of
 // 32 MB (512 threads) and 128 MB (1024) or more, where fewer, wider blocks were measured faster;
-// in place 512 at every size (a token's rows a block at 32 x 128: faster from 512 tokens, 1024
+// in place 512 at every size (a token's rows per block at 32 x 128: faster from 512 tokens, 1024
 // slower at 204 MB; narrower at decode sizes through row_dims), and masked kPairBlockThreads,
 // measured faster there (benchmarks/NOTES.md).
 inline int pair_block_threads(int64_t bytes, bool in_place = false, bool masked = false) {
@@ -292,7 +292,7 @@ inline int pair_block_threads(int64_t bytes, bool in_place = false, bool masked 
 }
 
 // Groups of threads a row's `states` are split into under kStates; 1 means kRows.  Only where a
-// row has more states than one kRows thread keeps in flight, and one kStates thread a pack
+// row has more states than one kRows thread keeps in flight, and one kStates thread per pack
 // (`rows` x `packs`) fits the GPU at once (`sms` x kStateThreadsPerSM), or two where a row has
 // at most twice kStateChunk states (kRows takes those in two chunks, as fast as kStates on a
 // GPU filled twice over: benchmarks/NOTES.md).  Then the fewest groups, from 2, that leave each
@@ -314,10 +314,10 @@ inline int state_groups(int64_t states, int64_t packs, int64_t rows, int sms) {
 }
 
 // The launch of kStates with `groups` groups over `rows` rows of `packs` packs: blocks of whole
-// rows (packs x groups x rows per block), up to kStateBlockThreads and kMaxBlockZ rows, as few rows
-// per block as it takes to give every SM a block (`sms`, 0: unknown); shared memory for each group's (max, total) and
-// each pack's accumulator of `vec` floats, and with per-group FP8 (`quantized`) an amax slot a
-// pack (a row has at most one FP8 group a pack).
+// rows (packs x groups x rows per block), up to kStateBlockThreads and kMaxBlockZ rows, as few
+// rows per block as it takes to give every SM a block (`sms`, 0: unknown); shared memory for each
+// group's (max, total) and each pack's accumulator of `vec` floats, and with per-group FP8
+// (`quantized`) an amax slot per pack (a row has at most one FP8 group per pack).
 inline LaunchDims state_dims(int64_t packs, int64_t rows, int groups, int vec, int sms, bool quantized = false) {
   const int64_t per_row = packs * groups;
   int64_t threads = kStateBlockThreads;
@@ -342,12 +342,12 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
   // An in-place merge: out.lse is an input's LSE, which its rows' threads weigh by.
   [[maybe_unused]] const bool lse_in_place = out.lse_in_place && out.lse != nullptr;
   if constexpr (std::is_same<Source, PairSource>::value) {
-    // Two 16-byte accesses a thread for a masked in-place merge of 16 MB or more, where every O
+    // Two 16-byte accesses per thread for a masked in-place merge of 16 MB or more, where every O
     // allows them and a row has an even number: half the threads, so half the masked-out ones,
     // whose launch and mask byte are most of such a call's cost (measured faster there only;
     // slower for smaller and unmasked calls: benchmarks/NOTES.md).
     if (src.mask != nullptr && lse_in_place && one_dtype(facts.in, facts.out) &&
-        !plan_detail::stream_o(src, facts.bytes, false) && facts.access_bytes == 16 &&
+        !plan_detail::evict_first_o(src, facts.bytes, false) && facts.access_bytes == 16 &&
         shape.head_size % (2 * facts.vec) == 0)
       plan.vec = 2 * facts.vec;
   }
@@ -361,7 +361,7 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     // so that a warp's rows share their LSE sectors (MergeShape::tile); not at decode sizes, where
     // a tile would mostly be padding.
     if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
-    s.stream = plan_detail::stream_o(src, facts.bytes, s.tile_shift < 0);
+    s.evict_first = plan_detail::evict_first_o(src, facts.bytes, s.tile_shift < 0);
     const bool plain = !Source::Traits::kSink && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr &&
                        src.b_scale == 1.0f && out.lse_scale == 1.0f && out.group == 0 &&
                        plain_pair(facts.in, facts.out);  // PlainPairSource: one base, no groups, no sink
@@ -397,9 +397,9 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     }
     return plan;
   } else {
-    s.stream = plan_detail::stream_o(src, facts.bytes, false);
+    s.evict_first = plan_detail::evict_first_o(src, facts.bytes, false);
     const int64_t states = plan_detail::states_per_row(src, s);
-    // kStates: 32-bit offsets and 16-byte accesses (whole float4s of accumulator a thread).
+    // kStates: 32-bit offsets and 16-byte accesses (whole float4s of accumulator per thread).
     int groups = 1;
     if (takes_states<Source>() && plan.index32 && facts.access_bytes == 16 && facts.vec % 4 == 0) {
       if (facts.groups > 0) {
@@ -413,7 +413,7 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
       plan.variant = Variant::kStates;
       plan.groups = groups;
       plan.chunk = kSmallChunk;
-      s.stream = true;  // the kernel's accesses are evict-first
+      s.evict_first = true;  // the kernel's accesses are evict-first
       plan.main = state_dims(s.packs, s.rows, groups, facts.vec, device.sms, out.group > 0);
     } else {
       plan.variant = std::is_same<Source, ShareSource>::value ? Variant::kShare : Variant::kRows;
@@ -474,7 +474,7 @@ inline bool two_states_in_flight(const BackwardFacts& facts) {
 }
 
 // Rows of at most 2 states, and every N-way or variable-length row where the forward's O is
-// given, take the kernel of 2 states in flight: fewer registers, so more threads an SM (measured
+// given, take the kernel of 2 states in flight: fewer registers, so more threads per SM (measured
 // faster than 4 in flight at every size, benchmarks/NOTES.md); without the forward's O longer
 // rows keep kSmallChunk.  With the forward's O a row's states are independent: they are split
 // into groups (a power of two) while each group keeps 2 or more, the row's groups fit a block and

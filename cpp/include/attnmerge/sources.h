@@ -27,7 +27,7 @@
 namespace attnmerge {
 
 // The choices a source fixes when its kernels are compiled, each named.
-// O's loads and stores: evict-first or not as the plan chose at run time (MergeShape::stream), or
+// O's loads and stores: evict-first or not as the plan chose at run time (MergeShape::evict_first), or
 // fixed in the kernel (the plain sources: no access compiled twice).
 enum class Cache : int8_t { kAsShape, kDefault, kEvictFirst };
 // How a row is found: split into (token, head), or flat (token = row, head = 0: views flattened
