@@ -162,29 +162,18 @@ void emulate_split_row(int64_t tokens, int64_t heads, int tile_shift, int64_t ro
   }
 }
 
-// The plan of the last call: strategy, chunk, groups, launches, index32, plain, flat, fused_lse,
-// lane_lse, vec, stream, tile_shift, pdl, at fields[0 .. 12].
+// The plan of the last call: variant, chunk, groups, launches, index32, vec, evict_first,
+// tile_shift, pdl, at fields[0 .. 8].
 void emulate_plan(int64_t* fields) {
   const LaunchPlan& p = t_plan;
-  const Variant v = p.variant;
-  const bool plain = v == Variant::kRowsPlain || v == Variant::kRowsPlainFlat || v == Variant::kInPlacePlainFlat;
-  const bool fused = v == Variant::kInPlaceWarp || v == Variant::kInPlaceBlock || v == Variant::kInPlacePlainFlat;
-  const bool flat = v == Variant::kRowsPlainFlat || v == Variant::kInPlacePlainFlat;
-  const bool lanes = v == Variant::kInPlaceWarp || v == Variant::kInPlacePlainFlat;
-  const int64_t f[] = {static_cast<int64_t>(p.strategy()),
-                       p.chunk,
-                       p.groups,
-                       p.launches(),
-                       p.index32,
-                       plain,
-                       flat,
-                       fused,
-                       lanes,
-                       p.vec,
-                       p.shape.evict_first,
-                       p.shape.tile_shift,
-                       p.pdl};
+  const int64_t f[] = {static_cast<int64_t>(p.variant), p.chunk, p.groups, p.launches(), p.index32, p.vec,
+                       p.shape.evict_first, p.shape.tile_shift, p.pdl};
   std::copy(std::begin(f), std::end(f), fields);
+}
+
+// The name of Variant `v` (plan.h's variant_name), null past the last.
+const char* emulate_variant_name(int v) {
+  return v >= 0 && v <= static_cast<int>(Variant::kShare) ? variant_name(static_cast<Variant>(v)) : nullptr;
 }
 
 // The two-way merge into out (and out_lse, null: none), or, with in_place, the in-place merge of
