@@ -145,8 +145,8 @@ __global__ void __launch_bounds__(256) minimal_merge(const uint4* oa, const floa
   p.w[0] = x.x, p.w[1] = x.y, p.w[2] = x.z, p.w[3] = x.w;
   q.w[0] = y.x, q.w[1] = y.y, q.w[2] = y.z, q.w[3] = y.w;
   float acc[8] = {};
-  accumulate(acc, p, r.scale(w0));
-  accumulate(acc, q, r.scale(w1));
+  accumulate(acc, p, r.scale(w0), w0);
+  accumulate(acc, q, r.scale(w1), w1);
   store_pack<bfloat16_t, 8>(reinterpret_cast<bfloat16_t*>(oc + t), acc, false);
 }
 
