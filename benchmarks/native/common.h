@@ -80,6 +80,7 @@ attnmerge::LaunchPlan bf16_plan(const attnmerge::MergeShape& shape, const Source
                                 int64_t bytes, int sms, bool pdl = false, bool lse_tokens_inner = false,
                                 int access_bytes = 16) {
   attnmerge::CallFacts facts;
+  facts.in = facts.out = attnmerge::Dtype::kBFloat16;
   facts.vec = 8;
   facts.access_bytes = access_bytes;
   facts.bytes = bytes;
@@ -94,7 +95,7 @@ template <typename Source>
 cudaError_t launch_bf16(const attnmerge::LaunchPlan& plan, const Source& src, const attnmerge::OutView& out,
                         cudaStream_t stream) {
   using attnmerge::bfloat16_t;
-  if constexpr (Source::kMaxStates == 2) {
+  if constexpr (Source::Traits::kMaxStates == 2) {
     if (plan.vec == 16) return attnmerge::launch_merge<bfloat16_t, bfloat16_t, 16>(plan, src, out, stream);
   }
   return attnmerge::launch_merge<bfloat16_t, bfloat16_t, 8>(plan, src, out, stream);

@@ -60,7 +60,7 @@ __global__ void empty_kernel(const Blob<N> b) {
   if (b.v[0] == 12345 && threadIdx.x == 1000) asm volatile("trap;");  // reads a parameter, never true
 }
 
-struct Variant {
+struct Contender {
   std::string name;
   std::function<void(int)> launch;
   cudaGraphExec_t exec = nullptr;
@@ -69,8 +69,8 @@ struct Variant {
 
 // Every variant's `calls` launches captured in one graph; then `rounds` rounds, each replaying
 // every graph once (timed by events); the medians, us per launch.
-void round_robin(std::vector<Variant>& vs, cudaStream_t s, int calls = 100, int rounds = 11) {
-  for (Variant& v : vs) {
+void round_robin(std::vector<Contender>& vs, cudaStream_t s, int calls = 100, int rounds = 11) {
+  for (Contender& v : vs) {
     for (int i = 0; i < 3; ++i) v.launch(i);
     cudaGraph_t graph;
     check_cuda(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "begin capture");
@@ -83,7 +83,7 @@ void round_robin(std::vector<Variant>& vs, cudaStream_t s, int calls = 100, int 
   check_cuda(cudaEventCreate(&start), "event");
   check_cuda(cudaEventCreate(&end), "event");
   for (int r = 0; r < rounds; ++r)
-    for (Variant& v : vs) {
+    for (Contender& v : vs) {
       check_cuda(cudaEventRecord(start, s), "record");
       check_cuda(cudaGraphLaunch(v.exec, s), "replay");
       check_cuda(cudaEventRecord(end, s), "record");
@@ -94,7 +94,7 @@ void round_robin(std::vector<Variant>& vs, cudaStream_t s, int calls = 100, int 
     }
   cudaEventDestroy(start);
   cudaEventDestroy(end);
-  for (Variant& v : vs) cudaGraphExecDestroy(v.exec);
+  for (Contender& v : vs) cudaGraphExecDestroy(v.exec);
 }
 
 }  // namespace
@@ -113,7 +113,7 @@ int main() {
     const int64_t bytes = 3 * int64_t(o_bytes + lse_bytes);
     const int64_t st = kHeads * kHeadSize;
     const unsigned threads = unsigned(tokens) * kHeads * kPacks;  // one pack of one row each
-    std::vector<Variant> vs;
+    std::vector<Contender> vs;
     // The library's kernel in blocks of the width its plan picks, and of fixed widths (the SM
     // count is what narrows the blocks of a small grid: see row_dims).
     const auto library = [&](const char* name, int width) {
@@ -150,7 +150,7 @@ int main() {
     vs.push_back({"empty 1024 B", [&](int) { empty_kernel<1024><<<1, 32, 0, s>>>(Blob<1024>{}); }});
     round_robin(vs, s);
     std::printf("%5d tokens (%6.2f MB):", tokens, bytes / 1e6);
-    for (Variant& v : vs) std::printf(" | %s %.2f", v.name.c_str(), median(v.us));
+    for (Contender& v : vs) std::printf(" | %s %.2f", v.name.c_str(), median(v.us));
     std::printf("\n");
     free_pair_sets(sets);
   }

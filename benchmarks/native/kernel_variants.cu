@@ -3,7 +3,7 @@
 //   flat      the plan's rows taken flat (one offset a view, no row division) against split into
 //             token and head;
 //   accesses  the plan's two 16-byte accesses a thread against one;
-//   evict     evict-first O loads and stores: the library's choice (plan.h stream_o), always, never;
+//   evict     evict-first O loads and stores: the library's choice (plan.h evict_first_o), always, never;
 //   pdl       a chain of two dependent merges with and without programmatic dependent launch;
 //   in place  the in-place merge, unmasked and half masked: the plan's (rows in warps meeting at a
 //             warp barrier before the LSE store) against the block barrier, the general source and
@@ -55,7 +55,7 @@ struct Knobs {
 };
 
 // One merge of set `s` (a_o/a_lse may be another set's output, for the chain) as the library plans
-// it, evict-first forced by the `bytes` the call claims (the plan's stream_o reads it).
+// it, evict-first forced by the `bytes` the call claims (the plan's evict_first_o reads it).
 cudaError_t merge(const void* o_a, const float* lse_a, const Set& s, void* out, float* out_lse, int64_t tokens,
                   int64_t claimed_bytes, Knobs knobs, cudaStream_t stream) {
   const MergeShape shape{tokens, kHeads, kHeadSize, false};
@@ -64,7 +64,7 @@ cudaError_t merge(const void* o_a, const float* lse_a, const Set& s, void* out, 
                        tokens, nullptr, 0};
   const OutView dst{out, st, kHeadSize, out_lse, kHeads, 1, 1.0f, nullptr, false};
   LaunchPlan plan = bf16_plan(shape, src, dst, claimed_bytes, knobs.sms, knobs.pdl, false, knobs.one_access ? 0 : 16);
-  if (knobs.unflat) plan.flat = false;
+  if (knobs.unflat && plan.variant == Variant::kRowsPlainFlat) plan.variant = Variant::kRowsPlain;
   if (knobs.width > 0) plan.main = row_dims(plan.shape.packs, plan.shape.rows, knobs.sms, knobs.width);
   return launch_bf16(plan, src, dst, stream);
 }
@@ -132,16 +132,17 @@ void in_place(int64_t tokens, bool masked, int sms, cudaStream_t stream) {
                          tokens, mask, 1};
     const OutView dst{s.o_a, st, kHeadSize, s.lse_a, kHeads, 1, 1.0f, nullptr, true};
     LaunchPlan plan = bf16_plan(shape, src, dst, bytes, sms, false, false, variant == 3 ? 0 : 16);
+    const bool lanes_planned = plan.variant == Variant::kInPlaceWarp || plan.variant == Variant::kInPlacePlainFlat;
     if (variant == 1) {
       plan.main = row_dims(plan.shape.packs, plan.shape.rows, sms, kPairBlockThreads, plan.shape.packs);
-      plan.lane_lse = false;
+      plan.variant = Variant::kInPlaceBlock;
     }
-    if (variant == 1 || variant == 2) plan.plain = plan.flat = false;
+    if (variant == 2 && lanes_planned) plan.variant = Variant::kInPlaceWarp;
     if (variant >= 4) {  // the plan's kernel in wider blocks (rows kept whole in a block or a warp)
       int64_t lanes = 1;
       while (lanes < plan.shape.packs) lanes *= 2;
       plan.main = row_dims(plan.shape.packs, plan.shape.rows, sms, variant == 4 ? 512 : 1024,
-                           plan.lane_lse ? 0 : plan.shape.packs, plan.lane_lse ? lanes : 0);
+                           lanes_planned ? 0 : plan.shape.packs, lanes_planned ? lanes : 0);
     }
     check_cuda(launch_bf16(plan, src, dst, stream), "launch");
   };

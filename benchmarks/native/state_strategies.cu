@@ -74,16 +74,18 @@ void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
     return OutView{s.out, kHeads * kHeadSize, kHeadSize, s.out_lse, kHeads, 1, 1.0f, nullptr, false};
   };
   CallFacts facts;
+  facts.in = dtype_of<TIn>();
+  facts.out = Dtype::kBFloat16;
   facts.vec = kVec;
   facts.access_bytes = 16;
   facts.bytes = bytes;
   const LaunchPlan library = plan_merge(shape, source(sets[0]), dest(sets[0]), facts, DeviceInfo{sms, 9});
-  // Variants: the plan's, kRows, kStates with G groups.
-  struct Variant {
+  // Contenders: the plan's, kRows, kStates with G groups.
+  struct Contender {
     std::string name;
     LaunchPlan plan;
   };
-  std::vector<Variant> vs;
+  std::vector<Contender> vs;
   vs.push_back({"plan", library});
   const auto planned = [&](int groups) {
     CallFacts f = facts;
@@ -99,8 +101,8 @@ void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
   rows128.main = row_dims(rows.shape.packs, rows.shape.rows, sms, kMinBlockThreads, kMinBlockThreads);
   vs.push_back({"rows128", rows128});
   LaunchPlan evict = library;  // the plan with the other evict-first choice
-  evict.shape.stream = !library.shape.stream;
-  vs.push_back({library.shape.stream ? "plan-cached" : "plan-evict", evict});
+  evict.shape.evict_first = !library.shape.evict_first;
+  vs.push_back({library.shape.evict_first ? "plan-cached" : "plan-evict", evict});
   // kStates with G groups, where kRows would not fill the GPU twice over.
   if (rows.shape.rows * rows.shape.packs <= int64_t{sms} * 4096)
     for (int g = 2; g <= kMaxStateGroups && rows.shape.packs * g <= kStateBlockThreads; g *= 2)
@@ -151,11 +153,11 @@ void run_case(int64_t tokens, int64_t states, int sms, cudaStream_t stream) {
   }
   std::printf("S=%-4lld %5lld tok %-9s %8.1f MB | plan %s", static_cast<long long>(states), static_cast<long long>(tokens),
               f32 ? "f32->bf16" : "bf16", bytes / 1e6,
-              library.strategy == Strategy::kStates
+              library.strategy() == Strategy::kStates
                   ? ("G" + std::to_string(library.groups)).c_str()
                   : "rows");
   const int calls = bytes > (int64_t{256} << 20) ? 10 : 100;
-  for (Variant& v : vs) {
+  for (Contender& v : vs) {
     run_into_set0(v.plan);
     check_cuda(cudaMemcpy(o.data(), sets[0].out, out_elems * 2, cudaMemcpyDeviceToHost), "copy");
     check_cuda(cudaMemcpy(l.data(), sets[0].out_lse, l.size() * 4, cudaMemcpyDeviceToHost), "copy");

@@ -145,12 +145,12 @@ __global__ void __launch_bounds__(256) minimal_merge(const uint4* oa, const floa
   p.w[0] = x.x, p.w[1] = x.y, p.w[2] = x.z, p.w[3] = x.w;
   q.w[0] = y.x, q.w[1] = y.y, q.w[2] = y.z, q.w[3] = y.w;
   float acc[8] = {};
-  accumulate(acc, p, r.scale(w0));
-  accumulate(acc, q, r.scale(w1));
+  accumulate(acc, p, r.scale(w0), w0);
+  accumulate(acc, q, r.scale(w1), w1);
   store_pack<bfloat16_t, 8>(reinterpret_cast<bfloat16_t*>(oc + t), acc, false);
 }
 
-struct Variant {
+struct Contender {
   std::string name;
   bool merge;  // moves the LSEs too (else only O), and is checked against the library
   std::function<void(const PairSet&)> run;
@@ -182,7 +182,7 @@ int main() {
     check_cuda(cudaStreamSynchronize(stream), "fill");
     const int n = static_cast<int>(o_bytes / 16), rows = static_cast<int>(tokens * kHeads);
     const auto o = [](void* p) { return static_cast<uint4*>(p); };
-    std::vector<Variant> vs;
+    std::vector<Contender> vs;
     vs.push_back({"library", true, [&](const PairSet& s) {
                     const MergeShape shape{tokens, kHeads, kHeadSize, false};
                     const int64_t st = kHeads * kHeadSize;
@@ -230,11 +230,11 @@ int main() {
         std::printf("  %s: OUTPUT DIFFERS from its reference\n", vs[v].name.c_str());
     }
     for (int round = 0; round < 3; ++round)
-      for (Variant& v : vs) v.us.push_back(graph_us([&](int i) { v.run(sets[i % count]); }, stream));
+      for (Contender& v : vs) v.us.push_back(graph_us([&](int i) { v.run(sets[i % count]); }, stream));
     check_cuda(cudaGetLastError(), "launches");
     std::printf("%6lld tokens: merge %.1f MB, add %.1f MB, %lld sets\n", static_cast<long long>(tokens), bytes / 1e6,
                 3 * o_bytes / 1e6, static_cast<long long>(count));
-    for (Variant& v : vs) {
+    for (Contender& v : vs) {
       const double us = median(v.us);
       std::printf("  %-20s %9.2f us %6.0f GB/s\n", v.name.c_str(), us, (v.merge ? bytes : 3.0 * o_bytes) / us / 1e3);
     }

@@ -39,7 +39,7 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
       const int n = states.count();
       RowMerge r(shape.base2);
       const float sink = sink_lse(src, head);  // a state of output 0: in the max and the total only
-      if constexpr (Source::kSink) r.see(sink);
+      if constexpr (Source::Traits::kSink) r.see(sink);
       for (int s = 0; s < n; ++s) r.see(states.lse(s));
       float w[kCached];
       for (int s = 0; s < n; ++s) {
@@ -47,7 +47,7 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
         if (s < kCached) w[s] = ws;
         r.total += ws;
       }
-      if constexpr (Source::kSink) r.total += r.weight(sink);
+      if constexpr (Source::Traits::kSink) r.total += r.weight(sink);
       r.finish(factor);
       TOut* dst = out.o_at<TOut>(token, head);
       // The parts that contribute (a part of zero weight is never read); two of them, the common

@@ -88,14 +88,31 @@ namespace {
 thread_local attnmerge_launch_info g_last_launch = {};
 }  // namespace
 
+namespace {
+
+// The C ABI's name of a variant's kernel (attnmerge_launch_info::kernel).
+int32_t kernel_of(Variant v) {
+  switch (v) {
+    case Variant::kNone: return ATTNMERGE_KERNEL_NONE;
+    case Variant::kStates: return ATTNMERGE_KERNEL_STATES;
+    case Variant::kInPlaceWarp:
+    case Variant::kInPlaceBlock:
+    case Variant::kInPlacePlainFlat: return ATTNMERGE_KERNEL_ROWS_INPLACE;
+    case Variant::kRowsPlain:
+    case Variant::kRowsPlainFlat: return ATTNMERGE_KERNEL_ROWS_PLAIN;
+    case Variant::kRows:
+    case Variant::kRowsLseAfter:
+    case Variant::kShare: return ATTNMERGE_KERNEL_ROWS;
+  }
+  return ATTNMERGE_KERNEL_ROWS;
+}
+
+}  // namespace
+
 void record_launch(const LaunchPlan& plan) {
   attnmerge_launch_info& info = g_last_launch;
-  info.launches = plan.launches;
-  info.kernel = plan.launches == 0                      ? ATTNMERGE_KERNEL_NONE
-                : plan.strategy == Strategy::kStates ? ATTNMERGE_KERNEL_STATES
-                : plan.fused_lse                     ? ATTNMERGE_KERNEL_ROWS_INPLACE
-                : plan.plain                         ? ATTNMERGE_KERNEL_ROWS_PLAIN
-                                                     : ATTNMERGE_KERNEL_ROWS;
+  info.launches = plan.launches();
+  info.kernel = kernel_of(plan.variant);
   info.state_groups = plan.groups;
   info.index_bits = plan.index32 ? 32 : 64;
   info.vec = plan.vec;

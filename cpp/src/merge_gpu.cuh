@@ -51,7 +51,10 @@ attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const Out
   if (guard.error() != cudaSuccess)
     return cuda_fail(guard.error(), "while selecting the device (an earlier error, not one of this call's arguments)");
   const DeviceProps props = device_props(device);
-  const LaunchPlan plan = plan_merge(shape, src, out, facts, DeviceInfo{props.sms, props.major});
+  CallFacts typed = facts;  // the plan's dtypes, from the C ABI's codes
+  dispatch_in_dtype(in_dtype, [&](auto tag) { typed.in = dtype_of<decltype(tag)>(); });
+  dispatch_out_dtype(out_dtype, [&](auto tag) { typed.out = dtype_of<decltype(tag)>(); });
+  const LaunchPlan plan = plan_merge(shape, src, out, typed, DeviceInfo{props.sms, props.major});
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaSuccess;
   dispatch_in_dtype(in_dtype, [&](auto in_tag) {
@@ -61,7 +64,8 @@ attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const Out
         using TOut = decltype(out_tag);
         constexpr int kVec = decltype(vec_tag)::value;
         // A thread's elements span one access of at most 16 bytes (two for two-state sources: the
-        // plan's vec); no wider combination is ever planned, so none is instantiated.
+        // plan's vec); no wider combination is ever planned, so none is instantiated (launch_merge
+        // compiles, of each combination, the variants the plan may give it).
         constexpr std::size_t kMost = std::is_same<Source, PairSource>::value ? 32 : 16;
         if constexpr (kVec * sizeof(TIn) <= kMost && kVec * sizeof(TOut) <= kMost)
           err = launch_merge<TIn, TOut, kVec>(plan, src, out, s);

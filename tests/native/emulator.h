@@ -9,6 +9,7 @@
 
 #include <attnmerge/attnmerge.h>
 #include <attnmerge/numeric.h>
+#include <attnmerge/plan.h>
 #include <attnmerge/views.h>
 
 #include <cstdint>
@@ -26,6 +27,16 @@ constexpr int code_of() {
   if constexpr (std::is_same<T, half_t>::value) return ATTNMERGE_FLOAT16;
   if constexpr (std::is_same<T, bfloat16_t>::value) return ATTNMERGE_BFLOAT16;
   if constexpr (std::is_same<T, float8_e4m3_t>::value) return ATTNMERGE_FLOAT8_E4M3;
+}
+
+// The plan's Dtype of a C ABI dtype code (kUnknown for one that names no O dtype).
+inline attnmerge::Dtype dtype_of_code(int code) {
+  attnmerge::Dtype d = attnmerge::Dtype::kUnknown;
+  const auto match = [&](auto tag) {
+    if (code_of<decltype(tag)>() == code) d = attnmerge::dtype_of<decltype(tag)>();
+  };
+  match(float{}), match(half_t{}), match(bfloat16_t{}), match(float8_e4m3_t{});
+  return d;
 }
 
 // An (input, output) pair of storage types an emulator is compiled for.

@@ -45,10 +45,14 @@ cudaError_t run(int in_dtype, int out_dtype, const LaunchPlan& plan, const Sourc
   });
 }
 
-// The facts of a call (CallFacts): vec elements an access and its bytes, the largest element
-// offset, the bytes moved, LSEs laid out [heads, tokens], PDL, forced groups (0: the plan's).
-CallFacts facts(int vec, int access_bytes, int64_t max_offset, int64_t bytes, int tokens_inner, int pdl, int groups) {
+// The facts of a call (CallFacts): the dtypes in and out (codes), vec elements an access and its
+// bytes, the largest element offset, the bytes moved, LSEs laid out [heads, tokens], PDL, forced
+// groups (0: the plan's).
+CallFacts facts(int in_dtype, int out_dtype, int vec, int access_bytes, int64_t max_offset, int64_t bytes,
+                int tokens_inner, int pdl, int groups) {
   CallFacts f;
+  f.in = emu::dtype_of_code(in_dtype);
+  f.out = emu::dtype_of_code(out_dtype);
   f.vec = vec;
   f.access_bytes = access_bytes;
   f.max_offset = max_offset;
@@ -158,24 +162,18 @@ void emulate_split_row(int64_t tokens, int64_t heads, int tile_shift, int64_t ro
   }
 }
 
-// The plan of the last call: strategy, chunk, groups, launches, index32, plain, flat, fused_lse,
-// lane_lse, vec, stream, tile_shift, pdl, at fields[0 .. 12].
+// The plan of the last call: variant, chunk, groups, launches, index32, vec, evict_first,
+// tile_shift, pdl, at fields[0 .. 8].
 void emulate_plan(int64_t* fields) {
   const LaunchPlan& p = t_plan;
-  const int64_t v[] = {static_cast<int64_t>(p.strategy),
-                       p.chunk,
-                       p.groups,
-                       p.launches,
-                       p.index32,
-                       p.plain,
-                       p.flat,
-                       p.fused_lse,
-                       p.lane_lse,
-                       p.vec,
-                       p.shape.stream,
-                       p.shape.tile_shift,
-                       p.pdl};
-  std::copy(std::begin(v), std::end(v), fields);
+  const int64_t f[] = {static_cast<int64_t>(p.variant), p.chunk, p.groups, p.launches(), p.index32, p.vec,
+                       p.shape.evict_first, p.shape.tile_shift, p.pdl};
+  std::copy(std::begin(f), std::end(f), fields);
+}
+
+// The name of Variant `v` (plan.h's variant_name), null past the last.
+const char* emulate_variant_name(int v) {
+  return v >= 0 && v <= static_cast<int>(Variant::kShare) ? variant_name(static_cast<Variant>(v)) : nullptr;
 }
 
 // The two-way merge into out (and out_lse, null: none), or, with in_place, the in-place merge of
@@ -192,7 +190,7 @@ int emulate_merge(int64_t tokens, int64_t a_tokens, int64_t heads, int64_t head_
   src.b_scale = base_change(base2_of(bases, ATTNMERGE_LSE_B_BASE2, ATTNMERGE_LSE_B_BASE_E), inputs_base2(bases));
   OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, scale, bases);
   dst.lse_in_place = in_place != 0;
-  const CallFacts f = facts(vec, access_bytes, max_offset, bytes, tokens_inner, pdl, 0);
+  const CallFacts f = facts(in_dtype, out_dtype, vec, access_bytes, max_offset, bytes, tokens_inner, pdl, 0);
   if (t_pair_sink.lse != nullptr) {  // as the C ABI runs a two-way merge with a sink
     const SinkPairSource sunk{src, t_pair_sink};
     return run(in_dtype, out_dtype, plan_merge(shape, sunk, dst, f, DeviceInfo{sms, 9}), sunk, dst);
@@ -211,7 +209,7 @@ int emulate_merge_states(int64_t tokens, int64_t states, int64_t heads, int64_t 
   const MergeShape shape(tokens, heads, head_size, inputs_base2(bases));
   const StackSource src{o, o_s[0], o_s[1], o_s[2], lse, l_s[0], l_s[1], l_s[2], states, SinkView{sink, sink_stride}};
   const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr, bases);
-  const CallFacts f = facts(vec, access_bytes, max_offset, bytes, 0, 0, groups);
+  const CallFacts f = facts(in_dtype, out_dtype, vec, access_bytes, max_offset, bytes, 0, 0, groups);
   return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);
 }
 
@@ -225,7 +223,7 @@ int emulate_merge_share(int64_t tokens, int64_t states, int64_t heads, int64_t h
   const MergeShape shape(tokens, heads, head_size, inputs_base2(bases));
   const ShareSource src{{o, o_s[0], 0, o_s[1], lse, l_s[0], l_s[1], l_s[2], states, SinkView{sink, sink_stride}}, index};
   const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr, bases);
-  const CallFacts f = facts(vec, access_bytes, max_offset, bytes, 0, 0, groups);
+  const CallFacts f = facts(in_dtype, out_dtype, vec, access_bytes, max_offset, bytes, 0, 0, groups);
   return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);
 }
 
@@ -241,7 +239,7 @@ int emulate_merge_varlen(int64_t rows, int64_t total, int64_t heads, int64_t hea
   const RangeSource src{
       o, o_s[0], o_s[1], lse, l_s[0], l_s[1], indptr, indptr_stride, indptr64 != 0, total, SinkView{sink, sink_stride}};
   const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr, bases);
-  const CallFacts f = facts(vec, access_bytes, max_offset, bytes, 0, 0, groups);
+  const CallFacts f = facts(in_dtype, out_dtype, vec, access_bytes, max_offset, bytes, 0, 0, groups);
   return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);
 }
 

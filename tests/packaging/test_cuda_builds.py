@@ -5,7 +5,8 @@
 - that table and the build backend's agree on the distributions and their drivers;
 - the installed library carries the cubins its CUDA version promises: cuobjdump reads each one's
   ELF ABI (7 for CUDA 12 below sm_100, which drivers from R525 on load; 8 for CUDA 13, R580 on), the
-  toolkit that assembled it and its SM, and the PTX's ISA version."""
+  toolkit that assembled it and its SM, and the PTX's ISA version;
+- it compiles no more kernels per architecture than the stated budget."""
 
 from __future__ import annotations
 
@@ -168,3 +169,36 @@ def test_the_ptx_is_of_an_isa_the_builds_drivers_read():
     major, _ = _build_release()
     # CUDA 12.x drivers JIT PTX ISA 8.x (12.9's is 8.8); CUDA 13's is 9.x.
     assert all(v[0] == (8 if major == 12 else 9) for v in versions), versions
+
+
+# --- the kernels it compiles ----------------------------------------------------------------------
+
+# Kernels per architecture: launch_merge compiles, for each (input, output) dtype and vector width,
+# the variants the plan may give (plan.h: Variant, may_plan, kPlainPairs), and the backward its
+# own.  Measured 1,148 on sm_90 at 2026-12-05 (1,873 before the variants became a list: 168 share
+# kernels no plan could launch, and plain two-way kernels for every dtype pair).  The budget
+# leaves room for a few new variants; past it, a kernel must earn its place or another must go,
+# since each one costs every source build and every wheel.
+KERNEL_BUDGET = 1200
+
+
+def kernels_per_architecture(text: str) -> dict:
+    """{sm: kernels} from `cuobjdump -res-usage`: its Function lines under each 'Fatbin elf code'
+    (a cubin) of that arch; the PTX sections carry none."""
+    counts, arch, elf = {}, None, False
+    for line in text.splitlines():
+        if line.startswith("Fatbin"):
+            elf, arch = line.startswith("Fatbin elf"), None
+        elif (m := re.match(r"arch = sm_(\d+)", line)) and elf:
+            arch = int(m.group(1))
+            counts.setdefault(arch, 0)
+        elif arch is not None and re.match(r"\s*Function \S+:", line):
+            counts[arch] += 1
+    return counts
+
+
+def test_kernels_per_architecture_stay_within_the_budget():
+    counts = kernels_per_architecture(_dump("-res-usage"))
+    assert counts, "no cubin in the library"
+    assert set(counts) == {int(a) for a in attnmerge.build_info()["cuda_architectures"]}
+    assert all(n <= KERNEL_BUDGET for n in counts.values()), counts

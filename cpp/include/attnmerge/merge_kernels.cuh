@@ -20,15 +20,15 @@ namespace attnmerge {
 // kRows: the widest block and the blocks per SM the compiler must leave room for.  Two-state
 // kernels: about 30 registers, full occupancy, compiled for blocks of up to kPairMaxBlockThreads
 // (the plan's widths, pair_block_threads), no cap.  N-way kernels of 8 states in flight: 3 blocks
-// cap them at 85 registers (faster than uncapped and than 4 states a chunk: benchmarks/NOTES.md);
+// cap them at 85 registers (faster than uncapped and than 4 states per chunk: benchmarks/NOTES.md);
 // of 4 states: 4 blocks, 64 registers.
 template <typename Source>
 constexpr int max_threads() {
-  return Source::kMaxStates == 2 ? kPairMaxBlockThreads : kBlockThreads;
+  return Source::Traits::kMaxStates == 2 ? kPairMaxBlockThreads : kBlockThreads;
 }
 template <typename Source, int kChunk>
 constexpr int min_blocks() {
-  return Source::kMaxStates == 2 ? 1 : kChunk <= kSmallChunk ? 4 : 3;
+  return Source::Traits::kMaxStates == 2 ? 1 : kChunk <= kSmallChunk ? 4 : 3;
 }
 
 // The weights of a row of at most kChunk states into `r` (see, weigh, finish: row.h), from their
@@ -63,7 +63,7 @@ __device__ __forceinline__ void weigh_row(const float (&l)[kChunk], float (&w)[k
 // the first chunk.
 template <int kChunk, bool kSink = false, typename TIn, int VEC, typename LseOf, typename OOf>
 __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pack<TIn, VEC> (&o)[kChunk], LseOf lse_of,
-                                                  OOf o_of, bool stream, RowMerge& r, float (&acc)[VEC],
+                                                  OOf o_of, bool evict_first, RowMerge& r, float (&acc)[VEC],
                                                   float sink = -INFINITY) {
   // A chunk's states weighed against r.m, without a branch: a state past n has LSE -inf, so
   // weight 0, and accumulate clears the words of its pack (never loaded).
@@ -86,7 +86,7 @@ __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pac
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) {
       l[c] = load_lse_if(lse_of(s + c), s + c < n);
-      o[c] = load_pack_if<TIn, VEC>(o_of(s + c), s + c < n, stream);
+      o[c] = load_pack_if<TIn, VEC>(o_of(s + c), s + c < n, evict_first);
     }
     const float before = r.m;
 #pragma unroll
@@ -111,16 +111,6 @@ __device__ __forceinline__ void pdl_wait_then_release() {
 #endif
 }
 
-// Whether an in-place source keeps each row in one warp (InPlaceSource's kLanes).
-template <typename Source>
-ATTNMERGE_HD constexpr bool lane_lse() {
-  if constexpr (Source::kFusedLse) {
-    return Source::kLanes;
-  } else {
-    return false;
-  }
-}
-
 // Waits for the lanes of this thread's row, the first `packs` of the row's blockDim.x (a power of
 // two, at most 32: each row lies in one warp at aligned lanes, and its lanes past `packs` have
 // left): past it every lane of the row has read the row's LSEs, so one of them may overwrite them.
@@ -129,27 +119,12 @@ __device__ __forceinline__ void sync_row_lanes(int packs) {
   __syncwarp(packs >= 32 ? 0xffffffffu : ((1u << packs) - 1u) << first);
 }
 
-// Whether a launch of Source takes its rows flat (PlainPairSource with kFlatRows, unmasked): the
-// plan gives it one grid axis, x, and each row's packs along the block's x axis alone
-// (LaunchPlan::flat), so that a thread finds its row and pack in two instructions.  At full
-// occupancy every instruction before a thread's loads delays every warp's loads: the launch's start
-// is on its critical path.  A masked source keeps the general row: measured faster there
-// (benchmarks/NOTES.md).
-template <typename Source>
-ATTNMERGE_HD constexpr bool flat_launch() {
-  if constexpr (Source::kPlain) {
-    return Source::kFlat && !Source::kMaskedRows;
-  } else {
-    return false;
-  }
-}
-
 // Whether a kernel of Source writing TOut may quantize per group (OutView::group): FP8 outputs of
 // the general sources (the plan keeps the plain ones for calls without groups), so that the other
 // kernels carry none of it.
 template <typename Source, typename TOut>
 ATTNMERGE_HD constexpr bool takes_groups() {
-  return std::is_same<TOut, float8_e4m3_t>::value && !Source::kPlain;
+  return std::is_same<TOut, float8_e4m3_t>::value && !Source::Traits::kPlain;
 }
 
 // Per-group FP8 (OutView::group) of this thread's pack `acc` of the merged row (token, head), pack
@@ -175,7 +150,7 @@ __device__ __forceinline__ void quantize_group(float (&acc)[VEC], const OutView&
 }
 
 // Per-group FP8 under kStates, where a group's elements lie with several finishing threads (its
-// packs' finishers, in several warps): their largest magnitudes meet in the row's `slots` (one a
+// packs' finishers, in several warps): their largest magnitudes meet in the row's `slots` (one per
 // group, zeroed before the block's first barrier) by atomicMax of their bits (non-negative
 // floats order as their bits, and a maximum is the same in any order), then each finisher scales
 // its `x`, the elements e0 .. e0 + N - 1 of pack k, and the group's first element's finisher stores
@@ -214,11 +189,11 @@ __device__ __forceinline__ I launch_row() {
 // launch is untiled: no tile step, no such rows.
 template <typename Source, typename I>
 __device__ __forceinline__ bool locate_row(const MergeShape& shape, I row, I& token, I& head) {
-  if constexpr (Source::kPlain) {
-    if constexpr (Source::kFlat) {
+  if constexpr (Source::Traits::kPlain) {
+    if constexpr (Source::Traits::kRowIndex == RowIndex::kFlat) {
       token = row, head = 0;
     } else {
-      shape.split_row<false>(row, token, head);
+      shape.split_row<Tiles::kNone>(row, token, head);
     }
     return true;
   } else {
@@ -231,12 +206,10 @@ __device__ __forceinline__ bool locate_row(const MergeShape& shape, I row, I& to
 // plain source, whose rows are located as (row, 0).
 template <typename Source, typename I>
 __device__ __forceinline__ I mask_token(const MergeShape& shape, I row, I token) {
-  if constexpr (Source::kPlain) {
-    if constexpr (Source::kFlat && Source::kMaskedRows) {
-      I t, h;
-      shape.split_row<false>(row, t, h);
-      return t;
-    }
+  if constexpr (Source::Traits::kRowIndex == RowIndex::kFlat && Source::Traits::kMask == Mask::kByToken) {
+    I t, h;
+    shape.split_row<Tiles::kNone>(row, t, h);
+    return t;
   }
   return token;
 }
@@ -254,23 +227,31 @@ __device__ __forceinline__ I mask_token(const MergeShape& shape, I row, I token)
 // without being used.  Rows of more states take theirs in one pass against a running max
 // (accumulate_online), each further chunk one round trip.  The output scale and a NaN LSE are folded into the
 // weights, so the O path is one multiply-add per element and state.  A masked-out row reads its
-// mask byte and nothing else.  A source's sink (kSink: the N-way and variable-length merges) is one
+// mask byte and nothing else.  A source's sink (Traits::kSink: the N-way and variable-length merges) is one
 // more state whose O is 0: it enters the weights alone.
 //
-// An InPlaceSource (kFusedLse) writes the merged LSE over an input's.  With kLanes each row lies
-// in one warp, whose lanes all read its LSEs and meet at a warp barrier (sync_row_lanes) before
-// the row's first lane stores the merged one, and a masked-out row's threads leave at once.
-// Otherwise every thread reaches one block barrier after it has read its row's LSEs, and only then
-// is the LSE stored, so the launch's rows lie inside blocks (the plan's condition) and no thread
-// leaves before the barrier.
+// An InPlaceSource writes the merged LSE over an input's.  With LseWrite::kWarp each row lies in
+// one warp, whose lanes all read its LSEs and meet at a warp barrier (sync_row_lanes) before the
+// row's first lane stores the merged one, and a masked-out row's threads leave at once.  With
+// LseWrite::kBlock every thread reaches one block barrier after it has read its row's LSEs, and
+// only then is the LSE stored, so the launch's rows lie inside blocks (the plan's condition) and
+// no thread leaves before the barrier.
 template <typename Source, typename TIn, typename TOut, int VEC, typename I, int kChunk>
 __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kChunk>()))
     merge_kernel(const MergeShape shape, const Source src, const OutView out) {
-  constexpr bool kLanes = lane_lse<Source>();
-  constexpr bool kBarrier = Source::kFusedLse && !kLanes;  // every thread reaches the block barrier
+  using Traits = typename Source::Traits;
+  constexpr bool kLanes = Traits::kLseWrite == LseWrite::kWarp;
+  constexpr bool kBarrier = Traits::kLseWrite == LseWrite::kBlock;  // every thread reaches the block barrier
+  constexpr bool kInPlace = Traits::kLseWrite != LseWrite::kOut;
+  // Rows taken flat (flat rows, unmasked): one grid axis, x, and each row's packs along the
+  // block's x axis alone (Variant::kRowsPlainFlat), so that a thread finds its row and pack in two
+  // instructions.  At full occupancy every instruction before a thread's loads delays every
+  // warp's loads: the launch's start is on its critical path.  A masked source keeps the general
+  // row: measured faster there (benchmarks/NOTES.md).
+  constexpr bool kFlatLaunch = Traits::kRowIndex == RowIndex::kFlat && Traits::kMask == Mask::kNone;
   using P = Pack<TIn, VEC>;
   I row, k;
-  if constexpr (flat_launch<Source>()) {
+  if constexpr (kFlatLaunch) {
     pdl_wait_then_release();
     row = static_cast<I>(blockIdx.x) * static_cast<I>(blockDim.y) + static_cast<I>(threadIdx.y);
     k = static_cast<I>(threadIdx.x);
@@ -280,7 +261,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   }
   // rows and packs fit in I (int32_t only for calls of fewer than 2^30 elements an array); a flat
   // launch's blocks are a row's packs wide, but for the lanes of an in-place row (a power of two)
-  bool live = row < static_cast<I>(shape.rows) && ((flat_launch<Source>() && !kLanes) || k < static_cast<I>(shape.packs));
+  bool live = row < static_cast<I>(shape.rows) && ((kFlatLaunch && !kLanes) || k < static_cast<I>(shape.packs));
   if constexpr (!kBarrier) {
     if (!live) return;
   }
@@ -303,8 +284,8 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
     }
   }();
   const int n = kBarrier && !live ? 0 : states.count();
-  const bool stream = Source::kStream < 0 ? shape.stream : Source::kStream == 1;
-  constexpr bool kFew = Source::kMaxStates > 0 && Source::kMaxStates <= kChunk;  // at most a chunk, always
+  const bool evict_first = Traits::kCache == Cache::kAsShape ? shape.evict_first : Traits::kCache == Cache::kEvictFirst;
+  constexpr bool kFew = Traits::kMaxStates > 0 && Traits::kMaxStates <= kChunk;  // at most a chunk, always
   // The first chunk: every load in flight at once.
   float l[kChunk];
   P o[kChunk];
@@ -312,10 +293,10 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   for (int c = 0; c < kChunk; ++c) {
     if constexpr (kFew) {  // a count known at compile time: no predicate
       l[c] = c < n ? states.lse(c) : -INFINITY;  // -inf: no weight, no NaN
-      if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c), stream);
+      if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c), evict_first);
     } else {
       l[c] = load_lse_if(states.lse_ptr(c), c < n);
-      o[c] = load_pack_if<TIn, VEC>(states.template o_at<TIn>(c), c < n, stream);
+      o[c] = load_pack_if<TIn, VEC>(states.template o_at<TIn>(c), c < n, evict_first);
     }
   }
   const float sink = sink_lse(src, head);  // -inf without one
@@ -325,14 +306,14 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   TOut* dst;
   float* lse_dst;
   bool writes_lse;  // this thread stores the row's merged LSE (at lse_dst)
-  // A flat two-way merge's output offsets are its inputs' (kFlatRows); in place, the output's own
-  // views are measured faster (benchmarks/NOTES.md), and its LSE is always written (the plan's
-  // condition): no null check.
-  if constexpr (flat_launch<Source>() && !Source::kFusedLse) {
+  // A flat two-way merge's output offsets are its inputs' (RowIndex::kFlat); in place, the
+  // output's own views are measured faster (benchmarks/NOTES.md), and its LSE is always written
+  // (the plan's condition): no null check.
+  if constexpr (kFlatLaunch && !kInPlace) {
     dst = static_cast<TOut*>(out.o) + src.offset(row, k * VEC);
     lse_dst = out.lse != nullptr ? out.lse + src.lse_offset(row) : nullptr;
     writes_lse = k == 0 && lse_dst != nullptr;
-  } else if constexpr (Source::kFusedLse) {
+  } else if constexpr (kInPlace) {
     dst = out.o_at<TOut>(token, head, k * VEC);
     lse_dst = out.lse_row(token, head);
     writes_lse = k == 0;
@@ -344,13 +325,13 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   RowMerge r(shape.base2);
   // The merged LSE as the output takes it (OutView::lse_value): a plain source has one base, the
   // plan's condition, so its kernels do not multiply by 1.
-  const auto merged_lse = [&] { return Source::kPlain ? r.lse() : out.lse_value(r.lse()); };
-  const float factor = Source::kPlain ? out.inv_scale : out.inverse_scale();
+  const auto merged_lse = [&] { return Traits::kPlain ? r.lse() : out.lse_value(r.lse()); };
+  const float factor = Traits::kPlain ? out.inv_scale : out.inverse_scale();
   float acc[VEC] = {};
   if (kFew || n <= kChunk) {  // one round trip, the weights from the row's own max
     float w[kChunk];
-    weigh_row<kChunk, Source::kSink>(l, w, factor, r, sink);
-    if constexpr (Source::kSink) {  // a NaN sink has no O to carry its NaN into the sum
+    weigh_row<kChunk, Traits::kSink>(l, w, factor, r, sink);
+    if constexpr (Traits::kSink) {  // a NaN sink has no O to carry its NaN into the sum
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] = r.nan ? NAN : 0.0f;
     }
@@ -365,9 +346,9 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
     for (int c = 0; c < kChunk; ++c)
       if (c < n) accumulate(acc, o[c], r.scale(w[c]), w[c]);
   } else if constexpr (!kFew) {
-    accumulate_online<kChunk, Source::kSink>(
-        n, l, o, [&](int s) { return states.lse_ptr(s); }, [&](int s) { return states.template o_at<TIn>(s); }, stream,
-        r, acc, sink);
+    accumulate_online<kChunk, Traits::kSink>(
+        n, l, o, [&](int s) { return states.lse_ptr(s); }, [&](int s) { return states.template o_at<TIn>(s); },
+        evict_first, r, acc, sink);
     r.finish(factor);
     if (writes_lse) *lse_dst = merged_lse();
 #pragma unroll
@@ -376,7 +357,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   if constexpr (takes_groups<Source, TOut>()) {
     if (out.group > 0) quantize_group(acc, out, token, head, k);
   }
-  store_pack<TOut, VEC>(dst, acc, stream);
+  store_pack<TOut, VEC>(dst, acc, evict_first);
 }
 
 // kStates.  A block holds whole rows: threadIdx.x the pack, threadIdx.y the group, threadIdx.z
@@ -390,7 +371,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
 // source's sink is counted once, by the finishing threads.  Per-group FP8 (takes_groups) meets
 // once more, in shared memory (quantize_group_shared).
 // Built for latency, as split-KV decode calls it: no division, each chunk's loads predicated and
-// issued back to back with evict-first accesses (the plan streams every kStates call), and the
+// issued back to back with evict-first accesses (the plan makes every kStates call's so), and the
 // finishing reads of shared memory all in flight together.  32-bit offsets and VEC a multiple of
 // 4 (the plan's conditions).  Every thread reaches the barrier: none leaves early.
 template <typename Source, typename TIn, typename TOut, int VEC, int kGroups>
@@ -410,7 +391,7 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
   const I row = static_cast<I>(blockIdx.x) * static_cast<I>(blockDim.z) + static_cast<I>(threadIdx.z);
   const bool live = row < static_cast<I>(shape.rows);
   I token = 0, head = 0;
-  if (live) shape.split_row<false>(row, token, head);
+  if (live) shape.split_row<Tiles::kNone>(row, token, head);
   const auto states = src.template row<TIn>(token, head);
   const int n = live ? states.count() : 0;
   const int mine = n > g ? ((n - g - 1) >> kShift) + 1 : 0;  // this group's states
@@ -433,7 +414,7 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
   float acc[VEC] = {};
   accumulate_online<kChunk>(mine, l, o, lse_of, o_of, true, part, acc);
   // Shared memory: each slot's (row, group) accumulators, [slot][pack][VEC] floats, then its
-  // (max, total), then (per-group FP8) each row's groups' amax slots, a pack's worth a row.
+  // (max, total), then (per-group FP8) each row's groups' amax slots, a pack's worth per row.
   extern __shared__ float4 shared[];
   const int slot = static_cast<int>(threadIdx.z) * kGroups;
   float* const part_acc = reinterpret_cast<float*>(shared);
@@ -462,7 +443,7 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
       mt[j] = part_mt[slot + j];
       r.m = fmaxf(r.m, mt[j].x);
     }
-    if constexpr (Source::kSink) r.see(sink);  // once a row, by its finishers, not by every group
+    if constexpr (Source::Traits::kSink) r.see(sink);  // once a row, by its finishers, not by every group
     // Each group's partial rescaled to the row's max; one whose factor underflows to 0 is dropped
     // whole (as accumulate_online drops its own), a NaN total makes the row NaN.
     float f[kGroups];
@@ -473,7 +454,7 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
       r.total += f[j] != 0.0f ? mt[j].y * f[j] : 0.0f;
       r.nan |= is_nan(mt[j].y);
     }
-    if constexpr (Source::kSink) r.total += r.weight(sink);
+    if constexpr (Source::Traits::kSink) r.total += r.weight(sink);
 #pragma unroll
     for (int j = 0; j < kGroups; ++j) {
       const float* const a = part_acc + ((slot + j) * packs + k) * VEC + g * kEach;
@@ -515,8 +496,8 @@ __global__ void __launch_bounds__(kBlockThreads) merge_share_kernel(const MergeS
   I token, head;
   if (!locate_row<ShareSource>(shape, row, token, head)) return;
   const auto states = src.template row<TIn>(token, head, k * VEC);
-  const bool stream = shape.stream;
-  const Pack<TIn, VEC> own = load_pack<TIn, VEC>(states.template o_at<TIn>(states.own), stream);
+  const bool evict_first = shape.evict_first;
+  const Pack<TIn, VEC> own = load_pack<TIn, VEC>(states.template o_at<TIn>(states.own), evict_first);
   const float own_lse = states.lse(states.own);
   const int n = states.count();
   RowMerge r(shape.base2);
@@ -541,7 +522,7 @@ __global__ void __launch_bounds__(kBlockThreads) merge_share_kernel(const MergeS
   if constexpr (takes_groups<ShareSource, TOut>()) {
     if (out.group > 0) quantize_group(acc, out, token, head, k);
   }
-  store_pack<TOut, VEC>(out.o_at<TOut>(token, head, k * VEC), acc, stream);
+  store_pack<TOut, VEC>(out.o_at<TOut>(token, head, k * VEC), acc, evict_first);
   if (k == 0) out.store_lse(token, head, r.lse());
 }
 
@@ -596,25 +577,16 @@ cudaError_t launch(void (*kernel)(MergeShape, Source, OutView), const LaunchPlan
 
 namespace launch_detail {
 
-// kRows with index type I and kChunk states in flight: the merge, then the LSEs where the plan
-// has a second launch.
+// kRows with index type I and kChunk states in flight.
 template <typename Source, typename TIn, typename TOut, int VEC, typename I, int kChunk>
 cudaError_t rows(const LaunchPlan& plan, const Source& src, const OutView& out, cudaStream_t stream) {
-  const auto kernel = merge_kernel<Source, TIn, TOut, VEC, I, kChunk>;
-  if constexpr (std::is_same<Source, PairSource>::value) {
-    if (plan.launches == 2) {  // an in-place merge whose rows span blocks
-      OutView first = out;
-      first.lse = nullptr;
-      const cudaError_t err = launch(kernel, plan, plan.main, src, first, stream);
-      return err != cudaSuccess ? err : launch(merge_lse_kernel<Source, I>, plan, plan.lse, src, out, stream);
-    }
-  }
-  return launch(kernel, plan, plan.main, src, out, stream);
+  return launch(merge_kernel<Source, TIn, TOut, VEC, I, kChunk>, plan, plan.main, src, out, stream);
 }
 
+// kRows with the plan's index type and chunk.
 template <typename Source, typename TIn, typename TOut, int VEC>
 cudaError_t rows(const LaunchPlan& plan, const Source& src, const OutView& out, cudaStream_t stream) {
-  if constexpr (Source::kMaxStates == 2) {
+  if constexpr (Source::Traits::kMaxStates == 2) {
     return plan.index32 ? rows<Source, TIn, TOut, VEC, int32_t, 2>(plan, src, out, stream)
                         : rows<Source, TIn, TOut, VEC, int64_t, 2>(plan, src, out, stream);
   } else if (plan.chunk <= kSmallChunk) {
@@ -626,7 +598,16 @@ cudaError_t rows(const LaunchPlan& plan, const Source& src, const OutView& out, 
   }
 }
 
-// A share (merge_share_kernel) with index type I and kChunk LSEs in flight.
+// kRowsLseAfter with index type I: the merge without the LSE, then the LSEs.
+template <typename TIn, typename TOut, int VEC, typename I>
+cudaError_t rows_lse_after(const LaunchPlan& plan, const PairSource& src, const OutView& out, cudaStream_t stream) {
+  OutView first = out;
+  first.lse = nullptr;
+  const cudaError_t err = rows<PairSource, TIn, TOut, VEC, I, 2>(plan, src, first, stream);
+  return err != cudaSuccess ? err : launch(merge_lse_kernel<PairSource, I>, plan, plan.lse, src, out, stream);
+}
+
+// A share (merge_share_kernel) with the plan's index type and chunk of LSEs in flight.
 template <typename TIn, typename TOut, int VEC>
 cudaError_t share(const LaunchPlan& plan, const ShareSource& src, const OutView& out, cudaStream_t stream) {
   const auto go = [&](auto kernel) { return launch(kernel, plan, plan.main, src, out, stream); };
@@ -653,54 +634,82 @@ cudaError_t states(const LaunchPlan& plan, const Source& src, const OutView& out
 
 // The merge as `plan` (plan_merge of the same call) says: O and, unless out.lse is null, the
 // merged LSEs.  TIn, TOut: the storage types of the inputs' and the output's O; VEC = plan.vec.
+// One case a variant, each compiled only where the plan may give it (may_plan): a plan made for
+// another source, other types or another vector width is refused, not run wrong.
 template <typename TIn, typename TOut, int VEC, typename Source>
 cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutView& out, cudaStream_t stream) {
-  if (plan.launches == 0) return cudaSuccess;
-  if constexpr (std::is_same<Source, PairSource>::value) {
-    // In place first: it overwrites the LSEs its rows weigh by (lanes or a barrier: the plan), whatever its source.
-    if (plan.fused_lse && plan.plain) {  // rows in warps and flat, 32-bit offsets (the plan's conditions)
-      const auto in_warps = [&](auto flat) {
-        flat.a = flat_rows(src.a), flat.b = flat_rows(src.b), flat.mask = src.mask, flat.mask_stride = src.mask_stride;
-        return launch_detail::rows<InPlaceSource<decltype(flat), true>, TIn, TOut, VEC, int32_t, 2>(
-            plan, {flat}, flat_rows(out), stream);
-      };
-      if (src.mask == nullptr)
-        return plan.shape.stream ? in_warps(PlainPairSource<true, true>{}) : in_warps(PlainPairSource<false, true>{});
-      return plan.shape.stream ? in_warps(PlainPairSource<true, true, true>{})
-                               : in_warps(PlainPairSource<false, true, true>{});
-    }
-    if (plan.fused_lse)
-      return plan.lane_lse
-                 ? launch_detail::rows<InPlaceSource<PairSource, true>, TIn, TOut, VEC>(plan, {src}, out, stream)
-                 : launch_detail::rows<InPlaceSource<PairSource, false>, TIn, TOut, VEC>(plan, {src}, out, stream);
-    if (plan.flat) {  // plain, 32-bit offsets (the plan's conditions)
-      const StateView a = flat_rows(src.a), b = flat_rows(src.b);
-      const OutView o = flat_rows(out);
-      return plan.shape.stream
-                 ? launch_detail::rows<PlainPairSource<true, true>, TIn, TOut, VEC, int32_t, 2>(plan, {a, b}, o, stream)
-                 : launch_detail::rows<PlainPairSource<false, true>, TIn, TOut, VEC, int32_t, 2>(plan, {a, b}, o,
-                                                                                                 stream);
-    }
-    if (plan.plain)
-      return plan.shape.stream
-                 ? launch_detail::rows<PlainPairSource<true>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream)
-                 : launch_detail::rows<PlainPairSource<false>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream);
-  } else if constexpr (std::is_same<Source, SinkPairSource>::value) {
-    // The two-way kRows kernel, never in place: its kernels have no barrier before the LSE store
-    // (the C ABI refuses a sink where out_lse is an input's).
-    if (plan.fused_lse || plan.launches != 1) return cudaErrorInvalidValue;
-  } else if constexpr (std::is_same<Source, ShareSource>::value) {
-    return launch_detail::share<TIn, TOut, VEC>(plan, src, out, stream);
-  } else if constexpr (takes_states<Source>()) {
-    if (plan.strategy == Strategy::kStates) {  // only with 16-byte accesses (the plan's condition)
-      if constexpr (VEC * (sizeof(TIn) > sizeof(TOut) ? sizeof(TIn) : sizeof(TOut)) == 16) {
-        return launch_detail::states<Source, TIn, TOut, VEC>(plan, src, out, stream);
-      } else {
-        return cudaErrorInvalidValue;  // a plan made for other facts than these types
+  using namespace launch_detail;
+  constexpr Dtype kIn = dtype_of<TIn>(), kOut = dtype_of<TOut>();
+  constexpr int kAccess = VEC * static_cast<int>(sizeof(TIn) > sizeof(TOut) ? sizeof(TIn) : sizeof(TOut));
+  const bool evict = plan.shape.evict_first;
+  switch (plan.variant) {
+    case Variant::kNone:
+      return cudaSuccess;
+    case Variant::kRows:
+      if constexpr (may_plan<Source>(Variant::kRows, kIn, kOut, kAccess))
+        return rows<Source, TIn, TOut, VEC>(plan, src, out, stream);
+      break;
+    case Variant::kRowsLseAfter:
+      if constexpr (may_plan<Source>(Variant::kRowsLseAfter, kIn, kOut, kAccess))
+        return plan.index32 ? rows_lse_after<TIn, TOut, VEC, int32_t>(plan, src, out, stream)
+                            : rows_lse_after<TIn, TOut, VEC, int64_t>(plan, src, out, stream);
+      break;
+    case Variant::kRowsPlain:
+      if constexpr (may_plan<Source>(Variant::kRowsPlain, kIn, kOut, kAccess, Cache::kAsShape, Mask::kNone))
+        return evict ? rows<PlainPairSource<Cache::kEvictFirst>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream)
+                     : rows<PlainPairSource<Cache::kDefault>, TIn, TOut, VEC>(plan, {src.a, src.b}, out, stream);
+      break;
+    case Variant::kRowsPlainFlat:  // 32-bit offsets (the plan's condition)
+      if constexpr (may_plan<Source>(Variant::kRowsPlainFlat, kIn, kOut, kAccess, Cache::kAsShape, Mask::kNone)) {
+        using Evict = PlainPairSource<Cache::kEvictFirst, RowIndex::kFlat>;
+        using Keep = PlainPairSource<Cache::kDefault, RowIndex::kFlat>;
+        const StateView a = flat_rows(src.a), b = flat_rows(src.b);
+        const OutView o = flat_rows(out);
+        return evict ? rows<Evict, TIn, TOut, VEC, int32_t, 2>(plan, {a, b}, o, stream)
+                     : rows<Keep, TIn, TOut, VEC, int32_t, 2>(plan, {a, b}, o, stream);
       }
-    }
+      break;
+    case Variant::kInPlaceWarp:
+      if constexpr (may_plan<Source>(Variant::kInPlaceWarp, kIn, kOut, kAccess))
+        return rows<InPlaceSource<PairSource, LseWrite::kWarp>, TIn, TOut, VEC>(plan, {src}, out, stream);
+      break;
+    case Variant::kInPlaceBlock:
+      if constexpr (may_plan<Source>(Variant::kInPlaceBlock, kIn, kOut, kAccess))
+        return rows<InPlaceSource<PairSource, LseWrite::kBlock>, TIn, TOut, VEC>(plan, {src}, out, stream);
+      break;
+    case Variant::kInPlacePlainFlat:  // rows in warps and flat, 32-bit offsets (the plan's conditions)
+      if constexpr (may_plan<Source>(Variant::kInPlacePlainFlat, kIn, kOut, kAccess)) {
+        const auto in_warps = [&](auto flat) {
+          flat.a = flat_rows(src.a), flat.b = flat_rows(src.b);
+          flat.mask = src.mask, flat.mask_stride = src.mask_stride;
+          using InPlace = InPlaceSource<decltype(flat), LseWrite::kWarp>;
+          return rows<InPlace, TIn, TOut, VEC, int32_t, 2>(plan, {flat}, flat_rows(out), stream);
+        };
+        constexpr Variant kV = Variant::kInPlacePlainFlat;
+        constexpr bool kEvictMasked = may_plan<Source>(kV, kIn, kOut, kAccess, Cache::kEvictFirst, Mask::kByToken);
+        constexpr bool kUnmasked = may_plan<Source>(kV, kIn, kOut, kAccess, Cache::kDefault, Mask::kNone);
+        constexpr bool kEvictUnmasked = may_plan<Source>(kV, kIn, kOut, kAccess, Cache::kEvictFirst, Mask::kNone);
+        constexpr RowIndex kFlat = RowIndex::kFlat;
+        if (src.mask != nullptr) {
+          if (!evict) return in_warps(PlainPairSource<Cache::kDefault, kFlat, Mask::kByToken>{});
+          if constexpr (kEvictMasked) return in_warps(PlainPairSource<Cache::kEvictFirst, kFlat, Mask::kByToken>{});
+        } else if (!evict) {
+          if constexpr (kUnmasked) return in_warps(PlainPairSource<Cache::kDefault, kFlat>{});
+        } else {
+          if constexpr (kEvictUnmasked) return in_warps(PlainPairSource<Cache::kEvictFirst, kFlat>{});
+        }
+      }
+      break;
+    case Variant::kStates:  // 16-byte accesses (the plan's condition)
+      if constexpr (may_plan<Source>(Variant::kStates, kIn, kOut, kAccess))
+        return states<Source, TIn, TOut, VEC>(plan, src, out, stream);
+      break;
+    case Variant::kShare:
+      if constexpr (may_plan<Source>(Variant::kShare, kIn, kOut, kAccess))
+        return share<TIn, TOut, VEC>(plan, src, out, stream);
+      break;
   }
-  return launch_detail::rows<Source, TIn, TOut, VEC>(plan, src, out, stream);
+  return cudaErrorInvalidValue;  // a plan made for other facts than these
 }
 
 }  // namespace attnmerge

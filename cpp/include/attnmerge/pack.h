@@ -22,8 +22,8 @@ struct Pack {
 };
 
 // The kernels' accesses are vector loads and stores of the pack's width, spelled with CUDA's
-// vector types (the compiler would otherwise split a 16-byte store into 4-byte pieces); `stream`
-// marks them evict-first where the launch chose so (see launch_merge).
+// vector types (the compiler would otherwise split a 16-byte store into 4-byte pieces);
+// `evict_first` marks them evict-first where the launch chose so (MergeShape::evict_first).
 #if defined(__CUDA_ARCH__) && !defined(__NVCC__)
 // clang's CUDA headers have no __ldcs / __stcs (the CUDA 12 build is compiled by clang): the same
 // evict-first accesses, in PTX, as CUDA's headers spell them for nvcc.  volatile keeps a streaming
@@ -100,12 +100,12 @@ __device__ __forceinline__ void store_cached(V* p, V v) {
 #if defined(__CUDA_ARCH__)
 // A load or store of one vector, streaming (evict first) or cached as usual.
 template <typename V>
-__device__ __forceinline__ V load_bits(const V* p, bool stream) {
-  return stream ? load_evict_first(p) : *p;
+__device__ __forceinline__ V load_bits(const V* p, bool evict_first) {
+  return evict_first ? load_evict_first(p) : *p;
 }
 template <typename V>
-__device__ __forceinline__ void store_bits(V* p, V v, bool stream) {
-  if (stream) {
+__device__ __forceinline__ void store_bits(V* p, V v, bool evict_first) {
+  if (evict_first) {
     store_evict_first(p, v);
   } else {
     store_cached(p, v);
@@ -118,9 +118,9 @@ __device__ __forceinline__ void store_bits(V* p, V v, bool stream) {
 // are unspecified: only a part of weight 0 may take them, whose words accumulate clears.  One
 // predicated instruction, no branch, so that a chunk's loads go out back to back whatever the
 // row's count: a branch around each load had the compiler compute each address inside it.
-__device__ __forceinline__ uint4 load_bits_if(const uint4* p, bool take, bool stream) {
+__device__ __forceinline__ uint4 load_bits_if(const uint4* p, bool take, bool evict_first) {
   uint4 v;
-  if (stream) {
+  if (evict_first) {
     asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t@q ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p), "r"(static_cast<int>(take)));
@@ -134,7 +134,7 @@ __device__ __forceinline__ uint4 load_bits_if(const uint4* p, bool take, bool st
 #endif
 
 // Asks L2 for the line holding `p`, neither waiting nor taking a register: a later load of it
-// then meets L2 rather than HBM.  Kernels that keep few bytes in flight (few threads an SM, or a
+// then meets L2 rather than HBM.  Kernels that keep few bytes in flight (few threads per SM, or a
 // chunk at a time) issue their next chunk's so, before using the current one.
 ATTNMERGE_HD void prefetch_l2(const void* p) {
 #if defined(__CUDA_ARCH__)
@@ -145,7 +145,7 @@ ATTNMERGE_HD void prefetch_l2(const void* p) {
 }
 
 template <typename T, int N>
-ATTNMERGE_HD Pack<T, N> load_pack(const T* src, bool stream) {
+ATTNMERGE_HD Pack<T, N> load_pack(const T* src, bool evict_first) {
   Pack<T, N> p;
   constexpr int kBytes = Pack<T, N>::kBytes;
 #if defined(__CUDA_ARCH__)
@@ -153,21 +153,21 @@ ATTNMERGE_HD Pack<T, N> load_pack(const T* src, bool stream) {
     static_assert(kBytes % 16 == 0, "packs past 16 bytes are whole 16-byte accesses");
     ATTNMERGE_UNROLL
     for (int a = 0; a < kBytes / 16; ++a) {
-      const uint4 v = load_bits(reinterpret_cast<const uint4*>(src) + a, stream);
+      const uint4 v = load_bits(reinterpret_cast<const uint4*>(src) + a, evict_first);
       p.w[4 * a] = v.x, p.w[4 * a + 1] = v.y, p.w[4 * a + 2] = v.z, p.w[4 * a + 3] = v.w;
     }
   } else if constexpr (kBytes == 8) {
-    const uint2 v = load_bits(reinterpret_cast<const uint2*>(src), stream);
+    const uint2 v = load_bits(reinterpret_cast<const uint2*>(src), evict_first);
     p.w[0] = v.x, p.w[1] = v.y;
   } else if constexpr (kBytes == 4) {
-    p.w[0] = load_bits(reinterpret_cast<const unsigned int*>(src), stream);
+    p.w[0] = load_bits(reinterpret_cast<const unsigned int*>(src), evict_first);
   } else if constexpr (kBytes == 2) {
-    p.w[0] = load_bits(reinterpret_cast<const unsigned short*>(src), stream);
+    p.w[0] = load_bits(reinterpret_cast<const unsigned short*>(src), evict_first);
   } else {
-    p.w[0] = load_bits(reinterpret_cast<const unsigned char*>(src), stream);
+    p.w[0] = load_bits(reinterpret_cast<const unsigned char*>(src), evict_first);
   }
 #else
-  (void)stream;
+  (void)evict_first;
   p.w[0] = 0;
   std::memcpy(p.w, src, kBytes);
 #endif
@@ -178,14 +178,14 @@ ATTNMERGE_HD Pack<T, N> load_pack(const T* src, bool stream) {
 // a part of weight 0 only: accumulate clears its words).  Predicated where the pack is whole
 // 16-byte accesses (load_bits_if), a branch otherwise.
 template <typename T, int N>
-ATTNMERGE_HD Pack<T, N> load_pack_if(const T* src, bool take, bool stream) {
+ATTNMERGE_HD Pack<T, N> load_pack_if(const T* src, bool take, bool evict_first) {
 #if defined(__CUDA_ARCH__)
   constexpr int kBytes = Pack<T, N>::kBytes;
   if constexpr (kBytes % 16 == 0) {
     Pack<T, N> p;
     ATTNMERGE_UNROLL
     for (int a = 0; a < kBytes / 16; ++a) {
-      const uint4 v = load_bits_if(reinterpret_cast<const uint4*>(src) + a, take, stream);
+      const uint4 v = load_bits_if(reinterpret_cast<const uint4*>(src) + a, take, evict_first);
       p.w[4 * a] = v.x, p.w[4 * a + 1] = v.y, p.w[4 * a + 2] = v.z, p.w[4 * a + 3] = v.w;
     }
     return p;
@@ -197,7 +197,7 @@ ATTNMERGE_HD Pack<T, N> load_pack_if(const T* src, bool take, bool stream) {
   // all ones, NaN in every storage type: a kernel that used them would show it.
   for (uint32_t& w : p.w) w = ~0u;
 #endif
-  if (take) p = load_pack<T, N>(src, stream);
+  if (take) p = load_pack<T, N>(src, evict_first);
   return p;
 }
 
@@ -229,7 +229,7 @@ ATTNMERGE_HD void accumulate(float (&acc)[N], Pack<T, N> p, float scale, float w
 
 // dst[0:N] = acc, each rounded once to T.
 template <typename T, int N>
-ATTNMERGE_HD void store_pack(T* dst, const float (&acc)[N], bool stream) {
+ATTNMERGE_HD void store_pack(T* dst, const float (&acc)[N], bool evict_first) {
   using P = Pack<T, N>;
   constexpr int kPer = Word<T>::kCount;
   uint32_t w[P::kWords];
@@ -247,18 +247,18 @@ ATTNMERGE_HD void store_pack(T* dst, const float (&acc)[N], bool stream) {
     ATTNMERGE_UNROLL
     for (int a = 0; a < P::kBytes / 16; ++a)
       store_bits(reinterpret_cast<uint4*>(dst) + a, make_uint4(w[4 * a], w[4 * a + 1], w[4 * a + 2], w[4 * a + 3]),
-                 stream);
+                 evict_first);
   } else if constexpr (P::kBytes == 8) {
-    store_bits(reinterpret_cast<uint2*>(dst), make_uint2(w[0], w[1]), stream);
+    store_bits(reinterpret_cast<uint2*>(dst), make_uint2(w[0], w[1]), evict_first);
   } else if constexpr (P::kBytes == 4) {
-    store_bits(reinterpret_cast<unsigned int*>(dst), w[0], stream);
+    store_bits(reinterpret_cast<unsigned int*>(dst), w[0], evict_first);
   } else if constexpr (P::kBytes == 2) {
-    store_bits(reinterpret_cast<unsigned short*>(dst), static_cast<unsigned short>(w[0]), stream);
+    store_bits(reinterpret_cast<unsigned short*>(dst), static_cast<unsigned short>(w[0]), evict_first);
   } else {
-    store_bits(reinterpret_cast<unsigned char*>(dst), static_cast<unsigned char>(w[0]), stream);
+    store_bits(reinterpret_cast<unsigned char*>(dst), static_cast<unsigned char>(w[0]), evict_first);
   }
 #else
-  (void)stream;
+  (void)evict_first;
   std::memcpy(dst, w, P::kBytes);
 #endif
 }

@@ -7,9 +7,9 @@
 //
 // Strategies:
 //   kRows    one thread per pack of one row walks the row's states, a chunk of them in flight
-//            (merge_kernel; a state's share: merge_share_kernel, one O load a thread): every
+//            (merge_kernel; a state's share: merge_share_kernel, one O load per thread): every
 //            two-way merge and share, and N-way or variable-length merges with enough rows to fill
-//            the GPU or few states a row;
+//            the GPU or few states per row;
 //   kStates  a row's states shared by `groups` groups of threads, each taking its own states a
 //            chunk of loads at a time, their partial (max, total) and accumulators combined
 //            through shared memory (merge_states_kernel): split-KV decode, few rows and many
@@ -35,7 +35,7 @@ namespace attnmerge {
 #define ATTNMERGE_STATE_CHUNK 8
 #endif
 // kRows: the widest block of the N-way kernels (their register cap leaves room for 3 or 4 of them
-// an SM) and of the two-state kernels under 32 MB and in place (wider blocks only measured faster
+// per SM) and of the two-state kernels under 32 MB and in place (wider blocks only measured faster
 // for larger two-way merges: pair_block_threads, benchmarks/NOTES.md).
 constexpr int kBlockThreads = ATTNMERGE_BLOCK_THREADS;
 constexpr int kPairBlockThreads = ATTNMERGE_PAIR_BLOCK_THREADS;
@@ -43,8 +43,8 @@ constexpr int kPairBlockThreads = ATTNMERGE_PAIR_BLOCK_THREADS;
 // costs them nothing): the plan's widths go up to it.
 constexpr int kPairMaxBlockThreads = 1024;
 // States of the N-way and variable-length merges whose LSE and O loads a thread keeps in flight:
-// 8 moves a row of up to 8 states in one memory round trip; rows of at most kSmallChunk states a
-// thread take a kernel that keeps 4 (fewer registers, more threads an SM).
+// 8 moves a row of up to 8 states in one memory round trip; rows of at most kSmallChunk states per
+// thread take a kernel that keeps 4 (fewer registers, more threads per SM).
 constexpr int kStateChunk = ATTNMERGE_STATE_CHUNK;
 constexpr int kSmallChunk = 4;
 // A decode-sized merge spreads over more SMs with narrower blocks, down to this width.
@@ -56,8 +56,45 @@ constexpr int kMinBlockThreads = 128;
 constexpr int kStateBlockThreads = 256;
 constexpr int kMaxStateGroups = 16;
 constexpr int kStateThreadsPerSM = 1024;
+// CUDA's limit on a block's z extent (kStates' rows per block).
+constexpr int64_t kMaxBlockZ = 64;
 
 enum class Strategy : int32_t { kRows = 0, kStates = 1 };
+
+// The storage type of an O, as the plan tells them apart (kUnknown: not told).
+enum class Dtype : int8_t { kUnknown, kFloat32, kFloat16, kBFloat16, kFloat8E4M3 };
+
+template <typename T>
+constexpr Dtype dtype_of() {
+  if constexpr (std::is_same<T, float>::value) return Dtype::kFloat32;
+  if constexpr (std::is_same<T, half_t>::value) return Dtype::kFloat16;
+  if constexpr (std::is_same<T, bfloat16_t>::value) return Dtype::kBFloat16;
+  if constexpr (std::is_same<T, float8_e4m3_t>::value) return Dtype::kFloat8E4M3;
+  return Dtype::kUnknown;
+}
+
+struct DtypePair {
+  Dtype in, out;
+};
+
+// The (input, output) dtype pairs whose two-way merges take the plain kernels (PlainPairSource):
+// every other pair takes the general one (PairSource).  Each pair here costs 32 kernels per
+// architecture; which pairs earn them is measured by benchmarks/plain_pairs_time.py.
+constexpr DtypePair kPlainPairs[] = {
+    {Dtype::kFloat32, Dtype::kFloat32},     {Dtype::kFloat16, Dtype::kFloat16},
+    {Dtype::kBFloat16, Dtype::kBFloat16},   {Dtype::kFloat16, Dtype::kFloat8E4M3},
+    {Dtype::kBFloat16, Dtype::kFloat8E4M3},
+};
+
+constexpr bool plain_pair(Dtype in, Dtype out) {
+  for (const DtypePair& p : kPlainPairs)
+    if (p.in == in && p.out == out) return true;
+  return false;
+}
+
+// One known dtype in and out: the in-place merge's (its output is its input), the only calls
+// whose merged LSE overwrites an input's in the merge's own launch.
+constexpr bool one_dtype(Dtype in, Dtype out) { return in == out && in != Dtype::kUnknown; }
 
 // The GPU a call runs on; 0: not known (blocks of kBlockThreads, no PDL).
 struct DeviceInfo {
@@ -68,6 +105,8 @@ struct DeviceInfo {
 // What the caller knows of a call beyond its sources: the C ABI reads these off the validated
 // tensors.
 struct CallFacts {
+  Dtype in = Dtype::kUnknown;     // the storage types of the inputs' O and the output's: the plain and
+  Dtype out = Dtype::kUnknown;    // in-place kernels only for the pairs that have them (general otherwise)
   int vec = 1;                    // elements per vector access that every O pointer and stride allow
   int access_bytes = 0;           // bytes of that access for the widest O dtype (vec x its size); 0: not known
   int64_t max_offset = 0;         // the largest element offset into any array of the call
@@ -84,26 +123,57 @@ struct LaunchDims {
   uint32_t smem = 0;  // dynamic shared memory, bytes
 };
 
+// The kernel a GPU call runs, with the choices of its source that are fixed when it is compiled:
+// launch_merge is a switch over it, each case compiled only where plan_merge may give it
+// (may_plan), so that every kernel the library compiles can be launched.
+enum class Variant : int32_t {
+  kNone = 0,          // no rows: nothing launched
+  kRows,              // kRows, merge_kernel over the call's own source (two-way merges but the plain
+                      // and in-place ones, N-way and variable-length merges)
+  kRowsLseAfter,      // PairSource whose LSE is an input's, rows over several blocks: kRows without
+                      // the LSE, then the LSEs alone (merge_lse_kernel), two launches
+  kRowsPlain,         // PlainPairSource, rows split into token and head
+  kRowsPlainFlat,     // PlainPairSource, rows flat on one grid axis (32-bit offsets)
+  kInPlaceWarp,       // InPlaceSource<PairSource>, each row in one warp: a warp barrier before the LSE store
+  kInPlaceBlock,      // InPlaceSource<PairSource>, each row in one block: a block barrier before it
+  kInPlacePlainFlat,  // InPlaceSource<PlainPairSource with flat rows>, each row in one warp (32-bit offsets)
+  kStates,            // kStates, merge_states_kernel with `groups` groups per row
+  kShare,             // a state's share, merge_share_kernel
+};
+
+// The variant's name, as the plan's tests and benchmarks print it.
+constexpr const char* variant_name(Variant v) {
+  switch (v) {
+    case Variant::kNone: return "none";
+    case Variant::kRows: return "rows";
+    case Variant::kRowsLseAfter: return "rows_lse_after";
+    case Variant::kRowsPlain: return "rows_plain";
+    case Variant::kRowsPlainFlat: return "rows_plain_flat";
+    case Variant::kInPlaceWarp: return "inplace_warp";
+    case Variant::kInPlaceBlock: return "inplace_block";
+    case Variant::kInPlacePlainFlat: return "inplace_plain_flat";
+    case Variant::kStates: return "states";
+    case Variant::kShare: return "share";
+  }
+  return "unknown";
+}
+
 struct LaunchPlan {
-  MergeShape shape;  // packs, stream and row order filled in
-  Strategy strategy = Strategy::kRows;
+  MergeShape shape;  // packs, evict_first and row order filled in
+  Variant variant = Variant::kNone;
   int vec = 1;           // elements a thread takes of a row: one access, or two (two-state kernels)
   int chunk = 2;         // states a thread keeps in flight: kRows 2 for two-state sources, else 4 or 8;
                          // kStates kSmallChunk
   int groups = 1;        // kStates: groups of threads sharing a row's states (a power of two)
   bool index32 = false;  // 32-bit offsets: every element offset of the call fits in 30 bits
-  bool plain = false;    // PairSource: the plain kernel (PlainPairSource; in place, under InPlaceSource)
-  bool flat = false;     // plain, 32-bit offsets, every view flattens (views.h) and one grid axis: rows
-                         // taken flat (flat_launch)
-  bool fused_lse = false;  // out.lse is an input's LSE, written in the same launch (InPlaceSource)
-  bool lane_lse = false;   // fused_lse with each row in one warp: a warp barrier before the store
-                           // (else a block barrier)
   bool pdl = false;
-  int launches = 0;   // 0 (nothing to do), 1, or 2 (an in-place merge whose rows span blocks: the LSEs after)
   LaunchDims main;    // the merge
-  LaunchDims lse;     // the second launch, when launches == 2 (merge_lse_kernel)
+  LaunchDims lse;     // the second launch of kRowsLseAfter (merge_lse_kernel)
 
   explicit LaunchPlan(const MergeShape& s) : shape(s) {}
+
+  Strategy strategy() const { return variant == Variant::kStates ? Strategy::kStates : Strategy::kRows; }
+  int launches() const { return variant == Variant::kNone ? 0 : variant == Variant::kRowsLseAfter ? 2 : 1; }
 };
 
 namespace plan_detail {
@@ -142,6 +212,39 @@ constexpr bool takes_states() {
   return std::is_same<Source, StackSource>::value || std::is_same<Source, RangeSource>::value;
 }
 
+// Whether plan_merge may give a call of Source variant v with O of storage types (in, out),
+// threads that each take `access` bytes of the wider O dtype (the plan's vec x its size), O's
+// cache policy `cache` and rows masked or not (each fixed when compiled in the plain variants;
+// kAsShape and kByToken: either, at run time): the kernels launch_merge compiles, so that each
+// can be launched.  The plain variants for kPlainPairs; in place in one launch and two 16-byte
+// accesses per thread only for one dtype (one_dtype); two accesses only in a masked in-place merge
+// of 16 MB or more, never evict-first (plan_merge); a mask only in place; kStates with 16-byte
+// accesses alone.
+template <typename Source>
+constexpr bool may_plan(Variant v, Dtype in, Dtype out, int access, Cache cache = Cache::kAsShape,
+                        Mask mask = Mask::kByToken) {
+  constexpr bool kPair = std::is_same<Source, PairSource>::value;
+  if (v == Variant::kNone) return true;
+  const bool in_place = v == Variant::kInPlaceWarp || v == Variant::kInPlaceBlock ||
+                        v == Variant::kInPlacePlainFlat || v == Variant::kRowsLseAfter;
+  if (access > 16 && !(kPair && in_place && one_dtype(in, out) && mask == Mask::kByToken &&
+                       cache != Cache::kEvictFirst))
+    return false;
+  switch (v) {
+    case Variant::kNone: return true;  // (no kernel)
+    case Variant::kRows: return !std::is_same<Source, ShareSource>::value;
+    case Variant::kRowsLseAfter: return kPair;
+    case Variant::kRowsPlain:
+    case Variant::kRowsPlainFlat: return kPair && plain_pair(in, out) && mask == Mask::kNone;
+    case Variant::kInPlaceWarp:
+    case Variant::kInPlaceBlock: return kPair && one_dtype(in, out);
+    case Variant::kInPlacePlainFlat: return kPair && one_dtype(in, out) && plain_pair(in, out);
+    case Variant::kStates: return takes_states<Source>() && access == 16;
+    case Variant::kShare: return std::is_same<Source, ShareSource>::value;
+  }
+  return false;
+}
+
 namespace plan_detail {
 
 // States a row has, for the strategy: S of the N-way merge (and of a share of one), the mean of
@@ -165,7 +268,7 @@ int64_t states_per_row(const Source& src, const MergeShape& shape) {
 // chunk under 512 MB (evict-first faster at 69 and 137 MB, cached loads at 1.2 and 4.4 GB),
 // variable-length merges (benchmarks/NOTES.md).
 template <typename Source>
-bool stream_o(const Source& src, int64_t bytes, bool pair_in_order) {
+bool evict_first_o(const Source& src, int64_t bytes, bool pair_in_order) {
   if constexpr (std::is_same<Source, RangeSource>::value) {
     return true;
   } else if constexpr (std::is_same<Source, StackSource>::value) {
@@ -180,7 +283,7 @@ bool stream_o(const Source& src, int64_t bytes, bool pair_in_order) {
 
 // The widest block of a two-way merge moving `bytes`: kPairBlockThreads, or wider for calls of
 // 32 MB (512 threads) and 128 MB (1024) or more, where fewer, wider blocks were measured faster;
-// in place 512 at every size (a token's rows a block at 32 x 128: faster from 512 tokens, 1024
+// in place 512 at every size (a token's rows per block at 32 x 128: faster from 512 tokens, 1024
 // slower at 204 MB; narrower at decode sizes through row_dims), and masked kPairBlockThreads,
 // measured faster there (benchmarks/NOTES.md).
 inline int pair_block_threads(int64_t bytes, bool in_place = false, bool masked = false) {
@@ -189,7 +292,7 @@ inline int pair_block_threads(int64_t bytes, bool in_place = false, bool masked 
 }
 
 // Groups of threads a row's `states` are split into under kStates; 1 means kRows.  Only where a
-// row has more states than one kRows thread keeps in flight, and one kStates thread a pack
+// row has more states than one kRows thread keeps in flight, and one kStates thread per pack
 // (`rows` x `packs`) fits the GPU at once (`sms` x kStateThreadsPerSM), or two where a row has
 // at most twice kStateChunk states (kRows takes those in two chunks, as fast as kStates on a
 // GPU filled twice over: benchmarks/NOTES.md).  Then the fewest groups, from 2, that leave each
@@ -211,15 +314,15 @@ inline int state_groups(int64_t states, int64_t packs, int64_t rows, int sms) {
 }
 
 // The launch of kStates with `groups` groups over `rows` rows of `packs` packs: blocks of whole
-// rows (packs x groups x rows a block), up to kStateBlockThreads, as few rows a block as it takes
-// to give every SM a block (`sms`, 0: unknown); shared memory for each group's (max, total) and
-// each pack's accumulator of `vec` floats, and with per-group FP8 (`quantized`) an amax slot a
-// pack (a row has at most one FP8 group a pack).
+// rows (packs x groups x rows per block), up to kStateBlockThreads and kMaxBlockZ rows, as few
+// rows per block as it takes to give every SM a block (`sms`, 0: unknown); shared memory for each
+// group's (max, total) and each pack's accumulator of `vec` floats, and with per-group FP8
+// (`quantized`) an amax slot per pack (a row has at most one FP8 group per pack).
 inline LaunchDims state_dims(int64_t packs, int64_t rows, int groups, int vec, int sms, bool quantized = false) {
   const int64_t per_row = packs * groups;
   int64_t threads = kStateBlockThreads;
   while (threads > kMinBlockThreads && (rows * per_row + threads - 1) / threads < sms) threads /= 2;
-  const int64_t rows_per_block = std::max<int64_t>(1, std::min<int64_t>(threads / per_row, rows));
+  const int64_t rows_per_block = std::max<int64_t>(1, std::min({threads / per_row, rows, kMaxBlockZ}));
   LaunchDims d;
   d.block[0] = static_cast<uint32_t>(packs), d.block[1] = static_cast<uint32_t>(groups);
   d.block[2] = static_cast<uint32_t>(rows_per_block);
@@ -236,13 +339,16 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
   LaunchPlan plan(shape);
   MergeShape& s = plan.shape;
   plan.vec = facts.vec;
+  // An in-place merge: out.lse is an input's LSE, which its rows' threads weigh by.
+  [[maybe_unused]] const bool lse_in_place = out.lse_in_place && out.lse != nullptr;
   if constexpr (std::is_same<Source, PairSource>::value) {
-    // Two 16-byte accesses a thread for a masked in-place merge of 16 MB or more, where every O
+    // Two 16-byte accesses per thread for a masked in-place merge of 16 MB or more, where every O
     // allows them and a row has an even number: half the threads, so half the masked-out ones,
     // whose launch and mask byte are most of such a call's cost (measured faster there only;
     // slower for smaller and unmasked calls: benchmarks/NOTES.md).
-    if (src.mask != nullptr && out.lse_in_place && !plan_detail::stream_o(src, facts.bytes, false) &&
-        facts.access_bytes == 16 && shape.head_size % (2 * facts.vec) == 0)
+    if (src.mask != nullptr && lse_in_place && one_dtype(facts.in, facts.out) &&
+        !plan_detail::evict_first_o(src, facts.bytes, false) && facts.access_bytes == 16 &&
+        shape.head_size % (2 * facts.vec) == 0)
       plan.vec = 2 * facts.vec;
   }
   s.packs = shape.head_size / plan.vec;
@@ -250,52 +356,50 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
   plan.index32 = facts.max_offset < (int64_t{1} << 30);
   plan.pdl = facts.pdl && device.major >= 9;
   if (s.rows == 0) return plan;
-  plan.launches = 1;
   if constexpr (is_pair_source<Source>()) {
     // LSEs whose tokens are the faster axis (vLLM's [heads, tokens]): rows in tiles of 8 tokens,
     // so that a warp's rows share their LSE sectors (MergeShape::tile); not at decode sizes, where
     // a tile would mostly be padding.
     if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
-    s.stream = plan_detail::stream_o(src, facts.bytes, s.tile_shift < 0);
-    const bool plain = !Source::kSink && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr &&
-                       src.b_scale == 1.0f && out.lse_scale == 1.0f &&
-                       out.group == 0;  // PlainPairSource: one base, no groups, no sink
+    s.evict_first = plan_detail::evict_first_o(src, facts.bytes, s.tile_shift < 0);
+    const bool plain = !Source::Traits::kSink && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr &&
+                       src.b_scale == 1.0f && out.lse_scale == 1.0f && out.group == 0 &&
+                       plain_pair(facts.in, facts.out);  // PlainPairSource: one base, no groups, no sink
     // Flat rows: dense heads and the same row strides in every view (PlainPairSource's kFlatRows).
     const bool dense = plan.index32 && flattens(src.a, s.heads) && flattens(src.b, s.heads) && flattens(out, s.heads) &&
                        same_rows(src.a, src.b) && same_rows(src.a, out);
-    const bool lse_in_place = out.lse_in_place && out.lse != nullptr;
     // An in-place merge overwrites the LSE its row's threads weigh by.  Rows of at most a warp's
     // packs: each padded to a power of two lanes, so that it lies in one warp, whose lanes meet
-    // at a warp barrier before the store (a masked row's threads leave at once).  Wider rows in
-    // one block: a block barrier before the store (blocks not narrowed below a row).  Rows over
-    // several blocks: the LSEs in a second launch.
-    if (lse_in_place && s.packs <= 32) {
+    // at a warp barrier before the store (a masked row's threads leave at once); the plain source
+    // there where its rows are flat.  Wider rows in one block: a block barrier before the store
+    // (blocks not narrowed below a row).  Rows over several blocks, and an output of another
+    // dtype than the inputs' (whose in-place kernels are not compiled: may_plan): the LSEs in a
+    // second launch.
+    const bool one_launch = one_dtype(facts.in, facts.out);
+    if (lse_in_place && one_launch && s.packs <= 32) {
       int64_t lanes = 1;
       while (lanes < s.packs) lanes *= 2;
       plan.main = row_dims(s.packs, s.rows, device.sms, pair_block_threads(facts.bytes, true, src.mask != nullptr), 0,
                            lanes);
-      plan.fused_lse = plan.lane_lse = true;
+      plan.variant = plain && dense ? Variant::kInPlacePlainFlat : Variant::kInPlaceWarp;
+    } else if (lse_in_place) {
+      plan.main = row_dims(s.packs, s.rows, device.sms, kPairBlockThreads, s.packs);
+      plan.variant = one_launch && plan.main.grid[1] == 1 ? Variant::kInPlaceBlock : Variant::kRowsLseAfter;
+      if (plan.variant == Variant::kRowsLseAfter) plan.lse = row_dims(1, s.rows, device.sms, kPairBlockThreads);
     } else {
-      plan.main =
-          row_dims(s.packs, s.rows, device.sms, lse_in_place ? kPairBlockThreads : pair_block_threads(facts.bytes),
-                   lse_in_place ? s.packs : 0);
-      if (lse_in_place) {
-        plan.fused_lse = plan.main.grid[1] == 1;
-        if (!plan.fused_lse) {
-          plan.launches = 2;
-          plan.lse = row_dims(1, s.rows, device.sms, kPairBlockThreads);
-        }
-      }
+      plan.main = row_dims(s.packs, s.rows, device.sms, pair_block_threads(facts.bytes));
+      // The plain source: rows flat where every view is dense and the grid has one axis (a mask
+      // only in place: the two-way merge takes none).
+      const bool flat = dense && plan.main.grid[1] == 1 && plan.main.grid[2] == 1;
+      plan.variant = !plain || src.mask != nullptr ? Variant::kRows
+                     : flat                         ? Variant::kRowsPlainFlat
+                                                    : Variant::kRowsPlain;
     }
-    // The plain source in place only with its rows flat and in warps (a mask only in place: the
-    // two-way merge takes none).
-    plan.plain = plain && (!out.lse_in_place ? src.mask == nullptr : plan.lane_lse && dense);
-    plan.flat = plan.plain && dense && plan.main.grid[1] == 1 && plan.main.grid[2] == 1;  // flat_launch's
     return plan;
   } else {
-    s.stream = plan_detail::stream_o(src, facts.bytes, false);
+    s.evict_first = plan_detail::evict_first_o(src, facts.bytes, false);
     const int64_t states = plan_detail::states_per_row(src, s);
-    // kStates: 32-bit offsets and 16-byte accesses (whole float4s of accumulator a thread).
+    // kStates: 32-bit offsets and 16-byte accesses (whole float4s of accumulator per thread).
     int groups = 1;
     if (takes_states<Source>() && plan.index32 && facts.access_bytes == 16 && facts.vec % 4 == 0) {
       if (facts.groups > 0) {
@@ -306,12 +410,13 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
       }
     }
     if (groups > 1) {
-      plan.strategy = Strategy::kStates;
+      plan.variant = Variant::kStates;
       plan.groups = groups;
       plan.chunk = kSmallChunk;
-      s.stream = true;  // the kernel's accesses are evict-first
+      s.evict_first = true;  // the kernel's accesses are evict-first
       plan.main = state_dims(s.packs, s.rows, groups, facts.vec, device.sms, out.group > 0);
     } else {
+      plan.variant = std::is_same<Source, ShareSource>::value ? Variant::kShare : Variant::kRows;
       plan.chunk = states <= kSmallChunk ? kSmallChunk : kStateChunk;
       plan.main = row_dims(s.packs, s.rows, device.sms);
     }
@@ -369,7 +474,7 @@ inline bool two_states_in_flight(const BackwardFacts& facts) {
 }
 
 // Rows of at most 2 states, and every N-way or variable-length row where the forward's O is
-// given, take the kernel of 2 states in flight: fewer registers, so more threads an SM (measured
+// given, take the kernel of 2 states in flight: fewer registers, so more threads per SM (measured
 // faster than 4 in flight at every size, benchmarks/NOTES.md); without the forward's O longer
 // rows keep kSmallChunk.  With the forward's O a row's states are independent: they are split
 // into groups (a power of two) while each group keeps 2 or more, the row's groups fit a block and

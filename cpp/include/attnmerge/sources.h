@@ -6,7 +6,7 @@
 //   SinkPairSource  PairSource with each head's sink (the two-way merge's options.sink);
 //   PlainPairSource  two states of every token, on an untiled launch whose output scale is a
 //                number (not a pointer): the common two-way merge, without those steps (a mask
-//                only in place: kMasked);
+//                only in place: Mask::kByToken);
 //   InPlaceSource  a two-state source whose merged LSE overwrites an input's, in the same launch:
 //                each row in one warp, the LSE written after a warp barrier, or each row in one
 //                block, the LSE written after a block barrier;
@@ -14,8 +14,8 @@
 //   RangeSource  states [indptr[r], indptr[r+1]) of a flat list (the variable-length merge);
 //   ShareSource  S states' LSEs stacked and one state's O (the share of that state in the merge:
 //                context parallelism's combine by reduce-scatter).
-// SinkPairSource and the last three may add each head's sink to its rows (kSink: SinkView,
-// sink_lse).
+// SinkPairSource and the last three may add each head's sink to its rows (Traits::kSink: SinkView,
+// sink_lse).  Each source's Traits (SourceTraits) name what its kernels fix when compiled.
 #pragma once
 
 #include <cmath>
@@ -25,6 +25,32 @@
 #include "attnmerge/views.h"
 
 namespace attnmerge {
+
+// The choices a source fixes when its kernels are compiled, each named.
+// O's loads and stores: evict-first or not as the plan chose at run time (MergeShape::evict_first), or
+// fixed in the kernel (the plain sources: no access compiled twice).
+enum class Cache : int8_t { kAsShape, kDefault, kEvictFirst };
+// How a row is found: split into (token, head), or flat (token = row, head = 0: views flattened
+// so, flat_rows).
+enum class RowIndex : int8_t { kSplit, kFlat };
+// Rows skipped whole: none, or those whose token's mask byte is 0 (masked_out).
+enum class Mask : int8_t { kNone, kByToken };
+// Where the merged LSE goes: to the output (kOut), or over an input's in the same launch, stored
+// after a warp barrier (kWarp: each row in one warp) or a block barrier (kBlock: each row in one
+// block), once every thread of the row has read the old one (InPlaceSource).
+enum class LseWrite : int8_t { kOut, kWarp, kBlock };
+
+// The traits of a source, as most sources have them: each source's Traits derives from these and
+// states only what differs (a nested type, so that the sources stay aggregates: {a, b, ...}).
+struct SourceTraits {
+  static constexpr int kMaxStates = 0;   // states a row has at most; 0: known at run time only
+  static constexpr bool kPlain = false;  // an untiled launch whose output scale is a number
+  static constexpr bool kSink = false;   // each head's sink is one more state of its rows
+  static constexpr Mask kMask = Mask::kNone;
+  static constexpr Cache kCache = Cache::kAsShape;
+  static constexpr RowIndex kRowIndex = RowIndex::kSplit;
+  static constexpr LseWrite kLseWrite = LseWrite::kOut;
+};
 
 // Attention sinks (attnmerge_options.sink): each head's sink logit, in the LSE's base, one more
 // state of every row of the head, whose output is 0: it takes a share of the weight and adds
@@ -40,11 +66,11 @@ struct SinkView {
   }
 };
 
-// The sink of `head` for src's rows: -inf for a source that takes none (kSink false, known at
+// The sink of `head` for src's rows: -inf for a source that takes none (no kSink, known at
 // compile time, so that its kernels compile as if sinks did not exist).
 template <typename Source, typename I>
 ATTNMERGE_HD float sink_lse(const Source& src, I head) {
-  if constexpr (Source::kSink) {
+  if constexpr (Source::Traits::kSink) {
     return src.sink.at(head);
   } else {
     return -INFINITY;
@@ -63,12 +89,10 @@ ATTNMERGE_HD float sink_lse(const Source& src, I head) {
 // Two states.  Rows of tokens >= a_tokens have no state a (it is not read); rows whose mask byte is
 // 0 are skipped whole (the in-place merge leaves them untouched) and read nothing but that byte.
 struct PairSource {
-  static constexpr int kMaxStates = 2;
-  static constexpr bool kPlain = false;
-  static constexpr bool kFusedLse = false;
-  static constexpr bool kSink = false;
-  static constexpr bool kMaskedRows = true;  // where mask is not null
-  static constexpr int kStream = -1;  // evict-first O accesses or not: MergeShape::stream
+  struct Traits : SourceTraits {
+    static constexpr int kMaxStates = 2;
+    static constexpr Mask kMask = Mask::kByToken;  // where mask is not null
+  };
   StateView a, b;
   int64_t a_tokens;
   const uint8_t* mask;  // may be null
@@ -112,7 +136,9 @@ struct PairSource {
 // own, so that the two-way merge's calls without one, and the in-place merge (which takes none),
 // keep kernels that carry nothing of it.
 struct SinkPairSource : PairSource {
-  static constexpr bool kSink = true;
+  struct Traits : PairSource::Traits {
+    static constexpr bool kSink = true;
+  };
   SinkView sink;
 };
 
@@ -124,40 +150,40 @@ ATTNMERGE_HD constexpr bool is_pair_source() {
 }
 
 // PairSource with every token in a and b and no mask; a launch with it must be untiled and have
-// no output scale pointer (kPlain), and its evict-first choice is made at compile time (kStream),
-// so that no access is compiled twice: the common call does not pay for those options
+// no output scale pointer (kPlain), and its cache policy is fixed at compile time (kCache), so
+// that no access is compiled twice: the common call does not pay for those options
 // (benchmarks/NOTES.md has the figures).
-// kFlatRows: every array is [rows, head_size] and [rows] in effect (heads dense within tokens, the
-// plan's `flat`), its views flattened so (flat_rows): a row is (token = row, head = 0), with no
-// division of the row into token and head, and the same row strides in a, b and the output (the
-// plan's condition too): one O offset and one LSE offset a thread for a and b, and for the output
-// of a two-way merge (offset, lse_offset; merge_kernel), each stride read once (separate strides a
-// view measured 3% slower at 512 tokens: benchmarks/NOTES.md).
-// kMasked: rows whose token's mask byte is 0 are skipped whole, as PairSource's (the in-place
-// merge with flat rows: the kernel divides the row by the heads for the mask's token alone).
-template <bool kStreamO, bool kFlatRows = false, bool kMasked = false>
+// RowIndex::kFlat: every array is [rows, head_size] and [rows] in effect (heads dense within
+// tokens, the plan's `dense`), its views flattened so (flat_rows): a row is (token = row, head =
+// 0), with no division of the row into token and head, and the same row strides in a, b and the
+// output (the plan's condition too): one O offset and one LSE offset per thread for a and b, and
+// for the output of a two-way merge (offset, lse_offset; merge_kernel), each stride read once
+// (separate strides per view measured 3% slower at 512 tokens: benchmarks/NOTES.md).
+// Mask::kByToken: rows whose token's mask byte is 0 are skipped whole, as PairSource's (the
+// in-place merge with flat rows: the kernel divides the row by the heads for the mask's token alone).
+template <Cache kCacheO, RowIndex kRows = RowIndex::kSplit, Mask kMasked = Mask::kNone>
 struct PlainPairSource {
-  static constexpr int kMaxStates = 2;
-  static constexpr bool kPlain = true;
-  static constexpr bool kFusedLse = false;
-  static constexpr bool kSink = false;
-  static constexpr int kStream = kStreamO ? 1 : 0;
-  static constexpr bool kFlat = kFlatRows;
-  static constexpr bool kMaskedRows = kMasked;
+  struct Traits : SourceTraits {
+    static constexpr int kMaxStates = 2;
+    static constexpr bool kPlain = true;
+    static constexpr Cache kCache = kCacheO;
+    static constexpr RowIndex kRowIndex = kRows;
+    static constexpr Mask kMask = kMasked;
+  };
   StateView a, b;
-  const uint8_t* mask = nullptr;  // kMasked only
+  const uint8_t* mask = nullptr;  // Mask::kByToken only
   int64_t mask_stride = 0;
 
   template <typename I>
   ATTNMERGE_HD bool masked_out(I token) const {
-    if constexpr (kMasked) {
+    if constexpr (kMasked == Mask::kByToken) {
       return mask[token * static_cast<I>(mask_stride)] == 0;
     } else {
       return false;
     }
   }
 
-  // kFlatRows: the element offsets of row `row` (+ `at`) and of its LSE, in a, b and the output alike.
+  // RowIndex::kFlat: the element offsets of row `row` (+ `at`) and of its LSE, in a, b and the output alike.
   template <typename I>
   ATTNMERGE_HD I offset(I row, I at) const { return row * static_cast<I>(a.o_st) + at; }
   template <typename I>
@@ -166,7 +192,7 @@ struct PlainPairSource {
   template <typename T, typename I>
   ATTNMERGE_HD PairSource::Row row(I token, I head, I at = I{0}) const {
     PairSource::Row r;
-    if constexpr (kFlatRows) {  // token = row, head = 0
+    if constexpr (kRows == RowIndex::kFlat) {  // token = row, head = 0
       const I o = offset(token, at), l = lse_offset(token);
       r.o[0] = static_cast<const T*>(a.o) + o;
       r.o[1] = static_cast<const T*>(b.o) + o;
@@ -184,14 +210,16 @@ struct PlainPairSource {
 
 // A two-state source (PairSource, or PlainPairSource with flat rows) whose out.lse is an input's
 // LSE (the in-place merge), written in the merge's own launch rather than a second one.
-// kRowLanes: every row lies in one warp at aligned lanes (a power of two of them, plan.lane_lse):
-// the row's first lane stores the merged LSE after a warp barrier that the row's lanes reach once
-// each has read the old one.  Else every row lies inside one block and the LSE is stored after a
-// block barrier, once every thread of the row has read the old one.
-template <typename Base = PairSource, bool kRowLanes = false>
+// LseWrite::kWarp: every row lies in one warp at aligned lanes (a power of two of them: the plan's
+// Variant::kInPlaceWarp): the row's first lane stores the merged LSE after a warp barrier that the
+// row's lanes reach once each has read the old one.  LseWrite::kBlock: every row lies inside one
+// block and the LSE is stored after a block barrier, once every thread of the row has read the old one.
+template <typename Base, LseWrite kWrite>
 struct InPlaceSource : Base {
-  static constexpr bool kFusedLse = true;
-  static constexpr bool kLanes = kRowLanes;
+  static_assert(kWrite != LseWrite::kOut, "an in-place source writes its LSE over an input's");
+  struct Traits : Base::Traits {
+    static constexpr LseWrite kLseWrite = kWrite;
+  };
 };
 
 // n states from o0 and l0 on, o_ss and l_ss elements apart.
@@ -212,11 +240,9 @@ struct StridedRow {
 // S states along a strided axis: O [tokens, S, heads, head_size] and LSE [tokens, S, heads] in
 // logical order, any strides (FlashInfer's [tokens, S, ...] and an all-gather's [S, tokens, ...]).
 struct StackSource {
-  static constexpr int kMaxStates = 0;  // known at run time only
-  static constexpr bool kPlain = false;
-  static constexpr bool kFusedLse = false;
-  static constexpr bool kSink = true;
-  static constexpr int kStream = -1;  // evict-first O accesses or not: MergeShape::stream
+  struct Traits : SourceTraits {
+    static constexpr bool kSink = true;
+  };
   const void* o;
   int64_t o_st, o_ss, o_sh;
   const float* lse;
@@ -239,11 +265,9 @@ struct StackSource {
 // The bounds are clamped to [0, total] and made non-decreasing, so that no indptr can make a read
 // leave the arrays (the C ABI refuses bad indptr on the CPU; on the GPU the clamped rows result).
 struct RangeSource {
-  static constexpr int kMaxStates = 0;
-  static constexpr bool kPlain = false;
-  static constexpr bool kFusedLse = false;
-  static constexpr bool kSink = true;
-  static constexpr int kStream = -1;  // evict-first O accesses or not: MergeShape::stream
+  struct Traits : SourceTraits {
+    static constexpr bool kSink = true;
+  };
   const void* o;
   int64_t o_st, o_sh;
   const float* lse;

@@ -21,11 +21,14 @@ ATTNMERGE_HD uint32_t mul_hi(uint32_t a, uint32_t b) {
 #endif
 }
 
+// Whether a launch's rows may be in tiles (MergeShape::tile), or are known to be untiled.
+enum class Tiles : int8_t { kMaybe, kNone };
+
 struct MergeShape {
   int64_t tokens, heads, head_size;
   int64_t rows;  // rows the launch covers: tokens * heads, rounded up to whole tiles when tiled
   int64_t packs;  // vector accesses per row (head_size / the launch's vector width): the plan's
-  bool stream;    // evict-first O loads and stores: the plan's
+  bool evict_first;  // evict-first O loads and stores: the plan's
   bool base2;
   // Row order.  Untiled (tile_shift < 0): row = token * heads + head.  Tiled: tokens taken
   // 2^tile_shift at a time, and a tile's rows head-major (row = (tile * heads + head) * 2^tile_shift
@@ -40,7 +43,7 @@ struct MergeShape {
   int shift;
 
   ATTNMERGE_HD MergeShape(int64_t tokens_, int64_t heads_, int64_t head_size_, bool base2_)
-      : tokens(tokens_), heads(heads_), head_size(head_size_), rows(tokens_ * heads_), packs(head_size_), stream(false), base2(base2_),
+      : tokens(tokens_), heads(heads_), head_size(head_size_), rows(tokens_ * heads_), packs(head_size_), evict_first(false), base2(base2_),
         tile_shift(-1), magic(0), shift(0) {
     set_divisor(heads);
   }
@@ -57,10 +60,11 @@ struct MergeShape {
 
   // (token, head) of a row; token may be >= tokens in the last tile (a row to skip).  With
   // I = int32_t the caller guarantees rows < 2^31.
-  // kMayTile false: the caller knows the launch is untiled (no tile step compiled in).
+  // Tiles::kNone: the caller knows the launch is untiled (no tile step compiled in).
   // The same arithmetic on the host (the CPU path, the tests' emulated kernels) as on the device.
-  template <bool kMayTile = true, typename I>
+  template <Tiles kTiles = Tiles::kMaybe, typename I>
   ATTNMERGE_HD void split_row(I row, I& token, I& head) const {
+    constexpr bool kMayTile = kTiles == Tiles::kMaybe;
     const I g = static_cast<I>(kMayTile ? group() : heads);
     I q;
     if (sizeof(I) == 4 || (rows >> 31) == 0) {
@@ -107,7 +111,7 @@ struct OutView {
   // The merged LSE's base from the inputs' (base_change): 1 but for ATTNMERGE_OUT_LSE_*, which the
   // in-place merge does not take (its LSE stays lse's), nor do the plain kernels (the plan's).
   float lse_scale = 1.0f;
-  // Per-group FP8 (group > 0: elements a group, a power of two dividing head_size): the scale of
+  // Per-group FP8 (group > 0: elements per group, a power of two dividing head_size): the scale of
   // group j of row (token, head) at group_scales + token * gs_st + head * gs_sh + j * gs_sg
   // (group_scale, numeric.h), and the row's O multiplied by its inverse.  Only the general kRows
   // kernels and the share's take it (the plan's condition), each group in one warp's lanes.
