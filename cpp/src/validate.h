@@ -181,8 +181,9 @@ struct Checked {
   Views all() { return Views{views, count, &names}; }
 };
 
-// options->sink (options->group_scales) where struct_size covers it, else NULL: what an op whose
-// table has a "sink" ("group_scales") argument passes validate() for it.
+// options->sink (options->group_scales) where struct_size names a layout the library reads, else
+// NULL (validate() then refuses the size): what an op whose table has a "sink" ("group_scales")
+// argument passes validate() for it.
 const attnmerge_tensor* sink_of(const attnmerge_options* options);
 const attnmerge_tensor* group_scales_of(const attnmerge_options* options);
 

@@ -1,29 +1,22 @@
 /* attnmerge: merge partial attention states (O, LSE).  The C ABI of libattnmerge.
  *
- * A partial state is an output O of logical shape [tokens, heads, head_size] and its log-sum-exp
- * LSE of logical shape [tokens, heads].  Merging states gives the attention over the union of
- * their key sets (section 2.2 of arXiv 2501.01005).  For the states i of one (token, head) row:
+ * A partial state is an output O [tokens, heads, head_size] and its log-sum-exp LSE [tokens, heads]
+ * over one part of the keys; merging states gives the attention over all of them (section 2.2 of
+ * arXiv 2501.01005).  Per (token, head) row, over its states i:
  *
  *   m = max_i lse_i,  w_i = exp(lse_i - m),  W = sum_i w_i,
  *   O = sum_i (w_i / W) * O_i,  LSE = m + log W        (exp/log in base e, or base 2 on request)
  *
- *   - an LSE of +inf marks an empty part (FlashAttention-2) and counts as -inf;
- *   - all parts empty: O = 0 and LSE = -inf, never NaN;
- *   - a part whose weight is exactly zero is never read, so NaN in an empty part cannot leak;
- *   - a NaN LSE makes its row NaN (O and LSE);
- *   - arithmetic is float32 whatever the storage type; the output is rounded once.
+ * An LSE of +inf counts as -inf (an empty part); all parts empty give O = 0 and LSE = -inf; a part
+ * of zero weight is never read; a NaN LSE makes its row NaN; arithmetic is float32, each output
+ * rounded once.  docs/semantics.md has the whole of it (sinks, per-group FP8, the backward).
  *
- * Conventions of every entry point:
- *   - returns ATTNMERGE_SUCCESS or an error status; attnmerge_last_error() then holds a message
- *     for the calling thread that names the offending argument (as options.arg_names calls it, if
- *     it does), the expected and the actual value;
- *   - validates every argument before it writes anything;
- *   - never allocates device memory, never synchronizes the host, never throws, never prints;
- *     GPU work is enqueued on the caller's stream, so every op can be captured in a CUDA graph;
- *   - the device is the one the tensors live on (all on one device, or all on the host); the
- *     calling thread's current device is restored before returning;
- *   - host tensors (device == ATTNMERGE_HOST) run on the CPU, synchronously, multi-threaded
- *     for large inputs (ATTNMERGE_NUM_THREADS caps the number of threads).
+ * Every entry point returns ATTNMERGE_SUCCESS or an error status, after which attnmerge_last_error()
+ * names the argument at fault, the expected and the actual value; validates every argument before
+ * it writes anything; never allocates device memory, synchronizes the host, throws or prints; runs
+ * on the device the tensors live on (the caller's current device restored), GPU work enqueued on
+ * the caller's stream (so that it can be captured in a CUDA graph), host tensors
+ * (ATTNMERGE_HOST) on the CPU, synchronously, on up to ATTNMERGE_NUM_THREADS threads.
  */
 #ifndef ATTNMERGE_ATTNMERGE_H_
 #define ATTNMERGE_ATTNMERGE_H_
@@ -31,9 +24,9 @@
 #include <stdint.h>
 
 #define ATTNMERGE_VERSION_MAJOR 0
-#define ATTNMERGE_VERSION_MINOR 1
+#define ATTNMERGE_VERSION_MINOR 2
 #define ATTNMERGE_VERSION_PATCH 0
-#define ATTNMERGE_VERSION_STRING "0.1.0"
+#define ATTNMERGE_VERSION_STRING "0.2.0"
 #define ATTNMERGE_VERSION_NUMBER \
   (ATTNMERGE_VERSION_MAJOR * 10000 + ATTNMERGE_VERSION_MINOR * 100 + ATTNMERGE_VERSION_PATCH)
 
@@ -167,17 +160,13 @@ typedef struct attnmerge_options {
   /* Or the scale as one float32 in the memory of the op's device (host memory for host tensors),
    * read by the kernel itself, so that no host synchronization is needed.  NULL: unused. */
   const float* output_scale_ptr;
-  /* The layout's size, which says which of the fields after this one the library reads: 0, or
-   * the size of the layout that ends here (the sizeof(attnmerge_options) of a caller built against
-   * a header without arg_names: 40 bytes on 64-bit platforms), reads none of them; the size of the
-   * layout that ends at num_arg_names (a header without sink: 56 bytes) reads arg_names and
-   * num_arg_names; the size of the layout that ends at sink (64 bytes) reads those and sink;
-   * sizeof(attnmerge_options) reads them all; any other size is refused.  Later
-   * versions add fields at the end and read them only where struct_size covers them, so that a
-   * caller built against an older header keeps working. */
+  /* The layout the caller was built against: 0, or sizeof(attnmerge_options) of a released
+   * attnmerge.h; any other size is refused.  This layout, 0.2.0's (80 bytes on 64-bit platforms),
+   * is the baseline: 0 names it, so that zero-initialized options are the defaults.  A later
+   * release adds fields at the end only, and reads them only where struct_size is the size of a
+   * layout that has them: a caller built against an older attnmerge.h keeps working. */
   uint32_t struct_size;
-  /* Read where struct_size covers them (see struct_size).  The caller's names for the op's
-   * arguments: num_arg_names entries (0: none; arg_names may then be NULL), each arg and name a
+  /* The caller's names for the op's arguments: num_arg_names entries (0: none; arg_names may then be NULL), each arg and name a
    * non-empty string (a NULL or empty one is refused, before any other check), which need only
    * live for the call.  Every message of the call names an argument by the first entry for it,
    * and an argument with no entry by its name here; the names change the messages only.  An arg
@@ -186,7 +175,7 @@ typedef struct attnmerge_options {
    * reads the table beyond those checks. */
   const attnmerge_arg_name* arg_names;
   int32_t num_arg_names;
-  /* Read where struct_size covers it (see struct_size).  Attention sinks (gpt-oss,
+  /* Attention sinks (gpt-oss,
    * StreamingLLM): NULL for none, or a float32 tensor of shape [heads] (any stride >= 0), each
    * head's sink logit in the LSE's base, merged into every row of its head as one more state whose
    * output is 0 (its weight takes a share of the softmax, its output adds nothing):
@@ -204,8 +193,7 @@ typedef struct attnmerge_options {
    * states' gradients are those without one, and the sink's own gradient is, per head, the sum
    * over the rows of that head of  b^(sink - LSE) * (dLSE - ln(b) <dO, O>)  (b = e, or 2). */
   const attnmerge_tensor* sink;
-  /* Read only with struct_size = sizeof(attnmerge_options), the layout that ends here (a header
-   * without them: 64 bytes on 64-bit platforms, which reads sink and none of these).  Per-group FP8
+  /* Per-group FP8
    * outputs (DeepSeek-V3's 1 x 128 blocks; vLLM's per_token_group_quant_fp8), for a GEMM that
    * takes block-scaled FP8 next (the output projection): NULL for none, or a float32 tensor
    * [tokens, heads, head_size / group_size] (any strides >= 0: a [tokens, heads x head_size /
