@@ -166,3 +166,20 @@ def test_version_and_build_info():
     assert isinstance(attnmerge.__version__, str) and attnmerge.__version__.count(".") >= 2
     assert isinstance(info["device_count"], int) and info["device_count"] >= 0
     assert info["cuda_architectures"]
+
+
+@pytest.mark.parametrize("building, linkage", [(False, "__declspec(dllimport)"), (True, "__declspec(dllexport)")])
+def test_the_api_macro_exports_where_the_library_is_built_and_imports_elsewhere(building, linkage, tmp_path):
+    """ATTNMERGE_API on Windows, as the preprocessor expands it: dllexport for the library's own
+    sources (ATTNMERGE_BUILDING_LIBRARY), dllimport for every program that includes the header."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler on PATH")
+    src = tmp_path / "includer.c"
+    src.write_text("#include <attnmerge/attnmerge.h>\n")
+    args = [cc, "-E", "-D_WIN32", "-I", attnmerge.include_dir(), str(src)]
+    if building:
+        args.insert(2, "-DATTNMERGE_BUILDING_LIBRARY")
+    text = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    declared = re.findall(r"(__declspec\(\w+\))\s*attnmerge_status\s+attnmerge_merge\s*\(", text)
+    assert declared == [linkage], declared

@@ -30,8 +30,16 @@
 #define ATTNMERGE_VERSION_NUMBER \
   (ATTNMERGE_VERSION_MAJOR * 10000 + ATTNMERGE_VERSION_MINOR * 100 + ATTNMERGE_VERSION_PATCH)
 
+/* The entry points' linkage: exported where the library itself is compiled
+ * (ATTNMERGE_BUILDING_LIBRARY, defined for its sources alone), imported by every includer.  On ELF
+ * both are default visibility, so that a program that hides its own symbols (a hidden visibility
+ * pragma around the #include) still binds these to the library. */
 #if defined(_WIN32)
+#if defined(ATTNMERGE_BUILDING_LIBRARY)
 #define ATTNMERGE_API __declspec(dllexport)
+#else
+#define ATTNMERGE_API __declspec(dllimport)
+#endif
 #else
 #define ATTNMERGE_API __attribute__((visibility("default")))
 #endif
