@@ -176,7 +176,7 @@ def dtypes() -> dict:
 
 
 def dtype_sizes() -> dict:
-    """{code: bytes an element}."""
+    """{code: bytes per element}."""
     return {code: d[2] for code, d in dtypes().items()}
 
 

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 
 #include "internal.h"
 
@@ -167,6 +168,26 @@ constexpr bool names_resolve(const OpSpec& op) {
   if (op.scale_of < 0 || op.sizes_from < 0 || op.sizes_lse < 0) return false;
   for (int i = 0; i < op.count; ++i)
     if (op.args[i].dtype_of != nullptr && op.dtype_of[i] < 0) return false;
+  return true;
+}
+
+// An argument's index in its op's table, and its name there: the entries of an op's index enum
+// (ops.cpp: c.views[MergeArg::kSink]), which indexed() holds to the table.
+struct ArgIndex {
+  int index;
+  const char* name;
+};
+
+// `indices` are 0, 1, ... and name the table's arguments in its order, every one of them (for a
+// static_assert beside each table).
+template <std::size_t K>
+constexpr bool indexed(const ArgSpec (&args)[K], std::initializer_list<ArgIndex> indices) {
+  if (indices.size() != K) return false;
+  int i = 0;
+  for (const ArgIndex& x : indices) {
+    if (x.index != i || !same_name(args[i].name, x.name)) return false;
+    ++i;
+  }
   return true;
 }
 

@@ -424,7 +424,7 @@ void ArrayView::read(py::handle obj, void* consumer_stream, const ArgName& name,
     if (!cpu) kwargs["stream"] = dlpack_stream_arg(stream);
     kwargs["max_version"] = py::make_tuple(1, 3);
     // Called through the C API: a refusal comes back as a set Python error, not a C++ exception
-    // (which would cost far more a call).
+    // (which would cost far more per call).
     const py::object method = obj.attr("__dlpack__");
     const py::tuple no_args;
     PyObject* raw = PyObject_Call(method.ptr(), no_args.ptr(), kwargs.ptr());
