@@ -115,6 +115,35 @@ typedef struct attnmerge_tensor {
   uint32_t flags; /* ATTNMERGE_READ_ONLY, ATTNMERGE_DEVICE_KNOWN */
 } attnmerge_tensor;
 
+/** A descriptor of a contiguous array (row-major: the last axis unit-stride), flags 0.
+ *
+ * \param[in] data    the array's first element
+ * \param[in] dtype   an attnmerge_dtype
+ * \param[in] device  ATTNMERGE_HOST or a CUDA device ordinal
+ * \param[in] ndim    0 to ATTNMERGE_MAX_NDIM (another value is kept, with no shape, for the ops to refuse)
+ * \param[in] shape   ndim sizes
+ * \return the descriptor, its strides those of a contiguous array of that shape
+ */
+static inline attnmerge_tensor attnmerge_contiguous_tensor(void* data, int32_t dtype, int32_t device, int32_t ndim,
+                                                           const int64_t* shape) {
+  attnmerge_tensor t;
+  uint64_t stride = 1; /* unsigned: a product past 2^63 wraps, and the ops refuse the span */
+  int32_t i;
+  for (i = 0; i < ATTNMERGE_MAX_NDIM; ++i) t.shape[i] = t.strides[i] = 0;
+  t.data = data;
+  t.ndim = ndim;
+  t.dtype = dtype;
+  t.device = device;
+  t.flags = 0;
+  if (ndim < 0 || ndim > ATTNMERGE_MAX_NDIM) return t;
+  for (i = ndim - 1; i >= 0; --i) {
+    t.shape[i] = shape[i];
+    t.strides[i] = (int64_t)stride;
+    stride *= (uint64_t)shape[i];
+  }
+  return t;
+}
+
 /* attnmerge_options.flags */
 #define ATTNMERGE_LSE_BASE2 1u        /* LSEs are log2-sum-exp2 (FlashInfer); default base e */
 #define ATTNMERGE_LSE_HEADS_FIRST 2u  /* two-way and in-place merges: LSEs laid out [heads, tokens] (vLLM) */
