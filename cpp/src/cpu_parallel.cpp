@@ -1,14 +1,18 @@
-// The CPU path's threads (cpu_parallel.h): a pool started on first use and kept, so that a call
-// wakes threads rather than starting and joining them.  No OpenMP: GNU libgomp's pool does not
-// survive fork() (a child that merges after its parent did would hang), and the wheel would carry
-// another runtime.
+// The CPU path's threads (cpu_parallel.h): their number, and a pool started on first use and kept,
+// so that a call wakes threads rather than starting and joining them.  No OpenMP: GNU libgomp's
+// pool does not survive fork() (a child that merges after its parent did would hang), and the
+// wheel would carry another runtime.
 #include "cpu_parallel.h"
+
+#include "errors.h"
 
 #include <pthread.h>
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <new>
 #include <thread>
@@ -136,15 +140,51 @@ Pool* pool() {
   return p;
 }
 
+// The most threads ATTNMERGE_NUM_THREADS may ask for.
+constexpr int64_t kMaxThreads = 1024;
+
+// ATTNMERGE_NUM_THREADS, read once: a whole number from 1 to kMaxThreads, or unset (the hardware's
+// threads).  Any other value is kept as text, for every CPU call to refuse by name.
+struct ThreadLimit {
+  int64_t threads = 1;
+  bool refused = false;
+  char text[48] = "";  // the refused value, its first 40 characters
+};
+
+const ThreadLimit& thread_limit() {
+  static const ThreadLimit limit = [] {
+    ThreadLimit l;
+    const char* env = std::getenv("ATTNMERGE_NUM_THREADS");
+    if (env == nullptr) {
+      l.threads = std::max<int64_t>(1, std::thread::hardware_concurrency());
+      return l;
+    }
+    int64_t n = 0;
+    const char* c = env;
+    for (; *c >= '0' && *c <= '9' && n <= kMaxThreads; ++c) n = 10 * n + (*c - '0');
+    l.threads = n;
+    if (*env == '\0' || *c != '\0' || n < 1 || n > kMaxThreads) {
+      l.refused = true;
+      std::snprintf(l.text, sizeof l.text, "%.40s%s", env, std::strlen(env) > 40 ? "..." : "");
+    }
+    return l;
+  }();
+  return limit;
+}
+
 }  // namespace
 
+attnmerge_status check_cpu_threads() {
+  const ThreadLimit& limit = thread_limit();
+  if (!limit.refused) return ATTNMERGE_SUCCESS;
+  return fail(ATTNMERGE_ERROR_VALUE,
+              "ATTNMERGE_NUM_THREADS: expected a whole number from 1 to %lld (the most threads a CPU call takes), or "
+              "the variable unset, got \"%s\"",
+              static_cast<long long>(kMaxThreads), limit.text);
+}
+
 int64_t cpu_threads(int64_t accesses) {
-  static const int64_t limit = [] {
-    const char* env = std::getenv("ATTNMERGE_NUM_THREADS");
-    const long n = env ? std::strtol(env, nullptr, 10) : 0;
-    return n > 0 ? static_cast<int64_t>(n) : std::max<int64_t>(1, std::thread::hardware_concurrency());
-  }();
-  return std::max<int64_t>(1, std::min<int64_t>(limit, accesses >> 21));
+  return std::max<int64_t>(1, std::min<int64_t>(thread_limit().threads, accesses >> 21));
 }
 
 void run_on_pool(int64_t rows, int64_t threads, void (*run)(void*, int64_t, int64_t), void* ctx) {

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "attnmerge/attnmerge.h"
+
 namespace attnmerge {
 namespace detail {
 
@@ -17,6 +19,11 @@ namespace detail {
 #else
 #define ATTNMERGE_CPU_CLONES
 #endif
+
+// ATTNMERGE_NUM_THREADS, read at the first CPU call: ATTNMERGE_SUCCESS where it is a whole number
+// from 1 to 1024 or unset, else an error naming it and its value, which every CPU call returns
+// before it writes anything (the library never prints, so a bad value is never taken silently).
+attnmerge_status check_cpu_threads();
 
 // Threads for `accesses` element reads and writes: one per 2^21, at most the hardware's (or
 // ATTNMERGE_NUM_THREADS).  Below that one thread finishes first (benchmarks/NOTES.md, "The CPU

@@ -2,6 +2,7 @@
 // path or a GPU launch, with what the launch plan (plan.h) needs to know of the arrays.
 #pragma once
 
+#include "cpu_parallel.h"
 #include "validate.h"
 
 namespace attnmerge {
@@ -24,7 +25,10 @@ attnmerge_status run(Views views, const MergeShape& shape, const Source& src, co
   bool go;
   attnmerge_status s = locate(views, out.scale, shape.rows == 0, device, go);
   if (s || !go) return s;
-  if (device == ATTNMERGE_HOST) return cpu_merge(shape, src, out, in_dtype, out_dtype);
+  if (device == ATTNMERGE_HOST) {
+    if ((s = check_cpu_threads())) return s;
+    return cpu_merge(shape, src, out, in_dtype, out_dtype);
+  }
   return gpu_merge(shape, src, out, call_facts(views, shape.head_size, flags), in_dtype, out_dtype, device, stream);
 }
 
@@ -37,7 +41,10 @@ attnmerge_status run_backward(Views views, const MergeShape& shape, const Backwa
   bool go;
   attnmerge_status s = locate(views, nullptr, shape.rows == 0, device, go);
   if (s || !go || (!args.want_o && !args.want_lse)) return s;
-  if (device == ATTNMERGE_HOST) return cpu_merge_backward(shape, args, states, in_dtype, out_dtype);
+  if (device == ATTNMERGE_HOST) {
+    if ((s = check_cpu_threads())) return s;
+    return cpu_merge_backward(shape, args, states, in_dtype, out_dtype);
+  }
   return gpu_merge_backward(shape, args, choose_vec(views, shape.head_size), (flags & ATTNMERGE_PDL) != 0, in_dtype,
                             out_dtype, device, stream);
 }

@@ -16,7 +16,9 @@
  * it writes anything; never allocates device memory, synchronizes the host, throws or prints; runs
  * on the device the tensors live on (the caller's current device restored), GPU work enqueued on
  * the caller's stream (so that it can be captured in a CUDA graph), host tensors
- * (ATTNMERGE_HOST) on the CPU, synchronously, on up to ATTNMERGE_NUM_THREADS threads.
+ * (ATTNMERGE_HOST) on the CPU, synchronously, multi-threaded for large inputs.  The environment
+ * variable ATTNMERGE_NUM_THREADS, read at the first CPU call, caps the threads: a whole number
+ * from 1 to 1024, or unset (the hardware's); any other value makes every CPU call fail, naming it.
  */
 #ifndef ATTNMERGE_ATTNMERGE_H_
 #define ATTNMERGE_ATTNMERGE_H_
