@@ -75,8 +75,8 @@ attnmerge_status cpu_merge(const MergeShape& shape, const Source& src, const Out
 // variable-length merge), for the thread count.  in_dtype: the inputs' O and their gradients';
 // out_dtype: the forward's output and dO.
 template <typename Src>
-attnmerge_status cpu_merge_backward(const MergeShape& shape, const BackwardArgs<Src>& args, int64_t states, int in_dtype,
-                        int out_dtype);
+attnmerge_status cpu_merge_backward(const MergeShape& shape, const BackwardArgs<Src>& args, int64_t states,
+                                    int in_dtype, int out_dtype);
 
 // GPU path (merge_gpu.cu).  Every function restores the caller's current device.
 int gpu_build_version();  // CUDART_VERSION of the toolkit that compiled the library

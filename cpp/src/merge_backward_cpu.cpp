@@ -119,10 +119,12 @@ attnmerge_status cpu_merge_backward(const MergeShape& shape, const BackwardArgs<
   });
 }
 
-template attnmerge_status cpu_merge_backward<PairBackward>(const MergeShape&, const BackwardArgs<PairBackward>&, int64_t, int, int);
-template attnmerge_status cpu_merge_backward<StackBackward>(const MergeShape&, const BackwardArgs<StackBackward>&, int64_t, int, int);
-template attnmerge_status cpu_merge_backward<RangeBackward>(const MergeShape&, const BackwardArgs<RangeBackward>&, int64_t, int,
-                                                int);
+template attnmerge_status cpu_merge_backward<PairBackward>(const MergeShape&, const BackwardArgs<PairBackward>&,
+                                                           int64_t, int, int);
+template attnmerge_status cpu_merge_backward<StackBackward>(const MergeShape&, const BackwardArgs<StackBackward>&,
+                                                            int64_t, int, int);
+template attnmerge_status cpu_merge_backward<RangeBackward>(const MergeShape&, const BackwardArgs<RangeBackward>&,
+                                                            int64_t, int, int);
 
 }  // namespace detail
 }  // namespace attnmerge

@@ -483,8 +483,8 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
   const Sizes& n = c.sizes;
   if ((s = check_indptr(vi, vo, out, n.rows))) return s;
   return run(c.all(), merge_shape(n.rows, n, c), range_of(vo, c.views[A::kLse], vi, n.total, &c.views[A::kSink]),
-             out_view(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype, out->dtype,
-             stream, c.opt.flags);
+             out_view(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype, out->dtype, stream,
+             c.opt.flags);
 }
 
 attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
@@ -501,8 +501,8 @@ attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnme
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected 0 <= index < %" PRId64 " (the states of %s), got %" PRId64,
                 c.names.of("index"), n.states, vl.name(), index);
   return run(c.all(), merge_shape(n.tokens, n, c), share_of(c.views[A::kO], vl, n.states, index, &c.views[A::kSink]),
-             out_view(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype, out->dtype,
-             stream, c.opt.flags);
+             out_view(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype, out->dtype, stream,
+             c.opt.flags);
 }
 
 attnmerge_status attnmerge_merge_backward(const attnmerge_tensor* grad_o_a, const attnmerge_tensor* grad_lse_a,

@@ -3,7 +3,6 @@ wakes threads rather than starting them; the same bits whatever the threads; cal
 threads at once, and from a child forked after the parent used the pool, all run."""
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import subprocess
