@@ -56,46 +56,18 @@ class ArgName(Structure):
     _fields_ = [("arg", c_char_p), ("name", c_char_p)]
 
 
-_OPTIONS_BEFORE_NAMES = [
-    ("flags", c_uint32),
-    ("a_tokens", c_int64),
-    ("output_scale", c_float),
-    ("output_scale_ptr", POINTER(c_float)),
-    ("struct_size", c_uint32),
-]
-
-
-class OptionsBeforeNames(Structure):
-    """attnmerge_options as a caller built against a header without arg_names lays it out."""
-
-    _fields_ = _OPTIONS_BEFORE_NAMES
-
-
-_OPTIONS_NAMES = [
-    ("arg_names", POINTER(ArgName)),
-    ("num_arg_names", c_int32),
-]
-
-
-class OptionsBeforeSink(Structure):
-    """attnmerge_options as a caller built against a header without sink lays it out."""
-
-    _fields_ = _OPTIONS_BEFORE_NAMES + _OPTIONS_NAMES
-
-
-_OPTIONS_SINK = [("sink", POINTER(Tensor))]
-
-
-class OptionsBeforeGroups(Structure):
-    """attnmerge_options as a caller built against a header without group_scales lays it out."""
-
-    _fields_ = _OPTIONS_BEFORE_NAMES + _OPTIONS_NAMES + _OPTIONS_SINK
-
-
 class Options(Structure):
-    """attnmerge_options."""
+    """attnmerge_options: the baseline layout (0.2.0's), which struct_size 0 also names."""
 
-    _fields_ = _OPTIONS_BEFORE_NAMES + _OPTIONS_NAMES + _OPTIONS_SINK + [
+    _fields_ = [
+        ("flags", c_uint32),
+        ("a_tokens", c_int64),
+        ("output_scale", c_float),
+        ("output_scale_ptr", POINTER(c_float)),
+        ("struct_size", c_uint32),
+        ("arg_names", POINTER(ArgName)),
+        ("num_arg_names", c_int32),
+        ("sink", POINTER(Tensor)),
         ("group_scales", POINTER(Tensor)),
         ("group_size", c_int32),
     ]
@@ -204,7 +176,7 @@ def dtypes() -> dict:
 
 
 def dtype_sizes() -> dict:
-    """{code: bytes an element}."""
+    """{code: bytes per element}."""
     return {code: d[2] for code, d in dtypes().items()}
 
 
@@ -250,10 +222,11 @@ def ref(t):
 
 def options(flags=0, a_tokens=0, output_scale=0.0, output_scale_ptr=None, arg_names=None, sink=None,
             group_scales=None, group_size=0) -> Options:
-    """Options; arg_names: {arg: name} or (arg, name) pairs (None for a NULL string), sink and
-    group_scales, Tensors, each of which also sets struct_size to this layout's (the one that
-    reads them), and group_size."""
+    """Options, struct_size this layout's size (as a C caller fills it; 0 names the same layout);
+    arg_names: {arg: name} or (arg, name) pairs (None for a NULL string), sink and group_scales:
+    Tensors."""
     o = Options()
+    o.struct_size = ctypes.sizeof(Options)
     o.flags = flags
     o.a_tokens = a_tokens
     o.output_scale = output_scale
@@ -265,15 +238,12 @@ def options(flags=0, a_tokens=0, output_scale=0.0, output_scale_ptr=None, arg_na
         o._entries = (ArgName * len(pairs))(*(ArgName(encode(a), encode(n)) for a, n in pairs))  # alive with o
         o.arg_names = ctypes.cast(o._entries, POINTER(ArgName))
         o.num_arg_names = len(pairs)
-        o.struct_size = ctypes.sizeof(Options)
     if sink is not None:
         o._sink = sink  # alive with o
         o.sink = ctypes.pointer(sink)
-        o.struct_size = ctypes.sizeof(Options)
     if group_scales is not None:
         o._group_scales = group_scales  # alive with o
         o.group_scales = ctypes.pointer(group_scales)
-        o.struct_size = ctypes.sizeof(Options)
     o.group_size = group_size
     return o
 

@@ -29,19 +29,9 @@ void check_cu(CUresult r, const char* what) {
 }
 
 attnmerge_tensor tensor(void* data, int ndim, int dtype, uint32_t flags) {
-  attnmerge_tensor t = {};
-  t.data = data;
-  t.ndim = ndim;
-  t.dtype = dtype;
-  t.device = 0;
-  t.flags = flags;
   const int64_t shape[3] = {kTokens, kHeads, kHeadSize};
-  int64_t stride = 1;
-  for (int i = ndim - 1; i >= 0; --i) {
-    t.shape[i] = shape[i];
-    t.strides[i] = stride;
-    stride *= shape[i];
-  }
+  attnmerge_tensor t = attnmerge_contiguous_tensor(data, dtype, 0, ndim, shape);
+  t.flags = flags;
   return t;
 }
 

@@ -4,9 +4,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <thread>
-#include <vector>
+
+#include "attnmerge/attnmerge.h"
 
 namespace attnmerge {
 namespace detail {
@@ -21,37 +20,28 @@ namespace detail {
 #define ATTNMERGE_CPU_CLONES
 #endif
 
+// ATTNMERGE_NUM_THREADS, read at the first CPU call: ATTNMERGE_SUCCESS where it is a whole number
+// from 1 to 1024 or unset, else an error naming it and its value, which every CPU call returns
+// before it writes anything (the library never prints, so a bad value is never taken silently).
+attnmerge_status check_cpu_threads();
+
 // Threads for `accesses` element reads and writes: one per 2^21, at most the hardware's (or
-// ATTNMERGE_NUM_THREADS).  Each call starts its threads, some tens of microseconds: below that one
-// thread finishes first (64 x 32 x 128 float32, 0.8M accesses: 82 us on one thread, 117 us on
-// two).  Counted in elements, not bytes: a 16-bit element costs a conversion each way.
-inline int64_t cpu_threads(int64_t accesses) {
-  static const int64_t limit = [] {
-    const char* env = std::getenv("ATTNMERGE_NUM_THREADS");
-    const long n = env ? std::strtol(env, nullptr, 10) : 0;
-    return n > 0 ? static_cast<int64_t>(n) : std::max<int64_t>(1, std::thread::hardware_concurrency());
-  }();
-  return std::max<int64_t>(1, std::min<int64_t>(limit, accesses >> 21));
-}
+// ATTNMERGE_NUM_THREADS).  Below that one thread finishes first (benchmarks/NOTES.md, "The CPU
+// path").  Counted in elements, not bytes: a 16-bit element costs a conversion each way.
+int64_t cpu_threads(int64_t accesses);
+
+// Runs run(ctx, begin, end) over [0, rows), cut into `threads` ranges that the calling thread and
+// the library's pool of threads (started on first use, kept for later calls) take in turn; returns
+// when all are done.  The caller takes ranges too, so the call finishes whatever the pool does.
+void run_on_pool(int64_t rows, int64_t threads, void (*run)(void* ctx, int64_t begin, int64_t end), void* ctx);
 
 // Runs body(row_begin, row_end) over [0, rows) on up to `threads` threads, the caller's included.
 template <typename Body>
 void parallel_rows(int64_t rows, int64_t threads, Body body) {
   threads = std::min(threads, rows);
   if (threads <= 1) return body(int64_t{0}, rows);
-  std::vector<std::thread> helpers;
-  helpers.reserve(threads - 1);
-  const int64_t chunk = (rows + threads - 1) / threads;
-  for (int64_t begin = chunk; begin < rows; begin += chunk) {
-    const int64_t end = std::min(rows, begin + chunk);
-    try {
-      helpers.emplace_back(body, begin, end);
-    } catch (...) {  // no thread to be had: do that range here rather than fail
-      body(begin, end);
-    }
-  }
-  body(int64_t{0}, std::min(rows, chunk));
-  for (std::thread& t : helpers) t.join();
+  run_on_pool(
+      rows, threads, [](void* ctx, int64_t begin, int64_t end) { (*static_cast<Body*>(ctx))(begin, end); }, &body);
 }
 
 }  // namespace detail

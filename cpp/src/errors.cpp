@@ -23,6 +23,13 @@ attnmerge_status fail(attnmerge_status status, const char* fmt, ...) {
 
 void clear_error() { g_error[0] = '\0'; }
 
+attnmerge_status unknown_dtype(int dtype) {
+  return fail(ATTNMERGE_ERROR_TYPE,
+              "dtype %d: reached the dispatch of libattnmerge's kernels unvalidated (a bug of the library; please "
+              "report it)",
+              dtype);
+}
+
 const char* ArgNames::of(const char* arg) const {
   for (int i = 0; i < count; ++i)
     if (std::strcmp(entries[i].arg, arg) == 0) return entries[i].name;

@@ -13,6 +13,11 @@ attnmerge_status fail(attnmerge_status status, const char* fmt, ...) __attribute
 // Empties the calling thread's message: the start of every call that can fail.
 void clear_error();
 
+// A dtype code that reached a dispatch with no type for it (internal.h): validation refuses every
+// such code first, so this is a bug of the library, reported as one (ATTNMERGE_ERROR_TYPE, naming
+// the code) rather than run in another type.
+attnmerge_status unknown_dtype(int dtype);
+
 // The caller's names of a call's arguments (options.arg_names, checked by validate()): every
 // message of the C ABI names an argument through of(), so that it names what the caller wrote.
 struct ArgNames {

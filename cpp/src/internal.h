@@ -17,22 +17,42 @@
 namespace attnmerge {
 namespace detail {
 
-// The one dispatch idiom: calls f with a value of the storage type of `dtype` (validated), so that
-// `using T = decltype(tag)` names it.  Inputs are float32, float16 or bfloat16; outputs also FP8.
-template <typename F>
-void dispatch_in_dtype(int dtype, F&& f) {
-  switch (dtype) {
-    case ATTNMERGE_FLOAT32: f(float{}); break;
-    case ATTNMERGE_FLOAT16: f(half_t{}); break;
-    default: f(bfloat16_t{}); break;
+// f(tag)'s status, ATTNMERGE_SUCCESS where f returns nothing.
+template <typename F, typename Tag>
+attnmerge_status call_with(F& f, Tag tag) {
+  if constexpr (std::is_void<decltype(f(tag))>::value) {
+    f(tag);
+    return ATTNMERGE_SUCCESS;
+  } else {
+    return f(tag);
   }
 }
 
+// The one dispatch idiom: calls f with a value of the storage type of `dtype` (validated), so that
+// `using T = decltype(tag)` names it, and returns its status (unknown_dtype's for a code with no
+// type).  Inputs are float32, float16 or bfloat16; outputs also FP8.
 template <typename F>
-void dispatch_out_dtype(int dtype, F&& f) {
-  if (dtype == ATTNMERGE_FLOAT8_E4M3) return f(float8_e4m3_t{});
-  dispatch_in_dtype(dtype, f);
+attnmerge_status dispatch_in_dtype(int dtype, F&& f) {
+  switch (dtype) {
+    case ATTNMERGE_FLOAT32: return call_with(f, float{});
+    case ATTNMERGE_FLOAT16: return call_with(f, half_t{});
+    case ATTNMERGE_BFLOAT16: return call_with(f, bfloat16_t{});
+  }
+  return unknown_dtype(dtype);
 }
+
+template <typename F>
+attnmerge_status dispatch_out_dtype(int dtype, F&& f) {
+  if (dtype == ATTNMERGE_FLOAT8_E4M3) return call_with(f, float8_e4m3_t{});
+  return dispatch_in_dtype(dtype, f);
+}
+
+// Every dtype the table lets an O be has a type above: validated calls never reach unknown_dtype.
+static_assert(dtypes_of(ATTNMERGE_ROLE_O_IN) ==
+                  (1u << ATTNMERGE_FLOAT32 | 1u << ATTNMERGE_FLOAT16 | 1u << ATTNMERGE_BFLOAT16),
+              "dispatch_in_dtype has a type for every O a merge reads");
+static_assert(dtypes_of(ATTNMERGE_ROLE_O_OUT) == (dtypes_of(ATTNMERGE_ROLE_O_IN) | 1u << ATTNMERGE_FLOAT8_E4M3),
+              "dispatch_out_dtype has a type for every O a merge writes");
 
 // Calls f with std::integral_constant<int, vec> for vec in {1, 2, 4, 8}.
 template <typename F>
@@ -46,16 +66,17 @@ void dispatch_vec(int vec, F&& f) {
   }
 }
 
-// CPU path (merge_cpu.cpp): runs on the calling thread, and helpers for large inputs; cannot fail.
+// CPU path (merge_cpu.cpp): runs on the calling thread, and helpers for large inputs; fails only
+// for a dtype with no type (unknown_dtype).
 template <typename Source>
-void cpu_merge(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype, int out_dtype);
+attnmerge_status cpu_merge(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype, int out_dtype);
 
 // The backward on the CPU (merge_backward_cpu.cpp); `states`: a row's states (the mean for the
 // variable-length merge), for the thread count.  in_dtype: the inputs' O and their gradients';
 // out_dtype: the forward's output and dO.
 template <typename Src>
-void cpu_merge_backward(const MergeShape& shape, const BackwardArgs<Src>& args, int64_t states, int in_dtype,
-                        int out_dtype);
+attnmerge_status cpu_merge_backward(const MergeShape& shape, const BackwardArgs<Src>& args, int64_t states,
+                                    int in_dtype, int out_dtype);
 
 // GPU path (merge_gpu.cu).  Every function restores the caller's current device.
 int gpu_build_version();  // CUDART_VERSION of the toolkit that compiled the library

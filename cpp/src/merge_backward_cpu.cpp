@@ -104,12 +104,12 @@ ATTNMERGE_CPU_CLONES void backward_rows(const MergeShape& shape, const BackwardA
 }  // namespace
 
 template <typename Src>
-void cpu_merge_backward(const MergeShape& shape, const BackwardArgs<Src>& args, int64_t states, int in_dtype,
-                        int out_dtype) {
+attnmerge_status cpu_merge_backward(const MergeShape& shape, const BackwardArgs<Src>& args, int64_t states,
+                                    int in_dtype, int out_dtype) {
   const int64_t rows = shape.tokens * shape.heads;
   const int64_t accesses = rows * shape.head_size * (2 * states + 2);  // O_i and dO_i, dO and O
-  dispatch_in_dtype(in_dtype, [&](auto in_tag) {
-    dispatch_in_dtype(out_dtype, [&](auto out_tag) {
+  return dispatch_in_dtype(in_dtype, [&](auto in_tag) {
+    return dispatch_in_dtype(out_dtype, [&](auto out_tag) {
       using TIn = decltype(in_tag);
       using TOut = decltype(out_tag);
       parallel_rows(rows, cpu_threads(accesses), [&](int64_t begin, int64_t end) {
@@ -119,10 +119,12 @@ void cpu_merge_backward(const MergeShape& shape, const BackwardArgs<Src>& args, 
   });
 }
 
-template void cpu_merge_backward<PairBackward>(const MergeShape&, const BackwardArgs<PairBackward>&, int64_t, int, int);
-template void cpu_merge_backward<StackBackward>(const MergeShape&, const BackwardArgs<StackBackward>&, int64_t, int, int);
-template void cpu_merge_backward<RangeBackward>(const MergeShape&, const BackwardArgs<RangeBackward>&, int64_t, int,
-                                                int);
+template attnmerge_status cpu_merge_backward<PairBackward>(const MergeShape&, const BackwardArgs<PairBackward>&,
+                                                           int64_t, int, int);
+template attnmerge_status cpu_merge_backward<StackBackward>(const MergeShape&, const BackwardArgs<StackBackward>&,
+                                                            int64_t, int, int);
+template attnmerge_status cpu_merge_backward<RangeBackward>(const MergeShape&, const BackwardArgs<RangeBackward>&,
+                                                            int64_t, int, int);
 
 }  // namespace detail
 }  // namespace attnmerge

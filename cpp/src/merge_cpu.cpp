@@ -106,11 +106,12 @@ int64_t states_per_row(const ShareSource&) { return 1; }
 }  // namespace
 
 template <typename Source>
-void cpu_merge(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype, int out_dtype) {
+attnmerge_status cpu_merge(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype,
+                           int out_dtype) {
   const int64_t rows = shape.tokens * shape.heads;
   const int64_t accesses = rows * shape.head_size * (states_per_row(src) + 1);
-  dispatch_in_dtype(in_dtype, [&](auto in_tag) {
-    dispatch_out_dtype(out_dtype, [&](auto out_tag) {
+  return dispatch_in_dtype(in_dtype, [&](auto in_tag) {
+    return dispatch_out_dtype(out_dtype, [&](auto out_tag) {
       using TIn = decltype(in_tag);
       using TOut = decltype(out_tag);
       parallel_rows(rows, cpu_threads(accesses), [&](int64_t begin, int64_t end) {
@@ -120,11 +121,11 @@ void cpu_merge(const MergeShape& shape, const Source& src, const OutView& out, i
   });
 }
 
-template void cpu_merge<PairSource>(const MergeShape&, const PairSource&, const OutView&, int, int);
-template void cpu_merge<SinkPairSource>(const MergeShape&, const SinkPairSource&, const OutView&, int, int);
-template void cpu_merge<StackSource>(const MergeShape&, const StackSource&, const OutView&, int, int);
-template void cpu_merge<RangeSource>(const MergeShape&, const RangeSource&, const OutView&, int, int);
-template void cpu_merge<ShareSource>(const MergeShape&, const ShareSource&, const OutView&, int, int);
+template attnmerge_status cpu_merge<PairSource>(const MergeShape&, const PairSource&, const OutView&, int, int);
+template attnmerge_status cpu_merge<SinkPairSource>(const MergeShape&, const SinkPairSource&, const OutView&, int, int);
+template attnmerge_status cpu_merge<StackSource>(const MergeShape&, const StackSource&, const OutView&, int, int);
+template attnmerge_status cpu_merge<RangeSource>(const MergeShape&, const RangeSource&, const OutView&, int, int);
+template attnmerge_status cpu_merge<ShareSource>(const MergeShape&, const ShareSource&, const OutView&, int, int);
 
 }  // namespace detail
 }  // namespace attnmerge

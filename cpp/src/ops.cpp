@@ -102,6 +102,13 @@ constexpr ArgSpec kMergeArgs[] = {
     {"sink",     kLse,  {H},             kRead,  kOptional},
     {"group_scales", kLse, {T, H, G},    kWrite, kOptional},
 };
+struct MergeArg {
+  enum : int { kOut, kOutLse, kOA, kLseA, kOB, kLseB, kSink, kGroupScales };
+};
+static_assert(indexed(kMergeArgs, {{MergeArg::kOut, "out"}, {MergeArg::kOutLse, "out_lse"}, {MergeArg::kOA, "o_a"},
+                                   {MergeArg::kLseA, "lse_a"}, {MergeArg::kOB, "o_b"}, {MergeArg::kLseB, "lse_b"},
+                                   {MergeArg::kSink, "sink"}, {MergeArg::kGroupScales, "group_scales"}}),
+              "MergeArg indexes kMergeArgs");
 constexpr OpSpec kMerge = make_op(kMergeArgs, kBase2 | kBBase | kOutBase | kHeadsFirst | kATokens | kPdl | kUe8m0,
                                   "out", "o_b", "lse_b", pair_sizes);
 static_assert(names_resolve(kMerge), "kMerge names its own arguments");
@@ -114,6 +121,12 @@ constexpr ArgSpec kInplaceArgs[] = {
     {"lse_other", kLse,  {T, H},    kRead,      kRequired, kMayBeOutput},
     {"mask",      kMask, {T},       kRead,      kOptional},
 };
+struct InplaceArg {
+  enum : int { kO, kLse, kOOther, kLseOther, kMask };
+};
+static_assert(indexed(kInplaceArgs, {{InplaceArg::kO, "o"}, {InplaceArg::kLse, "lse"}, {InplaceArg::kOOther, "o_other"},
+                                     {InplaceArg::kLseOther, "lse_other"}, {InplaceArg::kMask, "mask"}}),
+              "InplaceArg indexes kInplaceArgs");
 constexpr OpSpec kInplace =
     make_op(kInplaceArgs, kBase2 | kBBase | kHeadsFirst | kPdl, "o", "o_other", "lse_other", pair_sizes);
 static_assert(names_resolve(kInplace), "kInplace names its own arguments");
@@ -127,6 +140,13 @@ constexpr ArgSpec kStatesArgs[] = {
     {"sink",    kLse,  {H},          kRead,  kOptional},
     {"group_scales", kLse, {T, H, G}, kWrite, kOptional},
 };
+struct StatesArg {
+  enum : int { kOut, kOutLse, kO, kLse, kSink, kGroupScales };
+};
+static_assert(indexed(kStatesArgs, {{StatesArg::kOut, "out"}, {StatesArg::kOutLse, "out_lse"}, {StatesArg::kO, "o"},
+                                    {StatesArg::kLse, "lse"}, {StatesArg::kSink, "sink"},
+                                    {StatesArg::kGroupScales, "group_scales"}}),
+              "StatesArg indexes kStatesArgs");
 constexpr OpSpec kStates = make_op(kStatesArgs, kBase2 | kOutBase | kPdl | kUe8m0, "out", "o", "lse", stack_sizes);
 static_assert(names_resolve(kStates), "kStates names its own arguments");
 
@@ -140,6 +160,13 @@ constexpr ArgSpec kVarlenArgs[] = {
     {"sink",    kLse,    {H},       kRead,  kOptional},
     {"group_scales", kLse, {R, H, G}, kWrite, kOptional},
 };
+struct VarlenArg {
+  enum : int { kOut, kOutLse, kO, kLse, kIndptr, kSink, kGroupScales };
+};
+static_assert(indexed(kVarlenArgs, {{VarlenArg::kOut, "out"}, {VarlenArg::kOutLse, "out_lse"}, {VarlenArg::kO, "o"},
+                                    {VarlenArg::kLse, "lse"}, {VarlenArg::kIndptr, "indptr"},
+                                    {VarlenArg::kSink, "sink"}, {VarlenArg::kGroupScales, "group_scales"}}),
+              "VarlenArg indexes kVarlenArgs");
 constexpr OpSpec kVarlen =
     make_op(kVarlenArgs, kBase2 | kOutBase | kPdl | kUe8m0, "out", "o", "lse", range_sizes);
 static_assert(names_resolve(kVarlen), "kVarlen names its own arguments");
@@ -154,6 +181,13 @@ constexpr ArgSpec kShareArgs[] = {
     {"sink",    kLse,  {H},          kRead,  kOptional},
     {"group_scales", kLse, {T, H, G}, kWrite, kOptional},
 };
+struct ShareArg {
+  enum : int { kOut, kOutLse, kO, kLse, kSink, kGroupScales };
+};
+static_assert(indexed(kShareArgs, {{ShareArg::kOut, "out"}, {ShareArg::kOutLse, "out_lse"}, {ShareArg::kO, "o"},
+                                   {ShareArg::kLse, "lse"}, {ShareArg::kSink, "sink"},
+                                   {ShareArg::kGroupScales, "group_scales"}}),
+              "ShareArg indexes kShareArgs");
 constexpr OpSpec kShare = make_op(kShareArgs, kBase2 | kOutBase | kPdl | kUe8m0, "out", "o", "lse", share_sizes);
 static_assert(names_resolve(kShare), "kShare names its own arguments");
 
@@ -175,6 +209,17 @@ constexpr ArgSpec kMergeBackwardArgs[] = {
     {"o_b",          kOIn, {T, H, D},       kRead,  kRequired, kNoAlias, "o_a"},
     {"lse_b",        kLse, {T, H},          kRead,  kRequired},
 };
+struct MergeBackwardArg {
+  enum : int { kGradOA, kGradLseA, kGradOB, kGradLseB, kGradOut, kGradOutLse, kOut, kOutLse, kOA, kLseA, kOB, kLseB };
+};
+static_assert(indexed(kMergeBackwardArgs,
+                      {{MergeBackwardArg::kGradOA, "grad_o_a"}, {MergeBackwardArg::kGradLseA, "grad_lse_a"},
+                       {MergeBackwardArg::kGradOB, "grad_o_b"}, {MergeBackwardArg::kGradLseB, "grad_lse_b"},
+                       {MergeBackwardArg::kGradOut, "grad_out"}, {MergeBackwardArg::kGradOutLse, "grad_out_lse"},
+                       {MergeBackwardArg::kOut, "out"}, {MergeBackwardArg::kOutLse, "out_lse"},
+                       {MergeBackwardArg::kOA, "o_a"}, {MergeBackwardArg::kLseA, "lse_a"},
+                       {MergeBackwardArg::kOB, "o_b"}, {MergeBackwardArg::kLseB, "lse_b"}}),
+              "MergeBackwardArg indexes kMergeBackwardArgs");
 constexpr OpSpec kMergeBackward =
     make_op(kMergeBackwardArgs, kBase2 | kHeadsFirst | kATokens | kPdl, "grad_out", "o_b", "lse_b", pair_sizes);
 static_assert(names_resolve(kMergeBackward), "kMergeBackward names its own arguments");
@@ -189,6 +234,15 @@ constexpr ArgSpec kStatesBackwardArgs[] = {
     {"o",            kOIn, {T, S, H, D}, kRead,  kRequired},
     {"lse",          kLse, {T, S, H},    kRead,  kRequired},
 };
+struct StatesBackwardArg {
+  enum : int { kGradO, kGradLse, kGradOut, kGradOutLse, kOut, kOutLse, kO, kLse };
+};
+static_assert(indexed(kStatesBackwardArgs,
+                      {{StatesBackwardArg::kGradO, "grad_o"}, {StatesBackwardArg::kGradLse, "grad_lse"},
+                       {StatesBackwardArg::kGradOut, "grad_out"}, {StatesBackwardArg::kGradOutLse, "grad_out_lse"},
+                       {StatesBackwardArg::kOut, "out"}, {StatesBackwardArg::kOutLse, "out_lse"},
+                       {StatesBackwardArg::kO, "o"}, {StatesBackwardArg::kLse, "lse"}}),
+              "StatesBackwardArg indexes kStatesBackwardArgs");
 constexpr OpSpec kStatesBackward = make_op(kStatesBackwardArgs, kBase2 | kPdl, "grad_out", "o", "lse", stack_sizes);
 static_assert(names_resolve(kStatesBackward), "kStatesBackward names its own arguments");
 
@@ -203,6 +257,16 @@ constexpr ArgSpec kVarlenBackwardArgs[] = {
     {"lse",          kLse,    {N, H},    kRead,  kRequired},
     {"indptr",       kIndptr, {R1},      kRead,  kRequired},
 };
+struct VarlenBackwardArg {
+  enum : int { kGradO, kGradLse, kGradOut, kGradOutLse, kOut, kOutLse, kO, kLse, kIndptr };
+};
+static_assert(indexed(kVarlenBackwardArgs,
+                      {{VarlenBackwardArg::kGradO, "grad_o"}, {VarlenBackwardArg::kGradLse, "grad_lse"},
+                       {VarlenBackwardArg::kGradOut, "grad_out"}, {VarlenBackwardArg::kGradOutLse, "grad_out_lse"},
+                       {VarlenBackwardArg::kOut, "out"}, {VarlenBackwardArg::kOutLse, "out_lse"},
+                       {VarlenBackwardArg::kO, "o"}, {VarlenBackwardArg::kLse, "lse"},
+                       {VarlenBackwardArg::kIndptr, "indptr"}}),
+              "VarlenBackwardArg indexes kVarlenBackwardArgs");
 constexpr OpSpec kVarlenBackward = make_op(kVarlenBackwardArgs, kBase2 | kPdl, "grad_out", "o", "lse", range_sizes);
 static_assert(names_resolve(kVarlenBackward), "kVarlenBackward names its own arguments");
 // clang-format on
@@ -362,8 +426,10 @@ attnmerge_status attnmerge_merge(const attnmerge_tensor* out, const attnmerge_te
   const attnmerge_tensor* const args[] = {
       out, out_lse, o_a, lse_a, o_b, lse_b, sink_of(options), group_scales_of(options)};
   if (attnmerge_status s = validate(kMerge, args, options, c)) return s;
+  using A = MergeArg;
   const View* v = c.views;
-  return run_pair(c, v[0], v[1], v[2], v[3], v[4], v[5], v[7], v[6], nullptr, stream);
+  return run_pair(c, v[A::kOut], v[A::kOutLse], v[A::kOA], v[A::kLseA], v[A::kOB], v[A::kLseB], v[A::kGroupScales],
+                  v[A::kSink], nullptr, stream);
 }
 
 attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnmerge_tensor* lse,
@@ -373,9 +439,12 @@ attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnme
   Checked c;
   const attnmerge_tensor* const args[] = {o, lse, o_other, lse_other, mask};
   if (attnmerge_status s = validate(kInplace, args, options, c)) return s;
+  using A = InplaceArg;
   const View* v = c.views;
   const View none;  // no group scales, no sink
-  return run_pair(c, v[0], v[1], v[0], v[1], v[2], v[3], none, none, &v[4], stream);  // (o, lse): a and the output
+  // (o, lse) is both a and the output.
+  return run_pair(c, v[A::kO], v[A::kLse], v[A::kO], v[A::kLse], v[A::kOOther], v[A::kLseOther], none, none,
+                  &v[A::kMask], stream);
 }
 
 attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
@@ -385,11 +454,12 @@ attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnm
   Checked c;
   const attnmerge_tensor* const args[] = {out, out_lse, o, lse, sink_of(options), group_scales_of(options)};
   if (attnmerge_status s = validate(kStates, args, options, c)) return s;
-  const View &vout = c.views[0], &vout_lse = c.views[1], &vo = c.views[2], &vl = c.views[3];
+  using A = StatesArg;
+  const View &vo = c.views[A::kO], &vl = c.views[A::kLse];
   const Sizes& n = c.sizes;
   const MergeShape shape = merge_shape(n.tokens, n, c);
-  const OutView dst = out_view(vout, vout_lse, c.views[5], c);
-  const StackSource src = stack_of(vo, vl, n.states, &c.views[4]);
+  const OutView dst = out_view(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c);
+  const StackSource src = stack_of(vo, vl, n.states, &c.views[A::kSink]);
   if (n.states == 2) {  // the two-way merge's kernels
     const PairSource pair = pair_of(src, o->dtype, vo.empty, vl.empty, n.tokens);
     if (src.sink.lse != nullptr)
@@ -408,11 +478,13 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
   const attnmerge_tensor* const args[] = {out, out_lse, o, lse, indptr, sink_of(options), group_scales_of(options)};
   attnmerge_status s;
   if ((s = validate(kVarlen, args, options, c))) return s;
-  const View &vout = c.views[0], &vout_lse = c.views[1], &vo = c.views[2], &vl = c.views[3], &vi = c.views[4];
+  using A = VarlenArg;
+  const View &vo = c.views[A::kO], &vi = c.views[A::kIndptr];
   const Sizes& n = c.sizes;
   if ((s = check_indptr(vi, vo, out, n.rows))) return s;
-  return run(c.all(), merge_shape(n.rows, n, c), range_of(vo, vl, vi, n.total, &c.views[5]),
-             out_view(vout, vout_lse, c.views[6], c), o->dtype, out->dtype, stream, c.opt.flags);
+  return run(c.all(), merge_shape(n.rows, n, c), range_of(vo, c.views[A::kLse], vi, n.total, &c.views[A::kSink]),
+             out_view(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype, out->dtype, stream,
+             c.opt.flags);
 }
 
 attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
@@ -422,13 +494,15 @@ attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnme
   Checked c;
   const attnmerge_tensor* const args[] = {out, out_lse, o, lse, sink_of(options), group_scales_of(options)};
   if (attnmerge_status s = validate(kShare, args, options, c)) return s;
-  const View &vout = c.views[0], &vout_lse = c.views[1], &vo = c.views[2], &vl = c.views[3];
+  using A = ShareArg;
+  const View& vl = c.views[A::kLse];
   const Sizes& n = c.sizes;
   if (index < 0 || index >= n.states)
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected 0 <= index < %" PRId64 " (the states of %s), got %" PRId64,
                 c.names.of("index"), n.states, vl.name(), index);
-  return run(c.all(), merge_shape(n.tokens, n, c), share_of(vo, vl, n.states, index, &c.views[4]),
-             out_view(vout, vout_lse, c.views[5], c), o->dtype, out->dtype, stream, c.opt.flags);
+  return run(c.all(), merge_shape(n.tokens, n, c), share_of(c.views[A::kO], vl, n.states, index, &c.views[A::kSink]),
+             out_view(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype, out->dtype, stream,
+             c.opt.flags);
 }
 
 attnmerge_status attnmerge_merge_backward(const attnmerge_tensor* grad_o_a, const attnmerge_tensor* grad_lse_a,
@@ -443,13 +517,15 @@ attnmerge_status attnmerge_merge_backward(const attnmerge_tensor* grad_o_a, cons
   const attnmerge_tensor* const args[] = {grad_o_a, grad_lse_a, grad_o_b, grad_lse_b, grad_out, grad_out_lse,
                                           out,      out_lse,    o_a,      lse_a,      o_b,      lse_b};
   if (attnmerge_status s = validate(kMergeBackward, args, options, c)) return s;
+  using A = MergeBackwardArg;
   const View* v = c.views;
-  const View &vga = v[0], &vgla = v[1], &vgb = v[2], &vglb = v[3];
+  const View &vga = v[A::kGradOA], &vgla = v[A::kGradLseA], &vgb = v[A::kGradOB], &vglb = v[A::kGradLseB];
   const int64_t a_tokens = c.sizes.a_tokens;
-  const PairSource in{state_of(v[8], v[9]), state_of(v[10], v[11]), a_tokens, nullptr, 0};
+  const PairSource in{state_of(v[A::kOA], v[A::kLseA]), state_of(v[A::kOB], v[A::kLseB]), a_tokens, nullptr, 0};
   const PairSource grad{state_of(vga, vgla), state_of(vgb, vglb), a_tokens, nullptr, 0};
-  const BackwardArgs<PairBackward> back{PairBackward{in, grad}, state_of(v[6], v[7]), state_of(v[4], v[5]),
-                                        vga.present() || vgb.present(), vgla.present() || vglb.present()};
+  const BackwardArgs<PairBackward> back{PairBackward{in, grad}, state_of(v[A::kOut], v[A::kOutLse]),
+                                        state_of(v[A::kGradOut], v[A::kGradOutLse]), vga.present() || vgb.present(),
+                                        vgla.present() || vglb.present()};
   return run_backward(c.all(), merge_shape(c.sizes.tokens, c.sizes, c), back, 2, o_a->dtype, grad_out->dtype, stream,
                       c.opt.flags);
 }
@@ -463,12 +539,13 @@ attnmerge_status attnmerge_merge_states_backward(const attnmerge_tensor* grad_o,
   Checked c;
   const attnmerge_tensor* const args[] = {grad_o, grad_lse, grad_out, grad_out_lse, out, out_lse, o, lse};
   if (attnmerge_status s = validate(kStatesBackward, args, options, c)) return s;
+  using A = StatesBackwardArg;
   const View* v = c.views;
-  const View &vg = v[0], &vgl = v[1], &vo = v[6], &vl = v[7];
+  const View &vg = v[A::kGradO], &vgl = v[A::kGradLse], &vo = v[A::kO], &vl = v[A::kLse];
   const Sizes& n = c.sizes;
   const MergeShape shape = merge_shape(n.tokens, n, c);
   const StackSource in = stack_of(vo, vl, n.states), grad = stack_of(vg, vgl, n.states);
-  const StateView fwd = state_of(v[4], v[5]), incoming = state_of(v[2], v[3]);
+  const StateView fwd = state_of(v[A::kOut], v[A::kOutLse]), incoming = state_of(v[A::kGradOut], v[A::kGradOutLse]);
   if (n.states == 2) {  // the two-way merge's kernel, as in the forward: 64 registers against 108
     const BackwardArgs<PairBackward> back{PairBackward{pair_of(in, o->dtype, vo.empty, vl.empty, n.tokens),
                                                        pair_of(grad, o->dtype, vg.empty, vgl.empty, n.tokens)},
@@ -490,15 +567,16 @@ attnmerge_status attnmerge_merge_varlen_backward(const attnmerge_tensor* grad_o,
   const attnmerge_tensor* const args[] = {grad_o, grad_lse, grad_out, grad_out_lse, out, out_lse, o, lse, indptr};
   attnmerge_status s;
   if ((s = validate(kVarlenBackward, args, options, c))) return s;
+  using A = VarlenBackwardArg;
   const View* v = c.views;
-  const View &vg = v[0], &vgl = v[1], &vo = v[6], &vl = v[7], &vi = v[8];
+  const View &vg = v[A::kGradO], &vgl = v[A::kGradLse], &vo = v[A::kO], &vl = v[A::kLse], &vi = v[A::kIndptr];
   const Sizes& n = c.sizes;
   if ((s = check_indptr(vi, vo, grad_out, n.rows))) return s;
   // With no rows, one row over every state writes their zeros (RangeBackward).
   const MergeShape shape = merge_shape(n.rows > 0 ? n.rows : n.total > 0 ? 1 : 0, n, c);
   const BackwardArgs<RangeBackward> back{
-      RangeBackward{range_of(vo, vl, vi, n.total), range_of(vg, vgl, vi, n.total), n.rows}, state_of(v[4], v[5]),
-      state_of(v[2], v[3]), vg.present(), vgl.present()};
+      RangeBackward{range_of(vo, vl, vi, n.total), range_of(vg, vgl, vi, n.total), n.rows},
+      state_of(v[A::kOut], v[A::kOutLse]), state_of(v[A::kGradOut], v[A::kGradOutLse]), vg.present(), vgl.present()};
   const int64_t states = n.rows > 0 ? (n.total + n.rows - 1) / n.rows : n.total;
   return run_backward(c.all(), shape, back, states, o->dtype, grad_out->dtype, stream, c.opt.flags);
 }

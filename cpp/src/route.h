@@ -2,6 +2,7 @@
 // path or a GPU launch, with what the launch plan (plan.h) needs to know of the arrays.
 #pragma once
 
+#include "cpu_parallel.h"
 #include "validate.h"
 
 namespace attnmerge {
@@ -25,8 +26,8 @@ attnmerge_status run(Views views, const MergeShape& shape, const Source& src, co
   attnmerge_status s = locate(views, out.scale, shape.rows == 0, device, go);
   if (s || !go) return s;
   if (device == ATTNMERGE_HOST) {
-    cpu_merge(shape, src, out, in_dtype, out_dtype);
-    return ATTNMERGE_SUCCESS;
+    if ((s = check_cpu_threads())) return s;
+    return cpu_merge(shape, src, out, in_dtype, out_dtype);
   }
   return gpu_merge(shape, src, out, call_facts(views, shape.head_size, flags), in_dtype, out_dtype, device, stream);
 }
@@ -41,8 +42,8 @@ attnmerge_status run_backward(Views views, const MergeShape& shape, const Backwa
   attnmerge_status s = locate(views, nullptr, shape.rows == 0, device, go);
   if (s || !go || (!args.want_o && !args.want_lse)) return s;
   if (device == ATTNMERGE_HOST) {
-    cpu_merge_backward(shape, args, states, in_dtype, out_dtype);
-    return ATTNMERGE_SUCCESS;
+    if ((s = check_cpu_threads())) return s;
+    return cpu_merge_backward(shape, args, states, in_dtype, out_dtype);
   }
   return gpu_merge_backward(shape, args, choose_vec(views, shape.head_size), (flags & ATTNMERGE_PDL) != 0, in_dtype,
                             out_dtype, device, stream);

@@ -185,35 +185,16 @@ attnmerge_status describe_one(const attnmerge_tensor* t, const ArgSpec& spec, Ls
   return ATTNMERGE_SUCCESS;
 }
 
-// attnmerge_options as a caller built against a header without arg_names lays it out: the size
-// such a caller passes as struct_size, and all of its options the library may read.
-struct OptionsBeforeNames {
-  uint32_t flags;
-  int64_t a_tokens;
-  float output_scale;
-  const float* output_scale_ptr;
-  uint32_t struct_size;
-};
-static_assert(offsetof(OptionsBeforeNames, struct_size) == offsetof(attnmerge_options, struct_size),
-              "attnmerge_options only grows at its end");
-// And as a caller built against a header without sink lays it out.
-struct OptionsBeforeSink {
-  OptionsBeforeNames before;
-  const attnmerge_arg_name* arg_names;
-  int32_t num_arg_names;
-};
-static_assert(offsetof(OptionsBeforeSink, arg_names) == offsetof(attnmerge_options, arg_names) &&
-                  offsetof(OptionsBeforeSink, num_arg_names) == offsetof(attnmerge_options, num_arg_names),
-              "attnmerge_options only grows at its end");
-// And as a caller built against a header without group_scales lays it out.
-struct OptionsBeforeGroups {
-  OptionsBeforeSink before;
-  const attnmerge_tensor* sink;
-};
-static_assert(offsetof(OptionsBeforeGroups, sink) == offsetof(attnmerge_options, sink),
-              "attnmerge_options only grows at its end");
-constexpr uint32_t kSizeBeforeNames = sizeof(OptionsBeforeNames), kSizeBeforeSink = sizeof(OptionsBeforeSink),
-                   kSizeBeforeGroups = sizeof(OptionsBeforeGroups), kSizeNow = sizeof(attnmerge_options);
+// The released layouts of attnmerge_options, by the struct_size a caller built against each passes.
+// 0.2.0's is the baseline, which 0 also names (zero-initialized options are the defaults); it is
+// this header's.  A release that adds fields at the end adds its layout's size here, and
+// read_layout reads those fields only where struct_size is that size (or a later one).
+constexpr uint32_t kBaselineSize = sizeof(attnmerge_options);
+static_assert(sizeof(void*) != 8 || kBaselineSize == 80,
+              "attnmerge_options grew: until 0.2.0 is released the baseline grows with it (update 80), after "
+              "that a new field makes a new layout, accepted by a size of its own (kBaselineSize stays 0.2.0's)");
+
+bool known_layout(uint32_t size) { return size == 0 || size == kBaselineSize; }
 
 // A string of the caller's names table: NULL and "" are refused, as they would name nothing.
 attnmerge_status check_name_text(const char* text, int i, const char* field) {
@@ -226,24 +207,20 @@ attnmerge_status check_name_text(const char* text, int i, const char* field) {
 attnmerge_status read_layout(const attnmerge_options* options, attnmerge_options& opt, ArgNames& names) {
   opt = attnmerge_options{};
   if (options == nullptr) return ATTNMERGE_SUCCESS;
-  // Field by field: a caller of an older layout owns no bytes past its struct_size.
   const uint32_t size = options->struct_size;
-  if (size != 0 && size != kSizeBeforeNames && size != kSizeBeforeSink && size != kSizeBeforeGroups &&
-      size != kSizeNow)
+  if (!known_layout(size))
     return fail(ATTNMERGE_ERROR_VALUE,
-                "options.struct_size: expected 0, %u (attnmerge_options without arg_names), %u (without sink), %u "
-                "(without group_scales) or %u (this library's attnmerge_options), got %u",
-                static_cast<unsigned>(kSizeBeforeNames), static_cast<unsigned>(kSizeBeforeSink),
-                static_cast<unsigned>(kSizeBeforeGroups), static_cast<unsigned>(kSizeNow), size);
+                "options.struct_size: expected 0 or %u (sizeof(attnmerge_options) of attnmerge 0.2.0), got %u",
+                static_cast<unsigned>(kBaselineSize), size);
+  // Field by field, the baseline's: a caller of a layout owns no bytes past its end.
   opt.flags = options->flags;
   opt.a_tokens = options->a_tokens;
   opt.output_scale = options->output_scale;
   opt.output_scale_ptr = options->output_scale_ptr;
   opt.struct_size = size;
-  if (size == 0 || size == kSizeBeforeNames) return ATTNMERGE_SUCCESS;
-  opt.sink = sink_of(options);  // the sink and the group scales where this layout has them
-  opt.group_scales = group_scales_of(options);
-  if (size == kSizeNow) opt.group_size = options->group_size;
+  opt.sink = options->sink;
+  opt.group_scales = options->group_scales;
+  opt.group_size = options->group_size;
   opt.arg_names = options->arg_names;
   opt.num_arg_names = options->num_arg_names;
   if (opt.num_arg_names < 0)
@@ -427,13 +404,11 @@ attnmerge_status check_outputs(Views views) {
 }  // namespace
 
 const attnmerge_tensor* sink_of(const attnmerge_options* options) {
-  return options != nullptr && (options->struct_size == kSizeBeforeGroups || options->struct_size == kSizeNow)
-             ? options->sink
-             : nullptr;
+  return options != nullptr && known_layout(options->struct_size) ? options->sink : nullptr;
 }
 
 const attnmerge_tensor* group_scales_of(const attnmerge_options* options) {
-  return options != nullptr && options->struct_size == kSizeNow ? options->group_scales : nullptr;
+  return options != nullptr && known_layout(options->struct_size) ? options->group_scales : nullptr;
 }
 
 attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tensors, const attnmerge_options* options,

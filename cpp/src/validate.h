@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 
 #include "internal.h"
 
@@ -170,6 +171,26 @@ constexpr bool names_resolve(const OpSpec& op) {
   return true;
 }
 
+// An argument's index in its op's table, and its name there: the entries of an op's index enum
+// (ops.cpp: c.views[MergeArg::kSink]), which indexed() holds to the table.
+struct ArgIndex {
+  int index;
+  const char* name;
+};
+
+// `indices` are 0, 1, ... and name the table's arguments in its order, every one of them (for a
+// static_assert beside each table).
+template <std::size_t K>
+constexpr bool indexed(const ArgSpec (&args)[K], std::initializer_list<ArgIndex> indices) {
+  if (indices.size() != K) return false;
+  int i = 0;
+  for (const ArgIndex& x : indices) {
+    if (x.index != i || !same_name(args[i].name, x.name)) return false;
+    ++i;
+  }
+  return true;
+}
+
 // A call checked against its OpSpec.
 struct Checked {
   View views[kMaxArgs];
@@ -181,8 +202,9 @@ struct Checked {
   Views all() { return Views{views, count, &names}; }
 };
 
-// options->sink (options->group_scales) where struct_size covers it, else NULL: what an op whose
-// table has a "sink" ("group_scales") argument passes validate() for it.
+// options->sink (options->group_scales) where struct_size names a layout the library reads, else
+// NULL (validate() then refuses the size): what an op whose table has a "sink" ("group_scales")
+// argument passes validate() for it.
 const attnmerge_tensor* sink_of(const attnmerge_options* options);
 const attnmerge_tensor* group_scales_of(const attnmerge_options* options);
 

@@ -18,19 +18,8 @@ constexpr int64_t kTokens = 7, kHeads = 4, kHeadSize = 64;
 
 // A contiguous float32 tensor: O [tokens, heads, head_size] (ndim 3) or LSE [tokens, heads].
 attnmerge_tensor tensor(void* data, int ndim, int device) {
-  attnmerge_tensor t = {};
-  t.data = data;
-  t.ndim = ndim;
-  t.dtype = ATTNMERGE_FLOAT32;
-  t.device = device;
   const int64_t shape[3] = {kTokens, kHeads, kHeadSize};
-  int64_t stride = 1;
-  for (int i = ndim - 1; i >= 0; --i) {
-    t.shape[i] = shape[i];
-    t.strides[i] = stride;
-    stride *= shape[i];
-  }
-  return t;
+  return attnmerge_contiguous_tensor(data, ATTNMERGE_FLOAT32, device, ndim, shape);
 }
 
 struct States {

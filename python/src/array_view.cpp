@@ -2,6 +2,8 @@
 // resolution of `stream=None`.
 #include "array_view.h"
 
+#include "third_party/dlpack/dlpack.h"
+
 #include <pybind11/numpy.h>
 
 #include <cstring>
@@ -10,56 +12,6 @@
 #include <vector>
 
 namespace attnmerge_py {
-
-// ---- DLPack, as the DLPack specification lays it out (ABI v1) -------------------------------
-enum DLDeviceType : int32_t { kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13 };
-enum DLTypeCode : uint8_t { kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLBool = 6, kDLFloat8_e4m3fn = 10 };
-struct DLDevice {
-  int32_t device_type;
-  int32_t device_id;
-};
-struct DLDataType {
-  uint8_t code;
-  uint8_t bits;
-  uint16_t lanes;
-};
-struct DLTensor {
-  void* data;
-  DLDevice device;
-  int32_t ndim;
-  DLDataType dtype;
-  int64_t* shape;
-  int64_t* strides;
-  uint64_t byte_offset;
-};
-struct DLManagedTensor {
-  DLTensor dl_tensor;
-  void* manager_ctx;
-  void (*deleter)(DLManagedTensor*);
-};
-struct DLPackVersion {
-  uint32_t major, minor;
-};
-struct DLManagedTensorVersioned {
-  DLPackVersion version;
-  void* manager_ctx;
-  void (*deleter)(DLManagedTensorVersioned*);
-  uint64_t flags;
-  DLTensor dl_tensor;
-};
-constexpr uint64_t kDLReadOnly = 1;
-struct DLPackExchangeAPIHeader {
-  DLPackVersion version;
-  DLPackExchangeAPIHeader* prev_api;
-};
-struct DLPackExchangeAPI {
-  DLPackExchangeAPIHeader header;
-  void* managed_tensor_allocator;
-  int (*managed_tensor_from_py_object_no_sync)(void*, DLManagedTensorVersioned**);
-  void* managed_tensor_to_py_object_no_sync;
-  int (*dltensor_from_py_object_no_sync)(void*, DLTensor*);
-  int (*current_work_stream)(int32_t device_type, int32_t device_id, void** out_stream);
-};
 
 const char* ArgName::str() const { return names_ ? names_->of(name_) : name_; }
 
@@ -231,7 +183,7 @@ const DLPackExchangeAPI* exchange_api(PyTypeObject* type) {
       if (api == nullptr) PyErr_Clear();
     }
     Py_DECREF(cap);
-    if (api && api->header.version.major != 1) api = nullptr;
+    if (api && api->header.version.major != DLPACK_MAJOR_VERSION) api = nullptr;
   }
   cache.emplace(type, api);  // the exchange API lives as long as the process
   return api;
@@ -414,7 +366,7 @@ void ArrayView::read(py::handle obj, void* consumer_stream, const ArgName& name,
       return from_dltensor(t, d, false, expected, name);
     }
     if (api->managed_tensor_from_py_object_no_sync(o, &versioned_) != 0) refused();
-    return from_dltensor(t, versioned_->dl_tensor, versioned_->flags & kDLReadOnly, expected, name);
+    return from_dltensor(t, versioned_->dl_tensor, versioned_->flags & DLPACK_FLAG_BITMASK_READ_ONLY, expected, name);
   }
   if (is_numpy_array(obj)) return from_numpy(t, obj, expected, name);
   if (py::hasattr(obj, "__dlpack__")) {
@@ -424,7 +376,7 @@ void ArrayView::read(py::handle obj, void* consumer_stream, const ArgName& name,
     if (!cpu) kwargs["stream"] = dlpack_stream_arg(stream);
     kwargs["max_version"] = py::make_tuple(1, 3);
     // Called through the C API: a refusal comes back as a set Python error, not a C++ exception
-    // (which would cost far more a call).
+    // (which would cost far more per call).
     const py::object method = obj.attr("__dlpack__");
     const py::tuple no_args;
     PyObject* raw = PyObject_Call(method.ptr(), no_args.ptr(), kwargs.ptr());
@@ -452,8 +404,9 @@ void ArrayView::read(py::handle obj, void* consumer_stream, const ArgName& name,
       if (PyCapsule_IsValid(c, "dltensor_versioned")) {
         versioned_ = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(c, "dltensor_versioned"));
         PyCapsule_SetName(c, "used_dltensor_versioned");
-        if (versioned_->version.major != 1) value_error(name, "expected DLPack major version 1");
-        from_dltensor(t, versioned_->dl_tensor, versioned_->flags & kDLReadOnly, expected, name);
+        if (versioned_->version.major != DLPACK_MAJOR_VERSION)
+          value_error(name, "expected DLPack major version " + std::to_string(DLPACK_MAJOR_VERSION));
+        from_dltensor(t, versioned_->dl_tensor, versioned_->flags & DLPACK_FLAG_BITMASK_READ_ONLY, expected, name);
         return mark_immutable(t, obj);
       }
       if (PyCapsule_IsValid(c, "dltensor")) {

@@ -12,6 +12,11 @@
 
 #include "attnmerge/attnmerge.h"
 
+// DLPack's (third_party/dlpack/dlpack.h, read by array_view.cpp alone).
+struct DLPackExchangeAPI;
+struct DLManagedTensor;
+struct DLManagedTensorVersioned;
+
 namespace attnmerge_py {
 
 namespace py = pybind11;
@@ -72,10 +77,6 @@ const char* dtype_names(uint32_t role);
 // An output O dtype of the raw layer, by name: the array libraries' or the C ABI's ("float8_e4m3"
 // there is float8_e4m3fn; an ml_dtypes array of that name is another type).
 int dtype_from_name(const std::string& s, const ArgName& name);
-
-struct DLPackExchangeAPI;
-struct DLManagedTensor;
-struct DLManagedTensorVersioned;
 
 // One array as the C ABI takes it: pointer, dtype, shape, strides in elements, device, flags (in
 // `t`), the stream it was read for, and whatever must stay alive until the call returns.

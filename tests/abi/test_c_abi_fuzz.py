@@ -4,7 +4,7 @@ process, through ctypes, on the CPU path.
 Each op gets FUZZ_N argument sets (5,000 by default, in a few seconds) from a seeded NumPy Generator: random ndim,
 shapes (0 and huge included), strides (negative, zero, huge), dtype codes (valid and not), devices
 (-3..2), tensor flags, option flags, a_tokens, output_scale (value and pointer), a sink (options.sink,
-read or not by struct_size; refused by the ops that take none), NULL descriptors and NULL or
+struct_size 0 or the layout's size; refused by the ops that take none), NULL descriptors and NULL or
 misaligned data.  A crash kills pytest: that is the failure signal.
 
 Every descriptor handed to the library is one of
@@ -292,8 +292,8 @@ class Call:
     index: int = 0  # merge_share's state
 
     def sink_read(self):
-        """Whether the library reads the options' sink: this layout's struct_size."""
-        return self.sink is not None and self.opts.struct_size == ctypes.sizeof(c_abi.Options)
+        """Whether the library reads the options' sink: every layout it accepts (0 or this one's size) has it."""
+        return self.sink is not None and self.opts.struct_size in (0, ctypes.sizeof(c_abi.Options))
 
     def run(self):
         t, o = self.tensors, self.opts
@@ -433,8 +433,8 @@ def generate(rng, op):
         opts = opts if opts is not None else c_abi.Options()
         opts._sink = sink  # alive with opts
         opts.sink = ctypes.pointer(sink)
-        # this layout's size (the sink read), or the layout before it (not read)
-        opts.struct_size = ctypes.sizeof(c_abi.Options if rng.random() < 0.85 else c_abi.OptionsBeforeSink)
+        # this layout's size or 0, which names it (the sink read either way)
+        opts.struct_size = ctypes.sizeof(c_abi.Options) if rng.random() < 0.85 else 0
         notes += notes_sink + [f"sink given, struct_size {opts.struct_size}"]
     index = 0
     if op == "share":  # mostly a state of the call's, now and then none (refused)

@@ -111,22 +111,30 @@ def dynamic_section(path: str) -> str:
     return subprocess.run([readelf, "-d", path], capture_output=True, text=True, check=True).stdout
 
 
+# The C ABI's generation, which the SONAME names: 1 since 0.2.0, whose attnmerge_options (with
+# struct_size) a program built against 0.1.0's (without it) would misread: such a program finds no
+# libattnmerge.so.0 and does not start, rather than run with its options misread.
+SONAME = "libattnmerge.so.1"
+
+
 def test_the_library_has_a_versioned_soname_and_the_package_loads_it_by_it():
     # The wheel ships the SONAME file alone; the binding and the CMake package both name it.
+    name = SONAME
     path = attnmerge.library_path()
-    assert os.path.basename(path) == "libattnmerge.so.0", path
-    assert "Library soname: [libattnmerge.so.0]" in dynamic_section(path)
+    assert os.path.basename(path) == name, path
+    assert f"Library soname: [{name}]" in dynamic_section(path)
     from attnmerge import _C
 
-    assert "Shared library: [libattnmerge.so.0]" in dynamic_section(_C.__file__)
+    assert f"Shared library: [{name}]" in dynamic_section(_C.__file__)
     targets = "".join(open(f).read() for f in glob.glob(os.path.join(attnmerge.cmake_dir(), "attnmergeTargets*.cmake")))
-    assert "libattnmerge.so.0" in targets
+    assert name in targets
 
 
 def test_options_carry_their_layouts_size_and_a_size_not_this_layouts_is_refused():
     """attnmerge_options.struct_size: 0 or sizeof(attnmerge_options) is this layout (the ctypes
-    binding's, which must match the header's); any other size is refused before anything is
-    written, naming the field."""
+    binding's, which must match the header's), the baseline of 0.2.0; any other size is refused
+    before anything is written, naming the field (tests/errors/test_caller_names.py reads the
+    layout field by field)."""
     import ctypes
 
     import numpy as np
@@ -135,8 +143,6 @@ def test_options_carry_their_layouts_size_and_a_size_not_this_layouts_is_refused
     o = rng.standard_normal((3, 2, 2, 8)).astype(np.float32)
     lse = rng.standard_normal((3, 2, 2)).astype(np.float32)
     size = ctypes.sizeof(c_abi.Options)
-    names = ctypes.sizeof(c_abi.OptionsBeforeSink)  # also accepted (tests/errors/test_caller_names.py)
-    sink = ctypes.sizeof(c_abi.OptionsBeforeGroups)
     for struct_size, ok in ((0, True), (size, True), (size - 4, False), (size + 8, False), (1, False)):
         out, out_lse = np.full((3, 2, 8), np.nan, np.float32), np.full((3, 2), np.nan, np.float32)
         opts = c_abi.options()
@@ -146,10 +152,9 @@ def test_options_carry_their_layouts_size_and_a_size_not_this_layouts_is_refused
         if ok:
             assert status == c_abi.SUCCESS and np.isfinite(out).all(), struct_size
         else:
-            before = ctypes.sizeof(c_abi.OptionsBeforeNames)  # also accepted (tests/errors/test_caller_names.py)
             assert status == c_abi.ERROR_VALUE and c_abi.last_error() == (
-                f"options.struct_size: expected 0, {before} (attnmerge_options without arg_names), {names} (without "
-                f"sink), {sink} (without group_scales) or {size} (this library's attnmerge_options), got {struct_size}")
+                f"options.struct_size: expected 0 or {size} (sizeof(attnmerge_options) of attnmerge 0.2.0), "
+                f"got {struct_size}")
             assert np.isnan(out).all() and np.isnan(out_lse).all()
 
 
@@ -161,3 +166,20 @@ def test_version_and_build_info():
     assert isinstance(attnmerge.__version__, str) and attnmerge.__version__.count(".") >= 2
     assert isinstance(info["device_count"], int) and info["device_count"] >= 0
     assert info["cuda_architectures"]
+
+
+@pytest.mark.parametrize("building, linkage", [(False, "__declspec(dllimport)"), (True, "__declspec(dllexport)")])
+def test_the_api_macro_exports_where_the_library_is_built_and_imports_elsewhere(building, linkage, tmp_path):
+    """ATTNMERGE_API on Windows, as the preprocessor expands it: dllexport for the library's own
+    sources (ATTNMERGE_BUILDING_LIBRARY), dllimport for every program that includes the header."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler on PATH")
+    src = tmp_path / "includer.c"
+    src.write_text("#include <attnmerge/attnmerge.h>\n")
+    args = [cc, "-E", "-D_WIN32", "-I", attnmerge.include_dir(), str(src)]
+    if building:
+        args.insert(2, "-DATTNMERGE_BUILDING_LIBRARY")
+    text = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    declared = re.findall(r"(__declspec\(\w+\))\s*attnmerge_status\s+attnmerge_merge\s*\(", text)
+    assert declared == [linkage], declared

@@ -1,29 +1,24 @@
 /* attnmerge: merge partial attention states (O, LSE).  The C ABI of libattnmerge.
  *
- * A partial state is an output O of logical shape [tokens, heads, head_size] and its log-sum-exp
- * LSE of logical shape [tokens, heads].  Merging states gives the attention over the union of
- * their key sets (section 2.2 of arXiv 2501.01005).  For the states i of one (token, head) row:
+ * A partial state is an output O [tokens, heads, head_size] and its log-sum-exp LSE [tokens, heads]
+ * over one part of the keys; merging states gives the attention over all of them (section 2.2 of
+ * arXiv 2501.01005).  Per (token, head) row, over its states i:
  *
  *   m = max_i lse_i,  w_i = exp(lse_i - m),  W = sum_i w_i,
  *   O = sum_i (w_i / W) * O_i,  LSE = m + log W        (exp/log in base e, or base 2 on request)
  *
- *   - an LSE of +inf marks an empty part (FlashAttention-2) and counts as -inf;
- *   - all parts empty: O = 0 and LSE = -inf, never NaN;
- *   - a part whose weight is exactly zero is never read, so NaN in an empty part cannot leak;
- *   - a NaN LSE makes its row NaN (O and LSE);
- *   - arithmetic is float32 whatever the storage type; the output is rounded once.
+ * An LSE of +inf counts as -inf (an empty part); all parts empty give O = 0 and LSE = -inf; a part
+ * of zero weight is never read; a NaN LSE makes its row NaN; arithmetic is float32, each output
+ * rounded once.  docs/semantics.md has the whole of it (sinks, per-group FP8, the backward).
  *
- * Conventions of every entry point:
- *   - returns ATTNMERGE_SUCCESS or an error status; attnmerge_last_error() then holds a message
- *     for the calling thread that names the offending argument (as options.arg_names calls it, if
- *     it does), the expected and the actual value;
- *   - validates every argument before it writes anything;
- *   - never allocates device memory, never synchronizes the host, never throws, never prints;
- *     GPU work is enqueued on the caller's stream, so every op can be captured in a CUDA graph;
- *   - the device is the one the tensors live on (all on one device, or all on the host); the
- *     calling thread's current device is restored before returning;
- *   - host tensors (device == ATTNMERGE_HOST) run on the CPU, synchronously, multi-threaded
- *     for large inputs (ATTNMERGE_NUM_THREADS caps the number of threads).
+ * Every entry point returns ATTNMERGE_SUCCESS or an error status, after which attnmerge_last_error()
+ * names the argument at fault, the expected and the actual value; validates every argument before
+ * it writes anything; never allocates device memory, synchronizes the host, throws or prints; runs
+ * on the device the tensors live on (the caller's current device restored), GPU work enqueued on
+ * the caller's stream (so that it can be captured in a CUDA graph), host tensors
+ * (ATTNMERGE_HOST) on the CPU, synchronously, multi-threaded for large inputs.  The environment
+ * variable ATTNMERGE_NUM_THREADS, read at the first CPU call, caps the threads: a whole number
+ * from 1 to 1024, or unset (the hardware's); any other value makes every CPU call fail, naming it.
  */
 #ifndef ATTNMERGE_ATTNMERGE_H_
 #define ATTNMERGE_ATTNMERGE_H_
@@ -31,14 +26,22 @@
 #include <stdint.h>
 
 #define ATTNMERGE_VERSION_MAJOR 0
-#define ATTNMERGE_VERSION_MINOR 1
+#define ATTNMERGE_VERSION_MINOR 2
 #define ATTNMERGE_VERSION_PATCH 0
-#define ATTNMERGE_VERSION_STRING "0.1.0"
+#define ATTNMERGE_VERSION_STRING "0.2.0"
 #define ATTNMERGE_VERSION_NUMBER \
   (ATTNMERGE_VERSION_MAJOR * 10000 + ATTNMERGE_VERSION_MINOR * 100 + ATTNMERGE_VERSION_PATCH)
 
+/* The entry points' linkage: exported where the library itself is compiled
+ * (ATTNMERGE_BUILDING_LIBRARY, defined for its sources alone), imported by every includer.  On ELF
+ * both are default visibility, so that a program that hides its own symbols (a hidden visibility
+ * pragma around the #include) still binds these to the library. */
 #if defined(_WIN32)
+#if defined(ATTNMERGE_BUILDING_LIBRARY)
 #define ATTNMERGE_API __declspec(dllexport)
+#else
+#define ATTNMERGE_API __declspec(dllimport)
+#endif
 #else
 #define ATTNMERGE_API __attribute__((visibility("default")))
 #endif
@@ -114,6 +117,35 @@ typedef struct attnmerge_tensor {
   uint32_t flags; /* ATTNMERGE_READ_ONLY, ATTNMERGE_DEVICE_KNOWN */
 } attnmerge_tensor;
 
+/** A descriptor of a contiguous array (row-major: the last axis unit-stride), flags 0.
+ *
+ * \param[in] data    the array's first element
+ * \param[in] dtype   an attnmerge_dtype
+ * \param[in] device  ATTNMERGE_HOST or a CUDA device ordinal
+ * \param[in] ndim    0 to ATTNMERGE_MAX_NDIM (another value is kept, with no shape, for the ops to refuse)
+ * \param[in] shape   ndim sizes
+ * \return the descriptor, its strides those of a contiguous array of that shape
+ */
+static inline attnmerge_tensor attnmerge_contiguous_tensor(void* data, int32_t dtype, int32_t device, int32_t ndim,
+                                                           const int64_t* shape) {
+  attnmerge_tensor t;
+  uint64_t stride = 1; /* unsigned: a product past 2^63 wraps, and the ops refuse the span */
+  int32_t i;
+  for (i = 0; i < ATTNMERGE_MAX_NDIM; ++i) t.shape[i] = t.strides[i] = 0;
+  t.data = data;
+  t.ndim = ndim;
+  t.dtype = dtype;
+  t.device = device;
+  t.flags = 0;
+  if (ndim < 0 || ndim > ATTNMERGE_MAX_NDIM) return t;
+  for (i = ndim - 1; i >= 0; --i) {
+    t.shape[i] = shape[i];
+    t.strides[i] = (int64_t)stride;
+    stride *= (uint64_t)shape[i];
+  }
+  return t;
+}
+
 /* attnmerge_options.flags */
 #define ATTNMERGE_LSE_BASE2 1u        /* LSEs are log2-sum-exp2 (FlashInfer); default base e */
 #define ATTNMERGE_LSE_HEADS_FIRST 2u  /* two-way and in-place merges: LSEs laid out [heads, tokens] (vLLM) */
@@ -152,178 +184,192 @@ typedef struct attnmerge_arg_name {
   const char* name;
 } attnmerge_arg_name;
 
-/* Zero-initialized options are the defaults: base e, LSE [tokens, heads], no limit, no scale,
- * the arguments named as in this header. */
+/* The options of a call; NULL options are the defaults, and so are zero-initialized ones: base e,
+ * LSEs [tokens, heads], every token of a merged, no output scale, the arguments named as in this
+ * header, no sink, no group scales.  docs/semantics.md gives the semantics of each. */
 typedef struct attnmerge_options {
+  /* ATTNMERGE_LSE_BASE2, ATTNMERGE_LSE_HEADS_FIRST, ...: those the op takes (the others are
+   * refused).  Default 0. */
   uint32_t flags;
-  /* With ATTNMERGE_A_TOKENS (two-way merge only): only rows of the first a_tokens tokens merge a
-   * with b; the others take b alone (its state unchanged; an empty b gives O = 0, LSE = -inf) and
-   * never read a, which then needs only a_tokens tokens (vLLM's prefill_tokens_with_context). */
+  /* With ATTNMERGE_A_TOKENS (the two-way merge and its backward): the rows of the first a_tokens
+   * tokens merge a with b, the others take b alone and never read a, which then needs only
+   * a_tokens tokens (vLLM's prefill_tokens_with_context).  0 to tokens. */
   int64_t a_tokens;
-  /* FP8 outputs store value / output_scale (vLLM's output_scale), a finite scale > 0; 0 (the
-   * zero-initialized default) means none.  Other output dtypes take none (1 is accepted: it
-   * changes nothing). */
+  /* FP8 outputs store value / output_scale (vLLM's output_scale), a finite scale > 0; 0 (default):
+   * none.  Other outputs take none (1 is accepted: it changes nothing). */
   float output_scale;
   /* Or the scale as one float32 in the memory of the op's device (host memory for host tensors),
-   * read by the kernel itself, so that no host synchronization is needed.  NULL: unused. */
+   * read by the kernel itself, so that no host synchronization is needed.  NULL (default): none. */
   const float* output_scale_ptr;
-  /* The layout's size, which says which of the fields after this one the library reads: 0, or
-   * the size of the layout that ends here (the sizeof(attnmerge_options) of a caller built against
-   * a header without arg_names: 40 bytes on 64-bit platforms), reads none of them; the size of the
-   * layout that ends at num_arg_names (a header without sink: 56 bytes) reads arg_names and
-   * num_arg_names; the size of the layout that ends at sink (64 bytes) reads those and sink;
-   * sizeof(attnmerge_options) reads them all; any other size is refused.  Later
-   * versions add fields at the end and read them only where struct_size covers them, so that a
-   * caller built against an older header keeps working. */
+  /* The layout the caller was built against: 0, or sizeof(attnmerge_options) of a released
+   * attnmerge.h; any other size is refused.  This layout, 0.2.0's (80 bytes on 64-bit platforms),
+   * is the baseline: 0 names it, so that zero-initialized options are the defaults.  A later
+   * release adds fields at the end only, and reads them only where struct_size is the size of a
+   * layout that has them: a caller built against an older attnmerge.h keeps working. */
   uint32_t struct_size;
-  /* Read where struct_size covers them (see struct_size).  The caller's names for the op's
-   * arguments: num_arg_names entries (0: none; arg_names may then be NULL), each arg and name a
-   * non-empty string (a NULL or empty one is refused, before any other check), which need only
-   * live for the call.  Every message of the call names an argument by the first entry for it,
-   * and an argument with no entry by its name here; the names change the messages only.  An arg
-   * the op does not have is ignored, not refused: one table may then serve several ops (a layer
-   * that keeps another library's names for all of them), and a call that fails nothing never
-   * reads the table beyond those checks. */
+  /* The caller's names for the op's arguments, num_arg_names entries, each arg and name a
+   * non-empty string that need only live for the call: every message of the call names an
+   * argument by the first entry for it.  An arg the op does not have is ignored (one table may
+   * serve several ops).  NULL and 0 (default): the names of this header. */
   const attnmerge_arg_name* arg_names;
   int32_t num_arg_names;
-  /* Read where struct_size covers it (see struct_size).  Attention sinks (gpt-oss,
-   * StreamingLLM): NULL for none, or a float32 tensor of shape [heads] (any stride >= 0), each
-   * head's sink logit in the LSE's base, merged into every row of its head as one more state whose
-   * output is 0 (its weight takes a share of the softmax, its output adds nothing):
-   *
-   *   m = max(sink, max_i lse_i),  W = exp(sink - m) + sum_i exp(lse_i - m),
-   *   O = sum_i (exp(lse_i - m) / W) * O_i,  LSE = m + log W    (the merged LSE counts the sink)
-   *
-   * with the semantics of any state (+inf counts as -inf, a NaN sink makes its rows NaN); a row
-   * with no states gets O = 0 and LSE = sink.  Put a head's sink into one merge of the states of
-   * a row, not into several (the shares of one merge, attnmerge_merge_share, each take it: they
-   * are one merge).  The two-way, N-way and variable-length merges and the share take one (the
-   * two-way merge's in lse_a's base: cascade attention's prefix and suffix, the sink added
-   * once; not where out_lse is lse_a or lse_b); the in-place merge refuses it, and so do the
-   * backwards: given the forward's out and out_lse, which count the sink, the
-   * states' gradients are those without one, and the sink's own gradient is, per head, the sum
-   * over the rows of that head of  b^(sink - LSE) * (dLSE - ln(b) <dO, O>)  (b = e, or 2). */
+  /* Attention sinks (gpt-oss, StreamingLLM): a float32 tensor [heads] (any stride >= 0), each
+   * head's sink logit in the LSE's base, merged into every row of its head as one more state
+   * whose output is 0.  The two-way, N-way and variable-length merges and the share take one.
+   * NULL (default): none. */
   const attnmerge_tensor* sink;
-  /* Read only with struct_size = sizeof(attnmerge_options), the layout that ends here (a header
-   * without them: 64 bytes on 64-bit platforms, which reads sink and none of these).  Per-group FP8
-   * outputs (DeepSeek-V3's 1 x 128 blocks; vLLM's per_token_group_quant_fp8), for a GEMM that
-   * takes block-scaled FP8 next (the output projection): NULL for none, or a float32 tensor
-   * [tokens, heads, head_size / group_size] (any strides >= 0: a [tokens, heads x head_size /
-   * group_size] buffer, or DeepGEMM's column-major one passed as a permutation) that receives one
-   * scale per group of group_size consecutive elements of a row.  For the merged values x of a
-   * group:
-   *
-   *   amax = max |x_e| (NaN elements left out),  scale = max(amax, 1e-10) / 448
-   *          (with ATTNMERGE_GROUP_SCALE_UE8M0 rounded up to a power of two),
-   *   out_e = x_e * (1 / scale), rounded once to nearest even, saturating to +-448 (NaN stays NaN)
-   *
-   * out must be FP8 E4M3 and no output_scale given; group_size a power of two from 8 up that
-   * divides head_size and is at most 32 times the elements a vector access takes of every O array
-   * (its pointer's and strides' alignment, within 16 bytes: at most 128 for aligned float32
-   * inputs, 256 for 16-bit ones; any up to 32), as one warp's lanes share a group.  The two-way,
-   * N-way and variable-length merges and the share take them; an all-empty row's groups get
-   * O = 0 and scale 1e-10 / 448.  The rest of the call's semantics are unchanged. */
+  /* Per-group FP8 outputs (DeepSeek-V3's 1 x 128 blocks): a float32 tensor [tokens, heads,
+   * head_size / group_size] (any strides >= 0) that receives the scale of each group of group_size
+   * consecutive elements of a row, out being FP8 E4M3 without output_scale.  The two-way, N-way and
+   * variable-length merges and the share take them.  NULL (default): none. */
   const attnmerge_tensor* group_scales;
+  /* The elements of a group: a power of two from 8 up that divides head_size and is at most 32
+   * times the elements a vector access takes of every O array (its pointer's and strides'
+   * alignment, within 16 bytes).  0 (default) without group_scales. */
   int32_t group_size;
 } attnmerge_options;
 
-/* Two-way merge: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)), and options->sink where given.
- * out_lse may be NULL: no LSE is written.  options may be NULL (the defaults).  stream is a
- * cudaStream_t (NULL: the legacy default stream), ignored for host tensors.  out may be o_a or o_b itself (the same view), never a
- * partial overlap of them.  dtypes: o_a and o_b share one of float32, float16 or bfloat16; out
- * has any of them or FP8 E4M3.  The other ops follow the same conventions. */
+/** Two-way merge: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)), and options->sink where given.
+ *
+ * \param[out] out      O [tokens, heads, head_size]: float32, float16, bfloat16 or FP8 E4M3; may be
+ *                      o_a or o_b itself (the same view), never a partial overlap of them
+ * \param[out] out_lse  LSE [tokens, heads], float32; may be lse_a or lse_b itself (not with a
+ *                      sink); NULL: not written
+ * \param[in]  o_a      O [tokens, heads, head_size] (with ATTNMERGE_A_TOKENS: at least a_tokens
+ *                      tokens): float32, float16 or bfloat16
+ * \param[in]  lse_a    LSE of o_a, float32 [tokens, heads] (at least a_tokens tokens)
+ * \param[in]  o_b      O [tokens, heads, head_size], the dtype of o_a
+ * \param[in]  lse_b    LSE of o_b, float32 [tokens, heads]
+ * \param[in]  options  NULL: the defaults
+ * \param[in]  stream   a cudaStream_t (NULL: the legacy default stream); ignored for host tensors
+ * \return ATTNMERGE_SUCCESS or an error status (attnmerge_last_error() says why)
+ */
 ATTNMERGE_API attnmerge_status attnmerge_merge(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
                                                const attnmerge_tensor* o_a, const attnmerge_tensor* lse_a,
                                                const attnmerge_tensor* o_b, const attnmerge_tensor* lse_b,
                                                const attnmerge_options* options, void* stream);
 
-/* In-place merge: (o, lse) <- merge((o, lse), (o_other, lse_other)).  mask (may be NULL): uint8 or
- * bool [tokens]; rows of tokens whose mask is 0 are left untouched. */
+/** In-place merge: (o, lse) <- merge((o, lse), (o_other, lse_other)) on the rows of tokens whose
+ * mask is not 0.  It takes no sink and no group scales.
+ *
+ * \param[in,out] o          O [tokens, heads, head_size]: float32, float16 or bfloat16
+ * \param[in,out] lse        LSE of o, float32 [tokens, heads]
+ * \param[in]     o_other    O [tokens, heads, head_size], the dtype of o
+ * \param[in]     lse_other  LSE of o_other, float32 [tokens, heads]
+ * \param[in]     mask       uint8 or bool [tokens]: rows of tokens whose mask is 0 are left
+ *                           untouched; NULL: every row merges
+ * \param[in]     options    NULL: the defaults
+ * \param[in]     stream     a cudaStream_t (NULL: the legacy default stream); ignored for host tensors
+ * \return ATTNMERGE_SUCCESS or an error status (attnmerge_last_error() says why)
+ */
 ATTNMERGE_API attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnmerge_tensor* lse,
                                                        const attnmerge_tensor* o_other,
                                                        const attnmerge_tensor* lse_other,
                                                        const attnmerge_tensor* mask,
                                                        const attnmerge_options* options, void* stream);
 
-/* N-way merge in one pass (each input read once): o [tokens, S, heads, head_size], lse
- * [tokens, S, heads], any strides (FlashInfer's [tokens, S, ...] layout, or an all-gather's
- * [S, tokens, ...] passed as its permutation); out [tokens, heads, head_size], out_lse [tokens, heads]
- * (may be NULL).  S >= 0; S = 0 gives O = 0 and LSE = -inf. */
+/** N-way merge in one pass (each input read once) of the S states of every row, and options->sink
+ * where given.  S >= 0; S = 0 gives O = 0 and LSE = -inf.
+ *
+ * \param[out] out      O [tokens, heads, head_size]: float32, float16, bfloat16 or FP8 E4M3
+ * \param[out] out_lse  LSE [tokens, heads], float32; NULL: not written
+ * \param[in]  o        O [tokens, S, heads, head_size], any strides (FlashInfer's [tokens, S, ...],
+ *                      or an all-gather's [S, tokens, ...] passed as its permutation): float32,
+ *                      float16 or bfloat16
+ * \param[in]  lse      LSE of o, float32 [tokens, S, heads], any strides
+ * \param[in]  options  NULL: the defaults
+ * \param[in]  stream   a cudaStream_t (NULL: the legacy default stream); ignored for host tensors
+ * \return ATTNMERGE_SUCCESS or an error status (attnmerge_last_error() says why)
+ */
 ATTNMERGE_API attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
                                                       const attnmerge_tensor* o, const attnmerge_tensor* lse,
                                                       const attnmerge_options* options, void* stream);
 
-/* Variable-length merge: row r of out [rows, heads, head_size] merges states indptr[r] to
- * indptr[r + 1] - 1 of o [total, heads, head_size], lse [total, heads]; indptr is int32 or int64
- * [rows + 1].  A row with no states gets O = 0, LSE = -inf.  On host tensors a bad indptr (below 0,
- * decreasing, past total) is refused; on the GPU it is not read back to the host (that would
- * synchronize), so each row takes states [clamp(indptr[r], 0, total), clamp(indptr[r+1], that, total)):
- * never a read or write out of bounds, and a row whose bounds cross is empty. */
+/** Variable-length merge: row r of out merges states indptr[r] to indptr[r + 1] - 1 of o, and
+ * options->sink where given; a row with no states gets O = 0, LSE = -inf.
+ *
+ * \param[out] out      O [rows, heads, head_size]: float32, float16, bfloat16 or FP8 E4M3
+ * \param[out] out_lse  LSE [rows, heads], float32; NULL: not written
+ * \param[in]  o        O [total, heads, head_size]: float32, float16 or bfloat16
+ * \param[in]  lse      LSE of o, float32 [total, heads]
+ * \param[in]  indptr   int32 or int64 [rows + 1].  On host tensors a bad indptr (below 0,
+ *                      decreasing, past total) is refused; on the GPU it is not read back (that
+ *                      would synchronize): each row takes states [clamp(indptr[r], 0, total),
+ *                      clamp(indptr[r + 1], that, total)), never an access out of bounds
+ * \param[in]  options  NULL: the defaults
+ * \param[in]  stream   a cudaStream_t (NULL: the legacy default stream); ignored for host tensors
+ * \return ATTNMERGE_SUCCESS or an error status (attnmerge_last_error() says why)
+ */
 ATTNMERGE_API attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
                                                       const attnmerge_tensor* o, const attnmerge_tensor* lse,
                                                       const attnmerge_tensor* indptr,
                                                       const attnmerge_options* options, void* stream);
 
-/* The share of one state in an N-way merge, for context parallelism's combine by reduce-scatter
- * (vLLM's decode context parallelism: every rank gathers the LSEs of all, scales its own output
- * by its share, and a reduce-scatter sums the shares).  For a row whose S states' LSEs are given
- * and whose state `index` has O = o (the others' O are not needed):
+/** The share of state `index` in the N-way merge of the S states whose LSEs are given, for context
+ * parallelism's combine by reduce-scatter (every rank gathers the LSEs of all, scales its own
+ * output by its share, and a reduce-scatter sums the shares):
  *
- *   m = max_i lse_i,  w_i = exp(lse_i - m),  W = sum_i w_i,
- *   out = (w_index / W) * o,  out_lse = m + log W      (the merged LSE of the S states)
+ *   m = max_i lse_i,  W = sum_i exp(lse_i - m),
+ *   out = (exp(lse_index - m) / W) * o,  out_lse = m + log W      (the merged LSE of the S states)
  *
- * so that the S states' shares summed are the N-way merge of them (each share rounded once to
- * out's dtype).  o [tokens, heads, head_size]: state `index`'s O; lse [tokens, S, heads]: every
- * state's LSE, any strides (an all-gather's [S, tokens, heads] passed as its permutation);
- * 0 <= index < S.  out [tokens, heads, head_size] may be o itself (the same view); out_lse
- * [tokens, heads] may be NULL.  The semantics of the N-way merge: a state of zero weight gives a
- * share of 0 without its O being read, an all-empty row O = 0 and LSE -inf, a NaN LSE a NaN row.
- * options.sink as the N-way merge takes it, in every rank's share alike (it weighs each share;
- * having no O, it adds to none).  Gradients (no C entry point; the torch ops and attnmerge.jax
- * compute them): with p_i = b^(lse_i - LSE) and g = ln(b) <dO, out>, do = p_index dO and
- * dlse_i = p_i (dLSE - g), plus g for i = index. */
+ * so that the shares summed are the N-way merge (each rounded once to out's dtype), with its
+ * semantics (a state of zero weight gives a share of 0 without its O being read).  options->sink
+ * weighs every rank's share alike and adds to none.
+ *
+ * \param[out] out      O [tokens, heads, head_size]: float32, float16, bfloat16 or FP8 E4M3; may
+ *                      be o itself (the same view)
+ * \param[out] out_lse  LSE [tokens, heads], float32; NULL: not written
+ * \param[in]  o        O [tokens, heads, head_size] of state `index`: float32, float16 or bfloat16
+ * \param[in]  lse      every state's LSE, float32 [tokens, S, heads], any strides (an
+ *                      all-gather's [S, tokens, heads] passed as its permutation)
+ * \param[in]  index    the state whose share is asked: 0 <= index < S
+ * \param[in]  options  NULL: the defaults
+ * \param[in]  stream   a cudaStream_t (NULL: the legacy default stream); ignored for host tensors
+ * \return ATTNMERGE_SUCCESS or an error status (attnmerge_last_error() says why)
+ */
 ATTNMERGE_API attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
                                                      const attnmerge_tensor* o, const attnmerge_tensor* lse,
                                                      int64_t index, const attnmerge_options* options, void* stream);
 
-/* Backward of the merges: the gradients of a merge's inputs from those of its outputs, in one
- * pass over the data.  For a row (token, head) with the forward's output O and LSE, the gradients
- * dO (grad_out) and dLSE (grad_out_lse) of them, and the row's states i (O_i, lse_i):
+/* The backwards: the gradients of a merge's inputs from those of its outputs, in one pass over the
+ * data.  Per row, with the forward's output O and LSE, their gradients dO and dLSE, and the row's
+ * states i:
  *
  *   p_i = b^(lse_i - LSE)      (b = e, or 2 with ATTNMERGE_LSE_BASE2: the forward's base)
  *   dO_i = p_i dO,   dlse_i = p_i (dLSE + ln(b) <dO, O_i - O>)      (<,> over head_size)
  *
- *   - out and out_lse are the forward's results, saved and passed in, not recomputed; the other
- *     inputs are the forward's inputs, as it took them (the same layouts, strides and options);
- *   - out may be NULL: <dO, O_i - O> is then <dO, O_i> - sum_j p_j <dO, O_j> (equal in exact
- *     arithmetic; O is not read, one vector a row less; the dots of rows of more than 4 states on
- *     the GPU, 64 on the CPU, are stored in the LSE gradients and finished in a second pass over
- *     them, a float a state);
- *   - an empty part (lse_i -inf or +inf) gets zero gradients, never NaN, whatever its O_i or dO
- *     holds; so does a part of zero weight, and every part of an all-empty row (LSE -inf);
- *   - a NaN lse_i, LSE or dLSE, or NaN in dO, O or O_i, gives NaN where the formula does: errors
- *     surface (apart from the zero-weight parts above);
- *   - arithmetic in float32 whatever the storage types (the dot accumulated in float32), each
- *     result rounded once; every O_i is read once, and dO and O once a row where head_size is at
- *     most 256 16-bit or 128 float32 elements (the GPU reads the rest of wider rows again for
- *     each 4 states, the CPU for each 64);
- *   - grad_out_lse may be NULL: dLSE = 0 (the forward's LSE was not used);
- *   - each gradient output may be NULL: not written.  Without the LSE gradients no O_i or O is
- *     read at all (dO_i needs only the LSEs and dO);
- *   - dtypes: the inputs' O and their gradients share one of float32, float16 or bfloat16; out and
- *     grad_out share one (which may differ: a float32 merge of bfloat16 states, say); every LSE
- *     and LSE gradient is float32.  FP8 outputs and an output scale have no gradient (refused);
- *   - outputs may not overlap each other or any input (no in-place backward);
- *   - options.flags: ATTNMERGE_LSE_BASE2 and ATTNMERGE_PDL; for the two-way merge also
- *     ATTNMERGE_LSE_HEADS_FIRST (every LSE and LSE gradient of the call [heads, tokens]) and
- *     ATTNMERGE_A_TOKENS.  The in-place merge has no backward: it overwrites the O_a it needs.
- * Conventions otherwise those of the forward (status codes, the last error, streams, devices). */
+ * out and out_lse are the forward's results, saved and passed in; the other inputs the forward's
+ * inputs, as it took them (layouts, strides, options).  An empty part (lse_i -inf or +inf), a part
+ * of zero weight and every part of an all-empty row get zero gradients; NaN in an input gives NaN
+ * where the formula does.  Each gradient output may be NULL (not written); without the LSE
+ * gradients no O_i or O is read.  The O inputs and their gradients share one of float32, float16
+ * or bfloat16, out and grad_out one (which may differ); every LSE is float32; outputs may not
+ * overlap each other or any input.  options.flags: ATTNMERGE_LSE_BASE2 and ATTNMERGE_PDL, for the
+ * two-way merge also ATTNMERGE_LSE_HEADS_FIRST (every LSE of the call [heads, tokens]) and
+ * ATTNMERGE_A_TOKENS; no sink, no output scale, no group scales (FP8 outputs have no gradient).
+ * The in-place merge has none: it overwrites the O_a it needs. */
 
-/* Two-way merge backward.  grad_o_a, grad_lse_a, grad_o_b, grad_lse_b: the gradients of o_a,
- * lse_a, o_b, lse_b, shaped as o_b and lse_b ([tokens, heads, head_size], [tokens, heads]).  With
- * ATTNMERGE_A_TOKENS the forward read only the first a_tokens tokens of a: grad_o_a and grad_lse_a
- * are then [a_tokens, heads, head_size] and [a_tokens, heads] (the gradient of a's later tokens,
- * if it has any, is zero and the caller's to write), and o_a, lse_a need at least a_tokens tokens. */
+/** Two-way merge backward.
+ *
+ * \param[out] grad_o_a      dO_a [tokens, heads, head_size] (with ATTNMERGE_A_TOKENS: [a_tokens,
+ *                           ...]; a's later tokens, if any, have a zero gradient the caller writes),
+ *                           the dtype of o_a; NULL: not written
+ * \param[out] grad_lse_a    dlse_a, float32 [tokens, heads] ([a_tokens, heads]); NULL: not written
+ * \param[out] grad_o_b      dO_b [tokens, heads, head_size], the dtype of o_a; NULL: not written
+ * \param[out] grad_lse_b    dlse_b, float32 [tokens, heads]; NULL: not written
+ * \param[in]  grad_out      dO [tokens, heads, head_size], the dtype of out
+ * \param[in]  grad_out_lse  dLSE, float32 [tokens, heads]; NULL: 0 (the forward's LSE unused)
+ * \param[in]  out           the forward's O [tokens, heads, head_size]; NULL: <dO, O_i - O> is
+ *                           computed as <dO, O_i> - sum_j p_j <dO, O_j>, O not read
+ * \param[in]  out_lse       the forward's LSE, float32 [tokens, heads]
+ * \param[in]  o_a           the forward's o_a
+ * \param[in]  lse_a         the forward's lse_a
+ * \param[in]  o_b           the forward's o_b
+ * \param[in]  lse_b         the forward's lse_b
+ * \param[in]  options       NULL: the defaults
+ * \param[in]  stream        a cudaStream_t (NULL: the legacy default stream); ignored for host tensors
+ * \return ATTNMERGE_SUCCESS or an error status (attnmerge_last_error() says why)
+ */
 ATTNMERGE_API attnmerge_status attnmerge_merge_backward(
     const attnmerge_tensor* grad_o_a, const attnmerge_tensor* grad_lse_a, const attnmerge_tensor* grad_o_b,
     const attnmerge_tensor* grad_lse_b, const attnmerge_tensor* grad_out, const attnmerge_tensor* grad_out_lse,
@@ -331,21 +377,44 @@ ATTNMERGE_API attnmerge_status attnmerge_merge_backward(
     const attnmerge_tensor* lse_a, const attnmerge_tensor* o_b, const attnmerge_tensor* lse_b,
     const attnmerge_options* options, void* stream);
 
-/* N-way merge backward.  grad_o [tokens, S, heads, head_size] and grad_lse [tokens, S, heads]: the
- * gradients of o and lse, any strides (like o and lse, which need not share them); grad_out, out
- * [tokens, heads, head_size]; grad_out_lse, out_lse [tokens, heads]. */
+/** N-way merge backward.
+ *
+ * \param[out] grad_o        dO_i [tokens, S, heads, head_size], any strides (which need not be
+ *                           o's), the dtype of o; NULL: not written
+ * \param[out] grad_lse      dlse_i, float32 [tokens, S, heads], any strides; NULL: not written
+ * \param[in]  grad_out      dO [tokens, heads, head_size], the dtype of out
+ * \param[in]  grad_out_lse  dLSE, float32 [tokens, heads]; NULL: 0
+ * \param[in]  out           the forward's O [tokens, heads, head_size]; NULL: not read
+ * \param[in]  out_lse       the forward's LSE, float32 [tokens, heads]
+ * \param[in]  o             the forward's o [tokens, S, heads, head_size]
+ * \param[in]  lse           the forward's lse [tokens, S, heads]
+ * \param[in]  options       NULL: the defaults
+ * \param[in]  stream        a cudaStream_t (NULL: the legacy default stream); ignored for host tensors
+ * \return ATTNMERGE_SUCCESS or an error status (attnmerge_last_error() says why)
+ */
 ATTNMERGE_API attnmerge_status attnmerge_merge_states_backward(
     const attnmerge_tensor* grad_o, const attnmerge_tensor* grad_lse, const attnmerge_tensor* grad_out,
     const attnmerge_tensor* grad_out_lse, const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
     const attnmerge_tensor* o, const attnmerge_tensor* lse, const attnmerge_options* options, void* stream);
 
-/* Variable-length merge backward.  grad_o [total, heads, head_size], grad_lse [total, heads]: the
- * gradients of o and lse; grad_out, out [rows, heads, head_size]; grad_out_lse, out_lse [rows,
- * heads]; indptr as the forward took it.  Every state's gradient is written: states that no row
- * takes (before indptr[0], from indptr[rows] on, or all of them when rows = 0) get zeros.  indptr
- * is checked on the host as in the forward; on the GPU each row takes the forward's clamped
- * states, so a bad indptr cannot make an access leave the arrays (a state in two rows' clamped
- * ranges then gets one of their gradients). */
+/** Variable-length merge backward.  Every state's gradient is written: states no row takes
+ * (before indptr[0], from indptr[rows] on, all of them when rows = 0) get zeros.
+ *
+ * \param[out] grad_o        dO_i [total, heads, head_size], the dtype of o; NULL: not written
+ * \param[out] grad_lse      dlse_i, float32 [total, heads]; NULL: not written
+ * \param[in]  grad_out      dO [rows, heads, head_size], the dtype of out
+ * \param[in]  grad_out_lse  dLSE, float32 [rows, heads]; NULL: 0
+ * \param[in]  out           the forward's O [rows, heads, head_size]; NULL: not read
+ * \param[in]  out_lse       the forward's LSE, float32 [rows, heads]
+ * \param[in]  o             the forward's o [total, heads, head_size]
+ * \param[in]  lse           the forward's lse [total, heads]
+ * \param[in]  indptr        the forward's indptr, checked on the host as there; on the GPU each
+ *                           row takes the forward's clamped states (a state in two rows' clamped
+ *                           ranges then gets one of their gradients)
+ * \param[in]  options       NULL: the defaults
+ * \param[in]  stream        a cudaStream_t (NULL: the legacy default stream); ignored for host tensors
+ * \return ATTNMERGE_SUCCESS or an error status (attnmerge_last_error() says why)
+ */
 ATTNMERGE_API attnmerge_status attnmerge_merge_varlen_backward(
     const attnmerge_tensor* grad_o, const attnmerge_tensor* grad_lse, const attnmerge_tensor* grad_out,
     const attnmerge_tensor* grad_out_lse, const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
@@ -373,14 +442,27 @@ typedef struct attnmerge_launch_info {
   uint32_t grid[3];
   uint32_t block[3];
 } attnmerge_launch_info;
+
+/** What the calling thread's last op enqueued on the GPU.
+ *
+ * \param[out] info  filled in; NULL: nothing is written
+ */
 ATTNMERGE_API void attnmerge_last_launch(attnmerge_launch_info* info);
 
-/* The dtype of code `dtype` (an attnmerge_dtype), or NULL where `dtype` is none: the codes run from
- * 0 up to the first that gives NULL.  The table lives as long as the library. */
+/** The row of the library's dtype table for one code.
+ *
+ * \param[in] dtype  an attnmerge_dtype: the codes run from 0 up to the first that gives NULL
+ * \return the row, which lives as long as the library, or NULL where `dtype` names none
+ */
 ATTNMERGE_API const attnmerge_dtype_info* attnmerge_dtype_info_of(int32_t dtype);
 
 /* The error message of the calling thread's last call ("" after a success), valid until its next call. */
 ATTNMERGE_API const char* attnmerge_last_error(void);
+
+/** The name of a status ("invalid value").
+ *
+ * \param[in] status  an attnmerge_status (another value gives "unknown status")
+ */
 ATTNMERGE_API const char* attnmerge_status_string(attnmerge_status status);
 
 /* Version: ATTNMERGE_VERSION_NUMBER and ATTNMERGE_VERSION_STRING of the library actually loaded. */
@@ -398,13 +480,22 @@ ATTNMERGE_API int attnmerge_cuda_build_version(void);
 ATTNMERGE_API int attnmerge_cuda_driver_version(void);
 ATTNMERGE_API int attnmerge_device_count(void);
 
-/* The CUDA device whose device memory `ptr` points into; ATTNMERGE_HOST for anything the host can
- * address (ordinary, pinned or managed memory) or when there is no driver.  For callers that hold
- * bare pointers, such as __cuda_array_interface__. */
+/** The CUDA device whose device memory a pointer points into, for callers that hold bare pointers
+ * (__cuda_array_interface__).
+ *
+ * \param[in] ptr  any pointer
+ * \return a CUDA device ordinal, or ATTNMERGE_HOST for anything the host can address (ordinary,
+ *         pinned or managed memory) and when there is no driver
+ */
 ATTNMERGE_API int attnmerge_pointer_device(const void* ptr);
 
-/* Blocks the host until `stream` on `device` has finished its work.  Never called by the ops
- * themselves; for callers that must hand results to a framework that cannot wait on a stream. */
+/** Blocks the host until a stream has finished its work.  Never called by the ops themselves; for
+ * callers that must hand results to a framework that cannot wait on a stream.
+ *
+ * \param[in] device  the CUDA device of the stream
+ * \param[in] stream  a cudaStream_t (NULL: the legacy default stream)
+ * \return ATTNMERGE_SUCCESS or an error status (attnmerge_last_error() says why)
+ */
 ATTNMERGE_API attnmerge_status attnmerge_stream_synchronize(int32_t device, void* stream);
 
 #ifdef __cplusplus
