@@ -6,9 +6,11 @@
     python benchmarks/run.py --list                                    the routines
 
 Every GPU time comes from attnmerge.bench.timing (CUDA-graph replay, input sets rotated past L2,
-medians).  `bench` and `family` are `python -m attnmerge bench` and `... bench --family`, their
+medians).  vs_seed and vs_flashinfer time the peers' own kernels, built here from the folders
+`python benchmarks/peers/fetch.py` fills (on a machine that reaches PyPI: carry them to the GPU
+machine).  `bench` and `family` are `python -m attnmerge bench` and `... bench --family`, their
 options after the routine's name.  The exit code is 0, 1 when a check of attnmerge failed, 2 when a
-routine could not run (no GPU)."""
+routine could not run (no GPU, a peer not fetched)."""
 from __future__ import annotations
 
 import argparse
@@ -94,14 +96,20 @@ def main(argv=None):
             return check_all(p)
         p.print_usage(sys.stderr)
         return 2
-    if not (args.check_cpu or False):
+    from routines.builds import PeerMissing
+
+    if not (args.check_cpu or getattr(args, "cases", False)):
         import torch
 
         if not torch.cuda.is_available():
             print(f"run.py {args.routine}: no CUDA GPU visible to PyTorch (--check-cpu runs what needs none)",
                   file=sys.stderr)
             return 2
-    result = run_one(args.routine, args, args.check_cpu)
+    try:
+        result = run_one(args.routine, args, args.check_cpu)
+    except PeerMissing as e:
+        print(f"run.py {args.routine}: {e}", file=sys.stderr)
+        return 2
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

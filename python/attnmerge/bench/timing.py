@@ -14,9 +14,10 @@ def input_sets(nbytes):
     return max(1, min(32, (512 << 20) // max(1, nbytes)))
 
 
-def graph_us(torch, fn, sets, calls=50):
+def graph_us(torch, fn, sets, calls=50, flush=None):
     """GPU time per call of fn(*set), us: `calls` calls (sets in turn) captured in one CUDA graph,
-    the median of 7 replays timed by events."""
+    the median of 7 replays timed by events.  flush: called before each timed replay, outside the
+    timed region (a large read, say, so that no replay finds its inputs in L2)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -32,6 +33,8 @@ def graph_us(torch, fn, sets, calls=50):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(7):
+        if flush is not None:
+            flush()
         start.record()
         graph.replay()
         end.record()
