@@ -1,4 +1,5 @@
-"""The README's vs-FlashInfer table from the JSON of `python .shared/bench/vs_flashinfer/bench.py --json F`.
+"""The README's vs-FlashInfer table from the JSON of `python benchmarks/run.py vs_flashinfer --json F` (op
+names attnmerge's; runs of the earlier harness, which used FlashInfer's, render alike).
 
     python benchmarks/vs_flashinfer_table.py benchmarks/results/h200-vs-flashinfer.json
 """

@@ -1,4 +1,4 @@
-"""The README's performance table from the JSON of `python ../shared/bench/vs_seed.py --json F`.
+"""The README's performance table from the JSON of `python benchmarks/run.py vs_seed --json F`.
 
     python benchmarks/vs_seed_table.py benchmarks/results/h200-vs-seed.json
 """

@@ -14,33 +14,10 @@ def input_sets(nbytes):
     return max(1, min(32, (512 << 20) // max(1, nbytes)))
 
 
-def pair_sets(torch, tokens, heads, head_size):
-    """Input sets of a two-way merge on the GPU, as many as input_sets gives for their bytes: each
-    (o_a, lse_a, o_b, lse_b: bf16 [tokens, heads, head_size] and float32 [tokens, heads], and the
-    outputs out, out_lse of those shapes)."""
-    nbytes = 3 * tokens * heads * head_size * 2
-    return [(torch.randn(tokens, heads, head_size, device="cuda", dtype=torch.bfloat16),
-             torch.randn(tokens, heads, device="cuda"),
-             torch.randn(tokens, heads, head_size, device="cuda", dtype=torch.bfloat16),
-             torch.randn(tokens, heads, device="cuda"),
-             torch.empty(tokens, heads, head_size, device="cuda", dtype=torch.bfloat16),
-             torch.empty(tokens, heads, device="cuda")) for _ in range(input_sets(nbytes))]
-
-
-def stacked_sets(torch, tokens, states, heads, head_size):
-    """Input sets of an N-way merge on the GPU, as many as input_sets gives for their bytes: each
-    (o bf16 [tokens, states, heads, head_size], lse float32 [tokens, states, heads], and the outputs
-    out bf16 [tokens, heads, head_size], out_lse float32 [tokens, heads])."""
-    nbytes = (states + 1) * tokens * heads * head_size * 2
-    return [(torch.randn(tokens, states, heads, head_size, device="cuda", dtype=torch.bfloat16),
-             torch.randn(tokens, states, heads, device="cuda"),
-             torch.empty(tokens, heads, head_size, device="cuda", dtype=torch.bfloat16),
-             torch.empty(tokens, heads, device="cuda")) for _ in range(input_sets(nbytes))]
-
-
-def graph_us(torch, fn, sets, calls=50):
+def graph_us(torch, fn, sets, calls=50, flush=None):
     """GPU time per call of fn(*set), us: `calls` calls (sets in turn) captured in one CUDA graph,
-    the median of 7 replays timed by events."""
+    the median of 7 replays timed by events.  flush: called before each timed replay, outside the
+    timed region (a large read, say, so that no replay finds its inputs in L2)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -56,22 +33,14 @@ def graph_us(torch, fn, sets, calls=50):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(7):
+        if flush is not None:
+            flush()
         start.record()
         graph.replay()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times)
-
-
-def alternated_graph_us(torch, fns, sets, rounds=3):
-    """graph_us of each of `fns` over the same sets, timed in turn `rounds` times (so that a drift of
-    the GPU's clocks meets them alike): each one's median, in the order of fns."""
-    times = [[] for _ in fns]
-    for _ in range(rounds):
-        for t, fn in zip(times, fns):
-            t.append(graph_us(torch, fn, sets))
-    return [statistics.median(t) for t in times]
 
 
 def eager_us(torch, fn, sets, calls=100):
@@ -107,7 +76,6 @@ def host_us(torch, fn, calls=200):
         times.append((time.perf_counter() - start) / calls * 1e6)
         wait()
     return statistics.median(times)
-
 
 
 def median_seconds(fn, runs=7):

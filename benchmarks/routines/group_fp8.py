@@ -1,5 +1,5 @@
-"""Per-group FP8 outputs on a GPU (bf16 states, 32 heads, head size 128, groups of 128): what a merge
-that writes FP8 and its group scales costs against the same merge into bf16, and against that merge
+"""Per-group FP8 outputs (bf16 states, 32 heads, head size 128, groups of 128): what a merge that
+writes FP8 and its group scales costs against the same merge into bf16, and against that merge
 followed by the quantization an engine would otherwise launch (vLLM's per_token_group_quant_fp8, as
 one kernel that torch.compile fuses: read bf16, write FP8 and scales):
 
@@ -10,21 +10,18 @@ one kernel that torch.compile fuses: read bf16, write FP8 and scales):
 The same for merge_states at decode (16 tokens, 64 states: the state-parallel kernel) and for long
 inputs (8192 tokens, 4 states).  Before timing, the fused call's scales are checked against the
 separate quantization's.  CUDA graph replay, input sets rotated past L2, the median of 3
-alternations.  Needs PyTorch with CUDA (and Triton for torch.compile; without it the quantization
-runs eagerly, several kernels, and the line says so).
-
-    python benchmarks/group_fp8_time.py
-"""
-
+alternations.  Needs Triton for torch.compile; without it the quantization runs eagerly, several
+kernels, and the line says so."""
 import torch
 
 import attnmerge
-from attnmerge.bench.timing import alternated_graph_us, pair_sets, stacked_sets
+
+from .common import pair_sets, stacked_sets
 
 HEADS, HEAD_SIZE, GROUP = 32, 128, 128
+FP8 = torch.float8_e4m3fn
 PAIR_TOKENS = (1, 16, 512, 8192)
 STATES_CASES = [(16, 64), (8192, 4)]  # (tokens, S)
-FP8 = torch.float8_e4m3fn
 
 
 def group_quant(x):
@@ -35,7 +32,11 @@ def group_quant(x):
     return (g * (1.0 / scale)).clamp(-448.0, 448.0).to(FP8).flatten(-2), scale.squeeze(-1)
 
 
-def compiled_quant():
+def compiled_quant(runner):
+    """(the quantization as one compiled kernel, "compiled"), or its eager chain and why: no Triton,
+    or under --check-cpu (no compile there)."""
+    if runner.check_cpu:
+        return group_quant, "eager (--check-cpu)"
     try:
         quant = torch.compile(group_quant, dynamic=False)
         quant(torch.randn(2, HEADS, HEAD_SIZE, device="cuda", dtype=torch.bfloat16))
@@ -50,11 +51,13 @@ def check(fused_scales, out):
     torch.testing.assert_close(fused_scales, scales, rtol=2**-7, atol=0)  # out: the merge rounded to bf16
 
 
-def pairs(quant, how):
-    for tokens in PAIR_TOKENS:
-        sets = [(*s, torch.empty(tokens, HEADS, HEAD_SIZE, device="cuda", dtype=FP8),
-                 torch.empty(tokens, HEADS, HEAD_SIZE // GROUP, device="cuda"))
-                for s in pair_sets(torch, tokens, HEADS, HEAD_SIZE)]
+def pairs(runner, quant, how):
+    device = runner.device
+    rows = []
+    for tokens in runner.cases(PAIR_TOKENS):
+        sets = [(*s, torch.empty(tokens, HEADS, HEAD_SIZE, device=device, dtype=FP8),
+                 torch.empty(tokens, HEADS, HEAD_SIZE // GROUP, device=device))
+                for s in pair_sets(torch, tokens, HEADS, HEAD_SIZE, device, runner.count)]
         o_a, lse_a, o_b, lse_b, out, out_lse, q, scales = sets[0]
         attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse)
         attnmerge.merge(o_a, lse_a, o_b, lse_b, out=q, out_lse=out_lse, group_scales=scales, group_size=GROUP)
@@ -70,16 +73,20 @@ def pairs(quant, how):
             attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse)
             quant(out)
 
-        a, b, c = alternated_graph_us(torch, (bf16, fused, separate), sets)
+        a, b, c = runner.time((bf16, fused, separate), sets)
+        rows.append(dict(op="merge", tokens=tokens, bf16_us=a, group_fp8_us=b, bf16_then_quant_us=c, quant=how))
         print(f"merge {tokens} tokens: bf16 {a:.2f} us, per-group FP8 {b:.2f} us ({b / a:.3f}x), bf16 then a "
               f"{how} quantization {c:.2f} us ({c / b:.3f}x the fused call)", flush=True)
+    return rows
 
 
-def states(quant, how):
-    for tokens, s in STATES_CASES:
-        sets = [(o, lse, out, out_lse, torch.empty(tokens, HEADS, HEAD_SIZE, device="cuda", dtype=FP8),
-                 torch.empty(tokens, HEADS, HEAD_SIZE // GROUP, device="cuda"))
-                for o, lse, out, out_lse in stacked_sets(torch, tokens, s, HEADS, HEAD_SIZE)]
+def states(runner, quant, how):
+    device = runner.device
+    rows = []
+    for tokens, s in runner.cases(STATES_CASES):
+        sets = [(o, lse, out, out_lse, torch.empty(tokens, HEADS, HEAD_SIZE, device=device, dtype=FP8),
+                 torch.empty(tokens, HEADS, HEAD_SIZE // GROUP, device=device))
+                for o, lse, out, out_lse in stacked_sets(torch, tokens, s, HEADS, HEAD_SIZE, device, runner.count)]
         o, lse, out, out_lse, q, scales = sets[0]
         attnmerge.merge_states(o, lse, out=out, out_lse=out_lse)
         kernel = attnmerge.last_launch()["kernel"]
@@ -97,12 +104,14 @@ def states(quant, how):
             attnmerge.merge_states(o, lse, out=out, out_lse=out_lse)
             quant(out)
 
-        a, b, c = alternated_graph_us(torch, (bf16, fused, separate), sets)
+        a, b, c = runner.time((bf16, fused, separate), sets)
+        rows.append(dict(op="merge_states", tokens=tokens, states=s, kernel=kernel, bf16_us=a, group_fp8_us=b,
+                         bf16_then_quant_us=c, quant=how))
         print(f"merge_states {tokens} tokens, S = {s} ({kernel}): bf16 {a:.2f} us, per-group FP8 {b:.2f} us "
               f"({b / a:.3f}x), bf16 then a {how} quantization {c:.2f} us ({c / b:.3f}x the fused call)", flush=True)
+    return rows
 
 
-if __name__ == "__main__":
-    quant, how = compiled_quant()
-    pairs(quant, how)
-    states(quant, how)
+def run(args, runner):
+    quant, how = compiled_quant(runner)
+    return pairs(runner, quant, how) + states(runner, quant, how)

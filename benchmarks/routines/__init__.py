@@ -1,0 +1,13 @@
+"""The routines of benchmarks/run.py, one module each: its name, the module, and what it times."""
+
+ROUTINES = {
+    "sinks": ("sinks", "merge_states with and without a sink"),
+    "bases": ("bases", "mixed LSE bases against one base and against converting first"),
+    "group_fp8": ("group_fp8", "per-group FP8 outputs against bf16 and against bf16 then a quantization"),
+    "share": ("share", "merge_share against a two-way merge of the same rows and the floor"),
+    "plain_pairs": ("plain_pairs", "the plain two-way kernels against the general one, per dtype pair"),
+    "vs_seed": ("vs_seed", "the two-way merge against vLLM's kernel this project started from"),
+    "vs_flashinfer": ("vs_flashinfer", "the merge family against FlashInfer's CUDA cascade kernels"),
+    "bench": ("package", "the sweep of `python -m attnmerge bench` (its options follow)"),
+    "family": ("package", "the N-way family of `python -m attnmerge bench --family`"),
+}
