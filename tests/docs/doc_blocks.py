@@ -2,7 +2,8 @@
 read them: each fenced block with its language, the line it starts on, and the directive on the line
 right above it, if any:
 
-    <!-- docs-test: skip: REASON -->     the block is not run here (a GPU, several processes, ...)
+    <!-- docs-test: gpu -->              the block needs a CUDA GPU: a `gpu` test (skipped without one)
+    <!-- docs-test: skip: REASON -->     the block is not run by the tests (several processes, ...)
 
 An HTML comment, so GitHub and the site show nothing of it.
 """
@@ -33,6 +34,10 @@ class Block(NamedTuple):
     @property
     def id(self) -> str:
         return f"{self.document}:{self.line}"
+
+    @property
+    def needs_gpu(self) -> bool:
+        return self.directive == "gpu"
 
     @property
     def skip_reason(self) -> str | None:

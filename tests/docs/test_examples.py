@@ -4,9 +4,10 @@ Each ```python block runs on its own (its own imports and inputs, a fresh namesp
 repository's root; a block that imports PyTorch, JAX, CuPy or Numba skips when that framework is not
 installed, and one that imports attnmerge.jax when the build has no JAX extension.  Each ```c block
 is a whole program: compiled against the installed headers and libattnmerge, run, its exit status 0
-and its output the one its `/* prints: ... */` comment states.  A block that needs a GPU or several
-processes says so above itself (`<!-- docs-test: skip: REASON -->`) and is skipped with that reason;
-no other block escapes.
+and its output the one its `/* prints: ... */` comment states.  A block that needs a GPU says so above
+itself (`<!-- docs-test: gpu -->`) and runs as a `gpu` test, skipped without one; one that cannot run
+here at all (several processes) says why (`<!-- docs-test: skip: REASON -->`) and is skipped with that
+reason; no other block escapes.
 """
 from __future__ import annotations
 
@@ -31,12 +32,19 @@ def test_every_block_is_run_shown_or_skipped_with_a_reason():
     for block in all_blocks():
         assert block.language in RUN + SHOWN, f"{block.id}: a ```{block.language} block, neither run nor shown"
         if block.directive is not None:
-            assert block.skip_reason, f"{block.id}: expected 'skip: REASON', got {block.directive!r}"
-            assert block.language in RUN, f"{block.id}: a skip directive above a block that never runs"
+            assert block.needs_gpu or block.skip_reason, \
+                f"{block.id}: expected 'gpu' or 'skip: REASON', got {block.directive!r}"
+            assert block.language in RUN, f"{block.id}: a directive above a block that never runs"
         assert block.indent == "", f"{block.id}: an indented fence (the site's Markdown renders it as text)"
 
 
-@pytest.mark.parametrize("block", all_blocks("python"), ids=lambda b: b.id)
+def params(language):
+    """The blocks of a language, those that need a GPU marked `gpu` (tests/conftest.py skips them
+    without one)."""
+    return [pytest.param(b, id=b.id, marks=[pytest.mark.gpu] if b.needs_gpu else []) for b in all_blocks(language)]
+
+
+@pytest.mark.parametrize("block", params("python"))
 def test_python_example_runs(block: Block, monkeypatch):
     if block.skip_reason:
         pytest.skip(f"{block.id}: {block.skip_reason}")
@@ -55,7 +63,7 @@ def c_compiler() -> str:
     pytest.skip("no C compiler on PATH")
 
 
-@pytest.mark.parametrize("block", all_blocks("c"), ids=lambda b: b.id)
+@pytest.mark.parametrize("block", params("c"))
 def test_c_example_compiles_links_and_runs(block: Block, tmp_path):
     if block.skip_reason:
         pytest.skip(f"{block.id}: {block.skip_reason}")
