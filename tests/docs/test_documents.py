@@ -1,0 +1,43 @@
+"""The README is a front door and no document points outside the repository: the README under 150
+lines with the two commands `.ci/run` runs, every relative link of the README and docs/ naming a
+file of the repository, and no commit hash or path outside the repository in any of them."""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from doc_blocks import DOCUMENTS, ROOT
+
+COMMANDS = ('pip install ".[test]" && python -m attnmerge', "python -m pytest -q")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+# A revision: 7 to 40 hex digits with a letter and a digit among them (a word, not a number or a name).
+REVISION = re.compile(r"(?<![\w/.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w/-])")
+
+
+def read(document):
+    with open(os.path.join(ROOT, document), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_the_readme_is_short_and_has_the_two_commands():
+    text = read("README.md")
+    assert len(text.splitlines()) < 150
+    lines = text.splitlines()
+    for command in COMMANDS:
+        assert command in lines, f"README.md no longer has the line {command!r} (.ci/run runs it)"
+
+
+@pytest.mark.parametrize("document", DOCUMENTS + ["CONTRIBUTING.md"])
+def test_no_document_points_outside_the_repository(document):
+    text = read(document)
+    assert "../shared" not in text and ".shared/" not in text, document
+    assert not REVISION.findall(text), f"{document}: commit hashes {REVISION.findall(text)}"
+    base = os.path.dirname(os.path.join(ROOT, document))
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+://", target) or target.startswith("#"):
+            continue
+        path = os.path.normpath(os.path.join(base, target.split("#")[0]))
+        assert path.startswith(ROOT + os.sep), f"{document}: {target} leaves the repository"
+        assert os.path.exists(path), f"{document}: {target} names no file"
