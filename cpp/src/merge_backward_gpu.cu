@@ -52,6 +52,9 @@ int run_backward(const DeviceInfo& device, void* ctx, attnmerge_launch_info* inf
 template <typename Src>
 attnmerge_status gpu_merge_backward(const MergeShape& shape, const BackwardArgs<Src>& args, int vec, bool pdl,
                                     int in_dtype, int out_dtype, int device, void* stream) {
+  const auto known = [](auto) {};  // both codes name a type before anything is planned
+  attnmerge_status status;
+  if ((status = dispatch_in_dtype(in_dtype, known)) || (status = dispatch_in_dtype(out_dtype, known))) return status;
   BackwardJob<Src> job{shape, args, vec, pdl, in_dtype, out_dtype, static_cast<cudaStream_t>(stream)};
   return gpu_run(device, &run_backward<Src>, &job,
                  "launching the merge backward kernel (possibly an earlier, sticky error of other work)");

@@ -51,9 +51,11 @@ attnmerge_status gpu_merge(const MergeShape& shape, const Source& src, const Out
   if (guard.error() != cudaSuccess)
     return cuda_fail(guard.error(), "while selecting the device (an earlier error, not one of this call's arguments)");
   const DeviceProps props = device_props(device);
-  CallFacts typed = facts;  // the plan's dtypes, from the C ABI's codes
-  dispatch_in_dtype(in_dtype, [&](auto tag) { typed.in = dtype_of<decltype(tag)>(); });
-  dispatch_out_dtype(out_dtype, [&](auto tag) { typed.out = dtype_of<decltype(tag)>(); });
+  CallFacts typed = facts;  // the plan's dtypes, from the C ABI's codes (unknown_dtype's status for none)
+  attnmerge_status status;
+  if ((status = dispatch_in_dtype(in_dtype, [&](auto tag) { typed.in = dtype_of<decltype(tag)>(); })) ||
+      (status = dispatch_out_dtype(out_dtype, [&](auto tag) { typed.out = dtype_of<decltype(tag)>(); })))
+    return status;
   const LaunchPlan plan = plan_merge(shape, src, out, typed, DeviceInfo{props.sms, props.major});
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaSuccess;

@@ -79,11 +79,13 @@ struct DtypePair {
 
 // The (input, output) dtype pairs whose two-way merges take the plain kernels (PlainPairSource):
 // every other pair takes the general one (PairSource).  Each pair here costs 32 kernels per
-// architecture; which pairs earn them is measured by benchmarks/plain_pairs_time.py.
+// architecture, under the budget tests/packaging/test_cuda_builds.py holds: the plain kernel pays at
+// decode sizes for every pair, so the list keeps the pairs engines merge most, float32 partials
+// into bfloat16 (FlashAttention-3's combine) among them (benchmarks/NOTES.md#plain-pair-kernel).
 constexpr DtypePair kPlainPairs[] = {
     {Dtype::kFloat32, Dtype::kFloat32},     {Dtype::kFloat16, Dtype::kFloat16},
     {Dtype::kBFloat16, Dtype::kBFloat16},   {Dtype::kFloat16, Dtype::kFloat8E4M3},
-    {Dtype::kBFloat16, Dtype::kFloat8E4M3},
+    {Dtype::kBFloat16, Dtype::kFloat8E4M3}, {Dtype::kFloat32, Dtype::kBFloat16},
 };
 
 constexpr bool plain_pair(Dtype in, Dtype out) {
