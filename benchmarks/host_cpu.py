@@ -1,31 +1,26 @@
 """Host time per call of attnmerge.merge from Python on tiny torch tensors (1 x 32 x 128, outputs
 given: the eager decode call's Python and binding layers), with autograd on, under torch.no_grad
-and under torch.inference_mode, each timed with and without the torch routing check (the decision
-between the direct path and torch.ops.attnmerge, which is all the ops added to an eager call;
-"without" sets attnmerge._merge._takes to None, as before the ops existed), alternately, and
-torch.add of the same tensors for scale: the bench's host timer (attnmerge.bench.timing.host_us,
-median of 15 batches), one thread.
+and under torch.inference_mode, each timed with and without the torch road (the decision between
+the native road and torch.ops.attnmerge, which is all the ops added to an eager call; "without"
+unregisters the road, as before the ops existed), alternately, and torch.add of the same tensors
+for scale: the bench's host timer (attnmerge.bench.timing.host_us, median of 15 batches), one thread.
 
     python benchmarks/host_cpu.py                  # float32 CPU tensors (a CPU merge of 4096 elements)
     python benchmarks/host_cpu.py --device cuda    # bfloat16 CUDA tensors, as the bench's host section
 
-To compare two builds instead, install each in its own environment and run this alternately in
-both; the timer is this tree's in both.  `--against REV` also times, in the same process, the
-Python layer of git revision REV (its python/attnmerge/_merge.py, loaded beside the installed one,
-on the same binding) without the routing check: the eager call path as it was at REV.
+To compare two builds, install each in its own environment (or `pip install --target` folder) and
+run each tree's own copy of this script alternately under both; the timer is the same in both.
 """
 
 import argparse
 import importlib.util
 import os
 import statistics
-import subprocess
-import tempfile
 
 import torch
 
 import attnmerge
-from attnmerge import _merge
+from attnmerge import _roads
 
 # This tree's timer, whichever build of attnmerge is installed: an A/B of two builds times both alike.
 _spec = importlib.util.spec_from_file_location(
@@ -40,9 +35,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--repeats", type=int, default=5, help="alternations of with and without (default 5)")
-    parser.add_argument("--against", metavar="REV", help="also time REV's python/attnmerge/_merge.py, unrouted")
     args = parser.parse_args()
-    before = _merge_at(args.against) if args.against else None
     torch.set_num_threads(1)
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -57,48 +50,23 @@ def main():
     def merge():
         attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse)
 
-    def merge_before():
-        before.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse)
-
     print(f"attnmerge {attnmerge.__version__} ({attnmerge.__file__}), torch {torch.__version__}, "
           f"{args.device} {str(dtype).removeprefix('torch.')}")
-    takes = _merge._takes
-    times = {mode: ([], [], []) for mode in MODES}  # (routed, without, REV's) per mode, alternated
+    road = _roads._torch
+    times = {mode: ([], []) for mode in MODES}  # (routed, without) per mode, alternated
     for _ in range(args.repeats):
         for mode, context in MODES.items():
             with context():
-                _merge._takes = None
+                _roads._torch = None
                 times[mode][1].append(per_call_us(merge))
-                _merge._takes = takes
+                _roads._torch = road
                 times[mode][0].append(per_call_us(merge))
-                if before is not None:
-                    times[mode][2].append(per_call_us(merge_before))
-    for mode, (routed, without, at_rev) in times.items():
+    for mode, (routed, without) in times.items():
         deltas = sorted(r - w for r, w in zip(routed, without))
         print(f"attnmerge.merge, {mode:<22} {statistics.median(routed):6.3f} us per call, "
-              f"{statistics.median(without):6.3f} without the routing check: {statistics.median(deltas):+.3f} "
+              f"{statistics.median(without):6.3f} without the torch road: {statistics.median(deltas):+.3f} "
               f"(median of {len(deltas)} alternations, {deltas[0]:+.3f} to {deltas[-1]:+.3f})")
-        if at_rev:
-            deltas = sorted(r - b for r, b in zip(routed, at_rev))
-            print(f"                 {'':<22} {statistics.median(at_rev):6.3f} at {args.against}, unrouted: "
-                  f"{statistics.median(deltas):+.3f} ({deltas[0]:+.3f} to {deltas[-1]:+.3f})")
     print(f"torch.add (for scale)                  {per_call_us(lambda: torch.add(o_a, o_b, out=out)):6.3f} us")
-
-def _merge_at(rev):
-    """attnmerge._merge as it was at git revision `rev`, loaded as attnmerge._merge_at_rev (its
-    relative imports resolve in the installed package), with no routing check."""
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
-    text = subprocess.run(["git", "-C", root, "show", f"{rev}:python/attnmerge/_merge.py"], check=True,
-                          capture_output=True, text=True).stdout
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(text)
-    spec = importlib.util.spec_from_file_location("attnmerge._merge_at_rev", f.name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    os.unlink(f.name)
-    module._takes = None
-    return module
-
 
 if __name__ == "__main__":
     main()

@@ -344,16 +344,14 @@ def reference_merge_stacked(o, lse, *, states_axis=1, base="e", sink=None):
     """float64 N-way merge of stacked states, from the formula (any S, S = 0 included).
 
     states_axis=1: o [T, S, H, D], lse [T, S, H] (FlashInfer's layout);
-    states_axis=0: o [S, T, H, D], lse [S, T, H] (what an all-gather produces).
+    states_axis=0: o [S, T, H, D], lse [S, T, H] (what an all-gather produces);
+    states_axis=2: o [T, H, S, D], lse [T, H, S] (an all-to-all's, heads first).
     S = 0 gives O = 0 and LSE = -inf on every row.  sink [H]: one more state per row (sink_state).
     """
-    o = to_f64(o)
-    lse = to_f64(lse)
-    if states_axis == 1:
-        o = np.moveaxis(o, 1, 0)
-        lse = np.moveaxis(lse, 1, 0)
-    elif states_axis != 0:
+    if states_axis not in (0, 1, 2):
         raise ValueError(f"states_axis {states_axis!r}")
+    o = np.moveaxis(to_f64(o), states_axis, 0)
+    lse = np.moveaxis(to_f64(lse), states_axis, 0)
     s, t, h, d = o.shape
     os, lses = list(o), list(lse)
     if sink is not None:
@@ -367,13 +365,11 @@ def reference_merge_stacked(o, lse, *, states_axis=1, base="e", sink=None):
 def reference_merge_share(o, lse, index, *, states_axis=1, base="e", sink=None):
     """float64 share of state `index` in the merge of the states whose LSEs are lse, from the
     formula: out = (w_index / W) O_index and out_lse = m + log W, with m and W over every state
-    (and the sink).  o [T, H, D]: state index's O; lse [T, S, H] (states_axis=1) or [S, T, H].  A
-    share of zero weight is 0 whatever o holds (an empty state, or every state of the row); +inf
-    counts as -inf; a NaN LSE (or sink) makes the row NaN."""
+    (and the sink).  o [T, H, D]: state index's O; lse [T, S, H] (states_axis=1), [S, T, H] (0) or
+    [T, H, S] (2).  A share of zero weight is 0 whatever o holds (an empty state, or every state of
+    the row); +inf counts as -inf; a NaN LSE (or sink) makes the row NaN."""
     o = to_f64(o)
-    lse = to_f64(lse)
-    if states_axis == 1:
-        lse = np.moveaxis(lse, 1, 0)
+    lse = np.moveaxis(to_f64(lse), states_axis, 0)
     t, h, _ = o.shape
     if sink is not None:
         lse = np.concatenate([lse, sink_state(sink, t, 1)[1][None]])
@@ -533,10 +529,12 @@ def assert_group_fp8_close(out, scales, expected_f64, group_size, ue8m0=False, w
 
 
 def random_stacked(rng, tokens, s, heads, head_size, dtype="float32", states_axis=1, lse_scale=3.0):
-    """(o, lse) of S stacked states, contiguous in the layout of states_axis."""
-    if states_axis == 1:
-        return random_o(rng, (tokens, s, heads, head_size), dtype), random_lse(rng, (tokens, s, heads), lse_scale)
-    return random_o(rng, (s, tokens, heads, head_size), dtype), random_lse(rng, (s, tokens, heads), lse_scale)
+    """(o, lse) of S stacked states, contiguous in the layout of states_axis (S at that axis of
+    [tokens, heads, head_size] and [tokens, heads])."""
+    o_shape, lse_shape = [tokens, heads, head_size], [tokens, heads]
+    o_shape.insert(states_axis, s)
+    lse_shape.insert(states_axis, s)
+    return random_o(rng, tuple(o_shape), dtype), random_lse(rng, tuple(lse_shape), lse_scale)
 
 
 def strided_view(x: np.ndarray, order=None, pad=0, offset=0, steps=None, fill=np.nan):

@@ -17,11 +17,9 @@ these functions become under torch.compile and torch.export (attnmerge._torch_op
 """
 from __future__ import annotations
 
-import os as _os
-from typing import Any as _Any
-
 from . import _C
 from . import _torch_hook
+from ._build import build_info, cmake_dir, include_dir, last_launch, library_path
 from ._merge import (merge, merge_backward, merge_inplace, merge_share, merge_states, merge_states_backward,
                      merge_varlen, merge_varlen_backward)
 
@@ -31,50 +29,3 @@ __version__ = _C.version_string()
 __all__ = ["merge", "merge_inplace", "merge_states", "merge_varlen", "merge_share", "merge_backward",
            "merge_states_backward", "merge_varlen_backward", "build_info", "last_launch", "cmake_dir", "include_dir",
            "library_path", "__version__"]
-
-# Where the compiled part lives: beside _C (in an editable install, not beside this file).
-_HERE = _os.path.dirname(_os.path.abspath(_C.__file__))
-# The XLA FFI handlers of attnmerge.jax, built on request (ATTNMERGE_BUILD_JAX=1; the release
-# wheels carry them).
-_XLA_LIB = _os.path.join(_HERE, "lib", "libattnmerge_xla.so")
-_XLA_HOW = ("install a release wheel, which carries it, or build from source with "
-            "ATTNMERGE_BUILD_JAX=1 pip install . (Python 3.11 or newer)")
-
-
-def build_info() -> dict[str, _Any]:
-    """The library's version, the CUDA toolkit it was built with, its compiled GPU architectures,
-    the driver's CUDA version (0 without a driver), the number of usable GPUs, the library's path
-    and whether the JAX extension (attnmerge.jax) was built."""
-    return {
-        "version": __version__,
-        "cuda_build_version": _C.cuda_build_version(),
-        "cuda_architectures": _C.cuda_architectures().split(";"),
-        "driver_version": _C.cuda_driver_version(),
-        "device_count": _C.device_count(),
-        "library": _C.library_path(),
-        "jax_extension": _os.path.exists(_XLA_LIB),
-    }
-
-
-def last_launch() -> dict[str, _Any]:
-    """What this thread's last attnmerge op enqueued on the GPU, as the launch plan chose it:
-    `kernel` ("rows", "rows_plain", "rows_inplace", "states", "backward", or "none" for host, empty
-    or refused calls), `launches` (0, 1 or 2), `state_groups` (groups of threads sharing a row's states under
-    "states"), `index_bits` (32 or 64), `vec` (elements per vector access), `pdl`, `grid` and
-    `block`.  For tests, benchmarks and tools that check which kernel a shape gets."""
-    return _C.last_launch()
-
-
-def cmake_dir() -> str:
-    """The folder holding attnmergeConfig.cmake: pass it as attnmerge_DIR to find_package(attnmerge)."""
-    return _os.path.join(_HERE, "lib", "cmake", "attnmerge")
-
-
-def include_dir() -> str:
-    """The folder that holds attnmerge/attnmerge.h and the header-only kernels."""
-    return _os.path.join(_HERE, "include")
-
-
-def library_path() -> str:
-    """The path of the libattnmerge shared library this package loaded."""
-    return _C.library_path()

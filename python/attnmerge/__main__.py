@@ -123,7 +123,7 @@ def main(argv=None):
     driver = info["driver_version"]
     print(f"driver: {'CUDA %d.%d' % (driver // 1000, driver % 1000 // 10) if driver else 'none'}")
     print(f"GPUs: {info['device_count'] or 'none visible'}")
-    jax_ext = "built" if info["jax_extension"] else f"not built; to get it, {attnmerge._XLA_HOW}"
+    jax_ext = "built" if info["jax_extension"] else f"not built; to get it, {attnmerge._build.XLA_HOW}"
     print(f"JAX extension (attnmerge.jax): {jax_ext}")
     print("self-test against the float64 reference:")
     ok = check(lambda x: x, lambda x: x, lambda fn: median_seconds(fn, 5), "cpu")

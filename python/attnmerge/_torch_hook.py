@@ -15,9 +15,9 @@ def _register():
 
         if tuple(int(p) for p in torch.__version__.split(".")[:2]) < MIN_TORCH:
             return  # the eager path works as before; torch.compile sees a Python call
-        from . import _merge, _torch_ops
+        from . import _roads, _torch_ops
 
-        _merge._torch_ops, _merge._takes = _torch_ops, _torch_ops.takes
+        _roads.use_torch(_torch_ops.takes, _torch_ops.run, _torch_ops.transforming)
     except Exception as e:  # never break the user's `import torch`
         warnings.warn(f"attnmerge: torch.ops.attnmerge could not be registered ({type(e).__name__}: {e}); "
                       f"torch.compile and autograd will not see attnmerge's ops", RuntimeWarning, stacklevel=2)

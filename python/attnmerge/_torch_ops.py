@@ -24,106 +24,24 @@ import contextvars
 
 import torch
 
-from . import _C, _merge
-from ._arrays import dtype_name, name_of
+from . import _C, _call, _merge, _native
+from ._arrays import name_of
+from ._call import OPS, Options
+from ._grad import share_gradient, sink_gradient
 from ._types import NO_GRADIENT_DTYPES
 
 _NS = "attnmerge"
 
-# The schemas: "(a!)" marks a tensor the op writes (so autograd, functionalization and the compilers
-# know), and the functional overloads return new tensors that alias no input.
-_OPTIONS = 'str base="e", bool pdl=False'
-_OUT_OPTIONS = 'str base="e", str? out_base=None, bool pdl=False'  # the ops that write an out_lse
-# Per-group FP8 outputs: the out= overloads only (an FP8 output has no gradient), the scales written.
-_GROUPS = 'Tensor(c!)? group_scales=None, int group_size=0, bool scale_ue8m0=False'
-
-_SCHEMAS = {
-    "merge": "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, Tensor? output_scale=None, Tensor? sink=None, *, "
-             f"ScalarType? out_dtype=None, SymInt? a_tokens=None, {_OUT_OPTIONS}) -> (Tensor out, Tensor out_lse)",
-    "merge.out": "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
-                 f"Tensor? output_scale=None, Tensor? sink=None, SymInt? a_tokens=None, {_GROUPS}, {_OUT_OPTIONS}) "
-                 "-> ()",
-    "merge_inplace": f"(Tensor(a!) o, Tensor(b!) lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, *, "
-                     f"{_OPTIONS}) -> ()",
-    "merge_inplace.functional": f"(Tensor o, Tensor lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, *, "
-                                f"{_OPTIONS}) -> (Tensor o_merged, Tensor lse_merged)",
-    "merge_states": "(Tensor o, Tensor lse, Tensor? output_scale=None, Tensor? sink=None, *, "
-                    f"ScalarType? out_dtype=None, int states_axis=1, {_OUT_OPTIONS}) -> (Tensor out, Tensor out_lse)",
-    "merge_states.out": "(Tensor o, Tensor lse, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
-                        f"Tensor? output_scale=None, Tensor? sink=None, int states_axis=1, {_GROUPS}, "
-                        f"{_OUT_OPTIONS}) -> ()",
-    "merge_varlen": "(Tensor o, Tensor lse, Tensor indptr, Tensor? output_scale=None, Tensor? sink=None, *, "
-                    f"ScalarType? out_dtype=None, {_OUT_OPTIONS}) -> (Tensor out, Tensor out_lse)",
-    "merge_varlen.out": "(Tensor o, Tensor lse, Tensor indptr, *, Tensor(a!) out, Tensor(b!)? out_lse=None, "
-                        f"Tensor? output_scale=None, Tensor? sink=None, {_GROUPS}, {_OUT_OPTIONS}) -> ()",
-    "merge_share": "(Tensor o, Tensor lse, Tensor? output_scale=None, Tensor? sink=None, *, int index, "
-                   f"ScalarType? out_dtype=None, int states_axis=1, {_OUT_OPTIONS}) -> (Tensor out, Tensor out_lse)",
-    "merge_share.out": "(Tensor o, Tensor lse, *, int index, Tensor(a!) out, Tensor(b!)? out_lse=None, "
-                       f"Tensor? output_scale=None, Tensor? sink=None, int states_axis=1, {_GROUPS}, "
-                       f"{_OUT_OPTIONS}) -> ()",
-    # The gradients of the functional merges (what their registered autograd calls): inputs
-    # whose `needs` flag is False get an empty tensor (not computed).
-    "merge_backward": "(Tensor grad_out, Tensor? grad_out_lse, Tensor out, Tensor out_lse, Tensor o_a, Tensor lse_a, "
-                      "Tensor o_b, Tensor lse_b, *, bool[4] needs, SymInt? a_tokens=None, str base=\"e\") "
-                      "-> (Tensor grad_o_a, Tensor grad_lse_a, Tensor grad_o_b, Tensor grad_lse_b)",
-    "merge_states_backward": "(Tensor grad_out, Tensor? grad_out_lse, Tensor out, Tensor out_lse, Tensor o, "
-                             "Tensor lse, *, bool[2] needs, int states_axis=1, str base=\"e\") "
-                             "-> (Tensor grad_o, Tensor grad_lse)",
-    "merge_varlen_backward": "(Tensor grad_out, Tensor? grad_out_lse, Tensor out, Tensor out_lse, Tensor o, "
-                             "Tensor lse, Tensor indptr, *, bool[2] needs, str base=\"e\") "
-                             "-> (Tensor grad_o, Tensor grad_lse)",
-}
+# ---- the schemas, made from the ops' description (attnmerge._call.OPS) ------------------------------
+# "(a!)" marks a tensor the op writes (so autograd, functionalization and the compilers know), and
+# the functional overloads return new tensors that alias no input.  Each option an op takes is a
+# keyword argument, spelled as the public functions take it where a schema can (bases as strings:
+# "e", "2", a pair's "2,e"), converted to and from the call's Options record here alone.
 
 
-# ---- results: shapes, dtypes, devices (the fake implementations, and what the kernels allocate) ---
-
-def _new(like, shape, dtype):
-    """(out [tokens, heads, head_size] of dtype, out_lse float32 [tokens, heads]) where `like` lives."""
-    return (torch.empty(shape, dtype=dtype, device=like.device),
-            torch.empty(shape[:2], dtype=torch.float32, device=like.device))
-
-
-def _states_axis(states_axis):
-    if states_axis not in (0, 1):
-        raise ValueError(f"states_axis: expected 0 or 1, got {states_axis!r}")
-    return states_axis
-
-
-_RESULTS = {  # out_dtype None: that of the inputs, as in the public functions
-    # (output_scale and sink, the functional overloads' last positional arguments, play no part)
-    "merge": lambda o_a, lse_a, o_b, lse_b, *_, out_dtype=None, **__: _new(o_b, tuple(o_b.shape),
-                                                                           out_dtype or o_a.dtype),
-    "merge_states": lambda o, lse, *_, out_dtype=None, states_axis=1, **__: _new(
-        o, _merge.states_shape(o, _states_axis(states_axis), _NAMES.get()), out_dtype or o.dtype),
-    "merge_varlen": lambda o, lse, indptr, *_, out_dtype=None, **__: _new(
-        o, _merge.varlen_shape(o, indptr, _NAMES.get()), out_dtype or o.dtype),
-    "merge_share": lambda o, lse, *_, out_dtype=None, **__: _new(o, _merge.share_shape(o, _NAMES.get()),
-                                                                 out_dtype or o.dtype),
-    "merge_inplace.functional": lambda o, lse, *_, **__: (torch.empty_like(o), torch.empty_like(lse)),
-    "merge_backward": lambda grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, *, needs, **_: tuple(
-        _grad_like(x, need) for x, need in zip((o_a, lse_a, o_b, lse_b), needs)),
-    "merge_states_backward": lambda grad_out, grad_out_lse, out, out_lse, o, lse, *, needs, **_: tuple(
-        _grad_like(x, need) for x, need in zip((o, lse), needs)),
-    "merge_varlen_backward": lambda grad_out, grad_out_lse, out, out_lse, o, lse, indptr, *, needs, **_: tuple(
-        _grad_like(x, need) for x, need in zip((o, lse), needs)),
-}
-
-
-def _grad_like(x, needed):
-    """The gradient of input x: its shape and dtype, contiguous; empty where it is not needed."""
-    return torch.empty(x.shape if needed else (0,), dtype=x.dtype, device=x.device)
-
-
-def _fake_nothing(*args, **kwargs):  # the mutating overloads return nothing
-    return None
-
-
-# ---- kernels (CPU and CUDA: the library picks the device from the pointers) ------------------------
-
-# The caller's names of the arguments of the public call being run (a compat layer's: _merge's
-# `_names`).  The dispatcher carries no such argument to the kernels, so the public call sets it
-# around the op (_names_for_kernels) and the kernels read it; None: the ops' own names.
-_NAMES = contextvars.ContextVar("attnmerge_names", default=None)
+def _text(base):
+    """A base ('e' or 2) as the schemas spell it."""
+    return "2" if base == 2 else "e"
 
 
 def _base_value(text, name="base", pair=False):
@@ -136,58 +54,147 @@ def _base_value(text, name="base", pair=False):
     return 2 if text == "2" else "e"
 
 
+# (option, its schema entry, its value from an Options record) for the keyword options the ops share;
+# an op has those its Op.takes names ("base" and "pdl": every op).
+_KEYWORDS = (
+    ("index", "int index", lambda o: o.index),
+    ("a_tokens", "SymInt? a_tokens=None", lambda o: None if o.a_tokens < 0 else o.a_tokens),
+    ("states_axis", "int states_axis=1", lambda o: o.states_axis),
+    ("base", 'str base="e"', lambda o: _text(o.bases[0]) if o.bases[0] == o.bases[1] else
+     f"{_text(o.bases[0])},{_text(o.bases[1])}"),
+    ("out_base", "str? out_base=None", lambda o: None if o.bases[2] == o.bases[0] else _text(o.bases[2])),
+    ("pdl", "bool pdl=False", lambda o: o.pdl),
+)
+_GROUPS = "Tensor(c!)? group_scales=None, int group_size=0, bool scale_ue8m0=False"  # the out= overloads'
+
+
+def _keywords(op):
+    return [(name, entry, value) for name, entry, value in _KEYWORDS if name in op.takes or name in ("base", "pdl")]
+
+
+def _schemas(op):
+    """An op's overloads: {name: schema}."""
+    tensors = ", ".join(f"Tensor {n}" for n in op.inputs)
+    keywords = [entry for _, entry, _ in _keywords(op)]
+    if op.name == "merge_inplace":
+        args = "Tensor(a!) o, Tensor(b!) lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, *, " + ", ".join(
+            keywords)
+        return {op.name: f"({args}) -> ()",
+                f"{op.name}.functional": f"({args.replace('(a!)', '').replace('(b!)', '')}) -> "
+                                         "(Tensor o_merged, Tensor lse_merged)"}
+    index = [k for k in keywords if k.startswith("int index")]
+    rest = [k for k in keywords if not k.startswith("int index")]
+    return {
+        # output_scale and sink positional: autograd takes no keyword-only tensors
+        op.name: f"({tensors}, Tensor? output_scale=None, Tensor? sink=None, *, "
+                 f"{', '.join(index + ['ScalarType? out_dtype=None'] + rest)}) -> (Tensor out, Tensor out_lse)",
+        f"{op.name}.out": f"({tensors}, *, {', '.join(index)}{', ' if index else ''}Tensor(a!) out, "
+                          f"Tensor(b!)? out_lse=None, Tensor? output_scale=None, Tensor? sink=None, "
+                          f"{', '.join(rest[:-3] + [_GROUPS] + rest[-3:])}) -> ()",
+    }
+
+
+_SCHEMAS = {name: schema for op in OPS.values() for name, schema in _schemas(op).items()}
+_SCHEMAS.update({
+    # The gradients of the functional merges (what their registered autograd calls): inputs
+    # whose `needs` flag is False get an empty tensor (not computed).
+    "merge_backward": "(Tensor grad_out, Tensor? grad_out_lse, Tensor out, Tensor out_lse, Tensor o_a, Tensor lse_a, "
+                      "Tensor o_b, Tensor lse_b, *, bool[4] needs, SymInt? a_tokens=None, str base=\"e\") "
+                      "-> (Tensor grad_o_a, Tensor grad_lse_a, Tensor grad_o_b, Tensor grad_lse_b)",
+    "merge_states_backward": "(Tensor grad_out, Tensor? grad_out_lse, Tensor out, Tensor out_lse, Tensor o, "
+                             "Tensor lse, *, bool[2] needs, int states_axis=1, str base=\"e\") "
+                             "-> (Tensor grad_o, Tensor grad_lse)",
+    "merge_varlen_backward": "(Tensor grad_out, Tensor? grad_out_lse, Tensor out, Tensor out_lse, Tensor o, "
+                             "Tensor lse, Tensor indptr, *, bool[2] needs, str base=\"e\") "
+                             "-> (Tensor grad_o, Tensor grad_lse)",
+})
+
+
+def _options(op, kwargs, names=None, **given):
+    """The call's Options from an overload's keyword arguments (the schemas' spellings), through
+    the one reading (attnmerge._call.options)."""
+    out_base = kwargs.get("out_base")
+    return _call.options(op, base=_base_value(kwargs.get("base", "e"), pair="pair" in op.takes),
+                         out_base=None if out_base is None else _base_value(out_base, "out_base"),
+                         a_tokens=kwargs.get("a_tokens"), states_axis=kwargs.get("states_axis", 1),
+                         index=kwargs.get("index", 0), pdl=kwargs.get("pdl", False), names=names, **given)
+
+
+# ---- results: shapes, dtypes, devices (the fake implementations, and what the kernels allocate) ---
+
+def _new(like, shape, dtype):
+    """(out [tokens, heads, head_size] of dtype, out_lse float32 [tokens, heads]) where `like` lives."""
+    return (torch.empty(shape, dtype=dtype, device=like.device),
+            torch.empty(shape[:2], dtype=torch.float32, device=like.device))
+
+
+def _result(op):
+    """The fake implementation (and the allocation) of op's functional overload: (out, out_lse)
+    where its `like` input lives, shaped as the public function shapes them (_call.result_shape);
+    out_dtype None: that of the inputs."""
+    def results(*tensors, out_dtype=None, states_axis=1, **_):
+        like = tensors[op.like]
+        axis = _call.states_axis_of(states_axis, 3 if op.name == "merge_share" else 4, _NAMES.get())
+        opt = Options(states_axis=axis, names=_NAMES.get())
+        return _new(like, _call.result_shape(op, tensors[:len(op.inputs)], opt), out_dtype or tensors[0].dtype)
+    return results
+
+
+def _grad_like(x, needed):
+    """The gradient of input x: its shape and dtype, contiguous; empty where it is not needed."""
+    return torch.empty(x.shape if needed else (0,), dtype=x.dtype, device=x.device)
+
+
+def _fake_nothing(*args, **kwargs):  # the mutating overloads return nothing
+    return None
+
+
+_RESULTS = {name: _result(op) for name, op in OPS.items() if name != "merge_inplace"}
+_RESULTS.update({
+    "merge_inplace.functional": lambda o, lse, *_, **__: (torch.empty_like(o), torch.empty_like(lse)),
+    "merge_backward": lambda grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, *, needs, **_: tuple(
+        _grad_like(x, need) for x, need in zip((o_a, lse_a, o_b, lse_b), needs)),
+    "merge_states_backward": lambda grad_out, grad_out_lse, out, out_lse, o, lse, *, needs, **_: tuple(
+        _grad_like(x, need) for x, need in zip((o, lse), needs)),
+    "merge_varlen_backward": lambda grad_out, grad_out_lse, out, out_lse, o, lse, indptr, *, needs, **_: tuple(
+        _grad_like(x, need) for x, need in zip((o, lse), needs)),
+})
+
+
+# ---- kernels (CPU and CUDA: the library picks the device from the pointers) ------------------------
+
+# The caller's names of the arguments of the public call being run (a compat layer's: the
+# Options' `names`).  The dispatcher carries no such argument to the kernels, so the torch road sets
+# it around the op (_names_for_kernels) and the kernels read it; None: the ops' own names.
+_NAMES = contextvars.ContextVar("attnmerge_names", default=None)
+
+
 def _bases(options, pair=False):
-    """(a's, b's, out's) bases of an op's options (_merge.lse_bases)."""
+    """(a's, b's, out's) bases of an op's options (the schemas' spellings)."""
     out_base = options.get("out_base")
-    return _merge.lse_bases(_base_value(options.get("base", "e"), pair=pair),
-                            None if out_base is None else _base_value(out_base, "out_base"), pair=pair)
+    return _call.lse_bases(_base_value(options.get("base", "e"), pair=pair),
+                           None if out_base is None else _base_value(out_base, "out_base"), pair=pair)
 
 
-def _flags(base, pdl, out_base=None, pair=False):
-    a, b, out = _bases({"base": base, "out_base": out_base}, pair)
-    return _merge.lse_flags((a, b), out, pair=True) | (_C.PDL if pdl else 0)
+def _out_kernel(op):
+    """The out= overload's kernel: the call's Options from its keyword arguments, then the native road."""
+    def kernel(*tensors, out, out_lse=None, output_scale=None, sink=None, group_scales=None, group_size=0,
+               scale_ue8m0=False, **kwargs):
+        opt = _options(op, kwargs, _NAMES.get(), out=out, output_scale=output_scale, sink=sink,
+                       group_scales=group_scales, group_size=group_size or None, scale_ue8m0=scale_ue8m0)
+        _native.run(op, tensors, out, out_lse, opt)
+    return kernel
 
 
-def _group_flags(scale_ue8m0):
-    return _C.GROUP_SCALE_UE8M0 if scale_ue8m0 else 0
+def _merge_inplace(o, lse, o_other, lse_other, mask=None, **kwargs):
+    _native.run(OPS["merge_inplace"], (o, lse, o_other, lse_other, mask), None, None,
+                _options(OPS["merge_inplace"], kwargs, _NAMES.get()))
 
 
-def _merge_out(o_a, lse_a, o_b, lse_b, *, out, out_lse=None, output_scale=None, sink=None, a_tokens=None,
-               group_scales=None, group_size=0, scale_ue8m0=False, base="e", out_base=None, pdl=False):
-    names = _NAMES.get()
-    _C.merge(out, out_lse, o_a, lse_a, o_b, lse_b, _flags(base, pdl, out_base, pair=True) | _group_flags(scale_ue8m0),
-             _merge.a_tokens_arg(a_tokens, _merge._named(names, "a_tokens")), output_scale, None, names, group_scales,
-             group_size, sink)
-
-
-def _merge_inplace(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
-    _C.merge_inplace(o, lse, o_other, lse_other, mask, _flags(base, pdl, pair=True), None, _NAMES.get())
-
-
-def _merge_inplace_functional(o, lse, o_other, lse_other, mask=None, *, base="e", pdl=False):
+def _merge_inplace_functional(o, lse, o_other, lse_other, mask=None, **kwargs):
     o, lse = o.clone(), lse.clone()  # the same strides as _RESULTS' empty_like
-    _merge_inplace(o, lse, o_other, lse_other, mask, base=base, pdl=pdl)
+    _merge_inplace(o, lse, o_other, lse_other, mask, **kwargs)
     return o, lse
-
-
-def _merge_states_out(o, lse, *, out, out_lse=None, output_scale=None, sink=None, states_axis=1, group_scales=None,
-                      group_size=0, scale_ue8m0=False, base="e", out_base=None, pdl=False):
-    _C.merge_states(out, out_lse, o, lse, _flags(base, pdl, out_base) | _group_flags(scale_ue8m0),
-                    _states_axis(states_axis) == 0, output_scale, sink, None, _NAMES.get(), group_scales, group_size)
-
-
-def _merge_varlen_out(o, lse, indptr, *, out, out_lse=None, output_scale=None, sink=None, group_scales=None,
-                      group_size=0, scale_ue8m0=False, base="e", out_base=None, pdl=False):
-    _C.merge_varlen(out, out_lse, o, lse, indptr, _flags(base, pdl, out_base) | _group_flags(scale_ue8m0),
-                    output_scale, sink, None, _NAMES.get(), group_scales, group_size)
-
-
-def _merge_share_out(o, lse, *, index, out, out_lse=None, output_scale=None, sink=None, states_axis=1,
-                     group_scales=None, group_size=0, scale_ue8m0=False, base="e", out_base=None, pdl=False):
-    names = _NAMES.get()
-    _C.merge_share(out, out_lse, o, lse, _merge.index_arg(index, names),
-                   _flags(base, pdl, out_base) | _group_flags(scale_ue8m0), _states_axis(states_axis) == 0,
-                   output_scale, sink, None, names, group_scales, group_size)
 
 
 def _merge_backward(grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b, *, needs, a_tokens=None, base="e"):
@@ -211,7 +218,7 @@ def _merge_states_backward(grad_out, grad_out_lse, out, out_lse, o, lse, *, need
     _merge.merge_states_backward(grad_out, grad_out_lse, out, out_lse, o, lse,
                                  grad_o=grads[0] if needs[0] else None, grad_lse=grads[1] if needs[1] else None,
                                  needs_grad=tuple(needs), base=2 if base == "2" else "e",
-                                 states_axis=_states_axis(states_axis))
+                                 states_axis=states_axis)
     return grads
 
 
@@ -240,18 +247,14 @@ def _functional(results, out_kernel, n_tensors, extras=("output_scale",)):
     return kernel
 
 
-_KERNELS = {
-    "merge": _functional(_RESULTS["merge"], _merge_out, 4, ("output_scale", "sink")), "merge.out": _merge_out,
-    "merge_inplace": _merge_inplace, "merge_inplace.functional": _merge_inplace_functional,
-    "merge_states": _functional(_RESULTS["merge_states"], _merge_states_out, 2, ("output_scale", "sink")),
-    "merge_states.out": _merge_states_out,
-    "merge_varlen": _functional(_RESULTS["merge_varlen"], _merge_varlen_out, 3, ("output_scale", "sink")),
-    "merge_varlen.out": _merge_varlen_out,
-    "merge_share": _functional(_RESULTS["merge_share"], _merge_share_out, 2, ("output_scale", "sink")),
-    "merge_share.out": _merge_share_out,
-    "merge_backward": _merge_backward, "merge_states_backward": _merge_states_backward,
-    "merge_varlen_backward": _merge_varlen_backward,
-}
+_KERNELS = {"merge_inplace": _merge_inplace, "merge_inplace.functional": _merge_inplace_functional,
+            "merge_backward": _merge_backward, "merge_states_backward": _merge_states_backward,
+            "merge_varlen_backward": _merge_varlen_backward}
+for _op in OPS.values():
+    if _op.name != "merge_inplace":
+        _KERNELS[f"{_op.name}.out"] = _out_kernel(_op)
+        _KERNELS[_op.name] = _functional(_RESULTS[_op.name], _KERNELS[f"{_op.name}.out"], len(_op.inputs),
+                                         ("output_scale", "sink"))
 
 
 # ---- autograd -------------------------------------------------------------------------------------
@@ -305,17 +308,12 @@ def _incoming_lse(grad_out_lse):
     return None if grad_out_lse is None else grad_out_lse.contiguous()
 
 
-def _text(base):
-    """A base ('e' or 2) as the schemas spell it."""
-    return "2" if base == 2 else "e"
-
-
 def _in_inputs_base(ctx, out_lse, grad_out_lse, pair=False):
     """(a's base, b's base, out_lse, its incoming gradient), the last two in a's base where out_base
     differs: the backward ops take one base, and a gradient through lse' = c lse is c dlse'."""
     a, b, out = _bases(ctx.options, pair)
     grad_out_lse = _incoming_lse(grad_out_lse)
-    c = _merge.base_change(a, out)
+    c = _call.base_change(a, out)
     if c != 1.0:
         out_lse = out_lse / c
         grad_out_lse = None if grad_out_lse is None else grad_out_lse * c
@@ -326,7 +324,7 @@ def _merge_grad(ctx, grad_out, grad_out_lse):
     o_a, lse_a, o_b, lse_b, out, out_lse, sink = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:4])
     a, b, out_lse, grad_out_lse = _in_inputs_base(ctx, out_lse, grad_out_lse, pair=True)
-    c_b = _merge.base_change(b, a)  # lse_b in a's base, as the forward merged it
+    c_b = _call.base_change(b, a)  # lse_b in a's base, as the forward merged it
     grads = list(torch.ops.attnmerge.merge_backward(_incoming(grad_out, out), grad_out_lse, out, out_lse, o_a, lse_a,
                                                     o_b, lse_b * c_b if c_b != 1.0 else lse_b, needs=needs,
                                                     a_tokens=ctx.options.get("a_tokens"), base=_text(a)))
@@ -342,7 +340,7 @@ def _sink_grad_of(ctx, sink_index, sink, out, out_lse, grad_out, grad_out_lse, b
     inputs' base)."""
     if sink is None or not ctx.needs_input_grad[sink_index]:
         return None
-    return _merge.sink_gradient(torch, sink.float(), out.float(), out_lse, _incoming(grad_out, out).float(),
+    return sink_gradient(torch, sink.float(), out.float(), out_lse, _incoming(grad_out, out).float(),
                                 grad_out_lse, base).to(sink.dtype)
 
 
@@ -369,14 +367,14 @@ def _merge_varlen_grad(ctx, grad_out, grad_out_lse):
 
 
 def _merge_share_grad(ctx, grad_out, grad_out_lse):
-    """merge_share's gradients in torch ops (_merge.share_gradient): elementwise work over the one
+    """merge_share's gradients in torch ops (_grad.share_gradient): elementwise work over the one
     O, dO and the LSEs, with no backward kernel of its own (a few passes where one would do)."""
     o, lse, out, out_lse, sink = ctx.saved_tensors
     base, _, out_lse, grad_out_lse = _in_inputs_base(ctx, out_lse, grad_out_lse)
     grad_o = grad_lse = None
     if any(ctx.needs_input_grad[:2]):
         f32 = torch.float32
-        grad_o, grad_lse = _merge.share_gradient(torch, o.to(f32), lse, ctx.options["index"], out_lse,
+        grad_o, grad_lse = share_gradient(torch, o.to(f32), lse, ctx.options["index"], out_lse,
                                                  _incoming(grad_out, out).to(f32), grad_out_lse, base,
                                                  ctx.options.get("states_axis", 1))
         grad_o = grad_o.to(o.dtype) if ctx.needs_input_grad[0] else None
@@ -468,9 +466,9 @@ def _flag_reader(name, gate):
 _autograd_records = _flag_reader("requires_grad", torch.is_grad_enabled)
 
 
-def _python_takes(a, b, c, d):
+def _python_takes(a, b, *rest):
     if (type(a) is _Tensor and type(b) is _Tensor and not _dynamo_compiling()) or not _compiling():
-        return _autograd_records(a, b, c, d)
+        return _autograd_records(a, b, *rest)
     return True
 
 
@@ -486,7 +484,7 @@ def _c_takes():
         check = _C.flag_reader(_Tensor, "requires_grad", torch.is_grad_enabled, _compiling)
 
         @substitute(check, skip_signature_check=True)
-        def _takes_while_tracing(a, b, c, d):
+        def _takes_while_tracing(*arrays):
             return True
     except (TypeError, ValueError, RuntimeError, AttributeError):
         return None
@@ -499,59 +497,15 @@ def _c_takes():
 # per-call case, first and cheapest; other arrays ask torch.compiler.is_compiling() (torch.export's
 # non-strict tracing passes FakeTensors, a subclass).  One C call where this torch allows it.
 takes = _c_takes() or _python_takes
+# Whether a torch.func transform is active (its wrapped tensors export no data: only the ops, with
+# their vmap rules and autograd, take them).
+transforming = torch._C._are_functorch_transforms_active
 
 
 def _no_stream(stream):
     if stream is not None:
         raise ValueError(f"stream: expected None when traced by torch.compile or torch.export (the op runs on "
                          f"torch's current stream; use torch.cuda.stream(...) to choose it), got {stream!r}")
-
-
-def _base(base, names=None, pair=False):
-    """The public functions' base as the schemas' str ("e", "2", a pair's "2,e"), checked."""
-    a, b, _ = _merge.lse_bases(base, pair=pair, names=names)
-    return _text(a) if a == b else f"{_text(a)},{_text(b)}"
-
-
-def _out_base(out_base, names=None):
-    return None if out_base is None else _text(_merge.lse_bases("e", out_base, names=names)[2])
-
-
-def _scale(output_scale, like):
-    """A number becomes the one-element float32 tensor the ops take."""
-    if output_scale is None or isinstance(output_scale, torch.Tensor):
-        return output_scale
-    return torch.full((1,), float(_merge.output_scale_arg(output_scale)), dtype=torch.float32, device=like.device)
-
-
-def _out_dtype(out_dtype):
-    if out_dtype is None or isinstance(out_dtype, torch.dtype):
-        return out_dtype
-    return getattr(torch, dtype_name(out_dtype, "out_dtype"))
-
-
-def _call(functional, out_variant, like, in_dtype_of, shape_of, arg_names, names, groups, out, out_lse, return_lse,
-          out_dtype, *args, **options):
-    """The functional overload when no output is given (the one autograd can attach to), else the
-    out= overload, any missing output allocated as the eager path allocates it; `names` (the
-    caller's, or None) reach the kernels.  `groups`: the public call's (group_size, group_scales,
-    scale_ue8m0), which take the out= overload (no gradient through FP8), the scales allocated as
-    the eager path allocates them and returned after out_lse."""
-    group_size, group_scales, scale_ue8m0 = groups if groups is not None else (None, None, False)
-    out_dtype, group, _ = _merge.groups_arg(group_size, scale_ue8m0, out, out_dtype, names)
-    with _names_for_kernels(names):
-        if out is None and out_lse is None and group_size is None and group_scales is None:
-            res, res_lse = functional(*args, out_dtype=_out_dtype(out_dtype), **options)
-            return res, (res_lse if return_lse else None)
-        shape = shape_of() if out is None or (out_lse is None and return_lse) else None
-        out, out_lse = _merge._outputs(like, in_dtype_of, shape, out, out_lse, return_lse, out_dtype, *arg_names,
-                                       names)
-        if group:
-            group_scales = _merge.group_scales_like(out, group_scales, group, names)
-        if group_scales is not None:  # given, or allocated for a group_size
-            options.update(group_scales=group_scales, group_size=group, scale_ue8m0=bool(scale_ue8m0))
-        out_variant(*args, out=out, out_lse=out_lse, **options)
-        return _merge._results(out, out_lse, group_scales, group_size)
 
 
 def _names_for_kernels(names):
@@ -573,45 +527,36 @@ class _Named:
         _NAMES.reset(self.token)
 
 
-def merge(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base, out_base, a_tokens,
-          stream, pdl, names=None, groups=None, sink=None):
-    _no_stream(stream)
-    return _call(torch.ops.attnmerge.merge.default, torch.ops.attnmerge.merge.out, o_b, o_a, lambda: tuple(o_b.shape),
-                 ("o_b", "o_a"), names, groups, out, out_lse, return_lse, out_dtype, o_a, lse_a, o_b, lse_b,
-                 output_scale=_scale(output_scale, o_b), sink=sink, a_tokens=a_tokens,
-                 base=_base(base, names, pair=True), out_base=_out_base(out_base, names), pdl=pdl)
+def _heads_first(inputs, out_lse, opt):
+    """A call whose LSEs are laid out [heads, tokens] (the vLLM layer's flag) as the ops take
+    them: [tokens, heads] views, through the strides."""
+    lse = (1, 3) if len(inputs) >= 4 else (1,)
+    inputs = tuple(x.T if i in lse else x for i, x in enumerate(inputs))
+    return inputs, None if out_lse is None else out_lse.T, opt._replace(flags=opt.flags & ~_C.LSE_HEADS_FIRST)
 
 
-def merge_inplace(o, lse, o_other, lse_other, mask, base, stream, pdl, names=None):
-    _no_stream(stream)
-    with _names_for_kernels(names):
-        torch.ops.attnmerge.merge_inplace.default(o, lse, o_other, lse_other, mask, base=_base(base, names, pair=True),
-                                                  pdl=pdl)
-    return o, lse
-
-
-def merge_states(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, out_base, states_axis, sink, stream,
-                 pdl, names=None, groups=None):
-    _no_stream(stream)
-    return _call(torch.ops.attnmerge.merge_states.default, torch.ops.attnmerge.merge_states.out, o, o,
-                 lambda: _merge.states_shape(o, states_axis, names), ("o", "o"), names, groups, out, out_lse,
-                 return_lse, out_dtype, o, lse, output_scale=_scale(output_scale, o), sink=sink,
-                 states_axis=states_axis, base=_base(base, names), out_base=_out_base(out_base, names), pdl=pdl)
-
-
-def merge_varlen(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, out_base, sink, stream, pdl,
-                 names=None, groups=None):
-    _no_stream(stream)
-    return _call(torch.ops.attnmerge.merge_varlen.default, torch.ops.attnmerge.merge_varlen.out, o, o,
-                 lambda: _merge.varlen_shape(o, indptr, names), ("o", "o"), names, groups, out, out_lse, return_lse,
-                 out_dtype, o, lse, indptr, output_scale=_scale(output_scale, o), sink=sink, base=_base(base, names),
-                 out_base=_out_base(out_base, names), pdl=pdl)
-
-
-def merge_share(o, lse, index, out, out_lse, return_lse, out_dtype, output_scale, base, out_base, states_axis, sink,
-                stream, pdl, names=None, groups=None):
-    _no_stream(stream)
-    return _call(torch.ops.attnmerge.merge_share.default, torch.ops.attnmerge.merge_share.out, o, o,
-                 lambda: _merge.share_shape(o, names), ("o", "o"), names, groups, out, out_lse, return_lse, out_dtype,
-                 o, lse, index=index, output_scale=_scale(output_scale, o), sink=sink, states_axis=states_axis,
-                 base=_base(base, names), out_base=_out_base(out_base, names), pdl=pdl)
+def run(op, inputs, out, out_lse, opt: Options):
+    """The torch road of a public call (attnmerge._roads): its functional overload when no output is
+    given (the one autograd attaches to), else the out= overload, any missing output allocated as
+    the native road allocates it; the caller's names reach the kernels."""
+    _no_stream(opt.stream)
+    if opt.flags & _C.LSE_HEADS_FIRST:
+        inputs, out_lse, opt = _heads_first(inputs, out_lse, opt)
+    kwargs = {name: value(opt) for name, _, value in _keywords(op)}
+    packet = getattr(torch.ops.attnmerge, op.name)
+    with _names_for_kernels(opt.names):
+        if op.name == "merge_inplace":
+            packet.default(*inputs, **kwargs)
+            return inputs[0], inputs[1]
+        like = inputs[op.like]
+        scale = opt.scale if opt.scale is not None or not opt.output_scale else torch.full(
+            (1,), opt.output_scale, dtype=torch.float32, device=like.device)
+        if out is None and out_lse is None and not opt.group_size and opt.group_scales is None:
+            out_dtype = None if opt.out_dtype is None else getattr(torch, opt.out_dtype)
+            res, res_lse = packet.default(*inputs, scale, opt.sink, out_dtype=out_dtype, **kwargs)
+            return res, (res_lse if opt.return_lse else None)
+        out, out_lse, opt = _native.allocate(op, inputs, out, out_lse, opt)
+        groups = {} if opt.group_scales is None else dict(group_scales=opt.group_scales, group_size=opt.group_size,
+                                                           scale_ue8m0=opt.scale_ue8m0)
+        packet.out(*inputs, out=out, out_lse=out_lse, output_scale=scale, sink=opt.sink, **groups, **kwargs)
+        return _native.results(out, out_lse, opt)

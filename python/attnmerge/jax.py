@@ -14,10 +14,10 @@ This is the one road of JAX arrays: ``attnmerge.merge``, ``merge_states``, ``mer
 these functions for a call whose results would be allocated like a JAX array, and attnmerge never
 writes a JAX array (they are immutable).
 
-Options (``base``, ``out_base``, ``out_dtype``, ``a_tokens``, ``states_axis``, merge_share's ``index``, a float
-``output_scale``, ``group_size``, ``scale_ue8m0``) are static:
-Python values, fixed when the function is traced, so a jitted function passes them itself (as
-above, or with ``functools.partial``), and needs no ``static_argnames``.  A traced option is refused
+Options (``base``, ``out_base``, ``out_dtype``, ``a_tokens``, ``states_axis``, merge_share's ``index``, a
+float ``output_scale``, ``group_size``, ``scale_ue8m0``) are static: Python values, fixed when the
+function is traced, so a jitted function passes them itself (as above, or with
+``functools.partial``), and needs no ``static_argnames``.  A traced option is refused
 with a TypeError.  ``output_scale`` may also be a float32 JAX array of one element (read on the
 device, traced like any input).
 
@@ -45,31 +45,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _XLA_HOW, _XLA_LIB
-from ._merge import (
-    base_change,
-    groups_arg,
-    index_arg,
-    lse_bases,
-    lse_flags,
-    output_scale_arg,
-    share_gradient,
-    sink_gradient,
-)
+from . import _C
+from ._build import XLA_HOW, XLA_LIB
+from ._call import OPS, Options, base_change, base_flags, index_of, options, states_axis_of
+from ._grad import share_gradient, sink_gradient
 from ._types import NO_GRADIENT_DTYPES, Base, PairBase
 
 __all__ = ["merge", "merge_states", "merge_varlen", "merge_share"]
 
-_OPS = ("merge", "merge_states", "merge_varlen", "merge_share", "merge_backward", "merge_states_backward",
-        "merge_varlen_backward")
+_FFI_OPS = ("merge", "merge_states", "merge_varlen", "merge_share", "merge_backward", "merge_states_backward",
+            "merge_varlen_backward")
+_MERGE, _STATES, _VARLEN, _SHARE = (OPS[name] for name in ("merge", "merge_states", "merge_varlen", "merge_share"))
+# The options the XLA handlers read as attributes (python/src/call_options.h), with their types.
+_SCALARS = _C.OPTION_FIELDS[:_C.OPTION_FIELDS.index("scale")]
+_ATTRIBUTE_TYPES = {name: np.float64 if name == "output_scale" else np.int64 for name in _SCALARS}
 
 
 def _register():
-    if not os.path.exists(_XLA_LIB):
-        raise ImportError(f"attnmerge.jax: this attnmerge was built without the JAX extension ({_XLA_LIB} "
-                          f"is missing); to get it, {_XLA_HOW}")
-    lib = ctypes.CDLL(_XLA_LIB)
-    for op in _OPS:
+    if not os.path.exists(XLA_LIB):
+        raise ImportError(f"attnmerge.jax: this attnmerge was built without the JAX extension ({XLA_LIB} "
+                          f"is missing); to get it, {XLA_HOW}")
+    lib = ctypes.CDLL(XLA_LIB)
+    for op in _FFI_OPS:
         for platform, suffix in (("CUDA", "cuda"), ("cpu", "host")):
             handler = getattr(lib, f"attnmerge_xla_{op}_{suffix}")
             jax.ffi.register_ffi_target(f"attnmerge_{op}", jax.ffi.pycapsule(handler), platform=platform)
@@ -87,6 +84,17 @@ def _static(name, value):
     return value
 
 
+def _options(op, output_scale=None, sink=None, **static):
+    """The call's Options (attnmerge._call.options, the one reading), its static options refused
+    when traced; output_scale may be an array (traced like any input), or a static number."""
+    if output_scale is not None and isinstance(output_scale, (int, float, np.number, jax.core.Tracer)) and \
+            not isinstance(output_scale, jax.Array):
+        output_scale = _static("output_scale", output_scale)
+    if isinstance(output_scale, np.number):
+        output_scale = float(output_scale)
+    return options(op, output_scale=output_scale, sink=sink, **{k: _static(k, v) for k, v in static.items()})
+
+
 def _shape(x):
     return list(jnp.shape(x))
 
@@ -101,209 +109,328 @@ def _expect_ndim(name, x, ndim, what):
         raise ValueError(f"{name}: expected {ndim} dimensions ({what}), got {jnp.ndim(x)} (shape {_shape(x)})")
 
 
-def _scale_is_array(output_scale):
-    """An output_scale given as an array (an operand, read on the device) rather than a number."""
-    return output_scale is not None and not isinstance(output_scale, (int, float, np.number))
+def _expect_sink(sink, heads):
+    if sink is not None:
+        _expect("sink", sink, (heads,), "heads of o")
 
 
-def _call(op, outs, operands, *, bases, output_scale, a_tokens=None, vectorized=True, sink=None, index=None,
-          groups=(0, 0)):
-    """The FFI call of `op` with the options as attributes (`bases`: _bases' key); the sink (an
-    array, or None: an operand that has_sink says is not read) and output_scale (a number or, for an
-    array, an operand) after the operands; merge_share's index an attribute of its own.
-    `outs`: (out, out_lse)'s shapes; `groups`: (group_size, its flags), where group_size > 0 adds
-    the group scales [rows, heads, head_size // group_size] to the results (every call has that
-    result: one of no elements, unwritten, without groups)."""
-    group, group_flags = groups
-    flags = lse_flags(bases[:2], bases[2], pair=True) | group_flags
-    scale_in_buffer = _scale_is_array(output_scale)
-    if scale_in_buffer:
-        scale = jnp.reshape(jnp.asarray(output_scale, dtype=jnp.float32), (1,))
-        number = 0.0
-    else:
-        scale = jnp.ones((1,), jnp.float32)  # unread
-        number = 0.0 if output_scale is None else float(output_scale_arg(output_scale))  # 0.0: the C ABI's none
-    a = -1 if a_tokens is None else int(_static("a_tokens", a_tokens))
+def _attributes(opt: Options):
+    """The call's attributes: the options the handlers read, by name (call_options.h)."""
+    return {name: _ATTRIBUTE_TYPES[name](getattr(opt, name)) for name in _SCALARS}
+
+
+def _key(opt: Options) -> Options:
+    """The static part of a call's options (its arrays and names dropped): a cache key of the
+    differentiable functions, hashable."""
+    return opt._replace(scale=None, sink=None, group_scales=None, names=None, stream=None)
+
+
+def _ffi(op, outs, operands, key: Options, *, sink=None, scale=None, vectorized=True):
+    """The FFI call of `op`: `operands`, then the sink (an array, or an unread one: has_sink) and
+    the output scale's array (or an unread one: scale_in_buffer), the options as attributes.
+    `outs`: (out, out_lse)'s shapes; with a group size the group scales [rows, heads, head_size //
+    group_size] are a third result (every call has that result: one of no elements, unwritten,
+    without groups)."""
+    group = key.group_size
     # One call over a flattened batch: every operand is broadcast to the batch (the handler folds
     # leading dimensions into tokens), which per-example a_tokens, indptr, scale or sink would break.
-    method = "broadcast_all" if vectorized and a < 0 and not scale_in_buffer and sink is None else "sequential"
+    method = "broadcast_all" if vectorized and key.a_tokens < 0 and scale is None and sink is None else "sequential"
     rows, heads, head_size = outs[0].shape
     scales = jax.ShapeDtypeStruct((rows, heads, head_size // group) if group else (0,), jnp.float32)
     call = jax.ffi.ffi_call(f"attnmerge_{op}", (*outs, scales), vmap_method=method)
-    unread = jnp.full((1,), -jnp.inf, jnp.float32)
-    indexed = {} if index is None else {"index": np.int64(index)}
-    results = call(*operands, unread if sink is None else sink, scale, flags=np.int64(flags), a_tokens=np.int64(a),
-                   output_scale=np.float32(number), scale_in_buffer=scale_in_buffer, group_size=np.int64(group),
-                   has_sink=sink is not None, **indexed)
+    unread_sink = jnp.full((1,), -jnp.inf, jnp.float32)
+    scale_buffer = jnp.ones((1,), jnp.float32) if scale is None else jnp.reshape(jnp.asarray(scale, jnp.float32), (1,))
+    results = call(*operands, unread_sink if sink is None else sink, scale_buffer, **_attributes(key),
+                   has_sink=sink is not None, scale_in_buffer=scale is not None)
     return tuple(results) if group else tuple(results[:2])
-
-
-def _out_dtype(out_dtype, like):
-    return like.dtype if _static("out_dtype", out_dtype) is None else jnp.dtype(out_dtype)
-
-
-def _groups(group_size, scale_ue8m0, out_dtype):
-    """(out_dtype, (group_size, flags)): a call's per-group FP8 options, static; out_dtype defaults
-    to float8_e4m3fn with a group_size, which is 0 without one."""
-    out_dtype, group, flags = groups_arg(_static("group_size", group_size), _static("scale_ue8m0", scale_ue8m0),
-                                         None, out_dtype)
-    return out_dtype, (group, flags)
 
 
 def _results(tokens, heads, head_size, dtype):
     return (jax.ShapeDtypeStruct((tokens, heads, head_size), dtype), jax.ShapeDtypeStruct((tokens, heads), jnp.float32))
 
 
+def _out_dtype(opt: Options, like):
+    return like.dtype if opt.out_dtype is None else jnp.dtype(opt.out_dtype)
+
+
+# ---- the ops ----------------------------------------------------------------------------------------
+
+
 def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *, base: PairBase = "e",
           out_base: Base | None = None, out_dtype: Any = None, a_tokens: int | None = None,
           output_scale: float | jax.Array | None = None, sink: jax.Array | None = None,
           group_size: int | None = None, scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
-    """Merge two attention states: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)).
+    """Merge two attention states: ``(out, out_lse) = merge((o_a, lse_a), (o_b, lse_b))``, as an XLA call.
 
-    o_a, o_b: [tokens, heads, head_size] float32, float16 or bfloat16 (one dtype).
-    lse_a, lse_b: float32 [tokens, heads], natural log (base="e") or base 2 (base=2), or each its
-        own (base=(a's, b's)); out_base: the merged LSE's base (None: lse_a's).
-    out_dtype: the dtype of out (default that of o_b): float32, float16, bfloat16 or float8_e4m3fn.
-    a_tokens: only the first a_tokens tokens merge a with b (o_a, lse_a then need only a_tokens
-        tokens); the others take b alone (vLLM's prefill_tokens_with_context).
-    output_scale: FP8 outputs store value / output_scale: a float or a float32 array of one element.
-    sink: None, or float32 [heads], as in merge_states (in lse_a's base; differentiable).
-    group_size, scale_ue8m0: per-group FP8 (static): each group of group_size consecutive elements
-        of a row gets scale = max(amax, 1e-10) / 448 (rounded up to a power of two with
-        scale_ue8m0) and out = value * (1 / scale) in float8_e4m3fn (out_dtype's default then);
-        attnmerge.merge says more.  Not with output_scale.
-    Returns (out [tokens, heads, head_size], out_lse float32 [tokens, heads], in base out_base),
-    and with group_size the group scales, float32 [tokens, heads, head_size // group_size].
+    The semantics and options of :func:`attnmerge.merge`, on JAX arrays, under ``jax.jit``,
+    ``jax.vmap`` and ``jax.grad``; the options other than the arrays are static.
+
+    Parameters
+    ----------
+    o_a, o_b : jax.Array
+        [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype); with a_tokens, o_a
+        needs only a_tokens tokens.
+    lse_a, lse_b : jax.Array
+        float32 [tokens, heads].
+    base, out_base, a_tokens, group_size, scale_ue8m0
+        As for :func:`attnmerge.merge`.
+    out_dtype : dtype, optional
+        The dtype of out (default o_b's): float32, float16, bfloat16 or float8_e4m3fn.
+    output_scale : float or jax.Array, optional
+        A static number, or a float32 array of one element (read on the device).
+    sink : jax.Array, optional
+        float32 [heads], in lse_a's base; differentiable.
+
+    Returns
+    -------
+    out, out_lse[, group_scales] : jax.Array
+        out [tokens, heads, head_size], out_lse float32 [tokens, heads] in base out_base, and with
+        group_size the group scales [tokens, heads, head_size // group_size].
+
+    Raises
+    ------
+    ValueError
+        A shape at odds with the others, when traced; a value libattnmerge refuses, when run.
+    TypeError
+        A traced static option.
+    NotImplementedError
+        A gradient through an FP8, scaled or per-group output.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, attnmerge.jax
+    >>> k = jax.random.split(jax.random.PRNGKey(0), 4)
+    >>> o_a, o_b = (jax.random.normal(x, (4, 3, 64)) for x in k[:2])
+    >>> lse_a, lse_b = (jax.random.normal(x, (4, 3)) for x in k[2:])
+    >>> out, out_lse = jax.jit(attnmerge.jax.merge)(o_a, lse_a, o_b, lse_b)
+    >>> bool(jnp.allclose(out_lse, jnp.logaddexp(lse_a, lse_b)))
+    True
     """
-    _expect_ndim("o_b", o_b, 3, "tokens, heads, head_size")
-    tokens, heads, head_size = _shape(o_b)
-    a = tokens if a_tokens is None else int(_static("a_tokens", a_tokens))
-    _expect("lse_b", lse_b, (tokens, heads), "tokens, heads of o_b")
-    _expect_ndim("o_a", o_a, 3, "tokens, heads, head_size")
-    if _shape(o_a)[0] < a or _shape(o_a)[1:] != [heads, head_size]:
-        raise ValueError(f"o_a: expected shape [{a} or more, {heads}, {head_size}] (tokens, heads, head_size of o_b), "
-                         f"got {_shape(o_a)}")
-    _expect("lse_a", lse_a, _shape(o_a)[:2], "tokens, heads of o_a")
-    _expect_sink(sink, heads)
-    out_dtype, groups = _groups(group_size, scale_ue8m0, out_dtype)
-    dtype = _out_dtype(out_dtype, o_b)
-    bases = _bases(base, out_base, pair=True)
-    return _merged("merge", (tokens, heads, head_size), dtype, (o_a, lse_a, o_b, lse_b), bases, output_scale, groups,
-                   lambda: _merge_fn(bases, dtype, a_tokens, sink is not None), sink=sink, a_tokens=a_tokens)
+    opt = _options(_MERGE, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
+                   a_tokens=a_tokens, group_size=group_size, scale_ue8m0=scale_ue8m0)
+    return run(_MERGE, (o_a, lse_a, o_b, lse_b), opt)
 
 
 def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_base: Base | None = None, out_dtype: Any = None,
                  output_scale: float | jax.Array | None = None, states_axis: int = 1,
                  sink: jax.Array | None = None, group_size: int | None = None,
                  scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
-    """Merge S states in one pass, each input read once.
+    """Merge S stacked states in one pass, as an XLA call.
 
-    o: [tokens, S, heads, head_size] float32, float16 or bfloat16; lse: float32 [tokens, S, heads]
-    (FlashInfer's layout); with states_axis=0, [S, tokens, heads, head_size] and [S, tokens, heads]
-    (an all-gather's).  Base, out_base, out_dtype, output_scale, group_size and scale_ue8m0 as in
-    merge.
-    sink: None, or float32 [heads]: attention sinks, each head's sink logit in the LSE's base, one
-    more state of output 0 in every row of its head (differentiable; attnmerge.merge_states says
-    more).
-    Returns (out [tokens, heads, head_size], out_lse float32 [tokens, heads]), and the group scales
-    with group_size; S = 0 gives O = 0 and LSE = -inf (the sink, with one).
+    The semantics and options of :func:`attnmerge.merge_states` on JAX arrays (static options).
+
+    Parameters
+    ----------
+    o : jax.Array
+        float32, float16 or bfloat16, with S at `states_axis`: [tokens, S, heads, head_size] (1),
+        [S, tokens, heads, head_size] (0: an all-gather's) or [tokens, heads, S, head_size] (2).
+    lse : jax.Array
+        float32, laid out as o without head_size.
+    states_axis : int, default 1
+        The axis of S: 0, 1 or 2 (or -4 to -2).
+    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0
+        As for :func:`merge`.
+
+    Returns
+    -------
+    out, out_lse[, group_scales] : jax.Array
+        As for :func:`merge`; S = 0 gives out = 0 and out_lse = -inf (the sink, with one).
+
+    Raises
+    ------
+    ValueError, TypeError, NotImplementedError
+        As for :func:`merge`.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, attnmerge.jax
+    >>> o = jax.random.normal(jax.random.PRNGKey(0), (4, 5, 3, 64))
+    >>> lse = jax.random.normal(jax.random.PRNGKey(1), (4, 5, 3))
+    >>> out, out_lse = attnmerge.jax.merge_states(o, lse)
+    >>> bool(jnp.allclose(out_lse, jax.nn.logsumexp(lse, axis=1), atol=1e-6))
+    True
     """
     axis = _static("states_axis", states_axis)
-    if axis not in (0, 1):
-        raise ValueError(f"states_axis: expected 0 or 1, got {axis!r}")
-    _expect_ndim("o", o, 4, "tokens, S, heads, head_size" if axis == 1 else "S, tokens, heads, head_size")
-    _expect("lse", lse, _shape(o)[:3], "the first three of o")
-    if axis == 0:  # XLA lays the transpose out for the call
-        o, lse = jnp.swapaxes(o, 0, 1), jnp.swapaxes(lse, 0, 1)
-    tokens, _, heads, head_size = _shape(o)
-    _expect_sink(sink, heads)
-    out_dtype, groups = _groups(group_size, scale_ue8m0, out_dtype)
-    dtype = _out_dtype(out_dtype, o)
-    bases = _bases(base, out_base)
-    return _merged("merge_states", (tokens, heads, head_size), dtype, (o, lse), bases, output_scale, groups,
-                   lambda: _merge_states_fn(bases, dtype, sink is not None), sink=sink)
+    opt = _options(_STATES, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
+                   states_axis=states_axis_of(axis, 4), group_size=group_size,
+                   scale_ue8m0=scale_ue8m0)
+    return run(_STATES, (o, lse), opt)
 
 
 def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base = "e", out_base: Base | None = None,
-                 out_dtype: Any = None,
-                 output_scale: float | jax.Array | None = None, sink: jax.Array | None = None,
+                 out_dtype: Any = None, output_scale: float | jax.Array | None = None, sink: jax.Array | None = None,
                  group_size: int | None = None, scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
-    """Row r merges states indptr[r] .. indptr[r + 1] - 1 of a flat list.
+    """Merge a variable number of states per row, as an XLA call: row r merges ``indptr[r] .. indptr[r+1]-1``.
 
-    o: [total, heads, head_size] float32, float16 or bfloat16; lse: float32 [total, heads];
-    indptr: int32 or int64 [rows + 1].  A row with no states gets O = 0, LSE = -inf (the sink, with
-    one); on the GPU bad bounds are clamped into [0, total] (attnmerge.merge_varlen says how).
-    Base, out_base, out_dtype, output_scale, group_size and scale_ue8m0 as in merge, sink as in
-    merge_states.
-    Returns (out [rows, heads, head_size], out_lse float32 [rows, heads]), and the group scales
-    [rows, heads, head_size // group_size] with group_size.
+    The semantics and options of :func:`attnmerge.merge_varlen` on JAX arrays (static options).
+
+    Parameters
+    ----------
+    o : jax.Array
+        [total, heads, head_size] float32, float16 or bfloat16.
+    lse : jax.Array
+        float32 [total, heads].
+    indptr : jax.Array
+        int32 or int64 [rows + 1].
+    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0
+        As for :func:`merge`.
+
+    Returns
+    -------
+    out, out_lse[, group_scales] : jax.Array
+        out [rows, heads, head_size], out_lse [rows, heads]; a row with no states gets out = 0 and
+        out_lse = -inf (the sink, with one).
+
+    Raises
+    ------
+    ValueError, TypeError, NotImplementedError
+        As for :func:`merge`.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, attnmerge.jax
+    >>> o = jax.random.normal(jax.random.PRNGKey(0), (6, 3, 64))
+    >>> lse = jax.random.normal(jax.random.PRNGKey(1), (6, 3))
+    >>> out, out_lse = attnmerge.jax.merge_varlen(o, lse, jnp.array([0, 1, 6], jnp.int32))
+    >>> bool(jnp.allclose(out_lse[1], jax.nn.logsumexp(lse[1:], axis=0), atol=1e-6))
+    True
     """
+    opt = _options(_VARLEN, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
+                   group_size=group_size, scale_ue8m0=scale_ue8m0)
+    return run(_VARLEN, (o, lse, indptr), opt)
+
+
+def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", out_base: Base | None = None,
+                out_dtype: Any = None, output_scale: float | jax.Array | None = None, states_axis: int = 1,
+                sink: jax.Array | None = None, group_size: int | None = None,
+                scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
+    """State `index`'s share of the merge of S states, as an XLA call (context parallelism's combine).
+
+    The semantics and options of :func:`attnmerge.merge_share` on JAX arrays (static options).
+
+    Parameters
+    ----------
+    o : jax.Array
+        State `index`'s O [tokens, heads, head_size], float32, float16 or bfloat16.
+    lse : jax.Array
+        Every state's LSE, float32, S at `states_axis`: [tokens, S, heads] (1), [S, tokens, heads]
+        (0) or [tokens, heads, S] (2).
+    index : int
+        0 <= index < S, static.
+    states_axis : int, default 1
+        The axis of S in lse: 0, 1 or 2 (or -3 to -1).
+    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0
+        As for :func:`merge_states` (each share quantized on its own).
+
+    Returns
+    -------
+    out, out_lse[, group_scales] : jax.Array
+        As for :func:`merge`.
+
+    Raises
+    ------
+    ValueError, TypeError, NotImplementedError
+        As for :func:`merge`; also an index out of range.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp, attnmerge.jax
+    >>> o = jax.random.normal(jax.random.PRNGKey(0), (4, 5, 3, 64))
+    >>> lse = jax.random.normal(jax.random.PRNGKey(1), (4, 5, 3))
+    >>> total = sum(attnmerge.jax.merge_share(o[:, i], lse, i)[0] for i in range(5))
+    >>> bool(jnp.allclose(total, attnmerge.jax.merge_states(o, lse)[0], atol=1e-5))
+    True
+    """
+    axis = _static("states_axis", states_axis)
+    opt = _options(_SHARE, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
+                   states_axis=states_axis_of(axis, 3),
+                   index=index_of(_static("index", index)), group_size=group_size, scale_ue8m0=scale_ue8m0)
+    return run(_SHARE, (o, lse), opt)
+
+
+def run(op, inputs, opt: Options):
+    """The call of `op` (attnmerge._call.OPS) on JAX arrays with its Options: attnmerge.jax's
+    functions, and the native functions' road for calls whose results would be JAX arrays."""
+    return _RUNS[op.name](inputs, opt)
+
+
+def _run_merge(inputs, opt):
+    o_a, lse_a, o_b, lse_b = inputs
+    _expect_ndim("o_b", o_b, 3, "tokens, heads, head_size")
+    tokens, heads, head_size = _shape(o_b)
+    a = tokens if opt.a_tokens < 0 else opt.a_tokens
+    _expect("lse_b", lse_b, (tokens, heads), "tokens, heads of o_b")
+    _expect_ndim("o_a", o_a, 3, "tokens, heads, head_size")
+    if _shape(o_a)[0] < a or _shape(o_a)[1:] != [heads, head_size]:
+        raise ValueError(f"o_a: expected shape [{a} or more, {heads}, {head_size}] (tokens, heads, head_size of o_b), "
+                         f"got {_shape(o_a)}")
+    _expect("lse_a", lse_a, _shape(o_a)[:2], "tokens, heads of o_a")
+    _expect_sink(opt.sink, heads)
+    dtype = _out_dtype(opt, o_b)
+    key = _key(opt)
+    return _merged("merge", (tokens, heads, head_size), dtype, inputs, opt,
+                   lambda: _merge_fn(key, dtype, opt.sink is not None))
+
+
+_AXES = {0: "S, tokens, heads", 1: "tokens, S, heads", 2: "tokens, heads, S"}
+
+
+def _run_states(inputs, opt):
+    o, lse = inputs
+    axis = opt.states_axis
+    _expect_ndim("o", o, 4, _AXES[axis] + ", head_size")
+    _expect("lse", lse, _shape(o)[:3], "the first three of o")
+    if axis != 1:  # XLA lays the states' axis out where the handler reads it
+        o, lse, opt = jnp.moveaxis(o, axis, 1), jnp.moveaxis(lse, axis, 1), opt._replace(states_axis=1)
+    tokens, _, heads, head_size = _shape(o)
+    _expect_sink(opt.sink, heads)
+    dtype = _out_dtype(opt, o)
+    key = _key(opt)
+    return _merged("merge_states", (tokens, heads, head_size), dtype, (o, lse), opt,
+                   lambda: _merge_states_fn(key, dtype, opt.sink is not None))
+
+
+def _run_varlen(inputs, opt):
+    o, lse, indptr = inputs
     _expect_ndim("o", o, 3, "total, heads, head_size")
     _expect("lse", lse, _shape(o)[:2], "total, heads of o")
     _expect_ndim("indptr", indptr, 1, "rows + 1")
     rows = _shape(indptr)[0] - 1
     if rows < 0:
         raise ValueError("indptr: expected rows + 1 >= 1 elements, got 0")
-    out_dtype, groups = _groups(group_size, scale_ue8m0, out_dtype)
-    dtype = _out_dtype(out_dtype, o)
     _, heads, head_size = _shape(o)
-    _expect_sink(sink, heads)
-    bases = _bases(base, out_base)
-    return _merged("merge_varlen", (rows, heads, head_size), dtype, (o, lse, indptr), bases, output_scale, groups,
-                   lambda: _merge_varlen_fn(bases, dtype, sink is not None), sink=sink, vectorized=False)
+    _expect_sink(opt.sink, heads)
+    dtype = _out_dtype(opt, o)
+    key = _key(opt)
+    return _merged("merge_varlen", (rows, heads, head_size), dtype, inputs, opt,
+                   lambda: _merge_varlen_fn(key, dtype, opt.sink is not None), vectorized=False)
 
 
-def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", out_base: Base | None = None,
-                out_dtype: Any = None,
-                output_scale: float | jax.Array | None = None, states_axis: int = 1,
-                sink: jax.Array | None = None, group_size: int | None = None,
-                scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
-    """The share of state `index` in the merge of S states: out = (w_index / W) * o and out_lse the
-    merged LSE, so that the states' shares summed are merge_states of them (context parallelism's
-    combine by reduce-scatter: attnmerge.merge_share says more).
-
-    o: state `index`'s O [tokens, heads, head_size] float32, float16 or bfloat16; lse: every
-    state's LSE, float32 [tokens, S, heads], or [S, tokens, heads] with states_axis=0 (an
-    all-gather's); index: a Python int, 0 <= index < S (static).  Base, out_base, out_dtype,
-    output_scale, sink, group_size and scale_ue8m0 as in merge_states (each share quantized on its
-    own).
-    Returns (out [tokens, heads, head_size], out_lse float32 [tokens, heads]), and the group scales
-    with group_size.
-    """
-    axis = _static("states_axis", states_axis)
-    if axis not in (0, 1):
-        raise ValueError(f"states_axis: expected 0 or 1, got {axis!r}")
-    index = index_arg(_static("index", index))
+def _run_share(inputs, opt):
+    o, lse = inputs
+    axis = opt.states_axis
     _expect_ndim("o", o, 3, "tokens, heads, head_size")
     tokens, heads, head_size = _shape(o)
-    _expect_ndim("lse", lse, 3, "tokens, S, heads" if axis == 1 else "S, tokens, heads")
+    _expect_ndim("lse", lse, 3, _AXES[axis])
     states = _shape(lse)[axis]
-    _expect("lse", lse, (tokens, states, heads) if axis == 1 else (states, tokens, heads),
-            "tokens and heads of o" if axis == 1 else "heads and tokens of o")
-    if axis == 0:  # XLA lays the transpose out for the call
-        lse = jnp.swapaxes(lse, 0, 1)
-    if not 0 <= index < states:
-        raise ValueError(f"index: expected 0 <= index < {states} (the states of lse), got {index}")
-    _expect_sink(sink, heads)
-    out_dtype, groups = _groups(group_size, scale_ue8m0, out_dtype)
-    dtype = _out_dtype(out_dtype, o)
-    bases = _bases(base, out_base)
-    return _merged("merge_share", (tokens, heads, head_size), dtype, (o, lse), bases, output_scale, groups,
-                   lambda: _merge_share_fn(bases, dtype, index, sink is not None), sink=sink, index=index)
+    want = [tokens, heads]
+    want.insert(axis, states)
+    _expect("lse", lse, want, "tokens and heads of o, S at states_axis")
+    if axis != 1:  # XLA lays the states' axis out where the handler reads it
+        lse, opt = jnp.moveaxis(lse, axis, 1), opt._replace(states_axis=1)
+    if not 0 <= opt.index < states:
+        raise ValueError(f"index: expected 0 <= index < {states} (the states of lse), got {opt.index}")
+    _expect_sink(opt.sink, heads)
+    dtype = _out_dtype(opt, o)
+    key = _key(opt)
+    return _merged("merge_share", (tokens, heads, head_size), dtype, (o, lse), opt,
+                   lambda: _merge_share_fn(key, dtype, opt.sink is not None))
 
 
-def _expect_sink(sink, heads):
-    if sink is not None:
-        _expect("sink", sink, (heads,), "heads of o")
+_RUNS = {"merge": _run_merge, "merge_states": _run_states, "merge_varlen": _run_varlen, "merge_share": _run_share}
 
 
 # ---- gradients ------------------------------------------------------------------------------------
-
-def _bases(base, out_base, pair=False):
-    """The bases of a call, (a's, b's, the merged LSE's), each "e" or 2: a cache key, checked (a
-    ValueError naming `base` or `out_base`)."""
-    return lse_bases(_static("base", base), _static("out_base", out_base), pair=pair)
-
 
 def _in_inputs_base(bases, out_lse, grad_out_lse):
     """out_lse and its cotangent in the inputs' base (a's) where the merged LSE's differs: the
@@ -312,23 +439,23 @@ def _in_inputs_base(bases, out_lse, grad_out_lse):
     return (out_lse, grad_out_lse) if c == 1.0 else (out_lse / c, grad_out_lse * c)
 
 
-def _merged(op, shape, dtype, operands, bases, output_scale, groups, differentiable, sink=None, **options):
+def _merged(op, shape, dtype, operands, opt: Options, differentiable, vectorized=True):
     """The merge `op` of `operands` (and the sink, where one is given: an argument after them)
     into (out of `shape` [rows, heads, head_size] and `dtype`, out_lse, and the group scales where
-    `groups` (_groups') has a group size): differentiable() (a custom_vjp over the backward) unless
-    the output is FP8, scaled or in groups; such a call runs under a custom_vjp whose backward
-    refuses by name (JAX would otherwise name only its ffi_call), with an array output_scale among
-    its arguments."""
-    sinks = () if sink is None else (sink,)
-    if output_scale is None and not groups[0] and dtype.name not in NO_GRADIENT_DTYPES:
+    the call has a group size): differentiable() (a custom_vjp over the backward) unless the output
+    is FP8, scaled or in groups; such a call runs under a custom_vjp whose backward refuses by name
+    (JAX would otherwise name only its ffi_call), with an array output_scale among its arguments."""
+    sinks = () if opt.sink is None else (opt.sink,)
+    if opt.scale is None and not opt.output_scale and not opt.group_size and dtype.name not in NO_GRADIENT_DTYPES:
         return differentiable()(*operands, *sinks)
     outs = _results(*shape, dtype)
     n, k = len(operands), len(operands) + len(sinks)
-    scale_array = _scale_is_array(output_scale)
+    key = _key(opt)
+    scale_array = opt.scale is not None
 
     def call(*x):
-        return _call(op, outs, x[:n], bases=bases, output_scale=x[k] if scale_array else output_scale,
-                     sink=x[n] if sinks else None, groups=groups, **options)
+        return _ffi(op, outs, x[:n], key, sink=x[n] if sinks else None, scale=x[k] if scale_array else None,
+                    vectorized=vectorized)
 
     f = jax.custom_vjp(call)
 
@@ -337,15 +464,14 @@ def _merged(op, shape, dtype, operands, bases, output_scale, groups, differentia
                                   f"group scales")
 
     f.defvjp(lambda *x: (call(*x), None), refuse)
-    return f(*operands, *sinks, *((output_scale,) if scale_array else ()))
+    return f(*operands, *sinks, *((opt.scale,) if scale_array else ()))
 
 
-def _backward(op, grads, operands, *, base, a_tokens=None, vectorized=True):
-    """The FFI call of `op`'s backward: `grads` the gradients' shapes and dtypes."""
-    a = -1 if a_tokens is None else int(a_tokens)
-    method = "broadcast_all" if vectorized and a < 0 else "sequential"
+def _backward(op, grads, operands, *, base, a_tokens=-1, vectorized=True):
+    """The FFI call of `op`'s backward: `grads` the gradients' shapes and dtypes; one base."""
+    method = "broadcast_all" if vectorized and a_tokens < 0 else "sequential"
     call = jax.ffi.ffi_call(f"attnmerge_{op}_backward", grads, vmap_method=method)
-    return call(*operands, base2=lse_flags(base) != 0, a_tokens=np.int64(a))
+    return call(*operands, **_attributes(Options(flags=base_flags((base, base, base)), a_tokens=a_tokens)))
 
 
 def _like(x):
@@ -370,22 +496,29 @@ def _with_vjp(forward, backward):
     return f
 
 
+def _sink_gradient(sink, out, out_lse, grad_out, grad_out_lse, base):
+    f32 = jnp.float32
+    return sink_gradient(jnp, sink.astype(f32), out.astype(f32), out_lse, grad_out.astype(f32), grad_out_lse,
+                         base).astype(sink.dtype)
+
+
 @functools.lru_cache(maxsize=None)
-def _merge_fn(bases, dtype, a_tokens, has_sink):
-    base, base_b, _ = bases
+def _merge_fn(key: Options, dtype, has_sink):
+    base, base_b, _ = key.bases
     c_b = base_change(base_b, base)  # lse_b into a's base, as the forward merges it
+    a_tokens = key.a_tokens
 
     def forward(o_a, lse_a, o_b, lse_b, *sink):
         tokens, heads, head_size = _shape(o_b)
-        return _call("merge", _results(tokens, heads, head_size, dtype), (o_a, lse_a, o_b, lse_b), bases=bases,
-                     output_scale=None, a_tokens=a_tokens, sink=sink[0] if has_sink else None)
+        return _ffi("merge", _results(tokens, heads, head_size, dtype), (o_a, lse_a, o_b, lse_b), key,
+                    sink=sink[0] if has_sink else None)
 
     def backward(inputs, out, out_lse, grad_out, grad_out_lse):
         o_a, lse_a, o_b, lse_b, *sink = inputs
-        out_lse, grad_out_lse = _in_inputs_base(bases, out_lse, grad_out_lse)
+        out_lse, grad_out_lse = _in_inputs_base(key.bases, out_lse, grad_out_lse)
         if c_b != 1.0:
             lse_b = lse_b * c_b
-        k = _shape(o_a)[0] if a_tokens is None else int(a_tokens)  # a's later tokens are never read
+        k = _shape(o_a)[0] if a_tokens < 0 else a_tokens  # a's later tokens are never read
         heads, head_size = _shape(o_b)[1:]
         grads = (jax.ShapeDtypeStruct((k, heads, head_size), o_a.dtype), jax.ShapeDtypeStruct((k, heads), jnp.float32),
                  _like(o_b), _like(lse_b))
@@ -404,24 +537,18 @@ def _merge_fn(bases, dtype, a_tokens, has_sink):
     return _with_vjp(forward, backward)
 
 
-def _sink_gradient(sink, out, out_lse, grad_out, grad_out_lse, base):
-    f32 = jnp.float32
-    return sink_gradient(jnp, sink.astype(f32), out.astype(f32), out_lse, grad_out.astype(f32), grad_out_lse,
-                         base).astype(sink.dtype)
-
-
 @functools.lru_cache(maxsize=None)
-def _merge_states_fn(bases, dtype, has_sink):
-    base = bases[0]
+def _merge_states_fn(key: Options, dtype, has_sink):
+    base = key.bases[0]
 
     def forward(o, lse, *sink):
         tokens, _, heads, head_size = _shape(o)
-        return _call("merge_states", _results(tokens, heads, head_size, dtype), (o, lse), bases=bases,
-                     output_scale=None, sink=sink[0] if has_sink else None)
+        return _ffi("merge_states", _results(tokens, heads, head_size, dtype), (o, lse), key,
+                    sink=sink[0] if has_sink else None)
 
     def backward(inputs, out, out_lse, grad_out, grad_out_lse):
         o, lse, *sink = inputs
-        out_lse, grad_out_lse = _in_inputs_base(bases, out_lse, grad_out_lse)
+        out_lse, grad_out_lse = _in_inputs_base(key.bases, out_lse, grad_out_lse)
         grads = _backward("merge_states", (_like(o), _like(lse)), (grad_out, grad_out_lse, out, out_lse, o, lse),
                           base=base)
         # The states' gradients follow from out and out_lse, which count the sink.
@@ -431,17 +558,17 @@ def _merge_states_fn(bases, dtype, has_sink):
 
 
 @functools.lru_cache(maxsize=None)
-def _merge_varlen_fn(bases, dtype, has_sink):
-    base = bases[0]
+def _merge_varlen_fn(key: Options, dtype, has_sink):
+    base = key.bases[0]
 
     def forward(o, lse, indptr, *sink):
         _, heads, head_size = _shape(o)
-        return _call("merge_varlen", _results(_shape(indptr)[0] - 1, heads, head_size, dtype), (o, lse, indptr),
-                     bases=bases, output_scale=None, vectorized=False, sink=sink[0] if has_sink else None)
+        return _ffi("merge_varlen", _results(_shape(indptr)[0] - 1, heads, head_size, dtype), (o, lse, indptr), key,
+                    sink=sink[0] if has_sink else None, vectorized=False)
 
     def backward(inputs, out, out_lse, grad_out, grad_out_lse):
         o, lse, indptr, *sink = inputs
-        out_lse, grad_out_lse = _in_inputs_base(bases, out_lse, grad_out_lse)
+        out_lse, grad_out_lse = _in_inputs_base(key.bases, out_lse, grad_out_lse)
         g_o, g_l = _backward("merge_varlen", (_like(o), _like(lse)),
                              (grad_out, grad_out_lse, out, out_lse, o, lse, indptr), base=base, vectorized=False)
         return (g_o, g_l, None,  # indptr: integers, no gradient
@@ -451,16 +578,15 @@ def _merge_varlen_fn(bases, dtype, has_sink):
 
 
 @functools.lru_cache(maxsize=None)
-def _merge_share_fn(bases, dtype, index, has_sink):
-    base = bases[0]
+def _merge_share_fn(key: Options, dtype, has_sink):
+    base, index = key.bases[0], key.index
 
     def forward(o, lse, *sink):
-        return _call("merge_share", _results(*_shape(o), dtype), (o, lse), bases=bases, output_scale=None,
-                     sink=sink[0] if has_sink else None, index=index)
+        return _ffi("merge_share", _results(*_shape(o), dtype), (o, lse), key, sink=sink[0] if has_sink else None)
 
     def backward(inputs, out, out_lse, grad_out, grad_out_lse):
         o, lse, *sink = inputs
-        out_lse, grad_out_lse = _in_inputs_base(bases, out_lse, grad_out_lse)
+        out_lse, grad_out_lse = _in_inputs_base(key.bases, out_lse, grad_out_lse)
         f32 = jnp.float32
         g_o, g_l = share_gradient(jnp, o.astype(f32), lse, index, out_lse, grad_out.astype(f32), grad_out_lse, base, 1)
         return (g_o.astype(o.dtype), g_l,

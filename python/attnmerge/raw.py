@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal, Tuple
 
 from . import _C
-from ._merge import a_tokens_arg, lse_flags
+from ._call import OPS, options
 from ._types import Base, PairBase
 
 # (ptr, dtype name, stride_token, stride_head) and (ptr, stride_0, stride_1), strides in elements.
@@ -32,13 +32,12 @@ def merge(*, tokens: int, heads: int, head_size: int, out: ODesc, o_a: ODesc, ls
         another device, or device memory handed to the CPU path); False trusts `device` and skips
         one query per pointer (~0.1 us each), for callers that know where their buffers are.
     """
-    flags = lse_flags(base, out_base, pair=True) | (_C.LSE_HEADS_FIRST if lse_heads_first else 0) | (
-        _C.PDL if pdl else 0)
+    opt = options(OPS["merge"], base=base, out_base=out_base, a_tokens=a_tokens, pdl=pdl,
+                  flags=_C.LSE_HEADS_FIRST if lse_heads_first else 0)
     if device == "cpu":
         dev = -1
     elif isinstance(device, int) and not isinstance(device, bool) and device >= 0:
         dev = device
     else:
         raise ValueError(f"device: expected 'cpu' or a CUDA device ordinal >= 0, got {device!r}")
-    _C.merge_raw(tokens, heads, head_size, out, out_lse, o_a, lse_a, o_b, lse_b, flags, a_tokens_arg(a_tokens), dev,
-                 stream, not check_pointers)
+    _C.merge_raw(tokens, heads, head_size, out, out_lse, o_a, lse_a, o_b, lse_b, opt, dev, stream, not check_pointers)

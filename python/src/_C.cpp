@@ -4,9 +4,12 @@
 #include <dlfcn.h>
 #include <pybind11/pybind11.h>
 
+#include <utility>
 #include <string>
+#include <type_traits>
 
 #include "array_view.h"
+#include "call_options.h"
 #include "flag_reader.h"
 #include "attnmerge/attnmerge.h"
 
@@ -15,6 +18,11 @@ namespace py = pybind11;
 namespace {
 
 using attnmerge_py::ArgName;
+using attnmerge_py::CallOptions;
+using attnmerge_py::kOptionCount;
+using attnmerge_py::kOptionFields;
+using attnmerge_py::options_of;
+using attnmerge_py::Param;
 using attnmerge_py::ArrayView;
 using attnmerge_py::CallArrays;
 using attnmerge_py::CallerNames;
@@ -52,146 +60,180 @@ const char* const kF32 = dtype_names(ATTNMERGE_ROLE_LSE);
 const char* const kMaskDtypes = dtype_names(ATTNMERGE_ROLE_MASK);
 const char* const kIndexDtypes = dtype_names(ATTNMERGE_ROLE_INDPTR);
 
-// output_scale: None, a number, or a one-element float32 array on the op's device (read by the
-// kernel, so no host synchronization).  `holder` keeps the array's view alive.
-void set_output_scale(attnmerge_options& options, py::handle scale, ArrayView& holder, void* stream,
-                      const ArgName& name) {
-  if (scale.is_none()) return;
-  if (PyFloat_Check(scale.ptr()) || PyLong_Check(scale.ptr())) {
-    // A scale, as given: the Python layer (attnmerge._merge.output_scale_arg) refuses 0, the C ABI's
-    // "no scale", which Python spells None; the C ABI checks the rest.
-    options.output_scale = scale.cast<float>();
-    return;
+// ---- a call's options record (attnmerge._call.Options: call_options.h's fields, then the caller's
+// names and the stream) ---------------------------------------------------------------------------
+
+constexpr int kNamesField = kOptionCount, kStreamField = kOptionCount + 1;
+
+// The record's fields the binding reads: its scalars, its arrays (None: not given), the names and
+// the stream.  The Python layer built it (normalised once, attnmerge._call), so a wrong type here
+// is the package's own bug, still reported by name rather than trusted.
+struct Record {
+  CallOptions c;
+  py::handle scale, sink, group_scales, names, stream;
+
+  explicit Record(py::handle record) {
+    if (!PyTuple_Check(record.ptr()) || PyTuple_GET_SIZE(record.ptr()) < kStreamField + 1)
+      type_error("options", "expected an attnmerge._call.Options record, got " + type_name(record));
+    const auto at = [&](int i) { return py::handle(PyTuple_GET_ITEM(record.ptr(), i)); };
+    int i = 0;
+#define ATTNMERGE_READ(type, name) c.name = read<type>(at(i++), #name);
+    ATTNMERGE_CALL_OPTIONS(ATTNMERGE_READ)
+#undef ATTNMERGE_READ
+#define ATTNMERGE_READ(name) name = at(i++);
+    ATTNMERGE_CALL_ARRAYS(ATTNMERGE_READ)
+#undef ATTNMERGE_READ
+    names = at(kNamesField);
+    stream = at(kStreamField);
   }
-  holder.read(scale, stream, name, kF32);
+
+ private:
+  template <typename T>
+  static T read(py::handle v, const char* field) {
+    if constexpr (std::is_floating_point<T>::value) {
+      const double x = PyFloat_AsDouble(v.ptr());
+      if (x == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        type_error(field, "expected a number, got " + type_name(v));
+      }
+      return x;
+    } else {
+      if (!PyLong_Check(v.ptr())) type_error(field, "expected an int, got " + type_name(v));
+      const long long x = PyLong_AsLongLong(v.ptr());
+      if (x == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        value_error(field, "expected an int within 64 bits, got " + std::string(py::repr(v)));
+      }
+      return static_cast<T>(x);
+    }
+  }
+};
+
+// The output scale given as an array: a one-element float32 array on the op's device, read by the
+// kernel (no host synchronization).
+const float* scale_pointer(const attnmerge_tensor* scale, const ArgName& name) {
+  if (scale == nullptr) return nullptr;
   int64_t n = 1;
-  for (int i = 0; i < holder.t.ndim; ++i) n *= holder.t.shape[i];
-  if (holder.t.dtype != ATTNMERGE_FLOAT32) type_error(name, "expected a float32 array, got another dtype");
+  for (int i = 0; i < scale->ndim; ++i) n *= scale->shape[i];
+  if (scale->dtype != ATTNMERGE_FLOAT32) type_error(name, "expected a float32 array, got another dtype");
   if (n != 1)
     value_error(name, "expected a number or a one-element float32 array, got " + std::to_string(n) + " elements");
-  options.output_scale_ptr = static_cast<const float*>(holder.t.data);
+  return static_cast<const float*>(scale->data);
 }
 
-// The per-group FP8 scales (None: none) and group size as options.group_scales and group_size: the
-// layout that has them (a group_size without scales goes too, for the C ABI to refuse).
-void set_group_scales(attnmerge_options& options, const attnmerge_tensor* scales, int32_t group_size) {
-  if (scales == nullptr && group_size == 0) return;
-  options.struct_size = sizeof(attnmerge_options);
-  options.group_scales = scales;
-  options.group_size = group_size;
+// The states' axis of an N-way merge's o and lse (and their gradients) at `axis` of the caller's
+// arrays, read where the C ABI takes it (axis 1: [tokens, S, ...]) through the strides: an
+// all-gather's [S, tokens, ...] (axis 0), a [tokens, heads, S, ...] exchange (axis 2), no copy.
+void states_at(ArrayView& v, int64_t axis) {
+  if (axis != 1) v.move_axis(static_cast<int>(axis), 1);
 }
 
-// The sink (None: none) as options.sink: the layout that has it.
-void set_sink(attnmerge_options& options, const attnmerge_tensor* sink) {
-  if (sink == nullptr) return;
-  options.struct_size = sizeof(attnmerge_options);
-  options.sink = sink;
-}
+// One forward call: the op's own arrays (`N`, as the C ABI takes them), then the record's arrays
+// (output scale, sinks, group scales), read for the call's stream; `like` (the array outputs are
+// allocated like, which says what stream=None means) and `outputs` (the first arrays, read last) as
+// CallArrays takes them.  options() is the C ABI's attnmerge_options of the call, names passed down.
+template <int N>
+class Forward {
+ public:
+  static constexpr int kArrays = N + 3;
+  Forward(const Record& r, const CallerNames& n, const Param (&own)[N], int like, int outputs)
+      : r_(r), c(read(r, n, own, like, outputs, std::make_index_sequence<N>{})) {}
 
-// ---- the ops: arguments as the C ABI takes them, then flags, options, the stream (None: that of
-// the framework of the array outputs are allocated like, `like`) and the caller's names ----------
+  attnmerge_options options(const CallerNames& n) const {
+    attnmerge_options opt = options_of(r_.c, c.t[N + 1], c.t[N + 2], scale_pointer(c.t[N], n("output_scale")));
+    n.pass_to(opt);
+    return opt;
+  }
+
+ private:
+  const Record& r_;
+
+  template <std::size_t... I>
+  static CallArrays<kArrays> read(const Record& r, const CallerNames& n, const Param (&own)[N], int like, int outputs,
+                                  std::index_sequence<I...>) {
+    const Param params[kArrays] = {own[I]...,
+                                   {r.scale, n("output_scale"), kF32},
+                                   {r.sink, n("sink"), kF32},
+                                   {r.group_scales, n("group_scales"), kF32}};
+    return CallArrays<kArrays>(params, r.stream, like, outputs);
+  }
+
+ public:
+  CallArrays<kArrays> c;
+};
+
+// ---- the ops: their arrays as the C ABI takes them, then the call's options record -------------
 
 void merge(py::handle out, py::handle out_lse, py::handle o_a, py::handle lse_a, py::handle o_b, py::handle lse_b,
-           uint32_t flags, int64_t a_tokens, py::handle output_scale, py::handle stream, py::handle names_table,
-           py::handle group_scales, int32_t group_size, py::handle sink) {
-  const CallerNames n(names_table);
-  CallArrays<8> c({{out, n("out"), kOut},
-                   {out_lse, n("out_lse"), kF32},
-                   {o_a, n("o_a"), kO},
-                   {lse_a, n("lse_a"), kF32},
-                   {o_b, n("o_b"), kO},
-                   {lse_b, n("lse_b"), kF32},
-                   {group_scales, n("group_scales"), kF32},
-                   {sink, n("sink"), kF32}},
-                  stream, 4, 2);
-  attnmerge_options options = {flags | (a_tokens >= 0 ? ATTNMERGE_A_TOKENS : 0u), a_tokens, 0.0f, nullptr};
-  ArrayView scale;
-  set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
-  set_sink(options, c.t[7]);
-  set_group_scales(options, c.t[6], group_size);
-  n.pass_to(options);
-  call_library([&] { return attnmerge_merge(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], &options, c.stream()); });
+           py::handle record) {
+  const Record r(record);
+  const CallerNames n(r.names);
+  Forward<6> f(r, n,
+               {{out, n("out"), kOut},
+                {out_lse, n("out_lse"), kF32},
+                {o_a, n("o_a"), kO},
+                {lse_a, n("lse_a"), kF32},
+                {o_b, n("o_b"), kO},
+                {lse_b, n("lse_b"), kF32}},
+               4, 2);
+  const attnmerge_options opt = f.options(n);
+  const auto& t = f.c.t;
+  call_library([&] { return attnmerge_merge(t[0], t[1], t[2], t[3], t[4], t[5], &opt, f.c.stream()); });
 }
 
 void merge_inplace(py::handle o, py::handle lse, py::handle o_other, py::handle lse_other, py::handle mask,
-                   uint32_t flags, py::handle stream, py::handle names_table) {
-  const CallerNames n(names_table);
-  CallArrays<5> c({{o, n("o"), kO},
-                   {lse, n("lse"), kF32},
-                   {o_other, n("o_other"), kO},
-                   {lse_other, n("lse_other"), kF32},
-                   {mask, n("mask"), kMaskDtypes}},
-                  stream, 0);
-  attnmerge_options options = {flags, 0, 0.0f, nullptr};
-  n.pass_to(options);
-  call_library([&] { return attnmerge_merge_inplace(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream()); });
+                   py::handle record) {
+  const Record r(record);
+  const CallerNames n(r.names);
+  Forward<5> f(r, n,
+               {{o, n("o"), kO},
+                {lse, n("lse"), kF32},
+                {o_other, n("o_other"), kO},
+                {lse_other, n("lse_other"), kF32},
+                {mask, n("mask"), kMaskDtypes}},
+               0, 0);
+  const attnmerge_options opt = f.options(n);
+  const auto& t = f.c.t;
+  call_library([&] { return attnmerge_merge_inplace(t[0], t[1], t[2], t[3], t[4], &opt, f.c.stream()); });
 }
 
-void merge_states(py::handle out, py::handle out_lse, py::handle o, py::handle lse, uint32_t flags, bool states_first,
-                  py::handle output_scale, py::handle sink, py::handle stream, py::handle names_table,
-                  py::handle group_scales, int32_t group_size) {
-  const CallerNames n(names_table);
-  CallArrays<6> c({{out, n("out"), kOut},
-                   {out_lse, n("out_lse"), kF32},
-                   {o, n("o"), kO},
-                   {lse, n("lse"), kF32},
-                   {sink, n("sink"), kF32},
-                   {group_scales, n("group_scales"), kF32}},
-                  stream, 2, 2);
-  if (states_first) {  // an all-gather's [S, tokens, ...], read through its strides
-    c.views[2].swap_leading_axes();
-    c.views[3].swap_leading_axes();
-  }
-  attnmerge_options options = {flags, 0, 0.0f, nullptr};
-  ArrayView scale;
-  set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
-  set_sink(options, c.t[4]);
-  set_group_scales(options, c.t[5], group_size);
-  n.pass_to(options);
-  call_library([&] { return attnmerge_merge_states(c.t[0], c.t[1], c.t[2], c.t[3], &options, c.stream()); });
+void merge_states(py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle record) {
+  const Record r(record);
+  const CallerNames n(r.names);
+  Forward<4> f(r, n, {{out, n("out"), kOut}, {out_lse, n("out_lse"), kF32}, {o, n("o"), kO}, {lse, n("lse"), kF32}},
+               2, 2);
+  for (int i : {2, 3}) states_at(f.c.views[i], r.c.states_axis);
+  const attnmerge_options opt = f.options(n);
+  const auto& t = f.c.t;
+  call_library([&] { return attnmerge_merge_states(t[0], t[1], t[2], t[3], &opt, f.c.stream()); });
 }
 
-void merge_varlen(py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle indptr, uint32_t flags,
-                  py::handle output_scale, py::handle sink, py::handle stream, py::handle names_table,
-                  py::handle group_scales, int32_t group_size) {
-  const CallerNames n(names_table);
-  CallArrays<7> c({{out, n("out"), kOut},
-                   {out_lse, n("out_lse"), kF32},
-                   {o, n("o"), kO},
-                   {lse, n("lse"), kF32},
-                   {indptr, n("indptr"), kIndexDtypes},
-                   {sink, n("sink"), kF32},
-                   {group_scales, n("group_scales"), kF32}},
-                  stream, 2, 2);
-  attnmerge_options options = {flags, 0, 0.0f, nullptr};
-  ArrayView scale;
-  set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
-  set_sink(options, c.t[5]);
-  set_group_scales(options, c.t[6], group_size);
-  n.pass_to(options);
-  call_library([&] { return attnmerge_merge_varlen(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], &options, c.stream()); });
+void merge_varlen(py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle indptr,
+                  py::handle record) {
+  const Record r(record);
+  const CallerNames n(r.names);
+  Forward<5> f(r, n,
+               {{out, n("out"), kOut},
+                {out_lse, n("out_lse"), kF32},
+                {o, n("o"), kO},
+                {lse, n("lse"), kF32},
+                {indptr, n("indptr"), kIndexDtypes}},
+               2, 2);
+  const attnmerge_options opt = f.options(n);
+  const auto& t = f.c.t;
+  call_library([&] { return attnmerge_merge_varlen(t[0], t[1], t[2], t[3], t[4], &opt, f.c.stream()); });
 }
 
-void merge_share(py::handle out, py::handle out_lse, py::handle o, py::handle lse, int64_t index, uint32_t flags,
-                 bool states_first, py::handle output_scale, py::handle sink, py::handle stream,
-                 py::handle names_table, py::handle group_scales, int32_t group_size) {
-  const CallerNames n(names_table);
-  CallArrays<6> c({{out, n("out"), kOut},
-                   {out_lse, n("out_lse"), kF32},
-                   {o, n("o"), kO},
-                   {lse, n("lse"), kF32},
-                   {sink, n("sink"), kF32},
-                   {group_scales, n("group_scales"), kF32}},
-                  stream, 2, 2);
-  if (states_first) c.views[3].swap_leading_axes();  // an all-gather's [S, tokens, heads], read through its strides
-  attnmerge_options options = {flags, 0, 0.0f, nullptr};
-  ArrayView scale;
-  set_output_scale(options, output_scale, scale, c.stream(), n("output_scale"));
-  set_sink(options, c.t[4]);
-  set_group_scales(options, c.t[5], group_size);
-  n.pass_to(options);
-  call_library(
-      [&] { return attnmerge_merge_share(c.t[0], c.t[1], c.t[2], c.t[3], index, &options, c.stream()); });
+void merge_share(py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle record) {
+  const Record r(record);
+  const CallerNames n(r.names);
+  Forward<4> f(r, n, {{out, n("out"), kOut}, {out_lse, n("out_lse"), kF32}, {o, n("o"), kO}, {lse, n("lse"), kF32}},
+               2, 2);
+  states_at(f.c.views[3], r.c.states_axis);
+  const attnmerge_options opt = f.options(n);
+  const auto& t = f.c.t;
+  const int64_t index = r.c.index;
+  call_library([&] { return attnmerge_merge_share(t[0], t[1], t[2], t[3], index, &opt, f.c.stream()); });
 }
 
 // A field of a raw descriptor that must be a Python int (pybind11's own cast error names no argument).
@@ -212,11 +254,12 @@ void* raw_pointer(py::handle v, const char* name) {
 }
 
 // The backward of the three merges: the gradients first (None: not computed), then the incoming
-// gradients, the forward's outputs and its inputs, as the C ABI takes them.
+// gradients, the forward's outputs and its inputs, as the C ABI takes them, then the record (its
+// flags, a_tokens and states_axis).
 void merge_backward(py::handle grad_o_a, py::handle grad_lse_a, py::handle grad_o_b, py::handle grad_lse_b,
                     py::handle grad_out, py::handle grad_out_lse, py::handle out, py::handle out_lse, py::handle o_a,
-                    py::handle lse_a, py::handle o_b, py::handle lse_b, uint32_t flags, int64_t a_tokens,
-                    py::handle stream) {
+                    py::handle lse_a, py::handle o_b, py::handle lse_b, py::handle record) {
+  const Record r(record);
   CallArrays<12> c({{grad_o_a, "grad_o_a", kO},
                     {grad_lse_a, "grad_lse_a", kF32},
                     {grad_o_b, "grad_o_b", kO},
@@ -229,8 +272,8 @@ void merge_backward(py::handle grad_o_a, py::handle grad_lse_a, py::handle grad_
                     {lse_a, "lse_a", kF32},
                     {o_b, "o_b", kO},
                     {lse_b, "lse_b", kF32}},
-                   stream, 10);
-  const attnmerge_options options = {flags | (a_tokens >= 0 ? ATTNMERGE_A_TOKENS : 0u), a_tokens, 0.0f, nullptr};
+                   r.stream, 10);
+  const attnmerge_options options = options_of(r.c);
   call_library([&] {
     return attnmerge_merge_backward(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], c.t[6], c.t[7], c.t[8], c.t[9],
                                     c.t[10], c.t[11], &options, c.stream());
@@ -238,8 +281,8 @@ void merge_backward(py::handle grad_o_a, py::handle grad_lse_a, py::handle grad_
 }
 
 void merge_states_backward(py::handle grad_o, py::handle grad_lse, py::handle grad_out, py::handle grad_out_lse,
-                           py::handle out, py::handle out_lse, py::handle o, py::handle lse, uint32_t flags,
-                           bool states_first, py::handle stream) {
+                           py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle record) {
+  const Record r(record);
   CallArrays<8> c({{grad_o, "grad_o", kO},
                    {grad_lse, "grad_lse", kF32},
                    {grad_out, "grad_out", kO},
@@ -248,10 +291,9 @@ void merge_states_backward(py::handle grad_o, py::handle grad_lse, py::handle gr
                    {out_lse, "out_lse", kF32},
                    {o, "o", kO},
                    {lse, "lse", kF32}},
-                  stream, 6);
-  if (states_first)  // [S, tokens, ...] read through its strides, gradients likewise
-    for (int i : {0, 1, 6, 7}) c.views[i].swap_leading_axes();
-  const attnmerge_options options = {flags, 0, 0.0f, nullptr};
+                  r.stream, 6);
+  for (int i : {0, 1, 6, 7}) states_at(c.views[i], r.c.states_axis);  // the gradients laid out as o and lse
+  const attnmerge_options options = options_of(r.c);
   call_library([&] {
     return attnmerge_merge_states_backward(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], c.t[6], c.t[7], &options,
                                            c.stream());
@@ -260,7 +302,8 @@ void merge_states_backward(py::handle grad_o, py::handle grad_lse, py::handle gr
 
 void merge_varlen_backward(py::handle grad_o, py::handle grad_lse, py::handle grad_out, py::handle grad_out_lse,
                            py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle indptr,
-                           uint32_t flags, py::handle stream) {
+                           py::handle record) {
+  const Record r(record);
   CallArrays<9> c({{grad_o, "grad_o", kO},
                    {grad_lse, "grad_lse", kF32},
                    {grad_out, "grad_out", kO},
@@ -270,8 +313,8 @@ void merge_varlen_backward(py::handle grad_o, py::handle grad_lse, py::handle gr
                    {o, "o", kO},
                    {lse, "lse", kF32},
                    {indptr, "indptr", kIndexDtypes}},
-                  stream, 6);
-  const attnmerge_options options = {flags, 0, 0.0f, nullptr};
+                  r.stream, 6);
+  const attnmerge_options options = options_of(r.c);
   call_library([&] {
     return attnmerge_merge_varlen_backward(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], c.t[6], c.t[7], c.t[8],
                                            &options, c.stream());
@@ -304,13 +347,15 @@ void raw_tensor(attnmerge_tensor& dst, py::handle desc, bool is_o, int64_t d0, i
 }
 
 void merge_raw(int64_t tokens, int64_t heads, int64_t head_size, py::handle out, py::handle out_lse, py::handle o_a,
-               py::handle lse_a, py::handle o_b, py::handle lse_b, uint32_t flags, int64_t a_tokens, int device,
-               uintptr_t stream, bool device_known) {
+               py::handle lse_a, py::handle o_b, py::handle lse_b, py::handle record, int device, uintptr_t stream,
+               bool device_known) {
+  const Record r(record);
+  const int64_t a_tokens = r.c.a_tokens;
   const int64_t sizes[3] = {tokens, heads, head_size};
   const char* size_names[3] = {"tokens", "heads", "head_size"};
   for (int i = 0; i < 3; ++i)  // no shape can be built from a negative size
     if (sizes[i] < 0) value_error(size_names[i], "expected a size >= 0, got " + std::to_string(sizes[i]));
-  const bool heads_first = flags & ATTNMERGE_LSE_HEADS_FIRST;
+  const bool heads_first = r.c.flags & ATTNMERGE_LSE_HEADS_FIRST;
   const int64_t a_rows = a_tokens < 0 ? tokens : std::min(a_tokens, tokens);
   attnmerge_tensor args[6] = {};
   raw_tensor(args[0], out, true, tokens, heads, head_size, device, device_known, "out");
@@ -323,7 +368,7 @@ void merge_raw(int64_t tokens, int64_t heads, int64_t head_size, py::handle out,
   raw_tensor(args[4], o_b, true, tokens, heads, head_size, device, device_known, "o_b");
   raw_tensor(args[5], lse_b, false, heads_first ? heads : tokens, heads_first ? tokens : heads, 0, device, device_known,
              "lse_b");
-  const attnmerge_options options = {flags | (a_tokens >= 0 ? ATTNMERGE_A_TOKENS : 0u), a_tokens, 0.0f, nullptr};
+  const attnmerge_options options = options_of(r.c);
   const attnmerge_tensor* lse_out = out_lse.is_none() ? nullptr : &args[1];
   call_library([&] {
     return attnmerge_merge(&args[0], lse_out, &args[2], &args[3], &args[4], &args[5], &options,
@@ -341,35 +386,36 @@ std::string library_path() {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "attnmerge's binding of libattnmerge (internal; use the attnmerge package)";
+  // Each op: its arrays as the C ABI takes them, then the call's options record (attnmerge._call.Options).
   m.def("merge", &merge, py::arg("out"), py::arg("out_lse"), py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"),
-        py::arg("lse_b"), py::arg("flags"), py::arg("a_tokens"), py::arg("output_scale"), py::arg("stream"),
-        py::arg("names") = py::none(), py::arg("group_scales") = py::none(), py::arg("group_size") = 0,
-        py::arg("sink") = py::none());
+        py::arg("lse_b"), py::arg("options"));
   m.def("merge_inplace", &merge_inplace, py::arg("o"), py::arg("lse"), py::arg("o_other"), py::arg("lse_other"),
-        py::arg("mask"), py::arg("flags"), py::arg("stream"), py::arg("names") = py::none());
+        py::arg("mask"), py::arg("options"));
   m.def("merge_states", &merge_states, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
-        py::arg("flags"), py::arg("states_first"), py::arg("output_scale"), py::arg("sink"), py::arg("stream"),
-        py::arg("names") = py::none(), py::arg("group_scales") = py::none(), py::arg("group_size") = 0);
+        py::arg("options"));
   m.def("merge_varlen", &merge_varlen, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
-        py::arg("indptr"), py::arg("flags"), py::arg("output_scale"), py::arg("sink"), py::arg("stream"),
-        py::arg("names") = py::none(), py::arg("group_scales") = py::none(), py::arg("group_size") = 0);
+        py::arg("indptr"), py::arg("options"));
   m.def("merge_share", &merge_share, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
-        py::arg("index"), py::arg("flags"), py::arg("states_first"), py::arg("output_scale"), py::arg("sink"),
-        py::arg("stream"), py::arg("names") = py::none(), py::arg("group_scales") = py::none(),
-        py::arg("group_size") = 0);
+        py::arg("options"));
   m.def("merge_backward", &merge_backward, py::arg("grad_o_a"), py::arg("grad_lse_a"), py::arg("grad_o_b"),
         py::arg("grad_lse_b"), py::arg("grad_out"), py::arg("grad_out_lse"), py::arg("out"), py::arg("out_lse"),
-        py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"), py::arg("lse_b"), py::arg("flags"), py::arg("a_tokens"),
-        py::arg("stream"));
+        py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"), py::arg("lse_b"), py::arg("options"));
   m.def("merge_states_backward", &merge_states_backward, py::arg("grad_o"), py::arg("grad_lse"), py::arg("grad_out"),
-        py::arg("grad_out_lse"), py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"), py::arg("flags"),
-        py::arg("states_first"), py::arg("stream"));
+        py::arg("grad_out_lse"), py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
+        py::arg("options"));
   m.def("merge_varlen_backward", &merge_varlen_backward, py::arg("grad_o"), py::arg("grad_lse"), py::arg("grad_out"),
         py::arg("grad_out_lse"), py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"), py::arg("indptr"),
-        py::arg("flags"), py::arg("stream"));
+        py::arg("options"));
   m.def("merge_raw", &merge_raw, py::arg("tokens"), py::arg("heads"), py::arg("head_size"), py::arg("out"),
-        py::arg("out_lse"), py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"), py::arg("lse_b"), py::arg("flags"),
-        py::arg("a_tokens"), py::arg("device"), py::arg("stream"), py::arg("device_known"));
+        py::arg("out_lse"), py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"), py::arg("lse_b"), py::arg("options"),
+        py::arg("device"), py::arg("stream"), py::arg("device_known"));
+  // The options record's fields this module reads, in order (call_options.h): attnmerge._call
+  // builds its record with exactly these first.
+  py::tuple fields(kOptionCount + 2);
+  for (int i = 0; i < kOptionCount; ++i) fields[i] = kOptionFields[i];
+  fields[kNamesField] = "names";
+  fields[kStreamField] = "stream";
+  m.attr("OPTION_FIELDS") = fields;
   m.def(
       "stream_synchronize",
       [](int device, uintptr_t stream) {

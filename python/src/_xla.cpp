@@ -8,9 +8,12 @@
 #include <utility>
 
 #include "attnmerge/attnmerge.h"
+#include "call_options.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using attnmerge_py::CallOptions;
+using attnmerge_py::options_of;
 
 namespace {
 
@@ -29,28 +32,21 @@ int32_t dtype_of(ffi::DataType t) {
 // beyond them are folded into the first (tokens), so that a batch of calls under jax.vmap is one
 // call over the flattened batch.
 attnmerge_tensor tensor(const ffi::AnyBuffer& b, int32_t device, int rank) {
-  attnmerge_tensor t = {};
   const auto dims = b.dimensions();
-  t.data = b.untyped_data();
-  t.dtype = dtype_of(b.element_type());
-  t.device = device;
-  t.flags = ATTNMERGE_DEVICE_KNOWN;  // XLA's own buffers on XLA's device
   const int ndim = static_cast<int>(dims.size());
-  if (ndim < rank || rank > ATTNMERGE_MAX_NDIM) {
-    t.ndim = ndim;  // refused by the C ABI as the wrong ndim
+  if (ndim < rank || rank > ATTNMERGE_MAX_NDIM) {  // refused by the C ABI as the wrong ndim
+    attnmerge_tensor t = {};
+    t.data = b.untyped_data();
+    t.dtype = dtype_of(b.element_type());
+    t.device = device;
+    t.ndim = ndim;
     return t;
   }
-  t.ndim = rank;
-  int64_t stride = 1;
-  for (int i = rank - 1; i >= 1; --i) {
-    t.shape[i] = dims[ndim - rank + i];
-    t.strides[i] = stride;
-    stride *= t.shape[i];
-  }
-  int64_t first = 1;
-  for (int i = 0; i <= ndim - rank; ++i) first *= dims[i];
-  t.shape[0] = first;
-  t.strides[0] = stride;
+  int64_t shape[ATTNMERGE_MAX_NDIM] = {1};
+  for (int i = 0; i <= ndim - rank; ++i) shape[0] *= dims[i];
+  for (int i = 1; i < rank; ++i) shape[i] = dims[ndim - rank + i];
+  attnmerge_tensor t = attnmerge_contiguous_tensor(b.untyped_data(), dtype_of(b.element_type()), device, rank, shape);
+  t.flags = ATTNMERGE_DEVICE_KNOWN;  // XLA's own buffers on XLA's device
   return t;
 }
 
@@ -72,91 +68,102 @@ ffi::Error result(attnmerge_status status) {
                                                                              : ffi::Error::InvalidArgument(message);
 }
 
-// The options every call takes: the flags (attnmerge.h's ATTNMERGE_LSE_BASE2 and, for a forward,
-// the mixed bases' and ATTNMERGE_GROUP_SCALE_UE8M0: the library checks them) and a_tokens (< 0:
-// none).
-attnmerge_options base_options(int64_t flags, int64_t a_tokens) {
-  attnmerge_options opt = {};
-  opt.flags = static_cast<uint32_t>(flags);
-  if (a_tokens >= 0) {
-    opt.flags |= ATTNMERGE_A_TOKENS;
-    opt.a_tokens = a_tokens;
+// A call's attributes: the options record's fields by their names (call_options.h; attnmerge.jax
+// passes every one), and, for a forward, whether its sink and output-scale buffers are read
+// (has_sink, scale_in_buffer: XLA hands every operand over, given or not).
+struct Attributes {
+  CallOptions c;
+  bool has_sink = false, scale_in_buffer = false;
+};
+
+ffi::ErrorOr<Attributes> read(const ffi::Dictionary& attrs, bool forward) {
+  Attributes a;
+#define ATTNMERGE_READ(type, name) \
+  if (auto v = attrs.get<type>(#name); v.has_value()) { \
+    a.c.name = *v; \
+  } else { \
+    return ffi::Unexpected(v.error()); \
   }
-  return opt;
+  ATTNMERGE_CALL_OPTIONS(ATTNMERGE_READ)
+#undef ATTNMERGE_READ
+  if (forward) {
+    for (auto [name, field] : {std::pair{"has_sink", &a.has_sink}, std::pair{"scale_in_buffer", &a.scale_in_buffer}}) {
+      auto v = attrs.get<bool>(name);
+      if (!v.has_value()) return ffi::Unexpected(v.error());
+      *field = *v;
+    }
+  }
+  return a;
 }
 
-// A forward's: those, the output scale as a number (0: none) or, with scale_in_buffer, the float32
-// of the `scale` buffer (on the op's device), and the per-group scales where group_size > 0 (else
-// that result, of no elements, is not written).
-attnmerge_options options(int64_t flags, int64_t a_tokens, float output_scale, bool scale_in_buffer,
-                          const ffi::AnyBuffer& scale, const attnmerge_tensor& group_scales, int64_t group_size) {
-  attnmerge_options opt = base_options(flags, a_tokens);
-  opt.output_scale = output_scale;
-  if (scale_in_buffer) opt.output_scale_ptr = static_cast<const float*>(scale.untyped_data());
-  if (group_size > 0) {
-    opt.struct_size = sizeof(attnmerge_options);
-    opt.group_scales = &group_scales;
-    // Past int32: a value no power of two, which the C ABI refuses by name.
-    opt.group_size = static_cast<int32_t>(std::min<int64_t>(group_size, INT32_MAX));
-  }
-  return opt;
+// A forward's C ABI options: the attributes', the sink [heads] where has_sink, the output scale's
+// buffer (one float32 on the op's device) where scale_in_buffer, and the group scales where
+// group_size > 0 (else that result, of no elements, is not written).
+attnmerge_options forward_options(const Attributes& a, const attnmerge_tensor& sink, const ffi::AnyBuffer& scale,
+                                  const attnmerge_tensor& group_scales) {
+  return options_of(a.c, a.has_sink ? &sink : nullptr, a.c.group_size > 0 ? &group_scales : nullptr,
+                    a.scale_in_buffer ? static_cast<const float*>(scale.untyped_data()) : nullptr);
 }
 
-// The sink [heads] as options.sink, where has_sink (else the `sink` buffer is not read).
-void set_sink(attnmerge_options& opt, const attnmerge_tensor& sink, bool has_sink) {
-  if (!has_sink) return;
-  opt.struct_size = sizeof(attnmerge_options);
-  opt.sink = &sink;
+// A handler's body, given its attributes read: a bad or missing attribute is attnmerge.jax's own
+// error, returned as XLA's.
+template <typename F>
+ffi::Error with(const ffi::Dictionary& attrs, bool forward, F&& f) {
+  auto a = read(attrs, forward);
+  if (!a.has_value()) return a.error();
+  return f(*a);
 }
 
 ffi::Error merge(void* stream, int32_t device, ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a, ffi::AnyBuffer o_b,
                  ffi::AnyBuffer lse_b, ffi::AnyBuffer sink, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
-                 ffi::Result<ffi::AnyBuffer> out_lse, ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags,
-                 int64_t a_tokens, float output_scale, bool scale_in_buffer, int64_t group_size, bool has_sink) {
-  const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
-  const attnmerge_tensor t_oa = tensor(o_a, device, 3), t_la = tensor(lse_a, device, 2);
-  const attnmerge_tensor t_ob = tensor(o_b, device, 3), t_lb = tensor(lse_b, device, 2);
-  const attnmerge_tensor t_gs = tensor(*group_scales, device, 3), t_sink = tensor(sink, device, 1);
-  attnmerge_options opt = options(flags, a_tokens, output_scale, scale_in_buffer, scale, t_gs, group_size);
-  set_sink(opt, t_sink, has_sink);
-  return result(attnmerge_merge(&t_out, &t_out_lse, &t_oa, &t_la, &t_ob, &t_lb, &opt, stream));
+                 ffi::Result<ffi::AnyBuffer> out_lse, ffi::Result<ffi::AnyBuffer> group_scales,
+                 ffi::Dictionary attrs) {
+  return with(attrs, true, [&](const Attributes& a) {
+    const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
+    const attnmerge_tensor t_oa = tensor(o_a, device, 3), t_la = tensor(lse_a, device, 2);
+    const attnmerge_tensor t_ob = tensor(o_b, device, 3), t_lb = tensor(lse_b, device, 2);
+    const attnmerge_tensor t_gs = tensor(*group_scales, device, 3), t_sink = tensor(sink, device, 1);
+    const attnmerge_options opt = forward_options(a, t_sink, scale, t_gs);
+    return result(attnmerge_merge(&t_out, &t_out_lse, &t_oa, &t_la, &t_ob, &t_lb, &opt, stream));
+  });
 }
 
 ffi::Error merge_states(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink,
                         ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
-                        ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags, int64_t a_tokens, float output_scale,
-                        bool scale_in_buffer, int64_t group_size, bool has_sink) {
-  const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
-  const attnmerge_tensor t_o = tensor(o, device, 4), t_l = tensor(lse, device, 3), t_sink = tensor(sink, device, 1);
-  const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
-  attnmerge_options opt = options(flags, a_tokens, output_scale, scale_in_buffer, scale, t_gs, group_size);
-  set_sink(opt, t_sink, has_sink);
-  return result(attnmerge_merge_states(&t_out, &t_out_lse, &t_o, &t_l, &opt, stream));
+                        ffi::Result<ffi::AnyBuffer> group_scales, ffi::Dictionary attrs) {
+  return with(attrs, true, [&](const Attributes& a) {
+    const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
+    const attnmerge_tensor t_o = tensor(o, device, 4), t_l = tensor(lse, device, 3), t_sink = tensor(sink, device, 1);
+    const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
+    const attnmerge_options opt = forward_options(a, t_sink, scale, t_gs);
+    return result(attnmerge_merge_states(&t_out, &t_out_lse, &t_o, &t_l, &opt, stream));
+  });
 }
 
 ffi::Error merge_varlen(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer indptr,
                         ffi::AnyBuffer sink, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::AnyBuffer> out_lse, ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags,
-                        int64_t a_tokens, float output_scale, bool scale_in_buffer, int64_t group_size, bool has_sink) {
-  const attnmerge_tensor t_indptr = index_tensor(indptr, device);
-  const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
-  const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 2), t_sink = tensor(sink, device, 1);
-  const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
-  attnmerge_options opt = options(flags, a_tokens, output_scale, scale_in_buffer, scale, t_gs, group_size);
-  set_sink(opt, t_sink, has_sink);
-  return result(attnmerge_merge_varlen(&t_out, &t_out_lse, &t_o, &t_l, &t_indptr, &opt, stream));
+                        ffi::Result<ffi::AnyBuffer> out_lse, ffi::Result<ffi::AnyBuffer> group_scales,
+                        ffi::Dictionary attrs) {
+  return with(attrs, true, [&](const Attributes& a) {
+    const attnmerge_tensor t_indptr = index_tensor(indptr, device);
+    const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
+    const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 2), t_sink = tensor(sink, device, 1);
+    const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
+    const attnmerge_options opt = forward_options(a, t_sink, scale, t_gs);
+    return result(attnmerge_merge_varlen(&t_out, &t_out_lse, &t_o, &t_l, &t_indptr, &opt, stream));
+  });
 }
 
 ffi::Error merge_share(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink,
                        ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
-                       ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags, int64_t a_tokens, float output_scale,
-                       bool scale_in_buffer, int64_t group_size, bool has_sink, int64_t index) {
-  const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
-  const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 3), t_sink = tensor(sink, device, 1);
-  const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
-  attnmerge_options opt = options(flags, a_tokens, output_scale, scale_in_buffer, scale, t_gs, group_size);
-  set_sink(opt, t_sink, has_sink);
-  return result(attnmerge_merge_share(&t_out, &t_out_lse, &t_o, &t_l, index, &opt, stream));
+                       ffi::Result<ffi::AnyBuffer> group_scales, ffi::Dictionary attrs) {
+  return with(attrs, true, [&](const Attributes& a) {
+    const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
+    const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 3), t_sink = tensor(sink, device, 1);
+    const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
+    const attnmerge_options opt = forward_options(a, t_sink, scale, t_gs);
+    return result(attnmerge_merge_share(&t_out, &t_out_lse, &t_o, &t_l, a.c.index, &opt, stream));
+  });
 }
 
 // The backward of each merge (attnmerge.jax's custom_vjp): the incoming gradients, the forward's
@@ -166,169 +173,91 @@ ffi::Error merge_backward(void* stream, int32_t device, ffi::AnyBuffer grad_out,
                           ffi::AnyBuffer out, ffi::AnyBuffer out_lse, ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a,
                           ffi::AnyBuffer o_b, ffi::AnyBuffer lse_b, ffi::Result<ffi::AnyBuffer> grad_o_a,
                           ffi::Result<ffi::AnyBuffer> grad_lse_a, ffi::Result<ffi::AnyBuffer> grad_o_b,
-                          ffi::Result<ffi::AnyBuffer> grad_lse_b, bool base2, int64_t a_tokens) {
-  const attnmerge_tensor t_goa = tensor(*grad_o_a, device, 3), t_gla = tensor(*grad_lse_a, device, 2);
-  const attnmerge_tensor t_gob = tensor(*grad_o_b, device, 3), t_glb = tensor(*grad_lse_b, device, 2);
-  const attnmerge_tensor t_go = tensor(grad_out, device, 3), t_gl = tensor(grad_out_lse, device, 2);
-  const attnmerge_tensor t_out = tensor(out, device, 3), t_out_lse = tensor(out_lse, device, 2);
-  const attnmerge_tensor t_oa = tensor(o_a, device, 3), t_la = tensor(lse_a, device, 2);
-  const attnmerge_tensor t_ob = tensor(o_b, device, 3), t_lb = tensor(lse_b, device, 2);
-  const attnmerge_options opt = base_options(base2 ? ATTNMERGE_LSE_BASE2 : 0, a_tokens);
-  return result(attnmerge_merge_backward(&t_goa, &t_gla, &t_gob, &t_glb, &t_go, &t_gl, &t_out, &t_out_lse, &t_oa,
-                                         &t_la, &t_ob, &t_lb, &opt, stream));
+                          ffi::Result<ffi::AnyBuffer> grad_lse_b, ffi::Dictionary attrs) {
+  return with(attrs, false, [&](const Attributes& a) {
+    const attnmerge_tensor t_goa = tensor(*grad_o_a, device, 3), t_gla = tensor(*grad_lse_a, device, 2);
+    const attnmerge_tensor t_gob = tensor(*grad_o_b, device, 3), t_glb = tensor(*grad_lse_b, device, 2);
+    const attnmerge_tensor t_go = tensor(grad_out, device, 3), t_gl = tensor(grad_out_lse, device, 2);
+    const attnmerge_tensor t_out = tensor(out, device, 3), t_out_lse = tensor(out_lse, device, 2);
+    const attnmerge_tensor t_oa = tensor(o_a, device, 3), t_la = tensor(lse_a, device, 2);
+    const attnmerge_tensor t_ob = tensor(o_b, device, 3), t_lb = tensor(lse_b, device, 2);
+    const attnmerge_options opt = options_of(a.c);
+    return result(attnmerge_merge_backward(&t_goa, &t_gla, &t_gob, &t_glb, &t_go, &t_gl, &t_out, &t_out_lse, &t_oa,
+                                           &t_la, &t_ob, &t_lb, &opt, stream));
+  });
 }
 
 ffi::Error merge_states_backward(void* stream, int32_t device, ffi::AnyBuffer grad_out, ffi::AnyBuffer grad_out_lse,
                                  ffi::AnyBuffer out, ffi::AnyBuffer out_lse, ffi::AnyBuffer o, ffi::AnyBuffer lse,
-                                 ffi::Result<ffi::AnyBuffer> grad_o, ffi::Result<ffi::AnyBuffer> grad_lse, bool base2,
-                                 int64_t a_tokens) {
-  const attnmerge_tensor t_gr = tensor(*grad_o, device, 4), t_grl = tensor(*grad_lse, device, 3);
-  const attnmerge_tensor t_go = tensor(grad_out, device, 3), t_gl = tensor(grad_out_lse, device, 2);
-  const attnmerge_tensor t_out = tensor(out, device, 3), t_out_lse = tensor(out_lse, device, 2);
-  const attnmerge_tensor t_o = tensor(o, device, 4), t_l = tensor(lse, device, 3);
-  const attnmerge_options opt = base_options(base2 ? ATTNMERGE_LSE_BASE2 : 0, a_tokens);
-  return result(attnmerge_merge_states_backward(&t_gr, &t_grl, &t_go, &t_gl, &t_out, &t_out_lse, &t_o, &t_l, &opt,
-                                                stream));
+                                 ffi::Result<ffi::AnyBuffer> grad_o, ffi::Result<ffi::AnyBuffer> grad_lse,
+                                 ffi::Dictionary attrs) {
+  return with(attrs, false, [&](const Attributes& a) {
+    const attnmerge_tensor t_gr = tensor(*grad_o, device, 4), t_grl = tensor(*grad_lse, device, 3);
+    const attnmerge_tensor t_go = tensor(grad_out, device, 3), t_gl = tensor(grad_out_lse, device, 2);
+    const attnmerge_tensor t_out = tensor(out, device, 3), t_out_lse = tensor(out_lse, device, 2);
+    const attnmerge_tensor t_o = tensor(o, device, 4), t_l = tensor(lse, device, 3);
+    const attnmerge_options opt = options_of(a.c);
+    return result(attnmerge_merge_states_backward(&t_gr, &t_grl, &t_go, &t_gl, &t_out, &t_out_lse, &t_o, &t_l, &opt,
+                                                  stream));
+  });
 }
 
 ffi::Error merge_varlen_backward(void* stream, int32_t device, ffi::AnyBuffer grad_out, ffi::AnyBuffer grad_out_lse,
                                  ffi::AnyBuffer out, ffi::AnyBuffer out_lse, ffi::AnyBuffer o, ffi::AnyBuffer lse,
                                  ffi::AnyBuffer indptr, ffi::Result<ffi::AnyBuffer> grad_o,
-                                 ffi::Result<ffi::AnyBuffer> grad_lse, bool base2, int64_t a_tokens) {
-  const attnmerge_tensor t_gr = tensor(*grad_o, device, 3), t_grl = tensor(*grad_lse, device, 2);
-  const attnmerge_tensor t_go = tensor(grad_out, device, 3), t_gl = tensor(grad_out_lse, device, 2);
-  const attnmerge_tensor t_out = tensor(out, device, 3), t_out_lse = tensor(out_lse, device, 2);
-  const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 2);
-  const attnmerge_tensor t_indptr = index_tensor(indptr, device);
-  const attnmerge_options opt = base_options(base2 ? ATTNMERGE_LSE_BASE2 : 0, a_tokens);
-  return result(attnmerge_merge_varlen_backward(&t_gr, &t_grl, &t_go, &t_gl, &t_out, &t_out_lse, &t_o, &t_l,
-                                                &t_indptr, &opt, stream));
+                                 ffi::Result<ffi::AnyBuffer> grad_lse, ffi::Dictionary attrs) {
+  return with(attrs, false, [&](const Attributes& a) {
+    const attnmerge_tensor t_gr = tensor(*grad_o, device, 3), t_grl = tensor(*grad_lse, device, 2);
+    const attnmerge_tensor t_go = tensor(grad_out, device, 3), t_gl = tensor(grad_out_lse, device, 2);
+    const attnmerge_tensor t_out = tensor(out, device, 3), t_out_lse = tensor(out_lse, device, 2);
+    const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 2);
+    const attnmerge_tensor t_indptr = index_tensor(indptr, device);
+    const attnmerge_options opt = options_of(a.c);
+    return result(attnmerge_merge_varlen_backward(&t_gr, &t_grl, &t_go, &t_gl, &t_out, &t_out_lse, &t_o, &t_l,
+                                                  &t_indptr, &opt, stream));
+  });
 }
 
-// The host handlers: the same, on the CPU (no stream, device ATTNMERGE_HOST).
-ffi::Error merge_host(ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a, ffi::AnyBuffer o_b, ffi::AnyBuffer lse_b,
-                      ffi::AnyBuffer sink, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
-                      ffi::Result<ffi::AnyBuffer> out_lse, ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags,
-                      int64_t a_tokens, float output_scale, bool scale_in_buffer, int64_t group_size, bool has_sink) {
-  return merge(nullptr, ATTNMERGE_HOST, o_a, lse_a, o_b, lse_b, sink, scale, out, out_lse, group_scales, flags,
-               a_tokens, output_scale, scale_in_buffer, group_size, has_sink);
-}
+// The host handlers: the same, on the CPU (no stream, device ATTNMERGE_HOST): each handler above
+// with those two arguments bound.
+template <auto Handler>
+struct OnHost;
+template <typename... Args, ffi::Error (*Handler)(void*, int32_t, Args...)>
+struct OnHost<Handler> {
+  static ffi::Error call(Args... args) { return Handler(nullptr, ATTNMERGE_HOST, std::move(args)...); }
+};
 
-ffi::Error merge_states_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink, ffi::AnyBuffer scale,
-                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
-                             ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags, int64_t a_tokens,
-                             float output_scale, bool scale_in_buffer, int64_t group_size, bool has_sink) {
-  return merge_states(nullptr, ATTNMERGE_HOST, o, lse, sink, scale, out, out_lse, group_scales, flags, a_tokens,
-                      output_scale, scale_in_buffer, group_size, has_sink);
-}
-
-ffi::Error merge_varlen_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer indptr, ffi::AnyBuffer sink,
-                             ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
-                             ffi::Result<ffi::AnyBuffer> out_lse, ffi::Result<ffi::AnyBuffer> group_scales,
-                             int64_t flags, int64_t a_tokens, float output_scale, bool scale_in_buffer,
-                             int64_t group_size, bool has_sink) {
-  return merge_varlen(nullptr, ATTNMERGE_HOST, o, lse, indptr, sink, scale, out, out_lse, group_scales, flags,
-                      a_tokens, output_scale, scale_in_buffer, group_size, has_sink);
-}
-
-ffi::Error merge_share_host(ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink, ffi::AnyBuffer scale,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
-                            ffi::Result<ffi::AnyBuffer> group_scales, int64_t flags, int64_t a_tokens,
-                            float output_scale, bool scale_in_buffer, int64_t group_size, bool has_sink,
-                            int64_t index) {
-  return merge_share(nullptr, ATTNMERGE_HOST, o, lse, sink, scale, out, out_lse, group_scales, flags, a_tokens,
-                     output_scale, scale_in_buffer, group_size, has_sink, index);
-}
-
-ffi::Error merge_backward_host(ffi::AnyBuffer grad_out, ffi::AnyBuffer grad_out_lse, ffi::AnyBuffer out,
-                               ffi::AnyBuffer out_lse, ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a, ffi::AnyBuffer o_b,
-                               ffi::AnyBuffer lse_b, ffi::Result<ffi::AnyBuffer> grad_o_a,
-                               ffi::Result<ffi::AnyBuffer> grad_lse_a, ffi::Result<ffi::AnyBuffer> grad_o_b,
-                               ffi::Result<ffi::AnyBuffer> grad_lse_b, bool base2, int64_t a_tokens) {
-  return merge_backward(nullptr, ATTNMERGE_HOST, grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b,
-                        grad_o_a, grad_lse_a, grad_o_b, grad_lse_b, base2, a_tokens);
-}
-
-ffi::Error merge_states_backward_host(ffi::AnyBuffer grad_out, ffi::AnyBuffer grad_out_lse, ffi::AnyBuffer out,
-                                      ffi::AnyBuffer out_lse, ffi::AnyBuffer o, ffi::AnyBuffer lse,
-                                      ffi::Result<ffi::AnyBuffer> grad_o, ffi::Result<ffi::AnyBuffer> grad_lse,
-                                      bool base2, int64_t a_tokens) {
-  return merge_states_backward(nullptr, ATTNMERGE_HOST, grad_out, grad_out_lse, out, out_lse, o, lse, grad_o,
-                               grad_lse, base2, a_tokens);
-}
-
-ffi::Error merge_varlen_backward_host(ffi::AnyBuffer grad_out, ffi::AnyBuffer grad_out_lse, ffi::AnyBuffer out,
-                                      ffi::AnyBuffer out_lse, ffi::AnyBuffer o, ffi::AnyBuffer lse,
-                                      ffi::AnyBuffer indptr, ffi::Result<ffi::AnyBuffer> grad_o,
-                                      ffi::Result<ffi::AnyBuffer> grad_lse, bool base2, int64_t a_tokens) {
-  return merge_varlen_backward(nullptr, ATTNMERGE_HOST, grad_out, grad_out_lse, out, out_lse, o, lse, indptr, grad_o,
-                               grad_lse, base2, a_tokens);
-}
-
-// The bindings: CUDA handlers take XLA's stream and device ordinal first; then the input
-// buffers (the op's, then `sink`, then `scale`), the three results (out, out_lse, group_scales)
-// and the attributes (then merge_share's index).
+// The bindings: CUDA handlers take XLA's stream and device ordinal first; then the input buffers
+// (a forward's: the op's, then `sink`, then `scale`), the results (a forward's: out, out_lse,
+// group_scales; a backward's: the gradients), then every attribute, as one dictionary.
 auto on_cuda() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<void*>>().Ctx<ffi::DeviceOrdinal>(); }
 
 auto on_host() { return ffi::Ffi::Bind(); }
 
-// The results (out, out_lse, group_scales) and the attributes every forward takes.
-template <typename Binding>
-auto with_results(Binding binding) {
-  return std::move(binding)
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Attr<int64_t>("flags")
-      .template Attr<int64_t>("a_tokens")
-      .template Attr<float>("output_scale")
-      .template Attr<bool>("scale_in_buffer")
-      .template Attr<int64_t>("group_size")
-      .template Attr<bool>("has_sink");
-}
-
-// `kInputs` (>= 1) buffers, the results and the attributes (the binding moves only as a temporary).
-template <int kInputs, typename Binding>
-auto with_buffers(Binding binding) {
-  if constexpr (kInputs > 1) {
-    return with_buffers<kInputs - 1>(std::move(binding).template Arg<ffi::AnyBuffer>());
-  } else {
-    return with_results(std::move(binding).template Arg<ffi::AnyBuffer>());
-  }
-}
-
-// The backward's: `kInputs` buffers, `kResults` gradients, then the base and a_tokens.
+// `kInputs` buffers, `kResults` results, then the attributes (the binding moves only as a temporary).
 template <int kInputs, int kResults, typename Binding>
-auto with_grads(Binding binding) {
+auto with_buffers(Binding binding) {
   if constexpr (kInputs > 0) {
-    return with_grads<kInputs - 1, kResults>(std::move(binding).template Arg<ffi::AnyBuffer>());
+    return with_buffers<kInputs - 1, kResults>(std::move(binding).template Arg<ffi::AnyBuffer>());
   } else if constexpr (kResults > 0) {
-    return with_grads<0, kResults - 1>(std::move(binding).template Ret<ffi::AnyBuffer>());
+    return with_buffers<0, kResults - 1>(std::move(binding).template Ret<ffi::AnyBuffer>());
   } else {
-    return std::move(binding).template Attr<bool>("base2").template Attr<int64_t>("a_tokens");
+    return std::move(binding).template Attrs<ffi::Dictionary>();
   }
 }
 
 }  // namespace
 
 // The handlers, exported with C linkage for attnmerge.jax to wrap in capsules (jax.ffi.pycapsule).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_cuda, merge, (with_buffers<6>(on_cuda())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_host, merge_host, (with_buffers<6>(on_host())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_cuda, merge_states, (with_buffers<4>(on_cuda())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_host, merge_states_host, (with_buffers<4>(on_host())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_cuda, merge_varlen, (with_buffers<5>(on_cuda())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_host, merge_varlen_host, (with_buffers<5>(on_host())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_share_cuda, merge_share,
-                              (with_buffers<4>(on_cuda()).Attr<int64_t>("index")));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_share_host, merge_share_host,
-                              (with_buffers<4>(on_host()).Attr<int64_t>("index")));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_backward_cuda, merge_backward, (with_grads<8, 4>(on_cuda())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_backward_host, merge_backward_host, (with_grads<8, 4>(on_host())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_backward_cuda, merge_states_backward,
-                              (with_grads<6, 2>(on_cuda())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_states_backward_host, merge_states_backward_host,
-                              (with_grads<6, 2>(on_host())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_backward_cuda, merge_varlen_backward,
-                              (with_grads<7, 2>(on_cuda())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_merge_varlen_backward_host, merge_varlen_backward_host,
-                              (with_grads<7, 2>(on_host())));
+#define ATTNMERGE_XLA_OP(op, inputs, results)                                                              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_##op##_cuda, op, (with_buffers<inputs, results>(on_cuda()))); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_##op##_host, OnHost<op>::call,                               \
+                                (with_buffers<inputs, results>(on_host())));
+ATTNMERGE_XLA_OP(merge, 6, 3)
+ATTNMERGE_XLA_OP(merge_states, 4, 3)
+ATTNMERGE_XLA_OP(merge_varlen, 5, 3)
+ATTNMERGE_XLA_OP(merge_share, 4, 3)
+ATTNMERGE_XLA_OP(merge_backward, 8, 4)
+ATTNMERGE_XLA_OP(merge_states_backward, 6, 2)
+ATTNMERGE_XLA_OP(merge_varlen_backward, 7, 2)
+#undef ATTNMERGE_XLA_OP

@@ -336,10 +336,13 @@ ArrayView::~ArrayView() {
   if (legacy_ && legacy_->deleter) legacy_->deleter(legacy_);
 }
 
-void ArrayView::swap_leading_axes() {
-  if (t.ndim < 2) return;
-  std::swap(t.shape[0], t.shape[1]);
-  std::swap(t.strides[0], t.strides[1]);
+void ArrayView::move_axis(int from, int to) {
+  if (from < 0 || to < 0 || from >= t.ndim || to >= t.ndim) return;
+  const int step = from < to ? 1 : -1;
+  for (int i = from; i != to; i += step) {
+    std::swap(t.shape[i], t.shape[i + step]);
+    std::swap(t.strides[i], t.strides[i + step]);
+  }
 }
 
 void ArrayView::read(py::handle obj, void* consumer_stream, const ArgName& name, const char* expected) {

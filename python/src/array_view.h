@@ -91,8 +91,10 @@ class ArrayView {
   // `expected` (the dtypes the argument takes, in words) word the errors.
   void read(py::handle obj, void* stream, const ArgName& name, const char* expected);
 
-  // [S, tokens, ...] read as [tokens, S, ...], through the strides (an all-gather's layout).
-  void swap_leading_axes();
+  // Axis `from` moved to position `to` (the axes between shift by one), through the shape and
+  // strides: an exchange's [S, tokens, ...] or [tokens, heads, S, ...] read as [tokens, S, ...].
+  // An axis past ndim leaves the view as it is, for the C ABI to refuse its shape.
+  void move_axis(int from, int to);
 
   attnmerge_tensor t{};
   void* stream = nullptr;

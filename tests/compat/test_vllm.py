@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attnmerge.compat.vllm import merge_attn_states
+from attnmerge.compat.vllm import merge_attn_states, merge_attn_states_op
 from oracle import (
     DTYPES,
     all_nan,
@@ -167,15 +167,15 @@ def test_as_the_dispatcher_calls_it_six_positional_arguments(rng):
 
 
 @pytest.mark.parametrize("with_lse", [True, False])
-def test_as_the_compiled_op_takes_them_output_and_output_lse_first(rng, with_lse):
+def test_merge_attn_states_op_takes_the_compiled_ops_order(rng, with_lse):
     """torch.ops._C.merge_attn_states' order (output, output_lse, prefix_output, prefix_lse,
-    suffix_output, suffix_lse, prefill_tokens_with_context, output_scale), which the seed kernel
-    and its harness use, recognised by the 2-D (or None) second argument."""
+    suffix_output, suffix_lse, prefill_tokens_with_context, output_scale): a function of its own
+    name, merge_attn_states_op."""
     x = vllm_inputs(rng, tokens=20, dtype="float32")
     output = nan_array(x["prefix_output"].shape, "float32")
     output_lse = nan_array(x["prefix_lse"].shape) if with_lse else None
-    assert merge_attn_states(output, output_lse, x["prefix_output"], x["prefix_lse"], x["suffix_output"],
-                             x["suffix_lse"], 12) is None
+    assert merge_attn_states_op(output, output_lse, x["prefix_output"], x["prefix_lse"], x["suffix_output"],
+                                x["suffix_lse"], 12) is None
     ref = reference(x, 12)
     assert_o_close(output, ref[0], "float32", "output")
     if with_lse:

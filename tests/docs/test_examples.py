@@ -72,7 +72,7 @@ def test_c_example_compiles_links_and_runs(block: Block, tmp_path):
     source.write_text(block.code)
     lib_dir = os.path.dirname(attnmerge.library_path())
     build = subprocess.run([c_compiler(), "-std=c11", "-Wall", "-Werror", str(source), "-o", str(program),
-                            f"-I{attnmerge.include_dir()}", f"-L{lib_dir}", "-l:libattnmerge.so.0",
+                            f"-I{attnmerge.include_dir()}", f"-L{lib_dir}", "-lattnmerge",
                             f"-Wl,-rpath,{lib_dir}", "-lm"], capture_output=True, text=True)
     assert build.returncode == 0, build.stdout + build.stderr
     run = subprocess.run([str(program)], capture_output=True, text=True, timeout=60)

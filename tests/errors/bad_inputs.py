@@ -496,7 +496,7 @@ for name, shape in (("lse", (T + 1, S, H)), ("lse", (T, S, H + 1)), ("out", (T, 
                     ("out_lse", (T, H + 2)), ("out", (T, H + 1, D))):
     bad(f"states-shape-{name}-{'x'.join(map(str, shape))}", "merge_states", shaped(name, shape), ValueError, name, *shape,
         layers=ANY)
-for axis in (2, -1, 3, "tokens"):
+for axis in (3, -1, -5, "tokens", True):
     bad(f"states-states_axis-{axis}", "merge_states", options(states_axis=axis), (ValueError, TypeError), "states_axis",
         layers=PY)
 bad("states-lse-float16", "merge_states", astype("lse", dtype=np.float16), TypeError, "lse", "float32", "float16",
@@ -575,7 +575,7 @@ for name, shape in (("lse", (T + 1, S, H)), ("lse", (T, S, H + 1)), ("out", (T, 
 bad("share-lse-float16", "merge_share", astype("lse", dtype=np.float16), TypeError, "lse", "float32", "float16",
     layers=ANY)
 bad("share-o-float8", "merge_share", astype("o", dtype=dtype_of(FP8)), TypeError, "o", layers=HOST)
-for axis in (2, -1):
+for axis in (3, -4, True):
     bad(f"share-states_axis-{axis}", "merge_share", options(states_axis=axis), ValueError, "states_axis", layers=PY)
 bad("share-out_lse-overlaps-lse", "merge_share", to("out_lse", lambda x, a: a["lse"][:, 1]), ValueError, "out_lse",
     layers=HOST)

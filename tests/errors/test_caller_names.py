@@ -22,6 +22,7 @@ import pytest
 
 import c_abi
 from attnmerge import _C, raw
+from attnmerge._call import Options
 from attnmerge.compat import flashinfer, vllm
 
 T, H, D = 5, 3, 8  # tokens, heads, head_size of the C ABI cases
@@ -345,7 +346,7 @@ def test_a_callers_options_are_read_whole_and_never_past_their_end():
 
 def _binding_merge(names):
     a = pair_args()[1]
-    _C.merge(a["out"], a["out_lse"], a["o_a"], a["lse_a"], a["o_b"], a["lse_b"], 0, -1, None, None, names)
+    _C.merge(a["out"], a["out_lse"], a["o_a"], a["lse_a"], a["o_b"], a["lse_b"], Options(names=names))
 
 
 @pytest.mark.parametrize("names,exc,message", [
@@ -364,8 +365,8 @@ def test_the_binding_words_its_own_messages_from_the_same_table():
     """A dtype the library has no code for is the binding's to refuse: named from the table too."""
     a = pair_args()[1]
     with pytest.raises(TypeError) as info:
-        _C.merge(a["out"], a["out_lse"], rand((T, H, D), np.float64), a["lse_a"], a["o_b"], a["lse_b"], 0, -1, None,
-                 None, VLLM)
+        _C.merge(a["out"], a["out_lse"], rand((T, H, D), np.float64), a["lse_a"], a["o_b"], a["lse_b"],
+                 Options(names=VLLM))
     assert str(info.value) == "prefix_output: expected dtype float32, float16 or bfloat16, got float64"
 
 

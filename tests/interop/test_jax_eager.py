@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import attnmerge
+from attnmerge import _C
+from attnmerge._call import Options
 from attnmerge.compat import vllm
 from oracle import (
     DTYPES,
@@ -208,11 +210,14 @@ def test_the_backward_neither_writes_nor_allocates_like_jax_arrays(rng):
 
 
 def test_the_binding_reads_jax_arrays_as_read_only(rng):
-    """Whichever layer hands it over (compat.vllm calls the binding itself), a JAX array is read-only
-    for the C ABI: JAX exports it through DLPack with no such flag."""
+    """Whichever layer hands it over, a JAX array is read-only for the C ABI (JAX exports it through
+    DLPack with no such flag); the compat layers refuse it before, as the native functions do."""
     o_a, lse_a, o_b, lse_b = pair(rng)
     output = jnp.full(o_a.shape, jnp.nan)
     with pytest.raises(ValueError, match="^output: expected a writable tensor, got a read-only one"):
+        _C.merge(output, None, o_a, lse_a.T, o_b, lse_b.T,
+                 Options(flags=_C.LSE_HEADS_FIRST, names={"out": "output"}))
+    with pytest.raises(ValueError, match="^output: expected a writable array, got a JAX array"):
         vllm.merge_attn_states(output, o_a, lse_a.T, o_b, lse_b.T)
     assert all_nan(np.asarray(output))
 
@@ -221,7 +226,7 @@ def test_the_binding_reads_jax_arrays_as_read_only(rng):
 
 
 def test_without_the_extension_the_jax_road_says_how_to_get_it(rng, monkeypatch):
-    monkeypatch.setattr(attnmerge, "_XLA_LIB", "/nonexistent/libattnmerge_xla.so")
+    monkeypatch.setattr(attnmerge._build, "XLA_LIB", "/nonexistent/libattnmerge_xla.so")
     monkeypatch.delitem(sys.modules, "attnmerge.jax", raising=False)
     monkeypatch.delattr(attnmerge, "jax", raising=False)
     with pytest.raises(ImportError) as info:

@@ -204,7 +204,7 @@ def test_bad_arguments_raise_with_the_argument_named(rng):
     with pytest.raises(ValueError, match="base"):
         ops.merge(*t, base="10")
     with pytest.raises(ValueError, match="states_axis"):
-        ops.merge_states(t[0][:, None], t[1][:, None], states_axis=2)
+        ops.merge_states(t[0][:, None], t[1][:, None], states_axis=3)
     with pytest.raises(ValueError, match="a_tokens"):
         ops.merge(*t, a_tokens=-1)
 

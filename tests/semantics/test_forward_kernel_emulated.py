@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from emulators import CODES, ORDERS, build, check, compiled_types, launches, order, pointers, widest_vec
-from attnmerge._merge import lse_flags
+from attnmerge._call import base_flags, lse_bases
 from oracle import (assert_fp8_close, assert_group_fp8_close, assert_lse_close, assert_merge_matches, clamp_indptr, fp8_dtype, nan_array,
                     natural, outside_view_is_nan, random_lse, random_o, rebased, reference_merge,
                     reference_merge_ranges, reference_merge_share, reference_merge_stacked, reference_merge_varlen,
@@ -116,7 +116,7 @@ def facts(data, vec, itemsizes):
 def head(sizes, in_dtype, out_dtype, base, fact):
     """The arguments every emulate_* call starts with: its sizes, dtypes, LSE bases and facts.  base:
     'e' or 2 for every LSE, or (a's, b's, the merged LSE's): the C ABI's flags for them."""
-    flags = lse_flags(base[:2], base[2], pair=True) if isinstance(base, tuple) else int(base == 2)
+    flags = base_flags(lse_bases(base[:2], base[2], pair=True)) if isinstance(base, tuple) else int(base == 2)
     return [ctypes.c_int64(v) for v in sizes] + [CODES[in_dtype], CODES[out_dtype], flags, *fact]
 
 

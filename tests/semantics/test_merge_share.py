@@ -3,7 +3,8 @@
 merge_share(o, lse, index, *, out=None, out_lse=None, states_axis=1, sink=None, base="e", ...)
 
 o is state `index`'s O [tokens, heads, head_size]; lse holds every state's LSE, float32
-[tokens, S, heads] (states_axis=1) or [S, tokens, heads] (states_axis=0, an all-gather's).  With
+[tokens, S, heads] (states_axis=1), [S, tokens, heads] (states_axis=0, an all-gather's) or
+[tokens, heads, S] (states_axis=2).  With
 m, w_i and W of the N-way merge over the S LSEs (and the sink):
 
     out = (w_index / W) * o,    out_lse = m + log W
@@ -38,7 +39,7 @@ def share_call(device, o, lse, index, states_axis=1, out_dtype=None, sink=None, 
 
 def state(o, i, states_axis):
     """State i's O of stacked states."""
-    return np.ascontiguousarray(o[:, i] if states_axis == 1 else o[i])
+    return np.ascontiguousarray(np.take(o, i, axis=states_axis))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -46,7 +47,7 @@ def state(o, i, states_axis):
 
 
 @pytest.mark.parametrize("base", ("e", 2))
-@pytest.mark.parametrize("states_axis", (0, 1))
+@pytest.mark.parametrize("states_axis", (0, 1, 2))
 @pytest.mark.parametrize("s", S_VALUES)
 def test_each_share_is_the_formula(rng, device, s, states_axis, base):
     o, lse = random_stacked(rng, 9, s, 4, 40, states_axis=states_axis)
@@ -56,7 +57,7 @@ def test_each_share_is_the_formula(rng, device, s, states_axis, base):
         assert_merge_matches(out, out_lse, ref, "float32")
 
 
-@pytest.mark.parametrize("states_axis", (0, 1))
+@pytest.mark.parametrize("states_axis", (0, 1, 2))
 @pytest.mark.parametrize("s", (2, 5, 16))
 def test_the_shares_sum_to_the_merge(rng, device, s, states_axis):
     """What the op is for: every rank's share, summed (a reduce-scatter), is merge_states of the

@@ -4,7 +4,8 @@ merge_states(o, lse, *, out=None, out_lse=None, return_lse=True, out_dtype=None,
              base="e", states_axis=1, stream=None) -> (out, out_lse)
 
 states_axis=1: o [tokens, S, heads, D], lse [tokens, S, heads] (FlashInfer's layout);
-states_axis=0: o [S, tokens, heads, D], lse [S, tokens, heads] (what an all-gather produces).
+states_axis=0: o [S, tokens, heads, D], lse [S, tokens, heads] (what an all-gather produces);
+states_axis=2: o [tokens, heads, S, D], lse [tokens, heads, S] (an all-to-all's receive buffer, heads first).
 Any strides (views, not copies); only D is unit-stride.  out [tokens, heads, D], out_lse [tokens, heads].
 S = 0 gives O = 0 and LSE = -inf.
 
@@ -33,12 +34,12 @@ from oracle import (
 )
 
 S_VALUES = (0, 1, 2, 3, 8, 64, 256)
-AXES = (0, 1)
+AXES = (0, 1, 2)
 
 
 def to_axis(x, states_axis):
-    """The same stacked states as a view in the other layout (no copy)."""
-    return np.moveaxis(x, 0, 1) if states_axis == 1 else x
+    """Stacked states stored [S, ...] as a view with S at states_axis (no copy)."""
+    return np.moveaxis(x, 0, states_axis)
 
 
 def stacked(rng, tokens, s, heads, head_size, dtype="float32", states_axis=1, lse_scale=3.0):
@@ -48,8 +49,7 @@ def stacked(rng, tokens, s, heads, head_size, dtype="float32", states_axis=1, ls
 def call(device, o, lse, states_axis, out_dtype=None, **kw):
     """merge_states of host arrays o, lse on the device, into NaN-poisoned given outputs; returns
     (out, out_lse) read back."""
-    t = o.shape[1 - states_axis]
-    h, d = o.shape[2], o.shape[3]
+    t, h, d = (n for i, n in enumerate(o.shape) if i != states_axis)
     out = device.nan((t, h, d), out_dtype or o.dtype)
     out_lse = device.nan((t, h))
     res, res_lse = attnmerge.merge_states(device.put(o), device.put(lse), out=out, out_lse=out_lse,

@@ -183,7 +183,8 @@ GOLDEN = [
     (("pair", "bfloat16", "bfloat16", 8192, 32, 128, 2, 8, 132, "-", 200),
      dict(variant="rows_plain_flat", evict_first=0, bx=16, by=64)),  # blocks of 1024 from 128 MB
     (("pair", "float16", "float8_e4m3", 16, 32, 128, 2, 8, 132, "-", 1), dict(variant="rows_plain_flat")),
-    (("pair", "float32", "bfloat16", 16, 32, 128, 2, 4, 132, "-", 1), dict(variant="rows")),  # no plain kernel
+    (("pair", "float32", "bfloat16", 16, 32, 128, 2, 4, 132, "-", 1), dict(variant="rows_plain_flat")),  # kPlainPairs
+    (("pair", "float32", "float16", 16, 32, 128, 2, 4, 132, "-", 1), dict(variant="rows")),  # no plain kernel
     (("pair", "bfloat16", "bfloat16", 16, 32, 128, 2, 8, 132, "w", 1), dict(variant="rows_plain")),
     (("pair", "bfloat16", "bfloat16", 16, 32, 128, 2, 8, 132, "a", 1), dict(variant="rows")),
     (("pair", "bfloat16", "bfloat16", 16, 32, 128, 2, 8, 132, "k", 1), dict(variant="rows")),  # a sink

@@ -1,0 +1,261 @@
+"""A call of one op as every road takes it: its options normalised once into one record, `Options`,
+which the binding and the XLA handlers read field by field (python/src/call_options.h), and from
+which the torch ops' arguments and attnmerge.jax's attributes are made.  This module is the one
+reading of every option (bases, per-group FP8, output scales, a_tokens, the states' axis,
+merge_share's index, the caller's names) and the one description of the ops (`OPS`): a new option
+is a field here and its uses, not a parameter of every layer.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from . import _C
+from ._arrays import dtype_name
+from ._types import O_IN_DTYPES
+
+
+class Options(NamedTuple):
+    """One call's options, normalised (`options` makes it).  The first fields, in _C.OPTION_FIELDS'
+    order, are what the binding and the XLA handlers read; the last what Python does around the
+    call (allocating results, gradients)."""
+
+    flags: int = 0  # the C ABI's attnmerge_options.flags: bases, PDL, UE8M0 scales, [heads, tokens] LSEs
+    a_tokens: int = -1  # the two-way merge's a_tokens; -1: none
+    output_scale: float = 0.0  # FP8 outputs store value / output_scale; 0: none (or `scale`)
+    group_size: int = 0  # per-group FP8; 0: none
+    index: int = 0  # merge_share's state
+    states_axis: int = 1  # the axis of S in o (and lse): 1 is [tokens, S, ...]
+    scale: Any = None  # output_scale given as a one-element float32 array, read on the device
+    sink: Any = None  # float32 [heads]
+    group_scales: Any = None  # given, or allocated like out once group_size is known
+    names: Mapping[str, str] | None = None  # {argument: the caller's name}, for every message
+    stream: Any = None
+    bases: tuple = ("e", "e", "e")  # a's (every input's), b's, the merged LSE's: "e" or 2
+    out_dtype: str | None = None  # the result's dtype name; None: the input's
+    return_lse: bool = True
+
+    @property
+    def pdl(self) -> bool:
+        return bool(self.flags & _C.PDL)
+
+    @property
+    def scale_ue8m0(self) -> bool:
+        return bool(self.flags & _C.GROUP_SCALE_UE8M0)
+
+
+if Options._fields[:len(_C.OPTION_FIELDS)] != _C.OPTION_FIELDS:  # the binding reads them by position
+    raise ImportError(f"attnmerge: the binding reads the options {_C.OPTION_FIELDS}, the package records "
+                      f"{Options._fields}: a build of mismatched parts")
+
+_NEW = tuple.__new__  # an Options from its fields at C speed (the per-call path)
+_E3 = ("e", "e", "e")
+DEFAULT = Options()
+
+
+class Op(NamedTuple):
+    """What an op is, for every layer above the binding: its arrays in the C ABI's order, the one
+    its results are allocated like (and whose type picks the road), and its options."""
+
+    name: str
+    inputs: tuple  # the arrays it reads, named as the C ABI names them
+    like: int  # the input the results are allocated like; -1: none (the in-place merge writes its inputs)
+    takes: frozenset  # the options (Options' fields, and base's pair form: "pair") it takes
+
+
+_FORWARD = frozenset({"output_scale", "out_base", "sink", "group_size", "out_dtype", "return_lse"})
+OPS = {op.name: op for op in (
+    Op("merge", ("o_a", "lse_a", "o_b", "lse_b"), 2, _FORWARD | {"a_tokens", "pair"}),
+    Op("merge_inplace", ("o", "lse", "o_other", "lse_other", "mask"), -1, frozenset({"pair"})),
+    Op("merge_states", ("o", "lse"), 0, _FORWARD | {"states_axis"}),
+    Op("merge_varlen", ("o", "lse", "indptr"), 0, _FORWARD),
+    Op("merge_share", ("o", "lse"), 0, _FORWARD | {"states_axis", "index"}),
+)}
+
+
+def named(names, arg):
+    """The caller's name of the argument `arg`: a compat layer's (`names`, {native: its own}), else
+    `arg`.  Every message names arguments through it, so that a compat layer's caller reads its own
+    names (vLLM's prefix_output for o_a)."""
+    return arg if names is None else names.get(arg, arg)
+
+
+def _is_base2(base, name: str, expected: str = "'e' or 2") -> bool:
+    """Whether an LSE base is 2: 'e' (natural log) or 2 (log2-sum-exp2); else a ValueError naming `name`."""
+    if isinstance(base, str) and base == "e":
+        return False
+    if not isinstance(base, (bool, str, tuple)) and base == 2:
+        return True
+    raise ValueError(f"{name}: expected {expected}, got {base!r}")
+
+
+def lse_bases(base, out_base=None, *, pair: bool = False, names=None) -> tuple:
+    """The LSE bases of a call, checked, as ('e' or 2) for (a, b, out): `base` every input LSE's, or
+    for the two-way and in-place merges (pair) a pair (a's, b's); out_base the merged LSE's (None:
+    a's)."""
+    name = named(names, "base")
+    expected = "'e', 2 or a pair of them (a's base, b's)" if pair else "'e' or 2"
+    if pair and isinstance(base, tuple):
+        try:
+            if len(base) != 2:
+                raise ValueError
+            a, b = (2 if _is_base2(x, name) else "e" for x in base)
+        except ValueError:
+            raise ValueError(f"{name}: expected {expected}, got {base!r}") from None
+    else:
+        a = b = 2 if _is_base2(base, name, expected) else "e"
+    out = a if out_base is None else (2 if _is_base2(out_base, named(names, "out_base"), "None, 'e' or 2") else "e")
+    return a, b, out
+
+
+def base_flags(bases) -> int:
+    """C ABI flags for the bases (a, b, out): ATTNMERGE_LSE_BASE2 for a's, and b's and the merged
+    LSE's own flags where they differ from a's."""
+    a, b, out = bases
+    flags = _C.LSE_BASE2 if a == 2 else 0
+    if b != a:
+        flags |= _C.LSE_B_BASE2 if b == 2 else _C.LSE_B_BASE_E
+    if out != a:
+        flags |= _C.OUT_LSE_BASE2 if out == 2 else _C.OUT_LSE_BASE_E
+    return flags
+
+
+def base_change(from_base, to_base) -> float:
+    """The factor that turns an LSE of base `from_base` into one of `to_base` (1 where they agree)."""
+    return 1.0 if from_base == to_base else math.log(2.0) if from_base == 2 else 1.0 / math.log(2.0)
+
+
+def _flag(value, arg, names):
+    """A boolean option: True or False (numpy's too), nothing else (a "yes" is no flag)."""
+    if value is True or value is False or type(value).__name__ == "bool_":
+        return bool(value)
+    raise TypeError(f"{named(names, arg)}: expected True or False, got {value!r}")
+
+
+def _count(value, arg, names, least=0, expected=None):
+    """An int option >= least (any integer type, not a bool); `expected` words the refusal."""
+    if not isinstance(value, bool):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if value >= least:
+                return value
+    raise ValueError(f"{named(names, arg)}: expected {expected or f'None or an int >= {least}'}, got {value!r}")
+
+
+def output_scale_of(output_scale, names=None):
+    """(number, array): output_scale as the layers below take it.  None is no scale (0, the C ABI's
+    spelling of none), a number a scale (0 refused here, so that no layer mistakes it for none; the
+    C ABI checks the rest: finite, > 0, FP8 outputs only or 1), anything else a one-element float32
+    array read on the device."""
+    if output_scale is None:
+        return 0.0, None
+    if isinstance(output_scale, (int, float)) and not isinstance(output_scale, bool):
+        if output_scale == 0:
+            raise ValueError(f"{named(names, 'output_scale')}: expected None or a finite scale > 0, got "
+                             f"{output_scale!r}")
+        return float(output_scale), None
+    if isinstance(output_scale, bool):
+        raise TypeError(f"{named(names, 'output_scale')}: expected None, a number or a one-element float32 array, "
+                        f"got {output_scale!r}")
+    return 0.0, output_scale
+
+
+def states_axis_of(states_axis, ndim, names=None):
+    """The states' axis of an array of `ndim` dimensions (o's 4, or a share's lse's 3) as a
+    position from 0: any axis but o's last (head_size), negative from the end."""
+    if type(states_axis) is int and states_axis == 1:  # the C ABI's own layout: the per-call case
+        return 1
+    last = ndim - 1 if ndim == 4 else ndim  # o's head_size is no states axis; a share's lse has none
+    if not isinstance(states_axis, bool) and isinstance(states_axis, int) and -ndim <= states_axis < ndim:
+        if states_axis % ndim < last:
+            return states_axis % ndim
+    axes = ", ".join(str(i) for i in range(last))
+    raise ValueError(f"{named(names, 'states_axis')}: expected one of {axes} (or from the end, "
+                     f"{-ndim} to {last - ndim - 1}), got {states_axis!r}")
+
+
+def options(op: Op, out=None, return_lse=True, out_dtype=None, output_scale=None, base="e", out_base=None,
+            a_tokens=None, sink=None, group_size=None, group_scales=None, scale_ue8m0=False, states_axis=1,
+            index=0, stream=None, pdl=False, names=None, flags=0) -> Options:
+    """The one reading of a call's options: every public function, the torch ops' kernels and
+    attnmerge.jax make their Options here.  Checks what Python must know before the C ABI does (the
+    types of options, bases, what allocation needs); the C ABI checks every value against the
+    arrays.  `flags`: C ABI flags a layer adds of its own (the vLLM layer's [heads, tokens] LSEs).
+    The public functions pass every option positionally, in this order (the per-call path)."""
+    if base == "e" and out_base is None:
+        bases = _E3
+    else:
+        bases = lse_bases(base, out_base, pair="pair" in op.takes, names=names)
+        flags |= base_flags(bases)
+    if pdl is not False:
+        flags |= _C.PDL if _flag(pdl, "pdl", names) else 0
+    group = 0
+    if group_size is not None:
+        group = _count(group_size, "group_size", names, least=1, expected="None or a power of two >= 8")
+        if out is None and out_dtype is None:
+            out_dtype = "float8_e4m3fn"
+        flags |= _C.GROUP_SCALE_UE8M0 if _flag(scale_ue8m0, "scale_ue8m0", names) else 0
+    elif scale_ue8m0 is not False:
+        raise ValueError(f"{named(names, 'scale_ue8m0')}: expected False without group_size, got {scale_ue8m0!r}")
+    number, scale = (0.0, None) if output_scale is None else output_scale_of(output_scale, names)
+    if a_tokens is not None:
+        a_tokens = _count(a_tokens, "a_tokens", names)
+    if out_dtype is not None:
+        out_dtype = dtype_name(out_dtype, named(names, "out_dtype"))
+    if return_lse is not True:
+        return_lse = _flag(return_lse, "return_lse", names)
+    return _NEW(Options, (flags, -1 if a_tokens is None else a_tokens, number, group, index, states_axis, scale,
+                          sink, group_scales, names, stream, bases, out_dtype, return_lse))
+
+
+def index_of(index, names=None):
+    """merge_share's index as an int (any integer, NumPy's too; not a bool): the C ABI checks its range."""
+    if not isinstance(index, bool):
+        try:
+            return operator.index(index)
+        except TypeError:
+            pass
+    raise TypeError(f"{named(names, 'index')}: expected an int, got {index!r} ({type(index).__qualname__})")
+
+
+def result_dtype(opt: Options, in_dtype_of, src_name):
+    """The dtype name of a merge's O result: opt.out_dtype, else that of `in_dtype_of` (the input
+    `src_name`)."""
+    if opt.out_dtype is not None:
+        return opt.out_dtype
+    dtype = getattr(in_dtype_of, "dtype", None)
+    if dtype is None:
+        raise TypeError(f"{named(opt.names, src_name)}: expected an array, got {type(in_dtype_of).__qualname__}")
+    return dtype_name(dtype, named(opt.names, src_name), O_IN_DTYPES)
+
+
+def shape_of(x, arg, names=None):
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        raise TypeError(f"{named(names, arg)}: expected an array, got {type(x).__qualname__}")
+    return tuple(shape)
+
+
+def result_shape(op: Op, inputs, opt: Options):
+    """The [rows, heads, head_size] of an op's O result, from its inputs' shapes."""
+    names = opt.names
+    if op.name == "merge":
+        return shape_of(inputs[2], "o_b", names)
+    o = shape_of(inputs[0], "o", names)
+    want = 4 if op.name == "merge_states" else 3
+    if len(o) != want:
+        raise ValueError(f"{named(names, 'o')}: expected {want} dimensions, got {len(o)} (shape {list(o)})")
+    if op.name == "merge_states":
+        rest = [n for i, n in enumerate(o) if i != opt.states_axis]
+        return (rest[0], rest[1], rest[2])
+    if op.name == "merge_varlen":
+        n = shape_of(inputs[2], "indptr", names)
+        if len(n) != 1 or n[0] < 1:
+            raise ValueError(f"{named(names, 'indptr')}: expected shape [rows + 1] with rows >= 0, got {list(n)}")
+        return (n[0] - 1, o[1], o[2])
+    return o
