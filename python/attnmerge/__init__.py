@@ -17,8 +17,7 @@ these functions become under torch.compile and torch.export (attnmerge._torch_op
 """
 from __future__ import annotations
 
-from . import _C
-from . import _torch_hook
+from . import _C, _torch_hook, raw  # noqa: F401 - attnmerge.raw after `import attnmerge`
 from ._build import build_info, cmake_dir, include_dir, last_launch, library_path
 from ._merge import (merge, merge_backward, merge_inplace, merge_share, merge_states, merge_states_backward,
                      merge_varlen, merge_varlen_backward)

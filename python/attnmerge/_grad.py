@@ -30,7 +30,8 @@ def share_gradient(xp, o, lse, index, out_lse, grad_out, grad_out_lse, base, sta
     took them (lse with its states at `states_axis`), out_lse [tokens, heads]: the forward's merged
     LSE; grad_out_lse may be None (0); base "e", 2 or "2".  A sink's gradient is sink_gradient's."""
     ln_b = math.log(2.0) if base in (2, "2") else 1.0
-    lse = xp.moveaxis(lse, states_axis, 1)  # [tokens, S, heads]
+    move = getattr(xp, "movedim", None) or xp.moveaxis  # torch's moveaxis has no vmap rule of its own
+    lse = move(lse, states_axis, 1)  # [tokens, S, heads]
     p = xp.exp((lse - out_lse[:, None]) * ln_b)
     p = xp.where(xp.isinf(lse), xp.zeros_like(p), p)
     p_own = p[:, index]
@@ -40,4 +41,4 @@ def share_gradient(xp, o, lse, index, out_lse, grad_out, grad_out_lse, base, sta
     grad_lse = xp.concatenate([grad_lse[:, :index], grad_lse[:, index:index + 1] + g[:, None],
                                grad_lse[:, index + 1:]], axis=1)
     grad_o = xp.where(p_own[..., None] != 0, p_own[..., None] * grad_out, xp.zeros_like(grad_out))
-    return grad_o, xp.moveaxis(grad_lse, 1, states_axis)
+    return grad_o, move(grad_lse, 1, states_axis)

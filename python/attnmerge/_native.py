@@ -34,6 +34,7 @@ def allocate(op: Op, inputs, out, out_lse, opt: Options):
     like_name = like_name if out is None else "out"
     if out is None or (out_lse is None and opt.return_lse):
         shape = result_shape(op, inputs, opt)
+        _fits(shape, named(names, like_name if out is None else "out"))
         if out is None:
             out = empty(like, shape, result_dtype(opt, inputs[0], src_name), named(names, like_name))
         if out_lse is None and opt.return_lse:
@@ -43,6 +44,21 @@ def allocate(op: Op, inputs, out, out_lse, opt: Options):
         scales = empty(out, tuple(shape[:2]) + (shape[2] // opt.group_size,), "float32", named(names, "out"))
         opt = opt._replace(group_scales=scales)
     return out, out_lse, opt
+
+
+# The most bytes a result may have: past any device's or host's memory (2^48 bytes, 256 TiB), a size
+# read off an input can only be a mistake (a broadcast view, a wrong axis); refused before any
+# allocation rather than left to the allocator's own failure.
+_MOST_BYTES = 1 << 48
+
+
+def _fits(shape, source):
+    elements = 1
+    for n in shape:
+        elements *= n
+    if elements * 8 > _MOST_BYTES:  # 8: the widest element a result has (float64's room)
+        raise ValueError(f"{source}: expected sizes whose results fit in memory, got a result of shape "
+                         f"{list(shape)} ({elements} elements)")
 
 
 def run(op: Op, inputs, out, out_lse, opt: Options):

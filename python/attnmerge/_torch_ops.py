@@ -261,16 +261,158 @@ for _op in OPS.values():
 
 def _register_autograd(lib):
     """The one place autograd attaches to the ops.  The functional merges (merge, merge_states,
-    merge_varlen) differentiate with respect to every O and LSE input through the backward ops,
-    from the saved inputs and results (no recomputation).  The out= and in-place overloads, the
-    in-place merge's functional form and the backward ops themselves refuse inputs that require
-    grad by name, as PyTorch's own out= ops do: never a silently missing gradient."""
+    merge_varlen, merge_share) differentiate with respect to every O and LSE input and the sink
+    through the backward ops, from the saved inputs and results (no recomputation).  The out= and
+    in-place overloads, the in-place merge's functional form and the backward ops themselves refuse
+    inputs that require grad by name, as PyTorch's own out= ops do: never a silently missing
+    gradient.  Under torch.func's transforms the same formulas run as an autograd.Function
+    (_FUNCTIONS), the form those transforms take."""
     for name in _SCHEMAS:
         if name in _AUTOGRAD:
             setup, backward = _AUTOGRAD[name]
             torch.library.register_autograd(f"{_NS}::{name}", backward, setup_context=setup, lib=lib)
         else:
             lib.impl(name, _refuse_grad(name), "Autograd", with_keyset=True)
+
+
+_DIFFERENTIATING = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
+
+
+class _KeywordOnly:
+    """An overload's keyword-only arguments, carried through autograd.Function.apply (which takes
+    positional arguments) as one non-tensor argument."""
+
+    def __init__(self, kwargs):
+        self.kwargs = kwargs
+
+
+def _function(name, setup, backward):
+    """The functional overload `name` as an autograd.Function with a setup_context, its gradient
+    the registered one (`setup`, `backward`): what torch.func's grad, vjp and jacrev take (they
+    refuse the one torch.library generates), vmapped through the ops' own vmap rules."""
+    op = _overload(name)
+
+    def forward(*args):
+        *args, keyword_only = args
+        return op(*args, **keyword_only.kwargs)
+
+    def setup_context(ctx, inputs, output):
+        *args, keyword_only = inputs
+        setup(ctx, tuple(args), keyword_only.kwargs, output)
+
+    def backward_with_options(ctx, *grads):
+        # Under a second differentiating transform the backward ops' results would be taken for
+        # constants (a zero second derivative): refused, as autograd's double backward is.
+        stack = torch._C._functorch.get_interpreter_stack() or ()
+        if sum(i.key() in _DIFFERENTIATING for i in stack) > 1:
+            raise NotImplementedError(f"{_NS}::{name}: no gradient of its gradient (attnmerge's backward ops are "
+                                      f"not differentiable): take one torch.func.grad, vjp or jacrev of it")
+        with torch.no_grad():  # the backward ops record nothing: no transform above differentiates them
+            return (*backward(ctx, *grads), None)  # the keyword-only arguments: no gradient
+
+    return type(f"attnmerge_{name}", (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward_with_options), "generate_vmap_rule": True})
+
+
+# ---- vmap (torch.func.vmap, and jacrev's vmap over the backward) ---------------------------------
+# A batch of calls is one call over the batch flattened into the tokens, where every per-example
+# argument is token-major (O and LSE inputs, their gradients) and the others (sink, output_scale,
+# a_tokens, indptr) are the same for every example; otherwise one call per example.
+
+
+def _batch_first(x, bdim, size):
+    """x with its batch axis first: moved there, or broadcast where x has none."""
+    return x.movedim(bdim, 0) if bdim is not None else x.expand(size, *x.shape)
+
+
+def _per_example(op, info, in_dims, args, kwargs):
+    """op once per example, its results stacked (every result batched along 0)."""
+    results = []
+    for b in range(info.batch_size):
+        one = [x if d is None or x is None else x.select(d, b) for x, d in zip(args, in_dims)]
+        results.append(op(*one, **kwargs))
+    if isinstance(results[0], torch.Tensor):
+        return torch.stack(results), 0
+    return tuple(torch.stack(r) for r in zip(*results)), (0,) * len(results[0])
+
+
+def _vmap_rule(name, tokens_major, states=None):
+    """The vmap rule of overload `name`: `tokens_major` the positional arguments laid out [tokens,
+    ...] per example (flattened with the batch), every other tensor argument to be unbatched for one
+    call; `states` (o's and lse's positions) where the op reads S at states_axis (moved to 1)."""
+    op = _overload(name)
+
+    def rule(info, in_dims, *args, **kwargs):
+        size = info.batch_size
+        others = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and i not in tokens_major]
+        if any(in_dims[i] is not None for i in others) or kwargs.get("a_tokens") is not None:
+            return _per_example(op, info, in_dims, args, kwargs)
+        args = list(args)
+        axis = _call.states_axis_of(kwargs.get("states_axis", 1), 3 if name == "merge_share" else 4) if states else 1
+        tokens = None
+        for i in tokens_major:
+            x = args[i]
+            if x is None:
+                continue
+            x = _batch_first(x, in_dims[i], size)
+            if states and i in states and axis != 1:
+                x = x.movedim(axis + 1, 2)  # S where the C ABI reads it, after the batch and tokens
+            tokens = x.shape[1]
+            args[i] = x.reshape(size * x.shape[1], *x.shape[2:])
+        if states:
+            kwargs = dict(kwargs, states_axis=1)
+        results = op(*args, **kwargs)
+
+        def unflatten(r, i):
+            if r.numel() == 0 and r.dim() == 1:  # a gradient not asked for
+                return r, None
+            r = r.reshape(size, tokens, *r.shape[1:])
+            if states and i in states and axis != 1:
+                r = r.movedim(2, axis + 1)
+            return r, 0
+
+        if isinstance(results, torch.Tensor):
+            return unflatten(results, None)
+        pairs = [unflatten(r, states[j] if states and name.endswith("_backward") else None)
+                 for j, r in enumerate(results)]
+        return tuple(r for r, _ in pairs), tuple(d for _, d in pairs)
+
+    return rule
+
+
+# (overload, its token-major positional arguments, the positions of o and lse where S is read at
+# states_axis); varlen's rows are not its states' tokens: one call per example.
+_VMAP = (
+    ("merge", (0, 1, 2, 3), None),
+    ("merge_inplace.functional", (0, 1, 2, 3, 4), None),
+    ("merge_states", (0, 1), (0, 1)),
+    ("merge_share", (0, 1), (1,)),
+    ("merge_varlen", (), None),
+    ("merge_backward", (0, 1, 2, 3, 4, 5, 6, 7), None),
+    ("merge_states_backward", (0, 1, 2, 3, 4, 5), (4, 5)),
+    ("merge_varlen_backward", (), None),
+)
+
+
+def _inplace_vmap_rule(info, in_dims, o, lse, o_other, lse_other, mask=None, **kwargs):
+    """The in-place merge under vmap: each example merged into its own slice of o and lse (views,
+    so the writes land in the batch); o and lse must be batched wherever anything is, as torch's
+    own in-place ops require."""
+    if in_dims[0] is None or in_dims[1] is None:
+        raise ValueError("o, lse: expected batched tensors under vmap where o_other, lse_other or mask are "
+                         "(the merge writes into o and lse)")
+    op = _overload("merge_inplace")
+    args = (o, lse, o_other, lse_other, mask)
+    for b in range(info.batch_size):
+        op(*(x if d is None or x is None else x.select(d, b) for x, d in zip(args, in_dims)), **kwargs)
+    return None, None
+
+
+def _register_vmap(lib):
+    for name, tokens_major, states in _VMAP:
+        torch.library.register_vmap(f"{_NS}::{name}", _vmap_rule(name, tokens_major, states), lib=lib)
+    torch.library.register_vmap(f"{_NS}::merge_inplace", _inplace_vmap_rule, lib=lib)
 
 
 def _no_fp8_gradient(name, inputs, scale, out):
@@ -436,10 +578,12 @@ def _register():
     for name in _SCHEMAS:
         torch.library.register_fake(f"{_NS}::{name}", _RESULTS.get(name, _fake_nothing), lib=lib)
     _register_autograd(lib)
+    _register_vmap(lib)
     return lib
 
 
 _LIB = _register()  # kept alive: the registrations last as long as the Library object
+_FUNCTIONS = {name: _function(name, *rules) for name, rules in _AUTOGRAD.items()}  # for torch.func
 
 
 # ---- what the public functions call while tracing -------------------------------------------------
@@ -553,7 +697,11 @@ def run(op, inputs, out, out_lse, opt: Options):
             (1,), opt.output_scale, dtype=torch.float32, device=like.device)
         if out is None and out_lse is None and not opt.group_size and opt.group_scales is None:
             out_dtype = None if opt.out_dtype is None else getattr(torch, opt.out_dtype)
-            res, res_lse = packet.default(*inputs, scale, opt.sink, out_dtype=out_dtype, **kwargs)
+            if transforming() and not _compiling():  # torch.func: the op as an autograd.Function
+                res, res_lse = _FUNCTIONS[op.name].apply(*inputs, scale, opt.sink,
+                                                          _KeywordOnly(dict(kwargs, out_dtype=out_dtype)))
+            else:
+                res, res_lse = packet.default(*inputs, scale, opt.sink, out_dtype=out_dtype, **kwargs)
             return res, (res_lse if opt.return_lse else None)
         out, out_lse, opt = _native.allocate(op, inputs, out, out_lse, opt)
         groups = {} if opt.group_scales is None else dict(group_scales=opt.group_scales, group_size=opt.group_size,

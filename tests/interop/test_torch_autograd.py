@@ -538,3 +538,16 @@ def test_the_routing_asks_whether_torch_traces_only_for_arrays_other_than_exact_
         _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, lambda: 1 / 0)(sub, plain)
     with pytest.raises(TypeError, match="tracing: expected None or a callable"):
         _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, 1)
+
+
+@pytest.mark.parametrize("which", ["out", "out_lse"])
+def test_an_output_that_requires_grad_is_refused_before_any_write(rng, which):
+    """As torch's own out= ops refuse to write a tensor autograd tracks, so do the merges: by name,
+    the output untouched."""
+    o_a, o_b = (put(random_o(rng, (4, 3, 16)), "cpu", grad=False) for _ in range(2))
+    lse_a, lse_b = (put(random_lse(rng, (4, 3)), "cpu", grad=False) for _ in range(2))
+    outs = {"out": torch.full((4, 3, 16), float("nan")), "out_lse": torch.full((4, 3), float("nan"))}
+    outs[which].requires_grad_(True)
+    with pytest.raises(NotImplementedError, match=f"{which} requires grad"):
+        attnmerge.merge(o_a, lse_a, o_b, lse_b, **outs)
+    assert torch.isnan(outs["out"]).all() and torch.isnan(outs["out_lse"]).all()

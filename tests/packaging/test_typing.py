@@ -69,3 +69,13 @@ def test_the_public_api_is_annotated(fn):
     missing = [p for p in sig.parameters.values() if p.annotation is inspect.Parameter.empty]
     assert not missing, f"{fn.__name__}: parameters without a type: {[p.name for p in missing]}"
     assert sig.return_annotation is not inspect.Signature.empty, f"{fn.__name__} has no return type"
+
+
+def test_import_attnmerge_brings_the_raw_layer():
+    """`import attnmerge` is enough for attnmerge.raw.merge, as the docs use it (a fresh process: no
+    test has imported the submodule before)."""
+    import subprocess
+    import sys
+    code = "import attnmerge; print(callable(attnmerge.raw.merge))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
