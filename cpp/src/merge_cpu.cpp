@@ -37,13 +37,20 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
     if (!src.masked_out(token)) {
       const auto states = src.template row<TIn>(token, head);
       const int n = states.count();
+      // State s's LSE as the merge reads it (the source's StateExtras, where the call has them).
+      const auto lse_of = [&](int s) {
+        if constexpr (Source::Traits::kExtras) {
+          if (src.extras.on) return src.settle(states.lse(s), token, head, s, true, shape.base2);
+        }
+        return states.lse(s);
+      };
       RowMerge r(shape.base2);
       const float sink = sink_lse(src, head);  // a state of output 0: in the max and the total only
       if constexpr (Source::Traits::kSink) r.see(sink);
-      for (int s = 0; s < n; ++s) r.see(states.lse(s));
+      for (int s = 0; s < n; ++s) r.see(lse_of(s));
       float w[kCached];
       for (int s = 0; s < n; ++s) {
-        const float ws = r.weight(states.lse(s));
+        const float ws = r.weight(lse_of(s));
         if (s < kCached) w[s] = ws;
         r.total += ws;
       }
@@ -54,7 +61,7 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
       // case, in one fused pass over head_size.
       int live = 0, first = -1, second = -1;
       for (int s = 0; s < n && live <= 2; ++s) {
-        if (!states.reads_o(s) || (s < kCached ? w[s] : r.weight(states.lse(s))) == 0.0f) continue;
+        if (!states.reads_o(s) || (s < kCached ? w[s] : r.weight(lse_of(s))) == 0.0f) continue;
         (live++ == 0 ? first : second) = s;
       }
       if (live == 2 && n <= kCached && out.group == 0) {
@@ -72,7 +79,7 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
           std::fill(acc, acc + len, r.nan ? NAN : 0.0f);
           for (int s = 0; s < n; ++s) {
             if (!states.reads_o(s)) continue;  // it weighs the row and adds nothing to O
-            const float ws = s < kCached ? w[s] : r.weight(states.lse(s));
+            const float ws = s < kCached ? w[s] : r.weight(lse_of(s));
             if (ws == 0.0f) continue;
             const float scale = r.scale(ws);
             const TIn* o = states.template o_at<TIn>(s) + d0;

@@ -2,6 +2,7 @@
 // equations, the source its rows read (sources.h, backward_params.h), and route.h.  Every argument
 // is validated once, before anything is written.
 #include <cinttypes>
+#include <utility>
 
 #include "route.h"
 
@@ -47,7 +48,7 @@ attnmerge_status share_sizes(Views views, const View& o, const attnmerge_options
   n.head_size = o.shape[2];
   if (attnmerge_status s = check_head_size(o, n.head_size)) return s;
   for (const View& v : views)
-    if (v.spec->shape[1] == Dim::kStates) {  // lse
+    if (same_name(v.spec->name, "lse")) {  // [tokens, S, heads]
       n.states = v.shape[1];
       if (n.states > INT32_MAX)
         return fail(ATTNMERGE_ERROR_VALUE, "%s: expected at most 2^31 - 1 states, got %" PRId64, v.name(), n.states);
@@ -72,11 +73,13 @@ attnmerge_status range_sizes(Views views, const View& o, const attnmerge_options
 // ---- the ops' contracts -----------------------------------------------------------------------
 
 constexpr uint32_t kOIn = ATTNMERGE_ROLE_O_IN, kOOut = ATTNMERGE_ROLE_O_OUT, kLse = ATTNMERGE_ROLE_LSE,
-                   kMask = ATTNMERGE_ROLE_MASK, kIndptr = ATTNMERGE_ROLE_INDPTR;
+                   kMask = ATTNMERGE_ROLE_MASK, kIndptr = ATTNMERGE_ROLE_INDPTR,
+                   kValid = ATTNMERGE_ROLE_MASK | ATTNMERGE_ROLE_INDPTR;  // options.valid: a mask or counts
 // The tables' axes: tokens, heads, head_size, S, the total states and rows of a variable-length
 // merge (R1 = rows + 1), the tokens of a that are read, and a itself (Dim).
 constexpr Dim T = Dim::kTokens, H = Dim::kHeads, D = Dim::kHeadSize, S = Dim::kStates, N = Dim::kTotal, R = Dim::kRows,
-              R1 = Dim::kRowsPlus1, A = Dim::kATokens, AOrMore = Dim::kATokensOrMore, G = Dim::kScaleGroups;
+              R1 = Dim::kRowsPlus1, A = Dim::kATokens, AOrMore = Dim::kATokensOrMore, G = Dim::kScaleGroups,
+              P = Dim::kPair;
 constexpr Use kRead = Use::kRead, kWrite = Use::kWrite, kReadWrite = Use::kReadWrite;
 constexpr Presence kRequired = Presence::kRequired, kOptional = Presence::kOptional;
 constexpr Alias kMayBeOutput = Alias::kMayBeOutput, kNoAlias = Alias::kNone;
@@ -101,13 +104,18 @@ constexpr ArgSpec kMergeArgs[] = {
     {"lse_b",    kLse,  {T, H},          kRead,  kRequired,  kMayBeOutput},
     {"sink",     kLse,  {H},             kRead,  kOptional},
     {"group_scales", kLse, {T, H, G},    kWrite, kOptional},
+    {"sum_a",    kLse,  {AOrMore, H},    kRead,  kOptional},
+    {"sum_b",    kLse,  {T, H},          kRead,  kOptional},
+    {"valid",    kValid, {T, P},         kRead,  kOptional},
 };
 struct MergeArg {
-  enum : int { kOut, kOutLse, kOA, kLseA, kOB, kLseB, kSink, kGroupScales };
+  enum : int { kOut, kOutLse, kOA, kLseA, kOB, kLseB, kSink, kGroupScales, kSumA, kSumB, kValid };
 };
 static_assert(indexed(kMergeArgs, {{MergeArg::kOut, "out"}, {MergeArg::kOutLse, "out_lse"}, {MergeArg::kOA, "o_a"},
                                    {MergeArg::kLseA, "lse_a"}, {MergeArg::kOB, "o_b"}, {MergeArg::kLseB, "lse_b"},
-                                   {MergeArg::kSink, "sink"}, {MergeArg::kGroupScales, "group_scales"}}),
+                                   {MergeArg::kSink, "sink"}, {MergeArg::kGroupScales, "group_scales"},
+                                   {MergeArg::kSumA, "sum_a"}, {MergeArg::kSumB, "sum_b"},
+                                   {MergeArg::kValid, "valid"}}),
               "MergeArg indexes kMergeArgs");
 constexpr OpSpec kMerge = make_op(kMergeArgs, kBase2 | kBBase | kOutBase | kHeadsFirst | kATokens | kPdl | kUe8m0,
                                   "out", "o_b", "lse_b", pair_sizes);
@@ -120,12 +128,15 @@ constexpr ArgSpec kInplaceArgs[] = {
     {"o_other",   kOIn,  {T, H, D}, kRead,      kRequired, kMayBeOutput, "o"},
     {"lse_other", kLse,  {T, H},    kRead,      kRequired, kMayBeOutput},
     {"mask",      kMask, {T},       kRead,      kOptional},
+    {"sum_b",     kLse,  {T, H},    kRead,      kOptional},
+    {"valid",     kValid, {T, P},   kRead,      kOptional},
 };
 struct InplaceArg {
-  enum : int { kO, kLse, kOOther, kLseOther, kMask };
+  enum : int { kO, kLse, kOOther, kLseOther, kMask, kSumB, kValid };
 };
 static_assert(indexed(kInplaceArgs, {{InplaceArg::kO, "o"}, {InplaceArg::kLse, "lse"}, {InplaceArg::kOOther, "o_other"},
-                                     {InplaceArg::kLseOther, "lse_other"}, {InplaceArg::kMask, "mask"}}),
+                                     {InplaceArg::kLseOther, "lse_other"}, {InplaceArg::kMask, "mask"},
+                                     {InplaceArg::kSumB, "sum_b"}, {InplaceArg::kValid, "valid"}}),
               "InplaceArg indexes kInplaceArgs");
 constexpr OpSpec kInplace =
     make_op(kInplaceArgs, kBase2 | kBBase | kHeadsFirst | kPdl, "o", "o_other", "lse_other", pair_sizes);
@@ -139,13 +150,16 @@ constexpr ArgSpec kStatesArgs[] = {
     {"lse",     kLse,  {T, S, H},    kRead,  kRequired},
     {"sink",    kLse,  {H},          kRead,  kOptional},
     {"group_scales", kLse, {T, H, G}, kWrite, kOptional},
+    {"sum_a",   kLse,  {T, S, H},    kRead,  kOptional},
+    {"valid",   kValid, {T, S},      kRead,  kOptional},
 };
 struct StatesArg {
-  enum : int { kOut, kOutLse, kO, kLse, kSink, kGroupScales };
+  enum : int { kOut, kOutLse, kO, kLse, kSink, kGroupScales, kSumA, kValid };
 };
 static_assert(indexed(kStatesArgs, {{StatesArg::kOut, "out"}, {StatesArg::kOutLse, "out_lse"}, {StatesArg::kO, "o"},
                                     {StatesArg::kLse, "lse"}, {StatesArg::kSink, "sink"},
-                                    {StatesArg::kGroupScales, "group_scales"}}),
+                                    {StatesArg::kGroupScales, "group_scales"}, {StatesArg::kSumA, "sum_a"},
+                                    {StatesArg::kValid, "valid"}}),
               "StatesArg indexes kStatesArgs");
 constexpr OpSpec kStates = make_op(kStatesArgs, kBase2 | kOutBase | kPdl | kUe8m0, "out", "o", "lse", stack_sizes);
 static_assert(names_resolve(kStates), "kStates names its own arguments");
@@ -159,13 +173,16 @@ constexpr ArgSpec kVarlenArgs[] = {
     {"indptr",  kIndptr, {R1},      kRead,  kRequired},
     {"sink",    kLse,    {H},       kRead,  kOptional},
     {"group_scales", kLse, {R, H, G}, kWrite, kOptional},
+    {"sum_a",   kLse,    {N, H},    kRead,  kOptional},
+    {"valid",   kValid,  {N},       kRead,  kOptional},
 };
 struct VarlenArg {
-  enum : int { kOut, kOutLse, kO, kLse, kIndptr, kSink, kGroupScales };
+  enum : int { kOut, kOutLse, kO, kLse, kIndptr, kSink, kGroupScales, kSumA, kValid };
 };
 static_assert(indexed(kVarlenArgs, {{VarlenArg::kOut, "out"}, {VarlenArg::kOutLse, "out_lse"}, {VarlenArg::kO, "o"},
                                     {VarlenArg::kLse, "lse"}, {VarlenArg::kIndptr, "indptr"},
-                                    {VarlenArg::kSink, "sink"}, {VarlenArg::kGroupScales, "group_scales"}}),
+                                    {VarlenArg::kSink, "sink"}, {VarlenArg::kGroupScales, "group_scales"},
+                                    {VarlenArg::kSumA, "sum_a"}, {VarlenArg::kValid, "valid"}}),
               "VarlenArg indexes kVarlenArgs");
 constexpr OpSpec kVarlen =
     make_op(kVarlenArgs, kBase2 | kOutBase | kPdl | kUe8m0, "out", "o", "lse", range_sizes);
@@ -180,13 +197,16 @@ constexpr ArgSpec kShareArgs[] = {
     {"lse",     kLse,  {T, S, H},    kRead,  kRequired},
     {"sink",    kLse,  {H},          kRead,  kOptional},
     {"group_scales", kLse, {T, H, G}, kWrite, kOptional},
+    {"sum_a",   kLse,  {T, S, H},    kRead,  kOptional},
+    {"valid",   kValid, {T, S},      kRead,  kOptional},
 };
 struct ShareArg {
-  enum : int { kOut, kOutLse, kO, kLse, kSink, kGroupScales };
+  enum : int { kOut, kOutLse, kO, kLse, kSink, kGroupScales, kSumA, kValid };
 };
 static_assert(indexed(kShareArgs, {{ShareArg::kOut, "out"}, {ShareArg::kOutLse, "out_lse"}, {ShareArg::kO, "o"},
                                    {ShareArg::kLse, "lse"}, {ShareArg::kSink, "sink"},
-                                   {ShareArg::kGroupScales, "group_scales"}}),
+                                   {ShareArg::kGroupScales, "group_scales"}, {ShareArg::kSumA, "sum_a"},
+                                   {ShareArg::kValid, "valid"}}),
               "ShareArg indexes kShareArgs");
 constexpr OpSpec kShare = make_op(kShareArgs, kBase2 | kOutBase | kPdl | kUe8m0, "out", "o", "lse", share_sizes);
 static_assert(names_resolve(kShare), "kShare names its own arguments");
@@ -305,14 +325,44 @@ StackSource stack_of(const View& o, const View& lse, int64_t states, const View*
                      sink_view(sink)};
 }
 
+// A softmax-sum tensor (sum_a, sum_b) laid out as its LSE argument: [tokens, heads], [total,
+// heads] or [tokens, S, heads]; absent or empty: none (an empty one is never read).
+SumView sum_view(const View& v) {
+  if (!v.present() || v.empty) return SumView{};
+  const float* p = static_cast<const float*>(v.t->data);
+  return v.ndim == 3 ? SumView{p, v.strides[0], v.strides[1], v.strides[2]} : SumView{p, v.strides[0], 0, v.strides[1]};
+}
+
+// options.valid: [tokens, S] (S = 2 for a two-way or in-place merge) or a variable-length merge's
+// [total]; absent or empty: none.
+ValidView valid_view(const View& v) {
+  if (!v.present() || v.empty) return ValidView{};
+  return ValidView{v.t->data, v.strides[0], v.ndim > 1 ? v.strides[1] : 0, static_cast<int32_t>(dtype_size(v.t->dtype))};
+}
+
+// What a call's states carry beside their LSEs: the sums of its first and second LSE arguments
+// and which states hold keys (any absent: none).
+StateExtras extras_of(const View& sum_a, const View& sum_b, const View& valid) {
+  StateExtras e{sum_view(sum_a), sum_view(sum_b), valid_view(valid)};
+  e.on = e.sum_a.p != nullptr || e.sum_b.p != nullptr || e.valid.p != nullptr;
+  return e;
+}
+
 // Two stacked states as a pair, for the two-way merge's kernel: the same weights, fewer registers
 // (no offset from the pointer of an empty tensor, which may be null and is never read).
 // `empty_o`, `empty_lse`: those of x's views (an absent one counts as empty); `dtype`: x's O's.
+// x's extras follow: its states' sums as a's and b's, its valid [tokens, 2] as theirs.
 PairSource pair_of(const StackSource& x, int dtype, bool empty_o, bool empty_lse, int64_t tokens) {
   const char* o1 = static_cast<const char*>(x.o) + (empty_o ? 0 : x.o_ss * static_cast<int64_t>(dtype_size(dtype)));
-  return PairSource{StateView{x.o, x.o_st, x.o_sh, x.lse, x.lse_st, x.lse_sh},
-                    StateView{o1, x.o_st, x.o_sh, x.lse + (empty_lse ? 0 : x.lse_ss), x.lse_st, x.lse_sh}, tokens,
-                    nullptr, 0};
+  PairSource pair{StateView{x.o, x.o_st, x.o_sh, x.lse, x.lse_st, x.lse_sh},
+                  StateView{o1, x.o_st, x.o_sh, x.lse + (empty_lse ? 0 : x.lse_ss), x.lse_st, x.lse_sh}, tokens,
+                  nullptr, 0};
+  pair.extras = x.extras;
+  if (x.extras.sum_a.p != nullptr) {
+    pair.extras.sum_b = x.extras.sum_a;
+    pair.extras.sum_b.p += x.extras.sum_a.ss;
+  }
+  return pair;
 }
 
 // o [total, heads, ...] and lse [total, heads], either of which may be absent, with indptr and the
@@ -381,19 +431,28 @@ MergeShape merge_shape(int64_t tokens, const Sizes& n, const Checked& c) {
 }
 
 // The two-way and in-place merges' common end: a = (o_a, lse_a), b = (o_b, lse_b).
-// `scales`: the group scales and `sink` the sink (absent: none; the in-place merge has neither).
+// `scales`: the group scales and `sink` the sink (absent: none; the in-place merge has neither);
+// `sum_a`, `sum_b`: the LSEs' softmax sums and `valid` the states holding keys (absent: none).
 attnmerge_status run_pair(Checked& c, const View& out, const View& out_lse, const View& o_a, const View& lse_a,
                           const View& o_b, const View& lse_b, const View& scales, const View& sink, const View* mask,
-                          void* stream) {
+                          const View& sum_a, const View& sum_b, const View& valid, void* stream) {
   PairSource src{state_of(o_a, lse_a), state_of(o_b, lse_b), c.sizes.a_tokens, nullptr, 0};
   src.b_scale = base_change(lse_base2(c.opt.flags, ATTNMERGE_LSE_B_BASE2, ATTNMERGE_LSE_B_BASE_E),
                             inputs_base2(c.opt.flags));
+  src.extras = extras_of(sum_a, sum_b, valid);
   if (mask != nullptr && mask->present() && !mask->empty) {
     src.mask = static_cast<const uint8_t*>(mask->t->data);
     src.mask_stride = mask->strides[0];
   }
   OutView dst = out_view(out, out_lse, scales, c);
   dst.lse_in_place = lse_in_place(out_lse, lse_a, lse_b);
+  // An LSE argument that holds maxima (its sums given) is no place for the merged LSE.
+  for (const auto& [lse, sum] : {std::pair<const View*, const View*>{&lse_a, &sum_a}, {&lse_b, &sum_b}})
+    if (dst.lse_in_place && sum->present() && same_view(out_lse, *lse))
+      return fail(ATTNMERGE_ERROR_VALUE,
+                  "%s: expected memory apart from %s, which holds softmax maxima (their sums in %s) the merged LSE "
+                  "would overwrite, got the very same view",
+                  out_lse.name(), lse->name(), sum->name());
   const MergeShape shape = merge_shape(c.sizes.tokens, c.sizes, c);
   const SinkView sinks = sink_view(&sink);
   if (sinks.lse != nullptr) {
@@ -423,13 +482,14 @@ attnmerge_status attnmerge_merge(const attnmerge_tensor* out, const attnmerge_te
                                  const attnmerge_options* options, void* stream) {
   begin_call();
   Checked c;
-  const attnmerge_tensor* const args[] = {
-      out, out_lse, o_a, lse_a, o_b, lse_b, sink_of(options), group_scales_of(options)};
+  const attnmerge_tensor* const args[] = {out, out_lse, o_a, lse_a, o_b, lse_b, sink_of(options),
+                                          group_scales_of(options), sum_a_of(options), sum_b_of(options),
+                                          valid_of(options)};
   if (attnmerge_status s = validate(kMerge, args, options, c)) return s;
   using A = MergeArg;
   const View* v = c.views;
   return run_pair(c, v[A::kOut], v[A::kOutLse], v[A::kOA], v[A::kLseA], v[A::kOB], v[A::kLseB], v[A::kGroupScales],
-                  v[A::kSink], nullptr, stream);
+                  v[A::kSink], nullptr, v[A::kSumA], v[A::kSumB], v[A::kValid], stream);
 }
 
 attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnmerge_tensor* lse,
@@ -437,14 +497,14 @@ attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnme
                                          const attnmerge_tensor* mask, const attnmerge_options* options, void* stream) {
   begin_call();
   Checked c;
-  const attnmerge_tensor* const args[] = {o, lse, o_other, lse_other, mask};
+  const attnmerge_tensor* const args[] = {o, lse, o_other, lse_other, mask, sum_b_of(options), valid_of(options)};
   if (attnmerge_status s = validate(kInplace, args, options, c)) return s;
   using A = InplaceArg;
   const View* v = c.views;
-  const View none;  // no group scales, no sink
+  const View none;  // no group scales, no sink, no sums of lse (the merged LSE goes there)
   // (o, lse) is both a and the output.
   return run_pair(c, v[A::kO], v[A::kLse], v[A::kO], v[A::kLse], v[A::kOOther], v[A::kLseOther], none, none,
-                  &v[A::kMask], stream);
+                  &v[A::kMask], none, v[A::kSumB], v[A::kValid], stream);
 }
 
 attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
@@ -452,14 +512,16 @@ attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnm
                                         const attnmerge_options* options, void* stream) {
   begin_call();
   Checked c;
-  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, sink_of(options), group_scales_of(options)};
+  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, sink_of(options), group_scales_of(options),
+                                          sum_a_of(options), valid_of(options)};
   if (attnmerge_status s = validate(kStates, args, options, c)) return s;
   using A = StatesArg;
   const View &vo = c.views[A::kO], &vl = c.views[A::kLse];
   const Sizes& n = c.sizes;
   const MergeShape shape = merge_shape(n.tokens, n, c);
   const OutView dst = out_view(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c);
-  const StackSource src = stack_of(vo, vl, n.states, &c.views[A::kSink]);
+  StackSource src = stack_of(vo, vl, n.states, &c.views[A::kSink]);
+  src.extras = extras_of(c.views[A::kSumA], View{}, c.views[A::kValid]);
   if (n.states == 2) {  // the two-way merge's kernels
     const PairSource pair = pair_of(src, o->dtype, vo.empty, vl.empty, n.tokens);
     if (src.sink.lse != nullptr)
@@ -475,14 +537,17 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
                                         void* stream) {
   begin_call();
   Checked c;
-  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, indptr, sink_of(options), group_scales_of(options)};
+  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, indptr, sink_of(options), group_scales_of(options),
+                                          sum_a_of(options), valid_of(options)};
   attnmerge_status s;
   if ((s = validate(kVarlen, args, options, c))) return s;
   using A = VarlenArg;
   const View &vo = c.views[A::kO], &vi = c.views[A::kIndptr];
   const Sizes& n = c.sizes;
   if ((s = check_indptr(vi, vo, out, n.rows))) return s;
-  return run(c.all(), merge_shape(n.rows, n, c), range_of(vo, c.views[A::kLse], vi, n.total, &c.views[A::kSink]),
+  RangeSource src = range_of(vo, c.views[A::kLse], vi, n.total, &c.views[A::kSink]);
+  src.extras = extras_of(c.views[A::kSumA], View{}, c.views[A::kValid]);
+  return run(c.all(), merge_shape(n.rows, n, c), src,
              out_view(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype, out->dtype, stream,
              c.opt.flags);
 }
@@ -492,7 +557,8 @@ attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnme
                                        const attnmerge_options* options, void* stream) {
   begin_call();
   Checked c;
-  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, sink_of(options), group_scales_of(options)};
+  const attnmerge_tensor* const args[] = {out, out_lse, o, lse, sink_of(options), group_scales_of(options),
+                                          sum_a_of(options), valid_of(options)};
   if (attnmerge_status s = validate(kShare, args, options, c)) return s;
   using A = ShareArg;
   const View& vl = c.views[A::kLse];
@@ -500,7 +566,9 @@ attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnme
   if (index < 0 || index >= n.states)
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected 0 <= index < %" PRId64 " (the states of %s), got %" PRId64,
                 c.names.of("index"), n.states, vl.name(), index);
-  return run(c.all(), merge_shape(n.tokens, n, c), share_of(c.views[A::kO], vl, n.states, index, &c.views[A::kSink]),
+  ShareSource src = share_of(c.views[A::kO], vl, n.states, index, &c.views[A::kSink]);
+  src.extras = extras_of(c.views[A::kSumA], View{}, c.views[A::kValid]);
+  return run(c.all(), merge_shape(n.tokens, n, c), src,
              out_view(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype, out->dtype, stream,
              c.opt.flags);
 }

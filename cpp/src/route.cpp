@@ -69,7 +69,8 @@ CallFacts call_facts(Views views, int64_t head_size, uint32_t flags) {
     const int64_t span = (v.last + 1) * static_cast<int64_t>(dtype_size(v.t->dtype));  // < 2^63 (describe)
     for (int pass = v.spec->use == Use::kReadWrite ? 2 : 1; pass > 0; --pass)
       if (__builtin_add_overflow(facts.bytes, span, &facts.bytes)) facts.bytes = INT64_MAX;
-    if (v.ndim == 2 && v.strides[0] < v.strides[1]) facts.lse_tokens_inner = true;  // a two-axis LSE
+    if (v.spec->role == ATTNMERGE_ROLE_LSE && v.ndim == 2 && v.strides[0] < v.strides[1])
+      facts.lse_tokens_inner = true;  // a two-axis LSE (or softmax sum)
   }
   return facts;
 }

@@ -109,6 +109,7 @@ int64_t size_of(Dim d, const Sizes& n) {
     case Dim::kATokens:
     case Dim::kATokensOrMore: return n.a_tokens;
     case Dim::kScaleGroups: return n.scale_groups;
+    case Dim::kPair: return 2;
     case Dim::kNone: break;
   }
   return 0;
@@ -190,8 +191,8 @@ attnmerge_status describe_one(const attnmerge_tensor* t, const ArgSpec& spec, Ls
 // this header's.  A release that adds fields at the end adds its layout's size here, and
 // read_layout reads those fields only where struct_size is that size (or a later one).
 constexpr uint32_t kBaselineSize = sizeof(attnmerge_options);
-static_assert(sizeof(void*) != 8 || kBaselineSize == 80,
-              "attnmerge_options grew: until 0.2.0 is released the baseline grows with it (update 80), after "
+static_assert(sizeof(void*) != 8 || kBaselineSize == 104,
+              "attnmerge_options grew: until 0.2.0 is released the baseline grows with it (update 104), after "
               "that a new field makes a new layout, accepted by a size of its own (kBaselineSize stays 0.2.0's)");
 
 bool known_layout(uint32_t size) { return size == 0 || size == kBaselineSize; }
@@ -221,6 +222,9 @@ attnmerge_status read_layout(const attnmerge_options* options, attnmerge_options
   opt.sink = options->sink;
   opt.group_scales = options->group_scales;
   opt.group_size = options->group_size;
+  opt.sum_a = options->sum_a;
+  opt.sum_b = options->sum_b;
+  opt.valid = options->valid;
   opt.arg_names = options->arg_names;
   opt.num_arg_names = options->num_arg_names;
   if (opt.num_arg_names < 0)
@@ -244,11 +248,12 @@ attnmerge_status describe(const ArgSpec* specs, const attnmerge_tensor* const* t
   return ATTNMERGE_SUCCESS;
 }
 
-// Step 2: the options every op shares, as read_layout read them.  `op_flags` are the flags the op
-// understands, `takes_sink` (`takes_groups`) whether it takes a sink (group scales); the dtype of
-// `out` decides whether an output scale or group scales are allowed (FP8 only).
-attnmerge_status read_options(const attnmerge_options& opt, uint32_t op_flags, bool takes_sink, bool takes_groups,
-                              const View& out, float& inv_scale) {
+// Step 2: the options every op shares, as read_layout read them.  `op` says which flags and option
+// tensors it takes; the dtype of `out` decides whether an output scale or group scales are allowed
+// (FP8 only).
+attnmerge_status read_options(const attnmerge_options& opt, const OpSpec& op, const View& out, float& inv_scale) {
+  const uint32_t op_flags = op.flags;
+  const bool takes_sink = op.sink >= 0, takes_groups = op.group_scales >= 0;
   if (opt.flags & ~op_flags)
     return fail(ATTNMERGE_ERROR_VALUE, "options.flags: expected flags within 0x%x for this op, got 0x%x", op_flags,
                 opt.flags);
@@ -264,6 +269,22 @@ attnmerge_status read_options(const attnmerge_options& opt, uint32_t op_flags, b
     return fail(ATTNMERGE_ERROR_VALUE,
                 "%s: expected none for this op (the in-place merge and the backwards take none), got a tensor",
                 out.names->of("sink"));
+  // The option tensors of some ops only, each refused by name elsewhere, with who takes it.
+  const struct {
+    const attnmerge_tensor* given;
+    int arg;
+    const char *name, *who;
+  } only_some[] = {
+      {opt.sum_a, op.sum_a, "sum_a",
+       "the sums of lse_a, or of lse of the N-way and variable-length merges and the share; the in-place merge "
+       "writes its merged LSE over lse and the backwards take LSEs"},
+      {opt.sum_b, op.sum_b, "sum_b", "the sums of lse_b of the two-way merge or lse_other of the in-place merge"},
+      {opt.valid, op.valid, "valid", "the forward merges and the share take it, the backwards do not"},
+  };
+  for (const auto& x : only_some)
+    if (x.given != nullptr && x.arg < 0)
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected none for this op (%s), got a tensor", out.names->of(x.name),
+                  x.who);
   const bool groups = opt.group_scales != nullptr;
   if (groups && !takes_groups)
     return fail(ATTNMERGE_ERROR_VALUE,
@@ -403,12 +424,9 @@ attnmerge_status check_outputs(Views views) {
 
 }  // namespace
 
-const attnmerge_tensor* sink_of(const attnmerge_options* options) {
-  return options != nullptr && known_layout(options->struct_size) ? options->sink : nullptr;
-}
-
-const attnmerge_tensor* group_scales_of(const attnmerge_options* options) {
-  return options != nullptr && known_layout(options->struct_size) ? options->group_scales : nullptr;
+const attnmerge_tensor* option_tensor(const attnmerge_options* options,
+                                      const attnmerge_tensor* const attnmerge_options::*field) {
+  return options != nullptr && known_layout(options->struct_size) ? options->*field : nullptr;
 }
 
 attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tensors, const attnmerge_options* options,
@@ -420,8 +438,7 @@ attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tenso
       (s = describe(op.args, tensors, op.count, lse_layout(call.opt, op.flags), call.names, call.views)))
     return s;
   const View& source = call.views[op.sizes_from];
-  if ((s = read_options(call.opt, op.flags, op.sink >= 0, op.group_scales >= 0, call.views[op.scale_of],
-                        call.inv_scale)) ||
+  if ((s = read_options(call.opt, op, call.views[op.scale_of], call.inv_scale)) ||
       (s = check_dtypes(op, views)) || (s = op.equations(views, source, call.opt, call.sizes)) ||
       (s = check_group_size(call.opt, views, call.sizes)) ||
       (s = check_shapes(views, call.sizes, source, call.views[op.sizes_lse])) || (s = check_outputs(views)))

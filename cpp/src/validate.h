@@ -25,6 +25,7 @@ enum class Dim : uint8_t {
   kATokens,  // the tokens of a two-way merge's a that are read: options.a_tokens, or tokens
   kATokensOrMore,  // a itself: at least those with ATTNMERGE_A_TOKENS (only they are read), else exactly
   kScaleGroups,  // the per-group FP8 scales of a row: head_size / options.group_size
+  kPair,  // 2: the two states of a two-way or in-place merge (options.valid's)
 };
 
 enum class Use : uint8_t {
@@ -129,6 +130,8 @@ struct OpSpec {
   int sizes_from, sizes_lse;
   int sink;  // the argument "sink" (options.sink), or -1: the op refuses one
   int group_scales;  // the argument "group_scales" (options.group_scales), or -1: the op refuses them
+  // The arguments "sum_a", "sum_b" and "valid" (options.sum_a, sum_b, valid), or -1: refused.
+  int sum_a, sum_b, valid;
   int dtype_of[kMaxArgs];  // ArgSpec::dtype_of
   Equations equations;
 };
@@ -157,6 +160,9 @@ constexpr OpSpec make_op(const ArgSpec (&args)[K], uint32_t flags, const char* s
             index_of(args, count, sizes_lse),
             index_of(args, count, "sink"),
             index_of(args, count, "group_scales"),
+            index_of(args, count, "sum_a"),
+            index_of(args, count, "sum_b"),
+            index_of(args, count, "valid"),
             {},
             equations};
   for (int i = 0; i < kMaxArgs; ++i) op.dtype_of[i] = i < count ? index_of(args, count, args[i].dtype_of) : -1;
@@ -202,11 +208,26 @@ struct Checked {
   Views all() { return Views{views, count, &names}; }
 };
 
-// options->sink (options->group_scales) where struct_size names a layout the library reads, else
-// NULL (validate() then refuses the size): what an op whose table has a "sink" ("group_scales")
-// argument passes validate() for it.
-const attnmerge_tensor* sink_of(const attnmerge_options* options);
-const attnmerge_tensor* group_scales_of(const attnmerge_options* options);
+// A tensor of the options, options->*field (sink, group_scales, sum_a, sum_b, valid), where
+// struct_size names a layout the library reads, else NULL (validate() then refuses the size): what
+// an op whose table has that argument passes validate() for it.
+const attnmerge_tensor* option_tensor(const attnmerge_options* options,
+                                      const attnmerge_tensor* const attnmerge_options::*field);
+inline const attnmerge_tensor* sink_of(const attnmerge_options* options) {
+  return option_tensor(options, &attnmerge_options::sink);
+}
+inline const attnmerge_tensor* group_scales_of(const attnmerge_options* options) {
+  return option_tensor(options, &attnmerge_options::group_scales);
+}
+inline const attnmerge_tensor* sum_a_of(const attnmerge_options* options) {
+  return option_tensor(options, &attnmerge_options::sum_a);
+}
+inline const attnmerge_tensor* sum_b_of(const attnmerge_options* options) {
+  return option_tensor(options, &attnmerge_options::sum_b);
+}
+inline const attnmerge_tensor* valid_of(const attnmerge_options* options) {
+  return option_tensor(options, &attnmerge_options::valid);
+}
 
 // The size of the widest O dtype among the call's arrays.
 std::size_t widest_o(Views views);
@@ -221,8 +242,8 @@ int choose_vec(Views views, int64_t head_size);
 //   1. each tensor alone: NULL, ndim, dtype, flags, device, sizes, strides, the unit-stride
 //      head_size axis of an O, pointer, alignment, a span within 2^63 bytes;
 //   2. the options (op.flags; an output scale or group scales only where op.scale_of is FP8; a sink
-//      (group scales) only where op.sink (op.group_scales) is an argument, which step 1 has
-//      described);
+//      (group scales, sums, valid) only where op.sink (op.group_scales, ...) is an argument, which
+//      step 1 has described);
 //   3. every ArgSpec::dtype_of, where both are given;
 //   4. op.equations, options.group_size against head_size and the arrays' vectors, then every
 //      given argument's shape against its Dims (op.sizes_lse first, then in table order);

@@ -71,8 +71,8 @@ typedef enum attnmerge_dtype {
 
 /* The arguments a dtype may be (attnmerge_dtype_info.roles): ROLE_O_IN an O a merge reads, the
  * in-place merge's O and every O of a backward; ROLE_O_OUT the O a two-way, N-way or variable-length
- * merge writes; ROLE_LSE every LSE and LSE gradient; ROLE_MASK the in-place merge's mask;
- * ROLE_INDPTR the variable-length merges' indptr. */
+ * merge writes; ROLE_LSE every LSE, softmax sum and LSE gradient; ROLE_MASK the in-place merge's
+ * mask; ROLE_INDPTR the variable-length merges' indptr; options.valid takes the dtypes of both. */
 #define ATTNMERGE_ROLE_O_IN 1u
 #define ATTNMERGE_ROLE_O_OUT 2u
 #define ATTNMERGE_ROLE_LSE 4u
@@ -202,7 +202,7 @@ typedef struct attnmerge_options {
    * read by the kernel itself, so that no host synchronization is needed.  NULL (default): none. */
   const float* output_scale_ptr;
   /* The layout the caller was built against: 0, or sizeof(attnmerge_options) of a released
-   * attnmerge.h; any other size is refused.  This layout, 0.2.0's (80 bytes on 64-bit platforms),
+   * attnmerge.h; any other size is refused.  This layout, 0.2.0's (104 bytes on 64-bit platforms),
    * is the baseline: 0 names it, so that zero-initialized options are the defaults.  A later
    * release adds fields at the end only, and reads them only where struct_size is the size of a
    * layout that has them: a caller built against an older attnmerge.h keeps working. */
@@ -227,6 +227,32 @@ typedef struct attnmerge_options {
    * times the elements a vector access takes of every O array (its pointer's and strides'
    * alignment, within 16 bytes).  0 (default) without group_scales. */
   int32_t group_size;
+  /* Softmax statistics in place of LSEs (TensorRT-LLM's Helix, a flash-decoding kernel before it
+   * takes the log).  Where sum_a (sum_b) is given, the op's first (second) LSE argument holds each
+   * row's running max m of its part's scores, and this float32 tensor, of that argument's shape
+   * and layout (strides of its own >= 0; ATTNMERGE_LSE_HEADS_FIRST applies to it too), the sum s
+   * of exp(score - m) (exp2 with base 2) over the part's keys: the state's LSE is m + log(s)
+   * (log2 with base 2), taken in float32 as the merge reads it, and s = 0 is an empty part
+   * whatever m holds (the max of no scores); then the LSE's rules apply (+inf or -inf: empty; NaN:
+   * the row NaN).  sum_a: of lse_a (two-way merge), of lse (N-way and variable-length merges,
+   * share); sum_b: of lse_b (two-way merge), of lse_other (in-place merge).  The in-place merge
+   * refuses sum_a (its merged LSE is written over lse), and an out_lse that is the LSE argument of
+   * a sum is refused (the merged LSE would overwrite the maxima).  The merged LSE is an LSE (m = LSE,
+   * s = 1 as statistics).  The backwards take none: their LSEs are m + log(s), whose gradients are
+   * dm = dlse and ds = dlse / (s ln b).  NULL (default): LSEs. */
+  const attnmerge_tensor* sum_a;
+  const attnmerge_tensor* sum_b;
+  /* Which states hold keys (vLLM's interleaved context-parallel KV sharding, where a rank may hold
+   * none of a sequence's keys), read by the kernel from the op's device: never synchronized with
+   * the host, so that one captured CUDA graph serves every batch.  uint8 or bool (a mask), or
+   * int32 or int64 (a count of keys, such as per-rank KV lengths), any strides >= 0, 0 where the
+   * state holds no key for the token: [tokens, S] for the N-way merge and the share, [tokens, 2]
+   * for the two-way merge (a, b) and the in-place merge (o's state, o_other's), [total] for the
+   * variable-length merge (each state of o).  A state whose entry is 0 weighs nothing, whatever its
+   * O and LSE hold (NaN or garbage never reach the result); a row with no state left gets O = 0 and
+   * LSE = -inf (the sink's LSE, with one).  The backwards take none.  NULL (default): every state
+   * holds keys. */
+  const attnmerge_tensor* valid;
 } attnmerge_options;
 
 /** Two-way merge: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)), and options->sink where given.

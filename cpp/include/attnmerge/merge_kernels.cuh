@@ -50,6 +50,11 @@ __device__ __forceinline__ void weigh_row(const float (&l)[kChunk], float (&w)[k
   r.finish(factor);
 }
 
+// How far ahead a call with StateExtras prefetches its states into L1, as it takes them one at a
+// time (merge_body, merge_states_body, merge_share_body): a chunk's worth, as the calls without
+// take in one round trip.
+constexpr int kPrefetchAhead = kStateChunk;
+
 // A row's (or a group's) states 0 .. n-1 in one pass: `r` keeps the running max and total weight
 // and `acc` the O packs weighted against that max, both rescaled when a chunk raises the max, so
 // that the LSEs are read once and every memory round trip carries O (a first walk of the LSEs for
@@ -60,11 +65,13 @@ __device__ __forceinline__ void weigh_row(const float (&l)[kChunk], float (&w)[k
 // lie (computed past n too, never read there).  After it, r.finish(factor) and acc[i] * r.inv give
 // the merged row; a zero-weight part is dropped unread as in the one-chunk path, and a NaN LSE
 // makes the row NaN.  kSink: the row's sink (LSE `sink`, output 0) is one more state, weighed with
-// the first chunk.
-template <int kChunk, bool kSink = false, typename TIn, int VEC, typename LseOf, typename OOf>
+// the first chunk.  kExtended (the source's StateExtras in this call): each later chunk's LSEs
+// settled, settle(l, s) (states s .. s + kChunk - 1 into l, the states ahead prefetched), before
+// its O loads go out (the first chunk's are the caller's to settle).
+template <int kChunk, bool kSink, bool kExtended, typename TIn, int VEC, typename LseOf, typename OOf, typename Settle>
 __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pack<TIn, VEC> (&o)[kChunk], LseOf lse_of,
                                                   OOf o_of, bool evict_first, RowMerge& r, float (&acc)[VEC],
-                                                  float sink = -INFINITY) {
+                                                  Settle settle, float sink = -INFINITY) {
   // A chunk's states weighed against r.m, without a branch: a state past n has LSE -inf, so
   // weight 0, and accumulate clears the words of its pack (never loaded).
   const auto add = [&] {
@@ -83,10 +90,16 @@ __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pac
   }
   add();
   for (int s = kChunk; s < n; s += kChunk) {
+    if constexpr (kExtended) {  // settled (and the states ahead prefetched) before the O loads go out
+      settle(l, s);
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c) {
-      l[c] = load_lse_if(lse_of(s + c), s + c < n);
-      o[c] = load_pack_if<TIn, VEC>(o_of(s + c), s + c < n, evict_first);
+      for (int c = 0; c < kChunk; ++c) o[c] = load_pack_if<TIn, VEC>(o_of(s + c), s + c < n, evict_first);
+    } else {
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c) {
+        l[c] = load_lse_if(lse_of(s + c), s + c < n);
+        o[c] = load_pack_if<TIn, VEC>(o_of(s + c), s + c < n, evict_first);
+      }
     }
     const float before = r.m;
 #pragma unroll
@@ -228,7 +241,10 @@ __device__ __forceinline__ I mask_token(const MergeShape& shape, I row, I token)
 // (accumulate_online), each further chunk one round trip.  The output scale and a NaN LSE are folded into the
 // weights, so the O path is one multiply-add per element and state.  A masked-out row reads its
 // mask byte and nothing else.  A source's sink (Traits::kSink: the N-way and variable-length merges) is one
-// more state whose O is 0: it enters the weights alone.
+// more state whose O is 0: it enters the weights alone.  kExtended (a general source's StateExtras
+// in this call: softmax sums, empty states): a row of more than two states is taken one state at a
+// time, each state's LSE settled (ExtrasRow::settled) before its O load goes out, the states a chunk
+// ahead prefetched into L1 (kC below).
 //
 // An InPlaceSource writes the merged LSE over an input's.  With LseWrite::kWarp each row lies in
 // one warp, whose lanes all read its LSEs and meet at a warp barrier (sync_row_lanes) before the
@@ -236,9 +252,8 @@ __device__ __forceinline__ I mask_token(const MergeShape& shape, I row, I token)
 // LseWrite::kBlock every thread reaches one block barrier after it has read its row's LSEs, and
 // only then is the LSE stored, so the launch's rows lie inside blocks (the plan's condition) and
 // no thread leaves before the barrier.
-template <typename Source, typename TIn, typename TOut, int VEC, typename I, int kChunk>
-__global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kChunk>()))
-    merge_kernel(const MergeShape shape, const Source src, const OutView out) {
+template <bool kExtended, typename Source, typename TIn, typename TOut, int VEC, typename I, int kChunk>
+__device__ __forceinline__ void merge_body(const MergeShape& shape, const Source& src, const OutView& out) {
   using Traits = typename Source::Traits;
   constexpr bool kLanes = Traits::kLseWrite == LseWrite::kWarp;
   constexpr bool kBarrier = Traits::kLseWrite == LseWrite::kBlock;  // every thread reaches the block barrier
@@ -285,18 +300,67 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   }();
   const int n = kBarrier && !live ? 0 : states.count();
   const bool evict_first = Traits::kCache == Cache::kAsShape ? shape.evict_first : Traits::kCache == Cache::kEvictFirst;
-  constexpr bool kFew = Traits::kMaxStates > 0 && Traits::kMaxStates <= kChunk;  // at most a chunk, always
-  // The first chunk: every load in flight at once.
-  float l[kChunk];
-  P o[kChunk];
+  // A call with StateExtras takes a row of more than two states in code of its own (kExtended),
+  // one state at a time (kC = 1), each state's LSE settled (ExtrasRow::settled: its softmax sum, its
+  // valid entry) and the states a chunk ahead prefetched into L1: a loop that holds one state's
+  // loads and addresses.  The two states of a two-state source are settled together, in the same
+  // code as the calls without, once their loads are in flight.
+  static_assert(!kExtended || Traits::kMaxStates != 2, "a two-state source settles its extras in place");
+  constexpr int kC = kExtended ? 1 : kChunk;
+  constexpr bool kFew = Traits::kMaxStates > 0 && Traits::kMaxStates <= kC;  // at most a chunk, always
+  // The states first .. first + kC - 1's LSEs as the merge reads them, into lc, with the states a
+  // chunk ahead prefetched (the two states of a two-state source: from the LSEs row() read).
+  const auto extras = [&] {
+    if constexpr (kExtended && !kFew) {
+      return src.extras_row(token, head);
+    } else {
+      return 0;  // none: the calls without extras, and a two-state row's (from row()'s LSEs)
+    }
+  }();
+  const auto settle = [&](float (&lc)[kC], int first) {
+    if constexpr (kFew && Traits::kExtras) {
 #pragma unroll
-  for (int c = 0; c < kChunk; ++c) {
+      for (int c = 0; c < kC; ++c) lc[c] = src.settle(lc[c], token, head, first + c, first + c < n, shape.base2);
+    } else if constexpr (kExtended) {
+      const int ahead = first + kPrefetchAhead;
+      extras.prefetch(ahead, ahead < n);
+      prefetch_if(states.template o_at<TIn>(ahead), ahead < n);
+      lc[0] = extras.settled(first, first < n, shape.base2);
+    }
+  };
+  // The first chunk: every load in flight at once.
+  float l[kC];
+  P o[kC];
+  const auto load_o = [&](int c) {
     if constexpr (kFew) {  // a count known at compile time: no predicate
-      l[c] = c < n ? states.lse(c) : -INFINITY;  // -inf: no weight, no NaN
       if (c < n) o[c] = load_pack<TIn, VEC>(states.template o_at<TIn>(c), evict_first);
     } else {
-      l[c] = load_lse_if(states.lse_ptr(c), c < n);
       o[c] = load_pack_if<TIn, VEC>(states.template o_at<TIn>(c), c < n, evict_first);
+    }
+  };
+  if constexpr (kExtended) {
+#pragma unroll 1
+    for (int s = 1; s < kPrefetchAhead; ++s) {  // the states before settle's first prefetch
+      extras.prefetch(s, s < n);
+      prefetch_if(states.template o_at<TIn>(s), s < n);
+    }
+    settle(l, 0);
+#pragma unroll
+    for (int c = 0; c < kC; ++c) load_o(c);
+  } else {
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      if constexpr (kFew) {
+        l[c] = c < n ? states.lse(c) : -INFINITY;  // -inf: no weight, no NaN
+      } else {
+        l[c] = load_lse_if(states.lse_ptr(c), c < n);
+      }
+      load_o(c);
+    }
+    // A two-state source's StateExtras, where the call has them: both states settled from the LSEs
+    // row() read, once every load is in flight (a branch the same for every thread).
+    if constexpr (kFew && Traits::kExtras) {
+      if (src.extras.on) settle(l, 0);
     }
   }
   const float sink = sink_lse(src, head);  // -inf without one
@@ -328,9 +392,9 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   const auto merged_lse = [&] { return Traits::kPlain ? r.lse() : out.lse_value(r.lse()); };
   const float factor = Traits::kPlain ? out.inv_scale : out.inverse_scale();
   float acc[VEC] = {};
-  if (kFew || n <= kChunk) {  // one round trip, the weights from the row's own max
-    float w[kChunk];
-    weigh_row<kChunk, Traits::kSink>(l, w, factor, r, sink);
+  if (kFew || n <= kC) {  // one round trip, the weights from the row's own max
+    float w[kC];
+    weigh_row<kC, Traits::kSink>(l, w, factor, r, sink);
     if constexpr (Traits::kSink) {  // a NaN sink has no O to carry its NaN into the sum
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] = r.nan ? NAN : 0.0f;
@@ -343,12 +407,12 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
     const float lse_v = merged_lse();  // computed unconditionally: a store under a predicate, no branch
     if (writes_lse) *lse_dst = lse_v;  // its latency hidden behind the O math
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c)
+    for (int c = 0; c < kC; ++c)
       if (c < n) accumulate(acc, o[c], r.scale(w[c]), w[c]);
   } else if constexpr (!kFew) {
-    accumulate_online<kChunk, Traits::kSink>(
+    accumulate_online<kC, Traits::kSink, kExtended>(
         n, l, o, [&](int s) { return states.lse_ptr(s); }, [&](int s) { return states.template o_at<TIn>(s); },
-        evict_first, r, acc, sink);
+        evict_first, r, acc, settle, sink);
     r.finish(factor);
     if (writes_lse) *lse_dst = merged_lse();
 #pragma unroll
@@ -358,6 +422,18 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
     if (out.group > 0) quantize_group(acc, out, token, head, k);
   }
   store_pack<TOut, VEC>(dst, acc, evict_first);
+}
+
+// kRows: merge_body, a row of more than two states in its code for calls with StateExtras apart
+// from that for calls without, one uniform branch at the start between them (each whole, so that
+// the calls without keep their code).
+template <typename Source, typename TIn, typename TOut, int VEC, typename I, int kChunk>
+__global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kChunk>()))
+    merge_kernel(const MergeShape shape, const Source src, const OutView out) {
+  if constexpr (takes_extras<Source, kChunk>() && Source::Traits::kMaxStates != 2) {
+    if (src.extras.on) return merge_body<true, Source, TIn, TOut, VEC, I, kChunk>(shape, src, out);
+  }
+  merge_body<false, Source, TIn, TOut, VEC, I, kChunk>(shape, src, out);
 }
 
 // kStates.  A block holds whole rows: threadIdx.x the pack, threadIdx.y the group, threadIdx.z
@@ -374,9 +450,8 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
 // issued back to back with evict-first accesses (the plan makes every kStates call's so), and the
 // finishing reads of shared memory all in flight together.  32-bit offsets and VEC a multiple of
 // 4 (the plan's conditions).  Every thread reaches the barrier: none leaves early.
-template <typename Source, typename TIn, typename TOut, int VEC, int kGroups>
-__global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStateBlockThreads)
-    merge_states_kernel(const MergeShape shape, const Source src, const OutView out) {
+template <bool kExtended, typename Source, typename TIn, typename TOut, int VEC, int kGroups>
+__device__ __forceinline__ void merge_states_body(const MergeShape& shape, const Source& src, const OutView& out) {
   static_assert(VEC % 4 == 0, "kStates stores a pack's accumulators as float4s");
   static_assert(kGroups >= 2 && (kGroups & (kGroups - 1)) == 0, "kStates groups: a power of two");
   using I = int32_t;
@@ -403,16 +478,44 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
   const I lse_step = states.l_ss << kShift, o_step = states.o_ss << kShift;
   const auto lse_of = [&](int j) { return states.l0 + (lse_first + j * lse_step); };
   const auto o_of = [&](int j) { return orow + (o_first + j * o_step); };
-  float l[kChunk];
-  P o[kChunk];
+  // The group's j-th state is the row's g + j G.  A call with StateExtras takes the group's states
+  // one at a time (kC = 1: merge_body's reason), each settled, the states a chunk ahead prefetched.
+  constexpr int kC = kExtended ? 1 : kChunk;
+  const auto extras = [&] {
+    if constexpr (kExtended) {
+      return src.extras_row(token, head);
+    } else {
+      return 0;
+    }
+  }();
+  const auto settle = [&](float (&lc)[kC], int j) {
+    if constexpr (kExtended) {
+      const int ahead = j + kPrefetchAhead;
+      extras.prefetch(g + (ahead << kShift), ahead < mine);
+      prefetch_if(o_of(ahead), ahead < mine);
+      lc[0] = extras.settled(g + (j << kShift), j < mine, shape.base2);
+    }
+  };
+  float l[kC];
+  Pack<TIn, VEC> o[kC];
+  if constexpr (kExtended) {
+#pragma unroll 1
+    for (int j = 1; j < kPrefetchAhead; ++j) {  // the states before settle's first prefetch
+      extras.prefetch(g + (j << kShift), j < mine);
+      prefetch_if(o_of(j), j < mine);
+    }
+    settle(l, 0);
+    o[0] = load_pack_if<TIn, VEC>(o_of(0), 0 < mine, true);
+  } else {
 #pragma unroll
-  for (int c = 0; c < kChunk; ++c) {
-    l[c] = load_lse_if(lse_of(c), c < mine);
-    o[c] = load_pack_if<TIn, VEC>(o_of(c), c < mine, true);
+    for (int c = 0; c < kC; ++c) {
+      l[c] = load_lse_if(lse_of(c), c < mine);
+      o[c] = load_pack_if<TIn, VEC>(o_of(c), c < mine, true);
+    }
   }
   RowMerge part(shape.base2);
   float acc[VEC] = {};
-  accumulate_online<kChunk>(mine, l, o, lse_of, o_of, true, part, acc);
+  accumulate_online<kC, false, kExtended>(mine, l, o, lse_of, o_of, true, part, acc, settle);
   // Shared memory: each slot's (row, group) accumulators, [slot][pack][VEC] floats, then its
   // (max, total), then (per-group FP8) each row's groups' amax slots, a pack's worth per row.
   extern __shared__ float4 shared[];
@@ -478,6 +581,15 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
   if (k == 0 && g == 0) out.store_lse(token, head, r.lse());
 }
 
+// kStates: merge_states_body, with and without StateExtras apart (as merge_kernel); the branch is the
+// same for every thread of the launch, which all meet at its barriers either way.
+template <typename Source, typename TIn, typename TOut, int VEC, int kGroups>
+__global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStateBlockThreads)
+    merge_states_kernel(const MergeShape shape, const Source src, const OutView out) {
+  if (src.extras.on) return merge_states_body<true, Source, TIn, TOut, VEC, kGroups>(shape, src, out);
+  merge_states_body<false, Source, TIn, TOut, VEC, kGroups>(shape, src, out);
+}
+
 // A state's share (ShareSource), laid out as kRows: one thread per pack of a row.  The thread's
 // one O load, the own state's pack, goes out first; the row's LSEs follow kChunk at a time, floats
 // only, weighed against a running max (each chunk's loads predicated and issued together, the
@@ -487,9 +599,8 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
 // a pack per state of a chunk, left a share latency-bound (benchmarks/NOTES.md).  The semantics
 // are the N-way merge's: a zero-weight share is 0 and its pack cleared unread, a NaN LSE (or
 // sink) makes the row NaN, an all-empty row gives O = 0 and LSE -inf.
-template <typename TIn, typename TOut, int VEC, typename I, int kChunk>
-__global__ void __launch_bounds__(kBlockThreads) merge_share_kernel(const MergeShape shape, const ShareSource src,
-                                                                    const OutView out) {
+template <bool kExtended, typename TIn, typename TOut, int VEC, typename I, int kChunk>
+__device__ __forceinline__ void merge_share_body(const MergeShape& shape, const ShareSource& src, const OutView& out) {
   const I row = launch_row<I>();
   const I k = static_cast<I>(blockIdx.y) * static_cast<I>(blockDim.x) + static_cast<I>(threadIdx.x);
   if (row >= static_cast<I>(shape.rows) || k >= static_cast<I>(shape.packs)) return;
@@ -498,22 +609,42 @@ __global__ void __launch_bounds__(kBlockThreads) merge_share_kernel(const MergeS
   const auto states = src.template row<TIn>(token, head, k * VEC);
   const bool evict_first = shape.evict_first;
   const Pack<TIn, VEC> own = load_pack<TIn, VEC>(states.template o_at<TIn>(states.own), evict_first);
-  const float own_lse = states.lse(states.own);
+  float own_lse = states.lse(states.own);
   const int n = states.count();
+  // A call with StateExtras takes the LSEs one state at a time (kC = 1: merge_body's reason), each
+  // settled, the states a chunk ahead prefetched.
+  constexpr int kC = kExtended ? 1 : kChunk;
+  const auto extras = [&] {
+    if constexpr (kExtended) {
+      return src.extras_row(token, head);
+    } else {
+      return 0;
+    }
+  }();
+  if constexpr (kExtended) {
+    own_lse = extras.settled(states.own, true, shape.base2);
+#pragma unroll 1
+    for (int s = 1; s < kPrefetchAhead; ++s) extras.prefetch(s, s < n);
+  }
   RowMerge r(shape.base2);
   const float sink = src.sink.at(head);  // -inf without one: weight 0
   r.see(sink);
   r.total = r.weight(sink);
-  for (int s = 0; s < n; s += kChunk) {
-    float l[kChunk];
+  for (int s = 0; s < n; s += kC) {
+    float l[kC];
+    if constexpr (kExtended) {
+      extras.prefetch(s + kPrefetchAhead, s + kPrefetchAhead < n);
+      l[0] = extras.settled(s, s < n, shape.base2);
+    } else {
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c) l[c] = load_lse_if(states.lse_ptr(s + c), s + c < n);
+      for (int c = 0; c < kC; ++c) l[c] = load_lse_if(states.lse_ptr(s + c), s + c < n);
+    }
     const float before = r.m;
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c) r.see(l[c]);
+    for (int c = 0; c < kC; ++c) r.see(l[c]);
     r.total *= r.weight(before);  // 1 while the max stands, 0 from -FLT_MAX: no branch
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c) r.total += r.weight(l[c]);
+    for (int c = 0; c < kC; ++c) r.total += r.weight(l[c]);
   }
   r.finish(out.inverse_scale());
   const float w = r.weight(own_lse);
@@ -524,6 +655,16 @@ __global__ void __launch_bounds__(kBlockThreads) merge_share_kernel(const MergeS
   }
   store_pack<TOut, VEC>(out.o_at<TOut>(token, head, k * VEC), acc, evict_first);
   if (k == 0) out.store_lse(token, head, r.lse());
+}
+
+// A share: merge_share_body, with and without StateExtras apart (as merge_kernel).
+template <typename TIn, typename TOut, int VEC, typename I, int kChunk>
+__global__ void __launch_bounds__(kBlockThreads) merge_share_kernel(const MergeShape shape, const ShareSource src,
+                                                                    const OutView out) {
+  if constexpr (takes_extras<ShareSource, kChunk>()) {
+    if (src.extras.on) return merge_share_body<true, TIn, TOut, VEC, I, kChunk>(shape, src, out);
+  }
+  merge_share_body<false, TIn, TOut, VEC, I, kChunk>(shape, src, out);
 }
 
 // The merged LSEs alone, one thread per row: the second launch of an in-place merge whose rows
@@ -543,6 +684,10 @@ __global__ void __launch_bounds__(max_threads<Source>())
   float l[kChunk], w[kChunk];
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) l[c] = c < n ? states.lse(c) : -INFINITY;
+  if (extras_on(src)) {
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) l[c] = src.settle(l[c], token, head, c, c < n, shape.base2);
+  }
   RowMerge r(shape.base2);
   weigh_row<kChunk>(l, w, 1.0f, r);
   out.store_lse(token, head, r.lse());

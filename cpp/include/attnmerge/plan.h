@@ -207,6 +207,15 @@ inline LaunchDims row_dims(int64_t packs, int64_t rows, int sms, int max_threads
   return d;
 }
 
+// Whether a kRows kernel of Source with kChunk states in flight has code for calls with StateExtras
+// (softmax sums, valid states): a general source's kernels of at most kSmallChunk states in flight,
+// as a call with extras takes a row's states one at a time whatever the chunk (merge_body), so that
+// the plan gives such calls those (kChunk no more) and the others carry none of it.
+template <typename Source, int kChunk>
+ATTNMERGE_HD constexpr bool takes_extras() {
+  return Source::Traits::kExtras && kChunk <= kSmallChunk;
+}
+
 // Whether a source's rows may be shared by groups of threads (kStates): those of the N-way and
 // variable-length merges.  A share reads one O a row, which kRows' threads read once each.
 template <typename Source>
@@ -365,8 +374,8 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
     s.evict_first = plan_detail::evict_first_o(src, facts.bytes, s.tile_shift < 0);
     const bool plain = !Source::Traits::kSink && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr &&
-                       src.b_scale == 1.0f && out.lse_scale == 1.0f && out.group == 0 &&
-                       plain_pair(facts.in, facts.out);  // PlainPairSource: one base, no groups, no sink
+                       src.b_scale == 1.0f && out.lse_scale == 1.0f && out.group == 0 && !src.extras.on &&
+                       plain_pair(facts.in, facts.out);  // PlainPairSource: one base, no groups, sink or extras
     // Flat rows: dense heads and the same row strides in every view (PlainPairSource's kFlatRows).
     const bool dense = plan.index32 && flattens(src.a, s.heads) && flattens(src.b, s.heads) && flattens(out, s.heads) &&
                        same_rows(src.a, src.b) && same_rows(src.a, out);
@@ -419,7 +428,8 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
       plan.main = state_dims(s.packs, s.rows, groups, facts.vec, device.sms, out.group > 0);
     } else {
       plan.variant = std::is_same<Source, ShareSource>::value ? Variant::kShare : Variant::kRows;
-      plan.chunk = states <= kSmallChunk ? kSmallChunk : kStateChunk;
+      // A call with StateExtras: kSmallChunk, whose kernels alone take them (takes_extras).
+      plan.chunk = states <= kSmallChunk || src.extras.on ? kSmallChunk : kStateChunk;
       plan.main = row_dims(s.packs, s.rows, device.sms);
     }
     return plan;

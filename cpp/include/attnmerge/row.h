@@ -44,6 +44,18 @@ ATTNMERGE_HD float fast_log2(float x) {
 #endif
 }
 
+// log2(x) of a state's softmax sum (settled_lse, sources.h): the hardware's approximation without
+// flushing subnormal inputs to 0 (a sum is any float32 the caller hands over).
+ATTNMERGE_HD float log2_of(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return std::log2(x);
+#endif
+}
+
 ATTNMERGE_HD bool is_nan(float x) { return x != x; }
 
 // 1 / x for x >= 1 (a row's total weight): the hardware's approximation is within an ulp there.

@@ -15,13 +15,18 @@
 //   ShareSource  S states' LSEs stacked and one state's O (the share of that state in the merge:
 //                context parallelism's combine by reduce-scatter).
 // SinkPairSource and the last three may add each head's sink to its rows (Traits::kSink: SinkView,
-// sink_lse).  Each source's Traits (SourceTraits) name what its kernels fix when compiled.
+// sink_lse).  The general sources (all but the plain one) may also take their states' LSEs as
+// softmax statistics and skip the states a mask says are empty (StateExtras, read at run time:
+// Traits::kExtras, settle).  Each source's Traits (SourceTraits) name what its kernels fix when
+// compiled.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
+#include "attnmerge/pack.h"
+#include "attnmerge/row.h"
 #include "attnmerge/views.h"
 
 namespace attnmerge {
@@ -50,6 +55,7 @@ struct SourceTraits {
   static constexpr Cache kCache = Cache::kAsShape;
   static constexpr RowIndex kRowIndex = RowIndex::kSplit;
   static constexpr LseWrite kLseWrite = LseWrite::kOut;
+  static constexpr bool kExtras = false;  // the source has StateExtras (read where extras.on)
 };
 
 // Attention sinks (attnmerge_options.sink): each head's sink logit, in the LSE's base, one more
@@ -77,6 +83,106 @@ ATTNMERGE_HD float sink_lse(const Source& src, I head) {
   }
 }
 
+// Softmax statistics in place of an LSE (attnmerge_options.sum_a, sum_b): the LSE argument holds
+// each row's running max and `p` the sum of exp(score - max) (in the LSE's base) over the part's
+// keys, with strides of its own in the LSE's logical axes: token (or a variable-length merge's
+// state), state (the N-way merge's S) and head.  p null: the argument holds LSEs.
+struct SumView {
+  const float* p = nullptr;
+  int64_t st = 0, ss = 0, sh = 0;
+
+  template <typename I>
+  ATTNMERGE_HD const float* at(I token, I s, I head) const {
+    return p + (token * static_cast<I>(st) + s * static_cast<I>(ss) + head * static_cast<I>(sh));
+  }
+  // The sum of state (token, s, head) where `take` and the call gives sums, else 1 (nothing read).
+  template <typename I>
+  ATTNMERGE_HD float at_or_one(I token, I s, I head, bool take) const {
+    return load_float_if(at(token, s, head), take && p != nullptr, 1.0f);
+  }
+};
+
+// Which states of a row hold keys (attnmerge_options.valid): an entry per (token, state) ([tokens,
+// S], the two-way and in-place merges' S = 2; a variable-length merge's per state of its list, token
+// = the state, s = 0), 0 where the state holds none.  uint8 or bool (a mask), int32 or int64 (a
+// count of keys, vLLM's per-rank lengths): `bytes` an entry.  p null: every state holds keys.
+struct ValidView {
+  const void* p = nullptr;
+  int64_t st = 0, ss = 0;
+  int32_t bytes = 1;
+
+  // Whether state s of `token` holds keys, read where `take` (true where the call gives no valid).
+  template <typename I>
+  ATTNMERGE_HD bool holds(I token, I s, bool take) const {
+    return load_nonzero_if(entry(token, s), bytes, take && p != nullptr);
+  }
+  template <typename I>
+  ATTNMERGE_HD const void* entry(I token, I s) const {
+    return static_cast<const char*>(p) + (token * static_cast<I>(st) + s * static_cast<I>(ss)) * static_cast<I>(bytes);
+  }
+};
+
+// What a general source's states may carry beside their LSEs, read at run time: the kernels
+// without them (`on` false) take one uniform branch past it.  sum_a: the sums of the first LSE
+// argument (the two-way merge's a, every state of the N-way and variable-length merges and the
+// share); sum_b: the two-way merge's b.
+struct StateExtras {
+  SumView sum_a, sum_b;
+  ValidView valid;
+  bool on = false;  // any of them given
+};
+
+// A state's LSE as the merge reads it where the call has StateExtras: -inf (no weight, nothing of
+// it taken) where the state is not `valid` (a state the row lacks, or one the mask says is empty),
+// whatever its LSE and O hold; `lse` as loaded where it has no softmax sum (has_sum false); else
+// max + log(sum) in the inputs' base (`base2`; a state of another base was converted as its max was
+// read: log(sum) in the inputs' base is its own times the same factor), and -inf for a sum of 0,
+// whatever the max holds (the max of no scores).  Selects, no branch.
+ATTNMERGE_HD float settled_lse(float lse, bool valid, float sum, bool has_sum, bool base2) {
+  const float stats = sum == 0.0f ? -INFINITY : lse + log2_of(sum) * (base2 ? 1.0f : kLn2);
+  return valid ? (has_sum ? stats : lse) : -INFINITY;
+}
+
+// A row's states as a kernel takes them one at a time where the call has StateExtras: state s's
+// LSE at lse + s * lse_ss, its sum at sum + s * sum_ss (sum null: none), its valid entry at valid + s
+// * valid_ss bytes (valid null: none), offsets from the row's own pointers (Source::extras_row), so
+// that each state costs a multiply-add an address.
+template <typename I>
+struct ExtrasRow {
+  const float* lse;
+  const float* sum;
+  const char* valid;
+  I lse_ss, sum_ss, valid_ss;
+  int32_t bytes;
+
+  // State s's LSE as the merge reads it (settled_lse), read where `take` (else -inf).
+  ATTNMERGE_HD float settled(int s, bool take, bool base2) const {
+    const I si = static_cast<I>(s);
+    const float l = load_lse_if(lse + si * lse_ss, take);
+    const bool ok = take && load_nonzero_if(valid + si * valid_ss, bytes, take && valid != nullptr);
+    const float total = load_float_if(sum + si * sum_ss, take && sum != nullptr, 1.0f);
+    return settled_lse(l, ok, total, sum != nullptr, base2);
+  }
+  // The prefetch into L1 of what settled(s) reads, where `take`.
+  ATTNMERGE_HD void prefetch(int s, bool take) const {
+    const I si = static_cast<I>(s);
+    prefetch_if(lse + si * lse_ss, take);
+    prefetch_if(sum + si * sum_ss, take && sum != nullptr);
+    prefetch_if(valid + si * valid_ss, take && valid != nullptr);
+  }
+};
+
+// Whether src's states carry StateExtras in this call: false, known at compile time, for a source
+// that has none (the plain ones), so that their kernels compile as if extras did not exist.
+template <typename Source>
+ATTNMERGE_HD bool extras_on(const Source& src) {
+  if constexpr (Source::Traits::kExtras) {
+    return src.extras.on;
+  } else {
+    return false;
+  }
+}
+
 // ---- sources: each gives a row's states through count(), lse(s), o_at<T>(s) and reads_o(s) ----
 // Every state of a row has an O address that may be read, even one of no weight (a state the
 // row lacks gets another's), so that the kernels load O without waiting for the LSEs.  reads_o(s)
@@ -92,6 +198,7 @@ struct PairSource {
   struct Traits : SourceTraits {
     static constexpr int kMaxStates = 2;
     static constexpr Mask kMask = Mask::kByToken;  // where mask is not null
+    static constexpr bool kExtras = true;
   };
   StateView a, b;
   int64_t a_tokens;
@@ -100,6 +207,7 @@ struct PairSource {
   // b's LSEs into a's base (base_change): 1 but for ATTNMERGE_LSE_B_*, which only this source
   // takes (the plan gives such calls no plain kernel).
   float b_scale = 1.0f;
+  StateExtras extras;  // sum_a of a, sum_b of b; valid [tokens, 2] (the plan gives no plain kernel)
 
   struct Row {
     const void* o[2];
@@ -129,6 +237,16 @@ struct PairSource {
     r.l[0] = has_a ? a.lse_at(token_a, head) : -INFINITY;
     r.l[1] = take ? b.lse_at(token, head) * b_scale : -INFINITY;
     return r;
+  }
+
+  // State s's LSE as the merge reads it (settled_lse), from `l` as row() gave it; `take`: s is one
+  // of the row's states (a row without a has none of a's read).  Where extras.on.
+  template <typename I>
+  ATTNMERGE_HD float settle(float l, I token, I head, int s, bool take, bool base2) const {
+    take = take && (s == 1 || token < static_cast<I>(a_tokens));
+    const SumView& sum = s == 0 ? extras.sum_a : extras.sum_b;
+    const bool valid = take && extras.valid.holds(token, static_cast<I>(s), take);
+    return settled_lse(l, valid, sum.at_or_one(token, I{0}, head, take), sum.p != nullptr, base2);
   }
 };
 
@@ -242,6 +360,7 @@ struct StridedRow {
 struct StackSource {
   struct Traits : SourceTraits {
     static constexpr bool kSink = true;
+    static constexpr bool kExtras = true;
   };
   const void* o;
   int64_t o_st, o_ss, o_sh;
@@ -249,9 +368,32 @@ struct StackSource {
   int64_t lse_st, lse_ss, lse_sh;
   int64_t states;
   SinkView sink;
+  StateExtras extras;  // sum_a [tokens, S, heads]; valid [tokens, S]
 
   template <typename I>
   ATTNMERGE_HD bool masked_out(I) const { return false; }
+
+  // State s's LSE as the merge reads it (settled_lse), from `l` as loaded; `take`: s < the row's
+  // count.  Where extras.on.
+  template <typename I>
+  ATTNMERGE_HD float settle(float l, I token, I head, int s, bool take, bool base2) const {
+    const I si = static_cast<I>(s);
+    const bool valid = take && extras.valid.holds(token, si, take);
+    return settled_lse(l, valid, extras.sum_a.at_or_one(token, si, head, take), extras.sum_a.p != nullptr, base2);
+  }
+  // Row (token, head)'s states as the kernels take them one at a time where extras.on.
+  template <typename I>
+  ATTNMERGE_HD ExtrasRow<I> extras_row(I token, I head) const {
+    const SumView& sm = extras.sum_a;
+    const ValidView& v = extras.valid;
+    return ExtrasRow<I>{lse + (token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
+                        sm.p != nullptr ? sm.at(token, I{0}, head) : nullptr,
+                        v.p != nullptr ? static_cast<const char*>(v.entry(token, I{0})) : nullptr,
+                        static_cast<I>(lse_ss),
+                        static_cast<I>(sm.ss),
+                        static_cast<I>(v.ss) * static_cast<I>(v.bytes),
+                        v.bytes};
+  }
 
   template <typename T, typename I>
   ATTNMERGE_HD StridedRow<I> row(I token, I head, I at = I{0}) const {
@@ -267,6 +409,7 @@ struct StackSource {
 struct RangeSource {
   struct Traits : SourceTraits {
     static constexpr bool kSink = true;
+    static constexpr bool kExtras = true;
   };
   const void* o;
   int64_t o_st, o_sh;
@@ -277,6 +420,7 @@ struct RangeSource {
   bool indptr64;
   int64_t total;
   SinkView sink;
+  StateExtras extras;  // sum_a [total, heads]; valid [total] (each state of the list)
 
   template <typename I>
   ATTNMERGE_HD bool masked_out(I) const { return false; }
@@ -296,6 +440,31 @@ struct RangeSource {
     return StridedRow<I>{static_cast<const T*>(o) + (begin * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at),
                          lse + (begin * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
                          static_cast<I>(o_st), static_cast<I>(lse_st), static_cast<int>(n < INT32_MAX ? n : INT32_MAX)};
+  }
+
+  // State s of row `token`'s LSE as the merge reads it (settled_lse), from `l` as loaded; `take`: s
+  // < the row's count.  The state is number bound(token) + s of the list.  Where extras.on.
+  template <typename I>
+  ATTNMERGE_HD float settle(float l, I token, I head, int s, bool take, bool base2) const {
+    const I state = bound(token) + static_cast<I>(s);
+    const bool valid = take && extras.valid.holds(state, I{0}, take);
+    return settled_lse(l, valid, extras.sum_a.at_or_one(state, I{0}, head, take), extras.sum_a.p != nullptr,
+                       base2);
+  }
+  // Row `token`'s states (from state bound(token) of the list on) as the kernels take them one at a
+  // time where extras.on.
+  template <typename I>
+  ATTNMERGE_HD ExtrasRow<I> extras_row(I token, I head) const {
+    const I first = bound(token);
+    const SumView& sm = extras.sum_a;
+    const ValidView& v = extras.valid;
+    return ExtrasRow<I>{lse + (first * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
+                        sm.p != nullptr ? sm.at(first, I{0}, head) : nullptr,
+                        v.p != nullptr ? static_cast<const char*>(v.entry(first, I{0})) : nullptr,
+                        static_cast<I>(lse_st),
+                        static_cast<I>(sm.st),
+                        static_cast<I>(v.st) * static_cast<I>(v.bytes),
+                        v.bytes};
   }
 };
 
