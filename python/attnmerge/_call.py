@@ -31,6 +31,9 @@ class Options(NamedTuple):
     scale: Any = None  # output_scale given as a one-element float32 array, read on the device
     sink: Any = None  # float32 [heads]
     group_scales: Any = None  # given, or allocated like out once group_size is known
+    sum_a: Any = None  # the softmax sums of the first LSE argument (which then holds maxima)
+    sum_b: Any = None  # of the second (the two-way merge's lse_b, the in-place merge's lse_other)
+    valid: Any = None  # which states hold keys: uint8, bool, int32 or int64, 0 where one holds none
     names: Mapping[str, str] | None = None  # {argument: the caller's name}, for every message
     stream: Any = None
     bases: tuple = ("e", "e", "e")  # a's (every input's), b's, the merged LSE's: "e" or 2
@@ -57,22 +60,26 @@ DEFAULT = Options()
 
 class Op(NamedTuple):
     """What an op is, for every layer above the binding: its arrays in the C ABI's order, the one
-    its results are allocated like (and whose type picks the road), and its options."""
+    its results are allocated like (and whose type picks the road), its options, and where its LSE
+    arguments are (each may come as softmax statistics, a (max, sum) tuple: its sums are the
+    record's sum_a and sum_b, in this order)."""
 
     name: str
     inputs: tuple  # the arrays it reads, named as the C ABI names them
     like: int  # the input the results are allocated like; -1: none (the in-place merge writes its inputs)
     takes: frozenset  # the options (Options' fields, and base's pair form: "pair") it takes
+    lses: tuple  # the positions in `inputs` of its LSE arguments: the first's sums are sum_a, the second's sum_b
 
 
-_FORWARD = frozenset({"output_scale", "out_base", "sink", "group_size", "out_dtype", "return_lse"})
+_FORWARD = frozenset({"output_scale", "out_base", "sink", "group_size", "out_dtype", "return_lse", "valid"})
 OPS = {op.name: op for op in (
-    Op("merge", ("o_a", "lse_a", "o_b", "lse_b"), 2, _FORWARD | {"a_tokens", "pair"}),
-    Op("merge_inplace", ("o", "lse", "o_other", "lse_other", "mask"), -1, frozenset({"pair"})),
-    Op("merge_states", ("o", "lse"), 0, _FORWARD | {"states_axis"}),
-    Op("merge_varlen", ("o", "lse", "indptr"), 0, _FORWARD),
-    Op("merge_share", ("o", "lse"), 0, _FORWARD | {"states_axis", "index"}),
+    Op("merge", ("o_a", "lse_a", "o_b", "lse_b"), 2, _FORWARD | {"a_tokens", "pair"}, (1, 3)),
+    Op("merge_inplace", ("o", "lse", "o_other", "lse_other", "mask"), -1, frozenset({"pair", "valid"}), (1, 3)),
+    Op("merge_states", ("o", "lse"), 0, _FORWARD | {"states_axis"}, (1,)),
+    Op("merge_varlen", ("o", "lse", "indptr"), 0, _FORWARD, (1,)),
+    Op("merge_share", ("o", "lse"), 0, _FORWARD | {"states_axis", "index"}, (1,)),
 )}
+SUMS = ("sum_a", "sum_b")  # the record's sums of an op's LSE arguments (Op.lses), in order
 
 
 def named(names, arg):
@@ -80,6 +87,38 @@ def named(names, arg):
     `arg`.  Every message names arguments through it, so that a compat layer's caller reads its own
     names (vLLM's prefix_output for o_a)."""
     return arg if names is None else names.get(arg, arg)
+
+
+def softmax_stats(op: Op, inputs, names=None):
+    """(inputs, sum_a, sum_b, names): an op's inputs with each LSE argument given as softmax
+    statistics, a (max, sum) tuple of arrays, replaced by its maxima, and the sums apart (None:
+    that argument is an LSE), for the record's sum_a and sum_b; the caller's names then call the
+    two arrays of a tuple `lse_a[0]` and `lse_a[1]` (the C ABI's lse_a and sum_a)."""
+    for i in op.lses:
+        if type(inputs[i]) is tuple:
+            break
+    else:  # LSEs: the per-call case
+        return inputs, None, None, names
+    inputs, sums, given = list(inputs), [None, None], names
+    names = dict(names or {})
+    for k, i in enumerate(op.lses):
+        if not isinstance(inputs[i], tuple):
+            continue
+        arg = named(given, op.inputs[i])
+        if len(inputs[i]) != 2:
+            raise ValueError(f"{arg}: expected an array or a (max, sum) tuple of float32 arrays, got a tuple of "
+                             f"{len(inputs[i])}")
+        inputs[i], sums[k] = inputs[i]
+        names[op.inputs[i]], names[SUMS[k]] = f"{arg}[0]", f"{arg}[1]"
+    return tuple(inputs), sums[0], sums[1], names
+
+
+def lse_only(lse, arg):
+    """An LSE argument of a backward: an array, not softmax statistics (the backwards take LSEs)."""
+    if isinstance(lse, tuple):
+        raise TypeError(f"{arg}: expected an array of LSEs, got a tuple: the backwards take LSEs, not (max, sum) "
+                        f"softmax statistics (pass max + log(sum); the frameworks' autograd converts them itself)")
+    return lse
 
 
 def _is_base2(base, name: str, expected: str = "'e' or 2") -> bool:
@@ -181,12 +220,13 @@ def states_axis_of(states_axis, ndim, names=None):
 
 def options(op: Op, out=None, return_lse=True, out_dtype=None, output_scale=None, base="e", out_base=None,
             a_tokens=None, sink=None, group_size=None, group_scales=None, scale_ue8m0=False, states_axis=1,
-            index=0, stream=None, pdl=False, names=None, flags=0) -> Options:
+            index=0, stream=None, pdl=False, names=None, flags=0, sum_a=None, sum_b=None, valid=None) -> Options:
     """The one reading of a call's options: every public function, the torch ops' kernels and
     attnmerge.jax make their Options here.  Checks what Python must know before the C ABI does (the
     types of options, bases, what allocation needs); the C ABI checks every value against the
     arrays.  `flags`: C ABI flags a layer adds of its own (the vLLM layer's [heads, tokens] LSEs).
-    The public functions pass every option positionally, in this order (the per-call path)."""
+    The public functions pass every option positionally, in this order (the per-call path); sum_a
+    and sum_b (softmax_stats' sums) and valid by keyword."""
     if base == "e" and out_base is None:
         bases = _E3
     else:
@@ -210,7 +250,7 @@ def options(op: Op, out=None, return_lse=True, out_dtype=None, output_scale=None
     if return_lse is not True:
         return_lse = _flag(return_lse, "return_lse", names)
     return _NEW(Options, (flags, -1 if a_tokens is None else a_tokens, number, group, index, states_axis, scale,
-                          sink, group_scales, names, stream, bases, out_dtype, return_lse))
+                          sink, group_scales, sum_a, sum_b, valid, names, stream, bases, out_dtype, return_lse))
 
 
 def index_of(index, names=None):

@@ -1,6 +1,7 @@
 """The gradient formulas the frameworks compute themselves, in their own array namespace (torch or
-jax.numpy): the sinks' (which have no backward kernel: a reduction per head) and merge_share's
-(elementwise work over its one O).  The merges' own gradients are libattnmerge's backward."""
+jax.numpy): the sinks' (which have no backward kernel: a reduction per head), merge_share's
+(elementwise work over its one O) and softmax statistics' (the backward kernels take LSEs).  The
+merges' own gradients are libattnmerge's backward."""
 from __future__ import annotations
 
 import math
@@ -42,3 +43,28 @@ def share_gradient(xp, o, lse, index, out_lse, grad_out, grad_out_lse, base, sta
                                grad_lse[:, index + 1:]], axis=1)
     grad_o = xp.where(p_own[..., None] != 0, p_own[..., None] * grad_out, xp.zeros_like(grad_out))
     return grad_o, move(grad_lse, 1, states_axis)
+
+
+def _ln(base):
+    return math.log(2.0) if base in (2, "2") else 1.0
+
+
+def stats_lse(xp, lse, total, valid, base):
+    """An LSE argument as the forward merge read it, for its backward (which takes LSEs), in the
+    array namespace `xp`: with softmax sums `total` (None: `lse` is an LSE) max + log(sum) in base
+    `base`, -inf where the sum is 0; -inf where `valid` (a bool array broadcast against lse; None:
+    every state) is False.  An empty part gets zero gradients from the backward, whatever it held."""
+    if total is not None:
+        log = xp.log(xp.where(total == 0, xp.ones_like(total), total)) / _ln(base)
+        lse = xp.where(total == 0, xp.full_like(lse, -math.inf), lse + log)
+    if valid is not None:
+        lse = xp.where(valid, lse, xp.full_like(lse, -math.inf))
+    return lse
+
+
+def stats_gradient(xp, grad_lse, total, base):
+    """The gradient of softmax sums `total` from that of the LSE stats_lse made of them (the max's
+    is that LSE's own): d sum = d lse / (sum ln(b)), 0 where d lse is (an empty part, a state not
+    valid, a sum of 0)."""
+    zero = grad_lse == 0
+    return xp.where(zero, xp.zeros_like(grad_lse), grad_lse / (xp.where(zero, xp.ones_like(total), total) * _ln(base)))

@@ -7,19 +7,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from . import _native, _roads
-from ._call import OPS, index_of, options, shape_of, states_axis_of
-from ._types import Array, Base, DType, PairBase, Stream
+from ._call import OPS, index_of, lse_only, options, shape_of, softmax_stats, states_axis_of
+from ._types import Array, Base, DType, Lse, PairBase, Stream
 
 _MERGE, _INPLACE, _STATES, _VARLEN, _SHARE = (OPS[name] for name in (
     "merge", "merge_inplace", "merge_states", "merge_varlen", "merge_share"))
 
 
-def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | None = None,
+def merge(o_a: Array, lse_a: Lse, o_b: Array, lse_b: Lse, *, out: Array | None = None,
           out_lse: Array | None = None, return_lse: bool = True, out_dtype: DType | None = None,
           output_scale: float | Array | None = None, base: PairBase = "e", out_base: Base | None = None,
           a_tokens: int | None = None, sink: Array | None = None, group_size: int | None = None,
-          group_scales: Array | None = None, scale_ue8m0: bool = False, stream: Stream = None, pdl: bool = False,
-          _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
+          group_scales: Array | None = None, scale_ue8m0: bool = False, valid: Array | None = None,
+          stream: Stream = None, pdl: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge two attention states: ``(out, out_lse) = merge((o_a, lse_a), (o_b, lse_b))``.
 
     Per (token, head) row, with ``m = max(lse_a, lse_b)``, ``w = exp(lse - m)`` and ``W`` their sum:
@@ -37,9 +37,12 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
     o_a, o_b : array
         The states' outputs, [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype
         for both).  With `a_tokens`, o_a needs only a_tokens tokens.
-    lse_a, lse_b : array
+    lse_a, lse_b : array or tuple of 2 arrays
         Their log-sum-exps, float32 [tokens, heads], in base `base`; a [heads, tokens] buffer is
-        passed as its transpose (``lse.T``).
+        passed as its transpose (``lse.T``).  Or softmax statistics, a ``(max, sum)`` tuple of
+        float32 arrays of that shape (TensorRT-LLM's Helix, a flash-decoding kernel before its
+        log): the LSE is ``max + log(sum)`` (log2 in base 2), taken in float32 as it is read, and
+        ``sum = 0`` an empty part whatever the max holds.
     out : array, optional
         Where the merged output goes, [tokens, heads, head_size], float32, float16, bfloat16 or
         float8_e4m3fn; may be o_a or o_b itself.  Allocated like o_b when None.
@@ -72,6 +75,11 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
         allocated like out when None.
     scale_ue8m0 : bool, default False
         Round each group scale up to a power of two (UE8M0, as DeepGEMM takes them).
+    valid : array, optional
+        Which states hold keys, read on the device (never synchronized with the host): [tokens, 2]
+        (a's, b's), uint8 or bool, or int32 or int64 (a count of keys, such as per-rank KV
+        lengths); a state whose entry is 0 weighs nothing whatever its O and LSE hold (vLLM's
+        empty context-parallel shards).
     stream : int or object, optional
         None: the current stream of the arrays' framework (else the legacy default stream); an
         int cudaStream_t, or an object with ``.cuda_stream`` or ``.ptr``.  Ignored on the CPU.
@@ -106,13 +114,14 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
     >>> bool(np.allclose(out_lse, np.logaddexp(lse_a, lse_b)))
     True
     """
+    inputs, sum_a, sum_b, names = softmax_stats(_MERGE, (o_a, lse_a, o_b, lse_b), _names)
     opt = options(_MERGE, out, return_lse, out_dtype, output_scale, base, out_base, a_tokens, sink, group_size,
-                  group_scales, scale_ue8m0, 1, 0, stream, pdl, _names)
-    return _roads.run(_MERGE, (o_a, lse_a, o_b, lse_b), out, out_lse, opt)
+                  group_scales, scale_ue8m0, 1, 0, stream, pdl, names, sum_a=sum_a, sum_b=sum_b, valid=valid)
+    return _roads.run(_MERGE, inputs, out, out_lse, opt)
 
 
-def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mask: Array | None = None,
-                  base: PairBase = "e", stream: Stream = None, pdl: bool = False,
+def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Lse, *, mask: Array | None = None,
+                  base: PairBase = "e", valid: Array | None = None, stream: Stream = None, pdl: bool = False,
                   _names: Mapping[str, str] | None = None) -> tuple[Array, Array]:
     """Merge a state into another in place: ``(o, lse) <- merge((o, lse), (o_other, lse_other))``.
 
@@ -123,11 +132,14 @@ def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mas
     o, o_other : array
         [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype); o is written.
     lse, lse_other : array
-        float32 [tokens, heads]; lse is written.
+        float32 [tokens, heads]; lse is written.  lse_other may be softmax statistics, a ``(max,
+        sum)`` tuple, as for :func:`merge` (lse may not: the merged LSE replaces it).
     mask : array, optional
         uint8 or bool [tokens]: rows of tokens whose mask is 0 are left untouched.
     base : {"e", 2} or tuple of them, default "e"
         As for :func:`merge`: one base for both, or (lse's, lse_other's).
+    valid : array, optional
+        [tokens, 2] (o's state, o_other's), as for :func:`merge`.
     stream, pdl
         As for :func:`merge`.
 
@@ -154,15 +166,16 @@ def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mas
     >>> bool(np.allclose(lse, want))
     True
     """
-    opt = options(_INPLACE, base=base, stream=stream, pdl=pdl, names=_names)
-    return _roads.run(_INPLACE, (o, lse, o_other, lse_other, mask), None, None, opt)
+    inputs, sum_a, sum_b, names = softmax_stats(_INPLACE, (o, lse, o_other, lse_other, mask), _names)
+    opt = options(_INPLACE, base=base, stream=stream, pdl=pdl, names=names, sum_a=sum_a, sum_b=sum_b, valid=valid)
+    return _roads.run(_INPLACE, inputs, None, None, opt)
 
 
-def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Array | None = None,
+def merge_states(o: Array, lse: Lse, *, out: Array | None = None, out_lse: Array | None = None,
                  return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
                  base: Base = "e", out_base: Base | None = None, states_axis: int = 1, sink: Array | None = None,
                  group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
-                 stream: Stream = None, pdl: bool = False,
+                 valid: Array | None = None, stream: Stream = None, pdl: bool = False,
                  _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge S stacked states in one pass, each input read once.
 
@@ -176,8 +189,9 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
         The states' outputs, float32, float16 or bfloat16: [tokens, S, heads, head_size]
         (states_axis=1, FlashInfer's), [S, tokens, heads, head_size] (0: an all-gather's) or
         [tokens, heads, S, head_size] (2).
-    lse : array
-        Their LSEs, float32, laid out as o without head_size ([tokens, S, heads] for states_axis=1).
+    lse : array or tuple of 2 arrays
+        Their LSEs, float32, laid out as o without head_size ([tokens, S, heads] for states_axis=1),
+        or softmax statistics, a ``(max, sum)`` tuple of such arrays, as for :func:`merge`.
     states_axis : int, default 1
         The axis of S in o and lse: 0, 1 or 2 (or -4 to -2).
     out, out_lse, return_lse, out_dtype, output_scale, base, out_base
@@ -187,6 +201,9 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
     sink : array, optional
         float32 [heads]: each head's sink logit, one more state of output 0 in every row of its
         head (the merged LSE counts it; a row with no states gets ``out = 0``, ``out_lse = sink``).
+    valid : array, optional
+        Which states hold keys, [tokens, S] whatever `states_axis` (vLLM's per-rank KV lengths
+        [tokens, cp] as they are), as for :func:`merge`.
 
     Returns
     -------
@@ -208,16 +225,18 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
     >>> bool(np.allclose(out_lse, np.logaddexp.reduce(lse, axis=1)))
     True
     """
+    inputs, sum_a, _, names = softmax_stats(_STATES, (o, lse), _names)
     opt = options(_STATES, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
-                  group_scales, scale_ue8m0, states_axis_of(states_axis, 4, _names), 0, stream, pdl, _names)
-    return _roads.run(_STATES, (o, lse), out, out_lse, opt)
+                  group_scales, scale_ue8m0, states_axis_of(states_axis, 4, _names), 0, stream, pdl, names,
+                  sum_a=sum_a, valid=valid)
+    return _roads.run(_STATES, inputs, out, out_lse, opt)
 
 
-def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = None, out_lse: Array | None = None,
+def merge_varlen(o: Array, lse: Lse, indptr: Array, *, out: Array | None = None, out_lse: Array | None = None,
                  return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
                  base: Base = "e", out_base: Base | None = None, sink: Array | None = None,
                  group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
-                 stream: Stream = None, pdl: bool = False,
+                 valid: Array | None = None, stream: Stream = None, pdl: bool = False,
                  _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge a variable number of states per row: row r merges states ``indptr[r] .. indptr[r+1]-1``.
 
@@ -230,12 +249,14 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
     ----------
     o : array
         [total, heads, head_size], float32, float16 or bfloat16.
-    lse : array
-        float32 [total, heads].
+    lse : array or tuple of 2 arrays
+        float32 [total, heads], or softmax statistics, a ``(max, sum)`` tuple, as for :func:`merge`.
     indptr : array
         int32 or int64 [rows + 1].
     out, out_lse, return_lse, out_dtype, output_scale, base, out_base, sink
         As for :func:`merge_states`; out [rows, heads, head_size].
+    valid : array, optional
+        [total]: which states of o hold keys, as for :func:`merge`.
     group_size, group_scales, scale_ue8m0, stream, pdl
         As for :func:`merge`.
 
@@ -260,16 +281,17 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
     >>> bool(np.allclose(out_lse[1], np.logaddexp.reduce(lse[1:], axis=0)))
     True
     """
+    inputs, sum_a, _, names = softmax_stats(_VARLEN, (o, lse, indptr), _names)
     opt = options(_VARLEN, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
-                  group_scales, scale_ue8m0, 1, 0, stream, pdl, _names)
-    return _roads.run(_VARLEN, (o, lse, indptr), out, out_lse, opt)
+                  group_scales, scale_ue8m0, 1, 0, stream, pdl, names, sum_a=sum_a, valid=valid)
+    return _roads.run(_VARLEN, inputs, out, out_lse, opt)
 
 
-def merge_share(o: Array, lse: Array, index: int, *, out: Array | None = None, out_lse: Array | None = None,
+def merge_share(o: Array, lse: Lse, index: int, *, out: Array | None = None, out_lse: Array | None = None,
                 return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
                 base: Base = "e", out_base: Base | None = None, states_axis: int = 1, sink: Array | None = None,
                 group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
-                stream: Stream = None, pdl: bool = False,
+                valid: Array | None = None, stream: Stream = None, pdl: bool = False,
                 _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """One state's share of an N-way merge, for context parallelism's combine by reduce-scatter.
 
@@ -282,15 +304,17 @@ def merge_share(o: Array, lse: Array, index: int, *, out: Array | None = None, o
     ----------
     o : array
         State `index`'s output [tokens, heads, head_size] (the others' are not needed).
-    lse : array
+    lse : array or tuple of 2 arrays
         Every state's LSE, float32 [tokens, S, heads] (states_axis=1), [S, tokens, heads] (0: an
-        all-gather's) or [tokens, heads, S] (2).
+        all-gather's) or [tokens, heads, S] (2); or softmax statistics, a ``(max, sum)`` tuple of
+        such arrays, as for :func:`merge`.
     index : int
         The state whose share this is, 0 <= index < S.
     states_axis : int, default 1
         The axis of S in lse: 0, 1 or 2 (or -3 to -1).
-    out, out_lse, return_lse, out_dtype, output_scale, base, out_base, sink
-        As for :func:`merge_states` (out may be o itself; every rank's share takes the same sink).
+    out, out_lse, return_lse, out_dtype, output_scale, base, out_base, sink, valid
+        As for :func:`merge_states` (out may be o itself; every rank's share takes the same sink
+        and valid states).
     group_size, group_scales, scale_ue8m0, stream, pdl
         As for :func:`merge` (each share quantized on its own).
 
@@ -314,10 +338,11 @@ def merge_share(o: Array, lse: Array, index: int, *, out: Array | None = None, o
     >>> bool(np.allclose(sum(shares), attnmerge.merge_states(o, lse)[0], atol=1e-5))
     True
     """
+    inputs, sum_a, _, names = softmax_stats(_SHARE, (o, lse), _names)
     opt = options(_SHARE, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
                   group_scales, scale_ue8m0, states_axis_of(states_axis, 3, _names), index_of(index, _names), stream,
-                  pdl, _names)
-    return _roads.run(_SHARE, (o, lse), out, out_lse, opt)
+                  pdl, names, sum_a=sum_a, valid=valid)
+    return _roads.run(_SHARE, inputs, out, out_lse, opt)
 
 
 # ---- the backward: the gradients of a merge's inputs from those of its outputs ----------------
@@ -378,6 +403,7 @@ def merge_backward(grad_out: Array, grad_out_lse: Array | None, out: Array | Non
     >>> bool(np.allclose(g[0] + g[2], 1.0))  # the weights of a row sum to 1
     True
     """
+    lse_a, lse_b = lse_only(lse_a, "lse_a"), lse_only(lse_b, "lse_b")
     opt = options(_MERGE, base=base, a_tokens=a_tokens, stream=stream, pdl=pdl)
     needs = _native.needs_of(needs_grad, 4)
     shape = shape_of(o_b, "o_b")
@@ -447,6 +473,7 @@ def merge_states_backward(grad_out: Array, grad_out_lse: Array | None, out: Arra
     True
     """
     axis = states_axis_of(states_axis, 4)
+    lse = lse_only(lse, "lse")
     opt = options(_STATES, base=base, states_axis=axis, stream=stream, pdl=pdl)
     grads = _states_grads(o, grad_o, grad_lse, needs_grad, 4, "merge_states")
     _native.run_backward("merge_states", grads, (grad_out, grad_out_lse, out, out_lse, o, lse), opt)
@@ -496,6 +523,7 @@ def merge_varlen_backward(grad_out: Array, grad_out_lse: Array | None, out: Arra
     >>> bool(np.allclose(grad_o[1:].sum(axis=0), 1.0))
     True
     """
+    lse = lse_only(lse, "lse")
     opt = options(_VARLEN, base=base, stream=stream, pdl=pdl)
     grads = _states_grads(o, grad_o, grad_lse, needs_grad, 3, "merge_varlen")
     _native.run_backward("merge_varlen", grads, (grad_out, grad_out_lse, out, out_lse, o, lse, indptr), opt)

@@ -46,7 +46,7 @@ def _any_jax(a, b):
 def run(op: Op, inputs, out, out_lse, opt: Options):
     """One call of `op` on its road: the public functions' (and the compat layers') one way down."""
     torch = _torch
-    if torch is not None and (torch[0](*inputs, opt.sink, out, out_lse) or torch[2]()):
+    if torch is not None and (torch[0](*inputs, opt.sink, opt.sum_a, opt.sum_b, out, out_lse) or torch[2]()):
         return torch[1](op, inputs, out, out_lse, opt)
     if op.like < 0:  # the in-place merge writes its first state
         if _any_jax(inputs[0], inputs[1]):

@@ -26,8 +26,8 @@ import torch
 
 from . import _C, _call, _merge, _native
 from ._arrays import name_of
-from ._call import OPS, Options
-from ._grad import share_gradient, sink_gradient
+from ._call import OPS, SUMS, Options
+from ._grad import share_gradient, sink_gradient, stats_gradient, stats_lse
 from ._types import NO_GRADIENT_DTYPES
 
 _NS = "attnmerge"
@@ -72,24 +72,31 @@ def _keywords(op):
     return [(name, entry, value) for name, entry, value in _KEYWORDS if name in op.takes or name in ("base", "pdl")]
 
 
+def _state_tensors(op):
+    """The optional tensors of op's states after output_scale and sink: the softmax sums of its LSE
+    arguments (attnmerge._call.SUMS) and the states holding keys, in the schemas' order."""
+    return SUMS[:len(op.lses)] + ("valid",)
+
+
 def _schemas(op):
     """An op's overloads: {name: schema}."""
     tensors = ", ".join(f"Tensor {n}" for n in op.inputs)
     keywords = [entry for _, entry, _ in _keywords(op)]
+    states = ", ".join(f"Tensor? {n}=None" for n in _state_tensors(op))
     if op.name == "merge_inplace":
-        args = "Tensor(a!) o, Tensor(b!) lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, *, " + ", ".join(
-            keywords)
+        args = (f"Tensor(a!) o, Tensor(b!) lse, Tensor o_other, Tensor lse_other, Tensor? mask=None, {states}, *, " +
+                ", ".join(keywords))
         return {op.name: f"({args}) -> ()",
                 f"{op.name}.functional": f"({args.replace('(a!)', '').replace('(b!)', '')}) -> "
                                          "(Tensor o_merged, Tensor lse_merged)"}
     index = [k for k in keywords if k.startswith("int index")]
     rest = [k for k in keywords if not k.startswith("int index")]
     return {
-        # output_scale and sink positional: autograd takes no keyword-only tensors
-        op.name: f"({tensors}, Tensor? output_scale=None, Tensor? sink=None, *, "
+        # output_scale, sink, the sums and valid positional: autograd takes no keyword-only tensors
+        op.name: f"({tensors}, Tensor? output_scale=None, Tensor? sink=None, {states}, *, "
                  f"{', '.join(index + ['ScalarType? out_dtype=None'] + rest)}) -> (Tensor out, Tensor out_lse)",
         f"{op.name}.out": f"({tensors}, *, {', '.join(index)}{', ' if index else ''}Tensor(a!) out, "
-                          f"Tensor(b!)? out_lse=None, Tensor? output_scale=None, Tensor? sink=None, "
+                          f"Tensor(b!)? out_lse=None, Tensor? output_scale=None, Tensor? sink=None, {states}, "
                           f"{', '.join(rest[:-3] + [_GROUPS] + rest[-3:])}) -> ()",
     }
 
@@ -179,21 +186,22 @@ def _bases(options, pair=False):
 def _out_kernel(op):
     """The out= overload's kernel: the call's Options from its keyword arguments, then the native road."""
     def kernel(*tensors, out, out_lse=None, output_scale=None, sink=None, group_scales=None, group_size=0,
-               scale_ue8m0=False, **kwargs):
+               scale_ue8m0=False, sum_a=None, sum_b=None, valid=None, **kwargs):
         opt = _options(op, kwargs, _NAMES.get(), out=out, output_scale=output_scale, sink=sink,
-                       group_scales=group_scales, group_size=group_size or None, scale_ue8m0=scale_ue8m0)
+                       group_scales=group_scales, group_size=group_size or None, scale_ue8m0=scale_ue8m0,
+                       sum_a=sum_a, sum_b=sum_b, valid=valid)
         _native.run(op, tensors, out, out_lse, opt)
     return kernel
 
 
-def _merge_inplace(o, lse, o_other, lse_other, mask=None, **kwargs):
+def _merge_inplace(o, lse, o_other, lse_other, mask=None, sum_a=None, sum_b=None, valid=None, **kwargs):
     _native.run(OPS["merge_inplace"], (o, lse, o_other, lse_other, mask), None, None,
-                _options(OPS["merge_inplace"], kwargs, _NAMES.get()))
+                _options(OPS["merge_inplace"], kwargs, _NAMES.get(), sum_a=sum_a, sum_b=sum_b, valid=valid))
 
 
-def _merge_inplace_functional(o, lse, o_other, lse_other, mask=None, **kwargs):
+def _merge_inplace_functional(o, lse, o_other, lse_other, mask=None, sum_a=None, sum_b=None, valid=None, **kwargs):
     o, lse = o.clone(), lse.clone()  # the same strides as _RESULTS' empty_like
-    _merge_inplace(o, lse, o_other, lse_other, mask, **kwargs)
+    _merge_inplace(o, lse, o_other, lse_other, mask, sum_a, sum_b, valid, **kwargs)
     return o, lse
 
 
@@ -254,7 +262,7 @@ for _op in OPS.values():
     if _op.name != "merge_inplace":
         _KERNELS[f"{_op.name}.out"] = _out_kernel(_op)
         _KERNELS[_op.name] = _functional(_RESULTS[_op.name], _KERNELS[f"{_op.name}.out"], len(_op.inputs),
-                                         ("output_scale", "sink"))
+                                         ("output_scale", "sink") + _state_tensors(_op))
 
 
 # ---- autograd -------------------------------------------------------------------------------------
@@ -352,7 +360,7 @@ def _vmap_rule(name, tokens_major, states=None):
         axis = _call.states_axis_of(kwargs.get("states_axis", 1), 3 if name == "merge_share" else 4) if states else 1
         tokens = None
         for i in tokens_major:
-            x = args[i]
+            x = args[i] if i < len(args) else None  # the dispatcher may drop trailing Nones
             if x is None:
                 continue
             x = _batch_first(x, in_dims[i], size)
@@ -384,10 +392,10 @@ def _vmap_rule(name, tokens_major, states=None):
 # (overload, its token-major positional arguments, the positions of o and lse where S is read at
 # states_axis); varlen's rows are not its states' tokens: one call per example.
 _VMAP = (
-    ("merge", (0, 1, 2, 3), None),
-    ("merge_inplace.functional", (0, 1, 2, 3, 4), None),
-    ("merge_states", (0, 1), (0, 1)),
-    ("merge_share", (0, 1), (1,)),
+    ("merge", (0, 1, 2, 3, 6, 7, 8), None),  # the sums and valid (6, 7, 8) token-major too
+    ("merge_inplace.functional", (0, 1, 2, 3, 4, 5, 6, 7), None),
+    ("merge_states", (0, 1, 4, 5), (0, 1, 4)),  # sum_a (4) laid out as lse; valid (5) [tokens, S]
+    ("merge_share", (0, 1, 4, 5), (1, 4)),
     ("merge_varlen", (), None),
     ("merge_backward", (0, 1, 2, 3, 4, 5, 6, 7), None),
     ("merge_states_backward", (0, 1, 2, 3, 4, 5), (4, 5)),
@@ -395,7 +403,7 @@ _VMAP = (
 )
 
 
-def _inplace_vmap_rule(info, in_dims, o, lse, o_other, lse_other, mask=None, **kwargs):
+def _inplace_vmap_rule(info, in_dims, o, lse, o_other, lse_other, mask=None, *states, **kwargs):
     """The in-place merge under vmap: each example merged into its own slice of o and lse (views,
     so the writes land in the batch); o and lse must be batched wherever anything is, as torch's
     own in-place ops require."""
@@ -403,7 +411,7 @@ def _inplace_vmap_rule(info, in_dims, o, lse, o_other, lse_other, mask=None, **k
         raise ValueError("o, lse: expected batched tensors under vmap where o_other, lse_other or mask are "
                          "(the merge writes into o and lse)")
     op = _overload("merge_inplace")
-    args = (o, lse, o_other, lse_other, mask)
+    args = (o, lse, o_other, lse_other, mask, *states)
     for b in range(info.batch_size):
         op(*(x if d is None or x is None else x.select(d, b) for x, d in zip(args, in_dims)), **kwargs)
     return None, None
@@ -424,14 +432,18 @@ def _no_fp8_gradient(name, inputs, scale, out):
 
 
 def _setup(name, n_tensors):
-    """Saves the op's `n_tensors` tensor inputs, its results and, after them, its sink (None where
-    it has none; output_scale and sink follow the tensor inputs)."""
+    """Saves the op's `n_tensors` tensor inputs, its results and, after them, its sink, softmax sums
+    and valid states (None where not given; output_scale, the sink, the sums and valid follow the
+    tensor inputs)."""
+    extras = 1 + len(_state_tensors(OPS[name]))  # the sink, the sums, valid
+
     def setup_context(ctx, inputs, keyword_only_inputs, output):
         out, out_lse = output
         scale = inputs[n_tensors] if len(inputs) > n_tensors else None
-        sink = inputs[n_tensors + 1] if len(inputs) > n_tensors + 1 else None
-        _no_fp8_gradient(name, (*inputs[:n_tensors], sink), scale, out)
-        ctx.save_for_backward(*inputs[:n_tensors], out, out_lse, sink)
+        given = tuple(inputs[n_tensors + 1:n_tensors + 1 + extras])
+        given += (None,) * (extras - len(given))
+        _no_fp8_gradient(name, (*inputs[:n_tensors], *given), scale, out)
+        ctx.save_for_backward(*inputs[:n_tensors], out, out_lse, *given)
         ctx.options = keyword_only_inputs
     return setup_context
 
@@ -462,10 +474,45 @@ def _in_inputs_base(ctx, out_lse, grad_out_lse, pair=False):
     return a, b, out_lse, grad_out_lse
 
 
+def _valid_column(valid, column, lse):
+    """A two-way merge's valid [tokens, 2] as a bool mask over the rows of one state's lse [rows,
+    heads] (rows past the valid's tokens, never read, kept); None: every state holds keys."""
+    if valid is None:
+        return None
+    v = (valid[:, column] != 0)[:, None]
+    rows = lse.shape[0]
+    if rows <= v.shape[0]:
+        return v[:rows]
+    return torch.cat([v, v.new_ones((rows - v.shape[0], 1))])
+
+
+def _valid_states(valid, states_axis):
+    """valid [tokens, S] as a bool mask over lse [tokens, S, heads] with S at `states_axis`."""
+    return None if valid is None else (valid != 0)[:, :, None].movedim(1, states_axis)
+
+
+def _needs(ctx, index):
+    """Whether autograd asks for the gradient of input `index` (the dispatcher may drop trailing
+    inputs that are None: those ask for none)."""
+    return index < len(ctx.needs_input_grad) and ctx.needs_input_grad[index]
+
+
+def _stats_grad(ctx, index, grad_lse, total, base):
+    """The gradient of the softmax sums at input `index` where autograd asks for it, from that of
+    their LSE (`grad_lse`, as the backward op gave it in the sums' base), else None."""
+    if total is None or not _needs(ctx, index):
+        return None
+    return stats_gradient(torch, grad_lse, total, base)
+
+
 def _merge_grad(ctx, grad_out, grad_out_lse):
-    o_a, lse_a, o_b, lse_b, out, out_lse, sink = ctx.saved_tensors
-    needs = list(ctx.needs_input_grad[:4])
+    o_a, lse_a, o_b, lse_b, out, out_lse, sink, sum_a, sum_b, valid = ctx.saved_tensors
+    asked = list(ctx.needs_input_grad[:4])
+    needs = [asked[0], asked[1] or _needs(ctx, 6), asked[2], asked[3] or _needs(ctx, 7)]
     a, b, out_lse, grad_out_lse = _in_inputs_base(ctx, out_lse, grad_out_lse, pair=True)
+    # The LSEs as the forward read them (softmax statistics, valid states), each in its own base.
+    lse_a = stats_lse(torch, lse_a, sum_a, _valid_column(valid, 0, lse_a), a)
+    lse_b = stats_lse(torch, lse_b, sum_b, _valid_column(valid, 1, lse_b), b)
     c_b = _call.base_change(b, a)  # lse_b in a's base, as the forward merged it
     grads = list(torch.ops.attnmerge.merge_backward(_incoming(grad_out, out), grad_out_lse, out, out_lse, o_a, lse_a,
                                                     o_b, lse_b * c_b if c_b != 1.0 else lse_b, needs=needs,
@@ -473,8 +520,9 @@ def _merge_grad(ctx, grad_out, grad_out_lse):
     if c_b != 1.0 and needs[3]:
         grads[3] = grads[3] * c_b
     # The states' gradients follow from out and out_lse, which count the sink (in a's base).
-    return (*_grads_or_none(grads, needs), None,  # output_scale: none
-            _sink_grad_of(ctx, 5, sink, out, out_lse, grad_out, grad_out_lse, a))
+    return (*_grads_or_none(grads, asked), None,  # output_scale: none
+            _sink_grad_of(ctx, 5, sink, out, out_lse, grad_out, grad_out_lse, a),
+            _stats_grad(ctx, 6, grads[1], sum_a, a), _stats_grad(ctx, 7, grads[3], sum_b, b), None)  # valid: none
 
 
 def _sink_grad_of(ctx, sink_index, sink, out, out_lse, grad_out, grad_out_lse, base):
@@ -487,41 +535,50 @@ def _sink_grad_of(ctx, sink_index, sink, out, out_lse, grad_out, grad_out_lse, b
 
 
 def _merge_states_grad(ctx, grad_out, grad_out_lse):
-    o, lse, out, out_lse, sink = ctx.saved_tensors
-    needs = list(ctx.needs_input_grad[:2])
+    o, lse, out, out_lse, sink, total, valid = ctx.saved_tensors
+    asked = list(ctx.needs_input_grad[:2])
+    needs = [asked[0], asked[1] or _needs(ctx, 4)]
     base, _, out_lse, grad_out_lse = _in_inputs_base(ctx, out_lse, grad_out_lse)
+    axis = ctx.options.get("states_axis", 1)
+    lse = stats_lse(torch, lse, total, _valid_states(valid, axis), base)  # as the forward read it
     grads = torch.ops.attnmerge.merge_states_backward(_incoming(grad_out, out), grad_out_lse, out, out_lse, o, lse,
-                                                      needs=needs, states_axis=ctx.options.get("states_axis", 1),
-                                                      base=_text(base))
+                                                      needs=needs, states_axis=axis, base=_text(base))
     # The states' gradients follow from out and out_lse, which count the sink.
-    return (*_grads_or_none(grads, needs), None,
-            _sink_grad_of(ctx, 3, sink, out, out_lse, grad_out, grad_out_lse, base))
+    return (*_grads_or_none(grads, asked), None,
+            _sink_grad_of(ctx, 3, sink, out, out_lse, grad_out, grad_out_lse, base),
+            _stats_grad(ctx, 4, grads[1], total, base), None)
 
 
 def _merge_varlen_grad(ctx, grad_out, grad_out_lse):
-    o, lse, indptr, out, out_lse, sink = ctx.saved_tensors
-    needs = list(ctx.needs_input_grad[:2])
+    o, lse, indptr, out, out_lse, sink, total, valid = ctx.saved_tensors
+    asked = list(ctx.needs_input_grad[:2])
+    needs = [asked[0], asked[1] or _needs(ctx, 5)]
     base, _, out_lse, grad_out_lse = _in_inputs_base(ctx, out_lse, grad_out_lse)
+    lse = stats_lse(torch, lse, total, None if valid is None else (valid != 0)[:, None], base)
     grads = torch.ops.attnmerge.merge_varlen_backward(_incoming(grad_out, out), grad_out_lse, out, out_lse, o, lse,
                                                       indptr, needs=needs, base=_text(base))
-    return (*_grads_or_none(grads, needs), None, None,  # indptr, output_scale: none
-            _sink_grad_of(ctx, 4, sink, out, out_lse, grad_out, grad_out_lse, base))
+    return (*_grads_or_none(grads, asked), None, None,  # indptr, output_scale: none
+            _sink_grad_of(ctx, 4, sink, out, out_lse, grad_out, grad_out_lse, base),
+            _stats_grad(ctx, 5, grads[1], total, base), None)
 
 
 def _merge_share_grad(ctx, grad_out, grad_out_lse):
     """merge_share's gradients in torch ops (_grad.share_gradient): elementwise work over the one
     O, dO and the LSEs, with no backward kernel of its own (a few passes where one would do)."""
-    o, lse, out, out_lse, sink = ctx.saved_tensors
+    o, lse, out, out_lse, sink, total, valid = ctx.saved_tensors
     base, _, out_lse, grad_out_lse = _in_inputs_base(ctx, out_lse, grad_out_lse)
-    grad_o = grad_lse = None
-    if any(ctx.needs_input_grad[:2]):
+    axis = ctx.options.get("states_axis", 1)
+    grad_o = grad_lse = grad_sum = None
+    if any(ctx.needs_input_grad[:2]) or (total is not None and _needs(ctx, 4)):
         f32 = torch.float32
+        lse = stats_lse(torch, lse, total, _valid_states(valid, axis), base)  # as the forward read it
         grad_o, grad_lse = share_gradient(torch, o.to(f32), lse, ctx.options["index"], out_lse,
-                                                 _incoming(grad_out, out).to(f32), grad_out_lse, base,
-                                                 ctx.options.get("states_axis", 1))
+                                                 _incoming(grad_out, out).to(f32), grad_out_lse, base, axis)
+        grad_sum = _stats_grad(ctx, 4, grad_lse, total, base)
         grad_o = grad_o.to(o.dtype) if ctx.needs_input_grad[0] else None
         grad_lse = grad_lse if ctx.needs_input_grad[1] else None
-    return grad_o, grad_lse, None, _sink_grad_of(ctx, 3, sink, out, out_lse, grad_out, grad_out_lse, base)
+    return (grad_o, grad_lse, None, _sink_grad_of(ctx, 3, sink, out, out_lse, grad_out, grad_out_lse, base),
+            grad_sum, None)
 
 
 _AUTOGRAD = {
@@ -672,11 +729,13 @@ class _Named:
 
 
 def _heads_first(inputs, out_lse, opt):
-    """A call whose LSEs are laid out [heads, tokens] (the vLLM layer's flag) as the ops take
-    them: [tokens, heads] views, through the strides."""
+    """A call whose LSEs (and their softmax sums) are laid out [heads, tokens] (the vLLM layer's
+    flag) as the ops take them: [tokens, heads] views, through the strides."""
     lse = (1, 3) if len(inputs) >= 4 else (1,)
     inputs = tuple(x.T if i in lse else x for i, x in enumerate(inputs))
-    return inputs, None if out_lse is None else out_lse.T, opt._replace(flags=opt.flags & ~_C.LSE_HEADS_FIRST)
+    sums = {k: getattr(opt, k).T for k in SUMS if getattr(opt, k) is not None}
+    return (inputs, None if out_lse is None else out_lse.T,
+            opt._replace(flags=opt.flags & ~_C.LSE_HEADS_FIRST, **sums))
 
 
 def run(op, inputs, out, out_lse, opt: Options):
@@ -688,9 +747,10 @@ def run(op, inputs, out, out_lse, opt: Options):
         inputs, out_lse, opt = _heads_first(inputs, out_lse, opt)
     kwargs = {name: value(opt) for name, _, value in _keywords(op)}
     packet = getattr(torch.ops.attnmerge, op.name)
+    states = tuple(getattr(opt, name) for name in _state_tensors(op))  # the sums, valid
     with _names_for_kernels(opt.names):
         if op.name == "merge_inplace":
-            packet.default(*inputs, **kwargs)
+            packet.default(*inputs, *states, **kwargs)
             return inputs[0], inputs[1]
         like = inputs[op.like]
         scale = opt.scale if opt.scale is not None or not opt.output_scale else torch.full(
@@ -698,13 +758,14 @@ def run(op, inputs, out, out_lse, opt: Options):
         if out is None and out_lse is None and not opt.group_size and opt.group_scales is None:
             out_dtype = None if opt.out_dtype is None else getattr(torch, opt.out_dtype)
             if transforming() and not _compiling():  # torch.func: the op as an autograd.Function
-                res, res_lse = _FUNCTIONS[op.name].apply(*inputs, scale, opt.sink,
+                res, res_lse = _FUNCTIONS[op.name].apply(*inputs, scale, opt.sink, *states,
                                                           _KeywordOnly(dict(kwargs, out_dtype=out_dtype)))
             else:
-                res, res_lse = packet.default(*inputs, scale, opt.sink, out_dtype=out_dtype, **kwargs)
+                res, res_lse = packet.default(*inputs, scale, opt.sink, *states, out_dtype=out_dtype, **kwargs)
             return res, (res_lse if opt.return_lse else None)
         out, out_lse, opt = _native.allocate(op, inputs, out, out_lse, opt)
         groups = {} if opt.group_scales is None else dict(group_scales=opt.group_scales, group_size=opt.group_size,
                                                            scale_ue8m0=opt.scale_ue8m0)
-        packet.out(*inputs, out=out, out_lse=out_lse, output_scale=scale, sink=opt.sink, **groups, **kwargs)
+        packet.out(*inputs, out=out, out_lse=out_lse, output_scale=scale, sink=opt.sink,
+                   **dict(zip(_state_tensors(op), states)), **groups, **kwargs)
         return _native.results(out, out_lse, opt)

@@ -19,6 +19,8 @@ DType = Any
 Base = Union[Literal["e"], Literal[2]]
 # The two-way and in-place merges' LSE bases: one for both states, or (a's, b's).
 PairBase = Union[Base, tuple[Base, Base]]
+# An LSE argument: an array of LSEs, or softmax statistics, a (max, sum) tuple of arrays.
+Lse = Union[Array, tuple[Array, Array]]
 
 
 class DTypeInfo(NamedTuple):

@@ -47,8 +47,8 @@ import numpy as np
 
 from . import _C
 from ._build import XLA_HOW, XLA_LIB
-from ._call import OPS, Options, base_change, base_flags, index_of, options, states_axis_of
-from ._grad import share_gradient, sink_gradient
+from ._call import OPS, Options, base_change, base_flags, index_of, options, softmax_stats, states_axis_of
+from ._grad import share_gradient, sink_gradient, stats_gradient, stats_lse
 from ._types import NO_GRADIENT_DTYPES, Base, PairBase
 
 __all__ = ["merge", "merge_states", "merge_varlen", "merge_share"]
@@ -84,7 +84,7 @@ def _static(name, value):
     return value
 
 
-def _options(op, output_scale=None, sink=None, **static):
+def _options(op, output_scale=None, sink=None, sum_a=None, sum_b=None, valid=None, **static):
     """The call's Options (attnmerge._call.options, the one reading), its static options refused
     when traced; output_scale may be an array (traced like any input), or a static number."""
     if output_scale is not None and isinstance(output_scale, (int, float, np.number, jax.core.Tracer)) and \
@@ -92,7 +92,25 @@ def _options(op, output_scale=None, sink=None, **static):
         output_scale = _static("output_scale", output_scale)
     if isinstance(output_scale, np.number):
         output_scale = float(output_scale)
-    return options(op, output_scale=output_scale, sink=sink, **{k: _static(k, v) for k, v in static.items()})
+    return options(op, output_scale=output_scale, sink=sink, sum_a=sum_a, sum_b=sum_b, valid=valid,
+                   **{k: _static(k, v) for k, v in static.items()})
+
+
+# The optional arrays of a forward after its operands, in the FFI call's order (the output scale's
+# buffer sits between the sink and the sums): each read where its has_* attribute says.
+_EXTRAS = ("sink", "sum_a", "sum_b", "valid")
+
+
+def _given(opt: Options):
+    """(has, arrays): which of _EXTRAS the call gives, and those arrays, in order."""
+    has = tuple(getattr(opt, name) is not None for name in _EXTRAS)
+    return has, tuple(getattr(opt, name) for name, given in zip(_EXTRAS, has) if given)
+
+
+def _unpack(has, arrays):
+    """{name: array or None} of _EXTRAS from the arrays `has` says are given."""
+    it = iter(arrays)
+    return {name: next(it) if given else None for name, given in zip(_EXTRAS, has)}
 
 
 def _shape(x):
@@ -114,6 +132,16 @@ def _expect_sink(sink, heads):
         _expect("sink", sink, (heads,), "heads of o")
 
 
+def _expect_extras(opt: Options, lses, valid_shape):
+    """The softmax sums of the call's LSE arguments `lses` ((name, array) of each, None where the
+    op has no such argument) shaped as those, and valid as `valid_shape`."""
+    for (name, lse), total in zip(lses, (opt.sum_a, opt.sum_b)):
+        if total is not None:
+            _expect(f"{name}[1]", total, _shape(lse), f"the shape of {name}[0]")
+    if opt.valid is not None and valid_shape is not None:
+        _expect("valid", opt.valid, valid_shape, "which states hold keys")
+
+
 def _attributes(opt: Options):
     """The call's attributes: the options the handlers read, by name (call_options.h)."""
     return {name: _ATTRIBUTE_TYPES[name](getattr(opt, name)) for name in _SCALARS}
@@ -122,26 +150,32 @@ def _attributes(opt: Options):
 def _key(opt: Options) -> Options:
     """The static part of a call's options (its arrays and names dropped): a cache key of the
     differentiable functions, hashable."""
-    return opt._replace(scale=None, sink=None, group_scales=None, names=None, stream=None)
+    return opt._replace(scale=None, sink=None, group_scales=None, sum_a=None, sum_b=None, valid=None, names=None,
+                        stream=None)
 
 
-def _ffi(op, outs, operands, key: Options, *, sink=None, scale=None, vectorized=True):
-    """The FFI call of `op`: `operands`, then the sink (an array, or an unread one: has_sink) and
-    the output scale's array (or an unread one: scale_in_buffer), the options as attributes.
-    `outs`: (out, out_lse)'s shapes; with a group size the group scales [rows, heads, head_size //
-    group_size] are a third result (every call has that result: one of no elements, unwritten,
-    without groups)."""
+def _ffi(op, outs, operands, key: Options, extras, *, scale=None, vectorized=True):
+    """The FFI call of `op`: `operands`, then the sink, the output scale's array, the softmax sums
+    and valid (`extras`, _unpack's: each an array, or an unread one: has_sink, scale_in_buffer,
+    has_sum_a, has_sum_b, has_valid), the options as attributes.  `outs`: (out, out_lse)'s shapes;
+    with a group size the group scales [rows, heads, head_size // group_size] are a third result
+    (every call has that result: one of no elements, unwritten, without groups)."""
     group = key.group_size
     # One call over a flattened batch: every operand is broadcast to the batch (the handler folds
-    # leading dimensions into tokens), which per-example a_tokens, indptr, scale or sink would break.
+    # leading dimensions into tokens), which per-example a_tokens, indptr, scale or sink would break
+    # (the sums and valid are per token, folded alike).
+    sink = extras["sink"]
     method = "broadcast_all" if vectorized and key.a_tokens < 0 and scale is None and sink is None else "sequential"
     rows, heads, head_size = outs[0].shape
     scales = jax.ShapeDtypeStruct((rows, heads, head_size // group) if group else (0,), jnp.float32)
     call = jax.ffi.ffi_call(f"attnmerge_{op}", (*outs, scales), vmap_method=method)
-    unread_sink = jnp.full((1,), -jnp.inf, jnp.float32)
+    unread = jnp.full((1,), -jnp.inf, jnp.float32)
     scale_buffer = jnp.ones((1,), jnp.float32) if scale is None else jnp.reshape(jnp.asarray(scale, jnp.float32), (1,))
-    results = call(*operands, unread_sink if sink is None else sink, scale_buffer, **_attributes(key),
-                   has_sink=sink is not None, scale_in_buffer=scale is not None)
+    buffers = [unread if sink is None else sink, scale_buffer]
+    buffers += [unread if extras[name] is None else extras[name] for name in ("sum_a", "sum_b")]
+    buffers.append(jnp.ones((1,), jnp.uint8) if extras["valid"] is None else extras["valid"])
+    results = call(*operands, *buffers, **_attributes(key), has_sink=sink is not None, scale_in_buffer=scale is not None,
+                   **{f"has_{name}": extras[name] is not None for name in ("sum_a", "sum_b", "valid")})
     return tuple(results) if group else tuple(results[:2])
 
 
@@ -156,10 +190,11 @@ def _out_dtype(opt: Options, like):
 # ---- the ops ----------------------------------------------------------------------------------------
 
 
-def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *, base: PairBase = "e",
+def merge(o_a: jax.Array, lse_a: Any, o_b: jax.Array, lse_b: Any, *, base: PairBase = "e",
           out_base: Base | None = None, out_dtype: Any = None, a_tokens: int | None = None,
           output_scale: float | jax.Array | None = None, sink: jax.Array | None = None,
-          group_size: int | None = None, scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
+          group_size: int | None = None, scale_ue8m0: bool = False,
+          valid: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """Merge two attention states: ``(out, out_lse) = merge((o_a, lse_a), (o_b, lse_b))``, as an XLA call.
 
     The semantics and options of :func:`attnmerge.merge`, on JAX arrays, under ``jax.jit``,
@@ -170,10 +205,14 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *,
     o_a, o_b : jax.Array
         [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype); with a_tokens, o_a
         needs only a_tokens tokens.
-    lse_a, lse_b : jax.Array
-        float32 [tokens, heads].
+    lse_a, lse_b : jax.Array or tuple of 2 jax.Array
+        float32 [tokens, heads], or softmax statistics, a ``(max, sum)`` tuple of such arrays
+        (the LSE is ``max + log(sum)``, ``sum = 0`` an empty part); both differentiable.
     base, out_base, a_tokens, group_size, scale_ue8m0
         As for :func:`attnmerge.merge`.
+    valid : jax.Array, optional
+        [tokens, 2], uint8, bool, int32 or int64: 0 where a state (a's, b's) holds no key, as for
+        :func:`attnmerge.merge`.
     out_dtype : dtype, optional
         The dtype of out (default o_b's): float32, float16, bfloat16 or float8_e4m3fn.
     output_scale : float or jax.Array, optional
@@ -206,15 +245,17 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *,
     >>> bool(jnp.allclose(out_lse, jnp.logaddexp(lse_a, lse_b)))
     True
     """
-    opt = _options(_MERGE, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
-                   a_tokens=a_tokens, group_size=group_size, scale_ue8m0=scale_ue8m0)
-    return run(_MERGE, (o_a, lse_a, o_b, lse_b), opt)
+    inputs, sum_a, sum_b, _ = softmax_stats(_MERGE, (o_a, lse_a, o_b, lse_b))
+    opt = _options(_MERGE, output_scale=output_scale, sink=sink, sum_a=sum_a, sum_b=sum_b, valid=valid, base=base,
+                   out_base=out_base, out_dtype=out_dtype, a_tokens=a_tokens, group_size=group_size,
+                   scale_ue8m0=scale_ue8m0)
+    return run(_MERGE, inputs, opt)
 
 
-def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_base: Base | None = None, out_dtype: Any = None,
+def merge_states(o: jax.Array, lse: Any, *, base: Base = "e", out_base: Base | None = None, out_dtype: Any = None,
                  output_scale: float | jax.Array | None = None, states_axis: int = 1,
                  sink: jax.Array | None = None, group_size: int | None = None,
-                 scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
+                 scale_ue8m0: bool = False, valid: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """Merge S stacked states in one pass, as an XLA call.
 
     The semantics and options of :func:`attnmerge.merge_states` on JAX arrays (static options).
@@ -224,12 +265,14 @@ def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_base: Ba
     o : jax.Array
         float32, float16 or bfloat16, with S at `states_axis`: [tokens, S, heads, head_size] (1),
         [S, tokens, heads, head_size] (0: an all-gather's) or [tokens, heads, S, head_size] (2).
-    lse : jax.Array
-        float32, laid out as o without head_size.
+    lse : jax.Array or tuple of 2 jax.Array
+        float32, laid out as o without head_size, or a ``(max, sum)`` tuple of such arrays.
     states_axis : int, default 1
         The axis of S: 0, 1 or 2 (or -4 to -2).
     base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0
         As for :func:`merge`.
+    valid : jax.Array, optional
+        [tokens, S] whatever `states_axis`: 0 where a state holds no key.
 
     Returns
     -------
@@ -251,15 +294,17 @@ def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_base: Ba
     True
     """
     axis = _static("states_axis", states_axis)
-    opt = _options(_STATES, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
-                   states_axis=states_axis_of(axis, 4), group_size=group_size,
+    inputs, sum_a, _, _ = softmax_stats(_STATES, (o, lse))
+    opt = _options(_STATES, output_scale=output_scale, sink=sink, sum_a=sum_a, valid=valid, base=base,
+                   out_base=out_base, out_dtype=out_dtype, states_axis=states_axis_of(axis, 4), group_size=group_size,
                    scale_ue8m0=scale_ue8m0)
-    return run(_STATES, (o, lse), opt)
+    return run(_STATES, inputs, opt)
 
 
-def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base = "e", out_base: Base | None = None,
+def merge_varlen(o: jax.Array, lse: Any, indptr: jax.Array, *, base: Base = "e", out_base: Base | None = None,
                  out_dtype: Any = None, output_scale: float | jax.Array | None = None, sink: jax.Array | None = None,
-                 group_size: int | None = None, scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
+                 group_size: int | None = None, scale_ue8m0: bool = False,
+                 valid: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """Merge a variable number of states per row, as an XLA call: row r merges ``indptr[r] .. indptr[r+1]-1``.
 
     The semantics and options of :func:`attnmerge.merge_varlen` on JAX arrays (static options).
@@ -268,12 +313,14 @@ def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base 
     ----------
     o : jax.Array
         [total, heads, head_size] float32, float16 or bfloat16.
-    lse : jax.Array
-        float32 [total, heads].
+    lse : jax.Array or tuple of 2 jax.Array
+        float32 [total, heads], or a ``(max, sum)`` tuple of such arrays.
     indptr : jax.Array
         int32 or int64 [rows + 1].
     base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0
         As for :func:`merge`.
+    valid : jax.Array, optional
+        [total]: 0 where a state of o holds no key.
 
     Returns
     -------
@@ -295,15 +342,16 @@ def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base 
     >>> bool(jnp.allclose(out_lse[1], jax.nn.logsumexp(lse[1:], axis=0), atol=1e-6))
     True
     """
-    opt = _options(_VARLEN, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
-                   group_size=group_size, scale_ue8m0=scale_ue8m0)
-    return run(_VARLEN, (o, lse, indptr), opt)
+    inputs, sum_a, _, _ = softmax_stats(_VARLEN, (o, lse, indptr))
+    opt = _options(_VARLEN, output_scale=output_scale, sink=sink, sum_a=sum_a, valid=valid, base=base,
+                   out_base=out_base, out_dtype=out_dtype, group_size=group_size, scale_ue8m0=scale_ue8m0)
+    return run(_VARLEN, inputs, opt)
 
 
-def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", out_base: Base | None = None,
+def merge_share(o: jax.Array, lse: Any, index: int, *, base: Base = "e", out_base: Base | None = None,
                 out_dtype: Any = None, output_scale: float | jax.Array | None = None, states_axis: int = 1,
                 sink: jax.Array | None = None, group_size: int | None = None,
-                scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
+                scale_ue8m0: bool = False, valid: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """State `index`'s share of the merge of S states, as an XLA call (context parallelism's combine).
 
     The semantics and options of :func:`attnmerge.merge_share` on JAX arrays (static options).
@@ -312,14 +360,14 @@ def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", o
     ----------
     o : jax.Array
         State `index`'s O [tokens, heads, head_size], float32, float16 or bfloat16.
-    lse : jax.Array
+    lse : jax.Array or tuple of 2 jax.Array
         Every state's LSE, float32, S at `states_axis`: [tokens, S, heads] (1), [S, tokens, heads]
-        (0) or [tokens, heads, S] (2).
+        (0) or [tokens, heads, S] (2); or a ``(max, sum)`` tuple of such arrays.
     index : int
         0 <= index < S, static.
     states_axis : int, default 1
         The axis of S in lse: 0, 1 or 2 (or -3 to -1).
-    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0
+    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, valid
         As for :func:`merge_states` (each share quantized on its own).
 
     Returns
@@ -342,10 +390,11 @@ def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", o
     True
     """
     axis = _static("states_axis", states_axis)
-    opt = _options(_SHARE, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
-                   states_axis=states_axis_of(axis, 3),
+    inputs, sum_a, _, _ = softmax_stats(_SHARE, (o, lse))
+    opt = _options(_SHARE, output_scale=output_scale, sink=sink, sum_a=sum_a, valid=valid, base=base,
+                   out_base=out_base, out_dtype=out_dtype, states_axis=states_axis_of(axis, 3),
                    index=index_of(_static("index", index)), group_size=group_size, scale_ue8m0=scale_ue8m0)
-    return run(_SHARE, (o, lse), opt)
+    return run(_SHARE, inputs, opt)
 
 
 def run(op, inputs, opt: Options):
@@ -366,10 +415,11 @@ def _run_merge(inputs, opt):
                          f"got {_shape(o_a)}")
     _expect("lse_a", lse_a, _shape(o_a)[:2], "tokens, heads of o_a")
     _expect_sink(opt.sink, heads)
+    _expect_extras(opt, (("lse_a", lse_a), ("lse_b", lse_b)), (tokens, 2))
     dtype = _out_dtype(opt, o_b)
     key = _key(opt)
     return _merged("merge", (tokens, heads, head_size), dtype, inputs, opt,
-                   lambda: _merge_fn(key, dtype, opt.sink is not None))
+                   lambda has: _merge_fn(key, dtype, has))
 
 
 _AXES = {0: "S, tokens, heads", 1: "tokens, S, heads", 2: "tokens, heads, S"}
@@ -380,14 +430,18 @@ def _run_states(inputs, opt):
     axis = opt.states_axis
     _expect_ndim("o", o, 4, _AXES[axis] + ", head_size")
     _expect("lse", lse, _shape(o)[:3], "the first three of o")
+    _expect_extras(opt, (("lse", lse),), None)
     if axis != 1:  # XLA lays the states' axis out where the handler reads it
         o, lse, opt = jnp.moveaxis(o, axis, 1), jnp.moveaxis(lse, axis, 1), opt._replace(states_axis=1)
-    tokens, _, heads, head_size = _shape(o)
+        if opt.sum_a is not None:
+            opt = opt._replace(sum_a=jnp.moveaxis(opt.sum_a, axis, 1))
+    tokens, states, heads, head_size = _shape(o)
     _expect_sink(opt.sink, heads)
+    _expect_extras(opt._replace(sum_a=None), (), (tokens, states))
     dtype = _out_dtype(opt, o)
     key = _key(opt)
     return _merged("merge_states", (tokens, heads, head_size), dtype, (o, lse), opt,
-                   lambda: _merge_states_fn(key, dtype, opt.sink is not None))
+                   lambda has: _merge_states_fn(key, dtype, has))
 
 
 def _run_varlen(inputs, opt):
@@ -398,12 +452,13 @@ def _run_varlen(inputs, opt):
     rows = _shape(indptr)[0] - 1
     if rows < 0:
         raise ValueError("indptr: expected rows + 1 >= 1 elements, got 0")
-    _, heads, head_size = _shape(o)
+    total, heads, head_size = _shape(o)
     _expect_sink(opt.sink, heads)
+    _expect_extras(opt, (("lse", lse),), (total,))
     dtype = _out_dtype(opt, o)
     key = _key(opt)
     return _merged("merge_varlen", (rows, heads, head_size), dtype, inputs, opt,
-                   lambda: _merge_varlen_fn(key, dtype, opt.sink is not None), vectorized=False)
+                   lambda has: _merge_varlen_fn(key, dtype, has), vectorized=False)
 
 
 def _run_share(inputs, opt):
@@ -416,15 +471,18 @@ def _run_share(inputs, opt):
     want = [tokens, heads]
     want.insert(axis, states)
     _expect("lse", lse, want, "tokens and heads of o, S at states_axis")
+    _expect_extras(opt, (("lse", lse),), (tokens, states))
     if axis != 1:  # XLA lays the states' axis out where the handler reads it
         lse, opt = jnp.moveaxis(lse, axis, 1), opt._replace(states_axis=1)
+        if opt.sum_a is not None:
+            opt = opt._replace(sum_a=jnp.moveaxis(opt.sum_a, axis, 1))
     if not 0 <= opt.index < states:
         raise ValueError(f"index: expected 0 <= index < {states} (the states of lse), got {opt.index}")
     _expect_sink(opt.sink, heads)
     dtype = _out_dtype(opt, o)
     key = _key(opt)
     return _merged("merge_share", (tokens, heads, head_size), dtype, (o, lse), opt,
-                   lambda: _merge_share_fn(key, dtype, opt.sink is not None))
+                   lambda has: _merge_share_fn(key, dtype, has))
 
 
 _RUNS = {"merge": _run_merge, "merge_states": _run_states, "merge_varlen": _run_varlen, "merge_share": _run_share}
@@ -440,21 +498,22 @@ def _in_inputs_base(bases, out_lse, grad_out_lse):
 
 
 def _merged(op, shape, dtype, operands, opt: Options, differentiable, vectorized=True):
-    """The merge `op` of `operands` (and the sink, where one is given: an argument after them)
-    into (out of `shape` [rows, heads, head_size] and `dtype`, out_lse, and the group scales where
-    the call has a group size): differentiable() (a custom_vjp over the backward) unless the output
-    is FP8, scaled or in groups; such a call runs under a custom_vjp whose backward refuses by name
-    (JAX would otherwise name only its ffi_call), with an array output_scale among its arguments."""
-    sinks = () if opt.sink is None else (opt.sink,)
+    """The merge `op` of `operands` (and the sink, softmax sums and valid where given: arguments
+    after them, _given's) into (out of `shape` [rows, heads, head_size] and `dtype`, out_lse, and
+    the group scales where the call has a group size): differentiable(has) (a custom_vjp over the
+    backward) unless the output is FP8, scaled or in groups; such a call runs under a custom_vjp
+    whose backward refuses by name (JAX would otherwise name only its ffi_call), with an array
+    output_scale among its arguments."""
+    has, extras = _given(opt)
     if opt.scale is None and not opt.output_scale and not opt.group_size and dtype.name not in NO_GRADIENT_DTYPES:
-        return differentiable()(*operands, *sinks)
+        return differentiable(has)(*operands, *extras)
     outs = _results(*shape, dtype)
-    n, k = len(operands), len(operands) + len(sinks)
+    n, k = len(operands), len(operands) + len(extras)
     key = _key(opt)
     scale_array = opt.scale is not None
 
     def call(*x):
-        return _ffi(op, outs, x[:n], key, sink=x[n] if sinks else None, scale=x[k] if scale_array else None,
+        return _ffi(op, outs, x[:n], key, _unpack(has, x[n:k]), scale=x[k] if scale_array else None,
                     vectorized=vectorized)
 
     f = jax.custom_vjp(call)
@@ -464,7 +523,7 @@ def _merged(op, shape, dtype, operands, opt: Options, differentiable, vectorized
                                   f"group scales")
 
     f.defvjp(lambda *x: (call(*x), None), refuse)
-    return f(*operands, *sinks, *((opt.scale,) if scale_array else ()))
+    return f(*operands, *extras, *((opt.scale,) if scale_array else ()))
 
 
 def _backward(op, grads, operands, *, base, a_tokens=-1, vectorized=True):
@@ -502,20 +561,55 @@ def _sink_gradient(sink, out, out_lse, grad_out, grad_out_lse, base):
                          base).astype(sink.dtype)
 
 
+def _extras_gradients(ex, grad_lses, bases, out, out_lse, grad_out, grad_out_lse):
+    """The gradients of a forward's given extras (_unpack's `ex`), in _EXTRAS' order: the sink's,
+    each softmax sum's from its LSE's gradient (`grad_lses`, in `bases`: the first LSE argument's,
+    the second's), none for valid (integers)."""
+    grads = []
+    if ex["sink"] is not None:  # out and out_lse count the sink, in the inputs' base
+        grads.append(_sink_gradient(ex["sink"], out, out_lse, grad_out, grad_out_lse, bases[0]))
+    for name, grad_lse, base in zip(("sum_a", "sum_b"), grad_lses, bases):
+        if ex[name] is not None:
+            grads.append(stats_gradient(jnp, grad_lse, ex[name], base))
+    if ex["valid"] is not None:
+        grads.append(None)
+    return tuple(grads)
+
+
+def _valid_states(valid, states_axis):
+    """valid [tokens, S] as a bool mask over lse [tokens, S, heads] with S at `states_axis`."""
+    return None if valid is None else jnp.moveaxis((valid != 0)[:, :, None], 1, states_axis)
+
+
+def _valid_column(valid, column, rows):
+    """A two-way merge's valid [tokens, 2] as a bool mask over one state's lse of `rows` rows
+    (rows past valid's tokens, never read, kept)."""
+    if valid is None:
+        return None
+    v = (valid[:, column] != 0)[:, None]
+    if rows <= v.shape[0]:
+        return v[:rows]
+    return jnp.concatenate([v, jnp.ones((rows - v.shape[0], 1), bool)])
+
+
 @functools.lru_cache(maxsize=None)
-def _merge_fn(key: Options, dtype, has_sink):
+def _merge_fn(key: Options, dtype, has):
     base, base_b, _ = key.bases
     c_b = base_change(base_b, base)  # lse_b into a's base, as the forward merges it
     a_tokens = key.a_tokens
 
-    def forward(o_a, lse_a, o_b, lse_b, *sink):
+    def forward(o_a, lse_a, o_b, lse_b, *extras):
         tokens, heads, head_size = _shape(o_b)
         return _ffi("merge", _results(tokens, heads, head_size, dtype), (o_a, lse_a, o_b, lse_b), key,
-                    sink=sink[0] if has_sink else None)
+                    _unpack(has, extras))
 
     def backward(inputs, out, out_lse, grad_out, grad_out_lse):
-        o_a, lse_a, o_b, lse_b, *sink = inputs
+        o_a, lse_a, o_b, lse_b, *extras = inputs
+        ex = _unpack(has, extras)
         out_lse, grad_out_lse = _in_inputs_base(key.bases, out_lse, grad_out_lse)
+        # The LSEs as the forward read them (softmax statistics, valid states), each in its own base.
+        lse_a = stats_lse(jnp, lse_a, ex["sum_a"], _valid_column(ex["valid"], 0, _shape(lse_a)[0]), base)
+        lse_b = stats_lse(jnp, lse_b, ex["sum_b"], _valid_column(ex["valid"], 1, _shape(lse_b)[0]), base_b)
         if c_b != 1.0:
             lse_b = lse_b * c_b
         k = _shape(o_a)[0] if a_tokens < 0 else a_tokens  # a's later tokens are never read
@@ -531,65 +625,71 @@ def _merge_fn(key: Options, dtype, has_sink):
         if pad:
             g_oa = jnp.concatenate([g_oa, jnp.zeros((pad, heads, head_size), g_oa.dtype)])
             g_la = jnp.concatenate([g_la, jnp.zeros((pad, heads), g_la.dtype)])
-        # The states' gradients follow from out and out_lse, which count the sink (in a's base).
-        return (g_oa, g_la, g_ob, g_lb, *(_sink_gradient(s, out, out_lse, grad_out, grad_out_lse, base) for s in sink))
+        return (g_oa, g_la, g_ob, g_lb,
+                *_extras_gradients(ex, (g_la, g_lb), (base, base_b), out, out_lse, grad_out, grad_out_lse))
 
     return _with_vjp(forward, backward)
 
 
 @functools.lru_cache(maxsize=None)
-def _merge_states_fn(key: Options, dtype, has_sink):
+def _merge_states_fn(key: Options, dtype, has):
     base = key.bases[0]
 
-    def forward(o, lse, *sink):
+    def forward(o, lse, *extras):
         tokens, _, heads, head_size = _shape(o)
-        return _ffi("merge_states", _results(tokens, heads, head_size, dtype), (o, lse), key,
-                    sink=sink[0] if has_sink else None)
+        return _ffi("merge_states", _results(tokens, heads, head_size, dtype), (o, lse), key, _unpack(has, extras))
 
     def backward(inputs, out, out_lse, grad_out, grad_out_lse):
-        o, lse, *sink = inputs
+        o, lse, *extras = inputs
+        ex = _unpack(has, extras)
         out_lse, grad_out_lse = _in_inputs_base(key.bases, out_lse, grad_out_lse)
-        grads = _backward("merge_states", (_like(o), _like(lse)), (grad_out, grad_out_lse, out, out_lse, o, lse),
-                          base=base)
+        lse = stats_lse(jnp, lse, ex["sum_a"], _valid_states(ex["valid"], 1), base)  # as the forward read it
+        g_o, g_l = _backward("merge_states", (_like(o), _like(lse)), (grad_out, grad_out_lse, out, out_lse, o, lse),
+                             base=base)
         # The states' gradients follow from out and out_lse, which count the sink.
-        return (*grads, *(_sink_gradient(s, out, out_lse, grad_out, grad_out_lse, base) for s in sink))
+        return (g_o, g_l, *_extras_gradients(ex, (g_l, None), (base, base), out, out_lse, grad_out, grad_out_lse))
 
     return _with_vjp(forward, backward)
 
 
 @functools.lru_cache(maxsize=None)
-def _merge_varlen_fn(key: Options, dtype, has_sink):
+def _merge_varlen_fn(key: Options, dtype, has):
     base = key.bases[0]
 
-    def forward(o, lse, indptr, *sink):
+    def forward(o, lse, indptr, *extras):
         _, heads, head_size = _shape(o)
         return _ffi("merge_varlen", _results(_shape(indptr)[0] - 1, heads, head_size, dtype), (o, lse, indptr), key,
-                    sink=sink[0] if has_sink else None, vectorized=False)
+                    _unpack(has, extras), vectorized=False)
 
     def backward(inputs, out, out_lse, grad_out, grad_out_lse):
-        o, lse, indptr, *sink = inputs
+        o, lse, indptr, *extras = inputs
+        ex = _unpack(has, extras)
         out_lse, grad_out_lse = _in_inputs_base(key.bases, out_lse, grad_out_lse)
+        valid = None if ex["valid"] is None else (ex["valid"] != 0)[:, None]
+        lse = stats_lse(jnp, lse, ex["sum_a"], valid, base)
         g_o, g_l = _backward("merge_varlen", (_like(o), _like(lse)),
                              (grad_out, grad_out_lse, out, out_lse, o, lse, indptr), base=base, vectorized=False)
         return (g_o, g_l, None,  # indptr: integers, no gradient
-                *(_sink_gradient(s, out, out_lse, grad_out, grad_out_lse, base) for s in sink))
+                *_extras_gradients(ex, (g_l, None), (base, base), out, out_lse, grad_out, grad_out_lse))
 
     return _with_vjp(forward, backward)
 
 
 @functools.lru_cache(maxsize=None)
-def _merge_share_fn(key: Options, dtype, has_sink):
+def _merge_share_fn(key: Options, dtype, has):
     base, index = key.bases[0], key.index
 
-    def forward(o, lse, *sink):
-        return _ffi("merge_share", _results(*_shape(o), dtype), (o, lse), key, sink=sink[0] if has_sink else None)
+    def forward(o, lse, *extras):
+        return _ffi("merge_share", _results(*_shape(o), dtype), (o, lse), key, _unpack(has, extras))
 
     def backward(inputs, out, out_lse, grad_out, grad_out_lse):
-        o, lse, *sink = inputs
+        o, lse, *extras = inputs
+        ex = _unpack(has, extras)
         out_lse, grad_out_lse = _in_inputs_base(key.bases, out_lse, grad_out_lse)
+        lse = stats_lse(jnp, lse, ex["sum_a"], _valid_states(ex["valid"], 1), base)  # as the forward read it
         f32 = jnp.float32
         g_o, g_l = share_gradient(jnp, o.astype(f32), lse, index, out_lse, grad_out.astype(f32), grad_out_lse, base, 1)
         return (g_o.astype(o.dtype), g_l,
-                *(_sink_gradient(s, out, out_lse, grad_out, grad_out_lse, base) for s in sink))
+                *_extras_gradients(ex, (g_l, None), (base, base), out, out_lse, grad_out, grad_out_lse))
 
     return _with_vjp(forward, backward)

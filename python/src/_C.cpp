@@ -58,6 +58,7 @@ const char* const kO = dtype_names(ATTNMERGE_ROLE_O_IN);
 const char* const kOut = dtype_names(ATTNMERGE_ROLE_O_OUT);
 const char* const kF32 = dtype_names(ATTNMERGE_ROLE_LSE);
 const char* const kMaskDtypes = dtype_names(ATTNMERGE_ROLE_MASK);
+const char* const kValidDtypes = dtype_names(ATTNMERGE_ROLE_MASK | ATTNMERGE_ROLE_INDPTR);  // options.valid
 const char* const kIndexDtypes = dtype_names(ATTNMERGE_ROLE_INDPTR);
 
 // ---- a call's options record (attnmerge._call.Options: call_options.h's fields, then the caller's
@@ -70,7 +71,7 @@ constexpr int kNamesField = kOptionCount, kStreamField = kOptionCount + 1;
 // is the package's own bug, still reported by name rather than trusted.
 struct Record {
   CallOptions c;
-  py::handle scale, sink, group_scales, names, stream;
+  py::handle scale, sink, group_scales, sum_a, sum_b, valid, names, stream;
 
   explicit Record(py::handle record) {
     if (!PyTuple_Check(record.ptr()) || PyTuple_GET_SIZE(record.ptr()) < kStreamField + 1)
@@ -129,18 +130,21 @@ void states_at(ArrayView& v, int64_t axis) {
 }
 
 // One forward call: the op's own arrays (`N`, as the C ABI takes them), then the record's arrays
-// (output scale, sinks, group scales), read for the call's stream; `like` (the array outputs are
-// allocated like, which says what stream=None means) and `outputs` (the first arrays, read last) as
-// CallArrays takes them.  options() is the C ABI's attnmerge_options of the call, names passed down.
+// (output scale, sinks, group scales, softmax sums, valid states), read for the call's stream;
+// `like` (the array outputs are allocated like, which says what stream=None means) and `outputs`
+// (the first arrays, read last) as CallArrays takes them.  options() is the C ABI's
+// attnmerge_options of the call, names passed down.
 template <int N>
 class Forward {
  public:
-  static constexpr int kArrays = N + 3;
+  static constexpr int kArrays = N + 6;
+  static constexpr int kSumA = N + 3;  // the sums of the first LSE argument (laid out as it)
   Forward(const Record& r, const CallerNames& n, const Param (&own)[N], int like, int outputs)
       : r_(r), c(read(r, n, own, like, outputs, std::make_index_sequence<N>{})) {}
 
   attnmerge_options options(const CallerNames& n) const {
-    attnmerge_options opt = options_of(r_.c, c.t[N + 1], c.t[N + 2], scale_pointer(c.t[N], n("output_scale")));
+    attnmerge_options opt = options_of(r_.c, {c.t[N + 1], c.t[N + 2], c.t[N + 3], c.t[N + 4], c.t[N + 5]},
+                                       scale_pointer(c.t[N], n("output_scale")));
     n.pass_to(opt);
     return opt;
   }
@@ -154,7 +158,10 @@ class Forward {
     const Param params[kArrays] = {own[I]...,
                                    {r.scale, n("output_scale"), kF32},
                                    {r.sink, n("sink"), kF32},
-                                   {r.group_scales, n("group_scales"), kF32}};
+                                   {r.group_scales, n("group_scales"), kF32},
+                                   {r.sum_a, n("sum_a"), kF32},
+                                   {r.sum_b, n("sum_b"), kF32},
+                                   {r.valid, n("valid"), kValidDtypes}};
     return CallArrays<kArrays>(params, r.stream, like, outputs);
   }
 
@@ -202,7 +209,7 @@ void merge_states(py::handle out, py::handle out_lse, py::handle o, py::handle l
   const CallerNames n(r.names);
   Forward<4> f(r, n, {{out, n("out"), kOut}, {out_lse, n("out_lse"), kF32}, {o, n("o"), kO}, {lse, n("lse"), kF32}},
                2, 2);
-  for (int i : {2, 3}) states_at(f.c.views[i], r.c.states_axis);
+  for (int i : {2, 3, f.kSumA}) states_at(f.c.views[i], r.c.states_axis);  // valid is [tokens, S] as given
   const attnmerge_options opt = f.options(n);
   const auto& t = f.c.t;
   call_library([&] { return attnmerge_merge_states(t[0], t[1], t[2], t[3], &opt, f.c.stream()); });
@@ -229,7 +236,7 @@ void merge_share(py::handle out, py::handle out_lse, py::handle o, py::handle ls
   const CallerNames n(r.names);
   Forward<4> f(r, n, {{out, n("out"), kOut}, {out_lse, n("out_lse"), kF32}, {o, n("o"), kO}, {lse, n("lse"), kF32}},
                2, 2);
-  states_at(f.c.views[3], r.c.states_axis);
+  for (int i : {3, f.kSumA}) states_at(f.c.views[i], r.c.states_axis);
   const attnmerge_options opt = f.options(n);
   const auto& t = f.c.t;
   const int64_t index = r.c.index;

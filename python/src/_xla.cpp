@@ -61,6 +61,19 @@ attnmerge_tensor index_tensor(const ffi::AnyBuffer& indptr, int32_t device) {
   return t;
 }
 
+// options.valid: uint8, bool, int32 or int64, 0 where a state holds no key.
+attnmerge_tensor valid_tensor(const ffi::AnyBuffer& valid, int32_t device, int rank) {
+  attnmerge_tensor t = tensor(valid, device, rank);
+  switch (valid.element_type()) {
+    case ffi::DataType::U8: t.dtype = ATTNMERGE_UINT8; break;
+    case ffi::DataType::PRED: t.dtype = ATTNMERGE_BOOL; break;
+    case ffi::DataType::S32: t.dtype = ATTNMERGE_INT32; break;
+    case ffi::DataType::S64: t.dtype = ATTNMERGE_INT64; break;
+    default: break;  // -1: refused by the C ABI, naming valid
+  }
+  return t;
+}
+
 ffi::Error result(attnmerge_status status) {
   if (status == ATTNMERGE_SUCCESS) return ffi::Error::Success();
   const std::string message = std::string("attnmerge: ") + attnmerge_last_error();
@@ -69,11 +82,12 @@ ffi::Error result(attnmerge_status status) {
 }
 
 // A call's attributes: the options record's fields by their names (call_options.h; attnmerge.jax
-// passes every one), and, for a forward, whether its sink and output-scale buffers are read
-// (has_sink, scale_in_buffer: XLA hands every operand over, given or not).
+// passes every one), and, for a forward, whether its sink, output-scale, softmax-sum and valid
+// buffers are read (has_sink, scale_in_buffer, has_sum_a, has_sum_b, has_valid: XLA hands every
+// operand over, given or not).
 struct Attributes {
   CallOptions c;
-  bool has_sink = false, scale_in_buffer = false;
+  bool has_sink = false, scale_in_buffer = false, has_sum_a = false, has_sum_b = false, has_valid = false;
 };
 
 ffi::ErrorOr<Attributes> read(const ffi::Dictionary& attrs, bool forward) {
@@ -87,7 +101,9 @@ ffi::ErrorOr<Attributes> read(const ffi::Dictionary& attrs, bool forward) {
   ATTNMERGE_CALL_OPTIONS(ATTNMERGE_READ)
 #undef ATTNMERGE_READ
   if (forward) {
-    for (auto [name, field] : {std::pair{"has_sink", &a.has_sink}, std::pair{"scale_in_buffer", &a.scale_in_buffer}}) {
+    for (auto [name, field] : {std::pair{"has_sink", &a.has_sink}, std::pair{"scale_in_buffer", &a.scale_in_buffer},
+                               std::pair{"has_sum_a", &a.has_sum_a}, std::pair{"has_sum_b", &a.has_sum_b},
+                               std::pair{"has_valid", &a.has_valid}}) {
       auto v = attrs.get<bool>(name);
       if (!v.has_value()) return ffi::Unexpected(v.error());
       *field = *v;
@@ -96,12 +112,27 @@ ffi::ErrorOr<Attributes> read(const ffi::Dictionary& attrs, bool forward) {
   return a;
 }
 
-// A forward's C ABI options: the attributes', the sink [heads] where has_sink, the output scale's
-// buffer (one float32 on the op's device) where scale_in_buffer, and the group scales where
-// group_size > 0 (else that result, of no elements, is not written).
-attnmerge_options forward_options(const Attributes& a, const attnmerge_tensor& sink, const ffi::AnyBuffer& scale,
+// A forward's option buffers as tensors: the sink [heads], the softmax sums of the first and second
+// LSE arguments (of `sum_rank` dimensions: the first LSE's), the states holding keys (`valid_rank`).
+struct ForwardOptions {
+  attnmerge_tensor sink, sum_a, sum_b, valid;
+  ForwardOptions(int32_t device, const ffi::AnyBuffer& sink_, const ffi::AnyBuffer& sum_a_,
+                 const ffi::AnyBuffer& sum_b_, const ffi::AnyBuffer& valid_, int sum_rank, int valid_rank)
+      : sink(tensor(sink_, device, 1)),
+        sum_a(tensor(sum_a_, device, sum_rank)),
+        sum_b(tensor(sum_b_, device, 2)),
+        valid(valid_tensor(valid_, device, valid_rank)) {}
+};
+
+// A forward's C ABI options: the attributes', the sink, sums and valid states where has_*, the
+// output scale's buffer (one float32 on the op's device) where scale_in_buffer, and the group
+// scales where group_size > 0 (else that result, of no elements, is not written).
+attnmerge_options forward_options(const Attributes& a, const ForwardOptions& t, const ffi::AnyBuffer& scale,
                                   const attnmerge_tensor& group_scales) {
-  return options_of(a.c, a.has_sink ? &sink : nullptr, a.c.group_size > 0 ? &group_scales : nullptr,
+  return options_of(a.c,
+                    {a.has_sink ? &t.sink : nullptr, a.c.group_size > 0 ? &group_scales : nullptr,
+                     a.has_sum_a ? &t.sum_a : nullptr, a.has_sum_b ? &t.sum_b : nullptr,
+                     a.has_valid ? &t.valid : nullptr},
                     a.scale_in_buffer ? static_cast<const float*>(scale.untyped_data()) : nullptr);
 }
 
@@ -115,53 +146,60 @@ ffi::Error with(const ffi::Dictionary& attrs, bool forward, F&& f) {
 }
 
 ffi::Error merge(void* stream, int32_t device, ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a, ffi::AnyBuffer o_b,
-                 ffi::AnyBuffer lse_b, ffi::AnyBuffer sink, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
+                 ffi::AnyBuffer lse_b, ffi::AnyBuffer sink, ffi::AnyBuffer scale, ffi::AnyBuffer sum_a,
+                 ffi::AnyBuffer sum_b, ffi::AnyBuffer valid, ffi::Result<ffi::AnyBuffer> out,
                  ffi::Result<ffi::AnyBuffer> out_lse, ffi::Result<ffi::AnyBuffer> group_scales,
                  ffi::Dictionary attrs) {
   return with(attrs, true, [&](const Attributes& a) {
     const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
     const attnmerge_tensor t_oa = tensor(o_a, device, 3), t_la = tensor(lse_a, device, 2);
     const attnmerge_tensor t_ob = tensor(o_b, device, 3), t_lb = tensor(lse_b, device, 2);
-    const attnmerge_tensor t_gs = tensor(*group_scales, device, 3), t_sink = tensor(sink, device, 1);
-    const attnmerge_options opt = forward_options(a, t_sink, scale, t_gs);
+    const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
+    const ForwardOptions t(device, sink, sum_a, sum_b, valid, 2, 2);
+    const attnmerge_options opt = forward_options(a, t, scale, t_gs);
     return result(attnmerge_merge(&t_out, &t_out_lse, &t_oa, &t_la, &t_ob, &t_lb, &opt, stream));
   });
 }
 
 ffi::Error merge_states(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink,
-                        ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
+                        ffi::AnyBuffer scale, ffi::AnyBuffer sum_a, ffi::AnyBuffer sum_b, ffi::AnyBuffer valid,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
                         ffi::Result<ffi::AnyBuffer> group_scales, ffi::Dictionary attrs) {
   return with(attrs, true, [&](const Attributes& a) {
     const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
-    const attnmerge_tensor t_o = tensor(o, device, 4), t_l = tensor(lse, device, 3), t_sink = tensor(sink, device, 1);
+    const attnmerge_tensor t_o = tensor(o, device, 4), t_l = tensor(lse, device, 3);
     const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
-    const attnmerge_options opt = forward_options(a, t_sink, scale, t_gs);
+    const ForwardOptions t(device, sink, sum_a, sum_b, valid, 3, 2);
+    const attnmerge_options opt = forward_options(a, t, scale, t_gs);
     return result(attnmerge_merge_states(&t_out, &t_out_lse, &t_o, &t_l, &opt, stream));
   });
 }
 
 ffi::Error merge_varlen(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer indptr,
-                        ffi::AnyBuffer sink, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::AnyBuffer> out_lse, ffi::Result<ffi::AnyBuffer> group_scales,
-                        ffi::Dictionary attrs) {
+                        ffi::AnyBuffer sink, ffi::AnyBuffer scale, ffi::AnyBuffer sum_a, ffi::AnyBuffer sum_b,
+                        ffi::AnyBuffer valid, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
+                        ffi::Result<ffi::AnyBuffer> group_scales, ffi::Dictionary attrs) {
   return with(attrs, true, [&](const Attributes& a) {
     const attnmerge_tensor t_indptr = index_tensor(indptr, device);
     const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
-    const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 2), t_sink = tensor(sink, device, 1);
+    const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 2);
     const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
-    const attnmerge_options opt = forward_options(a, t_sink, scale, t_gs);
+    const ForwardOptions t(device, sink, sum_a, sum_b, valid, 2, 1);
+    const attnmerge_options opt = forward_options(a, t, scale, t_gs);
     return result(attnmerge_merge_varlen(&t_out, &t_out_lse, &t_o, &t_l, &t_indptr, &opt, stream));
   });
 }
 
 ffi::Error merge_share(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink,
-                       ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
+                       ffi::AnyBuffer scale, ffi::AnyBuffer sum_a, ffi::AnyBuffer sum_b, ffi::AnyBuffer valid,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
                        ffi::Result<ffi::AnyBuffer> group_scales, ffi::Dictionary attrs) {
   return with(attrs, true, [&](const Attributes& a) {
     const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
-    const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 3), t_sink = tensor(sink, device, 1);
+    const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 3);
     const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
-    const attnmerge_options opt = forward_options(a, t_sink, scale, t_gs);
+    const ForwardOptions t(device, sink, sum_a, sum_b, valid, 3, 2);
+    const attnmerge_options opt = forward_options(a, t, scale, t_gs);
     return result(attnmerge_merge_share(&t_out, &t_out_lse, &t_o, &t_l, a.c.index, &opt, stream));
   });
 }
@@ -228,7 +266,7 @@ struct OnHost<Handler> {
 };
 
 // The bindings: CUDA handlers take XLA's stream and device ordinal first; then the input buffers
-// (a forward's: the op's, then `sink`, then `scale`), the results (a forward's: out, out_lse,
+// (a forward's: the op's, then `sink`, `scale`, `sum_a`, `sum_b`, `valid`), the results (a forward's: out, out_lse,
 // group_scales; a backward's: the gradients), then every attribute, as one dictionary.
 auto on_cuda() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<void*>>().Ctx<ffi::DeviceOrdinal>(); }
 
@@ -253,10 +291,10 @@ auto with_buffers(Binding binding) {
   XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_##op##_cuda, op, (with_buffers<inputs, results>(on_cuda()))); \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_##op##_host, OnHost<op>::call,                               \
                                 (with_buffers<inputs, results>(on_host())));
-ATTNMERGE_XLA_OP(merge, 6, 3)
-ATTNMERGE_XLA_OP(merge_states, 4, 3)
-ATTNMERGE_XLA_OP(merge_varlen, 5, 3)
-ATTNMERGE_XLA_OP(merge_share, 4, 3)
+ATTNMERGE_XLA_OP(merge, 9, 3)
+ATTNMERGE_XLA_OP(merge_states, 7, 3)
+ATTNMERGE_XLA_OP(merge_varlen, 8, 3)
+ATTNMERGE_XLA_OP(merge_share, 7, 3)
 ATTNMERGE_XLA_OP(merge_backward, 8, 4)
 ATTNMERGE_XLA_OP(merge_states_backward, 6, 2)
 ATTNMERGE_XLA_OP(merge_varlen_backward, 7, 2)

@@ -26,13 +26,16 @@
   X(int64_t, states_axis)
 
 // The record's arrays after them, in this order (None: not given): the output scale as a
-// one-element float32 array read by the kernel, the sinks, the per-group FP8 scales.  Then the
-// caller's names and the stream (the pybind11 module's alone: XLA names no argument and gives the
-// stream).
+// one-element float32 array read by the kernel, the sinks, the per-group FP8 scales, the softmax
+// sums of the first and second LSE arguments, the states holding keys.  Then the caller's names
+// and the stream (the pybind11 module's alone: XLA names no argument and gives the stream).
 #define ATTNMERGE_CALL_ARRAYS(X) \
   X(scale)                       \
   X(sink)                        \
-  X(group_scales)
+  X(group_scales)                \
+  X(sum_a)                       \
+  X(sum_b)                       \
+  X(valid)
 
 namespace attnmerge_py {
 
@@ -54,18 +57,26 @@ inline constexpr const char* kOptionFields[] = {
 };
 inline constexpr int kOptionCount = sizeof(kOptionFields) / sizeof(kOptionFields[0]);
 
+// The option tensors of a call (null: none), in the record's order after the output scale.
+struct OptionTensors {
+  const attnmerge_tensor *sink = nullptr, *group_scales = nullptr, *sum_a = nullptr, *sum_b = nullptr,
+                         *valid = nullptr;
+};
+
 // The C ABI's options of a call: its scalars and option tensors (null: none).  The library checks
 // every value; a group size past int32 becomes one that is no power of two, refused by name.
-inline attnmerge_options options_of(const CallOptions& c, const attnmerge_tensor* sink = nullptr,
-                                    const attnmerge_tensor* group_scales = nullptr,
+inline attnmerge_options options_of(const CallOptions& c, const OptionTensors& tensors = {},
                                     const float* scale_ptr = nullptr) {
   attnmerge_options o = {};
   o.flags = static_cast<uint32_t>(c.flags) | (c.a_tokens >= 0 ? ATTNMERGE_A_TOKENS : 0u);
   o.a_tokens = c.a_tokens >= 0 ? c.a_tokens : 0;
   o.output_scale = static_cast<float>(c.output_scale);
   o.output_scale_ptr = scale_ptr;
-  o.sink = sink;
-  o.group_scales = group_scales;
+  o.sink = tensors.sink;
+  o.group_scales = tensors.group_scales;
+  o.sum_a = tensors.sum_a;
+  o.sum_b = tensors.sum_b;
+  o.valid = tensors.valid;
   o.group_size = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(c.group_size, INT32_MIN), INT32_MAX));
   return o;
 }
