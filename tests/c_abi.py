@@ -70,6 +70,9 @@ class Options(Structure):
         ("sink", POINTER(Tensor)),
         ("group_scales", POINTER(Tensor)),
         ("group_size", c_int32),
+        ("sum_a", POINTER(Tensor)),
+        ("sum_b", POINTER(Tensor)),
+        ("valid", POINTER(Tensor)),
     ]
 
 
@@ -221,10 +224,10 @@ def ref(t):
 
 
 def options(flags=0, a_tokens=0, output_scale=0.0, output_scale_ptr=None, arg_names=None, sink=None,
-            group_scales=None, group_size=0) -> Options:
+            group_scales=None, group_size=0, sum_a=None, sum_b=None, valid=None) -> Options:
     """Options, struct_size this layout's size (as a C caller fills it; 0 names the same layout);
-    arg_names: {arg: name} or (arg, name) pairs (None for a NULL string), sink and group_scales:
-    Tensors."""
+    arg_names: {arg: name} or (arg, name) pairs (None for a NULL string), sink, group_scales, sum_a,
+    sum_b and valid: Tensors."""
     o = Options()
     o.struct_size = ctypes.sizeof(Options)
     o.flags = flags
@@ -238,12 +241,11 @@ def options(flags=0, a_tokens=0, output_scale=0.0, output_scale_ptr=None, arg_na
         o._entries = (ArgName * len(pairs))(*(ArgName(encode(a), encode(n)) for a, n in pairs))  # alive with o
         o.arg_names = ctypes.cast(o._entries, POINTER(ArgName))
         o.num_arg_names = len(pairs)
-    if sink is not None:
-        o._sink = sink  # alive with o
-        o.sink = ctypes.pointer(sink)
-    if group_scales is not None:
-        o._group_scales = group_scales  # alive with o
-        o.group_scales = ctypes.pointer(group_scales)
+    for name, given in (("sink", sink), ("group_scales", group_scales), ("sum_a", sum_a), ("sum_b", sum_b),
+                        ("valid", valid)):
+        if given is not None:
+            setattr(o, f"_{name}", given)  # alive with o
+            setattr(o, name, ctypes.pointer(given))
     o.group_size = group_size
     return o
 

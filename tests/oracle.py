@@ -11,6 +11,9 @@ i of one (token, head) row:
     - a part whose weight is exactly zero is not read (NaN in its O cannot leak);
     - a NaN LSE makes its row NaN (O and LSE).
 
+A state given as softmax statistics (max, sum) has LSE = max + log(sum) (stats_lse), and a state a
+validity mask marks empty has LSE -inf (valid_lse): each then merges by the formula above.
+
 It knows nothing of any kernel.  Tolerances (relative L2, of the OUTPUT dtype) are those of DESIGN.md
 "Testing": float32 1e-6, float16 1e-3, bfloat16 8e-3.
 """
@@ -84,6 +87,24 @@ def rebased(ref, base):
     """An oracle's (O, LSE) whose LSE is natural, with the LSE in base `base`."""
     o, lse = ref
     return o, lse / (math.log(2.0) if base in (2, "2") else 1.0)
+
+
+def stats_lse(m, total, base="e"):
+    """float64 LSE of softmax statistics (max m, sum `total` of exp(score - m), exp2 in base 2),
+    from the formula: LSE = m + log(total) (log2 in base 2); a sum of 0 is an empty part (-inf)
+    whatever m holds (the max of no scores); elsewhere NaN, +-inf as the formula gives them (then
+    the LSE's rules apply: +-inf empty, NaN the row's NaN)."""
+    m, total = to_f64(m), to_f64(total)
+    log = np.log2 if base in (2, "2") else np.log
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = m + log(np.where(total == 0, 1.0, total))
+    return np.where(total == 0, -np.inf, lse)
+
+
+def valid_lse(lse, valid):
+    """float64 LSE of states of which `valid` (broadcast against lse; 0: the state holds no keys)
+    says some are empty: -inf there (no weight, whatever the state's LSE and O hold)."""
+    return np.where(np.asarray(valid) != 0, to_f64(lse), -np.inf)
 
 
 def reference_merge(o_a, lse_a, o_b, lse_b, *, base="e", a_tokens=None, sink=None):

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 import c_abi
+import devices
 from oracle import np_dtype, random_lse, random_o
 
 T, S, H, D = 8, 4, 3, 16  # tokens, states, heads, head_size of every valid baseline
@@ -75,6 +76,19 @@ def read_only(x):
     x = x.copy()
     x.flags.writeable = False
     return x
+
+
+class OnHost:
+    """An array a row keeps in host memory on every layer (the `cuda` layer puts the others on its
+    device): a tensor on another device than the call's (ELSEWHERE: its rows' marks)."""
+
+    def __init__(self, array):
+        self.array = array
+
+
+# A row of a tensor on another device: only where the `cuda` layer's arrays are on a GPU.
+ELSEWHERE = (pytest.mark.skipif(devices.CUDA_AS == "cpu",
+                                reason="the cuda device holds host tensors (ATTNMERGE_TEST_CUDA_AS=cpu)"),)
 
 
 class Args(dict):
@@ -619,6 +633,99 @@ def _sink_option(a):
 
 for op in ("merge_inplace", "merge_states_backward"):
     bad(f"c-{op}-sink-refused", f"c.{op}", _sink_option, ERR_V, "sink", "none", starts="sink: expected none")
+
+
+# ================================================================================================
+# softmax statistics: an LSE argument given as a (max, sum) tuple, the sum the C ABI's options.sum_a
+# (the op's first LSE argument) or options.sum_b (the second); named lse_a[1] and so on in Python
+
+
+def stats(name, change_sum=None, sum_dtype=np.float32):
+    """LSE argument `name` given as softmax statistics (its values the maxima), the sum random and
+    positive, then passed through change_sum(sum, args)."""
+    def change(a):
+        m = a[name]
+        total = np.abs(a.lse(m.shape)).astype(sum_dtype) + 1
+        a[name] = (m, total if change_sum is None else change_sum(total, a))
+    return change
+
+
+# Each row twice: in Python (the tuple's sum named lse_a[1], ...) and through the C ABI (sum_a, sum_b).
+for op, name, py, c in (("merge", "lse_a", "lse_a[1]", "sum_a"), ("merge", "lse_b", "lse_b[1]", "sum_b"),
+                        ("merge_states", "lse", "lse[1]", "sum_a"), ("merge_varlen", "lse", "lse[1]", "sum_a"),
+                        ("merge_share", "lse", "lse[1]", "sum_a"), ("merge_inplace", "lse_other", "lse_other[1]",
+                                                                     "sum_b")):
+    for layers, word in ((PY, py), (("c",), c)):
+        prefix = f"{op}-{name}-stats{'-c-abi' if layers == ('c',) else ''}"
+        bad(f"{prefix}-sum-one-head-too-many", op,
+            stats(name, lambda x, a: np.concatenate([x, x[..., :1]], axis=-1)), ValueError, word, layers=layers)
+        bad(f"{prefix}-sum-a-dimension-short", op, stats(name, lambda x, a: x[..., 0]), ValueError, word,
+            layers=layers)
+        bad(f"{prefix}-sum-float16", op, stats(name, sum_dtype=np.float16), TypeError, word, "float32", "float16",
+            layers=layers)
+    bad(f"{op}-{name}-stats-sum-elsewhere", op, stats(name, lambda x, a: OnHost(x)), ValueError, py, "device",
+        layers=("cuda",), marks=ELSEWHERE)
+bad("merge-lse_a-a-tuple-of-three", "merge", to("lse_a", lambda x, a: (x, x, x)), ValueError, "lse_a", "tuple",
+    layers=PY)
+bad("merge_inplace-lse-stats-refused", "merge_inplace", stats("lse"), ValueError, "lse[1]", "none", layers=PY,
+    contains=("writes its merged LSE over lse",))
+bad("merge_inplace-lse-stats-refused-c-abi", "merge_inplace", stats("lse"), ValueError, "sum_a", "none", layers=("c",),
+    contains=("writes its merged LSE over lse",))
+bad("merge-out_lse-over-the-maxima-of-lse_b", "merge", both(stats("lse_b"), lambda a: a.update(out_lse=a["lse_b"][0])),
+    ValueError, "out_lse", "lse_b", contains=("softmax maxima",), layers=HOST)
+for layers, word in ((("cpu",), "lse_b[1]"), (("c",), "sum_b")):
+    bad(f"merge-out_lse-over-the-sums-of-lse_b{'-c-abi' if layers == ('c',) else ''}", "merge",
+        both(stats("lse_b"), lambda a: a.update(out_lse=a["lse_b"][1])), ValueError, "out_lse", word, layers=layers)
+bad("states-backward-lse-stats-refused", "merge_states_backward", stats("lse"), TypeError, "lse", "tuple",
+    contains=("the backwards take LSEs",), layers=PY)
+
+
+def _sum_option(field):
+    def change(a):
+        given = np.abs(a.lse((T, S, H))) + 1
+        a.extra.append(given)
+        a.options["opts"] = c_abi.options(**{field: c_abi.tensor_from(given)})
+    return change
+
+
+bad("c-merge_states_backward-sum_a-refused", "c.merge_states_backward", _sum_option("sum_a"), ERR_V, "sum_a", "none",
+    starts="sum_a: expected none", contains=("the backwards take LSEs",))
+bad("c-merge_states-sum_b-refused", "c.merge_states", _sum_option("sum_b"), ERR_V, "sum_b", "none",
+    starts="sum_b: expected none")
+
+# ================================================================================================
+# valid: which states hold keys ([tokens, S]; the two-way and in-place merges' [tokens, 2]; the
+# variable-length merge's [total]), uint8, bool, int32 or int64
+
+
+def valid(shape, dtype=np.uint8):
+    def change(a):
+        a.options["valid"] = np.ones(shape, dtype)
+    return change
+
+
+for op, good in (("merge", (T, 2)), ("merge_inplace", (T, 2)), ("merge_states", (T, S)), ("merge_share", (T, S)),
+                 ("merge_varlen", (TOTAL,))):
+    prefix = f"{op}-valid"
+    wrong = good[:-1] + (good[-1] + 1,)
+    bad(f"{prefix}-{'x'.join(map(str, wrong))}", op, valid(wrong), ValueError, "valid", *wrong, layers=ANY)
+    bad(f"{prefix}-one-dimension-more", op, valid(good + (1,)), ValueError, "valid", len(good), len(good) + 1,
+        layers=ANY)
+    bad(f"{prefix}-float32", op, valid(good, np.float32), TypeError, "valid", "float32", layers=ANY,
+        contains=("int32",))
+    bad(f"{prefix}-elsewhere", op, lambda a, g=good: a.options.update(valid=OnHost(np.ones(g, np.uint8))), ValueError,
+        "valid", "device", layers=("cuda",), marks=ELSEWHERE)
+bad("merge_states-valid-an-all-gather-s-order", "merge_states", valid((S, T)), ValueError, "valid", S, T, layers=ANY)
+
+
+def _valid_option(a):
+    given = np.ones((T, S), np.uint8)
+    a.extra.append(given)
+    a.options["opts"] = c_abi.options(valid=c_abi.tensor_from(given))
+
+
+bad("c-merge_states_backward-valid-refused", "c.merge_states_backward", _valid_option, ERR_V, "valid", "none",
+    starts="valid: expected none")
 
 
 # ================================================================================================

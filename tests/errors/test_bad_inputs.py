@@ -18,7 +18,8 @@ import devices
 from attnmerge import raw
 from attnmerge.compat import flashinfer as fi
 from attnmerge.compat import vllm
-from bad_inputs import ROWS, Bad, baseline, names, raw_descriptors
+from attnmerge._call import OPS, SUMS
+from bad_inputs import ROWS, Bad, OnHost, baseline, names, raw_descriptors
 from oracle import all_nan, nan_array
 
 PY_OPS = {
@@ -57,23 +58,39 @@ C_OPS = {
 STATUS_OF = {TypeError: c_abi.ERROR_TYPE, ValueError: c_abi.ERROR_VALUE}
 
 
-def c_options(kw):
-    """The C ABI's options of the Python options a row gives (those it has a form for)."""
-    if not kw:
+def c_options(kw, sums=None):
+    """The C ABI's options of the Python options a row gives (those it has a form for), and the
+    softmax sums of its LSE arguments given as (max, sum) tuples ({"sum_a": Tensor, ...})."""
+    if not kw and not sums:
         return None
-    flags, a_tokens, scale, ptr, sink = 0, 0, 0.0, None, None
+    flags, a_tokens, scale, ptr, tensors = 0, 0, 0.0, None, dict(sums or {})
     for k, v in kw.items():
         if k == "a_tokens":
             flags, a_tokens = flags | c_abi.A_TOKENS, v
-        elif k == "sink":
-            sink = c_abi.tensor_from(v)
+        elif k in ("sink", "valid"):
+            tensors[k] = c_abi.tensor_from(v)
         elif k == "output_scale" and isinstance(v, np.ndarray):
             ptr = v.ctypes.data
         elif k == "output_scale":
             scale = float(v)
         else:
             raise AssertionError(f"the option {k}={v!r} has no C ABI form: the row cannot run on the c layer")
-    return c_abi.options(flags=flags, a_tokens=a_tokens, output_scale=scale, output_scale_ptr=ptr, sink=sink)
+    return c_abi.options(flags=flags, a_tokens=a_tokens, output_scale=scale, output_scale_ptr=ptr, **tensors)
+
+
+def c_arguments(op, a):
+    """The C ABI's descriptors of a row's arguments, an LSE argument given as softmax statistics (a
+    (max, sum) tuple) as its max, its sum the options' sum_a or sum_b (attnmerge._call.SUMS, in the
+    order of the op's LSE arguments)."""
+    t, sums = {}, {}
+    lses = [OPS[op].inputs[i] for i in OPS[op].lses] if op in OPS else []
+    for k, v in a.items():
+        if isinstance(v, tuple):
+            t[k] = c_abi.tensor_from(v[0])
+            sums[SUMS[lses.index(k)]] = c_abi.tensor_from(v[1])
+        else:
+            t[k] = c_abi.tensor_from(v) if isinstance(v, np.ndarray) else v
+    return t, sums
 
 
 def snapshot(arrays):
@@ -83,10 +100,21 @@ def snapshot(arrays):
 def host_arrays(a):
     seen, out = set(), []
     for x in [*a.values(), *a.options.values(), *a.arrays.values(), *a.extra]:
-        if isinstance(x, np.ndarray) and id(x) not in seen:
-            seen.add(id(x))
-            out.append(x)
+        for y in (x if isinstance(x, tuple) else (x.array,) if isinstance(x, OnHost) else (x,)):
+            if isinstance(y, np.ndarray) and id(y) not in seen:
+                seen.add(id(y))
+                out.append(y)
     return out
+
+
+def on_device(device, v):
+    """A row's argument on the `cuda` layer's device: each array of a (max, sum) tuple too, but an
+    OnHost one, which stays in host memory."""
+    if isinstance(v, tuple):
+        return tuple(on_device(device, x) for x in v)
+    if isinstance(v, OnHost):
+        return v.array
+    return device.put(v) if isinstance(v, np.ndarray) else v
 
 
 def run(row: Bad, layer: str, rng):
@@ -107,8 +135,8 @@ def run(row: Bad, layer: str, rng):
 
     if layer == "cuda":
         device = devices.get("cuda")
-        placed = {k: (device.put(v) if isinstance(v, np.ndarray) else v) for k, v in a.items()}
-        kw = {k: (device.put(v) if isinstance(v, np.ndarray) else v) for k, v in a.options.items()}
+        placed = {k: on_device(device, v) for k, v in a.items()}
+        kw = {k: on_device(device, v) for k, v in a.options.items()}
         with pytest.raises(row.error) as info:
             PY_OPS[row.op](placed, kw)
         after = {k: device.get(v).tobytes() for k, v in placed.items() if k in a and isinstance(a[k], np.ndarray)}
@@ -125,10 +153,10 @@ def run(row: Bad, layer: str, rng):
             status = C_OPS[row.op[2:]](a, a.options.get("opts"))
             expect = row.error
         else:
-            t = {k: (c_abi.tensor_from(v) if isinstance(v, np.ndarray) else v) for k, v in a.items()}
+            t, sums = c_arguments(row.op, a)
             assert all(v is None or isinstance(v, (c_abi.Tensor, int)) for v in t.values()), \
                 f"{row.id}: an argument that is no array (or merge_share's int index) cannot be a C descriptor"
-            status = C_OPS[row.op](t, c_options(a.options))
+            status = C_OPS[row.op](t, c_options(a.options, sums))
             errors = row.error if isinstance(row.error, tuple) else (row.error,)
             expect = row.c_error if row.c_error is not None else tuple(STATUS_OF[e] for e in errors)
         msg = c_abi.last_error()

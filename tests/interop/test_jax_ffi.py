@@ -28,6 +28,8 @@ from oracle import (
     reference_merge_states_backward,
     reference_merge_varlen,
     sink_state,
+    stats_lse,
+    valid_lse,
 )
 
 jax = pytest.importorskip("jax")
@@ -529,3 +531,79 @@ def test_merge_share_arguments_are_checked_when_traced(rng):
         amj.merge_share(o, lse[:, :, :2], 1)
     with pytest.raises(TypeError, match="index: expected a Python value"):
         jax.jit(lambda a, b, i: amj.merge_share(a, b, i))(o, lse, 1)
+
+
+# ---- softmax statistics and valid states -------------------------------------------------------------
+
+
+def _stats(rng, shape):
+    return random_lse(rng, shape), rng.uniform(1.0, 20.0, shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("states_axis", [0, 1])
+@pytest.mark.parametrize("base", ["e", 2])
+def test_merge_states_of_softmax_statistics_and_valid_states_and_their_gradients(rng, dev, states_axis, base):
+    """lse as a (max, sum) tuple and valid [tokens, S] under jit: the oracle's merge of max +
+    log(sum) with the empty states at -inf, and its gradients: the max's that LSE's, the sum's it
+    divided by sum ln(b), zero for an empty state (its sum 0, or valid 0) whatever it held."""
+    s, t, h, d = 5, 6, 3, 24
+    o = random_o(rng, (s, t, h, d))
+    m, total = _stats(rng, (s, t, h))
+    total[1, 2, 0] = 0.0
+    valid = (rng.random((t, s)) < 0.7).astype(np.uint8)
+    lse = valid_lse(stats_lse(m, total, base), valid.T[:, :, None])
+    move = (lambda x: x) if states_axis == 0 else (lambda x: np.swapaxes(x, 0, 1))
+    f = jax.jit(lambda a, b, c, v: amj.merge_states(a, (b, c), states_axis=states_axis, base=base, valid=v))
+    args = [put(move(x), dev) for x in (o, m, total)] + [put(valid, dev)]
+    (out, out_lse), vjp = jax.vjp(f, *args)
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), reference_merge_stacked(o, lse, states_axis=0, base=base),
+                         "float32")
+    g_out, g_lse = _cotangents(rng, out, out_lse)
+    grad_o, grad_m, grad_s, _ = vjp((g_out, g_lse))
+    ref_o, ref_l = reference_merge_states_backward(o, lse, np.asarray(out), np.asarray(out_lse), np.asarray(g_out),
+                                                   np.asarray(g_lse), base=base)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ref_s = np.where(ref_l != 0, ref_l / (total * _ln(base)), 0.0)
+    for got, want in ((grad_o, ref_o), (grad_m, ref_l), (grad_s, ref_s)):
+        assert_merge_matches(np.asarray(got), None, (move(want), None), "float32", "grad")
+    assert np.asarray(move(grad_s))[1, 2, 0] == 0
+
+
+def test_merge_and_merge_share_of_softmax_statistics_under_jit_and_vmap(rng, dev):
+    t, h, d = 7, 2, 32
+    o_a, o_b = random_o(rng, (t, h, d)), random_o(rng, (t, h, d))
+    (m_a, s_a), (m_b, s_b) = _stats(rng, (t, h)), _stats(rng, (t, h))
+    valid = np.ones((t, 2), np.int32)
+    valid[3, 0] = 0
+    out, out_lse = jax.jit(lambda *x: amj.merge(x[0], (x[1], x[2]), x[3], (x[4], x[5]), valid=x[6]))(
+        *(put(x, dev) for x in (o_a, m_a, s_a, o_b, m_b, s_b, valid)))
+    ref = reference_merge(o_a, valid_lse(stats_lse(m_a, s_a), valid[:, :1]), o_b, stats_lse(m_b, s_b))
+    assert_merge_matches(np.asarray(out), np.asarray(out_lse), ref, "float32")
+    # a batch of three merges: one call over the flattened batch, valid batched with them
+    batched = [np.stack([x, x[::-1], x * 0 + x]) for x in (o_a, m_a, s_a, o_b, m_b, s_b)]
+    vb = np.stack([valid] * 3)
+    outs = jax.vmap(lambda *x: amj.merge(x[0], (x[1], x[2]), x[3], (x[4], x[5]), valid=x[6]))(
+        *(put(x, dev) for x in (*batched, vb)))
+    for i in range(3):
+        x = [b[i] for b in batched]
+        want = reference_merge(x[0], valid_lse(stats_lse(x[1], x[2]), valid[:, :1]), x[3], stats_lse(x[4], x[5]))
+        assert_merge_matches(np.asarray(outs[0][i]), np.asarray(outs[1][i]), want, "float32")
+    # a share: the shares of every state sum to the N-way merge of the statistics
+    s = 3
+    o = random_o(rng, (t, s, h, d))
+    m, total = _stats(rng, (t, s, h))
+    shares = sum(np.asarray(amj.merge_share(put(o[:, i], dev), (put(m, dev), put(total, dev)), i)[0]) for i in range(s))
+    assert_merge_matches(shares, None, (reference_merge_stacked(o, stats_lse(m, total))[0], None), "float32")
+    # the native functions on JAX arrays take attnmerge.jax's road, statistics and valid included
+    native = attnmerge.merge_states(put(o, dev), (put(m, dev), put(total, dev)), valid=put(valid[:, :1].repeat(3, 1), dev))
+    assert isinstance(native[0], jax.Array)
+    assert_merge_matches(np.asarray(native[0]), np.asarray(native[1]),
+                         reference_merge_stacked(o, valid_lse(stats_lse(m, total), valid[:, :1, None])), "float32")
+
+
+def test_softmax_statistics_of_another_shape_are_refused_when_traced(rng):
+    o, (m, total) = random_o(rng, (4, 3, 2, 8)), _stats(rng, (4, 3, 2))
+    with pytest.raises(ValueError, match=r"lse\[1\]: expected shape \[4, 3, 2\]"):
+        amj.merge_states(o, (m, total[:, :2]))
+    with pytest.raises(ValueError, match=r"valid: expected shape \[4, 3\]"):
+        amj.merge_states(o, m, valid=np.ones((3, 4), np.uint8))

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch", minversion="2.4")
 
 import attnmerge  # noqa: E402
 from oracle import (  # noqa: E402
+    LN2,
     natural,
     random_lse,
     random_o,
@@ -22,6 +23,8 @@ from oracle import (  # noqa: E402
     reference_merge_states_backward,
     reference_merge_varlen,
     sink_state,
+    stats_lse,
+    valid_lse,
 )
 
 DEVICES = [pytest.param("cpu", id="cpu"),
@@ -551,3 +554,140 @@ def test_an_output_that_requires_grad_is_refused_before_any_write(rng, which):
     with pytest.raises(NotImplementedError, match=f"{which} requires grad"):
         attnmerge.merge(o_a, lse_a, o_b, lse_b, **outs)
     assert torch.isnan(outs["out"]).all() and torch.isnan(outs["out_lse"]).all()
+
+
+# ---- softmax statistics and valid states (the forward's StateExtras) --------------------------------
+# A state given as (max, sum) has LSE = max + log_b(sum) (oracle.stats_lse): the oracle's gradient of
+# that LSE is the max's, and the sum's is it divided by sum ln(b); a state valid says is empty gets
+# zero gradients (O, max and sum), whatever it held; valid itself has none.
+
+
+def stats_oracle(o, m, total, valid, out, out_lse, grad_out, grad_out_lse, base):
+    """float64 gradients (o, max, sum) of the N-way merge of states (max, sum), valid (broadcast
+    against m; None: all) saying which hold keys; o [S, T, H, D], m and total [S, T, H]."""
+    lse = valid_lse(stats_lse(m, total, base), np.ones(m.shape) if valid is None else valid)
+    grad_o, grad_lse = reference_merge_states_backward(o, lse, out, out_lse, grad_out, grad_out_lse, base=base)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        grad_sum = np.where(grad_lse != 0, grad_lse / (total.astype(np.float64) * ln_base(base)), 0.0)
+    return grad_o, grad_lse, grad_sum
+
+
+def stats_of(rng, shape):
+    return random_lse(rng, shape), rng.uniform(1.0, 20.0, shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("states_axis", [0, 1])
+@pytest.mark.parametrize("base", ["e", 2])
+def test_merge_states_gradients_of_softmax_statistics_and_valid_states(rng, device, states_axis, base):
+    t, s, h, d = 6, 5, 3, 32
+    o = random_o(rng, (s, t, h, d))
+    m, total = stats_of(rng, (s, t, h))
+    total[1, 2, 0] = 0.0  # an empty part: its sum 0
+    valid = (rng.random((t, s)) < 0.7).astype(np.uint8)
+    valid[3] = 0  # a row of no valid state: O = 0, zero gradients
+    move = (lambda x: x) if states_axis == 0 else (lambda x: np.swapaxes(x, 0, 1))
+    x = [put(move(v), device) for v in (o, m, total)]
+    out, out_lse = attnmerge.merge_states(x[0], (x[1], x[2]), states_axis=states_axis, base=base,
+                                          valid=torch.from_numpy(valid).to(device))
+    grad_out, grad_out_lse = incoming(rng, out, out_lse)
+    grads = torch.autograd.grad((out, out_lse), x, (grad_out, grad_out_lse))
+    want = stats_oracle(o, m, total, valid.T[:, :, None], *(v.detach().cpu().numpy() for v in
+                                                             (out, out_lse, grad_out, grad_out_lse)), base)
+    for g, w in zip(grads, want):
+        assert rel(g, move(w)) <= TOLERANCE["float32"]
+        assert torch.isfinite(g).all()
+    g_sum = grads[2].detach().cpu().numpy()
+    assert move(g_sum)[1, 2, 0] == 0 and (move(g_sum)[:, 3] == 0).all()  # sum 0; a row of no valid state
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("a_tokens", [None, 4])
+def test_merge_gradients_of_softmax_statistics_of_two_bases(rng, device, a_tokens):
+    """lse_a as (max, sum) in base 2 and lse_b as (max, sum) in base e, valid [tokens, 2]: each
+    sum's gradient in its own base."""
+    t, h, d = 7, 2, 32
+    o_a, o_b = random_o(rng, (t, h, d)), random_o(rng, (t, h, d))
+    (m_a, s_a), (m_b, s_b) = stats_of(rng, (t, h)), stats_of(rng, (t, h))
+    valid = np.ones((t, 2), np.uint8)
+    valid[1, 0] = valid[2, 1] = 0
+    x = [put(v, device) for v in (o_a, m_a, s_a, o_b, m_b, s_b)]
+    out, out_lse = attnmerge.merge(x[0], (x[1], x[2]), x[3], (x[4], x[5]), base=(2, "e"), a_tokens=a_tokens,
+                                   valid=torch.from_numpy(valid).to(device))
+    grad_out, grad_out_lse = incoming(rng, out, out_lse)
+    grads = torch.autograd.grad((out, out_lse), x, (grad_out, grad_out_lse))
+    k = t if a_tokens is None else a_tokens
+    # in natural units: a's LSE is ln 2 (m_a + log2 s_a); b's m_b + ln s_b
+    lam_a = valid_lse(stats_lse(m_a, s_a, 2) * LN2, valid[:, :1])
+    lam_a[k:] = -np.inf
+    lam_b = valid_lse(stats_lse(m_b, s_b), valid[:, 1:])
+    g_o, g_l = reference_merge_states_backward(np.stack([o_a, o_b]), np.stack([lam_a, lam_b]),
+                                               out.detach().cpu().numpy(), out_lse.detach().cpu().numpy() * LN2,
+                                               grad_out.cpu().numpy(), grad_out_lse.cpu().numpy() / LN2)
+    g_ma = g_l[0] * LN2  # d lambda_a / d m_a = ln 2
+    with np.errstate(invalid="ignore", divide="ignore"):
+        want = (g_o[0], g_ma, np.where(g_ma != 0, g_ma / (s_a * LN2), 0.0), g_o[1], g_l[1],
+                np.where(g_l[1] != 0, g_l[1] / s_b, 0.0))
+    for g, w in zip(grads, want):
+        assert rel(g, w) <= TOLERANCE["float32"]
+    assert torch.all(grads[1][1] == 0) and torch.all(grads[2][1] == 0) and torch.all(grads[0][1] == 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_share_and_varlen_gradients_of_softmax_statistics(rng, device):
+    t, s, h, d, index = 5, 4, 2, 32, 1
+    o = random_o(rng, (t, h, d))
+    m, total = stats_of(rng, (t, s, h))
+    x = [put(v, device) for v in (o, m, total)]
+    out, out_lse = attnmerge.merge_share(x[0], (x[1], x[2]), index)
+    grad_out, grad_out_lse = incoming(rng, out, out_lse)
+    grads = torch.autograd.grad((out, out_lse), x, (grad_out, grad_out_lse))
+    stacked = np.zeros((s, t, h, d))
+    stacked[index] = o
+    want = stats_oracle(stacked, np.swapaxes(m, 0, 1), np.swapaxes(total, 0, 1), None,
+                        *(v.detach().cpu().numpy() for v in (out, out_lse, grad_out, grad_out_lse)), "e")
+    assert rel(grads[0], want[0][index]) <= TOLERANCE["float32"]
+    assert rel(grads[1], np.swapaxes(want[1], 0, 1)) <= TOLERANCE["float32"]
+    assert rel(grads[2], np.swapaxes(want[2], 0, 1)) <= TOLERANCE["float32"]
+    indptr = np.array([0, 2, 5], np.int32)
+    o, (m, total) = random_o(rng, (5, h, d)), stats_of(rng, (5, h))
+    valid = np.array([1, 0, 1, 1, 0], np.int32)
+    x = [put(v, device) for v in (o, m, total)]
+    out, out_lse = attnmerge.merge_varlen(x[0], (x[1], x[2]), torch.from_numpy(indptr).to(device),
+                                          valid=torch.from_numpy(valid).to(device))
+    grad_out, grad_out_lse = incoming(rng, out, out_lse)
+    grads = torch.autograd.grad((out, out_lse), x, (grad_out, grad_out_lse))
+    for r in range(2):
+        lo, hi = indptr[r], indptr[r + 1]
+        want = stats_oracle(o[lo:hi, None], m[lo:hi, None], total[lo:hi, None], valid[lo:hi, None, None],
+                            *(v.detach().cpu().numpy()[r:r + 1] for v in (out, out_lse, grad_out, grad_out_lse)), "e")
+        for g, w in zip(grads, want):
+            assert rel(g[lo:hi], w[:, 0]) <= TOLERANCE["float32"]
+    assert torch.all(grads[0][1] == 0) and torch.all(grads[2][4] == 0)
+
+
+def test_gradcheck_of_softmax_statistics():
+    gen = torch.Generator().manual_seed(2)
+    o = torch.randn(3, 4, 2, 8, generator=gen, requires_grad=True)
+    m = torch.randn(3, 4, 2, generator=gen).requires_grad_()
+    total = (torch.rand(3, 4, 2, generator=gen) * 4 + 1).requires_grad_()
+    kw = dict(eps=1e-2, atol=2e-3, rtol=2e-2, nondet_tol=0.0)
+    assert torch.autograd.gradcheck(lambda a, b, c: attnmerge.merge_states(a, (b, c)), (o, m, total), **kw)
+    assert torch.autograd.gradcheck(lambda a, b, c, d, e, f: attnmerge.merge(a, (b, c), d, (e, f), base=2),
+                                    (o[:, 0], m[:, 0], total[:, 0], o[:, 1], m[:, 1], total[:, 1]), **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_softmax_statistics_and_valid_states_are_the_eager_ones(rng, device):
+    o, (m, total) = random_o(rng, (6, 4, 2, 32)), stats_of(rng, (6, 4, 2))
+    valid = torch.from_numpy((rng.random((6, 4)) < 0.7).astype(np.uint8)).to(device)
+    x = [put(v, device) for v in (o, m, total)]
+
+    def f(a, b, c):
+        out, out_lse = attnmerge.merge_states(a, (b, c), valid=valid)
+        return (out * out).sum() + out_lse.sum()
+
+    eager = torch.autograd.grad(f(*x), x)
+    compiled = torch.autograd.grad(torch.compile(f, fullgraph=True)(*x), x)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b)

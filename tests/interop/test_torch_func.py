@@ -121,7 +121,9 @@ def test_grads_agree_with_jaxs_for_the_same_transform(rng):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["merge", "merge a_tokens", "merge batched sink", "merge_states axis 2",
-                                  "merge_varlen", "merge_share axis 0", "merge_inplace"])
+                                  "merge_varlen", "merge_share axis 0", "merge_inplace",
+                                  "merge softmax statistics, valid", "merge_states softmax statistics axis 2, valid",
+                                  "merge_share softmax statistics axis 0, valid"])
 def test_vmap_is_the_loop_of_single_calls_bit_for_bit(rng, device, case):
     batch = 3
     o = put(rng.standard_normal((batch, 6, 4, 16)), device)
@@ -140,6 +142,16 @@ def test_vmap_is_the_loop_of_single_calls_bit_for_bit(rng, device, case):
         "merge_share axis 0": (lambda x, lx: attnmerge.merge_share(x[1], lx, 1, states_axis=0),
                                (o.unsqueeze(1).expand(batch, 2, 6, 4, 16), lse.unsqueeze(1).expand(batch, 2, 6, 4))),
         "merge_inplace": (lambda a, la, b, lb: attnmerge.merge_inplace(a, la, b, lb), (o, lse, o2, lse2)),
+        "merge softmax statistics, valid": (
+            lambda a, la, b, lb, s, v: attnmerge.merge(a, (la, s), b, (lb, s), valid=v),
+            (o, lse, o2, lse2, lse.exp(), (lse > 0).to(torch.uint8)[..., :2])),
+        "merge_states softmax statistics axis 2, valid": (
+            lambda x, lx, s, v: attnmerge.merge_states(x, (lx, s), states_axis=2, valid=v),
+            (stacked, stacked_lse, stacked_lse.exp(), (stacked_lse[:, :, 0] > 0).to(torch.uint8))),
+        "merge_share softmax statistics axis 0, valid": (
+            lambda x, lx, s, v: attnmerge.merge_share(x[1], (lx, s), 1, states_axis=0, valid=v),
+            (o.unsqueeze(1).expand(batch, 2, 6, 4, 16), lse.unsqueeze(1).expand(batch, 2, 6, 4),
+             lse.exp().unsqueeze(1).expand(batch, 2, 6, 4), (lse[..., :2] > 0).to(torch.uint8))),
     }
     f, args = calls[case]
     looped = [f(*(x[i].clone() for x in args)) for i in range(batch)]  # first: the in-place merge writes args

@@ -7,7 +7,9 @@
 // plain, tiled, in-place and masked sources, 32- and 64-bit offsets, kStates of each group
 // count, the two-launch in-place merge), not the device's instructions.  One C function per
 // source, called through ctypes (tests/semantics/test_forward_kernel_emulated.py); each returns
-// the launch's cudaError_t (emulate_error: why) and leaves its plan for emulate_plan.
+// the launch's cudaError_t (emulate_error: why) and leaves its plan for emulate_plan.  Softmax sums
+// and valid states (emulate_extras) and the two-way merge's sink (emulate_pair_sink) are set for the
+// calls that follow.
 //
 // The call's facts (plan.h's CallFacts) are the test's to give, as the C ABI would read them off
 // its tensors or otherwise: a plan for any facts must merge right.
@@ -83,6 +85,9 @@ thread_local GroupScales t_groups;
 // The sink of the two-way merges that follow (emulate_pair_sink; lse null: none).
 thread_local SinkView t_pair_sink;
 
+// The softmax sums and valid states of the calls that follow (emulate_extras; on false: none).
+thread_local StateExtras t_extras;
+
 OutView out_view(void* o, const int64_t* os, float* l, const int64_t* ls, float inv_scale, const float* scale,
                  int bases) {
   OutView v{o, os[0], os[1], l, l ? ls[0] : 0, l ? ls[1] : 0, inv_scale, scale, false};
@@ -136,6 +141,19 @@ void emulate_group_scales(float* scales, const int64_t* strides, int group, int 
 // as before any call of this).
 void emulate_pair_sink(const float* sink, int64_t stride) { t_pair_sink = SinkView{sink, stride}; }
 
+// The softmax sums and valid states of the calls that follow (a source's StateExtras), as the C ABI
+// makes them: sum_a and sum_b (null: none) with strides (token, state, head) in elements, valid
+// (null: none) with strides (token, state) and `valid_bytes` an entry (1, 4 or 8).  Nothing given:
+// none, as before any call of this.
+void emulate_extras(const float* sum_a, const int64_t* sa, const float* sum_b, const int64_t* sb, const void* valid,
+                    const int64_t* vs, int valid_bytes) {
+  t_extras = StateExtras{};
+  if (sum_a != nullptr) t_extras.sum_a = SumView{sum_a, sa[0], sa[1], sa[2]};
+  if (sum_b != nullptr) t_extras.sum_b = SumView{sum_b, sb[0], sb[1], sb[2]};
+  if (valid != nullptr) t_extras.valid = ValidView{valid, vs[0], vs[1], valid_bytes};
+  t_extras.on = sum_a != nullptr || sum_b != nullptr || valid != nullptr;
+}
+
 // The (input, output) storage types compiled, as dtype codes at codes[2 i], codes[2 i + 1]; how many.
 int emulate_types(int* codes, int most) { return emu::codes_of(Compiled{}, codes, most); }
 
@@ -188,6 +206,7 @@ int emulate_merge(int64_t tokens, int64_t a_tokens, int64_t heads, int64_t head_
   const MergeShape shape(tokens, heads, head_size, inputs_base2(bases));
   PairSource src{state(o_a, oa_s, lse_a, la_s), state(o_b, ob_s, lse_b, lb_s), a_tokens, mask, mask_stride};
   src.b_scale = base_change(base2_of(bases, ATTNMERGE_LSE_B_BASE2, ATTNMERGE_LSE_B_BASE_E), inputs_base2(bases));
+  src.extras = t_extras;
   OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, scale, bases);
   dst.lse_in_place = in_place != 0;
   const CallFacts f = facts(in_dtype, out_dtype, vec, access_bytes, max_offset, bytes, tokens_inner, pdl, 0);
@@ -207,7 +226,8 @@ int emulate_merge_states(int64_t tokens, int64_t states, int64_t heads, int64_t 
                          const void* o, const int64_t* o_s, const float* lse, const int64_t* l_s, const float* sink,
                          int64_t sink_stride) {
   const MergeShape shape(tokens, heads, head_size, inputs_base2(bases));
-  const StackSource src{o, o_s[0], o_s[1], o_s[2], lse, l_s[0], l_s[1], l_s[2], states, SinkView{sink, sink_stride}};
+  const StackSource src{o,      o_s[0], o_s[1], o_s[2], lse, l_s[0], l_s[1], l_s[2],
+                        states, SinkView{sink, sink_stride}, t_extras};
   const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr, bases);
   const CallFacts f = facts(in_dtype, out_dtype, vec, access_bytes, max_offset, bytes, 0, 0, groups);
   return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);
@@ -221,7 +241,8 @@ int emulate_merge_share(int64_t tokens, int64_t states, int64_t heads, int64_t h
                         const void* o, const int64_t* o_s, const float* lse, const int64_t* l_s, int64_t index,
                         const float* sink, int64_t sink_stride) {
   const MergeShape shape(tokens, heads, head_size, inputs_base2(bases));
-  const ShareSource src{{o, o_s[0], 0, o_s[1], lse, l_s[0], l_s[1], l_s[2], states, SinkView{sink, sink_stride}}, index};
+  const ShareSource src{
+      {o, o_s[0], 0, o_s[1], lse, l_s[0], l_s[1], l_s[2], states, SinkView{sink, sink_stride}, t_extras}, index};
   const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr, bases);
   const CallFacts f = facts(in_dtype, out_dtype, vec, access_bytes, max_offset, bytes, 0, 0, groups);
   return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);
@@ -236,8 +257,8 @@ int emulate_merge_varlen(int64_t rows, int64_t total, int64_t heads, int64_t hea
                          const void* o, const int64_t* o_s, const float* lse, const int64_t* l_s, const void* indptr,
                          int64_t indptr_stride, int indptr64, const float* sink, int64_t sink_stride) {
   const MergeShape shape(rows, heads, head_size, inputs_base2(bases));
-  const RangeSource src{
-      o, o_s[0], o_s[1], lse, l_s[0], l_s[1], indptr, indptr_stride, indptr64 != 0, total, SinkView{sink, sink_stride}};
+  const RangeSource src{o,     o_s[0], o_s[1], lse, l_s[0], l_s[1], indptr, indptr_stride, indptr64 != 0,
+                        total, SinkView{sink, sink_stride}, t_extras};
   const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr, bases);
   const CallFacts f = facts(in_dtype, out_dtype, vec, access_bytes, max_offset, bytes, 0, 0, groups);
   return run(in_dtype, out_dtype, plan_merge(shape, src, dst, f, DeviceInfo{sms, 9}), src, dst);

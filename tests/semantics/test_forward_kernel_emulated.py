@@ -34,7 +34,7 @@ from attnmerge._call import base_flags, lse_bases
 from oracle import (assert_fp8_close, assert_group_fp8_close, assert_lse_close, assert_merge_matches, clamp_indptr, fp8_dtype, nan_array,
                     natural, outside_view_is_nan, random_lse, random_o, rebased, reference_merge,
                     reference_merge_ranges, reference_merge_share, reference_merge_stacked, reference_merge_varlen,
-                    strided_view, to_f64)
+                    stats_lse, strided_view, to_f64, valid_lse)
 from test_backward import layouts
 from test_merge_varlen import BAD_INDPTR
 
@@ -535,12 +535,84 @@ PATHS = {
 }
 
 
+# The general kernel a plain path takes where the call has StateExtras (the plain kernels read LSEs
+# alone: plan.h); a kRows path of 8 states in flight takes the kernel of 4 (takes_extras).
+GENERAL = {"rows_plain_flat": "rows", "rows_plain": "rows", "inplace_plain_flat": "inplace_warp"}
+
+
+class Extras:
+    """A path's states with StateExtras (extras=True): every LSE argument given as softmax
+    statistics (its values the maxima, a random sum beside each; the in-place merge's lse, the
+    accumulator, stays an LSE) and a random valid array (uint8, int32 or int64; about one state in
+    five empty, its O, max and sum NaN), each in a fenced strided buffer; `lse(x, ...)` is the LSE
+    the oracle merges, and `set` hands the arrays to the emulator for the call that follows."""
+
+    def __init__(self, on, rng, tail):
+        self.on, self.rng, self.tail, self.sums, self.valid, self.alive = on, rng, tail, [None, None], None, []
+
+    def states(self, shape):
+        """valid for states of `shape` ([tokens, S], [tokens, 2] or [total])."""
+        if not self.on:
+            return None
+        dtype = (np.uint8, np.int32, np.int64)[int(self.rng.integers(3))]
+        keys = np.where(self.rng.random(shape) < 0.2, 0, self.rng.integers(1, 9, shape)).astype(dtype)
+        self.valid, _ = placed(keys, dict(steps={0: 2}), self.tail)
+        return keys
+
+    def lse(self, which, m, o, empty=None):
+        """The oracle's LSE of argument `which` (0: sum_a, 1: sum_b; None: stays an LSE) whose
+        values `m` are the maxima, whose states `empty` (valid's entries broadcast) are poisoned."""
+        if not self.on:
+            return m
+        lse = m
+        if which is not None:
+            total = self.rng.uniform(1.0, 20.0, m.shape).astype(np.float32)
+            lse = stats_lse(m, total)
+            if empty is not None:
+                total[empty] = np.nan
+            order = tuple(range(m.ndim))[::-1]  # the sum stored transposed: strides of its own
+            self.sums[which], _ = placed(total, dict(order=order), self.tail)
+        if empty is not None:
+            lse = valid_lse(lse, ~empty)
+            m[empty] = np.nan
+            o[empty] = np.nan
+        return lse
+
+    def set(self, emu, op):
+        if not self.on:
+            return emu.emulate_extras(None, None, None, None, None, None, 0)
+        strides = []
+        for x in self.sums:
+            if x is None:
+                strides.append((None, None))
+                continue
+            st = [n // 4 for n in x.strides]
+            full = {"states": st, "share": st}.get(op, [st[0], 0, st[1]])  # (token, state, head)
+            keep = (ctypes.c_int64 * 3)(*full)
+            self.alive.append(keep)
+            strides.append((ctypes.c_void_p(x.ctypes.data), ctypes.cast(keep, ctypes.POINTER(ctypes.c_int64))))
+        v = self.valid
+        vs = (ctypes.c_int64 * 2)(*([n // v.itemsize for n in v.strides] + [0])[:2]) if v is not None else None
+        self.alive.append(vs)
+        emu.emulate_extras(*strides[0], *strides[1], None if v is None else ctypes.c_void_p(v.ctypes.data),
+                           None if vs is None else ctypes.cast(vs, ctypes.POINTER(ctypes.c_int64)),
+                           0 if v is None else v.itemsize)
+
+
+@pytest.mark.parametrize("extras", (False, True), ids=("lses", "stats_and_valid"))
 @pytest.mark.parametrize("fenced_tail", (True, False))  # arrays end at an unreadable page, or start after one
 @pytest.mark.parametrize("name", list(PATHS))
-def test_every_path_of_the_plan(emu, rng, name, fenced_tail):
+def test_every_path_of_the_plan(emu, rng, name, fenced_tail, extras):
+    """Each path as planned, and with StateExtras (softmax statistics and valid states: the same
+    path, a plain one taking its general kernel), merging right in every order of the threads."""
     op, t, s, h, d, dtype, f, want = PATHS[name]
     layout = f.get("layout", "dense")
     far = FAR if f.get("far") else 1000
+    ex = Extras(extras, rng, fenced_tail)
+    if extras:  # the general kernels, and of kRows' those of kSmallChunk (takes_extras)
+        want = dict(want, variant=GENERAL.get(want["variant"], want["variant"]))
+        if want.get("chunk") == 8:
+            want["chunk"] = 4
 
     def fact(*os):  # the case's facts, the vector width its O arrays allow
         return fact_args(widest_vec(d, *os), os[0].itemsize, f["sms"], far, f["bytes"])
@@ -558,7 +630,14 @@ def test_every_path_of_the_plan(emu, rng, name, fenced_tail):
         a_tokens = t - 2 if layout == "a" else t
         wide = dict(order=(0, 1, 2), steps={1: 2}) if layout == "wide" else {}
         mask = (rng.random(t) < 0.5).astype(np.uint8) if f.get("mask") else None
-        ref_o, ref_lse = reference_merge(o_a, lse_a, o_b, lse_b, a_tokens=a_tokens)
+        valid = ex.states((t, 2))
+        if mask is not None and valid is not None:
+            valid[mask == 0] = 1  # a row the mask leaves alone keeps its own state, unpoisoned
+        empty_a = None if valid is None else np.broadcast_to((valid[:, :1] == 0), (t, h)).copy()
+        empty_b = None if valid is None else np.broadcast_to((valid[:, 1:] == 0), (t, h)).copy()
+        ref_a = ex.lse(None if op == "inplace" else 0, lse_a, o_a, empty_a)
+        ref_b = ex.lse(1, lse_b, o_b, empty_b)
+        ref_o, ref_lse = reference_merge(o_a, ref_a, o_b, ref_b, a_tokens=a_tokens)
         if mask is not None:
             ref_o[mask == 0], ref_lse[mask == 0] = to_f64(o_a[mask == 0]), to_f64(lse_a[mask == 0])
         va, _ = placed(o_a[:a_tokens], wide if op == "inplace" else {}, fenced_tail)
@@ -584,7 +663,9 @@ def test_every_path_of_the_plan(emu, rng, name, fenced_tail):
         o, lse = random_o(rng, (t, s, h, d), dtype), random_lse(rng, (t, s, h))
         empties(rng, lse, o, 0.2)
         lse[0, s - 1, 0] = np.nan  # a NaN late in a split row
-        ref_o, ref_lse = reference_merge_stacked(o, lse, sink=sink)
+        valid = ex.states((t, s))
+        empty = None if valid is None else np.broadcast_to((valid == 0)[:, :, None], lse.shape).copy()
+        ref_o, ref_lse = reference_merge_stacked(o, ex.lse(0, lse, o, empty), sink=sink)
         vo, _ = placed(o, dict(order=(1, 0, 2, 3)), fenced_tail)
         vl, _ = placed(lse, {}, fenced_tail)
         out, out_lse = out_buffers((t, h, d), dtype, {}, fenced_tail)[0], nan_array((t, h))
@@ -598,7 +679,12 @@ def test_every_path_of_the_plan(emu, rng, name, fenced_tail):
         o, lse = random_o(rng, (t, h, d), dtype), random_lse(rng, (t, s, h))
         lse[rng.random(lse.shape) < 0.2] = -np.inf  # empty states (index's too, sometimes)
         lse[0, s - 1, 0] = np.nan  # a NaN late in a row, in a state whose O is not given
-        ref_o, ref_lse = reference_merge_share(o, lse, index, sink=sink)
+        valid = ex.states((t, s))
+        empty = None if valid is None else np.broadcast_to((valid == 0)[:, :, None], lse.shape).copy()
+        o_states = np.repeat(o[:, None], s, axis=1)  # the poisoning of the own state's O lands in o
+        ref_lse_in = ex.lse(0, lse, o_states, empty)
+        o = np.ascontiguousarray(o_states[:, index])
+        ref_o, ref_lse = reference_merge_share(o, ref_lse_in, index, sink=sink)
         vo, _ = placed(o, {}, fenced_tail)
         vl, _ = placed(lse, dict(order=(1, 0, 2)), fenced_tail)  # an all-gather's [S, tokens, heads]
         out, out_lse = out_buffers((t, h, d), dtype, {}, fenced_tail)[0], nan_array((t, h))
@@ -614,7 +700,9 @@ def test_every_path_of_the_plan(emu, rng, name, fenced_tail):
         total = int(indptr[-1]) + 2
         o, lse = random_o(rng, (total, h, d), dtype), random_lse(rng, (total, h))
         empties(rng, lse, o, 0.2)
-        ref_o, ref_lse = reference_merge_varlen(o, lse, indptr, sink=sink)
+        valid = ex.states((total,))
+        empty = None if valid is None else np.broadcast_to((valid == 0)[:, None], lse.shape).copy()
+        ref_o, ref_lse = reference_merge_varlen(o, ex.lse(0, lse, o, empty), indptr, sink=sink)
         vo, _ = placed(o, {}, fenced_tail)
         vl, _ = placed(lse, {}, fenced_tail)
         vi, _ = placed(indptr, {}, fenced_tail)
@@ -625,7 +713,11 @@ def test_every_path_of_the_plan(emu, rng, name, fenced_tail):
             return emu.emulate_merge_varlen(*head((t, total, h, d), dtype, dtype, "e", fact(vo, out)),
                                             f.get("groups", 0), ctypes.c_float(1.0), *ptrs,
                                             ctypes.c_void_p(vi.ctypes.data), ctypes.c_int64(1), 1, *sink_ptr)
-    run_orders(emu, call, [out, out_lse], seed=len(name))
+    ex.set(emu, op)
+    try:
+        run_orders(emu, call, [out, out_lse], seed=len(name))
+    finally:
+        Extras(False, rng, fenced_tail).set(emu, op)
     got = plan(emu)
     assert {k: got[k] for k in want} == want, f"{name}: planned {got}"
     assert len(launches(emu)) == got["launches"]
