@@ -590,7 +590,7 @@ _FUNCTIONS = {name: _function(name, *rules) for name, rules in _AUTOGRAD.items()
 
 _compiling = torch.compiler.is_compiling
 # Dynamo folds this to True while it traces and it is a bare `return False` in eager mode, where
-# is_compiling() first asks torch.jit.is_scripting() (most of takes()' cost: benchmarks/NOTES.md).
+# is_compiling() first asks torch.jit.is_scripting() (most of takes()' cost: benchmarks/NOTES.md#routing-check).
 _dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", _compiling)
 _Tensor = torch.Tensor
 

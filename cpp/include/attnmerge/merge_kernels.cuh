@@ -20,7 +20,7 @@ namespace attnmerge {
 // kRows: the widest block and the blocks per SM the compiler must leave room for.  Two-state
 // kernels: about 30 registers, full occupancy, compiled for blocks of up to kPairMaxBlockThreads
 // (the plan's widths, pair_block_threads), no cap.  N-way kernels of 8 states in flight: 3 blocks
-// cap them at 85 registers (faster than uncapped and than 4 states per chunk: benchmarks/NOTES.md);
+// cap them at 85 registers (faster than uncapped and than 4 states per chunk: benchmarks/NOTES.md#nway-chunk);
 // of 4 states: 4 blocks, 64 registers.
 template <typename Source>
 constexpr int max_threads() {
@@ -53,7 +53,7 @@ __device__ __forceinline__ void weigh_row(const float (&l)[kChunk], float (&w)[k
 // A row's (or a group's) states 0 .. n-1 in one pass: `r` keeps the running max and total weight
 // and `acc` the O packs weighted against that max, both rescaled when a chunk raises the max, so
 // that the LSEs are read once and every memory round trip carries O (a first walk of the LSEs for
-// the max was measured slower on long rows: benchmarks/NOTES.md).  The first chunk is loaded
+// the max was measured slower on long rows: benchmarks/NOTES.md#online-pass).  The first chunk is loaded
 // already (LSEs in `l`, -inf past n, packs in `o`) and weighed against its own max (nothing to
 // rescale yet); each later chunk's LSEs and packs are loaded together before any is used, by
 // predicated loads.  lse_of(s) and o_of(s): where state s's LSE and this thread's pack of its O
@@ -103,7 +103,7 @@ __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pac
 }
 
 // Programmatic dependent launch: wait for the kernel before us (a no-op unless launched with it),
-// then let the kernel after us be scheduled into our tail.
+// then let the kernel after us be scheduled into our tail (benchmarks/NOTES.md#pdl).
 __device__ __forceinline__ void pdl_wait_then_release() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -113,7 +113,8 @@ __device__ __forceinline__ void pdl_wait_then_release() {
 
 // Waits for the lanes of this thread's row, the first `packs` of the row's blockDim.x (a power of
 // two, at most 32: each row lies in one warp at aligned lanes, and its lanes past `packs` have
-// left): past it every lane of the row has read the row's LSEs, so one of them may overwrite them.
+// left): past it every lane of the row has read the row's LSEs, so one of them may overwrite them
+// (benchmarks/NOTES.md#inplace-lanes).
 __device__ __forceinline__ void sync_row_lanes(int packs) {
   const unsigned first = ((threadIdx.y * blockDim.x + threadIdx.x) & 31u) - threadIdx.x;
   __syncwarp(packs >= 32 ? 0xffffffffu : ((1u << packs) - 1u) << first);
@@ -247,7 +248,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   // block's x axis alone (Variant::kRowsPlainFlat), so that a thread finds its row and pack in two
   // instructions.  At full occupancy every instruction before a thread's loads delays every
   // warp's loads: the launch's start is on its critical path.  A masked source keeps the general
-  // row: measured faster there (benchmarks/NOTES.md).
+  // row: measured faster there (benchmarks/NOTES.md#flat-rows).
   constexpr bool kFlatLaunch = Traits::kRowIndex == RowIndex::kFlat && Traits::kMask == Mask::kNone;
   using P = Pack<TIn, VEC>;
   I row, k;
@@ -307,7 +308,7 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
   float* lse_dst;
   bool writes_lse;  // this thread stores the row's merged LSE (at lse_dst)
   // A flat two-way merge's output offsets are its inputs' (RowIndex::kFlat); in place, the
-  // output's own views are measured faster (benchmarks/NOTES.md), and its LSE is always written
+  // output's own views are measured faster (benchmarks/NOTES.md#flat-rows), and its LSE is always written
   // (the plan's condition): no null check.
   if constexpr (kFlatLaunch && !kInPlace) {
     dst = static_cast<TOut*>(out.o) + src.offset(row, k * VEC);
@@ -484,7 +485,7 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
 // total rescaled when a chunk raises the max); the pack is scaled once, by its weight against the
 // final max.  A thread holds one pack and a chunk of floats, so an SM holds as many threads as
 // the two-way merge's, each O load in flight with its LSEs: the N-way merge's kernel, which keeps
-// a pack per state of a chunk, left a share latency-bound (benchmarks/NOTES.md).  The semantics
+// a pack per state of a chunk, left a share latency-bound (benchmarks/NOTES.md#share-kernel).  The semantics
 // are the N-way merge's: a zero-weight share is 0 and its pack cleared unread, a NaN LSE (or
 // sink) makes the row NaN, an all-empty row gives O = 0 and LSE -inf.
 template <typename TIn, typename TOut, int VEC, typename I, int kChunk>

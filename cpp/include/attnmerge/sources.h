@@ -152,13 +152,13 @@ ATTNMERGE_HD constexpr bool is_pair_source() {
 // PairSource with every token in a and b and no mask; a launch with it must be untiled and have
 // no output scale pointer (kPlain), and its cache policy is fixed at compile time (kCache), so
 // that no access is compiled twice: the common call does not pay for those options
-// (benchmarks/NOTES.md has the figures).
+// (benchmarks/NOTES.md#plain-pair-kernel).
 // RowIndex::kFlat: every array is [rows, head_size] and [rows] in effect (heads dense within
 // tokens, the plan's `dense`), its views flattened so (flat_rows): a row is (token = row, head =
 // 0), with no division of the row into token and head, and the same row strides in a, b and the
 // output (the plan's condition too): one O offset and one LSE offset per thread for a and b, and
 // for the output of a two-way merge (offset, lse_offset; merge_kernel), each stride read once
-// (separate strides per view measured 3% slower at 512 tokens: benchmarks/NOTES.md).
+// (separate strides per view measured slower: benchmarks/NOTES.md#flat-rows).
 // Mask::kByToken: rows whose token's mask byte is 0 are skipped whole, as PairSource's (the
 // in-place merge with flat rows: the kernel divides the row by the heads for the mask's token alone).
 template <Cache kCacheO, RowIndex kRows = RowIndex::kSplit, Mask kMasked = Mask::kNone>
