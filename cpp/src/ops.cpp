@@ -83,7 +83,8 @@ constexpr Alias kMayBeOutput = Alias::kMayBeOutput, kNoAlias = Alias::kNone;
 
 constexpr uint32_t kBase2 = ATTNMERGE_LSE_BASE2, kHeadsFirst = ATTNMERGE_LSE_HEADS_FIRST, kATokens = ATTNMERGE_A_TOKENS,
                    kPdl = ATTNMERGE_PDL, kBBase = ATTNMERGE_LSE_B_BASE2 | ATTNMERGE_LSE_B_BASE_E,
-                   kOutBase = ATTNMERGE_OUT_LSE_BASE2 | ATTNMERGE_OUT_LSE_BASE_E, kUe8m0 = ATTNMERGE_GROUP_SCALE_UE8M0;
+                   kOutBase = ATTNMERGE_OUT_LSE_BASE2 | ATTNMERGE_OUT_LSE_BASE_E, kUe8m0 = ATTNMERGE_GROUP_SCALE_UE8M0,
+                   kInvariant = ATTNMERGE_BATCH_INVARIANT;
 
 // Each op: its arguments' table, then make_op(table, the options.flags it takes, the argument whose
 // dtype allows an output scale, the state its sizes come from and that state's LSE, its shape
@@ -109,7 +110,7 @@ static_assert(indexed(kMergeArgs, {{MergeArg::kOut, "out"}, {MergeArg::kOutLse, 
                                    {MergeArg::kLseA, "lse_a"}, {MergeArg::kOB, "o_b"}, {MergeArg::kLseB, "lse_b"},
                                    {MergeArg::kSink, "sink"}, {MergeArg::kGroupScales, "group_scales"}}),
               "MergeArg indexes kMergeArgs");
-constexpr OpSpec kMerge = make_op(kMergeArgs, kBase2 | kBBase | kOutBase | kHeadsFirst | kATokens | kPdl | kUe8m0,
+constexpr OpSpec kMerge = make_op(kMergeArgs, kBase2 | kBBase | kOutBase | kHeadsFirst | kATokens | kPdl | kUe8m0 | kInvariant,
                                   "out", "o_b", "lse_b", pair_sizes);
 static_assert(names_resolve(kMerge), "kMerge names its own arguments");
 
@@ -128,7 +129,7 @@ static_assert(indexed(kInplaceArgs, {{InplaceArg::kO, "o"}, {InplaceArg::kLse, "
                                      {InplaceArg::kLseOther, "lse_other"}, {InplaceArg::kMask, "mask"}}),
               "InplaceArg indexes kInplaceArgs");
 constexpr OpSpec kInplace =
-    make_op(kInplaceArgs, kBase2 | kBBase | kHeadsFirst | kPdl, "o", "o_other", "lse_other", pair_sizes);
+    make_op(kInplaceArgs, kBase2 | kBBase | kHeadsFirst | kPdl | kInvariant, "o", "o_other", "lse_other", pair_sizes);
 static_assert(names_resolve(kInplace), "kInplace names its own arguments");
 
 // (out, out_lse) = merge of the S states of o, lse, and each head's sink (options.sink) where given.
@@ -147,7 +148,7 @@ static_assert(indexed(kStatesArgs, {{StatesArg::kOut, "out"}, {StatesArg::kOutLs
                                     {StatesArg::kLse, "lse"}, {StatesArg::kSink, "sink"},
                                     {StatesArg::kGroupScales, "group_scales"}}),
               "StatesArg indexes kStatesArgs");
-constexpr OpSpec kStates = make_op(kStatesArgs, kBase2 | kOutBase | kPdl | kUe8m0, "out", "o", "lse", stack_sizes);
+constexpr OpSpec kStates = make_op(kStatesArgs, kBase2 | kOutBase | kPdl | kUe8m0 | kInvariant, "out", "o", "lse", stack_sizes);
 static_assert(names_resolve(kStates), "kStates names its own arguments");
 
 // Row r of (out, out_lse) = merge of states indptr[r] to indptr[r + 1] - 1 of o, lse, and the sink.
@@ -168,7 +169,7 @@ static_assert(indexed(kVarlenArgs, {{VarlenArg::kOut, "out"}, {VarlenArg::kOutLs
                                     {VarlenArg::kSink, "sink"}, {VarlenArg::kGroupScales, "group_scales"}}),
               "VarlenArg indexes kVarlenArgs");
 constexpr OpSpec kVarlen =
-    make_op(kVarlenArgs, kBase2 | kOutBase | kPdl | kUe8m0, "out", "o", "lse", range_sizes);
+    make_op(kVarlenArgs, kBase2 | kOutBase | kPdl | kUe8m0 | kInvariant, "out", "o", "lse", range_sizes);
 static_assert(names_resolve(kVarlen), "kVarlen names its own arguments");
 
 // (out, out_lse) = the share of state `index` (whose O is o) in the merge of the S states of lse
@@ -188,7 +189,7 @@ static_assert(indexed(kShareArgs, {{ShareArg::kOut, "out"}, {ShareArg::kOutLse, 
                                    {ShareArg::kLse, "lse"}, {ShareArg::kSink, "sink"},
                                    {ShareArg::kGroupScales, "group_scales"}}),
               "ShareArg indexes kShareArgs");
-constexpr OpSpec kShare = make_op(kShareArgs, kBase2 | kOutBase | kPdl | kUe8m0, "out", "o", "lse", share_sizes);
+constexpr OpSpec kShare = make_op(kShareArgs, kBase2 | kOutBase | kPdl | kUe8m0 | kInvariant, "out", "o", "lse", share_sizes);
 static_assert(names_resolve(kShare), "kShare names its own arguments");
 
 // The backward: the gradients (each optional: not written), dO and dLSE (optional: 0), the

@@ -62,6 +62,7 @@ CallFacts call_facts(Views views, int64_t head_size, uint32_t flags) {
   facts.vec = choose_vec(views, head_size);
   facts.access_bytes = static_cast<int>(facts.vec * widest_o(views));
   facts.pdl = (flags & ATTNMERGE_PDL) != 0;
+  facts.batch_invariant = (flags & ATTNMERGE_BATCH_INVARIANT) != 0;
   for (const View& v : views) {
     if (!v.present() || v.empty) continue;
     facts.max_offset = std::max(facts.max_offset, v.last);

@@ -45,6 +45,10 @@ class Options(NamedTuple):
     def scale_ue8m0(self) -> bool:
         return bool(self.flags & _C.GROUP_SCALE_UE8M0)
 
+    @property
+    def batch_invariant(self) -> bool:
+        return bool(self.flags & _C.BATCH_INVARIANT)
+
 
 if Options._fields[:len(_C.OPTION_FIELDS)] != _C.OPTION_FIELDS:  # the binding reads them by position
     raise ImportError(f"attnmerge: the binding reads the options {_C.OPTION_FIELDS}, the package records "
@@ -65,10 +69,10 @@ class Op(NamedTuple):
     takes: frozenset  # the options (Options' fields, and base's pair form: "pair") it takes
 
 
-_FORWARD = frozenset({"output_scale", "out_base", "sink", "group_size", "out_dtype", "return_lse"})
+_FORWARD = frozenset({"output_scale", "out_base", "sink", "group_size", "out_dtype", "return_lse", "batch_invariant"})
 OPS = {op.name: op for op in (
     Op("merge", ("o_a", "lse_a", "o_b", "lse_b"), 2, _FORWARD | {"a_tokens", "pair"}),
-    Op("merge_inplace", ("o", "lse", "o_other", "lse_other", "mask"), -1, frozenset({"pair"})),
+    Op("merge_inplace", ("o", "lse", "o_other", "lse_other", "mask"), -1, frozenset({"pair", "batch_invariant"})),
     Op("merge_states", ("o", "lse"), 0, _FORWARD | {"states_axis"}),
     Op("merge_varlen", ("o", "lse", "indptr"), 0, _FORWARD),
     Op("merge_share", ("o", "lse"), 0, _FORWARD | {"states_axis", "index"}),
@@ -181,7 +185,7 @@ def states_axis_of(states_axis, ndim, names=None):
 
 def options(op: Op, out=None, return_lse=True, out_dtype=None, output_scale=None, base="e", out_base=None,
             a_tokens=None, sink=None, group_size=None, group_scales=None, scale_ue8m0=False, states_axis=1,
-            index=0, stream=None, pdl=False, names=None, flags=0) -> Options:
+            index=0, stream=None, pdl=False, names=None, batch_invariant=False, flags=0) -> Options:
     """The one reading of a call's options: every public function, the torch ops' kernels and
     attnmerge.jax make their Options here.  Checks what Python must know before the C ABI does (the
     types of options, bases, what allocation needs); the C ABI checks every value against the
@@ -194,6 +198,8 @@ def options(op: Op, out=None, return_lse=True, out_dtype=None, output_scale=None
         flags |= base_flags(bases)
     if pdl is not False:
         flags |= _C.PDL if _flag(pdl, "pdl", names) else 0
+    if batch_invariant is not False:
+        flags |= _C.BATCH_INVARIANT if _flag(batch_invariant, "batch_invariant", names) else 0
     group = 0
     if group_size is not None:
         group = _count(group_size, "group_size", names, least=1, expected="None or a power of two >= 8")

@@ -19,7 +19,7 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
           output_scale: float | Array | None = None, base: PairBase = "e", out_base: Base | None = None,
           a_tokens: int | None = None, sink: Array | None = None, group_size: int | None = None,
           group_scales: Array | None = None, scale_ue8m0: bool = False, stream: Stream = None, pdl: bool = False,
-          _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
+          batch_invariant: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge two attention states: ``(out, out_lse) = merge((o_a, lse_a), (o_b, lse_b))``.
 
     Per (token, head) row, with ``m = max(lse_a, lse_b)``, ``w = exp(lse - m)`` and ``W`` their sum:
@@ -78,6 +78,12 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
     pdl : bool, default False
         Programmatic dependent launch (sm_90 and newer): the kernel may start while the previous
         one on the stream finishes, and waits for it before reading.  The same results.
+    batch_invariant : bool, default False
+        Each row's bits depend on that row's inputs and these options alone, never on the other
+        rows of the call, the kernel the plan picks for their number or the GPU's size: a row
+        merged alone gives the same bits (the two-way and in-place merges and the share are so
+        anyway; the N-way and variable-length merges then keep one kernel and one chunk of states,
+        giving up the state-parallel kernel of decode sizes).  The GPU's bits differ from the CPU's.
 
     Returns
     -------
@@ -107,13 +113,13 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
     True
     """
     opt = options(_MERGE, out, return_lse, out_dtype, output_scale, base, out_base, a_tokens, sink, group_size,
-                  group_scales, scale_ue8m0, 1, 0, stream, pdl, _names)
+                  group_scales, scale_ue8m0, 1, 0, stream, pdl, _names, batch_invariant)
     return _roads.run(_MERGE, (o_a, lse_a, o_b, lse_b), out, out_lse, opt)
 
 
 def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mask: Array | None = None,
                   base: PairBase = "e", stream: Stream = None, pdl: bool = False,
-                  _names: Mapping[str, str] | None = None) -> tuple[Array, Array]:
+                  batch_invariant: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, Array]:
     """Merge a state into another in place: ``(o, lse) <- merge((o, lse), (o_other, lse_other))``.
 
     The semantics of :func:`merge`; the merged LSE replaces lse in lse's base.
@@ -128,7 +134,7 @@ def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mas
         uint8 or bool [tokens]: rows of tokens whose mask is 0 are left untouched.
     base : {"e", 2} or tuple of them, default "e"
         As for :func:`merge`: one base for both, or (lse's, lse_other's).
-    stream, pdl
+    stream, pdl, batch_invariant
         As for :func:`merge`.
 
     Returns
@@ -154,7 +160,7 @@ def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Array, *, mas
     >>> bool(np.allclose(lse, want))
     True
     """
-    opt = options(_INPLACE, base=base, stream=stream, pdl=pdl, names=_names)
+    opt = options(_INPLACE, base=base, stream=stream, pdl=pdl, names=_names, batch_invariant=batch_invariant)
     return _roads.run(_INPLACE, (o, lse, o_other, lse_other, mask), None, None, opt)
 
 
@@ -163,7 +169,7 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
                  base: Base = "e", out_base: Base | None = None, states_axis: int = 1, sink: Array | None = None,
                  group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
                  stream: Stream = None, pdl: bool = False,
-                 _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
+                 batch_invariant: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge S stacked states in one pass, each input read once.
 
     Per row: ``m = max_i lse_i``, ``w_i = exp(lse_i - m)``, ``W = sum_i w_i``, ``out = sum_i (w_i /
@@ -182,7 +188,7 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
         The axis of S in o and lse: 0, 1 or 2 (or -4 to -2).
     out, out_lse, return_lse, out_dtype, output_scale, base, out_base
         As for :func:`merge` (one base for every state).
-    group_size, group_scales, scale_ue8m0, stream, pdl
+    group_size, group_scales, scale_ue8m0, stream, pdl, batch_invariant
         As for :func:`merge`.
     sink : array, optional
         float32 [heads]: each head's sink logit, one more state of output 0 in every row of its
@@ -209,7 +215,8 @@ def merge_states(o: Array, lse: Array, *, out: Array | None = None, out_lse: Arr
     True
     """
     opt = options(_STATES, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
-                  group_scales, scale_ue8m0, states_axis_of(states_axis, 4, _names), 0, stream, pdl, _names)
+                  group_scales, scale_ue8m0, states_axis_of(states_axis, 4, _names), 0, stream, pdl, _names,
+                  batch_invariant)
     return _roads.run(_STATES, (o, lse), out, out_lse, opt)
 
 
@@ -218,7 +225,7 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
                  base: Base = "e", out_base: Base | None = None, sink: Array | None = None,
                  group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
                  stream: Stream = None, pdl: bool = False,
-                 _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
+                 batch_invariant: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge a variable number of states per row: row r merges states ``indptr[r] .. indptr[r+1]-1``.
 
     A row with no states gets ``out = 0`` and ``out_lse = -inf`` (the sink, with one).  On the CPU a
@@ -236,7 +243,7 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
         int32 or int64 [rows + 1].
     out, out_lse, return_lse, out_dtype, output_scale, base, out_base, sink
         As for :func:`merge_states`; out [rows, heads, head_size].
-    group_size, group_scales, scale_ue8m0, stream, pdl
+    group_size, group_scales, scale_ue8m0, stream, pdl, batch_invariant
         As for :func:`merge`.
 
     Returns
@@ -261,7 +268,7 @@ def merge_varlen(o: Array, lse: Array, indptr: Array, *, out: Array | None = Non
     True
     """
     opt = options(_VARLEN, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
-                  group_scales, scale_ue8m0, 1, 0, stream, pdl, _names)
+                  group_scales, scale_ue8m0, 1, 0, stream, pdl, _names, batch_invariant)
     return _roads.run(_VARLEN, (o, lse, indptr), out, out_lse, opt)
 
 
@@ -270,7 +277,7 @@ def merge_share(o: Array, lse: Array, index: int, *, out: Array | None = None, o
                 base: Base = "e", out_base: Base | None = None, states_axis: int = 1, sink: Array | None = None,
                 group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
                 stream: Stream = None, pdl: bool = False,
-                _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
+                batch_invariant: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """One state's share of an N-way merge, for context parallelism's combine by reduce-scatter.
 
     ``out = (w_index / W) o`` and ``out_lse`` the merged LSE, so that the S states' shares summed
@@ -291,7 +298,7 @@ def merge_share(o: Array, lse: Array, index: int, *, out: Array | None = None, o
         The axis of S in lse: 0, 1 or 2 (or -3 to -1).
     out, out_lse, return_lse, out_dtype, output_scale, base, out_base, sink
         As for :func:`merge_states` (out may be o itself; every rank's share takes the same sink).
-    group_size, group_scales, scale_ue8m0, stream, pdl
+    group_size, group_scales, scale_ue8m0, stream, pdl, batch_invariant
         As for :func:`merge` (each share quantized on its own).
 
     Returns
@@ -316,7 +323,7 @@ def merge_share(o: Array, lse: Array, index: int, *, out: Array | None = None, o
     """
     opt = options(_SHARE, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
                   group_scales, scale_ue8m0, states_axis_of(states_axis, 3, _names), index_of(index, _names), stream,
-                  pdl, _names)
+                  pdl, _names, batch_invariant)
     return _roads.run(_SHARE, (o, lse), out, out_lse, opt)
 
 

@@ -64,6 +64,7 @@ _KEYWORDS = (
      f"{_text(o.bases[0])},{_text(o.bases[1])}"),
     ("out_base", "str? out_base=None", lambda o: None if o.bases[2] == o.bases[0] else _text(o.bases[2])),
     ("pdl", "bool pdl=False", lambda o: o.pdl),
+    ("batch_invariant", "bool batch_invariant=False", lambda o: o.batch_invariant),
 )
 _GROUPS = "Tensor(c!)? group_scales=None, int group_size=0, bool scale_ue8m0=False"  # the out= overloads'
 
@@ -84,13 +85,14 @@ def _schemas(op):
                                          "(Tensor o_merged, Tensor lse_merged)"}
     index = [k for k in keywords if k.startswith("int index")]
     rest = [k for k in keywords if not k.startswith("int index")]
+    at = next(i for i, k in enumerate(rest) if k.startswith("str base"))  # the out= overloads' groups go before
     return {
         # output_scale and sink positional: autograd takes no keyword-only tensors
         op.name: f"({tensors}, Tensor? output_scale=None, Tensor? sink=None, *, "
                  f"{', '.join(index + ['ScalarType? out_dtype=None'] + rest)}) -> (Tensor out, Tensor out_lse)",
         f"{op.name}.out": f"({tensors}, *, {', '.join(index)}{', ' if index else ''}Tensor(a!) out, "
                           f"Tensor(b!)? out_lse=None, Tensor? output_scale=None, Tensor? sink=None, "
-                          f"{', '.join(rest[:-3] + [_GROUPS] + rest[-3:])}) -> ()",
+                          f"{', '.join(rest[:at] + [_GROUPS] + rest[at:])}) -> ()",
     }
 
 
@@ -117,7 +119,8 @@ def _options(op, kwargs, names=None, **given):
     return _call.options(op, base=_base_value(kwargs.get("base", "e"), pair="pair" in op.takes),
                          out_base=None if out_base is None else _base_value(out_base, "out_base"),
                          a_tokens=kwargs.get("a_tokens"), states_axis=kwargs.get("states_axis", 1),
-                         index=kwargs.get("index", 0), pdl=kwargs.get("pdl", False), names=names, **given)
+                         index=kwargs.get("index", 0), pdl=kwargs.get("pdl", False), names=names,
+                         batch_invariant=kwargs.get("batch_invariant", False), **given)
 
 
 # ---- results: shapes, dtypes, devices (the fake implementations, and what the kernels allocate) ---

@@ -159,7 +159,8 @@ def _out_dtype(opt: Options, like):
 def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *, base: PairBase = "e",
           out_base: Base | None = None, out_dtype: Any = None, a_tokens: int | None = None,
           output_scale: float | jax.Array | None = None, sink: jax.Array | None = None,
-          group_size: int | None = None, scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
+          group_size: int | None = None, scale_ue8m0: bool = False,
+          batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """Merge two attention states: ``(out, out_lse) = merge((o_a, lse_a), (o_b, lse_b))``, as an XLA call.
 
     The semantics and options of :func:`attnmerge.merge`, on JAX arrays, under ``jax.jit``,
@@ -172,7 +173,7 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *,
         needs only a_tokens tokens.
     lse_a, lse_b : jax.Array
         float32 [tokens, heads].
-    base, out_base, a_tokens, group_size, scale_ue8m0
+    base, out_base, a_tokens, group_size, scale_ue8m0, batch_invariant
         As for :func:`attnmerge.merge`.
     out_dtype : dtype, optional
         The dtype of out (default o_b's): float32, float16, bfloat16 or float8_e4m3fn.
@@ -207,14 +208,14 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *,
     True
     """
     opt = _options(_MERGE, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
-                   a_tokens=a_tokens, group_size=group_size, scale_ue8m0=scale_ue8m0)
+                   a_tokens=a_tokens, group_size=group_size, scale_ue8m0=scale_ue8m0, batch_invariant=batch_invariant)
     return run(_MERGE, (o_a, lse_a, o_b, lse_b), opt)
 
 
 def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_base: Base | None = None, out_dtype: Any = None,
                  output_scale: float | jax.Array | None = None, states_axis: int = 1,
                  sink: jax.Array | None = None, group_size: int | None = None,
-                 scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
+                 scale_ue8m0: bool = False, batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """Merge S stacked states in one pass, as an XLA call.
 
     The semantics and options of :func:`attnmerge.merge_states` on JAX arrays (static options).
@@ -228,7 +229,7 @@ def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_base: Ba
         float32, laid out as o without head_size.
     states_axis : int, default 1
         The axis of S: 0, 1 or 2 (or -4 to -2).
-    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0
+    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, batch_invariant
         As for :func:`merge`.
 
     Returns
@@ -253,13 +254,14 @@ def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_base: Ba
     axis = _static("states_axis", states_axis)
     opt = _options(_STATES, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
                    states_axis=states_axis_of(axis, 4), group_size=group_size,
-                   scale_ue8m0=scale_ue8m0)
+                   scale_ue8m0=scale_ue8m0, batch_invariant=batch_invariant)
     return run(_STATES, (o, lse), opt)
 
 
 def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base = "e", out_base: Base | None = None,
                  out_dtype: Any = None, output_scale: float | jax.Array | None = None, sink: jax.Array | None = None,
-                 group_size: int | None = None, scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
+                 group_size: int | None = None, scale_ue8m0: bool = False,
+                 batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """Merge a variable number of states per row, as an XLA call: row r merges ``indptr[r] .. indptr[r+1]-1``.
 
     The semantics and options of :func:`attnmerge.merge_varlen` on JAX arrays (static options).
@@ -272,7 +274,7 @@ def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base 
         float32 [total, heads].
     indptr : jax.Array
         int32 or int64 [rows + 1].
-    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0
+    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, batch_invariant
         As for :func:`merge`.
 
     Returns
@@ -296,14 +298,14 @@ def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base 
     True
     """
     opt = _options(_VARLEN, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
-                   group_size=group_size, scale_ue8m0=scale_ue8m0)
+                   group_size=group_size, scale_ue8m0=scale_ue8m0, batch_invariant=batch_invariant)
     return run(_VARLEN, (o, lse, indptr), opt)
 
 
 def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", out_base: Base | None = None,
                 out_dtype: Any = None, output_scale: float | jax.Array | None = None, states_axis: int = 1,
                 sink: jax.Array | None = None, group_size: int | None = None,
-                scale_ue8m0: bool = False) -> tuple[jax.Array, ...]:
+                scale_ue8m0: bool = False, batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """State `index`'s share of the merge of S states, as an XLA call (context parallelism's combine).
 
     The semantics and options of :func:`attnmerge.merge_share` on JAX arrays (static options).
@@ -319,7 +321,7 @@ def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", o
         0 <= index < S, static.
     states_axis : int, default 1
         The axis of S in lse: 0, 1 or 2 (or -3 to -1).
-    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0
+    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, batch_invariant
         As for :func:`merge_states` (each share quantized on its own).
 
     Returns
@@ -344,7 +346,8 @@ def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", o
     axis = _static("states_axis", states_axis)
     opt = _options(_SHARE, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
                    states_axis=states_axis_of(axis, 3),
-                   index=index_of(_static("index", index)), group_size=group_size, scale_ue8m0=scale_ue8m0)
+                   index=index_of(_static("index", index)), group_size=group_size, scale_ue8m0=scale_ue8m0,
+                   batch_invariant=batch_invariant)
     return run(_SHARE, (o, lse), opt)
 
 

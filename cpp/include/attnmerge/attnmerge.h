@@ -174,6 +174,14 @@ static inline attnmerge_tensor attnmerge_contiguous_tensor(void* data, int32_t d
 /* Per-group FP8 outputs (options.group_scales): each group's scale rounded up to a power of two
  * (UE8M0, as DeepGEMM's Blackwell kernels take them). */
 #define ATTNMERGE_GROUP_SCALE_UE8M0 256u
+/* Batch invariance: each row's results depend on that row's inputs and the call's options alone,
+ * never on the other rows of the call, the strategy the launch plan would pick for their number or
+ * the GPU's size (a row merged alone gives the same bits).  The forwards take it; the N-way and
+ * variable-length merges then keep one strategy and one chunk of states for every call (without it
+ * a decode-sized call shares each row's states among groups of threads, which sum them in another
+ * order), and the other forwards are invariant already.  The GPU's and the CPU's bits differ (the
+ * GPU takes the hardware's exp2 and log2). */
+#define ATTNMERGE_BATCH_INVARIANT 512u
 
 /* The caller's name for one argument (attnmerge_options.arg_names): `arg` is its name in this
  * header ("o_a", "lse_b", "mask", "grad_out", ...; or "a_tokens" and "output_scale", the options

@@ -117,6 +117,7 @@ struct CallFacts {
   int64_t bytes = 0;              // bytes the call moves, about
   bool lse_tokens_inner = false;  // an LSE has tokens as its faster axis (vLLM's [heads, tokens])
   bool pdl = false;               // the caller allows programmatic dependent launch
+  bool batch_invariant = false;   // ATTNMERGE_BATCH_INVARIANT: one strategy and chunk, whatever the rows
   int groups = 0;                 // N-way and varlen: 0 the plan's strategy; 1 kRows; G > 1 kStates with G
                                   // groups (where 32-bit offsets allow it): for benchmarks that compare them
 };
@@ -402,7 +403,8 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     const int64_t states = plan_detail::states_per_row(src, s);
     // kStates: 32-bit offsets and 16-byte accesses (whole float4s of accumulator per thread).
     int groups = 1;
-    if (takes_states<Source>() && plan.index32 && facts.access_bytes == 16 && facts.vec % 4 == 0) {
+    if (takes_states<Source>() && !facts.batch_invariant && plan.index32 && facts.access_bytes == 16 &&
+        facts.vec % 4 == 0) {
       if (facts.groups > 0) {
         const int64_t most = std::min<int64_t>(kMaxStateGroups, kStateBlockThreads / std::max<int64_t>(s.packs, 1));
         while (2 * groups <= std::min<int64_t>(facts.groups, most)) groups *= 2;
@@ -418,7 +420,9 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
       plan.main = state_dims(s.packs, s.rows, groups, facts.vec, device.sms, out.group > 0);
     } else {
       plan.variant = std::is_same<Source, ShareSource>::value ? Variant::kShare : Variant::kRows;
-      plan.chunk = states <= kSmallChunk ? kSmallChunk : kStateChunk;
+      // A variable-length merge's mean states per row is the batch's: invariant calls fix the chunk.
+      const bool fixed = facts.batch_invariant && std::is_same<Source, RangeSource>::value;
+      plan.chunk = !fixed && states <= kSmallChunk ? kSmallChunk : kStateChunk;
       plan.main = row_dims(s.packs, s.rows, device.sms);
     }
     return plan;
