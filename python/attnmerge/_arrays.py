@@ -25,7 +25,7 @@ def family(x):
     return None
 
 
-_NAME_OF_DTYPE: dict[object, str] = {}  # dtype object -> its name (NumPy's dtype.name is a Python property, slow per call)
+_NAME_OF_DTYPE: dict[object, str] = {}  # dtype object -> its name (NumPy's dtype.name is a slow property)
 
 
 def name_of(dtype):
