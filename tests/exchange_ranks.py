@@ -60,8 +60,8 @@ class Ranks:
                 self.o[buffer][rank].copy_(self.dev.put(o), non_blocking=True)
                 self.lse[buffer][rank].copy_(self.dev.put(lse), non_blocking=True)
         else:
-            self.o[buffer][rank][...] = o
-            self.lse[buffer][rank][...] = lse
+            self.o[buffer][rank][...] = self.dev.put(o)
+            self.lse[buffer][rank][...] = self.dev.put(lse)
 
     def stream(self, rank):
         return None if not self.on_gpu else ctypes.c_void_p(self.streams[rank].cuda_stream)
