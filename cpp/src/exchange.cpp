@@ -91,7 +91,8 @@ attnmerge_status cpu_merge_exchange(const MergeShape& shape, const ExchangeSourc
   uint64_t epoch = 0;
   if (!exchange::await_states(sync, 0, 1, exchange::clock_ns(), epoch)) return recorded(sync);
   if (shape.rows > 0 && (s = cpu_merge(shape, src, out, in_dtype, out_dtype))) return s;
-  if (sync.reuse == exchange::Reuse::kWaitReaders && !exchange::release_readers(sync, 0, 1, epoch))
+  if (sync.reuse == exchange::Reuse::kWaitReaders &&
+      !(exchange::signal_read(sync, 0, 1, epoch) && exchange::await_readers(sync, 0, 1, epoch)))
     return recorded(sync);
   return ATTNMERGE_SUCCESS;
 }

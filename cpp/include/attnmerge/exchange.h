@@ -254,17 +254,21 @@ ATTNMERGE_HD bool await_states(const Sync& sync, int lane, int lanes, uint64_t s
   return true;
 }
 
-// The last, under Reuse::kWaitReaders, once every row of this rank's merge has been read: tells
-// every rank that this one has read its state of `epoch`, then waits until every rank has read
-// this one's, after which this rank may write its state again.  Nothing where this rank has given
-// up (its peers then give up in turn, each naming it).
-ATTNMERGE_HD bool release_readers(const Sync& sync, int lane, int lanes, uint64_t epoch) {
-  uint64_t* const own = sync.own();
-  if (load_relaxed(own + kFailure) != 0) return false;
+// The last two, under Reuse::kWaitReaders, once every row of this rank's merge has been read: tell
+// every rank that this one has read its state of `epoch`, then (after every lane has told its
+// ranks: a lane that waited first could keep its peers' signals from being sent) wait until every
+// rank has read this one's, after which this rank may write its state again.  Nothing where this
+// rank has given up: its peers then give up in turn, each naming it.
+ATTNMERGE_HD bool signal_read(const Sync& sync, int lane, int lanes, uint64_t epoch) {
+  if (load_relaxed(sync.own() + kFailure) != 0) return false;
   for (int p = lane; p < sync.world; p += lanes) store_release(sync.pads[p] + done(sync.world, sync.rank), epoch);
+  return true;
+}
+
+ATTNMERGE_HD bool await_readers(const Sync& sync, int lane, int lanes, uint64_t epoch) {
   const uint64_t start = clock_ns();
   for (int p = lane; p < sync.world; p += lanes) {
-    const uint64_t* slot = own + done(sync.world, p);
+    const uint64_t* slot = sync.own() + done(sync.world, p);
     if (!wait_for(sync, slot, epoch, p, Failure::kDoneTimeout, start, load_acquire(slot))) return false;
   }
   return true;

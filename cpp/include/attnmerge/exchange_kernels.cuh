@@ -39,7 +39,7 @@ __device__ __forceinline__ void store_as(Dtype dtype, const OutView& out, I toke
 //      is not read, a NaN LSE makes the row NaN, an all-empty row gives O = 0 and LSE = -inf).
 //   3. Reuse::kWaitReaders: each block counts itself in this rank's pad once its rows are read;
 //      the last one resets the count, tells every rank that its state has been read and waits
-//      until every rank has read this one's (release_readers).
+//      until every rank has read this one's (signal_read, await_readers).
 // Every thread reaches every barrier: none leaves early.
 template <typename TIn, int VEC>
 __global__ void __launch_bounds__(kBlockThreads)
@@ -99,7 +99,9 @@ __global__ void __launch_bounds__(kBlockThreads)
     }
     if (__syncthreads_or(last)) {  // the last block of the merge to have read its rows
       if (lane == 0) sync.own()[exchange::kArrivals] = 0;  // for the next merge, after this one on the stream
-      exchange::release_readers(sync, lane, lanes, epoch);
+      const bool told = exchange::signal_read(sync, lane, lanes, epoch);
+      __syncthreads();  // every rank told before any lane waits
+      if (told) exchange::await_readers(sync, lane, lanes, epoch);
     }
   }
 }
