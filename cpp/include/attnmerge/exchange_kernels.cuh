@@ -32,8 +32,8 @@ __device__ __forceinline__ void store_as(Dtype dtype, const OutView& out, I toke
 // The merge of an exchange, laid out as kRows (plan_exchange): one thread per pack of a row.
 //   1. Every block waits until every rank has published its state of the epoch (exchange.h's
 //      await_states: thread p of the block waits for rank p), the block's verdict met at one
-//      barrier; a block that gives up (a failure recorded: a timeout, a stale epoch, or an earlier
-//      call's) reads and writes nothing.
+//      barrier, its rows' first lines prefetched into L2 meanwhile; a block that gives up (a failure
+//      recorded: a timeout, a stale epoch, or an earlier call's) reads and writes nothing.
 //   2. Each thread merges its pack of its row: the ranks' LSEs and packs a chunk at a time, every
 //      load of a chunk in flight at once, as merge_kernel's rows (the same semantics: an empty part
 //      is not read, a NaN LSE makes the row NaN, an all-empty row gives O = 0 and LSE = -inf).
@@ -51,14 +51,25 @@ __global__ void __launch_bounds__(kBlockThreads)
   const I k = static_cast<I>(blockIdx.y) * static_cast<I>(blockDim.x) + static_cast<I>(threadIdx.x);
   const int lane = static_cast<int>(threadIdx.y * blockDim.x + threadIdx.x);
   const int lanes = static_cast<int>(blockDim.x * blockDim.y);
+  const bool mine = row < static_cast<I>(shape.rows) && k < static_cast<I>(shape.packs);
+  I token = 0, head = 0;
+  if (mine) shape.split_row<Tiles::kNone>(row, token, head);
+  const auto states = src.template row<TIn>(token, head, k * VEC);  // read only where mine
+  const int n = states.count();
+  // The first chunk's lines asked of L2 while the block waits: a prefetch reads no value, and L2 is
+  // where memory is coherent (a GPU's own, for its memory; a peer's is served by the peer's), so the
+  // loads after the wait find what the ranks published, one round trip sooner.
+  if (mine) {
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) {
+      if (c < n) prefetch_l2(states.template o_at<TIn>(c));
+      if (c < n && k == 0) prefetch_l2(states.lse_ptr(c));
+    }
+  }
   uint64_t epoch = 0;
   const bool gave_up = !exchange::await_states(sync, lane, lanes, exchange::clock_ns(), epoch);
   const bool ready = __syncthreads_or(gave_up) == 0;
-  if (ready && row < static_cast<I>(shape.rows) && k < static_cast<I>(shape.packs)) {
-    I token, head;
-    shape.split_row<Tiles::kNone>(row, token, head);
-    const auto states = src.template row<TIn>(token, head, k * VEC);
-    const int n = states.count();
+  if (ready && mine) {
     float l[kChunk];
     Pack<TIn, VEC> o[kChunk];
 #pragma unroll
