@@ -168,7 +168,7 @@ def test_captured_in_a_cuda_graph_replays_step_after_step(rng, device):
     states = step_states(rng, steps)
     ranks = Ranks(device, *zip(*states[0]))
     outs, out_lses = outputs(device)
-    graph = torch.cuda.Graph() if hasattr(torch.cuda, "Graph") else torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph()
     capture = torch.cuda.Stream()
     with torch.cuda.graph(graph, stream=capture):
         published = []
