@@ -32,8 +32,10 @@ def descriptor(x, device_id, flags=0) -> c_abi.Tensor:
 class Ranks:
     """`world` ranks, each with `buffers` states (ATTNMERGE_EXCHANGE_ALTERNATE: two) and a zeroed pad."""
 
-    def __init__(self, dev, o_states, lse_states, *, reuse=c_abi.WAIT_READERS, timeout_ns=LONG_NS, buffers=1):
+    def __init__(self, dev, o_states, lse_states, *, reuse=c_abi.WAIT_READERS, timeout_ns=LONG_NS, buffers=1,
+                 known=False):
         self.dev = dev
+        self.flags = c_abi.DEVICE_KNOWN if known else 0  # every descriptor's: the pointers asked of CUDA, or not
         self.world = len(o_states)
         self.on_gpu = bool(getattr(dev, "on_gpu", False))
         self.torch = dev.torch if self.on_gpu else None
@@ -51,7 +53,8 @@ class Ranks:
         args = dict(timeout_ns=self.timeout_ns, reuse=self.reuse)
         args.update(fields)
         return c_abi.exchange(rank, [pointer(x) for x in o], [pointer(x) for x in lse], [pointer(p) for p in self.pads],
-                              descriptor(o[0], self.device_id), descriptor(lse[0], self.device_id), **args)
+                              descriptor(o[0], self.device_id, self.flags), descriptor(lse[0], self.device_id, self.flags),
+                              **args)
 
     def write(self, rank, o, lse, buffer=0):
         """Rank `rank`'s state of the next step (its producer), on its stream on a GPU."""
@@ -70,8 +73,8 @@ class Ranks:
         return c_abi.exchange_publish(self.exchange(rank, buffer), epoch, self.stream(rank))
 
     def merge(self, rank, out, out_lse, slice, begin, epoch=0, opts=None, buffer=0) -> int:
-        out_t = descriptor(out, self.device_id)
-        lse_t = None if out_lse is None else descriptor(out_lse, self.device_id)
+        out_t = descriptor(out, self.device_id, self.flags)
+        lse_t = None if out_lse is None else descriptor(out_lse, self.device_id, self.flags)
         return c_abi.merge_exchange(out_t, lse_t, self.exchange(rank, buffer), slice, begin, epoch, opts,
                                     self.stream(rank))
 

@@ -161,12 +161,13 @@ def test_a_merge_waits_for_a_publish_that_comes_after_it(rng, device):
 
 def test_captured_in_a_cuda_graph_replays_step_after_step(rng, device):
     """Epoch 0 (from the pad): every rank's publish and merge captured once, on the ranks' streams
-    forked from the capture's, each merge after every publish; each replay is the next step."""
+    forked from the capture's, each merge after every publish; each replay is the next step.  The
+    descriptors vouch for their devices (ATTNMERGE_DEVICE_KNOWN), as a framework's binding does."""
     device.gpu_only()
     torch = device.torch
     steps = 3
     states = step_states(rng, steps)
-    ranks = Ranks(device, *zip(*states[0]))
+    ranks = Ranks(device, *zip(*states[0]), known=True)
     outs, out_lses = outputs(device)
     graph = torch.cuda.CUDAGraph()
     capture = torch.cuda.Stream()
@@ -287,6 +288,8 @@ def test_a_rank_that_never_merges_is_reported_by_the_ranks_it_keeps_waiting(rng,
     outs, out_lses = outputs(device)
     for r in range(WORLD):
         assert ranks.publish(r) == c_abi.SUCCESS
+    if ranks.on_gpu:
+        ranks.torch.cuda.synchronize()  # every publish done before the merges, which wait with their blocks
     result = ranks.step(outs, out_lses, c_abi.SLICE_HEADS, begins(), ranks=[0, 1], publish=[])
     for r in (0, 1):
         want = (f"exchange: rank {r} waited {SHORT_NS} ns for rank 2 to read its state of epoch 1 and gave up (its "
