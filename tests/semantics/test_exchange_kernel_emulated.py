@@ -180,6 +180,19 @@ def test_grids_of_many_blocks_count_their_last(emu, rng, sms):
         assert pad[1] == 0  # kArrivals: reset by each merge's last block
 
 
+def test_a_rank_with_no_rows_still_takes_its_part(emu, rng):
+    """A rank whose slice is empty launches one block that reads nothing but signals, so that its
+    peers (ATTNMERGE_EXCHANGE_WAIT_READERS) are not kept waiting."""
+    g = group(rng, 3, 4, 5, 16)
+    slices = [(0, 3), (3, 0), (3, 2)]
+    result = exchange(emu, g, slices)
+    assert g.plans[1][1:] == (1, 256)  # one block
+    for (begin, extent), (out, out_lse) in zip(slices, result):
+        if extent:
+            assert_merge_matches(out, out_lse, reference(g, begin, extent), "float32")
+    assert all(list(pad[11:14]) == [1, 1, 1] for pad in g.pads)  # every rank read every rank's state
+
+
 def test_empty_parts_and_nan_rows(emu, rng):
     g = group(rng, 3, 4, 3, 32)
     g.o[1][:] = np.nan
