@@ -88,19 +88,26 @@ def assert_bits_equal(a, b):
 # the formula, slice by slice
 
 
+# Either way a rank's buffer may be written again (with _ALTERNATE no merge waits for another:
+# what compute-sanitizer, which runs one kernel at a time, can check).
+REUSES = pytest.mark.parametrize("reuse", (c_abi.WAIT_READERS, c_abi.ALTERNATE), ids=("wait_readers", "alternate"))
+
+
+@REUSES
 @pytest.mark.parametrize("slice", (c_abi.SLICE_HEADS, c_abi.SLICE_TOKENS), ids=("heads", "tokens"))
 @pytest.mark.parametrize("world", (1, 2, 3, 4))
-def test_every_rank_merges_every_ranks_rows_of_its_slice(rng, device, world, slice):
+def test_every_rank_merges_every_ranks_rows_of_its_slice(rng, device, world, slice, reuse):
     o, lse = states(rng, world, 9, 8, 64)
-    for begin, extent, out, out_lse in run(device, o, lse, slice):
+    for begin, extent, out, out_lse in run(device, o, lse, slice, reuse=reuse):
         assert_merge_matches(out, out_lse, reference(o, lse, slice, begin, extent), "float32")
 
 
+@REUSES
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dtypes_at_decode_shapes(rng, device, dtype):
+def test_dtypes_at_decode_shapes(rng, device, dtype, reuse):
     """Decode context parallelism's shapes: a few tokens, 32 heads of 128, 4 ranks, each its 8 heads."""
     o, lse = states(rng, 4, 8, 32, 128, dtype)
-    for begin, extent, out, out_lse in run(device, o, lse, c_abi.SLICE_HEADS):
+    for begin, extent, out, out_lse in run(device, o, lse, c_abi.SLICE_HEADS, reuse=reuse):
         assert_merge_matches(out, out_lse, reference(o, lse, c_abi.SLICE_HEADS, begin, extent), dtype)
 
 
