@@ -255,3 +255,20 @@ def test_on_the_host_bit_for_bit_merge_states_over_the_gathered_states(rng, name
 
 def device_id(device):
     return device.torch.cuda.current_device() if getattr(device, "on_gpu", False) else c_abi.HOST
+
+
+@pytest.mark.parametrize("device", devices.CUDA_ONLY, indirect=True)
+@pytest.mark.parametrize("head_size, vec", ((128, 8), (12, 1)))
+def test_the_launch_record_names_the_exchanges_kernel(rng, device, head_size, vec):
+    """One launch of the exchange's kernel: 16-byte accesses where every rank's rows allow them."""
+    device.gpu_only()
+    o, lse = states(rng, 2, 3, 4, head_size, "bfloat16")
+    ranks = Ranks(device, o, lse, reuse=c_abi.ALTERNATE)
+    out, out_lse = device.nan((3, 2, head_size), "bfloat16"), device.nan((3, 2))
+    assert ranks.publish(0) == ranks.publish(1) == c_abi.SUCCESS
+    device.synchronize()
+    assert ranks.merge(0, out, out_lse, c_abi.SLICE_HEADS, 0) == c_abi.SUCCESS
+    info = c_abi.last_launch()
+    assert (info.kernel, info.launches, info.vec, info.index_bits) == (c_abi.KERNEL_EXCHANGE, 1, vec, 64)
+    device.synchronize()
+    assert_merge_matches(device.get(out), device.get(out_lse), reference(o, lse, c_abi.SLICE_HEADS, 0, 2), "bfloat16")
