@@ -99,6 +99,29 @@ attnmerge_status gpu_stream_synchronize(int device, void* stream);
 // reported naming `what`, a success records `info` for attnmerge_last_launch.
 using GpuJob = int (*)(const DeviceInfo& device, void* ctx, attnmerge_launch_info* info);
 attnmerge_status gpu_run(int device, GpuJob job, void* ctx, const char* what);
+// Checks that `ptr` is memory the GPU `device` can read: its own, a peer's it can access, or managed
+// memory (an exchange's ranks); names `name` in the error.
+attnmerge_status gpu_check_peer_pointer(const void* ptr, int device, const char* name);
+
+// The exchange (attnmerge.h's "Context parallelism on one node").  On the host (exchange.cpp): each
+// call runs this rank's part on the calling thread, returns a failure it meets (recorded in the
+// pad too) or one recorded before, and refuses a stale epoch first.  On the GPU (exchange_gpu.cu):
+// launched on `stream`, failures recorded by the kernels.  exchange_status: the pad's record,
+// described, then cleared; `device` ATTNMERGE_HOST for host pads.
+attnmerge_status cpu_exchange_publish(const exchange::Sync& sync);
+attnmerge_status cpu_merge_exchange(const MergeShape& shape, const ExchangeSource& src, const OutView& out,
+                                    const exchange::Sync& sync, int in_dtype, int out_dtype);
+attnmerge_status gpu_exchange_publish(const exchange::Sync& sync, int device, void* stream);
+attnmerge_status gpu_merge_exchange(const MergeShape& shape, const ExchangeSource& src, const OutView& out,
+                                    const exchange::Sync& sync, const CallFacts& facts, int in_dtype, int out_dtype,
+                                    int device, void* stream);
+attnmerge_status exchange_status(const exchange::Sync& sync, int device, void* stream);
+// The words of a rank's failure record, as its calls return it: a timeout (ATTNMERGE_ERROR_TIMEOUT)
+// or a stale epoch (ATTNMERGE_ERROR_VALUE), naming `rank`, the rank waited for and the epoch.
+attnmerge_status exchange_failure(const exchange::Record& record, int rank);
+// The record in a pad on the GPU (exchange_gpu.cu): read after the work before it on `stream`, and cleared.
+attnmerge_status gpu_take_record(uint64_t* pad, int device, void* stream, exchange::Record& record);
+
 // The backward on the GPU (merge_backward_gpu.cu): planned (plan_backward) and launched on `stream`.
 template <typename Src>
 attnmerge_status gpu_merge_backward(const MergeShape& shape, const BackwardArgs<Src>& args, int vec, bool pdl,

@@ -102,6 +102,8 @@ template <>
 int64_t states_per_row(const StackSource& src) { return src.states; }
 template <>
 int64_t states_per_row(const ShareSource&) { return 1; }
+template <>
+int64_t states_per_row(const ExchangeSource& src) { return src.world; }
 
 }  // namespace
 
@@ -126,6 +128,7 @@ template attnmerge_status cpu_merge<SinkPairSource>(const MergeShape&, const Sin
 template attnmerge_status cpu_merge<StackSource>(const MergeShape&, const StackSource&, const OutView&, int, int);
 template attnmerge_status cpu_merge<RangeSource>(const MergeShape&, const RangeSource&, const OutView&, int, int);
 template attnmerge_status cpu_merge<ShareSource>(const MergeShape&, const ShareSource&, const OutView&, int, int);
+template attnmerge_status cpu_merge<ExchangeSource>(const MergeShape&, const ExchangeSource&, const OutView&, int, int);
 
 }  // namespace detail
 }  // namespace attnmerge

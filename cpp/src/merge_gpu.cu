@@ -84,6 +84,32 @@ attnmerge_status gpu_check_pointer(const void* ptr, int device, const ArgNames& 
   }
 }
 
+attnmerge_status gpu_check_peer_pointer(const void* ptr, int device, const char* name) {
+  cudaPointerAttributes attr;
+  const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+  if (err != cudaSuccess) {
+    if (err == cudaErrorInvalidValue) {
+      cudaGetLastError();
+      return fail(ATTNMERGE_ERROR_VALUE,
+                  "%s: expected memory of CUDA device %d or of a peer it can access, got a pointer CUDA does not know",
+                  name, device);
+    }
+    return cuda_fail(err, "while checking a pointer (an earlier error, not one of this call's arguments)");
+  }
+  if (attr.type == cudaMemoryTypeManaged || (attr.type == cudaMemoryTypeDevice && attr.device == device))
+    return ATTNMERGE_SUCCESS;
+  if (attr.type != cudaMemoryTypeDevice)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory of CUDA device %d or of a peer it can access, got host memory",
+                name, device);
+  int peer = 0;
+  if (cudaDeviceCanAccessPeer(&peer, device, attr.device) != cudaSuccess) cudaGetLastError();
+  if (peer) return ATTNMERGE_SUCCESS;
+  return fail(ATTNMERGE_ERROR_VALUE,
+              "%s: expected memory of CUDA device %d or of a peer it can access, got memory of device %d, which device "
+              "%d cannot access",
+              name, device, attr.device, device);
+}
+
 namespace {
 thread_local attnmerge_launch_info g_last_launch = {};
 }  // namespace
@@ -103,6 +129,7 @@ int32_t kernel_of(Variant v) {
     case Variant::kRows:
     case Variant::kRowsLseAfter:
     case Variant::kShare: return ATTNMERGE_KERNEL_ROWS;
+    case Variant::kExchange: return ATTNMERGE_KERNEL_EXCHANGE;
   }
   return ATTNMERGE_KERNEL_ROWS;
 }

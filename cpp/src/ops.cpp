@@ -69,6 +69,19 @@ attnmerge_status range_sizes(Views views, const View& o, const attnmerge_options
   return ATTNMERGE_SUCCESS;
 }
 
+// An exchange's merge: the states' sizes from o (the ranks' layout), its slice's from out (the
+// first argument of the table, whose tokens and heads are the slice's: check_slice holds them to
+// the states').
+attnmerge_status exchange_sizes(Views views, const View& o, const attnmerge_options&, Sizes& n) {
+  n.tokens = o.shape[0];
+  n.heads = o.shape[1];
+  n.head_size = o.shape[2];
+  const View& out = views.v[0];
+  n.slice_tokens = out.shape[0];
+  n.slice_heads = out.shape[1];
+  return check_head_size(o, n.head_size);
+}
+
 // ---- the ops' contracts -----------------------------------------------------------------------
 
 constexpr uint32_t kOIn = ATTNMERGE_ROLE_O_IN, kOOut = ATTNMERGE_ROLE_O_OUT, kLse = ATTNMERGE_ROLE_LSE,
@@ -76,7 +89,8 @@ constexpr uint32_t kOIn = ATTNMERGE_ROLE_O_IN, kOOut = ATTNMERGE_ROLE_O_OUT, kLs
 // The tables' axes: tokens, heads, head_size, S, the total states and rows of a variable-length
 // merge (R1 = rows + 1), the tokens of a that are read, and a itself (Dim).
 constexpr Dim T = Dim::kTokens, H = Dim::kHeads, D = Dim::kHeadSize, S = Dim::kStates, N = Dim::kTotal, R = Dim::kRows,
-              R1 = Dim::kRowsPlus1, A = Dim::kATokens, AOrMore = Dim::kATokensOrMore, G = Dim::kScaleGroups;
+              R1 = Dim::kRowsPlus1, A = Dim::kATokens, AOrMore = Dim::kATokensOrMore, G = Dim::kScaleGroups,
+              ST = Dim::kSliceTokens, SH = Dim::kSliceHeads;
 constexpr Use kRead = Use::kRead, kWrite = Use::kWrite, kReadWrite = Use::kReadWrite;
 constexpr Presence kRequired = Presence::kRequired, kOptional = Presence::kOptional;
 constexpr Alias kMayBeOutput = Alias::kMayBeOutput, kNoAlias = Alias::kNone;
@@ -191,6 +205,26 @@ static_assert(indexed(kShareArgs, {{ShareArg::kOut, "out"}, {ShareArg::kOutLse, 
               "ShareArg indexes kShareArgs");
 constexpr OpSpec kShare = make_op(kShareArgs, kBase2 | kOutBase | kPdl | kUe8m0 | kInvariant, "out", "o", "lse", share_sizes);
 static_assert(names_resolve(kShare), "kShare names its own arguments");
+
+// (out, out_lse) = the merge of every rank's rows of this rank's slice, and each head's sink: o and
+// lse are the layout every rank's state shares (attnmerge_exchange's o_layout, lse_layout), at this
+// rank's own pointers; every rank's are checked against it (check_exchange_pointers,
+// check_apart_from_ranks), and out's first axes are the slice's (check_slice).
+constexpr ArgSpec kExchangeArgs[] = {
+    {"out",     kOOut, {ST, SH, D}, kWrite, kRequired},
+    {"out_lse", kLse,  {ST, SH},    kWrite, kOptional},
+    {"o",       kOIn,  {T, H, D},   kRead,  kRequired},
+    {"lse",     kLse,  {T, H},      kRead,  kRequired},
+    {"sink",    kLse,  {SH},        kRead,  kOptional},
+};
+struct ExchangeArg {
+  enum : int { kOut, kOutLse, kO, kLse, kSink };
+};
+static_assert(indexed(kExchangeArgs, {{ExchangeArg::kOut, "out"}, {ExchangeArg::kOutLse, "out_lse"},
+                                      {ExchangeArg::kO, "o"}, {ExchangeArg::kLse, "lse"}, {ExchangeArg::kSink, "sink"}}),
+              "ExchangeArg indexes kExchangeArgs");
+constexpr OpSpec kExchange = make_op(kExchangeArgs, kBase2 | kOutBase | kPdl, "out", "o", "lse", exchange_sizes);
+static_assert(names_resolve(kExchange), "kExchange names its own arguments");
 
 // The backward: the gradients (each optional: not written), dO and dLSE (optional: 0), the
 // forward's O (optional: <dO, O> from the states) and LSE, then the forward's inputs.  No output
@@ -338,6 +372,51 @@ ShareSource share_of(const View& o, const View& lse, int64_t states, int64_t own
   ShareSource src{stack_of(o, lse, states, sink), own};
   src.o_st = stride_or_0(o, 0), src.o_ss = 0, src.o_sh = stride_or_0(o, 1);
   return src;
+}
+
+// Every rank's states of an exchange as this rank reads them: o and lse its layouts' views, the
+// slice's first token or head `begin`, and the sink.  The pointers past world_size repeat rank 0's,
+// so that every address a kernel computes is one of a rank's rows.
+ExchangeSource exchange_of(const attnmerge_exchange& x, const View& o, const View& lse, int32_t slice, int64_t begin,
+                           const View* sink) {
+  ExchangeSource src{};
+  for (int p = 0; p < exchange::kMaxWorld; ++p) {
+    const int from = p < x.world_size ? p : 0;
+    src.o[p] = x.o[from];
+    src.lse[p] = static_cast<const float*>(x.lse[from]);
+  }
+  src.o_st = o.strides[0], src.o_sh = o.strides[1], src.lse_st = lse.strides[0], src.lse_sh = lse.strides[1];
+  src.token0 = slice == ATTNMERGE_SLICE_TOKENS ? begin : 0;
+  src.head0 = slice == ATTNMERGE_SLICE_HEADS ? begin : 0;
+  src.world = x.world_size;
+  src.sink = sink_view(sink);
+  return src;
+}
+
+// The protocol's part of an exchange (every rank's pad, checked), for `epoch` (0: the pad's).
+exchange::Sync sync_of(const attnmerge_exchange& x, int64_t epoch) {
+  exchange::Sync sync{};
+  for (int p = 0; p < exchange::kMaxWorld; ++p) sync.pads[p] = static_cast<uint64_t*>(x.pads[p < x.world_size ? p : 0]);
+  sync.rank = x.rank, sync.world = x.world_size;
+  sync.epoch = static_cast<uint64_t>(epoch);
+  sync.timeout_ns = static_cast<uint64_t>(x.timeout_ns);
+  sync.reuse = static_cast<exchange::Reuse>(x.reuse);
+  return sync;
+}
+
+// An epoch argument: >= 0 (0: the pad's).
+attnmerge_status check_epoch_arg(int64_t epoch, const ArgNames& names) {
+  if (epoch >= 0) return ATTNMERGE_SUCCESS;
+  return fail(ATTNMERGE_ERROR_VALUE, "%s: expected an epoch >= 0 (0: the one the pad keeps), got %" PRId64,
+              names.of("epoch"), epoch);
+}
+
+// The start of the exchange's publish and status: the exchange's pads and this rank's device.
+attnmerge_status pads_call(const attnmerge_exchange* x, const ArgNames& names, int& device) {
+  attnmerge_status s;
+  if ((s = check_exchange(x, ExchangeUse::kPads, names)) || (s = check_exchange_pointers(x, ExchangeUse::kPads, names)))
+    return s;
+  return locate_exchange(Views{nullptr, 0, &names}, nullptr, x, ExchangeUse::kPads, device);
 }
 
 // The LSE bases of a call (options.flags, checked): the inputs' (a's, every state's, the sink's),
@@ -504,6 +583,57 @@ attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnme
   return run(c.all(), merge_shape(n.tokens, n, c), share_of(c.views[A::kO], vl, n.states, index, &c.views[A::kSink]),
              out_view(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype, out->dtype, stream,
              c.opt.flags);
+}
+
+int64_t attnmerge_exchange_pad_bytes(int32_t world_size) {
+  if (world_size < 1 || world_size > ATTNMERGE_EXCHANGE_MAX_WORLD) return 0;
+  return exchange::pad_words(world_size) * static_cast<int64_t>(sizeof(uint64_t));
+}
+
+attnmerge_status attnmerge_exchange_publish(const attnmerge_exchange* exchange, int64_t epoch, void* stream) {
+  begin_call();
+  const ArgNames names;
+  int device;
+  attnmerge_status s;
+  if ((s = pads_call(exchange, names, device)) || (s = check_epoch_arg(epoch, names))) return s;
+  const exchange::Sync sync = sync_of(*exchange, epoch);
+  return device == ATTNMERGE_HOST ? cpu_exchange_publish(sync) : gpu_exchange_publish(sync, device, stream);
+}
+
+attnmerge_status attnmerge_merge_exchange(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                          const attnmerge_exchange* exchange, int32_t slice, int64_t slice_begin,
+                                          int64_t epoch, const attnmerge_options* options, void* stream) {
+  begin_call();
+  Checked c;
+  attnmerge_status s;
+  if ((s = read_layout(options, c.opt, c.names)) || (s = check_exchange(exchange, ExchangeUse::kStates, c.names)) ||
+      (s = check_exchange_pointers(exchange, ExchangeUse::kStates, c.names)))
+    return s;
+  // The ranks' layouts at this rank's own pointers: validated as any op's O and LSE.
+  attnmerge_tensor o = exchange->o_layout, lse = exchange->lse_layout;
+  o.data = const_cast<void*>(exchange->o[exchange->rank]);
+  lse.data = const_cast<void*>(exchange->lse[exchange->rank]);
+  const attnmerge_tensor* const args[] = {out, out_lse, &o, &lse, sink_of(options)};
+  if ((s = validate(kExchange, args, options, c))) return s;
+  using A = ExchangeArg;
+  const View* v = c.views;
+  if ((s = check_slice(slice, slice_begin, v[A::kOut], c.sizes)) ||
+      (s = check_apart_from_ranks(exchange, c.all(), v[A::kO], v[A::kLse])) || (s = check_epoch_arg(epoch, c.names)))
+    return s;
+  const Sizes& n = c.sizes;
+  const MergeShape shape{n.slice_tokens, n.slice_heads, n.head_size, inputs_base2(c.opt.flags)};
+  const ExchangeSource src = exchange_of(*exchange, v[A::kO], v[A::kLse], slice, slice_begin, &v[A::kSink]);
+  const OutView dst = out_view(v[A::kOut], v[A::kOutLse], View{}, c);
+  return run_exchange(c.all(), shape, src, dst, sync_of(*exchange, epoch), exchange, o.dtype, out->dtype, stream,
+                      c.opt.flags);
+}
+
+attnmerge_status attnmerge_exchange_status(const attnmerge_exchange* exchange, void* stream) {
+  begin_call();
+  const ArgNames names;
+  int device;
+  if (attnmerge_status s = pads_call(exchange, names, device)) return s;
+  return exchange_status(sync_of(*exchange, 0), device, stream);
 }
 
 attnmerge_status attnmerge_merge_backward(const attnmerge_tensor* grad_o_a, const attnmerge_tensor* grad_lse_a,

@@ -32,6 +32,22 @@ attnmerge_status run(Views views, const MergeShape& shape, const Source& src, co
   return gpu_merge(shape, src, out, call_facts(views, shape.head_size, flags), in_dtype, out_dtype, device, stream);
 }
 
+// An exchange's device, this rank's (its layouts'; for the merge also its tensors', by locate's
+// rule), then every rank's pointers the op reads, unless the layout vouches for them
+// (ATTNMERGE_DEVICE_KNOWN): host memory for the CPU path; on a GPU, memory of this device, of a
+// device it can access as a peer, or managed memory.  `scale`: the output scale in memory, or null.
+attnmerge_status locate_exchange(Views views, const float* scale, const attnmerge_exchange* x, ExchangeUse use,
+                                 int& device);
+
+// What the launch plan (plan_exchange) needs of an exchange's merge: the vector width (16-byte
+// loads of every rank's O, and stores of out they allow, or one element), PDL.
+CallFacts exchange_facts(Views views, const attnmerge_exchange* x, int64_t head_size, int out_dtype, uint32_t flags);
+
+// An exchange's merge, on this rank's device: the CPU path (the calling thread waits) or the launch.
+attnmerge_status run_exchange(Views views, const MergeShape& shape, const ExchangeSource& src, const OutView& out,
+                              const exchange::Sync& sync, const attnmerge_exchange* x, int in_dtype, int out_dtype,
+                              void* stream, uint32_t flags);
+
 // A backward: on its device, the CPU loop or the launch (nothing to do where no gradient is asked
 // for).  `states`: a row's states (the mean for the variable-length merge), for the CPU's threads.
 template <typename Src>

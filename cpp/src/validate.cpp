@@ -109,6 +109,8 @@ int64_t size_of(Dim d, const Sizes& n) {
     case Dim::kATokens:
     case Dim::kATokensOrMore: return n.a_tokens;
     case Dim::kScaleGroups: return n.scale_groups;
+    case Dim::kSliceTokens: return n.slice_tokens;
+    case Dim::kSliceHeads: return n.slice_heads;
     case Dim::kNone: break;
   }
   return 0;
@@ -203,7 +205,9 @@ attnmerge_status check_name_text(const char* text, int i, const char* field) {
               text == nullptr ? "NULL" : "\"\"");
 }
 
-// Step 0: the fields struct_size covers, into `opt` (the others zero), and the caller's names.
+}  // namespace
+
+// Step 0 (validate.h): the fields struct_size covers, into `opt` (the others zero), and the caller's names.
 attnmerge_status read_layout(const attnmerge_options* options, attnmerge_options& opt, ArgNames& names) {
   opt = attnmerge_options{};
   if (options == nullptr) return ATTNMERGE_SUCCESS;
@@ -235,6 +239,8 @@ attnmerge_status read_layout(const attnmerge_options* options, attnmerge_options
   names = ArgNames{opt.arg_names, opt.num_arg_names};
   return ATTNMERGE_SUCCESS;
 }
+
+namespace {
 
 // Step 1: tensors[i] against specs[i], each alone, into views[i], in table order.
 attnmerge_status describe(const ArgSpec* specs, const attnmerge_tensor* const* tensors, int n, LseLayout layout,
@@ -477,6 +483,120 @@ int choose_vec(Views views, int64_t head_size) {
 bool same_view(const View& x, const View& y) {
   return x.t->data == y.t->data && x.t->dtype == y.t->dtype && x.ndim == y.ndim &&
          std::equal(x.shape, x.shape + x.ndim, y.shape) && std::equal(x.strides, x.strides + x.ndim, y.strides);
+}
+
+// ---- the exchange ---------------------------------------------------------------------------------
+
+namespace {
+
+// The released layouts of attnmerge_exchange (as attnmerge_options', read_layout): 0.2.0's is the
+// baseline, which 0 also names.
+constexpr uint32_t kExchangeBaselineSize = sizeof(attnmerge_exchange);
+static_assert(sizeof(void*) != 8 || kExchangeBaselineSize == 224,
+              "attnmerge_exchange grew: until 0.2.0 is released the baseline grows with it (update 224), after "
+              "that a new field makes a new layout, accepted by a size of its own");
+static_assert(ATTNMERGE_EXCHANGE_MAX_WORLD == exchange::kMaxWorld, "exchange.h's kMaxWorld is the header's");
+
+// The arrays of pointers an op reads of the exchange: the pads, and (the merge) o and lse.
+struct RankArray {
+  const char* field;
+  const void* const* entries;
+  std::size_t align;  // bytes each entry is aligned to
+};
+
+int rank_arrays(const attnmerge_exchange* x, ExchangeUse use, RankArray (&arrays)[3]) {
+  arrays[0] = RankArray{"pads", const_cast<const void* const*>(x->pads), sizeof(uint64_t)};
+  if (use == ExchangeUse::kPads) return 1;
+  arrays[1] = RankArray{"o", x->o, dtype_size(x->o_layout.dtype)};
+  arrays[2] = RankArray{"lse", x->lse, sizeof(float)};
+  return 3;
+}
+
+}  // namespace
+
+attnmerge_status check_exchange(const attnmerge_exchange* x, ExchangeUse use, const ArgNames& names) {
+  const char* name = names.of("exchange");
+  if (x == nullptr) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected the ranks of an exchange, got NULL", name);
+  if (x->struct_size != 0 && x->struct_size != kExchangeBaselineSize)
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "%s.struct_size: expected 0 or %u (sizeof(attnmerge_exchange) of attnmerge 0.2.0), got %u", name,
+                static_cast<unsigned>(kExchangeBaselineSize), x->struct_size);
+  if (x->world_size < 1 || x->world_size > ATTNMERGE_EXCHANGE_MAX_WORLD)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s.world_size: expected 1 to %d ranks, got %d", name,
+                ATTNMERGE_EXCHANGE_MAX_WORLD, x->world_size);
+  if (x->rank < 0 || x->rank >= x->world_size)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s.rank: expected 0 <= rank < %d (world_size), got %d", name, x->world_size,
+                x->rank);
+  if (x->reuse != ATTNMERGE_EXCHANGE_WAIT_READERS && x->reuse != ATTNMERGE_EXCHANGE_ALTERNATE)
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "%s.reuse: expected ATTNMERGE_EXCHANGE_WAIT_READERS (0) or ATTNMERGE_EXCHANGE_ALTERNATE (1), got %d",
+                name, x->reuse);
+  if (x->timeout_ns <= 0)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s.timeout_ns: expected nanoseconds > 0 (a wait that can end), got %" PRId64,
+                name, x->timeout_ns);
+  RankArray arrays[3];
+  for (int a = 0, n = rank_arrays(x, use, arrays); a < n; ++a)
+    if (arrays[a].entries == nullptr)
+      return fail(ATTNMERGE_ERROR_VALUE, "%s.%s: expected %d pointers (one per rank), got NULL", name, arrays[a].field,
+                  x->world_size);
+  return ATTNMERGE_SUCCESS;
+}
+
+attnmerge_status check_exchange_pointers(const attnmerge_exchange* x, ExchangeUse use, const ArgNames& names) {
+  const char* name = names.of("exchange");
+  RankArray arrays[3];
+  for (int a = 0, n = rank_arrays(x, use, arrays); a < n; ++a)
+    for (int p = 0; p < x->world_size; ++p) {
+      const void* ptr = arrays[a].entries[p];
+      if (ptr == nullptr)
+        return fail(ATTNMERGE_ERROR_VALUE, "%s.%s[%d]: expected rank %d's pointer, got NULL", name, arrays[a].field, p,
+                    p);
+      if (reinterpret_cast<uintptr_t>(ptr) % arrays[a].align != 0)
+        return fail(ATTNMERGE_ERROR_VALUE, "%s.%s[%d]: expected a pointer aligned to %zu bytes, got %p", name,
+                    arrays[a].field, p, arrays[a].align, ptr);
+    }
+  return ATTNMERGE_SUCCESS;
+}
+
+attnmerge_status check_slice(int32_t slice, int64_t begin, const View& out, const Sizes& n) {
+  const ArgNames& names = *out.names;
+  if (slice != ATTNMERGE_SLICE_TOKENS && slice != ATTNMERGE_SLICE_HEADS)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected ATTNMERGE_SLICE_TOKENS (0) or ATTNMERGE_SLICE_HEADS (1), got %d",
+                names.of("slice"), slice);
+  const bool heads = slice == ATTNMERGE_SLICE_HEADS;
+  const char* whole = heads ? "tokens" : "heads";
+  const int64_t other = heads ? n.slice_tokens : n.slice_heads, states_other = heads ? n.tokens : n.heads;
+  if (other != states_other)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected the %" PRId64 " %s of the states (a slice of %s takes every one), "
+                "got %" PRId64, out.name(), states_other, whole, heads ? "heads" : "tokens", other);
+  const int64_t extent = heads ? n.slice_heads : n.slice_tokens, states = heads ? n.heads : n.tokens;
+  if (begin < 0 || begin > states - extent)
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "%s: expected 0 to %" PRId64 " (the states' %" PRId64 " %s less the %" PRId64 " of %s), got %" PRId64,
+                names.of("slice_begin"), states - extent, states, heads ? "heads" : "tokens", extent, out.name(),
+                begin);
+  return ATTNMERGE_SUCCESS;
+}
+
+attnmerge_status check_apart_from_ranks(const attnmerge_exchange* x, Views views, const View& o, const View& lse) {
+  for (const View& w : views) {
+    if (!w.spec->is_output() || !w.present() || w.empty) continue;
+    for (int p = 0; p < x->world_size; ++p)
+      for (const View* in : {&o, &lse}) {
+        if (in->empty) continue;
+        attnmerge_tensor t = *in->t;
+        t.data = const_cast<void*>((in == &o ? x->o : x->lse)[p]);
+        View rank_view = *in;
+        rank_view.t = &t;
+        uintptr_t lo1, hi1, lo2, hi2;
+        w.byte_range(lo1, hi1);
+        rank_view.byte_range(lo2, hi2);
+        if (lo1 < hi2 && lo2 < hi1)
+          return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory apart from every rank's state, got a range "
+                      "overlapping %s.%s[%d]", w.name(), w.names->of("exchange"), in == &o ? "o" : "lse", p);
+      }
+  }
+  return ATTNMERGE_SUCCESS;
 }
 
 }  // namespace detail

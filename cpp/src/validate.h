@@ -25,6 +25,8 @@ enum class Dim : uint8_t {
   kATokens,  // the tokens of a two-way merge's a that are read: options.a_tokens, or tokens
   kATokensOrMore,  // a itself: at least those with ATTNMERGE_A_TOKENS (only they are read), else exactly
   kScaleGroups,  // the per-group FP8 scales of a row: head_size / options.group_size
+  kSliceTokens,  // an exchange's output: the tokens of its slice
+  kSliceHeads,  // an exchange's output: the heads of its slice
 };
 
 enum class Use : uint8_t {
@@ -97,6 +99,7 @@ struct Views {
 struct Sizes {
   int64_t tokens = 0, heads = 0, head_size = 0, states = 0, total = 0, rows = 0;
   int64_t scale_groups = 0;  // kScaleGroups
+  int64_t slice_tokens = 0, slice_heads = 0;  // kSliceTokens, kSliceHeads
   int64_t a_tokens = 0;  // kATokens
   bool a_tokens_given = false;  // ATTNMERGE_A_TOKENS: kATokensOrMore means at least a_tokens
 };
@@ -215,6 +218,10 @@ std::size_t widest_o(Views views);
 // allow, within 16 bytes per access.
 int choose_vec(Views views, int64_t head_size);
 
+// The options' fields struct_size covers, into `opt` (the others zero), and the caller's names:
+// validate()'s step 0, for an op whose own arguments are checked before its tensors (the exchange).
+attnmerge_status read_layout(const attnmerge_options* options, attnmerge_options& opt, ArgNames& names);
+
 // Validates tensors[i] against op.args[i] into call.views[i], in one order for every op:
 //   0. the options' layout (struct_size) and the caller's names (arg_names), which every message
 //      after names the arguments by;
@@ -238,6 +245,30 @@ attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tenso
 attnmerge_status check_indptr(const View& indptr, const View& o, const attnmerge_tensor* out, int64_t rows);
 
 bool same_view(const View& x, const View& y);
+
+// ---- the exchange (attnmerge_exchange) ----------------------------------------------------------
+
+// What each exchange op reads of an attnmerge_exchange: its pads (every op), its ranks' states (the
+// merge).
+enum class ExchangeUse : uint8_t { kPads, kStates };
+
+// The exchange's own fields, before anything else of the call: not NULL, struct_size, world_size,
+// rank, reuse and timeout_ns, and the arrays of pointers the op reads.  `names`: the caller's (the
+// exchange is named as "exchange" is).
+attnmerge_status check_exchange(const attnmerge_exchange* x, ExchangeUse use, const ArgNames& names);
+
+// Every rank's pointers the op reads, each alone: not NULL, aligned to its element (O: to the
+// dtype of o_layout, `o_dtype`) or its pad's words.
+attnmerge_status check_exchange_pointers(const attnmerge_exchange* x, ExchangeUse use, const ArgNames& names);
+
+// The slice of an exchange's merge: `slice` an attnmerge_slice, out's other axis whole, and
+// [begin, begin + out's size on the axis) within the states' (`n`: the sizes validate() read off
+// the layouts and out).  `out`: the output's view, named where a size disagrees.
+attnmerge_status check_slice(int32_t slice, int64_t begin, const View& out, const Sizes& n);
+
+// out and out_lse (each where present and not empty) apart from every rank's O and LSE (the spans
+// of o_layout and lse_layout, `o` and `lse`, at each rank's pointer).
+attnmerge_status check_apart_from_ranks(const attnmerge_exchange* x, Views views, const View& o, const View& lse);
 
 }  // namespace detail
 }  // namespace attnmerge

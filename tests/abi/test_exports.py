@@ -100,7 +100,8 @@ def test_the_info_queries_answer_without_a_gpu():
     assert lib.attnmerge_device_count() >= 0
     assert lib.attnmerge_pointer_device(None) == c_abi.HOST
     assert {s: lib.attnmerge_status_string(s).decode() for s in c_abi.STATUSES} == {
-        0: "success", 1: "invalid value", 2: "invalid type", 3: "no CUDA device", 4: "CUDA runtime error"}
+        0: "success", 1: "invalid value", 2: "invalid type", 3: "no CUDA device", 4: "CUDA runtime error",
+        5: "timed out waiting for a peer"}
     assert lib.attnmerge_status_string(99).decode() == "unknown status"
 
 

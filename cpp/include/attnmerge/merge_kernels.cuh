@@ -709,6 +709,8 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
       if constexpr (may_plan<Source>(Variant::kShare, kIn, kOut, kAccess))
         return share<TIn, TOut, VEC>(plan, src, out, stream);
       break;
+    case Variant::kExchange:  // launch_exchange's (exchange_kernels.cuh), which also takes the protocol's
+      break;
   }
   return cudaErrorInvalidValue;  // a plan made for other facts than these
 }

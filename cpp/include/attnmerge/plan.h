@@ -144,6 +144,7 @@ enum class Variant : int32_t {
   kInPlacePlainFlat,  // InPlaceSource<PlainPairSource with flat rows>, each row in one warp (32-bit offsets)
   kStates,            // kStates, merge_states_kernel with `groups` groups per row
   kShare,             // a state's share, merge_share_kernel
+  kExchange,          // every rank's state read where it lies, merge_exchange_kernel (exchange_kernels.cuh)
 };
 
 // The variant's name, as the plan's tests and benchmarks print it.
@@ -159,6 +160,7 @@ constexpr const char* variant_name(Variant v) {
     case Variant::kInPlacePlainFlat: return "inplace_plain_flat";
     case Variant::kStates: return "states";
     case Variant::kShare: return "share";
+    case Variant::kExchange: return "exchange";
   }
   return "unknown";
 }
@@ -246,6 +248,7 @@ constexpr bool may_plan(Variant v, Dtype in, Dtype out, int access, Cache cache 
     case Variant::kInPlacePlainFlat: return kPair && one_dtype(in, out) && plain_pair(in, out);
     case Variant::kStates: return takes_states<Source>() && access == 16;
     case Variant::kShare: return std::is_same<Source, ShareSource>::value;
+    case Variant::kExchange: return std::is_same<Source, ExchangeSource>::value;
   }
   return false;
 }
@@ -427,6 +430,25 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     }
     return plan;
   }
+}
+
+// The plan of an exchange (attnmerge_merge_exchange: every rank's state read where it lies,
+// exchange_kernels.cuh).  Laid out as kRows, one thread per pack of a row, the ranks' states
+// kStateChunk at a time: an exchange is a decode-sized call whose rows have few states each.
+// 64-bit offsets (the ranks' arrays lie apart, so no one span bounds them), cached accesses (the
+// states were written just before, the output is read by the next layer).  A rank with no rows
+// still launches one block: its peers wait for its signals.
+inline LaunchPlan plan_exchange(const MergeShape& shape, const CallFacts& facts, DeviceInfo device) {
+  LaunchPlan plan(shape);
+  MergeShape& s = plan.shape;
+  plan.vec = facts.vec;
+  s.packs = shape.head_size / plan.vec;
+  s.evict_first = false;
+  plan.pdl = facts.pdl && device.major >= 9;
+  plan.variant = Variant::kExchange;
+  plan.chunk = kStateChunk;
+  plan.main = s.rows > 0 ? row_dims(s.packs, s.rows, device.sms) : row_dims(1, 1, 0);
+  return plan;
 }
 
 // ---- the backward (merge_backward_kernels.cuh) ------------------------------------------------

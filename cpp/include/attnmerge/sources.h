@@ -13,8 +13,10 @@
 //   StackSource  S states stacked along a strided axis (the N-way merge);
 //   RangeSource  states [indptr[r], indptr[r+1]) of a flat list (the variable-length merge);
 //   ShareSource  S states' LSEs stacked and one state's O (the share of that state in the merge:
-//                context parallelism's combine by reduce-scatter).
-// SinkPairSource and the last three may add each head's sink to its rows (Traits::kSink: SinkView,
+//                context parallelism's combine by reduce-scatter);
+//   ExchangeSource  every rank's state where it lies, one pointer per rank (the exchange fused
+//                with the merge: peer-mapped memory), a slice of its rows.
+// SinkPairSource and the last four may add each head's sink to its rows (Traits::kSink: SinkView,
 // sink_lse).  Each source's Traits (SourceTraits) name what its kernels fix when compiled.
 #pragma once
 
@@ -22,6 +24,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "attnmerge/exchange.h"
 #include "attnmerge/views.h"
 
 namespace attnmerge {
@@ -317,6 +320,50 @@ struct ShareSource : StackSource {
   template <typename T, typename I>
   ATTNMERGE_HD ShareRow<I> row(I token, I head, I at = I{0}) const {
     return ShareRow<I>{StackSource::row<T>(token, head, at), static_cast<int>(own)};
+  }
+};
+
+// A row of ExchangeSource: state s at rank s's pointers, the row's offsets added (the same in every
+// rank's arrays, which share one layout).
+template <typename I>
+struct PeerRow {
+  const void* const* o;
+  const float* const* l;
+  I o_off, l_off;
+  int n;
+  ATTNMERGE_HD int count() const { return n; }
+  ATTNMERGE_HD const float* lse_ptr(int s) const { return l[s] + l_off; }
+  ATTNMERGE_HD float lse(int s) const { return *lse_ptr(s); }
+  template <typename T>
+  ATTNMERGE_HD const T* o_at(int s) const { return static_cast<const T*>(o[s]) + o_off; }
+  ATTNMERGE_HD constexpr bool reads_o(int) const { return true; }
+};
+
+// The states of an exchange's ranks (attnmerge_merge_exchange), read where they lie: state s of
+// row (token, head) is rank s's row (token + token0, head + head0) of O [tokens, heads, head_size]
+// and LSE [tokens, heads], every rank's laid out alike (o_st, o_sh, lse_st, lse_sh), so that a
+// rank's slice of the rows (a range of tokens or of heads) is the output's rows.  The ranks'
+// pointers are held by value (a kernel's parameters, indexed by state), as this rank addresses
+// them; each head's sink is indexed as the output's heads.
+struct ExchangeSource {
+  struct Traits : SourceTraits {
+    static constexpr bool kSink = true;
+  };
+  const void* o[exchange::kMaxWorld];
+  const float* lse[exchange::kMaxWorld];
+  int64_t o_st, o_sh, lse_st, lse_sh;
+  int64_t token0, head0;
+  int world;
+  SinkView sink;
+
+  template <typename I>
+  ATTNMERGE_HD bool masked_out(I) const { return false; }
+
+  template <typename T, typename I>
+  ATTNMERGE_HD PeerRow<I> row(I token, I head, I at = I{0}) const {
+    const I t = token + static_cast<I>(token0), h = head + static_cast<I>(head0);
+    return PeerRow<I>{o, lse, t * static_cast<I>(o_st) + h * static_cast<I>(o_sh) + at,
+                      t * static_cast<I>(lse_st) + h * static_cast<I>(lse_sh), world};
   }
 };
 
