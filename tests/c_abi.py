@@ -19,7 +19,9 @@ SUCCESS, ERROR_VALUE, ERROR_TYPE, ERROR_NO_DEVICE, ERROR_CUDA = 0, 1, 2, 3, 4
 STATUSES = (SUCCESS, ERROR_VALUE, ERROR_TYPE, ERROR_NO_DEVICE, ERROR_CUDA)
 
 # attnmerge_dtype (the library's table, dtypes(), says what each is; test_abi_exports holds these to it)
-FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3, UINT8, BOOL, INT32, INT64 = range(8)
+FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3, UINT8, BOOL, INT32, INT64, FLOAT64 = range(9)
+# attnmerge_dtype_info.roles
+ROLE_O_IN, ROLE_O_OUT, ROLE_LSE, ROLE_MASK, ROLE_INDPTR, ROLE_SCALE = 1, 2, 4, 8, 16, 32
 
 HOST = -1
 MAX_NDIM = 4

@@ -13,18 +13,15 @@ namespace detail {
 
 namespace {
 
-// "float32, float16 or bfloat16": the names of a set of dtypes, for error messages.
-struct DtypesText {
-  char text[128];
-  explicit DtypesText(uint32_t set) {
-    int count = 0, n = 0;
-    for (int i = 0; i < kDtypeCount; ++i) count += in_set(set, i);
+// "o_a", "o_a and o_b", "o_a, lse_a and o_b": the names of some of a call's views, for messages.
+struct NamesText {
+  char text[256];
+  NamesText(const View* const* views, int count) {
+    int n = 0;
     text[0] = '\0';
-    for (int i = 0, k = 0; i < kDtypeCount && n < static_cast<int>(sizeof text); ++i) {
-      if (!in_set(set, i)) continue;
-      const char* separator = k == 0 ? "" : k == count - 1 ? " or " : ", ";
-      n += std::snprintf(text + n, sizeof text - n, "%s%s", separator, dtype_name(i));
-      ++k;
+    for (int k = 0; k < count && n < static_cast<int>(sizeof text); ++k) {
+      const char* separator = k == 0 ? "" : k == count - 1 ? " and " : ", ";
+      n += std::snprintf(text + n, sizeof text - n, "%s%s", separator, views[k]->name());
     }
   }
 };
@@ -303,6 +300,53 @@ attnmerge_status read_options(const attnmerge_options& opt, uint32_t op_flags, b
   return ATTNMERGE_SUCCESS;
 }
 
+// An argument the call writes and does not read: it has no say in the precision the inputs agree
+// on (Python allocates outputs like an input, which would count twice for it).
+bool is_output_only(const View& v) { return v.spec->use == Use::kWrite; }
+
+// The arguments a call's precision counts: its O and LSE (not masks, indptr or scales).
+bool takes_precision(const View& v) {
+  return v.present() && (v.spec->role & (ATTNMERGE_ROLE_O_IN | ATTNMERGE_ROLE_O_OUT | ATTNMERGE_ROLE_LSE)) != 0;
+}
+
+// Step 3: one precision per call: every O and LSE float64 (computed in float64, on the CPU path),
+// or none of them.  The inputs decide: where they are mixed, the side with fewer of them is named
+// (the float64 one where the two are as many: float64 is the rarer choice); where they agree, the
+// outputs that do not.
+attnmerge_status check_precision(Views views, Precision& precision) {
+  const View* side[2][kMaxArgs];  // [0] not float64, [1] float64
+  int count[2] = {0, 0};
+  for (const View& v : views)
+    if (takes_precision(v) && !is_output_only(v)) {
+      const int wide = v.t->dtype == ATTNMERGE_FLOAT64;
+      side[wide][count[wide]++] = &v;
+    }
+  int odd = count[1] <= count[0] ? 1 : 0;  // where both sides have inputs
+  if (count[0] == 0 || count[1] == 0) {  // the inputs agree: the outputs that do not
+    const int agreed = count[1] > 0 ? 1 : 0;
+    odd = 1 - agreed;
+    count[odd] = 0;
+    for (const View& v : views)
+      if (takes_precision(v) && is_output_only(v) && (v.t->dtype == ATTNMERGE_FLOAT64) == (odd == 1))
+        side[odd][count[odd]++] = &v;
+    precision = agreed == 1 ? Precision::kFloat64 : Precision::kFloat32;
+    if (count[odd] == 0 || count[1 - odd] == 0) return ATTNMERGE_SUCCESS;
+  }
+  uint32_t expected = 0, got = 0;
+  for (int k = 0; k < count[odd]; ++k) {
+    expected |= dtypes_of(side[odd][k]->spec->role);
+    got |= 1u << side[odd][k]->t->dtype;
+  }
+  expected = odd == 1 ? expected & ~(1u << ATTNMERGE_FLOAT64) : 1u << ATTNMERGE_FLOAT64;
+  const View* other = side[1 - odd][0];  // the first of the others, one of the named one's kind if any
+  for (int k = count[1 - odd] - 1; k >= 0; --k)
+    if (side[1 - odd][k]->spec->role == side[odd][0]->spec->role) other = side[1 - odd][k];
+  return fail(ATTNMERGE_ERROR_TYPE,
+              "%s: expected dtype %s (a call's O and LSE are float64 all or none, and %s is %s), got %s",
+              NamesText(side[odd], count[odd]).text, DtypesText(expected).text, other->name(),
+              dtype_name(other->t->dtype), DtypesText(got).text);
+}
+
 // Step 3: every ArgSpec::dtype_of, where both are given.
 attnmerge_status check_dtypes(const OpSpec& op, Views views) {
   for (int i = 0; i < op.count; ++i) {
@@ -317,6 +361,18 @@ attnmerge_status check_dtypes(const OpSpec& op, Views views) {
 }
 
 }  // namespace
+
+DtypesText::DtypesText(uint32_t set) {
+  int count = 0, n = 0;
+  for (int i = 0; i < kDtypeCount; ++i) count += in_set(set, i);
+  text[0] = '\0';
+  for (int i = 0, k = 0; i < kDtypeCount && n < static_cast<int>(sizeof text); ++i) {
+    if (!in_set(set, i)) continue;
+    const char* separator = k == 0 ? "" : k == count - 1 ? " or " : ", ";
+    n += std::snprintf(text + n, sizeof text - n, "%s%s", separator, dtype_name(i));
+    ++k;
+  }
+}
 
 // The largest head_size: a row's packs span at most 65535 blocks of 256 threads.
 constexpr int64_t kMaxHeadSize = int64_t{65535} * 256;
@@ -422,7 +478,8 @@ attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tenso
   const View& source = call.views[op.sizes_from];
   if ((s = read_options(call.opt, op.flags, op.sink >= 0, op.group_scales >= 0, call.views[op.scale_of],
                         call.inv_scale)) ||
-      (s = check_dtypes(op, views)) || (s = op.equations(views, source, call.opt, call.sizes)) ||
+      (s = check_precision(views, call.precision)) || (s = check_dtypes(op, views)) ||
+      (s = op.equations(views, source, call.opt, call.sizes)) ||
       (s = check_group_size(call.opt, views, call.sizes)) ||
       (s = check_shapes(views, call.sizes, source, call.views[op.sizes_lse])) || (s = check_outputs(views)))
     return s;

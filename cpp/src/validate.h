@@ -63,6 +63,12 @@ struct ArgSpec {
   constexpr bool is_output() const { return use != Use::kRead; }
 };
 
+// "float32, float16 or bfloat16": the names of a set of dtypes (bit `code` for each), for messages.
+struct DtypesText {
+  char text[128];
+  explicit DtypesText(uint32_t set);
+};
+
 // A tensor as an op reads it: shape and strides in the op's logical axis order.
 struct View {
   const ArgSpec* spec = nullptr;
@@ -198,6 +204,7 @@ struct Checked {
   attnmerge_options opt{};
   ArgNames names;
   float inv_scale = 1.0f;
+  Precision precision = Precision::kFloat32;
   Sizes sizes;
   Views all() { return Views{views, count, &names}; }
 };
@@ -223,7 +230,8 @@ int choose_vec(Views views, int64_t head_size);
 //   2. the options (op.flags; an output scale or group scales only where op.scale_of is FP8; a sink
 //      (group scales) only where op.sink (op.group_scales) is an argument, which step 1 has
 //      described);
-//   3. every ArgSpec::dtype_of, where both are given;
+//   3. one precision (Precision) for every O and LSE: all float64 or none; then every
+//      ArgSpec::dtype_of, where both are given;
 //   4. op.equations, options.group_size against head_size and the arrays' vectors, then every
 //      given argument's shape against its Dims (op.sizes_lse first, then in table order);
 //   5. the outputs: writable, no element written twice, apart from the outputs before them and

@@ -85,42 +85,31 @@ int dtype_from_name(const std::string& s, const ArgName& name) {
 
 namespace {
 
-// "int32", "float64", "bool", ... as the frameworks spell them, for error messages.
+// "int32", "float64", "bool", "float8_e4m3fn", ... as the frameworks spell a DLPack dtype, the
+// names of the library's table among them.
 std::string dl_dtype_name(DLDataType dt) {
   static const char* const kinds[] = {"int", "uint", "float", "opaque", "bfloat", "complex", "bool"};
-  std::string s = dt.code < 7 ? kinds[dt.code] : "DLPack type code " + std::to_string(dt.code) + " of ";
-  if (dt.code != 6) s += std::to_string(dt.bits);
+  std::string s;
+  if (dt.code == kDLFloat8_e4m3fn && dt.bits == 8) {
+    s = "float8_e4m3fn";
+  } else if (dt.code < 7) {
+    s = std::string(kinds[dt.code]) + (dt.code == kDLBool ? "" : std::to_string(dt.bits));
+  } else {
+    s = "DLPack type code " + std::to_string(dt.code) + " of " + std::to_string(dt.bits);
+  }
   if (dt.lanes != 1) s += "x" + std::to_string(dt.lanes);
   return s;
 }
 
-// The library's code for a DLPack dtype; dtypes it has no code for fail here, naming what the
-// argument expects (`expected`), and every other check is the C ABI's.
+// The library's code for a DLPack dtype, found by name in the library's table (code_of_name) once
+// per dtype; dtypes it has no code for fail here, naming what the argument expects (`expected`),
+// and every other check is the C ABI's.  Under the GIL.
 int dtype_from_dl(DLDataType dt, const char* expected, const ArgName& name) {
-  if (dt.lanes == 1) {
-    switch (dt.code) {
-      case kDLFloat:
-        if (dt.bits == 32) return ATTNMERGE_FLOAT32;
-        if (dt.bits == 16) return ATTNMERGE_FLOAT16;
-        break;
-      case kDLBfloat:
-        if (dt.bits == 16) return ATTNMERGE_BFLOAT16;
-        break;
-      case kDLFloat8_e4m3fn:
-        if (dt.bits == 8) return ATTNMERGE_FLOAT8_E4M3;
-        break;
-      case kDLUInt:
-        if (dt.bits == 8) return ATTNMERGE_UINT8;
-        break;
-      case kDLBool:
-        if (dt.bits == 8) return ATTNMERGE_BOOL;
-        break;
-      case kDLInt:
-        if (dt.bits == 32) return ATTNMERGE_INT32;
-        if (dt.bits == 64) return ATTNMERGE_INT64;
-        break;
-    }
-  }
+  static std::unordered_map<uint32_t, int> codes;
+  const uint32_t key = uint32_t{dt.code} << 24 | uint32_t{dt.bits} << 16 | dt.lanes;
+  auto it = codes.find(key);
+  if (it == codes.end()) it = codes.emplace(key, code_of_name(dl_dtype_name(dt))).first;
+  if (it->second >= 0) return it->second;
   type_error(name, std::string("expected dtype ") + expected + ", got " + dl_dtype_name(dt));
 }
 
@@ -208,19 +197,23 @@ bool is_numpy_array(py::handle obj) {
   return false;
 }
 
+// The name of a typestr's kind ("f8": "float64", "b1": "bool"), as NumPy spells it.
+std::string typestr_name(const std::string& kind) {
+  if (kind == "b1") return "bool";
+  static const std::pair<char, const char*> words[] = {{'f', "float"}, {'i', "int"}, {'u', "uint"}};
+  const bool bytes = kind.size() >= 2 && kind.find_first_not_of("0123456789", 1) == std::string::npos;
+  for (const auto& w : words)
+    if (bytes && kind[0] == w.first) return w.second + std::to_string(8 * std::stoll(kind.substr(1)));
+  return kind;
+}
+
 // Dict-based interfaces (__cuda_array_interface__, __array_interface__): strides in bytes or None.
 void from_interface(attnmerge_tensor& t, py::handle obj, const py::dict& iface, bool cuda, const char* expected,
                     const ArgName& name) {
   const std::string typestr = py::str(iface["typestr"]);
   if (!typestr.empty() && typestr[0] == '>') type_error(name, "expected native byte order, got big-endian " + typestr);
   const std::string kind = typestr.size() > 1 ? typestr.substr(1) : typestr;
-  static const std::pair<const char*, int> kinds[] = {{"f4", ATTNMERGE_FLOAT32}, {"f2", ATTNMERGE_FLOAT16},
-                                                      {"u1", ATTNMERGE_UINT8},   {"b1", ATTNMERGE_BOOL},
-                                                      {"i4", ATTNMERGE_INT32},   {"i8", ATTNMERGE_INT64}};
-  t.dtype = -1;
-  for (const auto& k : kinds)
-    if (kind == k.first) t.dtype = k.second;
-  if (kind == "V2" || kind == "V1") t.dtype = named_dtype(obj);
+  t.dtype = kind == "V2" || kind == "V1" ? named_dtype(obj) : code_of_name(typestr_name(kind));
   if (t.dtype < 0)
     type_error(name, std::string("expected dtype ") + expected + ", got " +
                          (py::hasattr(obj, "dtype") ? std::string(py::str(obj.attr("dtype"))) : kind));

@@ -82,8 +82,8 @@ def _case(id, names, build, plain, named):
 C_CASES = [
     _case("dtype", VLLM,
           lambda o: merge(o, o_a=(rand((T, H, D)), dict(dtype=c_abi.INT32))),
-          "o_a: expected dtype float32, float16 or bfloat16, got int32",
-          "prefix_output: expected dtype float32, float16 or bfloat16, got int32"),
+          "o_a: expected dtype float32, float16, bfloat16 or float64, got int32",
+          "prefix_output: expected dtype float32, float16, bfloat16 or float64, got int32"),
     _case("dtype-of-another", VLLM, lambda o: merge(o, o_b=rand((T, H, D), np.float16)),
           "o_b: expected the dtype of o_a (float32), got float16",
           "suffix_output: expected the dtype of prefix_output (float32), got float16"),
@@ -364,9 +364,9 @@ def test_the_binding_words_its_own_messages_from_the_same_table():
     """A dtype the library has no code for is the binding's to refuse: named from the table too."""
     a = pair_args()[1]
     with pytest.raises(TypeError) as info:
-        _C.merge(a["out"], a["out_lse"], rand((T, H, D), np.float64), a["lse_a"], a["o_b"], a["lse_b"], 0, -1, None,
+        _C.merge(a["out"], a["out_lse"], np.ones((T, H, D), np.int16), a["lse_a"], a["o_b"], a["lse_b"], 0, -1, None,
                  None, VLLM)
-    assert str(info.value) == "prefix_output: expected dtype float32, float16 or bfloat16, got float64"
+    assert str(info.value) == "prefix_output: expected dtype float32, float16, bfloat16 or float64, got int16"
 
 
 # ---- the compat layers, through their public calls -------------------------------------------------
@@ -395,8 +395,11 @@ def _read_only(x):
 @pytest.mark.parametrize("args,kw,exc,message", [
     pytest.param(vllm_args(suffix_output=rand((VT, VH, VD))), {}, TypeError,
                  "suffix_output: expected the dtype of prefix_output (float16), got float32", id="dtype-of-another"),
+    pytest.param(vllm_args(prefix_output=np.ones((VT, VH, VD), np.int16)), {}, TypeError,
+                 "prefix_output: expected dtype float32, float16, bfloat16 or float64, got int16", id="binding-dtype"),
     pytest.param(vllm_args(prefix_output=rand((VT, VH, VD), np.float64)), {}, TypeError,
-                 "prefix_output: expected dtype float32, float16 or bfloat16, got float64", id="binding-dtype"),
+                 "prefix_output: expected dtype float32, float16 or bfloat16 (a call's O and LSE are float64 all or "
+                 "none, and suffix_output is float16), got float64", id="float64-among-float16"),
     pytest.param(vllm_args(suffix_lse=rand((VH, 5))), {}, ValueError,
                  "suffix_lse: expected shape [4, 33] (the sizes of suffix_output, shape [33, 4, 128]), got [4, 5]",
                  id="shape-in-vllms-layout"),
