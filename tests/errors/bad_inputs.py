@@ -281,6 +281,30 @@ for name, shape in [("o_b", (T, H + 1, D)), ("o_b", (T, H, D + 1)), ("o_b", (T +
                     ("out_lse", (T, H - 1)), ("lse_a", (H, T)), ("lse_b", (T, H + 1)), ("out", (T, H, D + 1))]:
     bad(f"merge-shape-{name}-{'x'.join(map(str, shape))}", "merge", shaped(name, shape), ValueError, name, *shape,
         layers=ANY)
+# the input at odds with the others is named, against them; two that disagree with no other to side
+# with are both named (issue 42: o_b's head size wrong named o_a, o_b's heads wrong named lse_b)
+for outputs in ("given", "allocated"):
+    alloc = () if outputs == "given" else (to("out", None), to("out_lse", None))
+    layers = ANY if outputs == "given" else PY
+    bad(f"merge-o_b-head_size-at-odds-with-o_a-outputs-{outputs}", "merge", both(shaped("o_b", (T, H, 2 * D)), *alloc),
+        ValueError, exact=f"o_a and o_b: expected the same head_size, got {D} (o_a, shape [{T}, {H}, {D}]) and {2 * D} "
+                          f"(o_b, shape [{T}, {H}, {2 * D}])", layers=layers)
+    bad(f"merge-o_b-heads-at-odds-with-the-others-outputs-{outputs}", "merge",
+        both(shaped("o_b", (T, H + 1, D)), *alloc), ValueError,
+        exact=f"o_b: expected shape [{T}, {H}, {D}] (the number of heads of o_a, lse_a and lse_b), got [{T}, {H + 1}, {D}]",
+        layers=layers)
+bad("merge-lse_b-heads-at-odds-with-the-others", "merge", shaped("lse_b", (T, H + 1)), ValueError,
+    exact=f"lse_b: expected shape [{T}, {H}] (the number of heads of o_a, lse_a and o_b), got [{T}, {H + 1}]", layers=ANY)
+bad("merge-o_a-tokens-at-odds-with-the-others", "merge", shaped("o_a", (T + 1, H, D)), ValueError,
+    exact=f"o_a: expected shape [{T}, {H}, {D}] (the number of tokens of lse_a, o_b and lse_b), got [{T + 1}, {H}, {D}]",
+    layers=ANY)
+bad("merge-sink-heads-at-odds-with-the-others", "merge", options(sink=np.zeros(H + 1, np.float32)), ValueError,
+    exact=f"sink: expected shape [{H}] (the number of heads of o_a, lse_a, o_b and lse_b), got [{H + 1}]", layers=ANY)
+# o_a and lse_a against o_b and lse_b: as many on each side, and the source (o_b) decides
+bad("merge-state-a-tokens-at-odds-with-state-b", "merge",
+    both(to("o_a", lambda x, a: x[:5]), to("lse_a", lambda x, a: x[:5])), ValueError,
+    exact=f"o_a: expected shape [{T}, {H}, {D}] (the number of tokens of o_b and lse_b), got [5, {H}, {D}]", layers=ANY)
+
 bad("merge-o_a-fewer-tokens-needs-a_tokens", "merge", both(to("o_a", lambda x, a: x[:5]), to("lse_a", lambda x, a: x[:5])),
     ValueError, "o_a", 5, T, layers=ANY)
 bad("merge-a_tokens-past-the-tokens-of-a", "merge",
@@ -469,6 +493,9 @@ for name, shape in (("o_other", (T, H, D + 1)), ("o_other", (T - 1, H, D)), ("ls
                     ("o", (T, H, D, 1)), ("lse_other", (T + 1, H))):
     bad(f"inplace-shape-{name}-{'x'.join(map(str, shape))}", "merge_inplace", shaped(name, shape), ValueError,
         name, layers=ANY)
+bad("inplace-o_other-heads-at-odds-with-the-others", "merge_inplace", shaped("o_other", (T, H + 1, D)), ValueError,
+    exact=f"o_other: expected shape [{T}, {H}, {D}] (the number of heads of o, lse and lse_other), got [{T}, {H + 1}, {D}]",
+    layers=ANY)
 bad("inplace-o_other-float16-o-float32", "merge_inplace", astype("o_other", dtype=np.float16), TypeError, "o_other",
     "float16", "float32", layers=ANY)
 bad("inplace-o_other-bfloat16-o-float32", "merge_inplace", astype("o_other", dtype=np_dtype("bfloat16")), TypeError,
@@ -579,6 +606,13 @@ bad("varlen-output_scale-with-a-float32-out", "merge_varlen", options(output_sca
     ValueError, "output_scale", layers=PY)
 
 # ================================================================================================
+bad("varlen-o-and-lse-heads-disagree", "merge_varlen", shaped("lse", (TOTAL, H + 1)), ValueError,
+    exact=f"o and lse: expected the same number of heads, got {H} (o, shape [{TOTAL}, {H}, {D}]) and {H + 1} (lse, "
+          f"shape [{TOTAL}, {H + 1}])", layers=ANY)
+bad("varlen-lse-heads-at-odds-with-o-and-the-sink", "merge_varlen",
+    both(shaped("lse", (TOTAL, H + 1)), options(sink=np.zeros(H, np.float32))), ValueError,
+    exact=f"lse: expected shape [{TOTAL}, {H}] (the number of heads of o and sink), got [{TOTAL}, {H + 1}]", layers=ANY)
+
 # merge_share (o: state index's O [T, H, D]; lse: every state's LSE [T, S, H]; index an int)
 
 for index in (S, S + 5, -1):
@@ -643,6 +677,10 @@ for op in ("merge_inplace", "merge_states_backward"):
 # ================================================================================================
 # merge_states_backward (the gradients grad_o, grad_lse are its outputs)
 
+bad("states-backward-grad_out-heads-at-odds-with-the-others", "merge_states_backward",
+    shaped("grad_out", (T, H + 1, D)), ValueError,
+    exact=f"grad_out: expected shape [{T}, {H}, {D}] (the number of heads of grad_out_lse, out, out_lse, o and lse), got "
+          f"[{T}, {H + 1}, {D}]", layers=ANY)
 bad("states-backward-grad_out-fewer-tokens", "merge_states_backward", to("grad_out", lambda x, a: x[:T - 1]), ValueError,
     starts=f"grad_out: expected shape [{T}, {H}, {D}]", layers=ANY)
 bad("states-backward-out_lse-one-head", "merge_states_backward", to("out_lse", lambda x, a: x[:, :1]), ValueError,
@@ -714,7 +752,7 @@ bad("fi-merge_state-v_b-float64", "fi.merge_state", astype("v_b", dtype=np.float
     exact="v_b: expected dtype float32, float16 or bfloat16 (a call's O and LSE are float64 all or none, and v_a is "
           "float32), got float64")
 bad("fi-merge_state-s_b-fewer-tokens", "fi.merge_state", to("s_b", lambda x, a: x[:-1]), ValueError,
-    exact=f"s_b: expected shape [{T}, {H}] (the sizes of v_b, shape [{T}, {H}, {D}]), got [{T - 1}, {H}]", layers=PY)
+    exact=f"s_b: expected shape [{T}, {H}] (the number of tokens of v_a, s_a and v_b), got [{T - 1}, {H}]", layers=PY)
 bad("fi-merge_state-v_b-fewer-tokens", "fi.merge_state", to("v_b", lambda x, a: x[:-1]), ValueError, "s_b", layers=PY)
 for name, shape in (("s_a", (T, H + 1)), ("s_b", (H, T)), ("v_b", (T, H, D + 2)), ("v_a", (T, H * D))):
     bad(f"fi-merge_state-shape-{name}-{'x'.join(map(str, shape))}", "fi.merge_state", shaped(name, shape),
@@ -998,7 +1036,10 @@ bad("c-merge-output_scale_ptr-misaligned", "c.merge", both(out_of(FP8), _scale_p
 bad("c-merge-a_tokens-negative", "c.merge", opts(flags=c_abi.A_TOKENS, a_tokens=-1), ERR_V, "a_tokens")
 bad("c-merge-a_tokens-past-o_a", "c.merge", both(opts(flags=c_abi.A_TOKENS, a_tokens=T), field_("o_a", shape=[T - 1])),
     ERR_V, "o_a")
-bad("c-merge-lse-heads-first-without-transpose", "c.merge", opts(flags=c_abi.LSE_HEADS_FIRST), ERR_V, "lse_b")
+# every LSE [tokens, heads] read [heads, tokens]: as many inputs against the O as for them, and the
+# source (o_b) decides: the first LSE is named
+bad("c-merge-lse-heads-first-without-transpose", "c.merge", opts(flags=c_abi.LSE_HEADS_FIRST), ERR_V, "lse_a",
+    exact=f"lse_a: expected shape [{H}, {T}] (the number of tokens of o_a and o_b), got [{T}, {H}]")
 bad("c-merge-out-overlaps-lse_a", "c.merge", _c_lse_a_inside_out, ERR_V, "out")
 bad("c-merge-out_lse-overlaps-o_a", "c.merge", lambda a: setattr(a["out_lse"], "data", a["o_a"].data), ERR_V, "out_lse")
 

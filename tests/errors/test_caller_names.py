@@ -88,8 +88,9 @@ C_CASES = [
           "o_b: expected the dtype of o_a (float32), got float16",
           "suffix_output: expected the dtype of prefix_output (float32), got float16"),
     _case("shape", VLLM, lambda o: merge(o, lse_b=rand((T, H + 1))),
-          "lse_b: expected shape [5, 3] (the sizes of o_b, shape [5, 3, 8]), got [5, 4]",
-          "suffix_lse: expected shape [5, 3] (the sizes of suffix_output, shape [5, 3, 8]), got [5, 4]"),
+          "lse_b: expected shape [5, 3] (the number of heads of o_a, lse_a and o_b), got [5, 4]",
+          "suffix_lse: expected shape [5, 3] (the number of heads of prefix_output, prefix_lse and suffix_output), "
+          "got [5, 4]"),
     _case("optional-argument", VLLM, lambda o: merge(o, out_lse=nan((H, T))),
           "out_lse: expected shape [5, 3] (the sizes of o_b, shape [5, 3, 8]), got [3, 5]",
           "output_lse: expected shape [5, 3] (the sizes of suffix_output, shape [5, 3, 8]), got [3, 5]"),
@@ -98,7 +99,7 @@ C_CASES = [
     _case("head-size-stride", VLLM, lambda o: merge(o, o_a=rand((T, H, 2 * D))[:, :, ::2]),
           "o_a: expected a unit stride on the head_size axis, got stride 2",
           "prefix_output: expected a unit stride on the head_size axis, got stride 2"),
-    _case("head-size-equation", VLLM, lambda o: merge(o, o_b=rand((T, H, 0))),
+    _case("head-size-equation", VLLM, lambda o: merge(o, o_a=rand((T, H, 0)), o_b=rand((T, H, 0)), out=nan((T, H, 0))),
           "o_b: expected a head_size from 1 to 16776960, got 0",
           "suffix_output: expected a head_size from 1 to 16776960, got 0"),
     _case("output-overlaps-itself", VLLM,
@@ -401,7 +402,8 @@ def _read_only(x):
                  "prefix_output: expected dtype float32, float16 or bfloat16 (a call's O and LSE are float64 all or "
                  "none, and suffix_output is float16), got float64", id="float64-among-float16"),
     pytest.param(vllm_args(suffix_lse=rand((VH, 5))), {}, ValueError,
-                 "suffix_lse: expected shape [4, 33] (the sizes of suffix_output, shape [33, 4, 128]), got [4, 5]",
+                 "suffix_lse: expected shape [4, 33] (the number of tokens of prefix_output, prefix_lse and "
+                 "suffix_output), got [4, 5]",
                  id="shape-in-vllms-layout"),
     pytest.param(vllm_args(output_lse=nan((VT, VH))), {}, ValueError,
                  "output_lse: expected shape [4, 33] (the sizes of suffix_output, shape [33, 4, 128]), got [33, 4]",
@@ -447,7 +449,7 @@ def test_flashinfer_merge_state_names_v_a_and_v_b():
 def test_flashinfer_merge_state_in_place_names_v_other_for_the_mask():
     v, s = nan((FT, H, D)), nan((FT, H))
     message = _fi(flashinfer.merge_state_in_place, v, s, rand((FT, H, D)), rand((FT, H)), mask=np.ones(4, np.uint8))
-    assert message == "mask: expected shape [6] (the sizes of v_other, shape [6, 3, 8]), got [4]"
+    assert message == "mask: expected shape [6] (the number of tokens of v, s, v_other and s_other), got [4]"
     assert np.isnan(v).all() and np.isnan(s).all()
 
 
@@ -459,7 +461,7 @@ def test_flashinfer_merge_state_in_place_names_a_read_only_v():
 
 def test_flashinfer_merge_states_names_s_and_v():
     assert _fi(flashinfer.merge_states, rand((FT, 2, H, D)), rand((FT, 3, H))) == (
-        "s: expected shape [6, 2, 3] (the sizes of v, shape [6, 2, 3, 8]), got [6, 3, 3]")
+        "v and s: expected the same number of states, got 2 (v, shape [6, 2, 3, 8]) and 3 (s, shape [6, 3, 3])")
 
 
 def test_flashinfer_variable_length_merge_states_names_v_in_the_indptr_message():
