@@ -130,7 +130,7 @@ attnmerge_status describe_one(const attnmerge_tensor* t, const ArgSpec& spec, Ls
   const bool transpose = spec.role == ATTNMERGE_ROLE_LSE && ndim == 2 && layout == LseLayout::kHeadsFirst;
   if (t == nullptr) {
     if (spec.presence == Presence::kOptional) return ATTNMERGE_SUCCESS;
-    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected a tensor, got NULL", v.name());
+    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected an array, got %s", v.name(), names.of("NULL"));
   }
   v.t = t;
   v.ndim = ndim;

@@ -95,7 +95,7 @@ C_CASES = [
           "out_lse: expected shape [5, 3] (the sizes of o_b, shape [5, 3, 8]), got [3, 5]",
           "output_lse: expected shape [5, 3] (the sizes of suffix_output, shape [5, 3, 8]), got [3, 5]"),
     _case("null-tensor", VLLM, lambda o: merge(o, lse_a=None),
-          "lse_a: expected a tensor, got NULL", "prefix_lse: expected a tensor, got NULL"),
+          "lse_a: expected an array, got NULL", "prefix_lse: expected an array, got NULL"),
     _case("head-size-stride", VLLM, lambda o: merge(o, o_a=rand((T, H, 2 * D))[:, :, ::2]),
           "o_a: expected a unit stride on the head_size axis, got stride 2",
           "prefix_output: expected a unit stride on the head_size axis, got stride 2"),

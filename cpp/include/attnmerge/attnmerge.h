@@ -187,7 +187,8 @@ static inline attnmerge_tensor attnmerge_contiguous_tensor(void* data, int32_t d
 /* The caller's name for one argument (attnmerge_options.arg_names): `arg` is its name in this
  * header ("o_a", "lse_b", "mask", "grad_out", ...; or "a_tokens" and "output_scale", the options
  * the messages name), `name` what the caller calls it ("prefix_output"), which every message of
- * the call then gives instead. */
+ * the call then gives instead.  The arg "NULL" names a missing tensor in the caller's language
+ * ("None" from Python): "lse_b: expected an array, got None". */
 typedef struct attnmerge_arg_name {
   const char* arg;
   const char* name;
