@@ -417,8 +417,8 @@ attnmerge_status check_group_size(const attnmerge_options& opt, Views views, Siz
   return ATTNMERGE_SUCCESS;
 }
 
-// Step 4, first: the inputs agree on the call's sizes, so that a wrong one is named and not the
-// others through it.  Each input's axes vote for the sizes of their Dims (voted_dim); the size
+// Step 4, where it fails: the inputs agree on the call's sizes, so that a wrong one is named and
+// not the others through it.  Each input's axes vote for the sizes of their Dims (voted_dim); the size
 // most inputs give a Dim is the call's, and an input that gives another is named, against those
 // that gave it.  Where two sizes have as many votes, the op's source (OpSpec::sizes_from) decides
 // (every LSE given [heads, tokens] against every O: the LSEs are named), but where only two inputs
@@ -616,13 +616,17 @@ attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tenso
   const View& source = call.views[op.sizes_from];
   if ((s = read_options(call.opt, op.flags, op.sink >= 0, op.group_scales >= 0, call.views[op.scale_of],
                         call.inv_scale)) ||
-      (s = check_precision(views, call.precision)) || (s = check_dtypes(op, views)) ||
-      (s = check_agreement(views, source, (call.opt.flags & op.flags & ATTNMERGE_A_TOKENS) != 0)) ||
-      (s = op.equations(views, source, call.opt, call.sizes)) ||
-      (s = check_group_size(call.opt, views, call.sizes)) ||
-      (s = check_shapes(views, call.sizes, source, call.views[op.sizes_lse])) || (s = check_outputs(views)))
+      (s = check_precision(views, call.precision)) || (s = check_dtypes(op, views)))
     return s;
-  return ATTNMERGE_SUCCESS;
+  if ((s = op.equations(views, source, call.opt, call.sizes)) || (s = check_group_size(call.opt, views, call.sizes)) ||
+      (s = check_shapes(views, call.sizes, source, call.views[op.sizes_lse]))) {
+    // Inputs at odds with each other fail here, the source's sizes against the others': the vote
+    // names the one at odds instead (a call that passes pays for no vote).
+    const attnmerge_status odd =
+        check_agreement(views, source, (call.opt.flags & op.flags & ATTNMERGE_A_TOKENS) != 0);
+    return odd != ATTNMERGE_SUCCESS ? odd : s;
+  }
+  return check_outputs(views);
 }
 
 attnmerge_status check_indptr(const View& vi, const View& o, const attnmerge_tensor* out, int64_t rows) {

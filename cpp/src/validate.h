@@ -233,7 +233,9 @@ int choose_vec(Views views, int64_t head_size);
 //   3. one precision (Precision) for every O and LSE: all float64 or none; then every
 //      ArgSpec::dtype_of, where both are given;
 //   4. op.equations, options.group_size against head_size and the arrays' vectors, then every
-//      given argument's shape against its Dims (op.sizes_lse first, then in table order);
+//      given argument's shape against its Dims (op.sizes_lse first, then in table order); where
+//      these fail, the inputs' sizes are put to a vote, and an input at odds with those most
+//      inputs give (or two inputs at odds with each other) is named instead;
 //   5. the outputs: writable, no element written twice, apart from the outputs before them and
 //      from every input (an input with Alias::kMayBeOutput may be the very same view as an output
 //      of its kind).
