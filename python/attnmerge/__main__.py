@@ -182,7 +182,8 @@ def main(argv=None):
     p = parser()
     args = p.parse_args(argv)
     if args.command == "bench":  # options before it would be the self-test's
-        p.error(f"argument bench: give it first, its options after it (python -m attnmerge bench {' '.join(argv[:-1])})")
+        p.error(f"argument bench: give it first, its options after it "
+                f"(python -m attnmerge bench {' '.join(argv[:-1])})")
     if args.cmake_dir:
         print(attnmerge.cmake_dir())
         return 0

@@ -291,12 +291,15 @@ for outputs in ("given", "allocated"):
                           f"(o_b, shape [{T}, {H}, {2 * D}])", layers=layers)
     bad(f"merge-o_b-heads-at-odds-with-the-others-outputs-{outputs}", "merge",
         both(shaped("o_b", (T, H + 1, D)), *alloc), ValueError,
-        exact=f"o_b: expected shape [{T}, {H}, {D}] (the number of heads of o_a, lse_a and lse_b), got [{T}, {H + 1}, {D}]",
+        exact=f"o_b: expected shape [{T}, {H}, {D}] (the number of heads of o_a, lse_a and lse_b), got "
+              f"[{T}, {H + 1}, {D}]",
         layers=layers)
 bad("merge-lse_b-heads-at-odds-with-the-others", "merge", shaped("lse_b", (T, H + 1)), ValueError,
-    exact=f"lse_b: expected shape [{T}, {H}] (the number of heads of o_a, lse_a and o_b), got [{T}, {H + 1}]", layers=ANY)
+    exact=f"lse_b: expected shape [{T}, {H}] (the number of heads of o_a, lse_a and o_b), got [{T}, {H + 1}]",
+    layers=ANY)
 bad("merge-o_a-tokens-at-odds-with-the-others", "merge", shaped("o_a", (T + 1, H, D)), ValueError,
-    exact=f"o_a: expected shape [{T}, {H}, {D}] (the number of tokens of lse_a, o_b and lse_b), got [{T + 1}, {H}, {D}]",
+    exact=f"o_a: expected shape [{T}, {H}, {D}] (the number of tokens of lse_a, o_b and lse_b), got "
+          f"[{T + 1}, {H}, {D}]",
     layers=ANY)
 bad("merge-sink-heads-at-odds-with-the-others", "merge", options(sink=np.zeros(H + 1, np.float32)), ValueError,
     exact=f"sink: expected shape [{H}] (the number of heads of o_a, lse_a, o_b and lse_b), got [{H + 1}]", layers=ANY)
@@ -331,11 +334,12 @@ for name in ("lse_a", "lse_b", "out_lse"):
     bad(f"merge-{name}-float64-among-float32", "merge", astype(name, dtype="float64"), TypeError, name, "float32",
         "float64", absent=("bfloat16",), layers=ANY)
 bad("merge-lse-float32-among-float64", "merge", astype("o_a", "o_b", "out", "out_lse", "lse_a", dtype="float64"),
-    TypeError, exact="lse_b: expected dtype float64 (a call's O and LSE are float64 all or none, and lse_a is float64), "
-                     "got float32", layers=ANY)
-bad("merge-out-float32-from-float64-inputs", "merge", astype("o_a", "o_b", "out_lse", "lse_a", "lse_b", dtype="float64"),
-    TypeError, exact="out: expected dtype float64 (a call's O and LSE are float64 all or none, and o_a is float64), "
-                     "got float32", layers=ANY)
+    TypeError, exact="lse_b: expected dtype float64 (a call's O and LSE are float64 all or none, and lse_a is "
+                     "float64), got float32", layers=ANY)
+bad("merge-out-float32-from-float64-inputs", "merge",
+    astype("o_a", "o_b", "out_lse", "lse_a", "lse_b", dtype="float64"), TypeError,
+    exact="out: expected dtype float64 (a call's O and LSE are float64 all or none, and o_a is float64), got float32",
+    layers=ANY)
 bad("merge-out-int16", "merge", both(to("out", np.zeros((T, H, D), np.int16)), to("out_lse", None)), TypeError, "out",
     "int16", layers=PY)
 bad("merge-out-int32", "merge", to("out", np.full((T, H, D), -1, np.int32)), TypeError, "out", layers=ANY)
@@ -532,7 +536,8 @@ for name, shape in (("o_other", (T, H, D + 1)), ("o_other", (T - 1, H, D)), ("ls
     bad(f"inplace-shape-{name}-{'x'.join(map(str, shape))}", "merge_inplace", shaped(name, shape), ValueError,
         name, layers=ANY)
 bad("inplace-o_other-heads-at-odds-with-the-others", "merge_inplace", shaped("o_other", (T, H + 1, D)), ValueError,
-    exact=f"o_other: expected shape [{T}, {H}, {D}] (the number of heads of o, lse and lse_other), got [{T}, {H + 1}, {D}]",
+    exact=f"o_other: expected shape [{T}, {H}, {D}] (the number of heads of o, lse and lse_other), got "
+          f"[{T}, {H + 1}, {D}]",
     layers=ANY)
 bad("inplace-o_other-float16-o-float32", "merge_inplace", astype("o_other", dtype=np.float16), TypeError, "o_other",
     "float16", "float32", layers=ANY)
@@ -717,8 +722,8 @@ for op in ("merge_inplace", "merge_states_backward"):
 
 bad("states-backward-grad_out-heads-at-odds-with-the-others", "merge_states_backward",
     shaped("grad_out", (T, H + 1, D)), ValueError,
-    exact=f"grad_out: expected shape [{T}, {H}, {D}] (the number of heads of grad_out_lse, out, out_lse, o and lse), got "
-          f"[{T}, {H + 1}, {D}]", layers=ANY)
+    exact=f"grad_out: expected shape [{T}, {H}, {D}] (the number of heads of grad_out_lse, out, out_lse, o and lse), "
+          f"got [{T}, {H + 1}, {D}]", layers=ANY)
 bad("states-backward-grad_out-fewer-tokens", "merge_states_backward", to("grad_out", lambda x, a: x[:T - 1]), ValueError,
     starts=f"grad_out: expected shape [{T}, {H}, {D}]", layers=ANY)
 bad("states-backward-out_lse-one-head", "merge_states_backward", to("out_lse", lambda x, a: x[:, :1]), ValueError,

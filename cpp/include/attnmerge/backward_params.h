@@ -148,7 +148,8 @@ struct BasicRangeBackward {
     const I end = token + 1 >= static_cast<I>(rows) ? total : own_hi;
     const int64_t n = end > begin ? end - begin : 0;
     BackwardRow<StridedRow<I, Real>, StridedGradRow<T, I, Real>> r;
-    r.in = StridedRow<I, Real>{static_cast<const T*>(in.o) + (begin * static_cast<I>(in.o_st) + head * static_cast<I>(in.o_sh)),
+    r.in = StridedRow<I, Real>{static_cast<const T*>(in.o) +
+                                   (begin * static_cast<I>(in.o_st) + head * static_cast<I>(in.o_sh)),
                          in.lse + (begin * static_cast<I>(in.lse_st) + head * static_cast<I>(in.lse_sh)),
                          static_cast<I>(in.o_st), static_cast<I>(in.lse_st),
                          static_cast<int>(n < INT32_MAX ? n : INT32_MAX)};
@@ -182,7 +183,7 @@ int64_t max_states(const BasicRangeBackward<Real>&) { return 0; }
 template <typename Src>
 struct BackwardArgs {
   Src src;
-  BasicStateView<typename Src::Real> out;       // O and LSE of the forward (o null: O not read, see the C ABI's out = NULL)
+  BasicStateView<typename Src::Real> out;  // O and LSE of the forward (o null: O not read, see the C ABI's out = NULL)
   BasicStateView<typename Src::Real> grad_out;  // dO and dLSE (lse null: dLSE = 0)
   bool want_o, want_lse;
 };
@@ -197,7 +198,10 @@ struct BasicGradWeights {
   Real ln_base;   // ln(b): 1 for base e, ln(2) for base 2
 
   ATTNMERGE_HD BasicGradWeights(Real lse_, Real dlse_out_, bool base2)
-      : lse(lse_), dlse_out(dlse_out_), to_log2(base2 ? Real{1} : log2e<Real>()), ln_base(base2 ? ln2<Real>() : Real{1}) {}
+      : lse(lse_),
+        dlse_out(dlse_out_),
+        to_log2(base2 ? Real{1} : RealConstants<Real>::log2e),
+        ln_base(base2 ? RealConstants<Real>::ln2 : Real{1}) {}
 
   // p = b^(lse_i - LSE); exactly 0 for an empty part (LSE -inf, or +inf as FlashAttention-2
   // writes it) whatever LSE is, so an all-empty row (LSE -inf) gets zeros, not NaN.  A NaN

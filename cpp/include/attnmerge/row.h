@@ -13,41 +13,26 @@ namespace attnmerge {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// The type a row's math is done in: float, or double for float64 storage (the CPU path only).
-// Its constants, limits and functions follow; each float one is the very value or instruction of
-// a float32 merge, so float32 calls keep every bit.
+// The type a row's math is done in, Real: float, or double for float64 storage (the CPU path
+// only), and its constants; each float one is the very value of a float32 merge, so float32 calls
+// keep every bit.  lowest: the lowest finite value.
 template <typename Real>
-ATTNMERGE_HD constexpr Real log2e() {
-  if constexpr (sizeof(Real) == sizeof(float)) {
-    return kLog2e;
-  } else {
-    return 1.4426950408889634074;
-  }
-}
-template <typename Real>
-ATTNMERGE_HD constexpr Real ln2() {
-  if constexpr (sizeof(Real) == sizeof(float)) {
-    return kLn2;
-  } else {
-    return 0.69314718055994530942;
-  }
-}
-// The lowest finite value.
-template <typename Real>
-ATTNMERGE_HD constexpr Real lowest() {
-  if constexpr (sizeof(Real) == sizeof(float)) {
-    return -FLT_MAX;
-  } else {
-    return -DBL_MAX;
-  }
-}
+struct RealConstants;
+template <>
+struct RealConstants<float> {
+  static constexpr float log2e = kLog2e, ln2 = kLn2, lowest = -FLT_MAX;
+};
+template <>
+struct RealConstants<double> {
+  static constexpr double log2e = 1.4426950408889634074, ln2 = 0.69314718055994530942, lowest = -DBL_MAX;
+};
 
 // The factor that turns an LSE of one base into the other's (mixed bases: attnmerge.h's
 // ATTNMERGE_LSE_B_* and ATTNMERGE_OUT_LSE_*): exactly 1 where the bases agree, so that a call of
 // one base multiplies by 1 and its results keep every bit.
 template <typename Real = float>
 ATTNMERGE_HD constexpr Real base_change(bool from_base2, bool to_base2) {
-  return from_base2 == to_base2 ? Real{1} : from_base2 ? ln2<Real>() : log2e<Real>();
+  return from_base2 == to_base2 ? Real{1} : from_base2 ? RealConstants<Real>::ln2 : RealConstants<Real>::log2e;
 }
 
 // 2^x and log2(x).  On the device, the hardware's approximations (relative error near 2^-22,
@@ -110,7 +95,7 @@ template <typename Real>
 struct BasicRowMerge {
   // Max LSE seen, in the input's units; the lowest finite value rather than -inf while no part
   // has a finite LSE, so that weight() needs no select: an empty part's -inf - lowest is still -inf.
-  Real m = lowest<Real>();
+  Real m = RealConstants<Real>::lowest;
   Real total = 0;   // sum of weight(lse) over the states
   Real pre = 0;     // factor, or NaN where a NaN LSE was seen: set by finish()
   Real rinv = 0;    // 1 / total, 0 where total is 0: set by finish()
@@ -120,7 +105,7 @@ struct BasicRowMerge {
   Real from_log2;   // its inverse
 
   ATTNMERGE_HD explicit BasicRowMerge(bool base2)
-      : to_log2(base2 ? Real{1} : log2e<Real>()), from_log2(base2 ? Real{1} : ln2<Real>()) {}
+      : to_log2(base2 ? Real{1} : RealConstants<Real>::log2e), from_log2(base2 ? Real{1} : RealConstants<Real>::ln2) {}
 
   // An LSE as the merge reads it: +inf (an empty FlashAttention-2 part) counts as -inf.
   static ATTNMERGE_HD Real effective(Real lse) { return lse == INFINITY ? -INFINITY : lse; }

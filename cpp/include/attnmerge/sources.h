@@ -267,7 +267,8 @@ struct BasicStackSource {
 
   template <typename T, typename I>
   ATTNMERGE_HD StridedRow<I, Real> row(I token, I head, I at = I{0}) const {
-    return StridedRow<I, Real>{static_cast<const T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at),
+    return StridedRow<I, Real>{
+        static_cast<const T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at),
                          lse + (token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
                          static_cast<I>(o_ss), static_cast<I>(lse_ss), static_cast<int>(states)};
   }
@@ -308,7 +309,8 @@ struct BasicRangeSource {
     const I begin = bound(token);
     const I end = bound(token + 1);
     const int64_t n = end > begin ? end - begin : 0;
-    return StridedRow<I, Real>{static_cast<const T*>(o) + (begin * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at),
+    return StridedRow<I, Real>{
+        static_cast<const T*>(o) + (begin * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at),
                          lse + (begin * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
                          static_cast<I>(o_st), static_cast<I>(lse_st), static_cast<int>(n < INT32_MAX ? n : INT32_MAX)};
   }
