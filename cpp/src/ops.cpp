@@ -1,6 +1,7 @@
 // The C ABI's ops.  Each reads as: its contract (a table of its arguments, validate.h), its shape
 // equations, the source its rows read (sources.h, backward_params.h), and route.h.  Every argument
-// is validated once, before anything is written.
+// is validated once, before anything is written.  The sources are built in the Real of the call's
+// precision (dispatch_real): float, or double for a float64 call.
 #include <cinttypes>
 
 #include "route.h"
@@ -85,7 +86,7 @@ attnmerge_status exchange_sizes(Views views, const View& o, const attnmerge_opti
 // ---- the ops' contracts -----------------------------------------------------------------------
 
 constexpr uint32_t kOIn = ATTNMERGE_ROLE_O_IN, kOOut = ATTNMERGE_ROLE_O_OUT, kLse = ATTNMERGE_ROLE_LSE,
-                   kMask = ATTNMERGE_ROLE_MASK, kIndptr = ATTNMERGE_ROLE_INDPTR;
+                   kMask = ATTNMERGE_ROLE_MASK, kIndptr = ATTNMERGE_ROLE_INDPTR, kScale = ATTNMERGE_ROLE_SCALE;
 // The tables' axes: tokens, heads, head_size, S, the total states and rows of a variable-length
 // merge (R1 = rows + 1), the tokens of a that are read, and a itself (Dim).
 constexpr Dim T = Dim::kTokens, H = Dim::kHeads, D = Dim::kHeadSize, S = Dim::kStates, N = Dim::kTotal, R = Dim::kRows,
@@ -115,7 +116,7 @@ constexpr ArgSpec kMergeArgs[] = {
     {"o_b",      kOIn,  {T, H, D},       kRead,  kRequired,  kMayBeOutput,  "o_a"},
     {"lse_b",    kLse,  {T, H},          kRead,  kRequired,  kMayBeOutput},
     {"sink",     kLse,  {H},             kRead,  kOptional},
-    {"group_scales", kLse, {T, H, G},    kWrite, kOptional},
+    {"group_scales", kScale, {T, H, G},  kWrite, kOptional},
 };
 struct MergeArg {
   enum : int { kOut, kOutLse, kOA, kLseA, kOB, kLseB, kSink, kGroupScales };
@@ -153,7 +154,7 @@ constexpr ArgSpec kStatesArgs[] = {
     {"o",       kOIn,  {T, S, H, D}, kRead,  kRequired},
     {"lse",     kLse,  {T, S, H},    kRead,  kRequired},
     {"sink",    kLse,  {H},          kRead,  kOptional},
-    {"group_scales", kLse, {T, H, G}, kWrite, kOptional},
+    {"group_scales", kScale, {T, H, G}, kWrite, kOptional},
 };
 struct StatesArg {
   enum : int { kOut, kOutLse, kO, kLse, kSink, kGroupScales };
@@ -173,7 +174,7 @@ constexpr ArgSpec kVarlenArgs[] = {
     {"lse",     kLse,    {N, H},    kRead,  kRequired},
     {"indptr",  kIndptr, {R1},      kRead,  kRequired},
     {"sink",    kLse,    {H},       kRead,  kOptional},
-    {"group_scales", kLse, {R, H, G}, kWrite, kOptional},
+    {"group_scales", kScale, {R, H, G}, kWrite, kOptional},
 };
 struct VarlenArg {
   enum : int { kOut, kOutLse, kO, kLse, kIndptr, kSink, kGroupScales };
@@ -194,7 +195,7 @@ constexpr ArgSpec kShareArgs[] = {
     {"o",       kOIn,  {T, H, D},    kRead,  kRequired, kMayBeOutput},
     {"lse",     kLse,  {T, S, H},    kRead,  kRequired},
     {"sink",    kLse,  {H},          kRead,  kOptional},
-    {"group_scales", kLse, {T, H, G}, kWrite, kOptional},
+    {"group_scales", kScale, {T, H, G}, kWrite, kOptional},
 };
 struct ShareArg {
   enum : int { kOut, kOutLse, kO, kLse, kSink, kGroupScales };
@@ -313,63 +314,77 @@ static_assert(names_resolve(kVarlenBackward), "kVarlenBackward names its own arg
 const void* data_or_null(const View& v) { return v.present() ? v.t->data : nullptr; }
 int64_t stride_or_0(const View& v, int axis) { return v.present() ? v.strides[axis] : 0; }
 
+// The LSE of a view in Real, the call's (null where absent).
+template <typename Real>
+const Real* lse_data(const View& lse) {
+  return static_cast<const Real*>(data_or_null(lse));
+}
+
 // O [tokens, heads, ...] and an LSE, either of which may be absent.
-StateView state_of(const View& o, const View& lse) {
-  return StateView{data_or_null(o),     stride_or_0(o, 0),
-                   stride_or_0(o, 1),   static_cast<const float*>(data_or_null(lse)),
-                   stride_or_0(lse, 0), stride_or_0(lse, 1)};
+template <typename Real>
+BasicStateView<Real> state_of(const View& o, const View& lse) {
+  return BasicStateView<Real>{data_or_null(o),     stride_or_0(o, 0),   stride_or_0(o, 1),
+                              lse_data<Real>(lse), stride_or_0(lse, 0), stride_or_0(lse, 1)};
 }
 
 // The sink [heads], where one is given and not empty (else no sink).
-SinkView sink_view(const View* sink) {
-  if (sink == nullptr || !sink->present() || sink->empty) return SinkView{};
-  return SinkView{static_cast<const float*>(sink->t->data), sink->strides[0]};
+template <typename Real>
+BasicSinkView<Real> sink_view(const View* sink) {
+  if (sink == nullptr || !sink->present() || sink->empty) return BasicSinkView<Real>{};
+  return BasicSinkView<Real>{lse_data<Real>(*sink), sink->strides[0]};
 }
 
 // o [tokens, S, heads, ...] and lse [tokens, S, heads], either of which may be absent, and the sink.
-StackSource stack_of(const View& o, const View& lse, int64_t states, const View* sink = nullptr) {
-  return StackSource{data_or_null(o),
-                     stride_or_0(o, 0),
-                     stride_or_0(o, 1),
-                     stride_or_0(o, 2),
-                     static_cast<const float*>(data_or_null(lse)),
-                     stride_or_0(lse, 0),
-                     stride_or_0(lse, 1),
-                     stride_or_0(lse, 2),
-                     states,
-                     sink_view(sink)};
+template <typename Real>
+BasicStackSource<Real> stack_of(const View& o, const View& lse, int64_t states, const View* sink = nullptr) {
+  return BasicStackSource<Real>{data_or_null(o),
+                                stride_or_0(o, 0),
+                                stride_or_0(o, 1),
+                                stride_or_0(o, 2),
+                                lse_data<Real>(lse),
+                                stride_or_0(lse, 0),
+                                stride_or_0(lse, 1),
+                                stride_or_0(lse, 2),
+                                states,
+                                sink_view<Real>(sink)};
 }
 
 // Two stacked states as a pair, for the two-way merge's kernel: the same weights, fewer registers
 // (no offset from the pointer of an empty tensor, which may be null and is never read).
 // `empty_o`, `empty_lse`: those of x's views (an absent one counts as empty); `dtype`: x's O's.
-PairSource pair_of(const StackSource& x, int dtype, bool empty_o, bool empty_lse, int64_t tokens) {
+template <typename Real>
+BasicPairSource<Real> pair_of(const BasicStackSource<Real>& x, int dtype, bool empty_o, bool empty_lse,
+                              int64_t tokens) {
   const char* o1 = static_cast<const char*>(x.o) + (empty_o ? 0 : x.o_ss * static_cast<int64_t>(dtype_size(dtype)));
-  return PairSource{StateView{x.o, x.o_st, x.o_sh, x.lse, x.lse_st, x.lse_sh},
-                    StateView{o1, x.o_st, x.o_sh, x.lse + (empty_lse ? 0 : x.lse_ss), x.lse_st, x.lse_sh}, tokens,
-                    nullptr, 0};
+  return BasicPairSource<Real>{
+      BasicStateView<Real>{x.o, x.o_st, x.o_sh, x.lse, x.lse_st, x.lse_sh},
+      BasicStateView<Real>{o1, x.o_st, x.o_sh, x.lse + (empty_lse ? 0 : x.lse_ss), x.lse_st, x.lse_sh}, tokens,
+      nullptr, 0};
 }
 
 // o [total, heads, ...] and lse [total, heads], either of which may be absent, with indptr and the
 // sink.
-RangeSource range_of(const View& o, const View& lse, const View& indptr, int64_t total, const View* sink = nullptr) {
-  return RangeSource{data_or_null(o),
+template <typename Real>
+BasicRangeSource<Real> range_of(const View& o, const View& lse, const View& indptr, int64_t total,
+                                const View* sink = nullptr) {
+  return BasicRangeSource<Real>{data_or_null(o),
                      stride_or_0(o, 0),
                      stride_or_0(o, 1),
-                     static_cast<const float*>(data_or_null(lse)),
+                     lse_data<Real>(lse),
                      stride_or_0(lse, 0),
                      stride_or_0(lse, 1),
                      indptr.t->data,
                      indptr.strides[0],
                      indptr.t->dtype == ATTNMERGE_INT64,
                      total,
-                     sink_view(sink)};
+                     sink_view<Real>(sink)};
 }
 
 // The share of state `own` whose O is o [tokens, heads, ...], of the states of lse [tokens, S,
 // heads] and the sink: every state's O address is o's (a states stride of 0), read for own alone.
-ShareSource share_of(const View& o, const View& lse, int64_t states, int64_t own, const View* sink) {
-  ShareSource src{stack_of(o, lse, states, sink), own};
+template <typename Real>
+BasicShareSource<Real> share_of(const View& o, const View& lse, int64_t states, int64_t own, const View* sink) {
+  BasicShareSource<Real> src{stack_of<Real>(o, lse, states, sink), own};
   src.o_st = stride_or_0(o, 0), src.o_ss = 0, src.o_sh = stride_or_0(o, 1);
   return src;
 }
@@ -389,7 +404,7 @@ ExchangeSource exchange_of(const attnmerge_exchange& x, const View& o, const Vie
   src.token0 = slice == ATTNMERGE_SLICE_TOKENS ? begin : 0;
   src.head0 = slice == ATTNMERGE_SLICE_HEADS ? begin : 0;
   src.world = x.world_size;
-  src.sink = sink_view(sink);
+  src.sink = sink_view<float>(sink);
   return src;
 }
 
@@ -428,18 +443,19 @@ bool lse_base2(uint32_t flags, uint32_t to_base2, uint32_t to_base_e) {
 }
 
 // `scales`: the group scales [tokens, heads, groups] (absent: none).
-OutView out_view(const View& out, const View& out_lse, const View& scales, const Checked& c) {
-  OutView v{out.t->data,
-                 out.strides[0],
-                 out.strides[1],
-                 out_lse.present() ? static_cast<float*>(out_lse.t->data) : nullptr,
-                 stride_or_0(out_lse, 0),
-                 stride_or_0(out_lse, 1),
-                 c.inv_scale,
-                 c.opt.output_scale_ptr,
-                 false,
-                 base_change(inputs_base2(c.opt.flags), lse_base2(c.opt.flags, ATTNMERGE_OUT_LSE_BASE2,
-                                                                  ATTNMERGE_OUT_LSE_BASE_E))};
+template <typename Real>
+BasicOutView<Real> out_view(const View& out, const View& out_lse, const View& scales, const Checked& c) {
+  BasicOutView<Real> v{out.t->data,
+                       out.strides[0],
+                       out.strides[1],
+                       out_lse.present() ? static_cast<Real*>(out_lse.t->data) : nullptr,
+                       stride_or_0(out_lse, 0),
+                       stride_or_0(out_lse, 1),
+                       c.inv_scale,
+                       c.opt.output_scale_ptr,
+                       false,
+                       base_change<Real>(inputs_base2(c.opt.flags),
+                                         lse_base2(c.opt.flags, ATTNMERGE_OUT_LSE_BASE2, ATTNMERGE_OUT_LSE_BASE_E))};
   if (scales.present() && !scales.empty) {
     v.group_scales = static_cast<float*>(scales.t->data);
     v.gs_st = scales.strides[0], v.gs_sh = scales.strides[1], v.gs_sg = scales.strides[2];
@@ -462,20 +478,21 @@ MergeShape merge_shape(int64_t tokens, const Sizes& n, const Checked& c) {
 
 // The two-way and in-place merges' common end: a = (o_a, lse_a), b = (o_b, lse_b).
 // `scales`: the group scales and `sink` the sink (absent: none; the in-place merge has neither).
+template <typename Real>
 attnmerge_status run_pair(Checked& c, const View& out, const View& out_lse, const View& o_a, const View& lse_a,
                           const View& o_b, const View& lse_b, const View& scales, const View& sink, const View* mask,
                           void* stream) {
-  PairSource src{state_of(o_a, lse_a), state_of(o_b, lse_b), c.sizes.a_tokens, nullptr, 0};
-  src.b_scale = base_change(lse_base2(c.opt.flags, ATTNMERGE_LSE_B_BASE2, ATTNMERGE_LSE_B_BASE_E),
-                            inputs_base2(c.opt.flags));
+  BasicPairSource<Real> src{state_of<Real>(o_a, lse_a), state_of<Real>(o_b, lse_b), c.sizes.a_tokens, nullptr, 0};
+  src.b_scale = base_change<Real>(lse_base2(c.opt.flags, ATTNMERGE_LSE_B_BASE2, ATTNMERGE_LSE_B_BASE_E),
+                                  inputs_base2(c.opt.flags));
   if (mask != nullptr && mask->present() && !mask->empty) {
     src.mask = static_cast<const uint8_t*>(mask->t->data);
     src.mask_stride = mask->strides[0];
   }
-  OutView dst = out_view(out, out_lse, scales, c);
+  BasicOutView<Real> dst = out_view<Real>(out, out_lse, scales, c);
   dst.lse_in_place = lse_in_place(out_lse, lse_a, lse_b);
   const MergeShape shape = merge_shape(c.sizes.tokens, c.sizes, c);
-  const SinkView sinks = sink_view(&sink);
+  const BasicSinkView<Real> sinks = sink_view<Real>(&sink);
   if (sinks.lse != nullptr) {
     // A merge into an input's LSE runs in place (its rows' threads meet before the LSE is
     // written), and the in-place kernels take no sink.
@@ -483,7 +500,8 @@ attnmerge_status run_pair(Checked& c, const View& out, const View& out_lse, cons
       return fail(ATTNMERGE_ERROR_VALUE,
                   "%s: expected none where %s is %s (a merge in place takes no sink), got a tensor", sink.name(),
                   out_lse.name(), same_view(out_lse, lse_a) ? lse_a.name() : lse_b.name());
-    return run(c.all(), shape, SinkPairSource{src, sinks}, dst, o_a.t->dtype, out.t->dtype, stream, c.opt.flags);
+    return run(c.all(), shape, BasicSinkPairSource<Real>{src, sinks}, dst, o_a.t->dtype, out.t->dtype, stream,
+               c.opt.flags);
   }
   return run(c.all(), shape, src, dst, o_a.t->dtype, out.t->dtype, stream, c.opt.flags);
 }
@@ -508,8 +526,10 @@ attnmerge_status attnmerge_merge(const attnmerge_tensor* out, const attnmerge_te
   if (attnmerge_status s = validate(kMerge, args, options, c)) return s;
   using A = MergeArg;
   const View* v = c.views;
-  return run_pair(c, v[A::kOut], v[A::kOutLse], v[A::kOA], v[A::kLseA], v[A::kOB], v[A::kLseB], v[A::kGroupScales],
-                  v[A::kSink], nullptr, stream);
+  return dispatch_real(c.precision, [&](auto real) {
+    return run_pair<decltype(real)>(c, v[A::kOut], v[A::kOutLse], v[A::kOA], v[A::kLseA], v[A::kOB], v[A::kLseB],
+                                    v[A::kGroupScales], v[A::kSink], nullptr, stream);
+  });
 }
 
 attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnmerge_tensor* lse,
@@ -523,8 +543,10 @@ attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnme
   const View* v = c.views;
   const View none;  // no group scales, no sink
   // (o, lse) is both a and the output.
-  return run_pair(c, v[A::kO], v[A::kLse], v[A::kO], v[A::kLse], v[A::kOOther], v[A::kLseOther], none, none,
-                  &v[A::kMask], stream);
+  return dispatch_real(c.precision, [&](auto real) {
+    return run_pair<decltype(real)>(c, v[A::kO], v[A::kLse], v[A::kO], v[A::kLse], v[A::kOOther], v[A::kLseOther],
+                                    none, none, &v[A::kMask], stream);
+  });
 }
 
 attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
@@ -538,15 +560,19 @@ attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnm
   const View &vo = c.views[A::kO], &vl = c.views[A::kLse];
   const Sizes& n = c.sizes;
   const MergeShape shape = merge_shape(n.tokens, n, c);
-  const OutView dst = out_view(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c);
-  const StackSource src = stack_of(vo, vl, n.states, &c.views[A::kSink]);
-  if (n.states == 2) {  // the two-way merge's kernels
-    const PairSource pair = pair_of(src, o->dtype, vo.empty, vl.empty, n.tokens);
-    if (src.sink.lse != nullptr)
-      return run(c.all(), shape, SinkPairSource{pair, src.sink}, dst, o->dtype, out->dtype, stream, c.opt.flags);
-    return run(c.all(), shape, pair, dst, o->dtype, out->dtype, stream, c.opt.flags);
-  }
-  return run(c.all(), shape, src, dst, o->dtype, out->dtype, stream, c.opt.flags);
+  return dispatch_real(c.precision, [&](auto real) {
+    using Real = decltype(real);
+    const BasicOutView<Real> dst = out_view<Real>(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c);
+    const BasicStackSource<Real> src = stack_of<Real>(vo, vl, n.states, &c.views[A::kSink]);
+    if (n.states == 2) {  // the two-way merge's kernels
+      const BasicPairSource<Real> pair = pair_of(src, o->dtype, vo.empty, vl.empty, n.tokens);
+      if (src.sink.lse != nullptr)
+        return run(c.all(), shape, BasicSinkPairSource<Real>{pair, src.sink}, dst, o->dtype, out->dtype, stream,
+                   c.opt.flags);
+      return run(c.all(), shape, pair, dst, o->dtype, out->dtype, stream, c.opt.flags);
+    }
+    return run(c.all(), shape, src, dst, o->dtype, out->dtype, stream, c.opt.flags);
+  });
 }
 
 attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
@@ -562,9 +588,13 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
   const View &vo = c.views[A::kO], &vi = c.views[A::kIndptr];
   const Sizes& n = c.sizes;
   if ((s = check_indptr(vi, vo, out, n.rows))) return s;
-  return run(c.all(), merge_shape(n.rows, n, c), range_of(vo, c.views[A::kLse], vi, n.total, &c.views[A::kSink]),
-             out_view(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype, out->dtype, stream,
-             c.opt.flags);
+  return dispatch_real(c.precision, [&](auto real) {
+    using Real = decltype(real);
+    return run(c.all(), merge_shape(n.rows, n, c),
+               range_of<Real>(vo, c.views[A::kLse], vi, n.total, &c.views[A::kSink]),
+               out_view<Real>(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype,
+               out->dtype, stream, c.opt.flags);
+  });
 }
 
 attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
@@ -580,9 +610,13 @@ attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnme
   if (index < 0 || index >= n.states)
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected 0 <= index < %" PRId64 " (the states of %s), got %" PRId64,
                 c.names.of("index"), n.states, vl.name(), index);
-  return run(c.all(), merge_shape(n.tokens, n, c), share_of(c.views[A::kO], vl, n.states, index, &c.views[A::kSink]),
-             out_view(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype, out->dtype, stream,
-             c.opt.flags);
+  return dispatch_real(c.precision, [&](auto real) {
+    using Real = decltype(real);
+    return run(c.all(), merge_shape(n.tokens, n, c),
+               share_of<Real>(c.views[A::kO], vl, n.states, index, &c.views[A::kSink]),
+               out_view<Real>(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype,
+               out->dtype, stream, c.opt.flags);
+  });
 }
 
 int64_t attnmerge_exchange_pad_bytes(int32_t world_size) {
@@ -623,7 +657,7 @@ attnmerge_status attnmerge_merge_exchange(const attnmerge_tensor* out, const att
   const Sizes& n = c.sizes;
   const MergeShape shape{n.slice_tokens, n.slice_heads, n.head_size, inputs_base2(c.opt.flags)};
   const ExchangeSource src = exchange_of(*exchange, v[A::kO], v[A::kLse], slice, slice_begin, &v[A::kSink]);
-  const OutView dst = out_view(v[A::kOut], v[A::kOutLse], View{}, c);
+  const OutView dst = out_view<float>(v[A::kOut], v[A::kOutLse], View{}, c);
   return run_exchange(c.all(), shape, src, dst, sync_of(*exchange, epoch), exchange, o.dtype, out->dtype, stream,
                       c.opt.flags);
 }
@@ -652,13 +686,18 @@ attnmerge_status attnmerge_merge_backward(const attnmerge_tensor* grad_o_a, cons
   const View* v = c.views;
   const View &vga = v[A::kGradOA], &vgla = v[A::kGradLseA], &vgb = v[A::kGradOB], &vglb = v[A::kGradLseB];
   const int64_t a_tokens = c.sizes.a_tokens;
-  const PairSource in{state_of(v[A::kOA], v[A::kLseA]), state_of(v[A::kOB], v[A::kLseB]), a_tokens, nullptr, 0};
-  const PairSource grad{state_of(vga, vgla), state_of(vgb, vglb), a_tokens, nullptr, 0};
-  const BackwardArgs<PairBackward> back{PairBackward{in, grad}, state_of(v[A::kOut], v[A::kOutLse]),
-                                        state_of(v[A::kGradOut], v[A::kGradOutLse]), vga.present() || vgb.present(),
-                                        vgla.present() || vglb.present()};
-  return run_backward(c.all(), merge_shape(c.sizes.tokens, c.sizes, c), back, 2, o_a->dtype, grad_out->dtype, stream,
-                      c.opt.flags);
+  return dispatch_real(c.precision, [&](auto real) {
+    using Real = decltype(real);
+    const BasicPairSource<Real> in{state_of<Real>(v[A::kOA], v[A::kLseA]), state_of<Real>(v[A::kOB], v[A::kLseB]),
+                                   a_tokens, nullptr, 0};
+    const BasicPairSource<Real> grad{state_of<Real>(vga, vgla), state_of<Real>(vgb, vglb), a_tokens, nullptr, 0};
+    const BackwardArgs<BasicPairBackward<Real>> back{
+        BasicPairBackward<Real>{in, grad}, state_of<Real>(v[A::kOut], v[A::kOutLse]),
+        state_of<Real>(v[A::kGradOut], v[A::kGradOutLse]), vga.present() || vgb.present(),
+        vgla.present() || vglb.present()};
+    return run_backward(c.all(), merge_shape(c.sizes.tokens, c.sizes, c), back, 2, o_a->dtype, grad_out->dtype,
+                        stream, c.opt.flags);
+  });
 }
 
 attnmerge_status attnmerge_merge_states_backward(const attnmerge_tensor* grad_o, const attnmerge_tensor* grad_lse,
@@ -675,16 +714,22 @@ attnmerge_status attnmerge_merge_states_backward(const attnmerge_tensor* grad_o,
   const View &vg = v[A::kGradO], &vgl = v[A::kGradLse], &vo = v[A::kO], &vl = v[A::kLse];
   const Sizes& n = c.sizes;
   const MergeShape shape = merge_shape(n.tokens, n, c);
-  const StackSource in = stack_of(vo, vl, n.states), grad = stack_of(vg, vgl, n.states);
-  const StateView fwd = state_of(v[A::kOut], v[A::kOutLse]), incoming = state_of(v[A::kGradOut], v[A::kGradOutLse]);
-  if (n.states == 2) {  // the two-way merge's kernel, as in the forward: 64 registers against 108
-    const BackwardArgs<PairBackward> back{PairBackward{pair_of(in, o->dtype, vo.empty, vl.empty, n.tokens),
-                                                       pair_of(grad, o->dtype, vg.empty, vgl.empty, n.tokens)},
-                                          fwd, incoming, vg.present(), vgl.present()};
+  return dispatch_real(c.precision, [&](auto real) {
+    using Real = decltype(real);
+    const BasicStackSource<Real> in = stack_of<Real>(vo, vl, n.states), grad = stack_of<Real>(vg, vgl, n.states);
+    const BasicStateView<Real> fwd = state_of<Real>(v[A::kOut], v[A::kOutLse]),
+                               incoming = state_of<Real>(v[A::kGradOut], v[A::kGradOutLse]);
+    if (n.states == 2) {  // the two-way merge's kernel, as in the forward: 64 registers against 108
+      const BackwardArgs<BasicPairBackward<Real>> back{
+          BasicPairBackward<Real>{pair_of(in, o->dtype, vo.empty, vl.empty, n.tokens),
+                                  pair_of(grad, o->dtype, vg.empty, vgl.empty, n.tokens)},
+          fwd, incoming, vg.present(), vgl.present()};
+      return run_backward(c.all(), shape, back, n.states, o->dtype, grad_out->dtype, stream, c.opt.flags);
+    }
+    const BackwardArgs<BasicStackBackward<Real>> back{BasicStackBackward<Real>{in, grad}, fwd, incoming, vg.present(),
+                                                      vgl.present()};
     return run_backward(c.all(), shape, back, n.states, o->dtype, grad_out->dtype, stream, c.opt.flags);
-  }
-  const BackwardArgs<StackBackward> back{StackBackward{in, grad}, fwd, incoming, vg.present(), vgl.present()};
-  return run_backward(c.all(), shape, back, n.states, o->dtype, grad_out->dtype, stream, c.opt.flags);
+  });
 }
 
 attnmerge_status attnmerge_merge_varlen_backward(const attnmerge_tensor* grad_o, const attnmerge_tensor* grad_lse,
@@ -705,11 +750,15 @@ attnmerge_status attnmerge_merge_varlen_backward(const attnmerge_tensor* grad_o,
   if ((s = check_indptr(vi, vo, grad_out, n.rows))) return s;
   // With no rows, one row over every state writes their zeros (RangeBackward).
   const MergeShape shape = merge_shape(n.rows > 0 ? n.rows : n.total > 0 ? 1 : 0, n, c);
-  const BackwardArgs<RangeBackward> back{
-      RangeBackward{range_of(vo, vl, vi, n.total), range_of(vg, vgl, vi, n.total), n.rows},
-      state_of(v[A::kOut], v[A::kOutLse]), state_of(v[A::kGradOut], v[A::kGradOutLse]), vg.present(), vgl.present()};
   const int64_t states = n.rows > 0 ? (n.total + n.rows - 1) / n.rows : n.total;
-  return run_backward(c.all(), shape, back, states, o->dtype, grad_out->dtype, stream, c.opt.flags);
+  return dispatch_real(c.precision, [&](auto real) {
+    using Real = decltype(real);
+    const BackwardArgs<BasicRangeBackward<Real>> back{
+        BasicRangeBackward<Real>{range_of<Real>(vo, vl, vi, n.total), range_of<Real>(vg, vgl, vi, n.total), n.rows},
+        state_of<Real>(v[A::kOut], v[A::kOutLse]), state_of<Real>(v[A::kGradOut], v[A::kGradOutLse]), vg.present(),
+        vgl.present()};
+    return run_backward(c.all(), shape, back, states, o->dtype, grad_out->dtype, stream, c.opt.flags);
+  });
 }
 
 }  // extern "C"

@@ -23,6 +23,15 @@ attnmerge_status locate(Views views, const float* scale, bool no_rows, int& devi
                   first->name(), device, v.t->device);
     }
   }
+  // A dtype of host arrays alone (float64) on a GPU: the first input's named, else an output's.
+  for (const bool outputs : {false, true})
+    for (const View& v : views)
+      if (device != ATTNMERGE_HOST && v.present() && v.spec->is_output() == outputs &&
+          in_set(host_only_dtypes(), v.t->dtype))
+        return fail(ATTNMERGE_ERROR_TYPE,
+                    "%s: expected dtype %s on CUDA device %d (%s runs on the CPU path only: host arrays), got %s",
+                    v.name(), DtypesText(dtypes_of(v.spec->role) & ~host_only_dtypes()).text, device,
+                    dtype_name(v.t->dtype), dtype_name(v.t->dtype));
   go = first != nullptr && !no_rows;
   if (!go) return ATTNMERGE_SUCCESS;
   if (device == ATTNMERGE_HOST) {

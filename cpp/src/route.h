@@ -9,18 +9,26 @@ namespace attnmerge {
 namespace detail {
 
 // One device for every non-empty tensor, and memory it can address (`scale`: the output scale in
-// memory, or null): `device` (ATTNMERGE_HOST for the CPU path).  go: there is work to do (some
-// tensor is not empty and no_rows is false); nothing is checked beyond the devices' agreement
-// where there is not.
+// memory, or null): `device` (ATTNMERGE_HOST for the CPU path), which takes every tensor's dtype
+// (host-only dtypes, float64, on the host).  go: there is work to do (some tensor is not empty and
+// no_rows is false); nothing is checked beyond the devices' agreement and dtypes where there is not.
 attnmerge_status locate(Views views, const float* scale, bool no_rows, int& device, bool& go);
 
 // What the launch plan needs to know of the arrays of a forward call (plan.h).
 CallFacts call_facts(Views views, int64_t head_size, uint32_t flags);
 
+// Whether calls computing in Real may run on a GPU: float ones; float64 ones (double) run on the
+// CPU path alone, and locate() refuses their GPU tensors, so no kernel is compiled for them.
+template <typename Real>
+constexpr bool runs_on_gpu() {
+  return std::is_same<Real, float>::value;
+}
+
 // A forward merge: on its device, the CPU path or a launch.
 template <typename Source>
-attnmerge_status run(Views views, const MergeShape& shape, const Source& src, const OutView& out, int in_dtype,
-                     int out_dtype, void* stream, uint32_t flags) {
+attnmerge_status run(Views views, const MergeShape& shape, const Source& src,
+                     const BasicOutView<typename Source::Real>& out, int in_dtype, int out_dtype, void* stream,
+                     uint32_t flags) {
   int device;
   bool go;
   attnmerge_status s = locate(views, out.scale, shape.rows == 0, device, go);
@@ -29,7 +37,11 @@ attnmerge_status run(Views views, const MergeShape& shape, const Source& src, co
     if ((s = check_cpu_threads())) return s;
     return cpu_merge(shape, src, out, in_dtype, out_dtype);
   }
-  return gpu_merge(shape, src, out, call_facts(views, shape.head_size, flags), in_dtype, out_dtype, device, stream);
+  if constexpr (runs_on_gpu<typename Source::Real>()) {
+    return gpu_merge(shape, src, out, call_facts(views, shape.head_size, flags), in_dtype, out_dtype, device, stream);
+  } else {
+    return unknown_dtype(in_dtype);  // not reached: locate() keeps float64 on the host
+  }
 }
 
 // An exchange's device, this rank's (its layouts'; for the merge also its tensors', by locate's
@@ -61,8 +73,12 @@ attnmerge_status run_backward(Views views, const MergeShape& shape, const Backwa
     if ((s = check_cpu_threads())) return s;
     return cpu_merge_backward(shape, args, states, in_dtype, out_dtype);
   }
-  return gpu_merge_backward(shape, args, choose_vec(views, shape.head_size), (flags & ATTNMERGE_PDL) != 0, in_dtype,
-                            out_dtype, device, stream);
+  if constexpr (runs_on_gpu<typename Src::Real>()) {
+    return gpu_merge_backward(shape, args, choose_vec(views, shape.head_size), (flags & ATTNMERGE_PDL) != 0,
+                              in_dtype, out_dtype, device, stream);
+  } else {
+    return unknown_dtype(in_dtype);  // not reached: locate() keeps float64 on the host
+  }
 }
 
 }  // namespace detail

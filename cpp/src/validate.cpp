@@ -13,18 +13,15 @@ namespace detail {
 
 namespace {
 
-// "float32, float16 or bfloat16": the names of a set of dtypes, for error messages.
-struct DtypesText {
-  char text[128];
-  explicit DtypesText(uint32_t set) {
-    int count = 0, n = 0;
-    for (int i = 0; i < kDtypeCount; ++i) count += in_set(set, i);
+// "o_a", "o_a and o_b", "o_a, lse_a and o_b": the names of some of a call's views, for messages.
+struct NamesText {
+  char text[256];
+  NamesText(const View* const* views, int count) {
+    int n = 0;
     text[0] = '\0';
-    for (int i = 0, k = 0; i < kDtypeCount && n < static_cast<int>(sizeof text); ++i) {
-      if (!in_set(set, i)) continue;
-      const char* separator = k == 0 ? "" : k == count - 1 ? " or " : ", ";
-      n += std::snprintf(text + n, sizeof text - n, "%s%s", separator, dtype_name(i));
-      ++k;
+    for (int k = 0; k < count && n < static_cast<int>(sizeof text); ++k) {
+      const char* separator = k == 0 ? "" : k == count - 1 ? " and " : ", ";
+      n += std::snprintf(text + n, sizeof text - n, "%s%s", separator, views[k]->name());
     }
   }
 };
@@ -135,7 +132,7 @@ attnmerge_status describe_one(const attnmerge_tensor* t, const ArgSpec& spec, Ls
   const bool transpose = spec.role == ATTNMERGE_ROLE_LSE && ndim == 2 && layout == LseLayout::kHeadsFirst;
   if (t == nullptr) {
     if (spec.presence == Presence::kOptional) return ATTNMERGE_SUCCESS;
-    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected a tensor, got NULL", v.name());
+    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected an array, got %s", v.name(), names.of("NULL"));
   }
   v.t = t;
   v.ndim = ndim;
@@ -309,6 +306,53 @@ attnmerge_status read_options(const attnmerge_options& opt, uint32_t op_flags, b
   return ATTNMERGE_SUCCESS;
 }
 
+// An argument the call writes and does not read: it has no say in the sizes or the precision the
+// inputs agree on (Python allocates outputs like an input, which would vote twice for it).
+bool is_output_only(const View& v) { return v.spec->use == Use::kWrite; }
+
+// The arguments a call's precision counts: its O and LSE (not masks, indptr or scales).
+bool takes_precision(const View& v) {
+  return v.present() && (v.spec->role & (ATTNMERGE_ROLE_O_IN | ATTNMERGE_ROLE_O_OUT | ATTNMERGE_ROLE_LSE)) != 0;
+}
+
+// Step 3: one precision per call: every O and LSE float64 (computed in float64, on the CPU path),
+// or none of them.  The inputs decide, as for shapes (check_agreement): where they are mixed, the
+// side with fewer of them is named (the float64 one where the two are as many: float64 is the
+// rarer choice); where they agree, the outputs that do not.
+attnmerge_status check_precision(Views views, Precision& precision) {
+  const View* side[2][kMaxArgs];  // [0] not float64, [1] float64
+  int count[2] = {0, 0};
+  for (const View& v : views)
+    if (takes_precision(v) && !is_output_only(v)) {
+      const int wide = v.t->dtype == ATTNMERGE_FLOAT64;
+      side[wide][count[wide]++] = &v;
+    }
+  int odd = count[1] <= count[0] ? 1 : 0;  // where both sides have inputs
+  if (count[0] == 0 || count[1] == 0) {  // the inputs agree: the outputs that do not
+    const int agreed = count[1] > 0 ? 1 : 0;
+    odd = 1 - agreed;
+    count[odd] = 0;
+    for (const View& v : views)
+      if (takes_precision(v) && is_output_only(v) && (v.t->dtype == ATTNMERGE_FLOAT64) == (odd == 1))
+        side[odd][count[odd]++] = &v;
+    precision = agreed == 1 ? Precision::kFloat64 : Precision::kFloat32;
+    if (count[odd] == 0 || count[1 - odd] == 0) return ATTNMERGE_SUCCESS;
+  }
+  uint32_t expected = 0, got = 0;
+  for (int k = 0; k < count[odd]; ++k) {
+    expected |= dtypes_of(side[odd][k]->spec->role);
+    got |= 1u << side[odd][k]->t->dtype;
+  }
+  expected = odd == 1 ? expected & ~(1u << ATTNMERGE_FLOAT64) : 1u << ATTNMERGE_FLOAT64;
+  const View* other = side[1 - odd][0];  // the first of the others, one of the named one's kind if any
+  for (int k = count[1 - odd] - 1; k >= 0; --k)
+    if (side[1 - odd][k]->spec->role == side[odd][0]->spec->role) other = side[1 - odd][k];
+  return fail(ATTNMERGE_ERROR_TYPE,
+              "%s: expected dtype %s (a call's O and LSE are float64 all or none, and %s is %s), got %s",
+              NamesText(side[odd], count[odd]).text, DtypesText(expected).text, other->name(),
+              dtype_name(other->t->dtype), DtypesText(got).text);
+}
+
 // Step 3: every ArgSpec::dtype_of, where both are given.
 attnmerge_status check_dtypes(const OpSpec& op, Views views) {
   for (int i = 0; i < op.count; ++i) {
@@ -323,6 +367,18 @@ attnmerge_status check_dtypes(const OpSpec& op, Views views) {
 }
 
 }  // namespace
+
+DtypesText::DtypesText(uint32_t set) {
+  int count = 0, n = 0;
+  for (int i = 0; i < kDtypeCount; ++i) count += in_set(set, i);
+  text[0] = '\0';
+  for (int i = 0, k = 0; i < kDtypeCount && n < static_cast<int>(sizeof text); ++i) {
+    if (!in_set(set, i)) continue;
+    const char* separator = k == 0 ? "" : k == count - 1 ? " or " : ", ";
+    n += std::snprintf(text + n, sizeof text - n, "%s%s", separator, dtype_name(i));
+    ++k;
+  }
+}
 
 // The largest head_size: a row's packs span at most 65535 blocks of 256 threads.
 constexpr int64_t kMaxHeadSize = int64_t{65535} * 256;
@@ -364,6 +420,144 @@ attnmerge_status check_group_size(const attnmerge_options& opt, Views views, Siz
                 "and strides allow), got %" PRId64,
                 name, 32 * vec, vec, g);
   n.scale_groups = n.head_size / g;
+  return ATTNMERGE_SUCCESS;
+}
+
+// Step 4, where it fails: the inputs agree on the call's sizes, so that a wrong one is named and
+// not the others through it.  Each input's axes vote for the sizes of their Dims (voted_dim); the size
+// most inputs give a Dim is the call's, and an input that gives another is named, against those
+// that gave it.  Where two sizes have as many votes, the op's source (OpSpec::sizes_from) decides
+// (every LSE given [heads, tokens] against every O: the LSEs are named), but where only two inputs
+// vote and disagree (o_a's head_size against o_b's) both are named.  Outputs do not vote (an
+// output is checked against the sizes afterwards): Python allocates them like an input, which
+// would then outvote the others.
+
+// The Dim axis `axis` of `v` gives its size to, and that size (Dim::kNone: none): a's tokens are
+// the call's unless options.a_tokens says how many of them are read; indptr holds rows + 1.
+Dim voted_dim(const View& v, int axis, bool a_tokens_given, int64_t& size) {
+  size = v.shape[axis];
+  switch (v.spec->shape[axis]) {
+    case Dim::kATokensOrMore: return a_tokens_given ? Dim::kNone : Dim::kTokens;
+    case Dim::kRowsPlus1: size -= 1; return Dim::kRows;
+    case Dim::kATokens:
+    case Dim::kScaleGroups: return Dim::kNone;  // the options' sizes
+    default: return v.spec->shape[axis];
+  }
+}
+
+// The votes on one Dim: each size given, by how many inputs, and the first of them.
+struct Tally {
+  int64_t size[kMaxArgs];
+  int votes[kMaxArgs];
+  const View* first[kMaxArgs];
+  int count = 0;
+  int top = -1, second = -1;  // the sizes with the most votes; second >= 0: as many as top's (a tie)
+
+  void add(int64_t s, const View* v) {
+    int i = 0;
+    while (i < count && size[i] != s) ++i;
+    if (i == count) size[count] = s, votes[count] = 0, first[count++] = v;
+    ++votes[i];
+  }
+  // `source_size`: the source's vote, or null where it has none on this Dim.
+  void decide(const int64_t* source_size) {
+    for (int i = 0; i < count; ++i)
+      if (top < 0 || votes[i] > votes[top]) top = i;
+    for (int i = 0; i < count; ++i)
+      if (i != top && votes[i] == votes[top] && second < 0) second = i;
+    if (second < 0 || votes[top] + votes[second] == 2 || source_size == nullptr) return;
+    for (int i = 0; i < count; ++i)
+      if (votes[i] == votes[top] && size[i] == *source_size) top = i, second = -1;  // the source breaks the tie
+  }
+  bool decided() const { return top >= 0 && second < 0; }
+};
+
+const char* dim_words(Dim d) {
+  switch (d) {
+    case Dim::kTokens: return "number of tokens";
+    case Dim::kHeads: return "number of heads";
+    case Dim::kHeadSize: return "head_size";
+    case Dim::kStates:
+    case Dim::kTotal: return "number of states";
+    case Dim::kRows: return "number of rows";
+    default: return "size";
+  }
+}
+
+// The shape `v` was given in, with the sizes of `want` (its logical order) where set: the
+// caller's layout (an LSE given [heads, tokens] swapped back).
+void callers_shape(const View& v, int64_t* want) {
+  if (v.transposed) std::swap(want[0], want[1]);
+}
+
+attnmerge_status check_agreement(Views views, const View& source, bool a_tokens_given) {
+  constexpr Dim kVoted[] = {Dim::kTokens, Dim::kHeads, Dim::kHeadSize, Dim::kStates, Dim::kTotal, Dim::kRows};
+  constexpr int kKinds = static_cast<int>(sizeof kVoted / sizeof kVoted[0]);
+  Tally tally[kKinds];
+  const auto kind_of = [&](Dim d) {
+    for (int k = 0; k < kKinds; ++k)
+      if (kVoted[k] == d) return k;
+    return -1;
+  };
+  for (const View& v : views) {
+    if (!v.present() || is_output_only(v)) continue;
+    for (int axis = 0; axis < v.ndim; ++axis) {
+      int64_t size;
+      const int k = kind_of(voted_dim(v, axis, a_tokens_given, size));
+      if (k >= 0) tally[k].add(size, &v);
+    }
+  }
+  int64_t source_size[kKinds];
+  bool source_votes[kKinds] = {};
+  for (int axis = 0; axis < source.ndim; ++axis) {
+    int64_t size;
+    const int k = kind_of(voted_dim(source, axis, a_tokens_given, size));
+    if (k >= 0) source_size[k] = size, source_votes[k] = true;
+  }
+  for (int k = 0; k < kKinds; ++k) tally[k].decide(source_votes[k] ? &source_size[k] : nullptr);
+  // An input at odds with a size the inputs decided.
+  for (const View& v : views) {
+    if (!v.present() || is_output_only(v)) continue;
+    int64_t want[ATTNMERGE_MAX_NDIM] = {};
+    int odd = -1;  // the kind of v's first axis at odds
+    for (int axis = 0; axis < v.ndim; ++axis) {
+      int64_t size;
+      const int k = kind_of(voted_dim(v, axis, a_tokens_given, size));
+      want[axis] = v.shape[axis];
+      if (k < 0 || !tally[k].decided() || tally[k].size[tally[k].top] == size) continue;
+      want[axis] = tally[k].size[tally[k].top] + (v.spec->shape[axis] == Dim::kRowsPlus1 ? 1 : 0);
+      if (odd < 0) odd = k;
+    }
+    if (odd < 0) continue;
+    const View* agree[kMaxArgs];
+    int n = 0;
+    for (const View& u : views) {
+      if (!u.present() || is_output_only(u) || &u == &v) continue;
+      for (int axis = 0; axis < u.ndim; ++axis) {
+        int64_t size;
+        if (kind_of(voted_dim(u, axis, a_tokens_given, size)) == odd && size == tally[odd].size[tally[odd].top]) {
+          agree[n++] = &u;
+          break;
+        }
+      }
+    }
+    callers_shape(v, want);
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected shape %s (the %s of %s), got %s", v.name(),
+                ShapeText(want, v.ndim).text, dim_words(kVoted[odd]), NamesText(agree, n).text,
+                ShapeText(v.t->shape, v.ndim).text);
+  }
+  // Two sizes with as many votes: both sides named.
+  for (int k = 0; k < kKinds; ++k) {
+    const Tally& t = tally[k];
+    if (t.top < 0 || t.decided()) continue;
+    const View& a = *t.first[std::min(t.top, t.second)];
+    const View& b = *t.first[std::max(t.top, t.second)];
+    const int64_t size_a = t.size[std::min(t.top, t.second)], size_b = t.size[std::max(t.top, t.second)];
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "%s and %s: expected the same %s, got %" PRId64 " (%s, shape %s) and %" PRId64 " (%s, shape %s)",
+                a.name(), b.name(), dim_words(kVoted[k]), size_a, a.name(), ShapeText(a.t->shape, a.ndim).text,
+                size_b, b.name(), ShapeText(b.t->shape, b.ndim).text);
+  }
   return ATTNMERGE_SUCCESS;
 }
 
@@ -428,11 +622,17 @@ attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tenso
   const View& source = call.views[op.sizes_from];
   if ((s = read_options(call.opt, op.flags, op.sink >= 0, op.group_scales >= 0, call.views[op.scale_of],
                         call.inv_scale)) ||
-      (s = check_dtypes(op, views)) || (s = op.equations(views, source, call.opt, call.sizes)) ||
-      (s = check_group_size(call.opt, views, call.sizes)) ||
-      (s = check_shapes(views, call.sizes, source, call.views[op.sizes_lse])) || (s = check_outputs(views)))
+      (s = check_precision(views, call.precision)) || (s = check_dtypes(op, views)))
     return s;
-  return ATTNMERGE_SUCCESS;
+  if ((s = op.equations(views, source, call.opt, call.sizes)) || (s = check_group_size(call.opt, views, call.sizes)) ||
+      (s = check_shapes(views, call.sizes, source, call.views[op.sizes_lse]))) {
+    // Inputs at odds with each other fail here, the source's sizes against the others': the vote
+    // names the one at odds instead (a call that passes pays for no vote).
+    const attnmerge_status odd =
+        check_agreement(views, source, (call.opt.flags & op.flags & ATTNMERGE_A_TOKENS) != 0);
+    return odd != ATTNMERGE_SUCCESS ? odd : s;
+  }
+  return check_outputs(views);
 }
 
 attnmerge_status check_indptr(const View& vi, const View& o, const attnmerge_tensor* out, int64_t rows) {

@@ -65,6 +65,12 @@ struct ArgSpec {
   constexpr bool is_output() const { return use != Use::kRead; }
 };
 
+// "float32, float16 or bfloat16": the names of a set of dtypes (bit `code` for each), for messages.
+struct DtypesText {
+  char text[128];
+  explicit DtypesText(uint32_t set);
+};
+
 // A tensor as an op reads it: shape and strides in the op's logical axis order.
 struct View {
   const ArgSpec* spec = nullptr;
@@ -201,6 +207,7 @@ struct Checked {
   attnmerge_options opt{};
   ArgNames names;
   float inv_scale = 1.0f;
+  Precision precision = Precision::kFloat32;
   Sizes sizes;
   Views all() { return Views{views, count, &names}; }
 };
@@ -230,9 +237,12 @@ attnmerge_status read_layout(const attnmerge_options* options, attnmerge_options
 //   2. the options (op.flags; an output scale or group scales only where op.scale_of is FP8; a sink
 //      (group scales) only where op.sink (op.group_scales) is an argument, which step 1 has
 //      described);
-//   3. every ArgSpec::dtype_of, where both are given;
+//   3. one precision (Precision) for every O and LSE: all float64 or none; then every
+//      ArgSpec::dtype_of, where both are given;
 //   4. op.equations, options.group_size against head_size and the arrays' vectors, then every
-//      given argument's shape against its Dims (op.sizes_lse first, then in table order);
+//      given argument's shape against its Dims (op.sizes_lse first, then in table order); where
+//      these fail, the inputs' sizes are put to a vote, and an input at odds with those most
+//      inputs give (or two inputs at odds with each other) is named instead;
 //   5. the outputs: writable, no element written twice, apart from the outputs before them and
 //      from every input (an input with Alias::kMayBeOutput may be the very same view as an output
 //      of its kind).

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import attnmerge
 
 
@@ -56,3 +58,51 @@ def test_help_shows_the_whole_description():
     p = run("--help", timeout=60)
     assert p.returncode == 0, p.stderr
     assert "--cmake-dir" in p.stdout and "bench" in p.stdout and "--version" in p.stdout
+
+
+def test_the_usage_names_every_option_and_sub_command():
+    p = run("--help", timeout=60)
+    usage = p.stdout.split("\n\n")[0]
+    for word in ("--version", "--cmake-dir", "--include-dir", "--cpu", "bench"):
+        assert word in usage, f"{word} is not in the usage: {usage!r}"
+    p = run("bench", "--help", timeout=60)
+    usage = p.stdout.split("\n\n")[0]
+    assert p.returncode == 0 and usage.startswith("usage: python -m attnmerge bench"), p.stdout + p.stderr
+    for word in ("--cpu", "--family", "--quick", "--json", "--png"):
+        assert word in usage, f"{word} is not in bench's usage: {usage!r}"
+
+
+def test_the_self_test_covers_every_dtype_of_the_package_and_cpu_keeps_it_on_the_cpu():
+    from attnmerge._types import NO_GRADIENT_DTYPES, O_IN_DTYPES
+
+    p = run("--cpu")
+    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    lines = [line.split() for line in p.stdout.splitlines() if line.startswith("  cpu ")]
+    tested = {words[1]: words[-1] for words in lines if words[1] != "bandwidth"}
+    assert set(tested) == {*O_IN_DTYPES, *(f"float32->{d}" for d in NO_GRADIENT_DTYPES)}, tested
+    assert set(tested.values()) == {"pass"}, tested
+    assert "not tested (--cpu)" in p.stdout and "cuda:" not in p.stdout
+
+
+def test_the_self_test_moves_every_dtype_through_torch_as_on_a_gpu():
+    """The GPU self-test's torch conversions (bfloat16 and FP8 as their bits), here on torch CPU
+    tensors: every case passes."""
+    torch = pytest.importorskip("torch")
+    from attnmerge.__main__ import check, torch_io
+
+    to_device, from_device = torch_io(torch, torch.device("cpu"))
+    assert check(to_device, from_device, lambda fn: (fn(), 1.0)[1], "torch")
+
+
+@pytest.mark.parametrize("args, named", [
+    (("bench", "--family", "--cpu"), ("--cpu", "--family")),
+    (("bench", "--family", "--quick"), ("--quick", "--family")),
+    (("bench", "--family", "--png", "plot.png"), ("--png", "--family")),
+    (("--cpu", "--cmake-dir"), ("--cpu", "--cmake-dir")),
+    (("--cpu", "bench"), ("bench",)),
+], ids=lambda x: " ".join(x) if isinstance(x, tuple) else None)
+def test_an_option_a_command_cannot_honour_is_refused_by_name(args, named):
+    p = run(*args, timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    error = p.stderr.strip().splitlines()[-1]
+    assert all(name in error for name in named), error

@@ -11,6 +11,11 @@
  * of zero weight is never read; a NaN LSE makes its row NaN; arithmetic is float32, each output
  * rounded once.  docs/semantics.md has the whole of it (sinks, per-group FP8, the backward).
  *
+ * float64: on host tensors (the CPU path) every O and LSE named float32 or 16-bit below may
+ * instead be float64, all of a call's or none of them, and such a call computes in float64
+ * (gradients checked against finite differences in float64, say).  On a GPU, float64 is refused
+ * (ATTNMERGE_ERROR_TYPE) before anything is written.
+ *
  * Every entry point returns ATTNMERGE_SUCCESS or an error status, after which attnmerge_last_error()
  * names the argument at fault, the expected and the actual value; validates every argument before
  * it writes anything; never allocates device memory, synchronizes the host, throws or prints; runs
@@ -67,18 +72,22 @@ typedef enum attnmerge_dtype {
   ATTNMERGE_UINT8 = 4,       /* masks */
   ATTNMERGE_BOOL = 5,        /* masks, one byte each */
   ATTNMERGE_INT32 = 6,       /* indptr */
-  ATTNMERGE_INT64 = 7        /* indptr */
+  ATTNMERGE_INT64 = 7,       /* indptr */
+  ATTNMERGE_FLOAT64 = 8      /* host arrays only (the CPU path, which computes in float64): every O and
+                                LSE of a call float64, or none */
 } attnmerge_dtype;
 
 /* The arguments a dtype may be (attnmerge_dtype_info.roles): ROLE_O_IN an O a merge reads, the
  * in-place merge's O and every O of a backward; ROLE_O_OUT the O a two-way, N-way or variable-length
- * merge writes; ROLE_LSE every LSE and LSE gradient; ROLE_MASK the in-place merge's mask;
- * ROLE_INDPTR the variable-length merges' indptr. */
+ * merge writes; ROLE_LSE every LSE and LSE gradient, and the sink; ROLE_MASK the in-place merge's
+ * mask; ROLE_INDPTR the variable-length merges' indptr; ROLE_SCALE the FP8 output's scales
+ * (options.group_scales, options.output_scale_ptr). */
 #define ATTNMERGE_ROLE_O_IN 1u
 #define ATTNMERGE_ROLE_O_OUT 2u
 #define ATTNMERGE_ROLE_LSE 4u
 #define ATTNMERGE_ROLE_MASK 8u
 #define ATTNMERGE_ROLE_INDPTR 16u
+#define ATTNMERGE_ROLE_SCALE 32u
 
 /* What a dtype code is called, how large its elements are and which arguments take it: the
  * library's one table of dtypes, for callers that describe arrays by name (the Python binding,
@@ -187,7 +196,8 @@ static inline attnmerge_tensor attnmerge_contiguous_tensor(void* data, int32_t d
 /* The caller's name for one argument (attnmerge_options.arg_names): `arg` is its name in this
  * header ("o_a", "lse_b", "mask", "grad_out", ...; or "a_tokens" and "output_scale", the options
  * the messages name), `name` what the caller calls it ("prefix_output"), which every message of
- * the call then gives instead. */
+ * the call then gives instead.  The arg "NULL" names a missing tensor in the caller's language
+ * ("None" from Python): "lse_b: expected an array, got None". */
 typedef struct attnmerge_arg_name {
   const char* arg;
   const char* name;

@@ -18,6 +18,8 @@
 //                with the merge: peer-mapped memory), a slice of its rows.
 // SinkPairSource and the last four may add each head's sink to its rows (Traits::kSink: SinkView,
 // sink_lse).  Each source's Traits (SourceTraits) name what its kernels fix when compiled.
+// Each source's Real is the type of its LSEs and of its rows' math: float (the names above), or
+// double for float64 calls, which the CPU path alone runs (Basic*Source<double>).
 #pragma once
 
 #include <cmath>
@@ -58,21 +60,23 @@ struct SourceTraits {
 // Attention sinks (attnmerge_options.sink): each head's sink logit, in the LSE's base, one more
 // state of every row of the head, whose output is 0: it takes a share of the weight and adds
 // nothing to O.  lse null: no sink.
-struct SinkView {
-  const float* lse = nullptr;
+template <typename Real>
+struct BasicSinkView {
+  const Real* lse = nullptr;
   int64_t stride = 0;
 
   // The sink of `head` as a state's LSE: -inf (no weight) where there is none.
   template <typename I>
-  ATTNMERGE_HD float at(I head) const {
-    return lse != nullptr ? lse[head * static_cast<I>(stride)] : -INFINITY;
+  ATTNMERGE_HD Real at(I head) const {
+    return lse != nullptr ? lse[head * static_cast<I>(stride)] : Real(-INFINITY);
   }
 };
+using SinkView = BasicSinkView<float>;
 
 // The sink of `head` for src's rows: -inf for a source that takes none (no kSink, known at
 // compile time, so that its kernels compile as if sinks did not exist).
 template <typename Source, typename I>
-ATTNMERGE_HD float sink_lse(const Source& src, I head) {
+ATTNMERGE_HD typename Source::Real sink_lse(const Source& src, I head) {
   if constexpr (Source::Traits::kSink) {
     return src.sink.at(head);
   } else {
@@ -91,24 +95,26 @@ ATTNMERGE_HD float sink_lse(const Source& src, I head) {
 
 // Two states.  Rows of tokens >= a_tokens have no state a (it is not read); rows whose mask byte is
 // 0 are skipped whole (the in-place merge leaves them untouched) and read nothing but that byte.
-struct PairSource {
+template <typename R>
+struct BasicPairSource {
   struct Traits : SourceTraits {
     static constexpr int kMaxStates = 2;
     static constexpr Mask kMask = Mask::kByToken;  // where mask is not null
   };
-  StateView a, b;
+  using Real = R;
+  BasicStateView<Real> a, b;
   int64_t a_tokens;
   const uint8_t* mask;  // may be null
   int64_t mask_stride;
   // b's LSEs into a's base (base_change): 1 but for ATTNMERGE_LSE_B_*, which only this source
   // takes (the plan gives such calls no plain kernel).
-  float b_scale = 1.0f;
+  Real b_scale = 1;
 
   struct Row {
     const void* o[2];
-    float l[2];
+    Real l[2];
     ATTNMERGE_HD int count() const { return 2; }
-    ATTNMERGE_HD float lse(int s) const { return l[s]; }
+    ATTNMERGE_HD Real lse(int s) const { return l[s]; }
     template <typename T>
     ATTNMERGE_HD const T* o_at(int s) const { return static_cast<const T*>(o[s]); }
     ATTNMERGE_HD constexpr bool reads_o(int) const { return true; }
@@ -127,23 +133,26 @@ struct PairSource {
     Row r;
     const bool has_a = take && token < static_cast<I>(a_tokens);  // a_tokens <= tokens: fits in I
     const I token_a = has_a ? token : I{0};  // a may have fewer tokens: no offset past its end
-    r.o[1] = b.o_at<T>(token, head, at);
-    r.o[0] = has_a ? a.o_at<T>(token_a, head, at) : r.o[1];  // no a: weight 0, b's row stands in
-    r.l[0] = has_a ? a.lse_at(token_a, head) : -INFINITY;
-    r.l[1] = take ? b.lse_at(token, head) * b_scale : -INFINITY;
+    r.o[1] = b.template o_at<T>(token, head, at);
+    r.o[0] = has_a ? a.template o_at<T>(token_a, head, at) : r.o[1];  // no a: weight 0, b's row stands in
+    r.l[0] = has_a ? a.lse_at(token_a, head) : Real(-INFINITY);
+    r.l[1] = take ? b.lse_at(token, head) * b_scale : Real(-INFINITY);
     return r;
   }
 };
+using PairSource = BasicPairSource<float>;
 
 // PairSource with each head's sink, one more state of output 0 in every row (kSink): a type of its
 // own, so that the two-way merge's calls without one, and the in-place merge (which takes none),
 // keep kernels that carry nothing of it.
-struct SinkPairSource : PairSource {
-  struct Traits : PairSource::Traits {
+template <typename Real>
+struct BasicSinkPairSource : BasicPairSource<Real> {
+  struct Traits : BasicPairSource<Real>::Traits {
     static constexpr bool kSink = true;
   };
-  SinkView sink;
+  BasicSinkView<Real> sink;
 };
+using SinkPairSource = BasicSinkPairSource<float>;
 
 // Whether Source is a two-way merge's (PairSource, SinkPairSource), which the plan lays out by the
 // two-way rules.
@@ -173,6 +182,7 @@ struct PlainPairSource {
     static constexpr RowIndex kRowIndex = kRows;
     static constexpr Mask kMask = kMasked;
   };
+  using Real = float;  // the GPU's
   StateView a, b;
   const uint8_t* mask = nullptr;  // Mask::kByToken only
   int64_t mask_stride = 0;
@@ -226,15 +236,15 @@ struct InPlaceSource : Base {
 };
 
 // n states from o0 and l0 on, o_ss and l_ss elements apart.
-template <typename I>
+template <typename I, typename Real = float>
 struct StridedRow {
   const void* o0;
-  const float* l0;
+  const Real* l0;
   I o_ss, l_ss;
   int n;
   ATTNMERGE_HD int count() const { return n; }
-  ATTNMERGE_HD const float* lse_ptr(int s) const { return l0 + s * l_ss; }
-  ATTNMERGE_HD float lse(int s) const { return *lse_ptr(s); }
+  ATTNMERGE_HD const Real* lse_ptr(int s) const { return l0 + s * l_ss; }
+  ATTNMERGE_HD Real lse(int s) const { return *lse_ptr(s); }
   template <typename T>
   ATTNMERGE_HD const T* o_at(int s) const { return static_cast<const T*>(o0) + s * o_ss; }
   ATTNMERGE_HD constexpr bool reads_o(int) const { return true; }
@@ -242,44 +252,50 @@ struct StridedRow {
 
 // S states along a strided axis: O [tokens, S, heads, head_size] and LSE [tokens, S, heads] in
 // logical order, any strides (FlashInfer's [tokens, S, ...] and an all-gather's [S, tokens, ...]).
-struct StackSource {
+template <typename R>
+struct BasicStackSource {
   struct Traits : SourceTraits {
     static constexpr bool kSink = true;
   };
+  using Real = R;
   const void* o;
   int64_t o_st, o_ss, o_sh;
-  const float* lse;
+  const Real* lse;
   int64_t lse_st, lse_ss, lse_sh;
   int64_t states;
-  SinkView sink;
+  BasicSinkView<Real> sink;
 
   template <typename I>
   ATTNMERGE_HD bool masked_out(I) const { return false; }
 
   template <typename T, typename I>
-  ATTNMERGE_HD StridedRow<I> row(I token, I head, I at = I{0}) const {
-    return StridedRow<I>{static_cast<const T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at),
+  ATTNMERGE_HD StridedRow<I, Real> row(I token, I head, I at = I{0}) const {
+    return StridedRow<I, Real>{
+        static_cast<const T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at),
                          lse + (token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
                          static_cast<I>(o_ss), static_cast<I>(lse_ss), static_cast<int>(states)};
   }
 };
+using StackSource = BasicStackSource<float>;
 
 // Row r merges states [indptr[r], indptr[r + 1]) of O [total, heads, head_size], LSE [total, heads].
 // The bounds are clamped to [0, total] and made non-decreasing, so that no indptr can make a read
 // leave the arrays (the C ABI refuses bad indptr on the CPU; on the GPU the clamped rows result).
-struct RangeSource {
+template <typename R>
+struct BasicRangeSource {
   struct Traits : SourceTraits {
     static constexpr bool kSink = true;
   };
+  using Real = R;
   const void* o;
   int64_t o_st, o_sh;
-  const float* lse;
+  const Real* lse;
   int64_t lse_st, lse_sh;
   const void* indptr;
   int64_t indptr_stride;
   bool indptr64;
   int64_t total;
-  SinkView sink;
+  BasicSinkView<Real> sink;
 
   template <typename I>
   ATTNMERGE_HD bool masked_out(I) const { return false; }
@@ -292,20 +308,22 @@ struct RangeSource {
   }
 
   template <typename T, typename I>
-  ATTNMERGE_HD StridedRow<I> row(I token, I head, I at = I{0}) const {
+  ATTNMERGE_HD StridedRow<I, Real> row(I token, I head, I at = I{0}) const {
     const I begin = bound(token);
     const I end = bound(token + 1);
     const int64_t n = end > begin ? end - begin : 0;
-    return StridedRow<I>{static_cast<const T*>(o) + (begin * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at),
+    return StridedRow<I, Real>{
+        static_cast<const T*>(o) + (begin * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at),
                          lse + (begin * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
                          static_cast<I>(o_st), static_cast<I>(lse_st), static_cast<int>(n < INT32_MAX ? n : INT32_MAX)};
   }
 };
+using RangeSource = BasicRangeSource<float>;
 
 // A row of ShareSource: a StridedRow whose states' O addresses are all own's (a states stride of
 // 0), read for own alone.
-template <typename I>
-struct ShareRow : StridedRow<I> {
+template <typename I, typename Real = float>
+struct ShareRow : StridedRow<I, Real> {
   int own;
   ATTNMERGE_HD bool reads_o(int s) const { return s == own; }
 };
@@ -314,14 +332,16 @@ struct ShareRow : StridedRow<I> {
 // [tokens, S, heads] (any strides: an all-gather's [S, tokens, heads]) and own's O alone, O
 // [tokens, heads, head_size] (o_ss 0): the output is (w_own / W) O_own and the merged LSE, so that
 // the states' shares summed (a reduce-scatter across context-parallel ranks) are the merge.
-struct ShareSource : StackSource {
+template <typename Real>
+struct BasicShareSource : BasicStackSource<Real> {
   int64_t own;  // 0 <= own < states
 
   template <typename T, typename I>
-  ATTNMERGE_HD ShareRow<I> row(I token, I head, I at = I{0}) const {
-    return ShareRow<I>{StackSource::row<T>(token, head, at), static_cast<int>(own)};
+  ATTNMERGE_HD ShareRow<I, Real> row(I token, I head, I at = I{0}) const {
+    return ShareRow<I, Real>{BasicStackSource<Real>::template row<T>(token, head, at), static_cast<int>(own)};
   }
 };
+using ShareSource = BasicShareSource<float>;
 
 // A row of ExchangeSource: state s at rank s's pointers, the row's offsets added (the same in every
 // rank's arrays, which share one layout).
@@ -346,6 +366,7 @@ struct PeerRow {
 // pointers are held by value (a kernel's parameters, indexed by state), as this rank addresses
 // them; each head's sink is indexed as the output's heads.
 struct ExchangeSource {
+  using Real = float;  // the merge's arithmetic: ranks' states come from the GPU engines' float32 LSEs
   struct Traits : SourceTraits {
     static constexpr bool kSink = true;
   };
