@@ -122,8 +122,8 @@ def test_sizes_that_disagree(ranks):
     out, out_lse = outputs(ranks)
     x = ranks.exchange(0)
     x.lse_layout.shape[1] = H - 1
-    refused(ranks, merge(ranks, x, out, out_lse), f"lse: expected shape [{T}, {H}] (the sizes of o, shape "
-                                                  f"[{T}, {H}, {D}]), got [{T}, {H - 1}]", out)
+    refused(ranks, merge(ranks, x, out, out_lse), f"o and lse: expected the same number of heads, got {H} (o, shape "
+                                                  f"[{T}, {H}, {D}]) and {H - 1} (lse, shape [{T}, {H - 1}])", out)
     short, short_lse = outputs(ranks, head_size=D // 2)
     refused(ranks, merge(ranks, ranks.exchange(0), short, short_lse),
             f"out: expected shape [{T}, 2, {D}] (the sizes of o, shape [{T}, {H}, {D}]), got [{T}, 2, {D // 2}]", short)
