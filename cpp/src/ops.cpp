@@ -648,6 +648,13 @@ attnmerge_status attnmerge_merge_exchange(const attnmerge_tensor* out, const att
   o.data = const_cast<void*>(exchange->o[exchange->rank]);
   lse.data = const_cast<void*>(exchange->lse[exchange->rank]);
   const attnmerge_tensor* const args[] = {out, out_lse, &o, &lse, sink_of(options)};
+  // The ranks' states come from GPU engines: float64, the CPU path's alone, has no exchange (asked
+  // first: a float64 layout over the ranks' buffers would be taken for an overlap).
+  const char* const arg_names[] = {"out", "out_lse", "o", "lse"};
+  for (int i = 0; i < 4; ++i)
+    if (args[i] != nullptr && args[i]->dtype == ATTNMERGE_FLOAT64)
+      return fail(ATTNMERGE_ERROR_TYPE, "%s: expected a dtype other than float64 (the exchange merges the 16- and "
+                  "32-bit states of GPU engines), got float64", c.names.of(arg_names[i]));
   if ((s = validate(kExchange, args, options, c))) return s;
   using A = ExchangeArg;
   const View* v = c.views;

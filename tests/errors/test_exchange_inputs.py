@@ -131,7 +131,12 @@ def test_sizes_that_disagree(ranks):
             f"out_lse: expected shape [{T}, 2] (the sizes of o, shape [{T}, {H}, {D}]), got [{T}, 3]", out)
     x = ranks.exchange(0)
     x.o_layout.dtype = c_abi.FLOAT8_E4M3
-    refused(ranks, merge(ranks, x, out, out_lse), "o: expected dtype float32, float16 or bfloat16, got float8_e4m3",
+    refused(ranks, merge(ranks, x, out, out_lse), "o: expected dtype float32, float16, bfloat16 or float64, "
+            "got float8_e4m3", out, code=c_abi.ERROR_TYPE)
+    x = ranks.exchange(0)
+    x.o_layout.dtype = x.lse_layout.dtype = c_abi.FLOAT64  # the layouts' dtypes are checked before any pointer is read
+    refused(ranks, merge(ranks, x, out, out_lse), "o: expected a dtype other than float64 (the exchange merges the "
+            "16- and 32-bit states of GPU engines), got float64",
             out, code=c_abi.ERROR_TYPE)
 
 
