@@ -46,6 +46,7 @@ ROLE_O_OUT: int
 ROLE_LSE: int
 ROLE_MASK: int
 ROLE_INDPTR: int
+ROLE_SCALE: int
 LSE_BASE2: int
 LSE_HEADS_FIRST: int
 LSE_B_BASE2: int

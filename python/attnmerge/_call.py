@@ -236,14 +236,25 @@ def result_dtype(opt: Options, in_dtype_of, src_name):
         return opt.out_dtype
     dtype = getattr(in_dtype_of, "dtype", None)
     if dtype is None:
-        raise TypeError(f"{named(opt.names, src_name)}: expected an array, got {type(in_dtype_of).__qualname__}")
+        raise TypeError(f"{named(opt.names, src_name)}: expected an array, got {kind_of(in_dtype_of)}")
     return dtype_name(dtype, named(opt.names, src_name), O_IN_DTYPES)
+
+
+def kind_of(x):
+    """What a non-array is called in a message: None as None (the binding and the C ABI say so too)."""
+    return "None" if x is None else type(x).__qualname__
+
+
+def lse_dtype(o_dtype):
+    """The LSE dtype that goes with an O dtype: float64 with float64 (a float64 call is float64 whole),
+    else float32."""
+    return "float64" if o_dtype == "float64" else "float32"
 
 
 def shape_of(x, arg, names=None):
     shape = getattr(x, "shape", None)
     if shape is None:
-        raise TypeError(f"{named(names, arg)}: expected an array, got {type(x).__qualname__}")
+        raise TypeError(f"{named(names, arg)}: expected an array, got {kind_of(x)}")
     return tuple(shape)
 
 

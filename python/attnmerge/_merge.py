@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from . import _native, _roads
-from ._call import OPS, index_of, options, shape_of, states_axis_of
+from ._call import OPS, index_of, lse_dtype, options, shape_of, states_axis_of
 from ._types import Array, Base, DType, PairBase, Stream
 
 _MERGE, _INPLACE, _STATES, _VARLEN, _SHARE = (OPS[name] for name in (
@@ -36,7 +36,8 @@ def merge(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array, *, out: Array | No
     ----------
     o_a, o_b : array
         The states' outputs, [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype
-        for both).  With `a_tokens`, o_a needs only a_tokens tokens.
+        for both), or float64 on the CPU (every O and LSE of the call then float64, merged in
+        float64).  With `a_tokens`, o_a needs only a_tokens tokens.
     lse_a, lse_b : array
         Their log-sum-exps, float32 [tokens, heads], in base `base`; a [heads, tokens] buffer is
         passed as its transpose (``lse.T``).
@@ -393,7 +394,7 @@ def merge_backward(grad_out: Array, grad_out_lse: Array | None, out: Array | Non
     grads = tuple(_native.gradient_buffer(given, need, o_b, s, d, arg, "merge", "o_b", _roads.is_jax)
                   for given, need, s, d, arg in zip(
                       (grad_o_a, grad_lse_a, grad_o_b, grad_lse_b), needs,
-                      (a_shape, a_shape[:2], shape, shape[:2]), (dtype, "float32", dtype, "float32"),
+                      (a_shape, a_shape[:2], shape, shape[:2]), (dtype, lse_dtype(dtype), dtype, lse_dtype(dtype)),
                       ("grad_o_a", "grad_lse_a", "grad_o_b", "grad_lse_b")))
     _native.run_backward("merge", grads, (grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b), opt)
     return grads
@@ -409,7 +410,8 @@ def _states_grads(o, grad_o, grad_lse, needs_grad, ndim, op):
         raise ValueError(f"o: expected {ndim} dimensions, got {len(shape)} (shape {list(shape)})")
     dtype = _native.o_dtype(o, "o")
     return (_native.gradient_buffer(grad_o, needs[0], o, shape, dtype, "grad_o", op, "o", _roads.is_jax),
-            _native.gradient_buffer(grad_lse, needs[1], o, shape[:-1], "float32", "grad_lse", op, "o", _roads.is_jax))
+            _native.gradient_buffer(grad_lse, needs[1], o, shape[:-1], lse_dtype(dtype), "grad_lse", op, "o",
+                                    _roads.is_jax))
 
 
 def merge_states_backward(grad_out: Array, grad_out_lse: Array | None, out: Array | None, out_lse: Array, o: Array,

@@ -127,8 +127,8 @@ def _options(op, kwargs, names=None, **given):
 
 def _new(like, shape, dtype):
     """(out [tokens, heads, head_size] of dtype, out_lse float32 [tokens, heads]) where `like` lives."""
-    return (torch.empty(shape, dtype=dtype, device=like.device),
-            torch.empty(shape[:2], dtype=torch.float32, device=like.device))
+    lse = torch.float64 if dtype == torch.float64 else torch.float32  # a float64 call is float64 whole
+    return (torch.empty(shape, dtype=dtype, device=like.device), torch.empty(shape[:2], dtype=lse, device=like.device))
 
 
 def _result(op):
@@ -485,8 +485,9 @@ def _sink_grad_of(ctx, sink_index, sink, out, out_lse, grad_out, grad_out_lse, b
     inputs' base)."""
     if sink is None or not ctx.needs_input_grad[sink_index]:
         return None
-    return sink_gradient(torch, sink.float(), out.float(), out_lse, _incoming(grad_out, out).float(),
-                                grad_out_lse, base).to(sink.dtype)
+    f32 = out_lse.dtype  # float32, or float64 for a float64 call
+    return sink_gradient(torch, sink.to(f32), out.to(f32), out_lse, _incoming(grad_out, out).to(f32), grad_out_lse,
+                         base).to(sink.dtype)
 
 
 def _merge_states_grad(ctx, grad_out, grad_out_lse):
@@ -518,10 +519,10 @@ def _merge_share_grad(ctx, grad_out, grad_out_lse):
     base, _, out_lse, grad_out_lse = _in_inputs_base(ctx, out_lse, grad_out_lse)
     grad_o = grad_lse = None
     if any(ctx.needs_input_grad[:2]):
-        f32 = torch.float32
+        f32 = lse.dtype  # float32, or float64 for a float64 call
         grad_o, grad_lse = share_gradient(torch, o.to(f32), lse, ctx.options["index"], out_lse,
-                                                 _incoming(grad_out, out).to(f32), grad_out_lse, base,
-                                                 ctx.options.get("states_axis", 1))
+                                          _incoming(grad_out, out).to(f32), grad_out_lse, base,
+                                          ctx.options.get("states_axis", 1))
         grad_o = grad_o.to(o.dtype) if ctx.needs_input_grad[0] else None
         grad_lse = grad_lse if ctx.needs_input_grad[1] else None
     return grad_o, grad_lse, None, _sink_grad_of(ctx, 3, sink, out, out_lse, grad_out, grad_out_lse, base)

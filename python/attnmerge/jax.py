@@ -146,7 +146,8 @@ def _ffi(op, outs, operands, key: Options, *, sink=None, scale=None, vectorized=
 
 
 def _results(tokens, heads, head_size, dtype):
-    return (jax.ShapeDtypeStruct((tokens, heads, head_size), dtype), jax.ShapeDtypeStruct((tokens, heads), jnp.float32))
+    lse = jnp.float64 if dtype == jnp.float64 else jnp.float32  # a float64 call is float64 whole (CPU, x64)
+    return (jax.ShapeDtypeStruct((tokens, heads, head_size), dtype), jax.ShapeDtypeStruct((tokens, heads), lse))
 
 
 def _out_dtype(opt: Options, like):
@@ -493,14 +494,14 @@ def _with_vjp(forward, backward):
     def bwd(saved, cotangents):
         inputs, out, out_lse = saved
         grad_out, grad_out_lse = cotangents
-        return backward(inputs, out, out_lse, grad_out.astype(out.dtype), grad_out_lse.astype(jnp.float32))
+        return backward(inputs, out, out_lse, grad_out.astype(out.dtype), grad_out_lse.astype(out_lse.dtype))
 
     f.defvjp(fwd, bwd)
     return f
 
 
 def _sink_gradient(sink, out, out_lse, grad_out, grad_out_lse, base):
-    f32 = jnp.float32
+    f32 = out_lse.dtype  # float32, or float64 for a float64 call
     return sink_gradient(jnp, sink.astype(f32), out.astype(f32), out_lse, grad_out.astype(f32), grad_out_lse,
                          base).astype(sink.dtype)
 
@@ -523,7 +524,7 @@ def _merge_fn(key: Options, dtype, has_sink):
             lse_b = lse_b * c_b
         k = _shape(o_a)[0] if a_tokens < 0 else a_tokens  # a's later tokens are never read
         heads, head_size = _shape(o_b)[1:]
-        grads = (jax.ShapeDtypeStruct((k, heads, head_size), o_a.dtype), jax.ShapeDtypeStruct((k, heads), jnp.float32),
+        grads = (jax.ShapeDtypeStruct((k, heads, head_size), o_a.dtype), jax.ShapeDtypeStruct((k, heads), lse_a.dtype),
                  _like(o_b), _like(lse_b))
         g_oa, g_la, g_ob, g_lb = _backward("merge", grads,
                                            (grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b), base=base,
@@ -590,7 +591,7 @@ def _merge_share_fn(key: Options, dtype, has_sink):
     def backward(inputs, out, out_lse, grad_out, grad_out_lse):
         o, lse, *sink = inputs
         out_lse, grad_out_lse = _in_inputs_base(key.bases, out_lse, grad_out_lse)
-        f32 = jnp.float32
+        f32 = lse.dtype  # float32, or float64 for a float64 call
         g_o, g_l = share_gradient(jnp, o.astype(f32), lse, index, out_lse, grad_out.astype(f32), grad_out_lse, base, 1)
         return (g_o.astype(o.dtype), g_l,
                 *(_sink_gradient(s, out, out_lse, grad_out, grad_out_lse, base) for s in sink))

@@ -52,11 +52,11 @@ void call_library(F&& f) {
   check(status);
 }
 
-// What an argument may be, for messages about dtypes the library has no code for (kF32 is also
-// output_scale's: the C ABI's const float*).
+// What an argument may be, for messages about dtypes the library has no code for.
 const char* const kO = dtype_names(ATTNMERGE_ROLE_O_IN);
 const char* const kOut = dtype_names(ATTNMERGE_ROLE_O_OUT);
-const char* const kF32 = dtype_names(ATTNMERGE_ROLE_LSE);
+const char* const kLse = dtype_names(ATTNMERGE_ROLE_LSE);
+const char* const kScale = dtype_names(ATTNMERGE_ROLE_SCALE);  // group scales, and output_scale (a const float*)
 const char* const kMaskDtypes = dtype_names(ATTNMERGE_ROLE_MASK);
 const char* const kIndexDtypes = dtype_names(ATTNMERGE_ROLE_INDPTR);
 
@@ -115,7 +115,8 @@ const float* scale_pointer(const attnmerge_tensor* scale, const ArgName& name) {
   if (scale == nullptr) return nullptr;
   int64_t n = 1;
   for (int i = 0; i < scale->ndim; ++i) n *= scale->shape[i];
-  if (scale->dtype != ATTNMERGE_FLOAT32) type_error(name, "expected a float32 array, got another dtype");
+  if (scale->dtype != ATTNMERGE_FLOAT32)
+    type_error(name, std::string("expected a float32 array, got ") + attnmerge_dtype_info_of(scale->dtype)->array_name);
   if (n != 1)
     value_error(name, "expected a number or a one-element float32 array, got " + std::to_string(n) + " elements");
   return static_cast<const float*>(scale->data);
@@ -152,9 +153,9 @@ class Forward {
   static CallArrays<kArrays> read(const Record& r, const CallerNames& n, const Param (&own)[N], int like, int outputs,
                                   std::index_sequence<I...>) {
     const Param params[kArrays] = {own[I]...,
-                                   {r.scale, n("output_scale"), kF32},
-                                   {r.sink, n("sink"), kF32},
-                                   {r.group_scales, n("group_scales"), kF32}};
+                                   {r.scale, n("output_scale"), kScale},
+                                   {r.sink, n("sink"), kLse},
+                                   {r.group_scales, n("group_scales"), kScale}};
     return CallArrays<kArrays>(params, r.stream, like, outputs);
   }
 
@@ -170,11 +171,11 @@ void merge(py::handle out, py::handle out_lse, py::handle o_a, py::handle lse_a,
   const CallerNames n(r.names);
   Forward<6> f(r, n,
                {{out, n("out"), kOut},
-                {out_lse, n("out_lse"), kF32},
+                {out_lse, n("out_lse"), kLse},
                 {o_a, n("o_a"), kO},
-                {lse_a, n("lse_a"), kF32},
+                {lse_a, n("lse_a"), kLse},
                 {o_b, n("o_b"), kO},
-                {lse_b, n("lse_b"), kF32}},
+                {lse_b, n("lse_b"), kLse}},
                4, 2);
   const attnmerge_options opt = f.options(n);
   const auto& t = f.c.t;
@@ -187,9 +188,9 @@ void merge_inplace(py::handle o, py::handle lse, py::handle o_other, py::handle 
   const CallerNames n(r.names);
   Forward<5> f(r, n,
                {{o, n("o"), kO},
-                {lse, n("lse"), kF32},
+                {lse, n("lse"), kLse},
                 {o_other, n("o_other"), kO},
-                {lse_other, n("lse_other"), kF32},
+                {lse_other, n("lse_other"), kLse},
                 {mask, n("mask"), kMaskDtypes}},
                0, 0);
   const attnmerge_options opt = f.options(n);
@@ -200,7 +201,7 @@ void merge_inplace(py::handle o, py::handle lse, py::handle o_other, py::handle 
 void merge_states(py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle record) {
   const Record r(record);
   const CallerNames n(r.names);
-  Forward<4> f(r, n, {{out, n("out"), kOut}, {out_lse, n("out_lse"), kF32}, {o, n("o"), kO}, {lse, n("lse"), kF32}},
+  Forward<4> f(r, n, {{out, n("out"), kOut}, {out_lse, n("out_lse"), kLse}, {o, n("o"), kO}, {lse, n("lse"), kLse}},
                2, 2);
   for (int i : {2, 3}) states_at(f.c.views[i], r.c.states_axis);
   const attnmerge_options opt = f.options(n);
@@ -214,9 +215,9 @@ void merge_varlen(py::handle out, py::handle out_lse, py::handle o, py::handle l
   const CallerNames n(r.names);
   Forward<5> f(r, n,
                {{out, n("out"), kOut},
-                {out_lse, n("out_lse"), kF32},
+                {out_lse, n("out_lse"), kLse},
                 {o, n("o"), kO},
-                {lse, n("lse"), kF32},
+                {lse, n("lse"), kLse},
                 {indptr, n("indptr"), kIndexDtypes}},
                2, 2);
   const attnmerge_options opt = f.options(n);
@@ -227,7 +228,7 @@ void merge_varlen(py::handle out, py::handle out_lse, py::handle o, py::handle l
 void merge_share(py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle record) {
   const Record r(record);
   const CallerNames n(r.names);
-  Forward<4> f(r, n, {{out, n("out"), kOut}, {out_lse, n("out_lse"), kF32}, {o, n("o"), kO}, {lse, n("lse"), kF32}},
+  Forward<4> f(r, n, {{out, n("out"), kOut}, {out_lse, n("out_lse"), kLse}, {o, n("o"), kO}, {lse, n("lse"), kLse}},
                2, 2);
   states_at(f.c.views[3], r.c.states_axis);
   const attnmerge_options opt = f.options(n);
@@ -261,19 +262,21 @@ void merge_backward(py::handle grad_o_a, py::handle grad_lse_a, py::handle grad_
                     py::handle lse_a, py::handle o_b, py::handle lse_b, py::handle record) {
   const Record r(record);
   CallArrays<12> c({{grad_o_a, "grad_o_a", kO},
-                    {grad_lse_a, "grad_lse_a", kF32},
+                    {grad_lse_a, "grad_lse_a", kLse},
                     {grad_o_b, "grad_o_b", kO},
-                    {grad_lse_b, "grad_lse_b", kF32},
+                    {grad_lse_b, "grad_lse_b", kLse},
                     {grad_out, "grad_out", kO},
-                    {grad_out_lse, "grad_out_lse", kF32},
+                    {grad_out_lse, "grad_out_lse", kLse},
                     {out, "out", kO},
-                    {out_lse, "out_lse", kF32},
+                    {out_lse, "out_lse", kLse},
                     {o_a, "o_a", kO},
-                    {lse_a, "lse_a", kF32},
+                    {lse_a, "lse_a", kLse},
                     {o_b, "o_b", kO},
-                    {lse_b, "lse_b", kF32}},
+                    {lse_b, "lse_b", kLse}},
                    r.stream, 10);
-  const attnmerge_options options = options_of(r.c);
+  attnmerge_options options = options_of(r.c);
+  const CallerNames n(r.names);  // a missing array is "None" from Python
+  n.pass_to(options);
   call_library([&] {
     return attnmerge_merge_backward(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], c.t[6], c.t[7], c.t[8], c.t[9],
                                     c.t[10], c.t[11], &options, c.stream());
@@ -284,16 +287,18 @@ void merge_states_backward(py::handle grad_o, py::handle grad_lse, py::handle gr
                            py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle record) {
   const Record r(record);
   CallArrays<8> c({{grad_o, "grad_o", kO},
-                   {grad_lse, "grad_lse", kF32},
+                   {grad_lse, "grad_lse", kLse},
                    {grad_out, "grad_out", kO},
-                   {grad_out_lse, "grad_out_lse", kF32},
+                   {grad_out_lse, "grad_out_lse", kLse},
                    {out, "out", kO},
-                   {out_lse, "out_lse", kF32},
+                   {out_lse, "out_lse", kLse},
                    {o, "o", kO},
-                   {lse, "lse", kF32}},
+                   {lse, "lse", kLse}},
                   r.stream, 6);
   for (int i : {0, 1, 6, 7}) states_at(c.views[i], r.c.states_axis);  // the gradients laid out as o and lse
-  const attnmerge_options options = options_of(r.c);
+  attnmerge_options options = options_of(r.c);
+  const CallerNames n(r.names);  // a missing array is "None" from Python
+  n.pass_to(options);
   call_library([&] {
     return attnmerge_merge_states_backward(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], c.t[6], c.t[7], &options,
                                            c.stream());
@@ -305,16 +310,18 @@ void merge_varlen_backward(py::handle grad_o, py::handle grad_lse, py::handle gr
                            py::handle record) {
   const Record r(record);
   CallArrays<9> c({{grad_o, "grad_o", kO},
-                   {grad_lse, "grad_lse", kF32},
+                   {grad_lse, "grad_lse", kLse},
                    {grad_out, "grad_out", kO},
-                   {grad_out_lse, "grad_out_lse", kF32},
+                   {grad_out_lse, "grad_out_lse", kLse},
                    {out, "out", kO},
-                   {out_lse, "out_lse", kF32},
+                   {out_lse, "out_lse", kLse},
                    {o, "o", kO},
-                   {lse, "lse", kF32},
+                   {lse, "lse", kLse},
                    {indptr, "indptr", kIndexDtypes}},
                   r.stream, 6);
-  const attnmerge_options options = options_of(r.c);
+  attnmerge_options options = options_of(r.c);
+  const CallerNames n(r.names);  // a missing array is "None" from Python
+  n.pass_to(options);
   call_library([&] {
     return attnmerge_merge_varlen_backward(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], c.t[6], c.t[7], c.t[8],
                                            &options, c.stream());
@@ -460,6 +467,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("ROLE_LSE") = ATTNMERGE_ROLE_LSE;
   m.attr("ROLE_MASK") = ATTNMERGE_ROLE_MASK;
   m.attr("ROLE_INDPTR") = ATTNMERGE_ROLE_INDPTR;
+  m.attr("ROLE_SCALE") = ATTNMERGE_ROLE_SCALE;
   m.attr("LSE_BASE2") = ATTNMERGE_LSE_BASE2;
   m.attr("LSE_HEADS_FIRST") = ATTNMERGE_LSE_HEADS_FIRST;
   m.attr("LSE_B_BASE2") = ATTNMERGE_LSE_B_BASE2;

@@ -357,14 +357,9 @@ _NONE_WORDS = "expected an array, got None"
 for name in ("o_a", "lse_a", "o_b", "lse_b"):
     for label, obj in (("None", None), ("str", "array"), ("float", 3.0)):
         for outputs in ("given", "allocated"):
-            marks = ()
-            if label == "None" and outputs == "allocated" and name in ("o_a", "o_b"):
-                marks = (pytest.mark.xfail(strict=True, reason="the Python layer's own message (attnmerge/_merge.py, "
-                                                               "the lead's) says 'got NoneType'"),)
             bad(f"merge-{name}-{label}-outputs-{outputs}", "merge",
                 both(to(name, obj), *(() if outputs == "given" else (to("out", None), to("out_lse", None)))),
-                TypeError, name, layers=PY, exact=f"{name}: {_NONE_WORDS}" if label == "None" else None,
-                marks=marks)
+                TypeError, name, layers=PY, exact=f"{name}: {_NONE_WORDS}" if label == "None" else None)
 for outputs in ("given", "allocated"):
     bad(f"merge-o_a-nested-list-outputs-{outputs}", "merge",
         both(to("o_a", lambda x, a: x.tolist()), *(() if outputs == "given" else (to("out", None), to("out_lse", None)))),
@@ -605,9 +600,7 @@ bad("states-output_scale-array-of-two", "merge_states",
     "output_scale", layers=PY)
 bad("states-output_scale-array-float64", "merge_states",
     both(to("out", poisoned((T, H, D), FP8)), options(output_scale=np.array([1.0]))), (TypeError, ValueError),
-    "output_scale", "float64", layers=PY,
-    marks=(pytest.mark.xfail(strict=True, reason="the binding's output_scale message (python/src/_C.cpp, the "
-                                                 "lead's) says 'another dtype' for a dtype the table now has"),))
+    "output_scale", "float64", layers=PY)
 
 # ================================================================================================
 # merge_varlen (on the CPU a bad indptr is refused; on the GPU it is clamped: tests/semantics/)

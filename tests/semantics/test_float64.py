@@ -248,11 +248,30 @@ def test_torch_gradcheck_in_float64_without_warnings():
 # the Python layer's outputs
 
 
-@pytest.mark.xfail(strict=True, reason="the Python layer (attnmerge/_merge.py, the lead's) allocates out_lse and "
-                   "LSE gradients as float32 whatever the inputs' LSE dtype")
 def test_allocated_float64_outputs_are_float64(rng):
     o_a, o_b, lse_a, lse_b = o64(rng, (5, 2, 8)), o64(rng, (5, 2, 8)), lse64(rng, (5, 2)), lse64(rng, (5, 2))
     out, out_lse = attnmerge.merge(o_a, lse_a, o_b, lse_b)
     ref_o, ref_lse = reference_merge(o_a, lse_a, o_b, lse_b)
     close(out, ref_o, "out")
     close(out_lse, ref_lse, "out_lse")
+
+
+def test_attnmerge_jax_takes_float64_under_x64_with_float64_gradients(rng):
+    """Under jax_enable_x64 a float64 call runs the CPU path in float64, forward and gradients."""
+    jax = pytest.importorskip("jax")
+    try:
+        import attnmerge.jax as amj
+    except ImportError as e:
+        pytest.skip(f"attnmerge.jax: {e}")
+    from jax.test_util import check_grads
+    enable_x64 = jax.enable_x64 if hasattr(jax, "enable_x64") else __import__("jax.experimental").experimental.enable_x64
+    o_a, o_b, lse_a, lse_b = o64(rng, (5, 2, 8)), o64(rng, (5, 2, 8)), lse64(rng, (5, 2)), lse64(rng, (5, 2))
+    with enable_x64(True):
+        jnp = jax.numpy
+        args = [jax.device_put(jnp.asarray(x), jax.devices("cpu")[0]) for x in (o_a, lse_a, o_b, lse_b)]
+        out, out_lse = amj.merge(*args)
+        assert out.dtype == jnp.float64 and out_lse.dtype == jnp.float64
+        ref_o, ref_lse = reference_merge(o_a, lse_a, o_b, lse_b)
+        close(np.asarray(out), ref_o, "out")
+        close(np.asarray(out_lse), ref_lse, "out_lse")
+        check_grads(lambda *x: amj.merge(*x)[0], args, order=1, modes=["rev"])
