@@ -3,8 +3,10 @@
 // layer builds descriptors from integer pointers.  It checks nothing the C ABI checks.
 #include <dlfcn.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <utility>
+#include <vector>
 #include <string>
 #include <type_traits>
 
@@ -37,6 +39,9 @@ void check(attnmerge_status status) {
     case ATTNMERGE_SUCCESS: return;
     case ATTNMERGE_ERROR_TYPE: throw py::type_error(attnmerge_last_error());
     case ATTNMERGE_ERROR_VALUE: throw py::value_error(attnmerge_last_error());
+    case ATTNMERGE_ERROR_TIMEOUT:
+      PyErr_SetString(PyExc_TimeoutError, attnmerge_last_error());
+      throw py::error_already_set();
     default: throw std::runtime_error(attnmerge_last_error());
   }
 }
@@ -383,6 +388,74 @@ void merge_raw(int64_t tokens, int64_t heads, int64_t head_size, py::handle out,
   });
 }
 
+// ---- the exchange fused with the merge ---------------------------------------------------------
+
+// One rank of an exchange, its C descriptor built once: every rank's O, LSE and pad pointers (as
+// this rank addresses them) and the layout they share, read off this rank's own O and LSE arrays
+// (kept alive by the Python object that holds this one).
+class Exchange {
+ public:
+  Exchange(py::handle o, py::handle lse, std::vector<uintptr_t> o_ptrs, std::vector<uintptr_t> lse_ptrs,
+           std::vector<uintptr_t> pad_ptrs, int32_t rank, int32_t reuse, int64_t timeout_ns)
+      : layout_(py::reinterpret_borrow<py::object>(o)), o_(begin_ptrs(o_ptrs)), lse_(begin_ptrs(lse_ptrs)),
+        pads_(pad_ptrs.size()) {
+    for (std::size_t i = 0; i < pad_ptrs.size(); ++i) pads_[i] = reinterpret_cast<void*>(pad_ptrs[i]);
+    CallArrays<2> c({{o, "o", kO}, {lse, "lse", kLse}}, py::none(), 0);
+    x_.struct_size = 0;
+    x_.rank = rank;
+    x_.world_size = static_cast<int32_t>(pad_ptrs.size());
+    x_.reuse = reuse;
+    x_.timeout_ns = timeout_ns;
+    x_.o = o_.data();
+    x_.lse = lse_.data();
+    x_.pads = pads_.data();
+    x_.o_layout = *c.t[0];
+    x_.lse_layout = *c.t[1];
+    x_.o_layout.data = x_.lse_layout.data = nullptr;  // each rank's is o[p], lse[p]
+    if (o_.size() != pads_.size() || lse_.size() != pads_.size())
+      value_error("o, lse, pads", "expected one entry per rank each, got " + std::to_string(o_.size()) + ", " +
+                                      std::to_string(lse_.size()) + " and " + std::to_string(pads_.size()));
+  }
+
+  void publish(int64_t epoch, py::handle stream) {
+    void* s = stream_of(stream);
+    call_library([&] { return attnmerge_exchange_publish(&x_, epoch, s); });
+  }
+
+  void merge(py::handle out, py::handle out_lse, int32_t slice, int64_t slice_begin, int64_t epoch,
+             py::handle record) {
+    const Record r(record);
+    const CallerNames n(r.names);
+    Forward<2> f(r, n, {{out, n("out"), kOut}, {out_lse, n("out_lse"), kLse}}, 0, 2);
+    const attnmerge_options opt = f.options(n);
+    const auto& t = f.c.t;
+    void* const s = f.c.stream();
+    call_library([&] { return attnmerge_merge_exchange(t[0], t[1], &x_, slice, slice_begin, epoch, &opt, s); });
+  }
+
+  void status(py::handle stream) {
+    void* s = stream_of(stream);
+    call_library([&] { return attnmerge_exchange_status(&x_, s); });
+  }
+
+  int32_t device() const { return x_.o_layout.device; }
+
+ private:
+  static std::vector<const void*> begin_ptrs(const std::vector<uintptr_t>& ptrs) {
+    std::vector<const void*> v(ptrs.size());
+    for (std::size_t i = 0; i < ptrs.size(); ++i) v[i] = reinterpret_cast<const void*>(ptrs[i]);
+    return v;
+  }
+  // The stream of a call that takes no array of its own: as given, or for None that of the
+  // framework of this rank's O (array_view.h's one reading of stream=None).
+  void* stream_of(py::handle stream) { return CallArrays<1>({{layout_, "o", kO}}, stream, 0).stream(); }
+
+  py::object layout_;  // this rank's O, whose framework says what stream=None means
+  std::vector<const void*> o_, lse_;
+  std::vector<void*> pads_;
+  attnmerge_exchange x_ = {};
+};
+
 std::string library_path() {
   Dl_info info;
   if (dladdr(reinterpret_cast<void*>(&attnmerge_version), &info) && info.dli_fname) return info.dli_fname;
@@ -447,6 +520,21 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("flag_reader", &attnmerge_py::flag_reader, py::arg("type"), py::arg("name"), py::arg("gate"),
         py::arg("tracing") = py::none());
+  py::class_<Exchange>(m, "Exchange")
+      .def(py::init<py::handle, py::handle, std::vector<uintptr_t>, std::vector<uintptr_t>, std::vector<uintptr_t>,
+                    int32_t, int32_t, int64_t>(),
+           py::arg("o"), py::arg("lse"), py::arg("o_ptrs"), py::arg("lse_ptrs"), py::arg("pad_ptrs"), py::arg("rank"),
+           py::arg("reuse"), py::arg("timeout_ns"))
+      .def("publish", &Exchange::publish, py::arg("epoch"), py::arg("stream"))
+      .def("merge", &Exchange::merge, py::arg("out"), py::arg("out_lse"), py::arg("slice"), py::arg("slice_begin"),
+           py::arg("epoch"), py::arg("options"))
+      .def("status", &Exchange::status, py::arg("stream"))
+      .def_property_readonly("device", &Exchange::device);
+  m.def("exchange_pad_bytes", &attnmerge_exchange_pad_bytes, py::arg("world_size"));
+  m.attr("EXCHANGE_WAIT_READERS") = static_cast<int>(ATTNMERGE_EXCHANGE_WAIT_READERS);
+  m.attr("EXCHANGE_ALTERNATE") = static_cast<int>(ATTNMERGE_EXCHANGE_ALTERNATE);
+  m.attr("SLICE_TOKENS") = static_cast<int>(ATTNMERGE_SLICE_TOKENS);
+  m.attr("SLICE_HEADS") = static_cast<int>(ATTNMERGE_SLICE_HEADS);
   m.def("version_string", &attnmerge_version_string);
   m.def("version", &attnmerge_version);
   m.def("cuda_architectures", &attnmerge_cuda_architectures);
