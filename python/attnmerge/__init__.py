@@ -41,14 +41,36 @@ _XLA_HOW = ("install a release wheel, which carries it, or build from source wit
             "ATTNMERGE_BUILD_JAX=1 pip install . (Python 3.11 or newer)")
 
 
+def _archs(text: str) -> list[str]:
+    return [a for a in text.split(";") if a]
+
+
 def build_info() -> dict[str, _Any]:
-    """The library's version, the CUDA toolkit it was built with, its compiled GPU architectures,
-    the driver's CUDA version (0 without a driver), the number of usable GPUs, the library's path
-    and whether the JAX extension (attnmerge.jax) was built."""
+    """The library's version, the CUDA toolkit it was built with, its GPU code, the driver's CUDA
+    version (0 without a driver), the number of usable GPUs, the library's path and whether the JAX
+    extension (attnmerge.jax) was built.
+
+    The GPU code: `cuda_architectures`, the SMs with SASS (["90"]; [] for a build of PTX alone);
+    `cuda_ptx_architectures`, the virtual architectures whose PTX the driver JIT-compiles at first
+    use for a GPU without SASS of its own (the newest not above the GPU's SM; [] for none, and then
+    such a GPU runs nothing); `cuda_architectures_choice`, how the build chose them: "detected" (the
+    build machine's GPUs), "no-gpu" (none there: PTX alone), "release" or "requested".
+
+    Examples
+    --------
+    >>> import attnmerge
+    >>> info = attnmerge.build_info()
+    >>> info["cuda_architectures_choice"] in {"detected", "no-gpu", "release", "requested"}
+    True
+    >>> bool(info["cuda_architectures"] or info["cuda_ptx_architectures"])  # some GPU code
+    True
+    """
     return {
         "version": __version__,
         "cuda_build_version": _C.cuda_build_version(),
-        "cuda_architectures": _C.cuda_architectures().split(";"),
+        "cuda_architectures": _archs(_C.cuda_architectures()),
+        "cuda_ptx_architectures": _archs(_C.cuda_ptx_architectures()),
+        "cuda_architectures_choice": _C.cuda_architectures_choice(),
         "driver_version": _C.cuda_driver_version(),
         "device_count": _C.device_count(),
         "library": _C.library_path(),
