@@ -11,8 +11,9 @@ of every form must be the single-process attention over all the keys, computed h
 the same states as the all-gather, so their rows are its rows bit for bit.
 
 The processes start once per world size (2 and 4), as torchrun starts them (env:// rendezvous, one
-subprocess per rank, `--combine all`); the fused form is also run by processes torch.multiprocessing
-starts, handed tensors in shared memory (share_memory_()) that every one of them addresses.
+subprocess per rank, `--combine all`); with two GPUs the same runs over NCCL (a `gpu` test).  The
+fused form is also run by processes torch.multiprocessing starts, handed tensors in shared memory
+(share_memory_()) that every one of them addresses.
 """
 
 from __future__ import annotations
@@ -40,9 +41,13 @@ EXAMPLE = os.path.join(ROOT, "examples", "context_parallel.py")
 DOC = os.path.join(ROOT, "docs", "context-parallel.md")
 # A problem whose key count does not divide by P: the shards differ in size.
 PROBLEM = dict(seed=7, tokens=24, heads=4, head_size=64, keys=1001)
-# Every form of --combine all on gloo, by the example's labels.
+# Every form of --combine all on gloo, by the example's labels (NCCL: the receive layout [cp, T, H, D] alone).
 LABELS = ["gather", "share"] + [f"all_to_all[{layout}{packed}]" for layout in ("cp,T,H,D", "T,cp,H,D", "T,H,cp,D")
                                  for packed in ("", ", packed")] + ["ring", "fused"]
+
+
+def labels(backend):
+    return [x for x in LABELS if backend == "gloo" or not x.startswith(("all_to_all[T,cp", "all_to_all[T,H,cp"))]
 
 
 def example():
@@ -64,7 +69,7 @@ def reference(q, k, v, scale=None):
     return o, (m + np.log(w))[..., 0]
 
 
-def check(results, world, label):
+def check(results, label):
     """Every rank's result of form `label` is its heads of the float64 attention."""
     q, k, v = example().make_problem(**PROBLEM)
     ref_o, ref_lse = reference(q, k, v)
@@ -83,22 +88,29 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w} processes")
+@pytest.fixture(scope="module", params=[("gloo", 2), ("gloo", 4), pytest.param(("nccl", 2), marks=pytest.mark.gpu)],
+                ids=lambda p: f"{p[0]}, {p[1]} processes")
 def launched(request, tmp_path_factory):
     """`torchrun --nproc-per-node P examples/context_parallel.py --combine all`, emulated: one process
-    per rank with torchrun's environment variables (env:// rendezvous on a free local port).  Each
-    rank's results by label, and rank 0's printout."""
-    world = request.param
-    folder = tmp_path_factory.mktemp(f"cp{world}")
+    per rank with torchrun's environment variables (env:// rendezvous on a free local port), gloo on
+    the CPU or NCCL with a GPU each (skipped without two).  The backend, each rank's results by
+    label, and rank 0's printout."""
+    backend, world = request.param
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        pytest.skip(f"NCCL with {world} processes needs {world} GPUs, torch sees {torch.cuda.device_count()}")
+    folder = tmp_path_factory.mktemp(f"cp_{backend}{world}")
     port = free_port()
     args = [f"--{k.replace('_', '-')}={v}" for k, v in PROBLEM.items()]
+    device = "cpu" if backend == "gloo" else "cuda"
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", NCCL_NVLS_ENABLE="0",
-                   TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-        cmd = [sys.executable, EXAMPLE, "--device=cpu", "--backend=gloo", f"--save={folder}", "--combine=all", *args]
+                   OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+        if backend == "gloo":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        cmd = [sys.executable, EXAMPLE, f"--device={device}", f"--backend={backend}", f"--save={folder}",
+               "--combine=all", *args]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:
@@ -110,14 +122,16 @@ def launched(request, tmp_path_factory):
                 p.kill()
     for rank, (p, text) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{text}"
-    return world, [torch.load(folder / f"rank{rank}.pt") for rank in range(world)], outputs[0]
+    return backend, [torch.load(folder / f"rank{rank}.pt") for rank in range(world)], outputs[0]
 
 
 @pytest.mark.parametrize("label", LABELS)
 def test_every_form_is_the_attention_over_all_keys(launched, label):
-    world, results, printout = launched
-    assert all(list(r) == LABELS for r in results)
-    check(results, world, label)
+    backend, results, printout = launched
+    assert all(list(r) == labels(backend) for r in results)
+    if label not in labels(backend):
+        pytest.skip(f"{backend} takes no {label}")
+    check(results, label)
     assert label in printout, printout
 
 
@@ -132,7 +146,9 @@ def test_every_rank_merges_the_same_gathered_states(launched):
 def test_the_exchanged_layouts_merge_the_gathered_rows_bit_for_bit(launched):
     """The all-to-all's receive buffers (read where they landed, packed or not) and the fused exchange
     hold the all-gather's states: the same rows, bit for bit, on the CPU."""
-    _, results, _ = launched
+    backend, results, _ = launched
+    if backend != "gloo":
+        pytest.skip("on GPUs the forms' kernels may round differently")
     for by_label in results:
         everything = by_label["gather"]
         for label in LABELS:
@@ -166,7 +182,7 @@ def test_the_fused_form_over_tensors_in_shared_memory(tmp_path):
     init = f"file://{tmp_path / 'rendezvous'}"
     mp.spawn(_fused_worker, args=(world, init, str(tmp_path), PROBLEM, buffers), nprocs=world, join=True)
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
-    check(results, world, "fused")
+    check(results, "fused")
     q, k, v = cp.make_problem(**PROBLEM)
     for rank in range(world):
         begin, end = cp.shard_bounds(PROBLEM["keys"], world, rank)
