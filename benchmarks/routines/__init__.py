@@ -5,6 +5,7 @@ ROUTINES = {
     "bases": ("bases", "mixed LSE bases against one base and against converting first"),
     "group_fp8": ("group_fp8", "per-group FP8 outputs against bf16 and against bf16 then a quantization"),
     "share": ("share", "merge_share against a two-way merge of the same rows and the floor"),
+    "layouts": ("layouts", "merge_states on an exchange's layouts and packed records against the stacked layout"),
     "exchange": ("exchange", "the exchange fused with the merge, ranks on one GPU, against the floor and a gather"),
     "plain_pairs": ("plain_pairs", "the plain two-way kernels against the general one, per dtype pair"),
     "vs_seed": ("vs_seed", "the two-way merge against vLLM's kernel this project started from"),
