@@ -7,6 +7,7 @@ ROUTINES = {
     "share": ("share", "merge_share against a two-way merge of the same rows and the floor"),
     "layouts": ("layouts", "merge_states on an exchange's layouts and packed records against the stacked layout"),
     "exchange": ("exchange", "the exchange fused with the merge, ranks on one GPU, against the floor and a gather"),
+    "pdl_chain": ("pdl_chain", "a producer kernel then the merge, graph-captured, with and without PDL"),
     "plain_pairs": ("plain_pairs", "the plain two-way kernels against the general one, per dtype pair"),
     "vs_seed": ("vs_seed", "the two-way merge against vLLM's kernel this project started from"),
     "vs_flashinfer": ("vs_flashinfer", "the merge family against FlashInfer's CUDA cascade kernels"),
