@@ -15,11 +15,13 @@ from ctypes import POINTER, Structure, c_char_p, c_float, c_int, c_int32, c_int6
 import numpy as np
 
 # attnmerge_status
-SUCCESS, ERROR_VALUE, ERROR_TYPE, ERROR_NO_DEVICE, ERROR_CUDA = 0, 1, 2, 3, 4
-STATUSES = (SUCCESS, ERROR_VALUE, ERROR_TYPE, ERROR_NO_DEVICE, ERROR_CUDA)
+SUCCESS, ERROR_VALUE, ERROR_TYPE, ERROR_NO_DEVICE, ERROR_CUDA, ERROR_TIMEOUT = 0, 1, 2, 3, 4, 5
+STATUSES = (SUCCESS, ERROR_VALUE, ERROR_TYPE, ERROR_NO_DEVICE, ERROR_CUDA, ERROR_TIMEOUT)
 
 # attnmerge_dtype (the library's table, dtypes(), says what each is; test_abi_exports holds these to it)
-FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3, UINT8, BOOL, INT32, INT64 = range(8)
+FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3, UINT8, BOOL, INT32, INT64, FLOAT64 = range(9)
+# attnmerge_dtype_info.roles
+ROLE_O_IN, ROLE_O_OUT, ROLE_LSE, ROLE_MASK, ROLE_INDPTR, ROLE_SCALE = 1, 2, 4, 8, 16, 32
 
 HOST = -1
 MAX_NDIM = 4
@@ -104,9 +106,34 @@ class DtypeInfo(Structure):
 
 # attnmerge_launch_info.kernel
 KERNEL_NONE, KERNEL_ROWS, KERNEL_ROWS_PLAIN, KERNEL_ROWS_INPLACE, KERNEL_STATES, KERNEL_BACKWARD = 0, 1, 2, 3, 4, 5
+KERNEL_EXCHANGE = 6
+
+# the exchange: attnmerge_exchange_reuse, attnmerge_slice, ATTNMERGE_EXCHANGE_MAX_WORLD
+WAIT_READERS, ALTERNATE = 0, 1
+SLICE_TOKENS, SLICE_HEADS = 0, 1
+MAX_WORLD = 72
+
+
+class Exchange(Structure):
+    """attnmerge_exchange."""
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("rank", c_int32),
+        ("world_size", c_int32),
+        ("reuse", c_int32),
+        ("timeout_ns", c_int64),
+        ("o", POINTER(c_void_p)),
+        ("lse", POINTER(c_void_p)),
+        ("pads", POINTER(c_void_p)),
+        ("o_layout", Tensor),
+        ("lse_layout", Tensor),
+    ]
+
 
 TensorP = POINTER(Tensor)
 OptionsP = POINTER(Options)
+ExchangeP = POINTER(Exchange)
 
 _SIGNATURES = {
     "attnmerge_merge": (c_int, [TensorP, TensorP, TensorP, TensorP, TensorP, TensorP, OptionsP, c_void_p]),
@@ -117,12 +144,18 @@ _SIGNATURES = {
     "attnmerge_merge_backward": (c_int, [TensorP] * 12 + [OptionsP, c_void_p]),
     "attnmerge_merge_states_backward": (c_int, [TensorP] * 8 + [OptionsP, c_void_p]),
     "attnmerge_merge_varlen_backward": (c_int, [TensorP] * 9 + [OptionsP, c_void_p]),
+    "attnmerge_exchange_pad_bytes": (c_int64, [c_int32]),
+    "attnmerge_exchange_publish": (c_int, [ExchangeP, c_int64, c_void_p]),
+    "attnmerge_merge_exchange": (c_int, [TensorP, TensorP, ExchangeP, c_int32, c_int64, c_int64, OptionsP, c_void_p]),
+    "attnmerge_exchange_status": (c_int, [ExchangeP, c_void_p]),
     "attnmerge_last_error": (c_char_p, []),
     "attnmerge_last_launch": (None, [POINTER(LaunchInfo)]),
     "attnmerge_status_string": (c_char_p, [c_int]),
     "attnmerge_version": (c_int, []),
     "attnmerge_version_string": (c_char_p, []),
     "attnmerge_cuda_architectures": (c_char_p, []),
+    "attnmerge_cuda_ptx_architectures": (c_char_p, []),
+    "attnmerge_cuda_architectures_choice": (c_char_p, []),
     "attnmerge_cuda_build_version": (c_int, []),
     "attnmerge_cuda_driver_version": (c_int, []),
     "attnmerge_device_count": (c_int, []),
@@ -285,3 +318,35 @@ def merge_varlen_backward(grad_o, grad_lse, grad_out, grad_out_lse, out, out_lse
                           stream=None) -> int:
     args = (grad_o, grad_lse, grad_out, grad_out_lse, out, out_lse, o, lse, indptr)
     return load().attnmerge_merge_varlen_backward(*(ref(a) for a in args), ref(opts), stream)
+
+
+def exchange(rank, o, lse, pads, o_layout, lse_layout, *, timeout_ns=10**9, reuse=WAIT_READERS, struct_size=None):
+    """An Exchange of rank `rank`: o, lse and pads one address each (int) per rank, o_layout and lse_layout
+    Tensors (their data unread)."""
+    x = Exchange()
+    x.struct_size = ctypes.sizeof(Exchange) if struct_size is None else struct_size
+    x.rank = rank
+    x.world_size = len(pads)
+    x.reuse = reuse
+    x.timeout_ns = timeout_ns
+    for field, entries in (("o", o), ("lse", lse), ("pads", pads)):
+        if entries is None:
+            continue
+        array = (c_void_p * max(1, len(entries)))(*entries)
+        setattr(x, "_" + field, array)  # alive with x
+        setattr(x, field, ctypes.cast(array, POINTER(c_void_p)))
+    x.o_layout = o_layout
+    x.lse_layout = lse_layout
+    return x
+
+
+def exchange_publish(x, epoch=0, stream=None) -> int:
+    return load().attnmerge_exchange_publish(ref(x), epoch, stream)
+
+
+def merge_exchange(out, out_lse, x, slice=SLICE_HEADS, slice_begin=0, epoch=0, opts=None, stream=None) -> int:
+    return load().attnmerge_merge_exchange(ref(out), ref(out_lse), ref(x), slice, slice_begin, epoch, ref(opts), stream)
+
+
+def exchange_status(x, stream=None) -> int:
+    return load().attnmerge_exchange_status(ref(x), stream)

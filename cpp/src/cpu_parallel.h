@@ -26,8 +26,8 @@ namespace detail {
 attnmerge_status check_cpu_threads();
 
 // Threads for `accesses` element reads and writes: one per 2^21, at most the hardware's (or
-// ATTNMERGE_NUM_THREADS).  Below that one thread finishes first (benchmarks/NOTES.md, "The CPU
-// path").  Counted in elements, not bytes: a 16-bit element costs a conversion each way.
+// ATTNMERGE_NUM_THREADS).  Below that one thread finishes first
+// (benchmarks/NOTES.md#cpu-threads).  Counted in elements, not bytes: a 16-bit element costs a conversion each way.
 int64_t cpu_threads(int64_t accesses);
 
 // Runs run(ctx, begin, end) over [0, rows), cut into `threads` ranges that the calling thread and

@@ -50,6 +50,7 @@ const char* attnmerge_status_string(attnmerge_status status) {
     case ATTNMERGE_ERROR_TYPE: return "invalid type";
     case ATTNMERGE_ERROR_NO_DEVICE: return "no CUDA device";
     case ATTNMERGE_ERROR_CUDA: return "CUDA runtime error";
+    case ATTNMERGE_ERROR_TIMEOUT: return "timed out waiting for a peer";
   }
   return "unknown status";
 }

@@ -30,7 +30,9 @@ attnmerge_status call_with(F& f, Tag tag) {
 
 // The one dispatch idiom: calls f with a value of the storage type of `dtype` (validated), so that
 // `using T = decltype(tag)` names it, and returns its status (unknown_dtype's for a code with no
-// type).  Inputs are float32, float16 or bfloat16; outputs also FP8.
+// type).  Inputs are float32, float16 or bfloat16; outputs also FP8.  These are the GPU's (and the
+// CPU path's for float32 calls); float64 is the CPU path's alone (dispatch_cpu_in_dtype), so that
+// no kernel is compiled for it.
 template <typename F>
 attnmerge_status dispatch_in_dtype(int dtype, F&& f) {
   switch (dtype) {
@@ -47,12 +49,49 @@ attnmerge_status dispatch_out_dtype(int dtype, F&& f) {
   return dispatch_in_dtype(dtype, f);
 }
 
+// What a call computes in: float32 (whatever its dtypes), or float64 where every O and LSE is
+// float64 (validation decides, and refuses a mix).
+enum class Precision : uint8_t { kFloat32, kFloat64 };
+
+// Calls f with a value of the type a call of `precision` computes in and stores its LSEs in
+// (float, or double for a float64 call), so that `using Real = decltype(tag)` names it.
+template <typename F>
+attnmerge_status dispatch_real(Precision precision, F&& f) {
+  if (precision == Precision::kFloat64) return call_with(f, double{});
+  return call_with(f, float{});
+}
+
+// The CPU path's dispatch for a call computing in Real: float64 storage alone for double (a
+// float64 call is float64 throughout), the dispatch above for float.
+template <typename Real, typename F>
+attnmerge_status dispatch_cpu_in_dtype(int dtype, F&& f) {
+  if constexpr (std::is_same<Real, double>::value) {
+    return dtype == ATTNMERGE_FLOAT64 ? call_with(f, double{}) : unknown_dtype(dtype);
+  } else {
+    return dispatch_in_dtype(dtype, f);
+  }
+}
+
+template <typename Real, typename F>
+attnmerge_status dispatch_cpu_out_dtype(int dtype, F&& f) {
+  if constexpr (std::is_same<Real, double>::value) {
+    return dispatch_cpu_in_dtype<Real>(dtype, f);
+  } else {
+    return dispatch_out_dtype(dtype, f);
+  }
+}
+
 // Every dtype the table lets an O be has a type above: validated calls never reach unknown_dtype.
-static_assert(dtypes_of(ATTNMERGE_ROLE_O_IN) ==
-                  (1u << ATTNMERGE_FLOAT32 | 1u << ATTNMERGE_FLOAT16 | 1u << ATTNMERGE_BFLOAT16),
-              "dispatch_in_dtype has a type for every O a merge reads");
-static_assert(dtypes_of(ATTNMERGE_ROLE_O_OUT) == (dtypes_of(ATTNMERGE_ROLE_O_IN) | 1u << ATTNMERGE_FLOAT8_E4M3),
-              "dispatch_out_dtype has a type for every O a merge writes");
+// The GPU's are the dtypes that may live anywhere; float64 lives on the host.
+constexpr uint32_t kGpuInDtypes = 1u << ATTNMERGE_FLOAT32 | 1u << ATTNMERGE_FLOAT16 | 1u << ATTNMERGE_BFLOAT16;
+static_assert((dtypes_of(ATTNMERGE_ROLE_O_IN) & ~host_only_dtypes()) == kGpuInDtypes,
+              "dispatch_in_dtype has a type for every O a merge reads on the GPU");
+static_assert((dtypes_of(ATTNMERGE_ROLE_O_OUT) & ~host_only_dtypes()) == (kGpuInDtypes | 1u << ATTNMERGE_FLOAT8_E4M3),
+              "dispatch_out_dtype has a type for every O a merge writes on the GPU");
+static_assert(host_only_dtypes() == 1u << ATTNMERGE_FLOAT64 &&
+                  (dtypes_of(ATTNMERGE_ROLE_O_IN) & host_only_dtypes()) == 1u << ATTNMERGE_FLOAT64 &&
+                  (dtypes_of(ATTNMERGE_ROLE_O_OUT) & host_only_dtypes()) == 1u << ATTNMERGE_FLOAT64,
+              "dispatch_cpu_in_dtype and dispatch_cpu_out_dtype have a type for every host-only O");
 
 // Calls f with std::integral_constant<int, vec> for vec in {1, 2, 4, 8}.
 template <typename F>
@@ -67,9 +106,10 @@ void dispatch_vec(int vec, F&& f) {
 }
 
 // CPU path (merge_cpu.cpp): runs on the calling thread, and helpers for large inputs; fails only
-// for a dtype with no type (unknown_dtype).
+// for a dtype with no type (unknown_dtype).  In Source::Real: float, or double for float64 calls.
 template <typename Source>
-attnmerge_status cpu_merge(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype, int out_dtype);
+attnmerge_status cpu_merge(const MergeShape& shape, const Source& src, const BasicOutView<typename Source::Real>& out,
+                           int in_dtype, int out_dtype);
 
 // The backward on the CPU (merge_backward_cpu.cpp); `states`: a row's states (the mean for the
 // variable-length merge), for the thread count.  in_dtype: the inputs' O and their gradients';
@@ -99,6 +139,29 @@ attnmerge_status gpu_stream_synchronize(int device, void* stream);
 // reported naming `what`, a success records `info` for attnmerge_last_launch.
 using GpuJob = int (*)(const DeviceInfo& device, void* ctx, attnmerge_launch_info* info);
 attnmerge_status gpu_run(int device, GpuJob job, void* ctx, const char* what);
+// Checks that `ptr` is memory the GPU `device` can read: its own, a peer's it can access, or managed
+// memory (an exchange's ranks); names `name` in the error.
+attnmerge_status gpu_check_peer_pointer(const void* ptr, int device, const char* name);
+
+// The exchange (attnmerge.h's "Context parallelism on one node").  On the host (exchange.cpp): each
+// call runs this rank's part on the calling thread, returns a failure it meets (recorded in the
+// pad too) or one recorded before, and refuses a stale epoch first.  On the GPU (exchange_gpu.cu):
+// launched on `stream`, failures recorded by the kernels.  exchange_status: the pad's record,
+// described, then cleared; `device` ATTNMERGE_HOST for host pads.
+attnmerge_status cpu_exchange_publish(const exchange::Sync& sync);
+attnmerge_status cpu_merge_exchange(const MergeShape& shape, const ExchangeSource& src, const OutView& out,
+                                    const exchange::Sync& sync, int in_dtype, int out_dtype);
+attnmerge_status gpu_exchange_publish(const exchange::Sync& sync, int device, void* stream);
+attnmerge_status gpu_merge_exchange(const MergeShape& shape, const ExchangeSource& src, const OutView& out,
+                                    const exchange::Sync& sync, const CallFacts& facts, int in_dtype, int out_dtype,
+                                    int device, void* stream);
+attnmerge_status exchange_status(const exchange::Sync& sync, int device, void* stream);
+// The words of a rank's failure record, as its calls return it: a timeout (ATTNMERGE_ERROR_TIMEOUT)
+// or a stale epoch (ATTNMERGE_ERROR_VALUE), naming `rank`, the rank waited for and the epoch.
+attnmerge_status exchange_failure(const exchange::Record& record, int rank);
+// The record in a pad on the GPU (exchange_gpu.cu): read after the work before it on `stream`, and cleared.
+attnmerge_status gpu_take_record(uint64_t* pad, int device, void* stream, exchange::Record& record);
+
 // The backward on the GPU (merge_backward_gpu.cu): planned (plan_backward) and launched on `stream`.
 template <typename Src>
 attnmerge_status gpu_merge_backward(const MergeShape& shape, const BackwardArgs<Src>& args, int vec, bool pdl,

@@ -1,6 +1,7 @@
 // The CPU path: the same sources, row math and conversions as the kernels, over host memory, split
 // into contiguous row ranges across threads when the input is large enough to pay for them.  Unlike
 // the kernels it reads no O of zero weight at all: on the CPU nothing is gained by fetching early.
+// A source's Real is what a row is computed in: float, or double for float64 calls (theirs alone).
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -29,8 +30,11 @@ void quantize_groups(float* acc, int64_t len, const OutView& out, int64_t token,
 }
 
 template <typename Source, typename TIn, typename TOut>
-ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src, const OutView& out, int64_t row_begin, int64_t row_end) {
-  const float factor = out.inverse_scale();
+ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
+                                     const BasicOutView<typename Source::Real>& out, int64_t row_begin,
+                                     int64_t row_end) {
+  using Real = typename Source::Real;
+  const Real factor = out.inverse_scale();
   int64_t token, head;
   shape.split_row(row_begin, token, head);  // then stepped: no division per row
   for (int64_t row = row_begin; row < row_end; ++row) {
@@ -38,36 +42,36 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
       const auto states = src.template row<TIn>(token, head);
       const int n = states.count();
       // State s's LSE as the merge reads it (the source's StateExtras, where the call has them).
-      const auto lse_of = [&](int s) {
+      const auto lse_of = [&](int s) -> Real {
         if constexpr (Source::Traits::kExtras) {
           if (src.extras.on) return src.settle(states.lse(s), token, head, s, true, shape.base2);
         }
         return states.lse(s);
       };
-      RowMerge r(shape.base2);
-      const float sink = sink_lse(src, head);  // a state of output 0: in the max and the total only
+      BasicRowMerge<Real> r(shape.base2);
+      const Real sink = sink_lse(src, head);  // a state of output 0: in the max and the total only
       if constexpr (Source::Traits::kSink) r.see(sink);
       for (int s = 0; s < n; ++s) r.see(lse_of(s));
-      float w[kCached];
+      Real w[kCached];
       for (int s = 0; s < n; ++s) {
-        const float ws = r.weight(lse_of(s));
+        const Real ws = r.weight(lse_of(s));
         if (s < kCached) w[s] = ws;
         r.total += ws;
       }
       if constexpr (Source::Traits::kSink) r.total += r.weight(sink);
       r.finish(factor);
-      TOut* dst = out.o_at<TOut>(token, head);
+      TOut* dst = out.template o_at<TOut>(token, head);
       // The parts that contribute (a part of zero weight is never read); two of them, the common
       // case, in one fused pass over head_size.
       int live = 0, first = -1, second = -1;
       for (int s = 0; s < n && live <= 2; ++s) {
-        if (!states.reads_o(s) || (s < kCached ? w[s] : r.weight(lse_of(s))) == 0.0f) continue;
+        if (!states.reads_o(s) || (s < kCached ? w[s] : r.weight(lse_of(s))) == Real{0}) continue;
         (live++ == 0 ? first : second) = s;
       }
       if (live == 2 && n <= kCached && out.group == 0) {
         const TIn* x = states.template o_at<TIn>(first);
         const TIn* y = states.template o_at<TIn>(second);
-        const float sx = r.scale(w[first]), sy = r.scale(w[second]);
+        const Real sx = r.scale(w[first]), sy = r.scale(w[second]);
         // No loop-carried dependence: dst is x or y itself (in place) or disjoint from both.
 #pragma GCC ivdep
         for (int64_t d = 0; d < shape.head_size; ++d)
@@ -75,13 +79,13 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
       } else {
         for (int64_t d0 = 0; d0 < shape.head_size; d0 += kChunk) {
           const int64_t len = std::min(kChunk, shape.head_size - d0);
-          float acc[kChunk];  // NaN where an LSE is (a sink's too: it has no O to carry the NaN into the sum)
-          std::fill(acc, acc + len, r.nan ? NAN : 0.0f);
+          Real acc[kChunk];  // NaN where an LSE is (a sink's too: it has no O to carry the NaN into the sum)
+          std::fill(acc, acc + len, r.nan ? Real(NAN) : Real{0});
           for (int s = 0; s < n; ++s) {
             if (!states.reads_o(s)) continue;  // it weighs the row and adds nothing to O
-            const float ws = s < kCached ? w[s] : r.weight(lse_of(s));
-            if (ws == 0.0f) continue;
-            const float scale = r.scale(ws);
+            const Real ws = s < kCached ? w[s] : r.weight(lse_of(s));
+            if (ws == Real{0}) continue;
+            const Real scale = r.scale(ws);
             const TIn* o = states.template o_at<TIn>(s) + d0;
             for (int64_t d = 0; d < len; ++d) acc[d] += scale * Convert<TIn>::load(o[d]);
           }
@@ -105,20 +109,22 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
 // reads its own state's alone).
 template <typename Source>
 int64_t states_per_row(const Source&) { return 2; }
-template <>
-int64_t states_per_row(const StackSource& src) { return src.states; }
-template <>
-int64_t states_per_row(const ShareSource&) { return 1; }
+template <typename Real>
+int64_t states_per_row(const BasicStackSource<Real>& src) { return src.states; }
+template <typename Real>
+int64_t states_per_row(const BasicShareSource<Real>&) { return 1; }
+int64_t states_per_row(const ExchangeSource& src) { return src.world; }
 
 }  // namespace
 
 template <typename Source>
-attnmerge_status cpu_merge(const MergeShape& shape, const Source& src, const OutView& out, int in_dtype,
-                           int out_dtype) {
+attnmerge_status cpu_merge(const MergeShape& shape, const Source& src, const BasicOutView<typename Source::Real>& out,
+                           int in_dtype, int out_dtype) {
+  using Real = typename Source::Real;
   const int64_t rows = shape.tokens * shape.heads;
   const int64_t accesses = rows * shape.head_size * (states_per_row(src) + 1);
-  return dispatch_in_dtype(in_dtype, [&](auto in_tag) {
-    return dispatch_out_dtype(out_dtype, [&](auto out_tag) {
+  return dispatch_cpu_in_dtype<Real>(in_dtype, [&](auto in_tag) {
+    return dispatch_cpu_out_dtype<Real>(out_dtype, [&](auto out_tag) {
       using TIn = decltype(in_tag);
       using TOut = decltype(out_tag);
       parallel_rows(rows, cpu_threads(accesses), [&](int64_t begin, int64_t end) {
@@ -128,11 +134,21 @@ attnmerge_status cpu_merge(const MergeShape& shape, const Source& src, const Out
   });
 }
 
-template attnmerge_status cpu_merge<PairSource>(const MergeShape&, const PairSource&, const OutView&, int, int);
-template attnmerge_status cpu_merge<SinkPairSource>(const MergeShape&, const SinkPairSource&, const OutView&, int, int);
-template attnmerge_status cpu_merge<StackSource>(const MergeShape&, const StackSource&, const OutView&, int, int);
-template attnmerge_status cpu_merge<RangeSource>(const MergeShape&, const RangeSource&, const OutView&, int, int);
-template attnmerge_status cpu_merge<ShareSource>(const MergeShape&, const ShareSource&, const OutView&, int, int);
+#define ATTNMERGE_CPU_MERGE(Real)                                                                                    \
+  template attnmerge_status cpu_merge(const MergeShape&, const BasicPairSource<Real>&, const BasicOutView<Real>&, int, \
+                                      int);                                                                            \
+  template attnmerge_status cpu_merge(const MergeShape&, const BasicSinkPairSource<Real>&, const BasicOutView<Real>&,  \
+                                      int, int);                                                                       \
+  template attnmerge_status cpu_merge(const MergeShape&, const BasicStackSource<Real>&, const BasicOutView<Real>&,     \
+                                      int, int);                                                                       \
+  template attnmerge_status cpu_merge(const MergeShape&, const BasicRangeSource<Real>&, const BasicOutView<Real>&,     \
+                                      int, int);                                                                       \
+  template attnmerge_status cpu_merge(const MergeShape&, const BasicShareSource<Real>&, const BasicOutView<Real>&,     \
+                                      int, int);
+ATTNMERGE_CPU_MERGE(float)
+ATTNMERGE_CPU_MERGE(double)
+#undef ATTNMERGE_CPU_MERGE
+template attnmerge_status cpu_merge(const MergeShape&, const ExchangeSource&, const OutView&, int, int);
 
 }  // namespace detail
 }  // namespace attnmerge

@@ -3,6 +3,7 @@
 // instantiated once per source in merge_gpu_{pair,stack,range,share}.cu (compiled in parallel).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include "merge_gpu.cuh"
@@ -15,17 +16,30 @@ attnmerge_status cuda_fail(cudaError_t err, const char* what) {
 }
 
 // Asked once per device (the ordinal's bits beyond kCached are asked every time).
+namespace {
+// A kernel of the library's own fatbinary, asked which code the device runs of it (every unit is
+// compiled for the same architectures).
+__global__ void code_probe() {}
+}  // namespace
+
+// The device's SM count and the compute capability of the code it runs: its own, or lower where the
+// driver JIT-compiles older PTX (a build without SASS for it), whose kernels do not wait for the
+// kernel before them (pdl_wait_then_release is compiled for sm_90 and newer): such code is never
+// launched with programmatic dependent launch.
 DeviceProps device_props(int device) {
   constexpr int kCached = 64;
-  static std::atomic<int> cache[kCached];  // sms | major << 20
+  static std::atomic<int> cache[kCached];  // sms | code major << 20
   int packed = device < kCached ? cache[device].load(std::memory_order_relaxed) : 0;
   if (packed == 0) {
     int sms = 0, major = 0;
+    cudaFuncAttributes code = {};
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaFuncGetAttributes(&code, code_probe) != cudaSuccess) {
       cudaGetLastError();
       return {};  // blocks of the default width and no PDL: still correct
     }
+    major = std::min(major, code.ptxVersion / 10);
     packed = sms | (major << 20);
     if (device < kCached) cache[device].store(packed, std::memory_order_relaxed);
   }
@@ -84,6 +98,32 @@ attnmerge_status gpu_check_pointer(const void* ptr, int device, const ArgNames& 
   }
 }
 
+attnmerge_status gpu_check_peer_pointer(const void* ptr, int device, const char* name) {
+  cudaPointerAttributes attr;
+  const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+  if (err != cudaSuccess) {
+    if (err == cudaErrorInvalidValue) {
+      cudaGetLastError();
+      return fail(ATTNMERGE_ERROR_VALUE,
+                  "%s: expected memory of CUDA device %d or of a peer it can access, got a pointer CUDA does not know",
+                  name, device);
+    }
+    return cuda_fail(err, "while checking a pointer (an earlier error, not one of this call's arguments)");
+  }
+  if (attr.type == cudaMemoryTypeManaged || (attr.type == cudaMemoryTypeDevice && attr.device == device))
+    return ATTNMERGE_SUCCESS;
+  if (attr.type != cudaMemoryTypeDevice)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory of CUDA device %d or of a peer it can access, got host memory",
+                name, device);
+  int peer = 0;
+  if (cudaDeviceCanAccessPeer(&peer, device, attr.device) != cudaSuccess) cudaGetLastError();
+  if (peer) return ATTNMERGE_SUCCESS;
+  return fail(ATTNMERGE_ERROR_VALUE,
+              "%s: expected memory of CUDA device %d or of a peer it can access, got memory of device %d, which device "
+              "%d cannot access",
+              name, device, attr.device, device);
+}
+
 namespace {
 thread_local attnmerge_launch_info g_last_launch = {};
 }  // namespace
@@ -103,6 +143,7 @@ int32_t kernel_of(Variant v) {
     case Variant::kRows:
     case Variant::kRowsLseAfter:
     case Variant::kShare: return ATTNMERGE_KERNEL_ROWS;
+    case Variant::kExchange: return ATTNMERGE_KERNEL_EXCHANGE;
   }
   return ATTNMERGE_KERNEL_ROWS;
 }

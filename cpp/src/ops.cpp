@@ -1,6 +1,7 @@
 // The C ABI's ops.  Each reads as: its contract (a table of its arguments, validate.h), its shape
 // equations, the source its rows read (sources.h, backward_params.h), and route.h.  Every argument
-// is validated once, before anything is written.
+// is validated once, before anything is written.  The sources are built in the Real of the call's
+// precision (dispatch_real): float, or double for a float64 call.
 #include <cinttypes>
 #include <utility>
 
@@ -70,23 +71,37 @@ attnmerge_status range_sizes(Views views, const View& o, const attnmerge_options
   return ATTNMERGE_SUCCESS;
 }
 
+// An exchange's merge: the states' sizes from o (the ranks' layout), its slice's from out (the
+// first argument of the table, whose tokens and heads are the slice's: check_slice holds them to
+// the states').
+attnmerge_status exchange_sizes(Views views, const View& o, const attnmerge_options&, Sizes& n) {
+  n.tokens = o.shape[0];
+  n.heads = o.shape[1];
+  n.head_size = o.shape[2];
+  const View& out = views.v[0];
+  n.slice_tokens = out.shape[0];
+  n.slice_heads = out.shape[1];
+  return check_head_size(o, n.head_size);
+}
+
 // ---- the ops' contracts -----------------------------------------------------------------------
 
 constexpr uint32_t kOIn = ATTNMERGE_ROLE_O_IN, kOOut = ATTNMERGE_ROLE_O_OUT, kLse = ATTNMERGE_ROLE_LSE,
-                   kMask = ATTNMERGE_ROLE_MASK, kIndptr = ATTNMERGE_ROLE_INDPTR,
+                   kMask = ATTNMERGE_ROLE_MASK, kIndptr = ATTNMERGE_ROLE_INDPTR, kScale = ATTNMERGE_ROLE_SCALE,
                    kValid = ATTNMERGE_ROLE_MASK | ATTNMERGE_ROLE_INDPTR;  // options.valid: a mask or counts
 // The tables' axes: tokens, heads, head_size, S, the total states and rows of a variable-length
 // merge (R1 = rows + 1), the tokens of a that are read, and a itself (Dim).
 constexpr Dim T = Dim::kTokens, H = Dim::kHeads, D = Dim::kHeadSize, S = Dim::kStates, N = Dim::kTotal, R = Dim::kRows,
               R1 = Dim::kRowsPlus1, A = Dim::kATokens, AOrMore = Dim::kATokensOrMore, G = Dim::kScaleGroups,
-              P = Dim::kPair;
+              P = Dim::kPair, ST = Dim::kSliceTokens, SH = Dim::kSliceHeads;
 constexpr Use kRead = Use::kRead, kWrite = Use::kWrite, kReadWrite = Use::kReadWrite;
 constexpr Presence kRequired = Presence::kRequired, kOptional = Presence::kOptional;
 constexpr Alias kMayBeOutput = Alias::kMayBeOutput, kNoAlias = Alias::kNone;
 
 constexpr uint32_t kBase2 = ATTNMERGE_LSE_BASE2, kHeadsFirst = ATTNMERGE_LSE_HEADS_FIRST, kATokens = ATTNMERGE_A_TOKENS,
                    kPdl = ATTNMERGE_PDL, kBBase = ATTNMERGE_LSE_B_BASE2 | ATTNMERGE_LSE_B_BASE_E,
-                   kOutBase = ATTNMERGE_OUT_LSE_BASE2 | ATTNMERGE_OUT_LSE_BASE_E, kUe8m0 = ATTNMERGE_GROUP_SCALE_UE8M0;
+                   kOutBase = ATTNMERGE_OUT_LSE_BASE2 | ATTNMERGE_OUT_LSE_BASE_E, kUe8m0 = ATTNMERGE_GROUP_SCALE_UE8M0,
+                   kInvariant = ATTNMERGE_BATCH_INVARIANT;
 
 // Each op: its arguments' table, then make_op(table, the options.flags it takes, the argument whose
 // dtype allows an output scale, the state its sizes come from and that state's LSE, its shape
@@ -103,7 +118,7 @@ constexpr ArgSpec kMergeArgs[] = {
     {"o_b",      kOIn,  {T, H, D},       kRead,  kRequired,  kMayBeOutput,  "o_a"},
     {"lse_b",    kLse,  {T, H},          kRead,  kRequired,  kMayBeOutput},
     {"sink",     kLse,  {H},             kRead,  kOptional},
-    {"group_scales", kLse, {T, H, G},    kWrite, kOptional},
+    {"group_scales", kScale, {T, H, G},  kWrite, kOptional},
     {"sum_a",    kLse,  {AOrMore, H},    kRead,  kOptional},
     {"sum_b",    kLse,  {T, H},          kRead,  kOptional},
     {"valid",    kValid, {T, P},         kRead,  kOptional},
@@ -117,7 +132,7 @@ static_assert(indexed(kMergeArgs, {{MergeArg::kOut, "out"}, {MergeArg::kOutLse, 
                                    {MergeArg::kSumA, "sum_a"}, {MergeArg::kSumB, "sum_b"},
                                    {MergeArg::kValid, "valid"}}),
               "MergeArg indexes kMergeArgs");
-constexpr OpSpec kMerge = make_op(kMergeArgs, kBase2 | kBBase | kOutBase | kHeadsFirst | kATokens | kPdl | kUe8m0,
+constexpr OpSpec kMerge = make_op(kMergeArgs, kBase2 | kBBase | kOutBase | kHeadsFirst | kATokens | kPdl | kUe8m0 | kInvariant,
                                   "out", "o_b", "lse_b", pair_sizes);
 static_assert(names_resolve(kMerge), "kMerge names its own arguments");
 
@@ -139,7 +154,7 @@ static_assert(indexed(kInplaceArgs, {{InplaceArg::kO, "o"}, {InplaceArg::kLse, "
                                      {InplaceArg::kSumB, "sum_b"}, {InplaceArg::kValid, "valid"}}),
               "InplaceArg indexes kInplaceArgs");
 constexpr OpSpec kInplace =
-    make_op(kInplaceArgs, kBase2 | kBBase | kHeadsFirst | kPdl, "o", "o_other", "lse_other", pair_sizes);
+    make_op(kInplaceArgs, kBase2 | kBBase | kHeadsFirst | kPdl | kInvariant, "o", "o_other", "lse_other", pair_sizes);
 static_assert(names_resolve(kInplace), "kInplace names its own arguments");
 
 // (out, out_lse) = merge of the S states of o, lse, and each head's sink (options.sink) where given.
@@ -149,7 +164,7 @@ constexpr ArgSpec kStatesArgs[] = {
     {"o",       kOIn,  {T, S, H, D}, kRead,  kRequired},
     {"lse",     kLse,  {T, S, H},    kRead,  kRequired},
     {"sink",    kLse,  {H},          kRead,  kOptional},
-    {"group_scales", kLse, {T, H, G}, kWrite, kOptional},
+    {"group_scales", kScale, {T, H, G}, kWrite, kOptional},
     {"sum_a",   kLse,  {T, S, H},    kRead,  kOptional},
     {"valid",   kValid, {T, S},      kRead,  kOptional},
 };
@@ -161,7 +176,7 @@ static_assert(indexed(kStatesArgs, {{StatesArg::kOut, "out"}, {StatesArg::kOutLs
                                     {StatesArg::kGroupScales, "group_scales"}, {StatesArg::kSumA, "sum_a"},
                                     {StatesArg::kValid, "valid"}}),
               "StatesArg indexes kStatesArgs");
-constexpr OpSpec kStates = make_op(kStatesArgs, kBase2 | kOutBase | kPdl | kUe8m0, "out", "o", "lse", stack_sizes);
+constexpr OpSpec kStates = make_op(kStatesArgs, kBase2 | kOutBase | kPdl | kUe8m0 | kInvariant, "out", "o", "lse", stack_sizes);
 static_assert(names_resolve(kStates), "kStates names its own arguments");
 
 // Row r of (out, out_lse) = merge of states indptr[r] to indptr[r + 1] - 1 of o, lse, and the sink.
@@ -172,7 +187,7 @@ constexpr ArgSpec kVarlenArgs[] = {
     {"lse",     kLse,    {N, H},    kRead,  kRequired},
     {"indptr",  kIndptr, {R1},      kRead,  kRequired},
     {"sink",    kLse,    {H},       kRead,  kOptional},
-    {"group_scales", kLse, {R, H, G}, kWrite, kOptional},
+    {"group_scales", kScale, {R, H, G}, kWrite, kOptional},
     {"sum_a",   kLse,    {N, H},    kRead,  kOptional},
     {"valid",   kValid,  {N},       kRead,  kOptional},
 };
@@ -185,7 +200,7 @@ static_assert(indexed(kVarlenArgs, {{VarlenArg::kOut, "out"}, {VarlenArg::kOutLs
                                     {VarlenArg::kSumA, "sum_a"}, {VarlenArg::kValid, "valid"}}),
               "VarlenArg indexes kVarlenArgs");
 constexpr OpSpec kVarlen =
-    make_op(kVarlenArgs, kBase2 | kOutBase | kPdl | kUe8m0, "out", "o", "lse", range_sizes);
+    make_op(kVarlenArgs, kBase2 | kOutBase | kPdl | kUe8m0 | kInvariant, "out", "o", "lse", range_sizes);
 static_assert(names_resolve(kVarlen), "kVarlen names its own arguments");
 
 // (out, out_lse) = the share of state `index` (whose O is o) in the merge of the S states of lse
@@ -196,7 +211,7 @@ constexpr ArgSpec kShareArgs[] = {
     {"o",       kOIn,  {T, H, D},    kRead,  kRequired, kMayBeOutput},
     {"lse",     kLse,  {T, S, H},    kRead,  kRequired},
     {"sink",    kLse,  {H},          kRead,  kOptional},
-    {"group_scales", kLse, {T, H, G}, kWrite, kOptional},
+    {"group_scales", kScale, {T, H, G}, kWrite, kOptional},
     {"sum_a",   kLse,  {T, S, H},    kRead,  kOptional},
     {"valid",   kValid, {T, S},      kRead,  kOptional},
 };
@@ -208,8 +223,28 @@ static_assert(indexed(kShareArgs, {{ShareArg::kOut, "out"}, {ShareArg::kOutLse, 
                                    {ShareArg::kGroupScales, "group_scales"}, {ShareArg::kSumA, "sum_a"},
                                    {ShareArg::kValid, "valid"}}),
               "ShareArg indexes kShareArgs");
-constexpr OpSpec kShare = make_op(kShareArgs, kBase2 | kOutBase | kPdl | kUe8m0, "out", "o", "lse", share_sizes);
+constexpr OpSpec kShare = make_op(kShareArgs, kBase2 | kOutBase | kPdl | kUe8m0 | kInvariant, "out", "o", "lse", share_sizes);
 static_assert(names_resolve(kShare), "kShare names its own arguments");
+
+// (out, out_lse) = the merge of every rank's rows of this rank's slice, and each head's sink: o and
+// lse are the layout every rank's state shares (attnmerge_exchange's o_layout, lse_layout), at this
+// rank's own pointers; every rank's are checked against it (check_exchange_pointers,
+// check_apart_from_ranks), and out's first axes are the slice's (check_slice).
+constexpr ArgSpec kExchangeArgs[] = {
+    {"out",     kOOut, {ST, SH, D}, kWrite, kRequired},
+    {"out_lse", kLse,  {ST, SH},    kWrite, kOptional},
+    {"o",       kOIn,  {T, H, D},   kRead,  kRequired},
+    {"lse",     kLse,  {T, H},      kRead,  kRequired},
+    {"sink",    kLse,  {SH},        kRead,  kOptional},
+};
+struct ExchangeArg {
+  enum : int { kOut, kOutLse, kO, kLse, kSink };
+};
+static_assert(indexed(kExchangeArgs, {{ExchangeArg::kOut, "out"}, {ExchangeArg::kOutLse, "out_lse"},
+                                      {ExchangeArg::kO, "o"}, {ExchangeArg::kLse, "lse"}, {ExchangeArg::kSink, "sink"}}),
+              "ExchangeArg indexes kExchangeArgs");
+constexpr OpSpec kExchange = make_op(kExchangeArgs, kBase2 | kOutBase | kPdl, "out", "o", "lse", exchange_sizes);
+static_assert(names_resolve(kExchange), "kExchange names its own arguments");
 
 // The backward: the gradients (each optional: not written), dO and dLSE (optional: 0), the
 // forward's O (optional: <dO, O> from the states) and LSE, then the forward's inputs.  No output
@@ -298,39 +333,49 @@ static_assert(names_resolve(kVarlenBackward), "kVarlenBackward names its own arg
 const void* data_or_null(const View& v) { return v.present() ? v.t->data : nullptr; }
 int64_t stride_or_0(const View& v, int axis) { return v.present() ? v.strides[axis] : 0; }
 
+// The LSE of a view in Real, the call's (null where absent).
+template <typename Real>
+const Real* lse_data(const View& lse) {
+  return static_cast<const Real*>(data_or_null(lse));
+}
+
 // O [tokens, heads, ...] and an LSE, either of which may be absent.
-StateView state_of(const View& o, const View& lse) {
-  return StateView{data_or_null(o),     stride_or_0(o, 0),
-                   stride_or_0(o, 1),   static_cast<const float*>(data_or_null(lse)),
-                   stride_or_0(lse, 0), stride_or_0(lse, 1)};
+template <typename Real>
+BasicStateView<Real> state_of(const View& o, const View& lse) {
+  return BasicStateView<Real>{data_or_null(o),     stride_or_0(o, 0),   stride_or_0(o, 1),
+                              lse_data<Real>(lse), stride_or_0(lse, 0), stride_or_0(lse, 1)};
 }
 
 // The sink [heads], where one is given and not empty (else no sink).
-SinkView sink_view(const View* sink) {
-  if (sink == nullptr || !sink->present() || sink->empty) return SinkView{};
-  return SinkView{static_cast<const float*>(sink->t->data), sink->strides[0]};
+template <typename Real>
+BasicSinkView<Real> sink_view(const View* sink) {
+  if (sink == nullptr || !sink->present() || sink->empty) return BasicSinkView<Real>{};
+  return BasicSinkView<Real>{lse_data<Real>(*sink), sink->strides[0]};
 }
 
 // o [tokens, S, heads, ...] and lse [tokens, S, heads], either of which may be absent, and the sink.
-StackSource stack_of(const View& o, const View& lse, int64_t states, const View* sink = nullptr) {
-  return StackSource{data_or_null(o),
-                     stride_or_0(o, 0),
-                     stride_or_0(o, 1),
-                     stride_or_0(o, 2),
-                     static_cast<const float*>(data_or_null(lse)),
-                     stride_or_0(lse, 0),
-                     stride_or_0(lse, 1),
-                     stride_or_0(lse, 2),
-                     states,
-                     sink_view(sink)};
+template <typename Real>
+BasicStackSource<Real> stack_of(const View& o, const View& lse, int64_t states, const View* sink = nullptr) {
+  return BasicStackSource<Real>{data_or_null(o),
+                                stride_or_0(o, 0),
+                                stride_or_0(o, 1),
+                                stride_or_0(o, 2),
+                                lse_data<Real>(lse),
+                                stride_or_0(lse, 0),
+                                stride_or_0(lse, 1),
+                                stride_or_0(lse, 2),
+                                states,
+                                sink_view<Real>(sink)};
 }
 
 // A softmax-sum tensor (sum_a, sum_b) laid out as its LSE argument: [tokens, heads], [total,
 // heads] or [tokens, S, heads]; absent or empty: none (an empty one is never read).
-SumView sum_view(const View& v) {
-  if (!v.present() || v.empty) return SumView{};
-  const float* p = static_cast<const float*>(v.t->data);
-  return v.ndim == 3 ? SumView{p, v.strides[0], v.strides[1], v.strides[2]} : SumView{p, v.strides[0], 0, v.strides[1]};
+template <typename Real>
+BasicSumView<Real> sum_view(const View& v) {
+  if (!v.present() || v.empty) return BasicSumView<Real>{};
+  const Real* p = static_cast<const Real*>(v.t->data);
+  return v.ndim == 3 ? BasicSumView<Real>{p, v.strides[0], v.strides[1], v.strides[2]}
+                     : BasicSumView<Real>{p, v.strides[0], 0, v.strides[1]};
 }
 
 // options.valid: [tokens, S] (S = 2 for a two-way or in-place merge) or a variable-length merge's
@@ -342,8 +387,9 @@ ValidView valid_view(const View& v) {
 
 // What a call's states carry beside their LSEs: the sums of its first and second LSE arguments
 // and which states hold keys (any absent: none).
-StateExtras extras_of(const View& sum_a, const View& sum_b, const View& valid) {
-  StateExtras e{sum_view(sum_a), sum_view(sum_b), valid_view(valid)};
+template <typename Real>
+BasicStateExtras<Real> extras_of(const View& sum_a, const View& sum_b, const View& valid) {
+  BasicStateExtras<Real> e{sum_view<Real>(sum_a), sum_view<Real>(sum_b), valid_view(valid)};
   e.on = e.sum_a.p != nullptr || e.sum_b.p != nullptr || e.valid.p != nullptr;
   return e;
 }
@@ -352,11 +398,14 @@ StateExtras extras_of(const View& sum_a, const View& sum_b, const View& valid) {
 // (no offset from the pointer of an empty tensor, which may be null and is never read).
 // `empty_o`, `empty_lse`: those of x's views (an absent one counts as empty); `dtype`: x's O's.
 // x's extras follow: its states' sums as a's and b's, its valid [tokens, 2] as theirs.
-PairSource pair_of(const StackSource& x, int dtype, bool empty_o, bool empty_lse, int64_t tokens) {
+template <typename Real>
+BasicPairSource<Real> pair_of(const BasicStackSource<Real>& x, int dtype, bool empty_o, bool empty_lse,
+                              int64_t tokens) {
   const char* o1 = static_cast<const char*>(x.o) + (empty_o ? 0 : x.o_ss * static_cast<int64_t>(dtype_size(dtype)));
-  PairSource pair{StateView{x.o, x.o_st, x.o_sh, x.lse, x.lse_st, x.lse_sh},
-                  StateView{o1, x.o_st, x.o_sh, x.lse + (empty_lse ? 0 : x.lse_ss), x.lse_st, x.lse_sh}, tokens,
-                  nullptr, 0};
+  BasicPairSource<Real> pair{
+      BasicStateView<Real>{x.o, x.o_st, x.o_sh, x.lse, x.lse_st, x.lse_sh},
+      BasicStateView<Real>{o1, x.o_st, x.o_sh, x.lse + (empty_lse ? 0 : x.lse_ss), x.lse_st, x.lse_sh}, tokens,
+      nullptr, 0};
   pair.extras = x.extras;
   if (x.extras.sum_a.p != nullptr) {
     pair.extras.sum_b = x.extras.sum_a;
@@ -367,26 +416,74 @@ PairSource pair_of(const StackSource& x, int dtype, bool empty_o, bool empty_lse
 
 // o [total, heads, ...] and lse [total, heads], either of which may be absent, with indptr and the
 // sink.
-RangeSource range_of(const View& o, const View& lse, const View& indptr, int64_t total, const View* sink = nullptr) {
-  return RangeSource{data_or_null(o),
+template <typename Real>
+BasicRangeSource<Real> range_of(const View& o, const View& lse, const View& indptr, int64_t total,
+                                const View* sink = nullptr) {
+  return BasicRangeSource<Real>{data_or_null(o),
                      stride_or_0(o, 0),
                      stride_or_0(o, 1),
-                     static_cast<const float*>(data_or_null(lse)),
+                     lse_data<Real>(lse),
                      stride_or_0(lse, 0),
                      stride_or_0(lse, 1),
                      indptr.t->data,
                      indptr.strides[0],
                      indptr.t->dtype == ATTNMERGE_INT64,
                      total,
-                     sink_view(sink)};
+                     sink_view<Real>(sink)};
 }
 
 // The share of state `own` whose O is o [tokens, heads, ...], of the states of lse [tokens, S,
 // heads] and the sink: every state's O address is o's (a states stride of 0), read for own alone.
-ShareSource share_of(const View& o, const View& lse, int64_t states, int64_t own, const View* sink) {
-  ShareSource src{stack_of(o, lse, states, sink), own};
+template <typename Real>
+BasicShareSource<Real> share_of(const View& o, const View& lse, int64_t states, int64_t own, const View* sink) {
+  BasicShareSource<Real> src{stack_of<Real>(o, lse, states, sink), own};
   src.o_st = stride_or_0(o, 0), src.o_ss = 0, src.o_sh = stride_or_0(o, 1);
   return src;
+}
+
+// Every rank's states of an exchange as this rank reads them: o and lse its layouts' views, the
+// slice's first token or head `begin`, and the sink.  The pointers past world_size repeat rank 0's,
+// so that every address a kernel computes is one of a rank's rows.
+ExchangeSource exchange_of(const attnmerge_exchange& x, const View& o, const View& lse, int32_t slice, int64_t begin,
+                           const View* sink) {
+  ExchangeSource src{};
+  for (int p = 0; p < exchange::kMaxWorld; ++p) {
+    const int from = p < x.world_size ? p : 0;
+    src.o[p] = x.o[from];
+    src.lse[p] = static_cast<const float*>(x.lse[from]);
+  }
+  src.o_st = o.strides[0], src.o_sh = o.strides[1], src.lse_st = lse.strides[0], src.lse_sh = lse.strides[1];
+  src.token0 = slice == ATTNMERGE_SLICE_TOKENS ? begin : 0;
+  src.head0 = slice == ATTNMERGE_SLICE_HEADS ? begin : 0;
+  src.world = x.world_size;
+  src.sink = sink_view<float>(sink);
+  return src;
+}
+
+// The protocol's part of an exchange (every rank's pad, checked), for `epoch` (0: the pad's).
+exchange::Sync sync_of(const attnmerge_exchange& x, int64_t epoch) {
+  exchange::Sync sync{};
+  for (int p = 0; p < exchange::kMaxWorld; ++p) sync.pads[p] = static_cast<uint64_t*>(x.pads[p < x.world_size ? p : 0]);
+  sync.rank = x.rank, sync.world = x.world_size;
+  sync.epoch = static_cast<uint64_t>(epoch);
+  sync.timeout_ns = static_cast<uint64_t>(x.timeout_ns);
+  sync.reuse = static_cast<exchange::Reuse>(x.reuse);
+  return sync;
+}
+
+// An epoch argument: >= 0 (0: the pad's).
+attnmerge_status check_epoch_arg(int64_t epoch, const ArgNames& names) {
+  if (epoch >= 0) return ATTNMERGE_SUCCESS;
+  return fail(ATTNMERGE_ERROR_VALUE, "%s: expected an epoch >= 0 (0: the one the pad keeps), got %" PRId64,
+              names.of("epoch"), epoch);
+}
+
+// The start of the exchange's publish and status: the exchange's pads and this rank's device.
+attnmerge_status pads_call(const attnmerge_exchange* x, const ArgNames& names, int& device) {
+  attnmerge_status s;
+  if ((s = check_exchange(x, ExchangeUse::kPads, names)) || (s = check_exchange_pointers(x, ExchangeUse::kPads, names)))
+    return s;
+  return locate_exchange(Views{nullptr, 0, &names}, nullptr, x, ExchangeUse::kPads, device);
 }
 
 // The LSE bases of a call (options.flags, checked): the inputs' (a's, every state's, the sink's),
@@ -398,18 +495,19 @@ bool lse_base2(uint32_t flags, uint32_t to_base2, uint32_t to_base_e) {
 }
 
 // `scales`: the group scales [tokens, heads, groups] (absent: none).
-OutView out_view(const View& out, const View& out_lse, const View& scales, const Checked& c) {
-  OutView v{out.t->data,
-                 out.strides[0],
-                 out.strides[1],
-                 out_lse.present() ? static_cast<float*>(out_lse.t->data) : nullptr,
-                 stride_or_0(out_lse, 0),
-                 stride_or_0(out_lse, 1),
-                 c.inv_scale,
-                 c.opt.output_scale_ptr,
-                 false,
-                 base_change(inputs_base2(c.opt.flags), lse_base2(c.opt.flags, ATTNMERGE_OUT_LSE_BASE2,
-                                                                  ATTNMERGE_OUT_LSE_BASE_E))};
+template <typename Real>
+BasicOutView<Real> out_view(const View& out, const View& out_lse, const View& scales, const Checked& c) {
+  BasicOutView<Real> v{out.t->data,
+                       out.strides[0],
+                       out.strides[1],
+                       out_lse.present() ? static_cast<Real*>(out_lse.t->data) : nullptr,
+                       stride_or_0(out_lse, 0),
+                       stride_or_0(out_lse, 1),
+                       c.inv_scale,
+                       c.opt.output_scale_ptr,
+                       false,
+                       base_change<Real>(inputs_base2(c.opt.flags),
+                                         lse_base2(c.opt.flags, ATTNMERGE_OUT_LSE_BASE2, ATTNMERGE_OUT_LSE_BASE_E))};
   if (scales.present() && !scales.empty) {
     v.group_scales = static_cast<float*>(scales.t->data);
     v.gs_st = scales.strides[0], v.gs_sh = scales.strides[1], v.gs_sg = scales.strides[2];
@@ -433,18 +531,19 @@ MergeShape merge_shape(int64_t tokens, const Sizes& n, const Checked& c) {
 // The two-way and in-place merges' common end: a = (o_a, lse_a), b = (o_b, lse_b).
 // `scales`: the group scales and `sink` the sink (absent: none; the in-place merge has neither);
 // `sum_a`, `sum_b`: the LSEs' softmax sums and `valid` the states holding keys (absent: none).
+template <typename Real>
 attnmerge_status run_pair(Checked& c, const View& out, const View& out_lse, const View& o_a, const View& lse_a,
                           const View& o_b, const View& lse_b, const View& scales, const View& sink, const View* mask,
                           const View& sum_a, const View& sum_b, const View& valid, void* stream) {
-  PairSource src{state_of(o_a, lse_a), state_of(o_b, lse_b), c.sizes.a_tokens, nullptr, 0};
-  src.b_scale = base_change(lse_base2(c.opt.flags, ATTNMERGE_LSE_B_BASE2, ATTNMERGE_LSE_B_BASE_E),
-                            inputs_base2(c.opt.flags));
-  src.extras = extras_of(sum_a, sum_b, valid);
+  BasicPairSource<Real> src{state_of<Real>(o_a, lse_a), state_of<Real>(o_b, lse_b), c.sizes.a_tokens, nullptr, 0};
+  src.b_scale = base_change<Real>(lse_base2(c.opt.flags, ATTNMERGE_LSE_B_BASE2, ATTNMERGE_LSE_B_BASE_E),
+                                  inputs_base2(c.opt.flags));
+  src.extras = extras_of<Real>(sum_a, sum_b, valid);
   if (mask != nullptr && mask->present() && !mask->empty) {
     src.mask = static_cast<const uint8_t*>(mask->t->data);
     src.mask_stride = mask->strides[0];
   }
-  OutView dst = out_view(out, out_lse, scales, c);
+  BasicOutView<Real> dst = out_view<Real>(out, out_lse, scales, c);
   dst.lse_in_place = lse_in_place(out_lse, lse_a, lse_b);
   // An LSE argument that holds maxima (its sums given) is no place for the merged LSE.
   for (const auto& [lse, sum] : {std::pair<const View*, const View*>{&lse_a, &sum_a}, {&lse_b, &sum_b}})
@@ -454,7 +553,7 @@ attnmerge_status run_pair(Checked& c, const View& out, const View& out_lse, cons
                   "would overwrite, got the very same view",
                   out_lse.name(), lse->name(), sum->name());
   const MergeShape shape = merge_shape(c.sizes.tokens, c.sizes, c);
-  const SinkView sinks = sink_view(&sink);
+  const BasicSinkView<Real> sinks = sink_view<Real>(&sink);
   if (sinks.lse != nullptr) {
     // A merge into an input's LSE runs in place (its rows' threads meet before the LSE is
     // written), and the in-place kernels take no sink.
@@ -462,7 +561,8 @@ attnmerge_status run_pair(Checked& c, const View& out, const View& out_lse, cons
       return fail(ATTNMERGE_ERROR_VALUE,
                   "%s: expected none where %s is %s (a merge in place takes no sink), got a tensor", sink.name(),
                   out_lse.name(), same_view(out_lse, lse_a) ? lse_a.name() : lse_b.name());
-    return run(c.all(), shape, SinkPairSource{src, sinks}, dst, o_a.t->dtype, out.t->dtype, stream, c.opt.flags);
+    return run(c.all(), shape, BasicSinkPairSource<Real>{src, sinks}, dst, o_a.t->dtype, out.t->dtype, stream,
+               c.opt.flags);
   }
   return run(c.all(), shape, src, dst, o_a.t->dtype, out.t->dtype, stream, c.opt.flags);
 }
@@ -488,8 +588,11 @@ attnmerge_status attnmerge_merge(const attnmerge_tensor* out, const attnmerge_te
   if (attnmerge_status s = validate(kMerge, args, options, c)) return s;
   using A = MergeArg;
   const View* v = c.views;
-  return run_pair(c, v[A::kOut], v[A::kOutLse], v[A::kOA], v[A::kLseA], v[A::kOB], v[A::kLseB], v[A::kGroupScales],
-                  v[A::kSink], nullptr, v[A::kSumA], v[A::kSumB], v[A::kValid], stream);
+  return dispatch_real(c.precision, [&](auto real) {
+    return run_pair<decltype(real)>(c, v[A::kOut], v[A::kOutLse], v[A::kOA], v[A::kLseA], v[A::kOB], v[A::kLseB],
+                                    v[A::kGroupScales], v[A::kSink], nullptr, v[A::kSumA], v[A::kSumB],
+                                    v[A::kValid], stream);
+  });
 }
 
 attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnmerge_tensor* lse,
@@ -503,8 +606,10 @@ attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnme
   const View* v = c.views;
   const View none;  // no group scales, no sink, no sums of lse (the merged LSE goes there)
   // (o, lse) is both a and the output.
-  return run_pair(c, v[A::kO], v[A::kLse], v[A::kO], v[A::kLse], v[A::kOOther], v[A::kLseOther], none, none,
-                  &v[A::kMask], none, v[A::kSumB], v[A::kValid], stream);
+  return dispatch_real(c.precision, [&](auto real) {
+    return run_pair<decltype(real)>(c, v[A::kO], v[A::kLse], v[A::kO], v[A::kLse], v[A::kOOther], v[A::kLseOther],
+                                    none, none, &v[A::kMask], none, v[A::kSumB], v[A::kValid], stream);
+  });
 }
 
 attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
@@ -519,16 +624,20 @@ attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnm
   const View &vo = c.views[A::kO], &vl = c.views[A::kLse];
   const Sizes& n = c.sizes;
   const MergeShape shape = merge_shape(n.tokens, n, c);
-  const OutView dst = out_view(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c);
-  StackSource src = stack_of(vo, vl, n.states, &c.views[A::kSink]);
-  src.extras = extras_of(c.views[A::kSumA], View{}, c.views[A::kValid]);
-  if (n.states == 2) {  // the two-way merge's kernels
-    const PairSource pair = pair_of(src, o->dtype, vo.empty, vl.empty, n.tokens);
-    if (src.sink.lse != nullptr)
-      return run(c.all(), shape, SinkPairSource{pair, src.sink}, dst, o->dtype, out->dtype, stream, c.opt.flags);
-    return run(c.all(), shape, pair, dst, o->dtype, out->dtype, stream, c.opt.flags);
-  }
-  return run(c.all(), shape, src, dst, o->dtype, out->dtype, stream, c.opt.flags);
+  return dispatch_real(c.precision, [&](auto real) {
+    using Real = decltype(real);
+    const BasicOutView<Real> dst = out_view<Real>(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c);
+    BasicStackSource<Real> src = stack_of<Real>(vo, vl, n.states, &c.views[A::kSink]);
+    src.extras = extras_of<Real>(c.views[A::kSumA], View{}, c.views[A::kValid]);
+    if (n.states == 2) {  // the two-way merge's kernels
+      const BasicPairSource<Real> pair = pair_of(src, o->dtype, vo.empty, vl.empty, n.tokens);
+      if (src.sink.lse != nullptr)
+        return run(c.all(), shape, BasicSinkPairSource<Real>{pair, src.sink}, dst, o->dtype, out->dtype, stream,
+                   c.opt.flags);
+      return run(c.all(), shape, pair, dst, o->dtype, out->dtype, stream, c.opt.flags);
+    }
+    return run(c.all(), shape, src, dst, o->dtype, out->dtype, stream, c.opt.flags);
+  });
 }
 
 attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
@@ -545,11 +654,14 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
   const View &vo = c.views[A::kO], &vi = c.views[A::kIndptr];
   const Sizes& n = c.sizes;
   if ((s = check_indptr(vi, vo, out, n.rows))) return s;
-  RangeSource src = range_of(vo, c.views[A::kLse], vi, n.total, &c.views[A::kSink]);
-  src.extras = extras_of(c.views[A::kSumA], View{}, c.views[A::kValid]);
-  return run(c.all(), merge_shape(n.rows, n, c), src,
-             out_view(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype, out->dtype, stream,
-             c.opt.flags);
+  return dispatch_real(c.precision, [&](auto real) {
+    using Real = decltype(real);
+    BasicRangeSource<Real> src = range_of<Real>(vo, c.views[A::kLse], vi, n.total, &c.views[A::kSink]);
+    src.extras = extras_of<Real>(c.views[A::kSumA], View{}, c.views[A::kValid]);
+    return run(c.all(), merge_shape(n.rows, n, c), src,
+               out_view<Real>(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype,
+               out->dtype, stream, c.opt.flags);
+  });
 }
 
 attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
@@ -566,11 +678,72 @@ attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnme
   if (index < 0 || index >= n.states)
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected 0 <= index < %" PRId64 " (the states of %s), got %" PRId64,
                 c.names.of("index"), n.states, vl.name(), index);
-  ShareSource src = share_of(c.views[A::kO], vl, n.states, index, &c.views[A::kSink]);
-  src.extras = extras_of(c.views[A::kSumA], View{}, c.views[A::kValid]);
-  return run(c.all(), merge_shape(n.tokens, n, c), src,
-             out_view(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype, out->dtype, stream,
-             c.opt.flags);
+  return dispatch_real(c.precision, [&](auto real) {
+    using Real = decltype(real);
+    BasicShareSource<Real> src = share_of<Real>(c.views[A::kO], vl, n.states, index, &c.views[A::kSink]);
+    src.extras = extras_of<Real>(c.views[A::kSumA], View{}, c.views[A::kValid]);
+    return run(c.all(), merge_shape(n.tokens, n, c), src,
+               out_view<Real>(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype,
+               out->dtype, stream, c.opt.flags);
+  });
+}
+
+int64_t attnmerge_exchange_pad_bytes(int32_t world_size) {
+  if (world_size < 1 || world_size > ATTNMERGE_EXCHANGE_MAX_WORLD) return 0;
+  return exchange::pad_words(world_size) * static_cast<int64_t>(sizeof(uint64_t));
+}
+
+attnmerge_status attnmerge_exchange_publish(const attnmerge_exchange* exchange, int64_t epoch, void* stream) {
+  begin_call();
+  const ArgNames names;
+  int device;
+  attnmerge_status s;
+  if ((s = pads_call(exchange, names, device)) || (s = check_epoch_arg(epoch, names))) return s;
+  const exchange::Sync sync = sync_of(*exchange, epoch);
+  return device == ATTNMERGE_HOST ? cpu_exchange_publish(sync) : gpu_exchange_publish(sync, device, stream);
+}
+
+attnmerge_status attnmerge_merge_exchange(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                          const attnmerge_exchange* exchange, int32_t slice, int64_t slice_begin,
+                                          int64_t epoch, const attnmerge_options* options, void* stream) {
+  begin_call();
+  Checked c;
+  attnmerge_status s;
+  if ((s = read_layout(options, c.opt, c.names)) || (s = check_exchange(exchange, ExchangeUse::kStates, c.names)) ||
+      (s = check_exchange_pointers(exchange, ExchangeUse::kStates, c.names)))
+    return s;
+  // The ranks' layouts at this rank's own pointers: validated as any op's O and LSE.
+  attnmerge_tensor o = exchange->o_layout, lse = exchange->lse_layout;
+  o.data = const_cast<void*>(exchange->o[exchange->rank]);
+  lse.data = const_cast<void*>(exchange->lse[exchange->rank]);
+  const attnmerge_tensor* const args[] = {out, out_lse, &o, &lse, sink_of(options)};
+  // The ranks' states come from GPU engines: float64, the CPU path's alone, has no exchange (asked
+  // first: a float64 layout over the ranks' buffers would be taken for an overlap).
+  const char* const arg_names[] = {"out", "out_lse", "o", "lse"};
+  for (int i = 0; i < 4; ++i)
+    if (args[i] != nullptr && args[i]->dtype == ATTNMERGE_FLOAT64)
+      return fail(ATTNMERGE_ERROR_TYPE, "%s: expected a dtype other than float64 (the exchange merges the 16- and "
+                  "32-bit states of GPU engines), got float64", c.names.of(arg_names[i]));
+  if ((s = validate(kExchange, args, options, c))) return s;
+  using A = ExchangeArg;
+  const View* v = c.views;
+  if ((s = check_slice(slice, slice_begin, v[A::kOut], c.sizes)) ||
+      (s = check_apart_from_ranks(exchange, c.all(), v[A::kO], v[A::kLse])) || (s = check_epoch_arg(epoch, c.names)))
+    return s;
+  const Sizes& n = c.sizes;
+  const MergeShape shape{n.slice_tokens, n.slice_heads, n.head_size, inputs_base2(c.opt.flags)};
+  const ExchangeSource src = exchange_of(*exchange, v[A::kO], v[A::kLse], slice, slice_begin, &v[A::kSink]);
+  const OutView dst = out_view<float>(v[A::kOut], v[A::kOutLse], View{}, c);
+  return run_exchange(c.all(), shape, src, dst, sync_of(*exchange, epoch), exchange, o.dtype, out->dtype, stream,
+                      c.opt.flags);
+}
+
+attnmerge_status attnmerge_exchange_status(const attnmerge_exchange* exchange, void* stream) {
+  begin_call();
+  const ArgNames names;
+  int device;
+  if (attnmerge_status s = pads_call(exchange, names, device)) return s;
+  return exchange_status(sync_of(*exchange, 0), device, stream);
 }
 
 attnmerge_status attnmerge_merge_backward(const attnmerge_tensor* grad_o_a, const attnmerge_tensor* grad_lse_a,
@@ -589,13 +762,18 @@ attnmerge_status attnmerge_merge_backward(const attnmerge_tensor* grad_o_a, cons
   const View* v = c.views;
   const View &vga = v[A::kGradOA], &vgla = v[A::kGradLseA], &vgb = v[A::kGradOB], &vglb = v[A::kGradLseB];
   const int64_t a_tokens = c.sizes.a_tokens;
-  const PairSource in{state_of(v[A::kOA], v[A::kLseA]), state_of(v[A::kOB], v[A::kLseB]), a_tokens, nullptr, 0};
-  const PairSource grad{state_of(vga, vgla), state_of(vgb, vglb), a_tokens, nullptr, 0};
-  const BackwardArgs<PairBackward> back{PairBackward{in, grad}, state_of(v[A::kOut], v[A::kOutLse]),
-                                        state_of(v[A::kGradOut], v[A::kGradOutLse]), vga.present() || vgb.present(),
-                                        vgla.present() || vglb.present()};
-  return run_backward(c.all(), merge_shape(c.sizes.tokens, c.sizes, c), back, 2, o_a->dtype, grad_out->dtype, stream,
-                      c.opt.flags);
+  return dispatch_real(c.precision, [&](auto real) {
+    using Real = decltype(real);
+    const BasicPairSource<Real> in{state_of<Real>(v[A::kOA], v[A::kLseA]), state_of<Real>(v[A::kOB], v[A::kLseB]),
+                                   a_tokens, nullptr, 0};
+    const BasicPairSource<Real> grad{state_of<Real>(vga, vgla), state_of<Real>(vgb, vglb), a_tokens, nullptr, 0};
+    const BackwardArgs<BasicPairBackward<Real>> back{
+        BasicPairBackward<Real>{in, grad}, state_of<Real>(v[A::kOut], v[A::kOutLse]),
+        state_of<Real>(v[A::kGradOut], v[A::kGradOutLse]), vga.present() || vgb.present(),
+        vgla.present() || vglb.present()};
+    return run_backward(c.all(), merge_shape(c.sizes.tokens, c.sizes, c), back, 2, o_a->dtype, grad_out->dtype,
+                        stream, c.opt.flags);
+  });
 }
 
 attnmerge_status attnmerge_merge_states_backward(const attnmerge_tensor* grad_o, const attnmerge_tensor* grad_lse,
@@ -612,16 +790,22 @@ attnmerge_status attnmerge_merge_states_backward(const attnmerge_tensor* grad_o,
   const View &vg = v[A::kGradO], &vgl = v[A::kGradLse], &vo = v[A::kO], &vl = v[A::kLse];
   const Sizes& n = c.sizes;
   const MergeShape shape = merge_shape(n.tokens, n, c);
-  const StackSource in = stack_of(vo, vl, n.states), grad = stack_of(vg, vgl, n.states);
-  const StateView fwd = state_of(v[A::kOut], v[A::kOutLse]), incoming = state_of(v[A::kGradOut], v[A::kGradOutLse]);
-  if (n.states == 2) {  // the two-way merge's kernel, as in the forward: 64 registers against 108
-    const BackwardArgs<PairBackward> back{PairBackward{pair_of(in, o->dtype, vo.empty, vl.empty, n.tokens),
-                                                       pair_of(grad, o->dtype, vg.empty, vgl.empty, n.tokens)},
-                                          fwd, incoming, vg.present(), vgl.present()};
+  return dispatch_real(c.precision, [&](auto real) {
+    using Real = decltype(real);
+    const BasicStackSource<Real> in = stack_of<Real>(vo, vl, n.states), grad = stack_of<Real>(vg, vgl, n.states);
+    const BasicStateView<Real> fwd = state_of<Real>(v[A::kOut], v[A::kOutLse]),
+                               incoming = state_of<Real>(v[A::kGradOut], v[A::kGradOutLse]);
+    if (n.states == 2) {  // the two-way merge's kernel, as in the forward: 64 registers against 108
+      const BackwardArgs<BasicPairBackward<Real>> back{
+          BasicPairBackward<Real>{pair_of(in, o->dtype, vo.empty, vl.empty, n.tokens),
+                                  pair_of(grad, o->dtype, vg.empty, vgl.empty, n.tokens)},
+          fwd, incoming, vg.present(), vgl.present()};
+      return run_backward(c.all(), shape, back, n.states, o->dtype, grad_out->dtype, stream, c.opt.flags);
+    }
+    const BackwardArgs<BasicStackBackward<Real>> back{BasicStackBackward<Real>{in, grad}, fwd, incoming, vg.present(),
+                                                      vgl.present()};
     return run_backward(c.all(), shape, back, n.states, o->dtype, grad_out->dtype, stream, c.opt.flags);
-  }
-  const BackwardArgs<StackBackward> back{StackBackward{in, grad}, fwd, incoming, vg.present(), vgl.present()};
-  return run_backward(c.all(), shape, back, n.states, o->dtype, grad_out->dtype, stream, c.opt.flags);
+  });
 }
 
 attnmerge_status attnmerge_merge_varlen_backward(const attnmerge_tensor* grad_o, const attnmerge_tensor* grad_lse,
@@ -642,11 +826,15 @@ attnmerge_status attnmerge_merge_varlen_backward(const attnmerge_tensor* grad_o,
   if ((s = check_indptr(vi, vo, grad_out, n.rows))) return s;
   // With no rows, one row over every state writes their zeros (RangeBackward).
   const MergeShape shape = merge_shape(n.rows > 0 ? n.rows : n.total > 0 ? 1 : 0, n, c);
-  const BackwardArgs<RangeBackward> back{
-      RangeBackward{range_of(vo, vl, vi, n.total), range_of(vg, vgl, vi, n.total), n.rows},
-      state_of(v[A::kOut], v[A::kOutLse]), state_of(v[A::kGradOut], v[A::kGradOutLse]), vg.present(), vgl.present()};
   const int64_t states = n.rows > 0 ? (n.total + n.rows - 1) / n.rows : n.total;
-  return run_backward(c.all(), shape, back, states, o->dtype, grad_out->dtype, stream, c.opt.flags);
+  return dispatch_real(c.precision, [&](auto real) {
+    using Real = decltype(real);
+    const BackwardArgs<BasicRangeBackward<Real>> back{
+        BasicRangeBackward<Real>{range_of<Real>(vo, vl, vi, n.total), range_of<Real>(vg, vgl, vi, n.total), n.rows},
+        state_of<Real>(v[A::kOut], v[A::kOutLse]), state_of<Real>(v[A::kGradOut], v[A::kGradOutLse]), vg.present(),
+        vgl.present()};
+    return run_backward(c.all(), shape, back, states, o->dtype, grad_out->dtype, stream, c.opt.flags);
+  });
 }
 
 }  // extern "C"

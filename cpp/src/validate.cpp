@@ -13,18 +13,15 @@ namespace detail {
 
 namespace {
 
-// "float32, float16 or bfloat16": the names of a set of dtypes, for error messages.
-struct DtypesText {
-  char text[128];
-  explicit DtypesText(uint32_t set) {
-    int count = 0, n = 0;
-    for (int i = 0; i < kDtypeCount; ++i) count += in_set(set, i);
+// "o_a", "o_a and o_b", "o_a, lse_a and o_b": the names of some of a call's views, for messages.
+struct NamesText {
+  char text[256];
+  NamesText(const View* const* views, int count) {
+    int n = 0;
     text[0] = '\0';
-    for (int i = 0, k = 0; i < kDtypeCount && n < static_cast<int>(sizeof text); ++i) {
-      if (!in_set(set, i)) continue;
-      const char* separator = k == 0 ? "" : k == count - 1 ? " or " : ", ";
-      n += std::snprintf(text + n, sizeof text - n, "%s%s", separator, dtype_name(i));
-      ++k;
+    for (int k = 0; k < count && n < static_cast<int>(sizeof text); ++k) {
+      const char* separator = k == 0 ? "" : k == count - 1 ? " and " : ", ";
+      n += std::snprintf(text + n, sizeof text - n, "%s%s", separator, views[k]->name());
     }
   }
 };
@@ -110,6 +107,8 @@ int64_t size_of(Dim d, const Sizes& n) {
     case Dim::kATokensOrMore: return n.a_tokens;
     case Dim::kScaleGroups: return n.scale_groups;
     case Dim::kPair: return 2;
+    case Dim::kSliceTokens: return n.slice_tokens;
+    case Dim::kSliceHeads: return n.slice_heads;
     case Dim::kNone: break;
   }
   return 0;
@@ -134,7 +133,7 @@ attnmerge_status describe_one(const attnmerge_tensor* t, const ArgSpec& spec, Ls
   const bool transpose = spec.role == ATTNMERGE_ROLE_LSE && ndim == 2 && layout == LseLayout::kHeadsFirst;
   if (t == nullptr) {
     if (spec.presence == Presence::kOptional) return ATTNMERGE_SUCCESS;
-    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected a tensor, got NULL", v.name());
+    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected an array, got %s", v.name(), names.of("NULL"));
   }
   v.t = t;
   v.ndim = ndim;
@@ -204,7 +203,9 @@ attnmerge_status check_name_text(const char* text, int i, const char* field) {
               text == nullptr ? "NULL" : "\"\"");
 }
 
-// Step 0: the fields struct_size covers, into `opt` (the others zero), and the caller's names.
+}  // namespace
+
+// Step 0 (validate.h): the fields struct_size covers, into `opt` (the others zero), and the caller's names.
 attnmerge_status read_layout(const attnmerge_options* options, attnmerge_options& opt, ArgNames& names) {
   opt = attnmerge_options{};
   if (options == nullptr) return ATTNMERGE_SUCCESS;
@@ -239,6 +240,8 @@ attnmerge_status read_layout(const attnmerge_options* options, attnmerge_options
   names = ArgNames{opt.arg_names, opt.num_arg_names};
   return ATTNMERGE_SUCCESS;
 }
+
+namespace {
 
 // Step 1: tensors[i] against specs[i], each alone, into views[i], in table order.
 attnmerge_status describe(const ArgSpec* specs, const attnmerge_tensor* const* tensors, int n, LseLayout layout,
@@ -277,9 +280,9 @@ attnmerge_status read_options(const attnmerge_options& opt, const OpSpec& op, co
   } only_some[] = {
       {opt.sum_a, op.sum_a, "sum_a",
        "the sums of lse_a, or of lse of the N-way and variable-length merges and the share; the in-place merge "
-       "writes its merged LSE over lse and the backwards take LSEs"},
+       "writes its merged LSE over lse, and the exchange and the backwards take LSEs"},
       {opt.sum_b, op.sum_b, "sum_b", "the sums of lse_b of the two-way merge or lse_other of the in-place merge"},
-      {opt.valid, op.valid, "valid", "the forward merges and the share take it, the backwards do not"},
+      {opt.valid, op.valid, "valid", "the forward merges and the share take it, the exchange and the backwards do not"},
   };
   for (const auto& x : only_some)
     if (x.given != nullptr && x.arg < 0)
@@ -324,6 +327,53 @@ attnmerge_status read_options(const attnmerge_options& opt, const OpSpec& op, co
   return ATTNMERGE_SUCCESS;
 }
 
+// An argument the call writes and does not read: it has no say in the sizes or the precision the
+// inputs agree on (Python allocates outputs like an input, which would vote twice for it).
+bool is_output_only(const View& v) { return v.spec->use == Use::kWrite; }
+
+// The arguments a call's precision counts: its O and LSE (not masks, indptr or scales).
+bool takes_precision(const View& v) {
+  return v.present() && (v.spec->role & (ATTNMERGE_ROLE_O_IN | ATTNMERGE_ROLE_O_OUT | ATTNMERGE_ROLE_LSE)) != 0;
+}
+
+// Step 3: one precision per call: every O and LSE float64 (computed in float64, on the CPU path),
+// or none of them.  The inputs decide, as for shapes (check_agreement): where they are mixed, the
+// side with fewer of them is named (the float64 one where the two are as many: float64 is the
+// rarer choice); where they agree, the outputs that do not.
+attnmerge_status check_precision(Views views, Precision& precision) {
+  const View* side[2][kMaxArgs];  // [0] not float64, [1] float64
+  int count[2] = {0, 0};
+  for (const View& v : views)
+    if (takes_precision(v) && !is_output_only(v)) {
+      const int wide = v.t->dtype == ATTNMERGE_FLOAT64;
+      side[wide][count[wide]++] = &v;
+    }
+  int odd = count[1] <= count[0] ? 1 : 0;  // where both sides have inputs
+  if (count[0] == 0 || count[1] == 0) {  // the inputs agree: the outputs that do not
+    const int agreed = count[1] > 0 ? 1 : 0;
+    odd = 1 - agreed;
+    count[odd] = 0;
+    for (const View& v : views)
+      if (takes_precision(v) && is_output_only(v) && (v.t->dtype == ATTNMERGE_FLOAT64) == (odd == 1))
+        side[odd][count[odd]++] = &v;
+    precision = agreed == 1 ? Precision::kFloat64 : Precision::kFloat32;
+    if (count[odd] == 0 || count[1 - odd] == 0) return ATTNMERGE_SUCCESS;
+  }
+  uint32_t expected = 0, got = 0;
+  for (int k = 0; k < count[odd]; ++k) {
+    expected |= dtypes_of(side[odd][k]->spec->role);
+    got |= 1u << side[odd][k]->t->dtype;
+  }
+  expected = odd == 1 ? expected & ~(1u << ATTNMERGE_FLOAT64) : 1u << ATTNMERGE_FLOAT64;
+  const View* other = side[1 - odd][0];  // the first of the others, one of the named one's kind if any
+  for (int k = count[1 - odd] - 1; k >= 0; --k)
+    if (side[1 - odd][k]->spec->role == side[odd][0]->spec->role) other = side[1 - odd][k];
+  return fail(ATTNMERGE_ERROR_TYPE,
+              "%s: expected dtype %s (a call's O and LSE are float64 all or none, and %s is %s), got %s",
+              NamesText(side[odd], count[odd]).text, DtypesText(expected).text, other->name(),
+              dtype_name(other->t->dtype), DtypesText(got).text);
+}
+
 // Step 3: every ArgSpec::dtype_of, where both are given.
 attnmerge_status check_dtypes(const OpSpec& op, Views views) {
   for (int i = 0; i < op.count; ++i) {
@@ -338,6 +388,18 @@ attnmerge_status check_dtypes(const OpSpec& op, Views views) {
 }
 
 }  // namespace
+
+DtypesText::DtypesText(uint32_t set) {
+  int count = 0, n = 0;
+  for (int i = 0; i < kDtypeCount; ++i) count += in_set(set, i);
+  text[0] = '\0';
+  for (int i = 0, k = 0; i < kDtypeCount && n < static_cast<int>(sizeof text); ++i) {
+    if (!in_set(set, i)) continue;
+    const char* separator = k == 0 ? "" : k == count - 1 ? " or " : ", ";
+    n += std::snprintf(text + n, sizeof text - n, "%s%s", separator, dtype_name(i));
+    ++k;
+  }
+}
 
 // The largest head_size: a row's packs span at most 65535 blocks of 256 threads.
 constexpr int64_t kMaxHeadSize = int64_t{65535} * 256;
@@ -379,6 +441,144 @@ attnmerge_status check_group_size(const attnmerge_options& opt, Views views, Siz
                 "and strides allow), got %" PRId64,
                 name, 32 * vec, vec, g);
   n.scale_groups = n.head_size / g;
+  return ATTNMERGE_SUCCESS;
+}
+
+// Step 4, where it fails: the inputs agree on the call's sizes, so that a wrong one is named and
+// not the others through it.  Each input's axes vote for the sizes of their Dims (voted_dim); the size
+// most inputs give a Dim is the call's, and an input that gives another is named, against those
+// that gave it.  Where two sizes have as many votes, the op's source (OpSpec::sizes_from) decides
+// (every LSE given [heads, tokens] against every O: the LSEs are named), but where only two inputs
+// vote and disagree (o_a's head_size against o_b's) both are named.  Outputs do not vote (an
+// output is checked against the sizes afterwards): Python allocates them like an input, which
+// would then outvote the others.
+
+// The Dim axis `axis` of `v` gives its size to, and that size (Dim::kNone: none): a's tokens are
+// the call's unless options.a_tokens says how many of them are read; indptr holds rows + 1.
+Dim voted_dim(const View& v, int axis, bool a_tokens_given, int64_t& size) {
+  size = v.shape[axis];
+  switch (v.spec->shape[axis]) {
+    case Dim::kATokensOrMore: return a_tokens_given ? Dim::kNone : Dim::kTokens;
+    case Dim::kRowsPlus1: size -= 1; return Dim::kRows;
+    case Dim::kATokens:
+    case Dim::kScaleGroups: return Dim::kNone;  // the options' sizes
+    default: return v.spec->shape[axis];
+  }
+}
+
+// The votes on one Dim: each size given, by how many inputs, and the first of them.
+struct Tally {
+  int64_t size[kMaxArgs];
+  int votes[kMaxArgs];
+  const View* first[kMaxArgs];
+  int count = 0;
+  int top = -1, second = -1;  // the sizes with the most votes; second >= 0: as many as top's (a tie)
+
+  void add(int64_t s, const View* v) {
+    int i = 0;
+    while (i < count && size[i] != s) ++i;
+    if (i == count) size[count] = s, votes[count] = 0, first[count++] = v;
+    ++votes[i];
+  }
+  // `source_size`: the source's vote, or null where it has none on this Dim.
+  void decide(const int64_t* source_size) {
+    for (int i = 0; i < count; ++i)
+      if (top < 0 || votes[i] > votes[top]) top = i;
+    for (int i = 0; i < count; ++i)
+      if (i != top && votes[i] == votes[top] && second < 0) second = i;
+    if (second < 0 || votes[top] + votes[second] == 2 || source_size == nullptr) return;
+    for (int i = 0; i < count; ++i)
+      if (votes[i] == votes[top] && size[i] == *source_size) top = i, second = -1;  // the source breaks the tie
+  }
+  bool decided() const { return top >= 0 && second < 0; }
+};
+
+const char* dim_words(Dim d) {
+  switch (d) {
+    case Dim::kTokens: return "number of tokens";
+    case Dim::kHeads: return "number of heads";
+    case Dim::kHeadSize: return "head_size";
+    case Dim::kStates:
+    case Dim::kTotal: return "number of states";
+    case Dim::kRows: return "number of rows";
+    default: return "size";
+  }
+}
+
+// The shape `v` was given in, with the sizes of `want` (its logical order) where set: the
+// caller's layout (an LSE given [heads, tokens] swapped back).
+void callers_shape(const View& v, int64_t* want) {
+  if (v.transposed) std::swap(want[0], want[1]);
+}
+
+attnmerge_status check_agreement(Views views, const View& source, bool a_tokens_given) {
+  constexpr Dim kVoted[] = {Dim::kTokens, Dim::kHeads, Dim::kHeadSize, Dim::kStates, Dim::kTotal, Dim::kRows};
+  constexpr int kKinds = static_cast<int>(sizeof kVoted / sizeof kVoted[0]);
+  Tally tally[kKinds];
+  const auto kind_of = [&](Dim d) {
+    for (int k = 0; k < kKinds; ++k)
+      if (kVoted[k] == d) return k;
+    return -1;
+  };
+  for (const View& v : views) {
+    if (!v.present() || is_output_only(v)) continue;
+    for (int axis = 0; axis < v.ndim; ++axis) {
+      int64_t size;
+      const int k = kind_of(voted_dim(v, axis, a_tokens_given, size));
+      if (k >= 0) tally[k].add(size, &v);
+    }
+  }
+  int64_t source_size[kKinds];
+  bool source_votes[kKinds] = {};
+  for (int axis = 0; axis < source.ndim; ++axis) {
+    int64_t size;
+    const int k = kind_of(voted_dim(source, axis, a_tokens_given, size));
+    if (k >= 0) source_size[k] = size, source_votes[k] = true;
+  }
+  for (int k = 0; k < kKinds; ++k) tally[k].decide(source_votes[k] ? &source_size[k] : nullptr);
+  // An input at odds with a size the inputs decided.
+  for (const View& v : views) {
+    if (!v.present() || is_output_only(v)) continue;
+    int64_t want[ATTNMERGE_MAX_NDIM] = {};
+    int odd = -1;  // the kind of v's first axis at odds
+    for (int axis = 0; axis < v.ndim; ++axis) {
+      int64_t size;
+      const int k = kind_of(voted_dim(v, axis, a_tokens_given, size));
+      want[axis] = v.shape[axis];
+      if (k < 0 || !tally[k].decided() || tally[k].size[tally[k].top] == size) continue;
+      want[axis] = tally[k].size[tally[k].top] + (v.spec->shape[axis] == Dim::kRowsPlus1 ? 1 : 0);
+      if (odd < 0) odd = k;
+    }
+    if (odd < 0) continue;
+    const View* agree[kMaxArgs];
+    int n = 0;
+    for (const View& u : views) {
+      if (!u.present() || is_output_only(u) || &u == &v) continue;
+      for (int axis = 0; axis < u.ndim; ++axis) {
+        int64_t size;
+        if (kind_of(voted_dim(u, axis, a_tokens_given, size)) == odd && size == tally[odd].size[tally[odd].top]) {
+          agree[n++] = &u;
+          break;
+        }
+      }
+    }
+    callers_shape(v, want);
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected shape %s (the %s of %s), got %s", v.name(),
+                ShapeText(want, v.ndim).text, dim_words(kVoted[odd]), NamesText(agree, n).text,
+                ShapeText(v.t->shape, v.ndim).text);
+  }
+  // Two sizes with as many votes: both sides named.
+  for (int k = 0; k < kKinds; ++k) {
+    const Tally& t = tally[k];
+    if (t.top < 0 || t.decided()) continue;
+    const View& a = *t.first[std::min(t.top, t.second)];
+    const View& b = *t.first[std::max(t.top, t.second)];
+    const int64_t size_a = t.size[std::min(t.top, t.second)], size_b = t.size[std::max(t.top, t.second)];
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "%s and %s: expected the same %s, got %" PRId64 " (%s, shape %s) and %" PRId64 " (%s, shape %s)",
+                a.name(), b.name(), dim_words(kVoted[k]), size_a, a.name(), ShapeText(a.t->shape, a.ndim).text,
+                size_b, b.name(), ShapeText(b.t->shape, b.ndim).text);
+  }
   return ATTNMERGE_SUCCESS;
 }
 
@@ -439,11 +639,17 @@ attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tenso
     return s;
   const View& source = call.views[op.sizes_from];
   if ((s = read_options(call.opt, op, call.views[op.scale_of], call.inv_scale)) ||
-      (s = check_dtypes(op, views)) || (s = op.equations(views, source, call.opt, call.sizes)) ||
-      (s = check_group_size(call.opt, views, call.sizes)) ||
-      (s = check_shapes(views, call.sizes, source, call.views[op.sizes_lse])) || (s = check_outputs(views)))
+      (s = check_precision(views, call.precision)) || (s = check_dtypes(op, views)))
     return s;
-  return ATTNMERGE_SUCCESS;
+  if ((s = op.equations(views, source, call.opt, call.sizes)) || (s = check_group_size(call.opt, views, call.sizes)) ||
+      (s = check_shapes(views, call.sizes, source, call.views[op.sizes_lse]))) {
+    // Inputs at odds with each other fail here, the source's sizes against the others': the vote
+    // names the one at odds instead (a call that passes pays for no vote).
+    const attnmerge_status odd =
+        check_agreement(views, source, (call.opt.flags & op.flags & ATTNMERGE_A_TOKENS) != 0);
+    return odd != ATTNMERGE_SUCCESS ? odd : s;
+  }
+  return check_outputs(views);
 }
 
 attnmerge_status check_indptr(const View& vi, const View& o, const attnmerge_tensor* out, int64_t rows) {
@@ -494,6 +700,120 @@ int choose_vec(Views views, int64_t head_size) {
 bool same_view(const View& x, const View& y) {
   return x.t->data == y.t->data && x.t->dtype == y.t->dtype && x.ndim == y.ndim &&
          std::equal(x.shape, x.shape + x.ndim, y.shape) && std::equal(x.strides, x.strides + x.ndim, y.strides);
+}
+
+// ---- the exchange ---------------------------------------------------------------------------------
+
+namespace {
+
+// The released layouts of attnmerge_exchange (as attnmerge_options', read_layout): 0.2.0's is the
+// baseline, which 0 also names.
+constexpr uint32_t kExchangeBaselineSize = sizeof(attnmerge_exchange);
+static_assert(sizeof(void*) != 8 || kExchangeBaselineSize == 224,
+              "attnmerge_exchange grew: until 0.2.0 is released the baseline grows with it (update 224), after "
+              "that a new field makes a new layout, accepted by a size of its own");
+static_assert(ATTNMERGE_EXCHANGE_MAX_WORLD == exchange::kMaxWorld, "exchange.h's kMaxWorld is the header's");
+
+// The arrays of pointers an op reads of the exchange: the pads, and (the merge) o and lse.
+struct RankArray {
+  const char* field;
+  const void* const* entries;
+  std::size_t align;  // bytes each entry is aligned to
+};
+
+int rank_arrays(const attnmerge_exchange* x, ExchangeUse use, RankArray (&arrays)[3]) {
+  arrays[0] = RankArray{"pads", const_cast<const void* const*>(x->pads), sizeof(uint64_t)};
+  if (use == ExchangeUse::kPads) return 1;
+  arrays[1] = RankArray{"o", x->o, dtype_size(x->o_layout.dtype)};
+  arrays[2] = RankArray{"lse", x->lse, sizeof(float)};
+  return 3;
+}
+
+}  // namespace
+
+attnmerge_status check_exchange(const attnmerge_exchange* x, ExchangeUse use, const ArgNames& names) {
+  const char* name = names.of("exchange");
+  if (x == nullptr) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected the ranks of an exchange, got NULL", name);
+  if (x->struct_size != 0 && x->struct_size != kExchangeBaselineSize)
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "%s.struct_size: expected 0 or %u (sizeof(attnmerge_exchange) of attnmerge 0.2.0), got %u", name,
+                static_cast<unsigned>(kExchangeBaselineSize), x->struct_size);
+  if (x->world_size < 1 || x->world_size > ATTNMERGE_EXCHANGE_MAX_WORLD)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s.world_size: expected 1 to %d ranks, got %d", name,
+                ATTNMERGE_EXCHANGE_MAX_WORLD, x->world_size);
+  if (x->rank < 0 || x->rank >= x->world_size)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s.rank: expected 0 <= rank < %d (world_size), got %d", name, x->world_size,
+                x->rank);
+  if (x->reuse != ATTNMERGE_EXCHANGE_WAIT_READERS && x->reuse != ATTNMERGE_EXCHANGE_ALTERNATE)
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "%s.reuse: expected ATTNMERGE_EXCHANGE_WAIT_READERS (0) or ATTNMERGE_EXCHANGE_ALTERNATE (1), got %d",
+                name, x->reuse);
+  if (x->timeout_ns <= 0)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s.timeout_ns: expected nanoseconds > 0 (a wait that can end), got %" PRId64,
+                name, x->timeout_ns);
+  RankArray arrays[3];
+  for (int a = 0, n = rank_arrays(x, use, arrays); a < n; ++a)
+    if (arrays[a].entries == nullptr)
+      return fail(ATTNMERGE_ERROR_VALUE, "%s.%s: expected %d pointers (one per rank), got NULL", name, arrays[a].field,
+                  x->world_size);
+  return ATTNMERGE_SUCCESS;
+}
+
+attnmerge_status check_exchange_pointers(const attnmerge_exchange* x, ExchangeUse use, const ArgNames& names) {
+  const char* name = names.of("exchange");
+  RankArray arrays[3];
+  for (int a = 0, n = rank_arrays(x, use, arrays); a < n; ++a)
+    for (int p = 0; p < x->world_size; ++p) {
+      const void* ptr = arrays[a].entries[p];
+      if (ptr == nullptr)
+        return fail(ATTNMERGE_ERROR_VALUE, "%s.%s[%d]: expected rank %d's pointer, got NULL", name, arrays[a].field, p,
+                    p);
+      if (reinterpret_cast<uintptr_t>(ptr) % arrays[a].align != 0)
+        return fail(ATTNMERGE_ERROR_VALUE, "%s.%s[%d]: expected a pointer aligned to %zu bytes, got %p", name,
+                    arrays[a].field, p, arrays[a].align, ptr);
+    }
+  return ATTNMERGE_SUCCESS;
+}
+
+attnmerge_status check_slice(int32_t slice, int64_t begin, const View& out, const Sizes& n) {
+  const ArgNames& names = *out.names;
+  if (slice != ATTNMERGE_SLICE_TOKENS && slice != ATTNMERGE_SLICE_HEADS)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected ATTNMERGE_SLICE_TOKENS (0) or ATTNMERGE_SLICE_HEADS (1), got %d",
+                names.of("slice"), slice);
+  const bool heads = slice == ATTNMERGE_SLICE_HEADS;
+  const char* whole = heads ? "tokens" : "heads";
+  const int64_t other = heads ? n.slice_tokens : n.slice_heads, states_other = heads ? n.tokens : n.heads;
+  if (other != states_other)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected the %" PRId64 " %s of the states (a slice of %s takes every one), "
+                "got %" PRId64, out.name(), states_other, whole, heads ? "heads" : "tokens", other);
+  const int64_t extent = heads ? n.slice_heads : n.slice_tokens, states = heads ? n.heads : n.tokens;
+  if (begin < 0 || begin > states - extent)
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "%s: expected 0 to %" PRId64 " (the states' %" PRId64 " %s less the %" PRId64 " of %s), got %" PRId64,
+                names.of("slice_begin"), states - extent, states, heads ? "heads" : "tokens", extent, out.name(),
+                begin);
+  return ATTNMERGE_SUCCESS;
+}
+
+attnmerge_status check_apart_from_ranks(const attnmerge_exchange* x, Views views, const View& o, const View& lse) {
+  for (const View& w : views) {
+    if (!w.spec->is_output() || !w.present() || w.empty) continue;
+    for (int p = 0; p < x->world_size; ++p)
+      for (const View* in : {&o, &lse}) {
+        if (in->empty) continue;
+        attnmerge_tensor t = *in->t;
+        t.data = const_cast<void*>((in == &o ? x->o : x->lse)[p]);
+        View rank_view = *in;
+        rank_view.t = &t;
+        uintptr_t lo1, hi1, lo2, hi2;
+        w.byte_range(lo1, hi1);
+        rank_view.byte_range(lo2, hi2);
+        if (lo1 < hi2 && lo2 < hi1)
+          return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory apart from every rank's state, got a range "
+                      "overlapping %s.%s[%d]", w.name(), w.names->of("exchange"), in == &o ? "o" : "lse", p);
+      }
+  }
+  return ATTNMERGE_SUCCESS;
 }
 
 }  // namespace detail

@@ -26,6 +26,8 @@ enum class Dim : uint8_t {
   kATokensOrMore,  // a itself: at least those with ATTNMERGE_A_TOKENS (only they are read), else exactly
   kScaleGroups,  // the per-group FP8 scales of a row: head_size / options.group_size
   kPair,  // 2: the two states of a two-way or in-place merge (options.valid's)
+  kSliceTokens,  // an exchange's output: the tokens of its slice
+  kSliceHeads,  // an exchange's output: the heads of its slice
 };
 
 enum class Use : uint8_t {
@@ -64,6 +66,12 @@ struct ArgSpec {
   constexpr bool is_output() const { return use != Use::kRead; }
 };
 
+// "float32, float16 or bfloat16": the names of a set of dtypes (bit `code` for each), for messages.
+struct DtypesText {
+  char text[128];
+  explicit DtypesText(uint32_t set);
+};
+
 // A tensor as an op reads it: shape and strides in the op's logical axis order.
 struct View {
   const ArgSpec* spec = nullptr;
@@ -98,6 +106,7 @@ struct Views {
 struct Sizes {
   int64_t tokens = 0, heads = 0, head_size = 0, states = 0, total = 0, rows = 0;
   int64_t scale_groups = 0;  // kScaleGroups
+  int64_t slice_tokens = 0, slice_heads = 0;  // kSliceTokens, kSliceHeads
   int64_t a_tokens = 0;  // kATokens
   bool a_tokens_given = false;  // ATTNMERGE_A_TOKENS: kATokensOrMore means at least a_tokens
 };
@@ -204,6 +213,7 @@ struct Checked {
   attnmerge_options opt{};
   ArgNames names;
   float inv_scale = 1.0f;
+  Precision precision = Precision::kFloat32;
   Sizes sizes;
   Views all() { return Views{views, count, &names}; }
 };
@@ -236,6 +246,10 @@ std::size_t widest_o(Views views);
 // allow, within 16 bytes per access.
 int choose_vec(Views views, int64_t head_size);
 
+// The options' fields struct_size covers, into `opt` (the others zero), and the caller's names:
+// validate()'s step 0, for an op whose own arguments are checked before its tensors (the exchange).
+attnmerge_status read_layout(const attnmerge_options* options, attnmerge_options& opt, ArgNames& names);
+
 // Validates tensors[i] against op.args[i] into call.views[i], in one order for every op:
 //   0. the options' layout (struct_size) and the caller's names (arg_names), which every message
 //      after names the arguments by;
@@ -244,9 +258,12 @@ int choose_vec(Views views, int64_t head_size);
 //   2. the options (op.flags; an output scale or group scales only where op.scale_of is FP8; a sink
 //      (group scales, sums, valid) only where op.sink (op.group_scales, ...) is an argument, which
 //      step 1 has described);
-//   3. every ArgSpec::dtype_of, where both are given;
+//   3. one precision (Precision) for every O and LSE (softmax sums too): all float64 or none; then
+//      every ArgSpec::dtype_of, where both are given;
 //   4. op.equations, options.group_size against head_size and the arrays' vectors, then every
-//      given argument's shape against its Dims (op.sizes_lse first, then in table order);
+//      given argument's shape against its Dims (op.sizes_lse first, then in table order); where
+//      these fail, the inputs' sizes are put to a vote, and an input at odds with those most
+//      inputs give (or two inputs at odds with each other) is named instead;
 //   5. the outputs: writable, no element written twice, apart from the outputs before them and
 //      from every input (an input with Alias::kMayBeOutput may be the very same view as an output
 //      of its kind).
@@ -259,6 +276,30 @@ attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tenso
 attnmerge_status check_indptr(const View& indptr, const View& o, const attnmerge_tensor* out, int64_t rows);
 
 bool same_view(const View& x, const View& y);
+
+// ---- the exchange (attnmerge_exchange) ----------------------------------------------------------
+
+// What each exchange op reads of an attnmerge_exchange: its pads (every op), its ranks' states (the
+// merge).
+enum class ExchangeUse : uint8_t { kPads, kStates };
+
+// The exchange's own fields, before anything else of the call: not NULL, struct_size, world_size,
+// rank, reuse and timeout_ns, and the arrays of pointers the op reads.  `names`: the caller's (the
+// exchange is named as "exchange" is).
+attnmerge_status check_exchange(const attnmerge_exchange* x, ExchangeUse use, const ArgNames& names);
+
+// Every rank's pointers the op reads, each alone: not NULL, aligned to its element (O: to the
+// dtype of o_layout, `o_dtype`) or its pad's words.
+attnmerge_status check_exchange_pointers(const attnmerge_exchange* x, ExchangeUse use, const ArgNames& names);
+
+// The slice of an exchange's merge: `slice` an attnmerge_slice, out's other axis whole, and
+// [begin, begin + out's size on the axis) within the states' (`n`: the sizes validate() read off
+// the layouts and out).  `out`: the output's view, named where a size disagrees.
+attnmerge_status check_slice(int32_t slice, int64_t begin, const View& out, const Sizes& n);
+
+// out and out_lse (each where present and not empty) apart from every rank's O and LSE (the spans
+// of o_layout and lse_layout, `o` and `lse`, at each rank's pointer).
+attnmerge_status check_apart_from_ranks(const attnmerge_exchange* x, Views views, const View& o, const View& lse);
 
 }  // namespace detail
 }  // namespace attnmerge

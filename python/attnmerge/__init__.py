@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from . import _C, _torch_hook, raw  # noqa: F401 - attnmerge.raw after `import attnmerge`
 from ._build import build_info, cmake_dir, include_dir, last_launch, library_path
+from .exchange import Exchange, SymmetricExchange, exchange_pad_bytes
 from ._merge import (merge, merge_backward, merge_inplace, merge_share, merge_states, merge_states_backward,
                      merge_varlen, merge_varlen_backward)
 
@@ -26,5 +27,6 @@ _torch_hook.install()  # torch.ops.attnmerge.*, when torch is (or gets) imported
 
 __version__ = _C.version_string()
 __all__ = ["merge", "merge_inplace", "merge_states", "merge_varlen", "merge_share", "merge_backward",
-           "merge_states_backward", "merge_varlen_backward", "build_info", "last_launch", "cmake_dir", "include_dir",
+           "merge_states_backward", "merge_varlen_backward", "Exchange", "SymmetricExchange", "exchange_pad_bytes",
+           "build_info", "last_launch", "cmake_dir", "include_dir",
            "library_path", "__version__"]

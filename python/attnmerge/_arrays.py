@@ -25,7 +25,7 @@ def family(x):
     return None
 
 
-_NAME_OF_DTYPE: dict[object, str] = {}  # dtype object -> its name (NumPy's dtype.name is a Python property: ~2 us)
+_NAME_OF_DTYPE: dict[object, str] = {}  # dtype object -> its name (NumPy's dtype.name is a slow property)
 
 
 def name_of(dtype):
@@ -67,9 +67,9 @@ def _numpy_dtype(name):
         return dtype
     import numpy as np
 
-    if name in ("float32", "float16"):
-        dtype = np.dtype(name)
-    else:
+    try:
+        dtype = np.dtype(name)  # NumPy's own (float64, float32, float16, ...)
+    except TypeError:  # bfloat16, float8_e4m3fn: ml_dtypes'
         try:
             import ml_dtypes
         except ImportError:

@@ -48,6 +48,10 @@ class Options(NamedTuple):
     def scale_ue8m0(self) -> bool:
         return bool(self.flags & _C.GROUP_SCALE_UE8M0)
 
+    @property
+    def batch_invariant(self) -> bool:
+        return bool(self.flags & _C.BATCH_INVARIANT)
+
 
 if Options._fields[:len(_C.OPTION_FIELDS)] != _C.OPTION_FIELDS:  # the binding reads them by position
     raise ImportError(f"attnmerge: the binding reads the options {_C.OPTION_FIELDS}, the package records "
@@ -69,15 +73,18 @@ class Op(NamedTuple):
     like: int  # the input the results are allocated like; -1: none (the in-place merge writes its inputs)
     takes: frozenset  # the options (Options' fields, and base's pair form: "pair") it takes
     lses: tuple  # the positions in `inputs` of its LSE arguments: the first's sums are sum_a, the second's sum_b
+    binding: Any  # its function in attnmerge._C: (outputs, inputs, the Options record)
 
 
-_FORWARD = frozenset({"output_scale", "out_base", "sink", "group_size", "out_dtype", "return_lse", "valid"})
+_FORWARD = frozenset({"output_scale", "out_base", "sink", "group_size", "out_dtype", "return_lse", "batch_invariant",
+                      "valid"})
 OPS = {op.name: op for op in (
-    Op("merge", ("o_a", "lse_a", "o_b", "lse_b"), 2, _FORWARD | {"a_tokens", "pair"}, (1, 3)),
-    Op("merge_inplace", ("o", "lse", "o_other", "lse_other", "mask"), -1, frozenset({"pair", "valid"}), (1, 3)),
-    Op("merge_states", ("o", "lse"), 0, _FORWARD | {"states_axis"}, (1,)),
-    Op("merge_varlen", ("o", "lse", "indptr"), 0, _FORWARD, (1,)),
-    Op("merge_share", ("o", "lse"), 0, _FORWARD | {"states_axis", "index"}, (1,)),
+    Op("merge", ("o_a", "lse_a", "o_b", "lse_b"), 2, _FORWARD | {"a_tokens", "pair"}, (1, 3), _C.merge),
+    Op("merge_inplace", ("o", "lse", "o_other", "lse_other", "mask"), -1,
+       frozenset({"pair", "batch_invariant", "valid"}), (1, 3), _C.merge_inplace),
+    Op("merge_states", ("o", "lse"), 0, _FORWARD | {"states_axis"}, (1,), _C.merge_states),
+    Op("merge_varlen", ("o", "lse", "indptr"), 0, _FORWARD, (1,), _C.merge_varlen),
+    Op("merge_share", ("o", "lse"), 0, _FORWARD | {"states_axis", "index"}, (1,), _C.merge_share),
 )}
 SUMS = ("sum_a", "sum_b")  # the record's sums of an op's LSE arguments (Op.lses), in order
 
@@ -220,7 +227,8 @@ def states_axis_of(states_axis, ndim, names=None):
 
 def options(op: Op, out=None, return_lse=True, out_dtype=None, output_scale=None, base="e", out_base=None,
             a_tokens=None, sink=None, group_size=None, group_scales=None, scale_ue8m0=False, states_axis=1,
-            index=0, stream=None, pdl=False, names=None, flags=0, sum_a=None, sum_b=None, valid=None) -> Options:
+            index=0, stream=None, pdl=False, names=None, batch_invariant=False, flags=0, sum_a=None, sum_b=None,
+            valid=None) -> Options:
     """The one reading of a call's options: every public function, the torch ops' kernels and
     attnmerge.jax make their Options here.  Checks what Python must know before the C ABI does (the
     types of options, bases, what allocation needs); the C ABI checks every value against the
@@ -234,6 +242,8 @@ def options(op: Op, out=None, return_lse=True, out_dtype=None, output_scale=None
         flags |= base_flags(bases)
     if pdl is not False:
         flags |= _C.PDL if _flag(pdl, "pdl", names) else 0
+    if batch_invariant is not False:
+        flags |= _C.BATCH_INVARIANT if _flag(batch_invariant, "batch_invariant", names) else 0
     group = 0
     if group_size is not None:
         group = _count(group_size, "group_size", names, least=1, expected="None or a power of two >= 8")
@@ -270,14 +280,25 @@ def result_dtype(opt: Options, in_dtype_of, src_name):
         return opt.out_dtype
     dtype = getattr(in_dtype_of, "dtype", None)
     if dtype is None:
-        raise TypeError(f"{named(opt.names, src_name)}: expected an array, got {type(in_dtype_of).__qualname__}")
+        raise TypeError(f"{named(opt.names, src_name)}: expected an array, got {kind_of(in_dtype_of)}")
     return dtype_name(dtype, named(opt.names, src_name), O_IN_DTYPES)
+
+
+def kind_of(x):
+    """What a non-array is called in a message: None as None (the binding and the C ABI say so too)."""
+    return "None" if x is None else type(x).__qualname__
+
+
+def lse_dtype(o_dtype):
+    """The LSE dtype that goes with an O dtype: float64 with float64 (a float64 call is float64 whole),
+    else float32."""
+    return "float64" if o_dtype == "float64" else "float32"
 
 
 def shape_of(x, arg, names=None):
     shape = getattr(x, "shape", None)
     if shape is None:
-        raise TypeError(f"{named(names, arg)}: expected an array, got {type(x).__qualname__}")
+        raise TypeError(f"{named(names, arg)}: expected an array, got {kind_of(x)}")
     return tuple(shape)
 
 

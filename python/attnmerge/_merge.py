@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from . import _native, _roads
-from ._call import OPS, index_of, lse_only, options, shape_of, softmax_stats, states_axis_of
+from ._call import OPS, index_of, lse_dtype, lse_only, options, shape_of, softmax_stats, states_axis_of
 from ._types import Array, Base, DType, Lse, PairBase, Stream
 
 _MERGE, _INPLACE, _STATES, _VARLEN, _SHARE = (OPS[name] for name in (
@@ -19,7 +19,8 @@ def merge(o_a: Array, lse_a: Lse, o_b: Array, lse_b: Lse, *, out: Array | None =
           output_scale: float | Array | None = None, base: PairBase = "e", out_base: Base | None = None,
           a_tokens: int | None = None, sink: Array | None = None, group_size: int | None = None,
           group_scales: Array | None = None, scale_ue8m0: bool = False, valid: Array | None = None,
-          stream: Stream = None, pdl: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
+          stream: Stream = None, pdl: bool = False, batch_invariant: bool = False,
+          _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge two attention states: ``(out, out_lse) = merge((o_a, lse_a), (o_b, lse_b))``.
 
     Per (token, head) row, with ``m = max(lse_a, lse_b)``, ``w = exp(lse - m)`` and ``W`` their sum:
@@ -36,13 +37,14 @@ def merge(o_a: Array, lse_a: Lse, o_b: Array, lse_b: Lse, *, out: Array | None =
     ----------
     o_a, o_b : array
         The states' outputs, [tokens, heads, head_size], float32, float16 or bfloat16 (one dtype
-        for both).  With `a_tokens`, o_a needs only a_tokens tokens.
+        for both), or float64 on the CPU (every O and LSE of the call then float64, merged in
+        float64).  With `a_tokens`, o_a needs only a_tokens tokens.
     lse_a, lse_b : array or tuple of 2 arrays
         Their log-sum-exps, float32 [tokens, heads], in base `base`; a [heads, tokens] buffer is
         passed as its transpose (``lse.T``).  Or softmax statistics, a ``(max, sum)`` tuple of
-        float32 arrays of that shape (TensorRT-LLM's Helix, a flash-decoding kernel before its
-        log): the LSE is ``max + log(sum)`` (log2 in base 2), taken in float32 as it is read, and
-        ``sum = 0`` an empty part whatever the max holds.
+        float32 arrays of that shape (float64 in a float64 call; TensorRT-LLM's Helix, a
+        flash-decoding kernel before its log): the LSE is ``max + log(sum)`` (log2 in base 2),
+        taken in float32 as it is read, and ``sum = 0`` an empty part whatever the max holds.
     out : array, optional
         Where the merged output goes, [tokens, heads, head_size], float32, float16, bfloat16 or
         float8_e4m3fn; may be o_a or o_b itself.  Allocated like o_b when None.
@@ -86,6 +88,12 @@ def merge(o_a: Array, lse_a: Lse, o_b: Array, lse_b: Lse, *, out: Array | None =
     pdl : bool, default False
         Programmatic dependent launch (sm_90 and newer): the kernel may start while the previous
         one on the stream finishes, and waits for it before reading.  The same results.
+    batch_invariant : bool, default False
+        Each row's bits depend on that row's inputs and these options alone, never on the other
+        rows of the call, the kernel the plan picks for their number or the GPU's size: a row
+        merged alone gives the same bits (the two-way and in-place merges and the share are so
+        anyway; the N-way and variable-length merges then keep one kernel and one chunk of states,
+        giving up the state-parallel kernel of decode sizes).  The GPU's bits differ from the CPU's.
 
     Returns
     -------
@@ -116,13 +124,14 @@ def merge(o_a: Array, lse_a: Lse, o_b: Array, lse_b: Lse, *, out: Array | None =
     """
     inputs, sum_a, sum_b, names = softmax_stats(_MERGE, (o_a, lse_a, o_b, lse_b), _names)
     opt = options(_MERGE, out, return_lse, out_dtype, output_scale, base, out_base, a_tokens, sink, group_size,
-                  group_scales, scale_ue8m0, 1, 0, stream, pdl, names, sum_a=sum_a, sum_b=sum_b, valid=valid)
+                  group_scales, scale_ue8m0, 1, 0, stream, pdl, names, batch_invariant, sum_a=sum_a, sum_b=sum_b,
+                  valid=valid)
     return _roads.run(_MERGE, inputs, out, out_lse, opt)
 
 
 def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Lse, *, mask: Array | None = None,
                   base: PairBase = "e", valid: Array | None = None, stream: Stream = None, pdl: bool = False,
-                  _names: Mapping[str, str] | None = None) -> tuple[Array, Array]:
+                  batch_invariant: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, Array]:
     """Merge a state into another in place: ``(o, lse) <- merge((o, lse), (o_other, lse_other))``.
 
     The semantics of :func:`merge`; the merged LSE replaces lse in lse's base.
@@ -140,7 +149,7 @@ def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Lse, *, mask:
         As for :func:`merge`: one base for both, or (lse's, lse_other's).
     valid : array, optional
         [tokens, 2] (o's state, o_other's), as for :func:`merge`.
-    stream, pdl
+    stream, pdl, batch_invariant
         As for :func:`merge`.
 
     Returns
@@ -167,7 +176,8 @@ def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Lse, *, mask:
     True
     """
     inputs, sum_a, sum_b, names = softmax_stats(_INPLACE, (o, lse, o_other, lse_other, mask), _names)
-    opt = options(_INPLACE, base=base, stream=stream, pdl=pdl, names=names, sum_a=sum_a, sum_b=sum_b, valid=valid)
+    opt = options(_INPLACE, base=base, stream=stream, pdl=pdl, names=names, batch_invariant=batch_invariant,
+                  sum_a=sum_a, sum_b=sum_b, valid=valid)
     return _roads.run(_INPLACE, inputs, None, None, opt)
 
 
@@ -176,7 +186,7 @@ def merge_states(o: Array, lse: Lse, *, out: Array | None = None, out_lse: Array
                  base: Base = "e", out_base: Base | None = None, states_axis: int = 1, sink: Array | None = None,
                  group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
                  valid: Array | None = None, stream: Stream = None, pdl: bool = False,
-                 _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
+                 batch_invariant: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge S stacked states in one pass, each input read once.
 
     Per row: ``m = max_i lse_i``, ``w_i = exp(lse_i - m)``, ``W = sum_i w_i``, ``out = sum_i (w_i /
@@ -196,7 +206,7 @@ def merge_states(o: Array, lse: Lse, *, out: Array | None = None, out_lse: Array
         The axis of S in o and lse: 0, 1 or 2 (or -4 to -2).
     out, out_lse, return_lse, out_dtype, output_scale, base, out_base
         As for :func:`merge` (one base for every state).
-    group_size, group_scales, scale_ue8m0, stream, pdl
+    group_size, group_scales, scale_ue8m0, stream, pdl, batch_invariant
         As for :func:`merge`.
     sink : array, optional
         float32 [heads]: each head's sink logit, one more state of output 0 in every row of its
@@ -228,7 +238,7 @@ def merge_states(o: Array, lse: Lse, *, out: Array | None = None, out_lse: Array
     inputs, sum_a, _, names = softmax_stats(_STATES, (o, lse), _names)
     opt = options(_STATES, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
                   group_scales, scale_ue8m0, states_axis_of(states_axis, 4, _names), 0, stream, pdl, names,
-                  sum_a=sum_a, valid=valid)
+                  batch_invariant, sum_a=sum_a, valid=valid)
     return _roads.run(_STATES, inputs, out, out_lse, opt)
 
 
@@ -237,7 +247,7 @@ def merge_varlen(o: Array, lse: Lse, indptr: Array, *, out: Array | None = None,
                  base: Base = "e", out_base: Base | None = None, sink: Array | None = None,
                  group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
                  valid: Array | None = None, stream: Stream = None, pdl: bool = False,
-                 _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
+                 batch_invariant: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge a variable number of states per row: row r merges states ``indptr[r] .. indptr[r+1]-1``.
 
     A row with no states gets ``out = 0`` and ``out_lse = -inf`` (the sink, with one).  On the CPU a
@@ -257,7 +267,7 @@ def merge_varlen(o: Array, lse: Lse, indptr: Array, *, out: Array | None = None,
         As for :func:`merge_states`; out [rows, heads, head_size].
     valid : array, optional
         [total]: which states of o hold keys, as for :func:`merge`.
-    group_size, group_scales, scale_ue8m0, stream, pdl
+    group_size, group_scales, scale_ue8m0, stream, pdl, batch_invariant
         As for :func:`merge`.
 
     Returns
@@ -283,7 +293,7 @@ def merge_varlen(o: Array, lse: Lse, indptr: Array, *, out: Array | None = None,
     """
     inputs, sum_a, _, names = softmax_stats(_VARLEN, (o, lse, indptr), _names)
     opt = options(_VARLEN, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
-                  group_scales, scale_ue8m0, 1, 0, stream, pdl, names, sum_a=sum_a, valid=valid)
+                  group_scales, scale_ue8m0, 1, 0, stream, pdl, names, batch_invariant, sum_a=sum_a, valid=valid)
     return _roads.run(_VARLEN, inputs, out, out_lse, opt)
 
 
@@ -292,7 +302,7 @@ def merge_share(o: Array, lse: Lse, index: int, *, out: Array | None = None, out
                 base: Base = "e", out_base: Base | None = None, states_axis: int = 1, sink: Array | None = None,
                 group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
                 valid: Array | None = None, stream: Stream = None, pdl: bool = False,
-                _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
+                batch_invariant: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """One state's share of an N-way merge, for context parallelism's combine by reduce-scatter.
 
     ``out = (w_index / W) o`` and ``out_lse`` the merged LSE, so that the S states' shares summed
@@ -315,7 +325,7 @@ def merge_share(o: Array, lse: Lse, index: int, *, out: Array | None = None, out
     out, out_lse, return_lse, out_dtype, output_scale, base, out_base, sink, valid
         As for :func:`merge_states` (out may be o itself; every rank's share takes the same sink
         and valid states).
-    group_size, group_scales, scale_ue8m0, stream, pdl
+    group_size, group_scales, scale_ue8m0, stream, pdl, batch_invariant
         As for :func:`merge` (each share quantized on its own).
 
     Returns
@@ -341,7 +351,7 @@ def merge_share(o: Array, lse: Lse, index: int, *, out: Array | None = None, out
     inputs, sum_a, _, names = softmax_stats(_SHARE, (o, lse), _names)
     opt = options(_SHARE, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
                   group_scales, scale_ue8m0, states_axis_of(states_axis, 3, _names), index_of(index, _names), stream,
-                  pdl, names, sum_a=sum_a, valid=valid)
+                  pdl, names, batch_invariant, sum_a=sum_a, valid=valid)
     return _roads.run(_SHARE, inputs, out, out_lse, opt)
 
 
@@ -412,7 +422,7 @@ def merge_backward(grad_out: Array, grad_out_lse: Array | None, out: Array | Non
     grads = tuple(_native.gradient_buffer(given, need, o_b, s, d, arg, "merge", "o_b", _roads.is_jax)
                   for given, need, s, d, arg in zip(
                       (grad_o_a, grad_lse_a, grad_o_b, grad_lse_b), needs,
-                      (a_shape, a_shape[:2], shape, shape[:2]), (dtype, "float32", dtype, "float32"),
+                      (a_shape, a_shape[:2], shape, shape[:2]), (dtype, lse_dtype(dtype), dtype, lse_dtype(dtype)),
                       ("grad_o_a", "grad_lse_a", "grad_o_b", "grad_lse_b")))
     _native.run_backward("merge", grads, (grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b), opt)
     return grads
@@ -428,7 +438,8 @@ def _states_grads(o, grad_o, grad_lse, needs_grad, ndim, op):
         raise ValueError(f"o: expected {ndim} dimensions, got {len(shape)} (shape {list(shape)})")
     dtype = _native.o_dtype(o, "o")
     return (_native.gradient_buffer(grad_o, needs[0], o, shape, dtype, "grad_o", op, "o", _roads.is_jax),
-            _native.gradient_buffer(grad_lse, needs[1], o, shape[:-1], "float32", "grad_lse", op, "o", _roads.is_jax))
+            _native.gradient_buffer(grad_lse, needs[1], o, shape[:-1], lse_dtype(dtype), "grad_lse", op, "o",
+                                    _roads.is_jax))
 
 
 def merge_states_backward(grad_out: Array, grad_out_lse: Array | None, out: Array | None, out_lse: Array, o: Array,

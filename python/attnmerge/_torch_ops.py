@@ -64,6 +64,7 @@ _KEYWORDS = (
      f"{_text(o.bases[0])},{_text(o.bases[1])}"),
     ("out_base", "str? out_base=None", lambda o: None if o.bases[2] == o.bases[0] else _text(o.bases[2])),
     ("pdl", "bool pdl=False", lambda o: o.pdl),
+    ("batch_invariant", "bool batch_invariant=False", lambda o: o.batch_invariant),
 )
 _GROUPS = "Tensor(c!)? group_scales=None, int group_size=0, bool scale_ue8m0=False"  # the out= overloads'
 
@@ -91,13 +92,14 @@ def _schemas(op):
                                          "(Tensor o_merged, Tensor lse_merged)"}
     index = [k for k in keywords if k.startswith("int index")]
     rest = [k for k in keywords if not k.startswith("int index")]
+    at = next(i for i, k in enumerate(rest) if k.startswith("str base"))  # the out= overloads' groups go before
     return {
         # output_scale, sink, the sums and valid positional: autograd takes no keyword-only tensors
         op.name: f"({tensors}, Tensor? output_scale=None, Tensor? sink=None, {states}, *, "
                  f"{', '.join(index + ['ScalarType? out_dtype=None'] + rest)}) -> (Tensor out, Tensor out_lse)",
         f"{op.name}.out": f"({tensors}, *, {', '.join(index)}{', ' if index else ''}Tensor(a!) out, "
                           f"Tensor(b!)? out_lse=None, Tensor? output_scale=None, Tensor? sink=None, {states}, "
-                          f"{', '.join(rest[:-3] + [_GROUPS] + rest[-3:])}) -> ()",
+                          f"{', '.join(rest[:at] + [_GROUPS] + rest[at:])}) -> ()",
     }
 
 
@@ -124,15 +126,16 @@ def _options(op, kwargs, names=None, **given):
     return _call.options(op, base=_base_value(kwargs.get("base", "e"), pair="pair" in op.takes),
                          out_base=None if out_base is None else _base_value(out_base, "out_base"),
                          a_tokens=kwargs.get("a_tokens"), states_axis=kwargs.get("states_axis", 1),
-                         index=kwargs.get("index", 0), pdl=kwargs.get("pdl", False), names=names, **given)
+                         index=kwargs.get("index", 0), pdl=kwargs.get("pdl", False), names=names,
+                         batch_invariant=kwargs.get("batch_invariant", False), **given)
 
 
 # ---- results: shapes, dtypes, devices (the fake implementations, and what the kernels allocate) ---
 
 def _new(like, shape, dtype):
     """(out [tokens, heads, head_size] of dtype, out_lse float32 [tokens, heads]) where `like` lives."""
-    return (torch.empty(shape, dtype=dtype, device=like.device),
-            torch.empty(shape[:2], dtype=torch.float32, device=like.device))
+    lse = torch.float64 if dtype == torch.float64 else torch.float32  # a float64 call is float64 whole
+    return (torch.empty(shape, dtype=dtype, device=like.device), torch.empty(shape[:2], dtype=lse, device=like.device))
 
 
 def _result(op):
@@ -530,8 +533,9 @@ def _sink_grad_of(ctx, sink_index, sink, out, out_lse, grad_out, grad_out_lse, b
     inputs' base)."""
     if sink is None or not ctx.needs_input_grad[sink_index]:
         return None
-    return sink_gradient(torch, sink.float(), out.float(), out_lse, _incoming(grad_out, out).float(),
-                                grad_out_lse, base).to(sink.dtype)
+    f32 = out_lse.dtype  # float32, or float64 for a float64 call
+    return sink_gradient(torch, sink.to(f32), out.to(f32), out_lse, _incoming(grad_out, out).to(f32), grad_out_lse,
+                         base).to(sink.dtype)
 
 
 def _merge_states_grad(ctx, grad_out, grad_out_lse):
@@ -570,10 +574,10 @@ def _merge_share_grad(ctx, grad_out, grad_out_lse):
     axis = ctx.options.get("states_axis", 1)
     grad_o = grad_lse = grad_sum = None
     if any(ctx.needs_input_grad[:2]) or (total is not None and _needs(ctx, 4)):
-        f32 = torch.float32
+        f32 = lse.dtype  # float32, or float64 for a float64 call
         lse = stats_lse(torch, lse, total, _valid_states(valid, axis), base)  # as the forward read it
         grad_o, grad_lse = share_gradient(torch, o.to(f32), lse, ctx.options["index"], out_lse,
-                                                 _incoming(grad_out, out).to(f32), grad_out_lse, base, axis)
+                                          _incoming(grad_out, out).to(f32), grad_out_lse, base, axis)
         grad_sum = _stats_grad(ctx, 4, grad_lse, total, base)
         grad_o = grad_o.to(o.dtype) if ctx.needs_input_grad[0] else None
         grad_lse = grad_lse if ctx.needs_input_grad[1] else None
@@ -647,7 +651,7 @@ _FUNCTIONS = {name: _function(name, *rules) for name, rules in _AUTOGRAD.items()
 
 _compiling = torch.compiler.is_compiling
 # Dynamo folds this to True while it traces and it is a bare `return False` in eager mode, where
-# is_compiling() first asks torch.jit.is_scripting() (most of takes()' cost: benchmarks/NOTES.md).
+# is_compiling() first asks torch.jit.is_scripting() (most of takes()' cost: benchmarks/NOTES.md#routing-check).
 _dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", _compiling)
 _Tensor = torch.Tensor
 

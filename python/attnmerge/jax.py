@@ -180,7 +180,8 @@ def _ffi(op, outs, operands, key: Options, extras, *, scale=None, vectorized=Tru
 
 
 def _results(tokens, heads, head_size, dtype):
-    return (jax.ShapeDtypeStruct((tokens, heads, head_size), dtype), jax.ShapeDtypeStruct((tokens, heads), jnp.float32))
+    lse = jnp.float64 if dtype == jnp.float64 else jnp.float32  # a float64 call is float64 whole (CPU, x64)
+    return (jax.ShapeDtypeStruct((tokens, heads, head_size), dtype), jax.ShapeDtypeStruct((tokens, heads), lse))
 
 
 def _out_dtype(opt: Options, like):
@@ -194,7 +195,7 @@ def merge(o_a: jax.Array, lse_a: Any, o_b: jax.Array, lse_b: Any, *, base: PairB
           out_base: Base | None = None, out_dtype: Any = None, a_tokens: int | None = None,
           output_scale: float | jax.Array | None = None, sink: jax.Array | None = None,
           group_size: int | None = None, scale_ue8m0: bool = False,
-          valid: jax.Array | None = None) -> tuple[jax.Array, ...]:
+          valid: jax.Array | None = None, batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """Merge two attention states: ``(out, out_lse) = merge((o_a, lse_a), (o_b, lse_b))``, as an XLA call.
 
     The semantics and options of :func:`attnmerge.merge`, on JAX arrays, under ``jax.jit``,
@@ -208,7 +209,7 @@ def merge(o_a: jax.Array, lse_a: Any, o_b: jax.Array, lse_b: Any, *, base: PairB
     lse_a, lse_b : jax.Array or tuple of 2 jax.Array
         float32 [tokens, heads], or softmax statistics, a ``(max, sum)`` tuple of such arrays
         (the LSE is ``max + log(sum)``, ``sum = 0`` an empty part); both differentiable.
-    base, out_base, a_tokens, group_size, scale_ue8m0
+    base, out_base, a_tokens, group_size, scale_ue8m0, batch_invariant
         As for :func:`attnmerge.merge`.
     valid : jax.Array, optional
         [tokens, 2], uint8, bool, int32 or int64: 0 where a state (a's, b's) holds no key, as for
@@ -248,14 +249,15 @@ def merge(o_a: jax.Array, lse_a: Any, o_b: jax.Array, lse_b: Any, *, base: PairB
     inputs, sum_a, sum_b, _ = softmax_stats(_MERGE, (o_a, lse_a, o_b, lse_b))
     opt = _options(_MERGE, output_scale=output_scale, sink=sink, sum_a=sum_a, sum_b=sum_b, valid=valid, base=base,
                    out_base=out_base, out_dtype=out_dtype, a_tokens=a_tokens, group_size=group_size,
-                   scale_ue8m0=scale_ue8m0)
+                   scale_ue8m0=scale_ue8m0, batch_invariant=batch_invariant)
     return run(_MERGE, inputs, opt)
 
 
 def merge_states(o: jax.Array, lse: Any, *, base: Base = "e", out_base: Base | None = None, out_dtype: Any = None,
                  output_scale: float | jax.Array | None = None, states_axis: int = 1,
                  sink: jax.Array | None = None, group_size: int | None = None,
-                 scale_ue8m0: bool = False, valid: jax.Array | None = None) -> tuple[jax.Array, ...]:
+                 scale_ue8m0: bool = False, valid: jax.Array | None = None,
+                 batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """Merge S stacked states in one pass, as an XLA call.
 
     The semantics and options of :func:`attnmerge.merge_states` on JAX arrays (static options).
@@ -269,7 +271,7 @@ def merge_states(o: jax.Array, lse: Any, *, base: Base = "e", out_base: Base | N
         float32, laid out as o without head_size, or a ``(max, sum)`` tuple of such arrays.
     states_axis : int, default 1
         The axis of S: 0, 1 or 2 (or -4 to -2).
-    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0
+    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, batch_invariant
         As for :func:`merge`.
     valid : jax.Array, optional
         [tokens, S] whatever `states_axis`: 0 where a state holds no key.
@@ -297,14 +299,14 @@ def merge_states(o: jax.Array, lse: Any, *, base: Base = "e", out_base: Base | N
     inputs, sum_a, _, _ = softmax_stats(_STATES, (o, lse))
     opt = _options(_STATES, output_scale=output_scale, sink=sink, sum_a=sum_a, valid=valid, base=base,
                    out_base=out_base, out_dtype=out_dtype, states_axis=states_axis_of(axis, 4), group_size=group_size,
-                   scale_ue8m0=scale_ue8m0)
+                   scale_ue8m0=scale_ue8m0, batch_invariant=batch_invariant)
     return run(_STATES, inputs, opt)
 
 
 def merge_varlen(o: jax.Array, lse: Any, indptr: jax.Array, *, base: Base = "e", out_base: Base | None = None,
                  out_dtype: Any = None, output_scale: float | jax.Array | None = None, sink: jax.Array | None = None,
                  group_size: int | None = None, scale_ue8m0: bool = False,
-                 valid: jax.Array | None = None) -> tuple[jax.Array, ...]:
+                 valid: jax.Array | None = None, batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """Merge a variable number of states per row, as an XLA call: row r merges ``indptr[r] .. indptr[r+1]-1``.
 
     The semantics and options of :func:`attnmerge.merge_varlen` on JAX arrays (static options).
@@ -317,7 +319,7 @@ def merge_varlen(o: jax.Array, lse: Any, indptr: jax.Array, *, base: Base = "e",
         float32 [total, heads], or a ``(max, sum)`` tuple of such arrays.
     indptr : jax.Array
         int32 or int64 [rows + 1].
-    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0
+    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, batch_invariant
         As for :func:`merge`.
     valid : jax.Array, optional
         [total]: 0 where a state of o holds no key.
@@ -344,14 +346,16 @@ def merge_varlen(o: jax.Array, lse: Any, indptr: jax.Array, *, base: Base = "e",
     """
     inputs, sum_a, _, _ = softmax_stats(_VARLEN, (o, lse, indptr))
     opt = _options(_VARLEN, output_scale=output_scale, sink=sink, sum_a=sum_a, valid=valid, base=base,
-                   out_base=out_base, out_dtype=out_dtype, group_size=group_size, scale_ue8m0=scale_ue8m0)
+                   out_base=out_base, out_dtype=out_dtype, group_size=group_size, scale_ue8m0=scale_ue8m0,
+                   batch_invariant=batch_invariant)
     return run(_VARLEN, inputs, opt)
 
 
 def merge_share(o: jax.Array, lse: Any, index: int, *, base: Base = "e", out_base: Base | None = None,
                 out_dtype: Any = None, output_scale: float | jax.Array | None = None, states_axis: int = 1,
                 sink: jax.Array | None = None, group_size: int | None = None,
-                scale_ue8m0: bool = False, valid: jax.Array | None = None) -> tuple[jax.Array, ...]:
+                scale_ue8m0: bool = False, valid: jax.Array | None = None,
+                batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """State `index`'s share of the merge of S states, as an XLA call (context parallelism's combine).
 
     The semantics and options of :func:`attnmerge.merge_share` on JAX arrays (static options).
@@ -367,7 +371,7 @@ def merge_share(o: jax.Array, lse: Any, index: int, *, base: Base = "e", out_bas
         0 <= index < S, static.
     states_axis : int, default 1
         The axis of S in lse: 0, 1 or 2 (or -3 to -1).
-    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, valid
+    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, valid, batch_invariant
         As for :func:`merge_states` (each share quantized on its own).
 
     Returns
@@ -393,7 +397,8 @@ def merge_share(o: jax.Array, lse: Any, index: int, *, base: Base = "e", out_bas
     inputs, sum_a, _, _ = softmax_stats(_SHARE, (o, lse))
     opt = _options(_SHARE, output_scale=output_scale, sink=sink, sum_a=sum_a, valid=valid, base=base,
                    out_base=out_base, out_dtype=out_dtype, states_axis=states_axis_of(axis, 3),
-                   index=index_of(_static("index", index)), group_size=group_size, scale_ue8m0=scale_ue8m0)
+                   index=index_of(_static("index", index)), group_size=group_size, scale_ue8m0=scale_ue8m0,
+                   batch_invariant=batch_invariant)
     return run(_SHARE, inputs, opt)
 
 
@@ -549,14 +554,14 @@ def _with_vjp(forward, backward):
     def bwd(saved, cotangents):
         inputs, out, out_lse = saved
         grad_out, grad_out_lse = cotangents
-        return backward(inputs, out, out_lse, grad_out.astype(out.dtype), grad_out_lse.astype(jnp.float32))
+        return backward(inputs, out, out_lse, grad_out.astype(out.dtype), grad_out_lse.astype(out_lse.dtype))
 
     f.defvjp(fwd, bwd)
     return f
 
 
 def _sink_gradient(sink, out, out_lse, grad_out, grad_out_lse, base):
-    f32 = jnp.float32
+    f32 = out_lse.dtype  # float32, or float64 for a float64 call
     return sink_gradient(jnp, sink.astype(f32), out.astype(f32), out_lse, grad_out.astype(f32), grad_out_lse,
                          base).astype(sink.dtype)
 
@@ -614,7 +619,7 @@ def _merge_fn(key: Options, dtype, has):
             lse_b = lse_b * c_b
         k = _shape(o_a)[0] if a_tokens < 0 else a_tokens  # a's later tokens are never read
         heads, head_size = _shape(o_b)[1:]
-        grads = (jax.ShapeDtypeStruct((k, heads, head_size), o_a.dtype), jax.ShapeDtypeStruct((k, heads), jnp.float32),
+        grads = (jax.ShapeDtypeStruct((k, heads, head_size), o_a.dtype), jax.ShapeDtypeStruct((k, heads), lse_a.dtype),
                  _like(o_b), _like(lse_b))
         g_oa, g_la, g_ob, g_lb = _backward("merge", grads,
                                            (grad_out, grad_out_lse, out, out_lse, o_a, lse_a, o_b, lse_b), base=base,
@@ -687,7 +692,7 @@ def _merge_share_fn(key: Options, dtype, has):
         ex = _unpack(has, extras)
         out_lse, grad_out_lse = _in_inputs_base(key.bases, out_lse, grad_out_lse)
         lse = stats_lse(jnp, lse, ex["sum_a"], _valid_states(ex["valid"], 1), base)  # as the forward read it
-        f32 = jnp.float32
+        f32 = lse.dtype  # float32, or float64 for a float64 call
         g_o, g_l = share_gradient(jnp, o.astype(f32), lse, index, out_lse, grad_out.astype(f32), grad_out_lse, base, 1)
         return (g_o.astype(o.dtype), g_l,
                 *_extras_gradients(ex, (g_l, None), (base, base), out, out_lse, grad_out, grad_out_lse))

@@ -3,8 +3,10 @@
 // layer builds descriptors from integer pointers.  It checks nothing the C ABI checks.
 #include <dlfcn.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <utility>
+#include <vector>
 #include <string>
 #include <type_traits>
 
@@ -37,6 +39,9 @@ void check(attnmerge_status status) {
     case ATTNMERGE_SUCCESS: return;
     case ATTNMERGE_ERROR_TYPE: throw py::type_error(attnmerge_last_error());
     case ATTNMERGE_ERROR_VALUE: throw py::value_error(attnmerge_last_error());
+    case ATTNMERGE_ERROR_TIMEOUT:
+      PyErr_SetString(PyExc_TimeoutError, attnmerge_last_error());
+      throw py::error_already_set();
     default: throw std::runtime_error(attnmerge_last_error());
   }
 }
@@ -52,11 +57,11 @@ void call_library(F&& f) {
   check(status);
 }
 
-// What an argument may be, for messages about dtypes the library has no code for (kF32 is also
-// output_scale's: the C ABI's const float*).
+// What an argument may be, for messages about dtypes the library has no code for.
 const char* const kO = dtype_names(ATTNMERGE_ROLE_O_IN);
 const char* const kOut = dtype_names(ATTNMERGE_ROLE_O_OUT);
-const char* const kF32 = dtype_names(ATTNMERGE_ROLE_LSE);
+const char* const kLse = dtype_names(ATTNMERGE_ROLE_LSE);
+const char* const kScale = dtype_names(ATTNMERGE_ROLE_SCALE);  // group scales, and output_scale (a const float*)
 const char* const kMaskDtypes = dtype_names(ATTNMERGE_ROLE_MASK);
 const char* const kValidDtypes = dtype_names(ATTNMERGE_ROLE_MASK | ATTNMERGE_ROLE_INDPTR);  // options.valid
 const char* const kIndexDtypes = dtype_names(ATTNMERGE_ROLE_INDPTR);
@@ -116,7 +121,8 @@ const float* scale_pointer(const attnmerge_tensor* scale, const ArgName& name) {
   if (scale == nullptr) return nullptr;
   int64_t n = 1;
   for (int i = 0; i < scale->ndim; ++i) n *= scale->shape[i];
-  if (scale->dtype != ATTNMERGE_FLOAT32) type_error(name, "expected a float32 array, got another dtype");
+  if (scale->dtype != ATTNMERGE_FLOAT32)
+    type_error(name, std::string("expected a float32 array, got ") + attnmerge_dtype_info_of(scale->dtype)->array_name);
   if (n != 1)
     value_error(name, "expected a number or a one-element float32 array, got " + std::to_string(n) + " elements");
   return static_cast<const float*>(scale->data);
@@ -156,11 +162,11 @@ class Forward {
   static CallArrays<kArrays> read(const Record& r, const CallerNames& n, const Param (&own)[N], int like, int outputs,
                                   std::index_sequence<I...>) {
     const Param params[kArrays] = {own[I]...,
-                                   {r.scale, n("output_scale"), kF32},
-                                   {r.sink, n("sink"), kF32},
-                                   {r.group_scales, n("group_scales"), kF32},
-                                   {r.sum_a, n("sum_a"), kF32},
-                                   {r.sum_b, n("sum_b"), kF32},
+                                   {r.scale, n("output_scale"), kScale},
+                                   {r.sink, n("sink"), kLse},
+                                   {r.group_scales, n("group_scales"), kScale},
+                                   {r.sum_a, n("sum_a"), kLse},
+                                   {r.sum_b, n("sum_b"), kLse},
                                    {r.valid, n("valid"), kValidDtypes}};
     return CallArrays<kArrays>(params, r.stream, like, outputs);
   }
@@ -177,11 +183,11 @@ void merge(py::handle out, py::handle out_lse, py::handle o_a, py::handle lse_a,
   const CallerNames n(r.names);
   Forward<6> f(r, n,
                {{out, n("out"), kOut},
-                {out_lse, n("out_lse"), kF32},
+                {out_lse, n("out_lse"), kLse},
                 {o_a, n("o_a"), kO},
-                {lse_a, n("lse_a"), kF32},
+                {lse_a, n("lse_a"), kLse},
                 {o_b, n("o_b"), kO},
-                {lse_b, n("lse_b"), kF32}},
+                {lse_b, n("lse_b"), kLse}},
                4, 2);
   const attnmerge_options opt = f.options(n);
   const auto& t = f.c.t;
@@ -194,9 +200,9 @@ void merge_inplace(py::handle o, py::handle lse, py::handle o_other, py::handle 
   const CallerNames n(r.names);
   Forward<5> f(r, n,
                {{o, n("o"), kO},
-                {lse, n("lse"), kF32},
+                {lse, n("lse"), kLse},
                 {o_other, n("o_other"), kO},
-                {lse_other, n("lse_other"), kF32},
+                {lse_other, n("lse_other"), kLse},
                 {mask, n("mask"), kMaskDtypes}},
                0, 0);
   const attnmerge_options opt = f.options(n);
@@ -207,7 +213,7 @@ void merge_inplace(py::handle o, py::handle lse, py::handle o_other, py::handle 
 void merge_states(py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle record) {
   const Record r(record);
   const CallerNames n(r.names);
-  Forward<4> f(r, n, {{out, n("out"), kOut}, {out_lse, n("out_lse"), kF32}, {o, n("o"), kO}, {lse, n("lse"), kF32}},
+  Forward<4> f(r, n, {{out, n("out"), kOut}, {out_lse, n("out_lse"), kLse}, {o, n("o"), kO}, {lse, n("lse"), kLse}},
                2, 2);
   for (int i : {2, 3, f.kSumA}) states_at(f.c.views[i], r.c.states_axis);  // valid is [tokens, S] as given
   const attnmerge_options opt = f.options(n);
@@ -221,9 +227,9 @@ void merge_varlen(py::handle out, py::handle out_lse, py::handle o, py::handle l
   const CallerNames n(r.names);
   Forward<5> f(r, n,
                {{out, n("out"), kOut},
-                {out_lse, n("out_lse"), kF32},
+                {out_lse, n("out_lse"), kLse},
                 {o, n("o"), kO},
-                {lse, n("lse"), kF32},
+                {lse, n("lse"), kLse},
                 {indptr, n("indptr"), kIndexDtypes}},
                2, 2);
   const attnmerge_options opt = f.options(n);
@@ -234,7 +240,7 @@ void merge_varlen(py::handle out, py::handle out_lse, py::handle o, py::handle l
 void merge_share(py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle record) {
   const Record r(record);
   const CallerNames n(r.names);
-  Forward<4> f(r, n, {{out, n("out"), kOut}, {out_lse, n("out_lse"), kF32}, {o, n("o"), kO}, {lse, n("lse"), kF32}},
+  Forward<4> f(r, n, {{out, n("out"), kOut}, {out_lse, n("out_lse"), kLse}, {o, n("o"), kO}, {lse, n("lse"), kLse}},
                2, 2);
   for (int i : {3, f.kSumA}) states_at(f.c.views[i], r.c.states_axis);
   const attnmerge_options opt = f.options(n);
@@ -268,19 +274,21 @@ void merge_backward(py::handle grad_o_a, py::handle grad_lse_a, py::handle grad_
                     py::handle lse_a, py::handle o_b, py::handle lse_b, py::handle record) {
   const Record r(record);
   CallArrays<12> c({{grad_o_a, "grad_o_a", kO},
-                    {grad_lse_a, "grad_lse_a", kF32},
+                    {grad_lse_a, "grad_lse_a", kLse},
                     {grad_o_b, "grad_o_b", kO},
-                    {grad_lse_b, "grad_lse_b", kF32},
+                    {grad_lse_b, "grad_lse_b", kLse},
                     {grad_out, "grad_out", kO},
-                    {grad_out_lse, "grad_out_lse", kF32},
+                    {grad_out_lse, "grad_out_lse", kLse},
                     {out, "out", kO},
-                    {out_lse, "out_lse", kF32},
+                    {out_lse, "out_lse", kLse},
                     {o_a, "o_a", kO},
-                    {lse_a, "lse_a", kF32},
+                    {lse_a, "lse_a", kLse},
                     {o_b, "o_b", kO},
-                    {lse_b, "lse_b", kF32}},
+                    {lse_b, "lse_b", kLse}},
                    r.stream, 10);
-  const attnmerge_options options = options_of(r.c);
+  attnmerge_options options = options_of(r.c);
+  const CallerNames n(r.names);  // a missing array is "None" from Python
+  n.pass_to(options);
   call_library([&] {
     return attnmerge_merge_backward(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], c.t[6], c.t[7], c.t[8], c.t[9],
                                     c.t[10], c.t[11], &options, c.stream());
@@ -291,16 +299,18 @@ void merge_states_backward(py::handle grad_o, py::handle grad_lse, py::handle gr
                            py::handle out, py::handle out_lse, py::handle o, py::handle lse, py::handle record) {
   const Record r(record);
   CallArrays<8> c({{grad_o, "grad_o", kO},
-                   {grad_lse, "grad_lse", kF32},
+                   {grad_lse, "grad_lse", kLse},
                    {grad_out, "grad_out", kO},
-                   {grad_out_lse, "grad_out_lse", kF32},
+                   {grad_out_lse, "grad_out_lse", kLse},
                    {out, "out", kO},
-                   {out_lse, "out_lse", kF32},
+                   {out_lse, "out_lse", kLse},
                    {o, "o", kO},
-                   {lse, "lse", kF32}},
+                   {lse, "lse", kLse}},
                   r.stream, 6);
   for (int i : {0, 1, 6, 7}) states_at(c.views[i], r.c.states_axis);  // the gradients laid out as o and lse
-  const attnmerge_options options = options_of(r.c);
+  attnmerge_options options = options_of(r.c);
+  const CallerNames n(r.names);  // a missing array is "None" from Python
+  n.pass_to(options);
   call_library([&] {
     return attnmerge_merge_states_backward(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], c.t[6], c.t[7], &options,
                                            c.stream());
@@ -312,16 +322,18 @@ void merge_varlen_backward(py::handle grad_o, py::handle grad_lse, py::handle gr
                            py::handle record) {
   const Record r(record);
   CallArrays<9> c({{grad_o, "grad_o", kO},
-                   {grad_lse, "grad_lse", kF32},
+                   {grad_lse, "grad_lse", kLse},
                    {grad_out, "grad_out", kO},
-                   {grad_out_lse, "grad_out_lse", kF32},
+                   {grad_out_lse, "grad_out_lse", kLse},
                    {out, "out", kO},
-                   {out_lse, "out_lse", kF32},
+                   {out_lse, "out_lse", kLse},
                    {o, "o", kO},
-                   {lse, "lse", kF32},
+                   {lse, "lse", kLse},
                    {indptr, "indptr", kIndexDtypes}},
                   r.stream, 6);
-  const attnmerge_options options = options_of(r.c);
+  attnmerge_options options = options_of(r.c);
+  const CallerNames n(r.names);  // a missing array is "None" from Python
+  n.pass_to(options);
   call_library([&] {
     return attnmerge_merge_varlen_backward(c.t[0], c.t[1], c.t[2], c.t[3], c.t[4], c.t[5], c.t[6], c.t[7], c.t[8],
                                            &options, c.stream());
@@ -382,6 +394,74 @@ void merge_raw(int64_t tokens, int64_t heads, int64_t head_size, py::handle out,
                            reinterpret_cast<void*>(stream));
   });
 }
+
+// ---- the exchange fused with the merge ---------------------------------------------------------
+
+// One rank of an exchange, its C descriptor built once: every rank's O, LSE and pad pointers (as
+// this rank addresses them) and the layout they share, read off this rank's own O and LSE arrays
+// (kept alive by the Python object that holds this one).
+class Exchange {
+ public:
+  Exchange(py::handle o, py::handle lse, std::vector<uintptr_t> o_ptrs, std::vector<uintptr_t> lse_ptrs,
+           std::vector<uintptr_t> pad_ptrs, int32_t rank, int32_t reuse, int64_t timeout_ns)
+      : layout_(py::reinterpret_borrow<py::object>(o)), o_(begin_ptrs(o_ptrs)), lse_(begin_ptrs(lse_ptrs)),
+        pads_(pad_ptrs.size()) {
+    for (std::size_t i = 0; i < pad_ptrs.size(); ++i) pads_[i] = reinterpret_cast<void*>(pad_ptrs[i]);
+    CallArrays<2> c({{o, "o", kO}, {lse, "lse", kLse}}, py::none(), 0);
+    x_.struct_size = 0;
+    x_.rank = rank;
+    x_.world_size = static_cast<int32_t>(pad_ptrs.size());
+    x_.reuse = reuse;
+    x_.timeout_ns = timeout_ns;
+    x_.o = o_.data();
+    x_.lse = lse_.data();
+    x_.pads = pads_.data();
+    x_.o_layout = *c.t[0];
+    x_.lse_layout = *c.t[1];
+    x_.o_layout.data = x_.lse_layout.data = nullptr;  // each rank's is o[p], lse[p]
+    if (o_.size() != pads_.size() || lse_.size() != pads_.size())
+      value_error("o, lse, pads", "expected one entry per rank each, got " + std::to_string(o_.size()) + ", " +
+                                      std::to_string(lse_.size()) + " and " + std::to_string(pads_.size()));
+  }
+
+  void publish(int64_t epoch, py::handle stream) {
+    void* s = stream_of(stream);
+    call_library([&] { return attnmerge_exchange_publish(&x_, epoch, s); });
+  }
+
+  void merge(py::handle out, py::handle out_lse, int32_t slice, int64_t slice_begin, int64_t epoch,
+             py::handle record) {
+    const Record r(record);
+    const CallerNames n(r.names);
+    Forward<2> f(r, n, {{out, n("out"), kOut}, {out_lse, n("out_lse"), kLse}}, 0, 2);
+    const attnmerge_options opt = f.options(n);
+    const auto& t = f.c.t;
+    void* const s = f.c.stream();
+    call_library([&] { return attnmerge_merge_exchange(t[0], t[1], &x_, slice, slice_begin, epoch, &opt, s); });
+  }
+
+  void status(py::handle stream) {
+    void* s = stream_of(stream);
+    call_library([&] { return attnmerge_exchange_status(&x_, s); });
+  }
+
+  int32_t device() const { return x_.o_layout.device; }
+
+ private:
+  static std::vector<const void*> begin_ptrs(const std::vector<uintptr_t>& ptrs) {
+    std::vector<const void*> v(ptrs.size());
+    for (std::size_t i = 0; i < ptrs.size(); ++i) v[i] = reinterpret_cast<const void*>(ptrs[i]);
+    return v;
+  }
+  // The stream of a call that takes no array of its own: as given, or for None that of the
+  // framework of this rank's O (array_view.h's one reading of stream=None).
+  void* stream_of(py::handle stream) { return CallArrays<1>({{layout_, "o", kO}}, stream, 0).stream(); }
+
+  py::object layout_;  // this rank's O, whose framework says what stream=None means
+  std::vector<const void*> o_, lse_;
+  std::vector<void*> pads_;
+  attnmerge_exchange x_ = {};
+};
 
 std::string library_path() {
   Dl_info info;
@@ -447,9 +527,26 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("flag_reader", &attnmerge_py::flag_reader, py::arg("type"), py::arg("name"), py::arg("gate"),
         py::arg("tracing") = py::none());
+  py::class_<Exchange>(m, "Exchange")
+      .def(py::init<py::handle, py::handle, std::vector<uintptr_t>, std::vector<uintptr_t>, std::vector<uintptr_t>,
+                    int32_t, int32_t, int64_t>(),
+           py::arg("o"), py::arg("lse"), py::arg("o_ptrs"), py::arg("lse_ptrs"), py::arg("pad_ptrs"), py::arg("rank"),
+           py::arg("reuse"), py::arg("timeout_ns"))
+      .def("publish", &Exchange::publish, py::arg("epoch"), py::arg("stream"))
+      .def("merge", &Exchange::merge, py::arg("out"), py::arg("out_lse"), py::arg("slice"), py::arg("slice_begin"),
+           py::arg("epoch"), py::arg("options"))
+      .def("status", &Exchange::status, py::arg("stream"))
+      .def_property_readonly("device", &Exchange::device);
+  m.def("exchange_pad_bytes", &attnmerge_exchange_pad_bytes, py::arg("world_size"));
+  m.attr("EXCHANGE_WAIT_READERS") = static_cast<int>(ATTNMERGE_EXCHANGE_WAIT_READERS);
+  m.attr("EXCHANGE_ALTERNATE") = static_cast<int>(ATTNMERGE_EXCHANGE_ALTERNATE);
+  m.attr("SLICE_TOKENS") = static_cast<int>(ATTNMERGE_SLICE_TOKENS);
+  m.attr("SLICE_HEADS") = static_cast<int>(ATTNMERGE_SLICE_HEADS);
   m.def("version_string", &attnmerge_version_string);
   m.def("version", &attnmerge_version);
   m.def("cuda_architectures", &attnmerge_cuda_architectures);
+  m.def("cuda_ptx_architectures", &attnmerge_cuda_ptx_architectures);
+  m.def("cuda_architectures_choice", &attnmerge_cuda_architectures_choice);
   m.def("cuda_build_version", &attnmerge_cuda_build_version);
   m.def("cuda_driver_version", &attnmerge_cuda_driver_version);
   m.def("device_count", &attnmerge_device_count);
@@ -467,6 +564,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("ROLE_LSE") = ATTNMERGE_ROLE_LSE;
   m.attr("ROLE_MASK") = ATTNMERGE_ROLE_MASK;
   m.attr("ROLE_INDPTR") = ATTNMERGE_ROLE_INDPTR;
+  m.attr("ROLE_SCALE") = ATTNMERGE_ROLE_SCALE;
   m.attr("LSE_BASE2") = ATTNMERGE_LSE_BASE2;
   m.attr("LSE_HEADS_FIRST") = ATTNMERGE_LSE_HEADS_FIRST;
   m.attr("LSE_B_BASE2") = ATTNMERGE_LSE_B_BASE2;
@@ -475,4 +573,5 @@ PYBIND11_MODULE(_C, m) {
   m.attr("OUT_LSE_BASE_E") = ATTNMERGE_OUT_LSE_BASE_E;
   m.attr("PDL") = ATTNMERGE_PDL;
   m.attr("GROUP_SCALE_UE8M0") = ATTNMERGE_GROUP_SCALE_UE8M0;
+  m.attr("BATCH_INVARIANT") = ATTNMERGE_BATCH_INVARIANT;
 }

@@ -16,7 +16,10 @@ namespace attnmerge_py {
 const char* ArgName::str() const { return names_ ? names_->of(name_) : name_; }
 
 CallerNames::CallerNames(py::handle table) {
-  if (table.is_none()) return;
+  if (table.is_none()) {
+    entries_[count_++] = {"NULL", "None"};
+    return;
+  }
   if (!PyDict_Check(table.ptr())) type_error("names", "expected None or a dict, got " + type_name(table));
   const Py_ssize_t size = PyDict_Size(table.ptr());
   if (size > kMaxNames)
@@ -35,6 +38,7 @@ CallerNames::CallerNames(py::handle table) {
     held_[2 * count_ + 1] = py::reinterpret_borrow<py::object>(value);
     entries_[count_] = {arg, name};
   }
+  entries_[count_++] = {"NULL", "None"};
 }
 
 const char* CallerNames::of(const char* name) const {
@@ -44,7 +48,6 @@ const char* CallerNames::of(const char* name) const {
 }
 
 void CallerNames::pass_to(attnmerge_options& options) const {
-  if (count_ == 0) return;
   options.struct_size = sizeof(attnmerge_options);  // the layout that has arg_names
   options.arg_names = entries_;
   options.num_arg_names = count_;
@@ -85,42 +88,31 @@ int dtype_from_name(const std::string& s, const ArgName& name) {
 
 namespace {
 
-// "int32", "float64", "bool", ... as the frameworks spell them, for error messages.
+// "int32", "float64", "bool", "float8_e4m3fn", ... as the frameworks spell a DLPack dtype, the
+// names of the library's table among them.
 std::string dl_dtype_name(DLDataType dt) {
   static const char* const kinds[] = {"int", "uint", "float", "opaque", "bfloat", "complex", "bool"};
-  std::string s = dt.code < 7 ? kinds[dt.code] : "DLPack type code " + std::to_string(dt.code) + " of ";
-  if (dt.code != 6) s += std::to_string(dt.bits);
+  std::string s;
+  if (dt.code == kDLFloat8_e4m3fn && dt.bits == 8) {
+    s = "float8_e4m3fn";
+  } else if (dt.code < 7) {
+    s = std::string(kinds[dt.code]) + (dt.code == kDLBool ? "" : std::to_string(dt.bits));
+  } else {
+    s = "DLPack type code " + std::to_string(dt.code) + " of " + std::to_string(dt.bits);
+  }
   if (dt.lanes != 1) s += "x" + std::to_string(dt.lanes);
   return s;
 }
 
-// The library's code for a DLPack dtype; dtypes it has no code for fail here, naming what the
-// argument expects (`expected`), and every other check is the C ABI's.
+// The library's code for a DLPack dtype, found by name in the library's table (code_of_name) once
+// per dtype; dtypes it has no code for fail here, naming what the argument expects (`expected`),
+// and every other check is the C ABI's.  Under the GIL.
 int dtype_from_dl(DLDataType dt, const char* expected, const ArgName& name) {
-  if (dt.lanes == 1) {
-    switch (dt.code) {
-      case kDLFloat:
-        if (dt.bits == 32) return ATTNMERGE_FLOAT32;
-        if (dt.bits == 16) return ATTNMERGE_FLOAT16;
-        break;
-      case kDLBfloat:
-        if (dt.bits == 16) return ATTNMERGE_BFLOAT16;
-        break;
-      case kDLFloat8_e4m3fn:
-        if (dt.bits == 8) return ATTNMERGE_FLOAT8_E4M3;
-        break;
-      case kDLUInt:
-        if (dt.bits == 8) return ATTNMERGE_UINT8;
-        break;
-      case kDLBool:
-        if (dt.bits == 8) return ATTNMERGE_BOOL;
-        break;
-      case kDLInt:
-        if (dt.bits == 32) return ATTNMERGE_INT32;
-        if (dt.bits == 64) return ATTNMERGE_INT64;
-        break;
-    }
-  }
+  static std::unordered_map<uint32_t, int> codes;
+  const uint32_t key = uint32_t{dt.code} << 24 | uint32_t{dt.bits} << 16 | dt.lanes;
+  auto it = codes.find(key);
+  if (it == codes.end()) it = codes.emplace(key, code_of_name(dl_dtype_name(dt))).first;
+  if (it->second >= 0) return it->second;
   type_error(name, std::string("expected dtype ") + expected + ", got " + dl_dtype_name(dt));
 }
 
@@ -208,19 +200,23 @@ bool is_numpy_array(py::handle obj) {
   return false;
 }
 
+// The name of a typestr's kind ("f8": "float64", "b1": "bool"), as NumPy spells it.
+std::string typestr_name(const std::string& kind) {
+  if (kind == "b1") return "bool";
+  static const std::pair<char, const char*> words[] = {{'f', "float"}, {'i', "int"}, {'u', "uint"}};
+  const bool bytes = kind.size() >= 2 && kind.find_first_not_of("0123456789", 1) == std::string::npos;
+  for (const auto& w : words)
+    if (bytes && kind[0] == w.first) return w.second + std::to_string(8 * std::stoll(kind.substr(1)));
+  return kind;
+}
+
 // Dict-based interfaces (__cuda_array_interface__, __array_interface__): strides in bytes or None.
 void from_interface(attnmerge_tensor& t, py::handle obj, const py::dict& iface, bool cuda, const char* expected,
                     const ArgName& name) {
   const std::string typestr = py::str(iface["typestr"]);
   if (!typestr.empty() && typestr[0] == '>') type_error(name, "expected native byte order, got big-endian " + typestr);
   const std::string kind = typestr.size() > 1 ? typestr.substr(1) : typestr;
-  static const std::pair<const char*, int> kinds[] = {{"f4", ATTNMERGE_FLOAT32}, {"f2", ATTNMERGE_FLOAT16},
-                                                      {"u1", ATTNMERGE_UINT8},   {"b1", ATTNMERGE_BOOL},
-                                                      {"i4", ATTNMERGE_INT32},   {"i8", ATTNMERGE_INT64}};
-  t.dtype = -1;
-  for (const auto& k : kinds)
-    if (kind == k.first) t.dtype = k.second;
-  if (kind == "V2" || kind == "V1") t.dtype = named_dtype(obj);
+  t.dtype = kind == "V2" || kind == "V1" ? named_dtype(obj) : code_of_name(typestr_name(kind));
   if (t.dtype < 0)
     type_error(name, std::string("expected dtype ") + expected + ", got " +
                          (py::hasattr(obj, "dtype") ? std::string(py::str(obj.attr("dtype"))) : kind));
@@ -324,6 +320,27 @@ void mark_immutable(attnmerge_tensor& t, py::handle obj) {
   if (framework_of(Py_TYPE(obj.ptr())) == Framework::kJax) t.flags |= ATTNMERGE_READ_ONLY;
 }
 
+// The Python error that `obj`'s framework raised while it was read through `how` ("__dlpack__",
+// "__cuda_array_interface__", ...), raised again naming the argument: a ValueError (a TypeError
+// for a TypeError) with the framework's first line (PyTorch appends its C++ backtrace), the
+// original chained as its cause.
+[[noreturn]] void framework_refused(const ArgName& name, py::handle obj, const char* how) {
+  py::error_already_set e;
+  std::string why = py::str(e.value());
+  why = why.substr(0, why.find('\n'));
+  const std::string text = std::string(name.str()) + ": expected an array readable through " + how + ", got a " +
+                           type_name(obj) + " for which " + how + " raised " +
+                           std::string(py::str(e.type().attr("__name__"))) + (why.empty() ? "" : ": " + why);
+  py::raise_from(e, e.matches(PyExc_TypeError) ? PyExc_TypeError : PyExc_ValueError, text.c_str());
+  throw py::error_already_set();
+}
+
+// The same for an exception of pybind11's (a cast of the interface's entries that failed).
+[[noreturn]] void interface_unreadable(const ArgName& name, py::handle obj, const char* how, const char* why) {
+  value_error(name, std::string("expected an array readable through ") + how + ", got a " + type_name(obj) +
+                        " whose " + how + " holds what it cannot (" + why + ")");
+}
+
 // DLPack's stream argument for a consumer stream handle: 1 is the legacy default stream.
 py::object dlpack_stream_arg(void* stream) {
   return py::int_(stream == nullptr ? uintptr_t{1} : reinterpret_cast<uintptr_t>(stream));
@@ -351,17 +368,17 @@ void ArrayView::read(py::handle obj, void* consumer_stream, const ArgName& name,
   if (const DLPackExchangeAPI* api = exchange_api(Py_TYPE(o))) {
     api_ = api;
     const auto refused = [&] {  // a tensor its framework cannot export (a meta tensor, say)
-      py::error_already_set e;
+      PyObject *type, *value, *trace;
+      PyErr_Fetch(&type, &value, &trace);  // kept aside while is_meta is asked
       const py::object is_meta = py::getattr(obj, "is_meta", py::none());
-      if (is_meta.ptr() == Py_True)
+      if (is_meta.ptr() == Py_True) {
+        Py_XDECREF(type), Py_XDECREF(value), Py_XDECREF(trace);
         value_error(name,
                     "expected a tensor with data, got a meta tensor (meta tensors are not supported outside "
                     "torch.compile tracing)");
-      // The producer's first line: PyTorch appends its C++ backtrace to the message.
-      std::string why = py::str(e.value());
-      why = why.substr(0, why.find('\n'));
-      value_error(name, std::string("expected a tensor with data, got one ") + type_name(obj) +
-                            " cannot export through DLPack (" + why + ")");
+      }
+      PyErr_Restore(type, value, trace);
+      framework_refused(name, obj, "DLPack");
     };
     if (api->dltensor_from_py_object_no_sync) {
       DLTensor d;
@@ -373,8 +390,16 @@ void ArrayView::read(py::handle obj, void* consumer_stream, const ArgName& name,
   }
   if (is_numpy_array(obj)) return from_numpy(t, obj, expected, name);
   if (py::hasattr(obj, "__dlpack__")) {
-    const py::tuple dev = obj.attr("__dlpack_device__")();
-    const bool cpu = dev[0].cast<int>() == kDLCPU;
+    bool cpu = false;
+    try {
+      const py::tuple dev = obj.attr("__dlpack_device__")();
+      cpu = dev[0].cast<int>() == kDLCPU;
+    } catch (py::error_already_set& e) {
+      e.restore();
+      framework_refused(name, obj, "__dlpack_device__");
+    } catch (const py::cast_error& e) {
+      interface_unreadable(name, obj, "__dlpack_device__", e.what());
+    }
     py::dict kwargs;
     if (!cpu) kwargs["stream"] = dlpack_stream_arg(stream);
     kwargs["max_version"] = py::make_tuple(1, 3);
@@ -391,12 +416,12 @@ void ArrayView::read(py::handle obj, void* consumer_stream, const ArgName& name,
     if (raw == nullptr) {
       // A producer that cannot export this array may still offer an interface.
       if (!PyErr_ExceptionMatches(PyExc_BufferError) && !PyErr_ExceptionMatches(PyExc_TypeError))
-        throw py::error_already_set();
+        framework_refused(name, obj, "__dlpack__");
       PyObject *type, *value, *trace;
       PyErr_Fetch(&type, &value, &trace);
       if (!py::hasattr(obj, "__cuda_array_interface__") && !py::hasattr(obj, "__array_interface__")) {
         PyErr_Restore(type, value, trace);
-        throw py::error_already_set();
+        framework_refused(name, obj, "__dlpack__");
       }
       Py_XDECREF(type);
       Py_XDECREF(value);
@@ -423,7 +448,15 @@ void ArrayView::read(py::handle obj, void* consumer_stream, const ArgName& name,
   }
   const bool cuda = py::hasattr(obj, "__cuda_array_interface__");
   if (cuda || py::hasattr(obj, "__array_interface__")) {
-    from_interface(t, obj, obj.attr(cuda ? "__cuda_array_interface__" : "__array_interface__"), cuda, expected, name);
+    const char* const how = cuda ? "__cuda_array_interface__" : "__array_interface__";
+    try {
+      from_interface(t, obj, obj.attr(how), cuda, expected, name);
+    } catch (py::error_already_set& e) {
+      e.restore();
+      framework_refused(name, obj, how);
+    } catch (const py::cast_error& e) {
+      interface_unreadable(name, obj, how, e.what());
+    }
     return mark_immutable(t, obj);
   }
   type_error(name, "expected an array (DLPack, __cuda_array_interface__ or NumPy), got " + type_name(obj));

@@ -42,6 +42,8 @@ class ArgName {
 // look names up in it (of), and pass_to hands it to the C ABI (attnmerge_options.arg_names),
 // whose messages name the arguments through it.  Built under the GIL, for one call, on the stack
 // (a compat layer's call pays for no copy and no allocation).
+// Python's word for a missing array, "None", is passed down with the names (attnmerge.h's arg
+// "NULL"), so that the C ABI's messages say what the Python layer's say.
 class CallerNames {
  public:
   static constexpr int kMaxNames = 16;  // more than an op names (the two-way backward: 12 arguments, a_tokens)
@@ -54,7 +56,7 @@ class CallerNames {
   void pass_to(attnmerge_options& options) const;  // no names: options as they are
 
  private:
-  attnmerge_arg_name entries_[kMaxNames];
+  attnmerge_arg_name entries_[kMaxNames + 1];  // the caller's, then {"NULL", "None"}
   py::object held_[2 * kMaxNames];  // the strs the entries point into, referenced for the call
   int count_ = 0;
 };

@@ -3,6 +3,7 @@ cpp/src/validate.cpp), each stated once for every op, with the full message it g
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import c_abi
 
@@ -24,7 +25,7 @@ def test_the_in_place_state_takes_the_dtypes_of_a_read_o(rng):
     o = np.ones((T, H, D), np.uint8)
     o_other, lse_other = state(rng)
     status = c_abi.merge_inplace(t(o), t(lse), t(o_other), t(lse_other))
-    refused(status, "o: expected dtype float32, float16 or bfloat16, got uint8")
+    refused(status, "o: expected dtype float32, float16, bfloat16 or float64, got uint8")
     assert (o == 1).all()
 
 
@@ -46,14 +47,27 @@ def test_an_output_is_kept_apart_from_the_outputs_before_it_and_named_first(rng)
     assert np.isnan(grad_o_b).all()
 
 
-def test_a_state_at_odds_with_its_own_lse_names_that_lse_first(rng):
-    # sizes come from o_b; with one token too many, every other argument disagrees with it, and the
-    # message names the state's own LSE
+@pytest.mark.parametrize("outputs", ["none", "like-o_b"])
+def test_the_input_at_odds_with_the_others_is_named(rng, outputs):
+    # o_b is the op's source (its sizes are read off it), but with one token too many it is the one
+    # input of four that disagrees: it is named, against the others, not they against it.  Outputs
+    # with o_b's sizes (as Python allocates them) have no say: they would otherwise outvote the others
     o_a, lse_a = state(rng)
     _, lse_b = state(rng)
     o_b, _ = state(rng, T + 1)
+    tokens = T + 1 if outputs == "like-o_b" else T
+    out, out_lse = np.full((tokens, H, D), np.nan, np.float32), np.full((tokens, H), np.nan, np.float32)
+    status = c_abi.merge(t(out), t(out_lse) if outputs == "like-o_b" else None, t(o_a), t(lse_a), t(o_b), t(lse_b))
+    refused(status, f"o_b: expected shape [{T}, {H}, {D}] (the number of tokens of o_a, lse_a and lse_b), "
+                    f"got [{T + 1}, {H}, {D}]")
+    assert np.isnan(out).all() and np.isnan(out_lse).all()
+
+
+def test_two_inputs_that_disagree_with_no_other_to_side_with_are_both_named(rng):
+    o_a, lse_a = state(rng)
+    o_b, lse_b = rng.random((T, H, 2 * D), np.float32) + 0.5, rng.standard_normal((T, H)).astype(np.float32)
     out = np.full((T, H, D), np.nan, np.float32)
     status = c_abi.merge(t(out), None, t(o_a), t(lse_a), t(o_b), t(lse_b))
-    refused(status, f"lse_b: expected shape [{T + 1}, {H}] (the sizes of o_b, shape [{T + 1}, {H}, {D}]), "
-                    f"got [{T}, {H}]")
+    refused(status, f"o_a and o_b: expected the same head_size, got {D} (o_a, shape [{T}, {H}, {D}]) and {2 * D} "
+                    f"(o_b, shape [{T}, {H}, {2 * D}])")
     assert np.isnan(out).all()

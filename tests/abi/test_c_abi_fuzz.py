@@ -40,8 +40,16 @@ import pytest
 import c_abi
 from c_abi import BFLOAT16, BOOL, FLOAT8_E4M3, FLOAT16, FLOAT32, INT32, INT64, UINT8
 
-FUZZ_N = int(os.environ.get("ATTNMERGE_FUZZ_N", "5000"))  # per op
-SEED = int(os.environ.get("ATTNMERGE_FUZZ_SEED", "20250606"))
+def _whole_number(name, default):
+    """The environment variable `name` as a whole number (unset: `default`), refused by name."""
+    value = os.environ.get(name, default)
+    if not value.isdigit():
+        raise ValueError(f"{name}: expected a whole number, got {value!r}")
+    return int(value)
+
+
+FUZZ_N = _whole_number("ATTNMERGE_FUZZ_N", "5000")  # per op
+SEED = _whole_number("ATTNMERGE_FUZZ_SEED", "20250606")
 
 IN = frozenset({FLOAT32, FLOAT16, BFLOAT16})
 OUT = IN | {FLOAT8_E4M3}

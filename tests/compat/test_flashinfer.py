@@ -223,7 +223,7 @@ def test_under_autograd_errors_name_flashinfers_arguments_too(rng):
     v_a, s_a, v_b, s_b = (torch.from_numpy(x).requires_grad_() for x in pair(rng, 5, 3, 8, "float32"))
     with pytest.raises(ValueError) as info:
         fi.merge_state(v_a, s_a, v_b, s_b[:-1])
-    assert str(info.value) == "s_b: expected shape [5, 3] (the sizes of v_b, shape [5, 3, 8]), got [4, 3]"
+    assert str(info.value) == "s_b: expected shape [5, 3] (the number of tokens of v_a, s_a and v_b), got [4, 3]"
     vs, ss = (torch.from_numpy(x).requires_grad_() for x in random_stacked(rng, 5, 2, 3, 8, "float32"))
     with pytest.raises(ValueError) as info:
         fi.merge_states(vs[:, 0], ss)

@@ -41,3 +41,23 @@ def test_no_document_points_outside_the_repository(document):
         path = os.path.normpath(os.path.join(base, target.split("#")[0]))
         assert path.startswith(ROOT + os.sep), f"{document}: {target} leaves the repository"
         assert os.path.exists(path), f"{document}: {target} names no file"
+
+
+def test_every_cited_decision_has_its_anchor_in_the_notes():
+    """Code comments, the CHANGELOG and the docs cite a decision as benchmarks/NOTES.md#anchor: each
+    anchor must be a heading's id there, so that a citation never leads nowhere."""
+    anchors = set(re.findall(r'<a id="([^"]+)"></a>', read("benchmarks/NOTES.md")))
+    cited = {}
+    for folder in ("cpp", "python", "docs"):
+        for root, _, files in os.walk(os.path.join(ROOT, folder)):
+            for name in files:
+                if name.endswith((".h", ".cuh", ".cpp", ".cu", ".py", ".md")):
+                    path = os.path.join(root, name)
+                    with open(path, encoding="utf-8") as f:
+                        for anchor in re.findall(r"NOTES\.md#([\w-]+)", f.read()):
+                            cited.setdefault(anchor, os.path.relpath(path, ROOT))
+    for anchor in re.findall(r"NOTES\.md#([\w-]+)", read("CHANGELOG.md")):
+        cited.setdefault(anchor, "CHANGELOG.md")
+    assert cited, "no citation found: the walk is wrong"
+    missing = {a: where for a, where in cited.items() if a not in anchors}
+    assert not missing, f"citations of anchors benchmarks/NOTES.md does not have: {missing}"

@@ -295,6 +295,33 @@ for name, shape in [("o_b", (T, H + 1, D)), ("o_b", (T, H, D + 1)), ("o_b", (T +
                     ("out_lse", (T, H - 1)), ("lse_a", (H, T)), ("lse_b", (T, H + 1)), ("out", (T, H, D + 1))]:
     bad(f"merge-shape-{name}-{'x'.join(map(str, shape))}", "merge", shaped(name, shape), ValueError, name, *shape,
         layers=ANY)
+# the input at odds with the others is named, against them; two that disagree with no other to side
+# with are both named (issue 42: o_b's head size wrong named o_a, o_b's heads wrong named lse_b)
+for outputs in ("given", "allocated"):
+    alloc = () if outputs == "given" else (to("out", None), to("out_lse", None))
+    layers = ANY if outputs == "given" else PY
+    bad(f"merge-o_b-head_size-at-odds-with-o_a-outputs-{outputs}", "merge", both(shaped("o_b", (T, H, 2 * D)), *alloc),
+        ValueError, exact=f"o_a and o_b: expected the same head_size, got {D} (o_a, shape [{T}, {H}, {D}]) and {2 * D} "
+                          f"(o_b, shape [{T}, {H}, {2 * D}])", layers=layers)
+    bad(f"merge-o_b-heads-at-odds-with-the-others-outputs-{outputs}", "merge",
+        both(shaped("o_b", (T, H + 1, D)), *alloc), ValueError,
+        exact=f"o_b: expected shape [{T}, {H}, {D}] (the number of heads of o_a, lse_a and lse_b), got "
+              f"[{T}, {H + 1}, {D}]",
+        layers=layers)
+bad("merge-lse_b-heads-at-odds-with-the-others", "merge", shaped("lse_b", (T, H + 1)), ValueError,
+    exact=f"lse_b: expected shape [{T}, {H}] (the number of heads of o_a, lse_a and o_b), got [{T}, {H + 1}]",
+    layers=ANY)
+bad("merge-o_a-tokens-at-odds-with-the-others", "merge", shaped("o_a", (T + 1, H, D)), ValueError,
+    exact=f"o_a: expected shape [{T}, {H}, {D}] (the number of tokens of lse_a, o_b and lse_b), got "
+          f"[{T + 1}, {H}, {D}]",
+    layers=ANY)
+bad("merge-sink-heads-at-odds-with-the-others", "merge", options(sink=np.zeros(H + 1, np.float32)), ValueError,
+    exact=f"sink: expected shape [{H}] (the number of heads of o_a, lse_a, o_b and lse_b), got [{H + 1}]", layers=ANY)
+# o_a and lse_a against o_b and lse_b: as many on each side, and the source (o_b) decides
+bad("merge-state-a-tokens-at-odds-with-state-b", "merge",
+    both(to("o_a", lambda x, a: x[:5]), to("lse_a", lambda x, a: x[:5])), ValueError,
+    exact=f"o_a: expected shape [{T}, {H}, {D}] (the number of tokens of o_b and lse_b), got [5, {H}, {D}]", layers=ANY)
+
 bad("merge-o_a-fewer-tokens-needs-a_tokens", "merge", both(to("o_a", lambda x, a: x[:5]), to("lse_a", lambda x, a: x[:5])),
     ValueError, "o_a", 5, T, layers=ANY)
 bad("merge-a_tokens-past-the-tokens-of-a", "merge",
@@ -306,28 +333,47 @@ bad("merge-a_tokens-negative", "merge", options(a_tokens=-1), ValueError, "a_tok
 # dtypes
 bad("merge-o_b-float16-o_a-float32", "merge", astype("o_b", dtype=np.float16), TypeError, "o_b", "float16", "float32",
     layers=ANY)
-for dt in ("int32", "float64", "int8", "bool"):
+for dt in ("int32", "int8", "bool"):
     bad(f"merge-o-{dt}", "merge", astype("o_a", "o_b", dtype=dt), TypeError, "o_a", dt, layers=PY)
 bad("merge-o-float8-as-input", "merge", astype("o_a", "o_b", dtype=dtype_of(FP8)), TypeError, "o_a", layers=ANY)
 for name in ("lse_a", "lse_b", "out_lse"):
-    for dt in ("float16", "float64"):
-        bad(f"merge-{name}-{dt}", "merge", astype(name, dtype=dt), TypeError, name, "float32", dt, absent=("bfloat16",),
-            layers=PY)
+    bad(f"merge-{name}-float16", "merge", astype(name, dtype="float16"), TypeError, name, "float32", "float16",
+        absent=("bfloat16",), layers=PY)
+# a call's O and LSE are float64 all or none: the inputs on the fewer side are named (float64's where
+# they are as many), or, where the inputs agree, the outputs at odds with them
+bad("merge-o-float64-among-float32", "merge", astype("o_a", "o_b", dtype="float64"), TypeError,
+    exact="o_a and o_b: expected dtype float32, float16 or bfloat16 (a call's O and LSE are float64 all or none, and "
+          "lse_a is float32), got float64", layers=ANY)
+for name in ("lse_a", "lse_b", "out_lse"):
+    bad(f"merge-{name}-float64-among-float32", "merge", astype(name, dtype="float64"), TypeError, name, "float32",
+        "float64", absent=("bfloat16",), layers=ANY)
+bad("merge-lse-float32-among-float64", "merge", astype("o_a", "o_b", "out", "out_lse", "lse_a", dtype="float64"),
+    TypeError, exact="lse_b: expected dtype float64 (a call's O and LSE are float64 all or none, and lse_a is "
+                     "float64), got float32", layers=ANY)
+bad("merge-out-float32-from-float64-inputs", "merge",
+    astype("o_a", "o_b", "out_lse", "lse_a", "lse_b", dtype="float64"), TypeError,
+    exact="out: expected dtype float64 (a call's O and LSE are float64 all or none, and o_a is float64), got float32",
+    layers=ANY)
 bad("merge-out-int16", "merge", both(to("out", np.zeros((T, H, D), np.int16)), to("out_lse", None)), TypeError, "out",
     "int16", layers=PY)
 bad("merge-out-int32", "merge", to("out", np.full((T, H, D), -1, np.int32)), TypeError, "out", layers=ANY)
-for dt in ("int8", "float64", "complex64"):
+for dt in ("int8", "complex64"):
     bad(f"merge-out_dtype-{dt}", "merge", both(to("out", None), options(out_dtype=dt)), TypeError, "out_dtype", dt,
         layers=PY)
+# float64 is an O dtype (on the CPU path), but a call's O and LSE are float64 all or none: the
+# output allocated from out_dtype is refused as such
+bad("merge-out_dtype-float64-from-float32-inputs", "merge", both(to("out", None), options(out_dtype="float64")),
+    TypeError, "out", "float64", "float32", layers=PY)
 bad("merge-out_dtype-differs-from-out", "merge", options(out_dtype="float16"), (TypeError, ValueError), "out", layers=PY)
 
-# not arrays
+# not arrays: None in the same words whichever layer finds it ("got NULL" from C)
+_NONE_WORDS = "expected an array, got None"
 for name in ("o_a", "lse_a", "o_b", "lse_b"):
     for label, obj in (("None", None), ("str", "array"), ("float", 3.0)):
         for outputs in ("given", "allocated"):
             bad(f"merge-{name}-{label}-outputs-{outputs}", "merge",
                 both(to(name, obj), *(() if outputs == "given" else (to("out", None), to("out_lse", None)))),
-                TypeError, name, layers=PY)
+                TypeError, name, layers=PY, exact=f"{name}: {_NONE_WORDS}" if label == "None" else None)
 for outputs in ("given", "allocated"):
     bad(f"merge-o_a-nested-list-outputs-{outputs}", "merge",
         both(to("o_a", lambda x, a: x.tolist()), *(() if outputs == "given" else (to("out", None), to("out_lse", None)))),
@@ -446,6 +492,38 @@ for scale, shown in ((0, "0"), (0.0, "0.0"), (-1.0, "-1"), (float("nan"), "nan")
 bad("merge-output_scale-0.0-is-not-none", "merge", both(_fp8_out, options(output_scale=0.0)), ValueError,
     "output_scale", "None", "0.0", layers=PY)
 
+# a framework that fails to export an array: its error, named by the argument (chained as the cause)
+
+
+class _Exports:
+    """An array-like whose framework fails: its __dlpack__, or its __dlpack_device__, raises."""
+
+    def __init__(self, fails):
+        self.fails = fails
+
+    def __dlpack_device__(self):
+        if self.fails == "__dlpack_device__":
+            raise RuntimeError("the device is gone")
+        return (1, 0)
+
+    def __dlpack__(self, **kw):
+        raise RuntimeError("cannot export\nC++ backtrace")
+
+
+class _Interface:
+    """An array-like whose __array_interface__ lacks what NumPy's protocol requires."""
+
+    __array_interface__ = {"shape": (T, H, D)}  # no typestr, no data
+
+
+for name, x, how, exc, shown in (("o_a", _Exports("__dlpack__"), "__dlpack__", "RuntimeError", "cannot export"),
+                                 ("lse_b", _Exports("__dlpack_device__"), "__dlpack_device__", "RuntimeError",
+                                  "the device is gone"),
+                                 ("o_b", _Interface(), "__array_interface__", "KeyError", "typestr")):
+    bad(f"merge-{name}-{how.strip('_')}-raises", "merge", to(name, x), ValueError,
+        contains=(f"{name}: expected an array readable through {how}, got a {type(x).__name__} for which {how} raised "
+                  f"{exc}", shown), absent=("backtrace",))
+
 # ================================================================================================
 # merge_inplace (nothing written: o and lse bit-identical)
 
@@ -466,6 +544,10 @@ for name, shape in (("o_other", (T, H, D + 1)), ("o_other", (T - 1, H, D)), ("ls
                     ("o", (T, H, D, 1)), ("lse_other", (T + 1, H))):
     bad(f"inplace-shape-{name}-{'x'.join(map(str, shape))}", "merge_inplace", shaped(name, shape), ValueError,
         name, layers=ANY)
+bad("inplace-o_other-heads-at-odds-with-the-others", "merge_inplace", shaped("o_other", (T, H + 1, D)), ValueError,
+    exact=f"o_other: expected shape [{T}, {H}, {D}] (the number of heads of o, lse and lse_other), got "
+          f"[{T}, {H + 1}, {D}]",
+    layers=ANY)
 bad("inplace-o_other-float16-o-float32", "merge_inplace", astype("o_other", dtype=np.float16), TypeError, "o_other",
     "float16", "float32", layers=ANY)
 bad("inplace-o_other-bfloat16-o-float32", "merge_inplace", astype("o_other", dtype=np_dtype("bfloat16")), TypeError,
@@ -574,6 +656,13 @@ bad("varlen-output_scale-with-a-float32-out", "merge_varlen", options(output_sca
     ValueError, "output_scale", layers=PY)
 
 # ================================================================================================
+bad("varlen-o-and-lse-heads-disagree", "merge_varlen", shaped("lse", (TOTAL, H + 1)), ValueError,
+    exact=f"o and lse: expected the same number of heads, got {H} (o, shape [{TOTAL}, {H}, {D}]) and {H + 1} (lse, "
+          f"shape [{TOTAL}, {H + 1}])", layers=ANY)
+bad("varlen-lse-heads-at-odds-with-o-and-the-sink", "merge_varlen",
+    both(shaped("lse", (TOTAL, H + 1)), options(sink=np.zeros(H, np.float32))), ValueError,
+    exact=f"lse: expected shape [{TOTAL}, {H}] (the number of heads of o and sink), got [{TOTAL}, {H + 1}]", layers=ANY)
+
 # merge_share (o: state index's O [T, H, D]; lse: every state's LSE [T, S, H]; index an int)
 
 for index in (S, S + 5, -1):
@@ -731,6 +820,10 @@ bad("c-merge_states_backward-valid-refused", "c.merge_states_backward", _valid_o
 # ================================================================================================
 # merge_states_backward (the gradients grad_o, grad_lse are its outputs)
 
+bad("states-backward-grad_out-heads-at-odds-with-the-others", "merge_states_backward",
+    shaped("grad_out", (T, H + 1, D)), ValueError,
+    exact=f"grad_out: expected shape [{T}, {H}, {D}] (the number of heads of grad_out_lse, out, out_lse, o and lse), "
+          f"got [{T}, {H + 1}, {D}]", layers=ANY)
 bad("states-backward-grad_out-fewer-tokens", "merge_states_backward", to("grad_out", lambda x, a: x[:T - 1]), ValueError,
     starts=f"grad_out: expected shape [{T}, {H}, {D}]", layers=ANY)
 bad("states-backward-out_lse-one-head", "merge_states_backward", to("out_lse", lambda x, a: x[:, :1]), ValueError,
@@ -744,7 +837,7 @@ bad("states-backward-grad_o-is-o", "merge_states_backward", to("grad_o", lambda 
 bad("states-backward-grad_o-read-only", "merge_states_backward", to("grad_o", lambda x, a: read_only(x)), ValueError,
     starts="grad_o: expected a writable tensor", layers=HOST)
 bad("states-backward-out-fp8", "merge_states_backward", both(astype("out", dtype=dtype_of(FP8)), to("grad_out_lse", None)),
-    TypeError, starts="out: expected dtype float32, float16 or bfloat16, got float8_e4m3", layers=PY)
+    TypeError, starts="out: expected dtype float32, float16, bfloat16 or float64, got float8_e4m3", layers=PY)
 
 # ================================================================================================
 # vLLM's merge_attn_states: vLLM's names, LSEs [heads, tokens]
@@ -796,11 +889,13 @@ bad("fi-merge_state-v_b-not-an-array", "fi.merge_state", to("v_b", object()), Ty
     exact="v_b: expected an array, got object", layers=PY)
 bad("fi-merge_state-v_a-not-an-array", "fi.merge_state", to("v_a", object()), TypeError, "v_a", layers=PY)
 bad("fi-merge_state-v_a-float64", "fi.merge_state", astype("v_a", dtype=np.float64), TypeError,
-    exact="v_a: expected dtype float32, float16 or bfloat16, got dtype('float64')")
+    exact="v_a: expected dtype float32, float16 or bfloat16 (a call's O and LSE are float64 all or none, and v_b is "
+          "float32), got float64")
 bad("fi-merge_state-v_b-float64", "fi.merge_state", astype("v_b", dtype=np.float64), TypeError,
-    exact="v_b: expected dtype float32, float16 or bfloat16, got float64")
+    exact="v_b: expected dtype float32, float16 or bfloat16 (a call's O and LSE are float64 all or none, and v_a is "
+          "float32), got float64")
 bad("fi-merge_state-s_b-fewer-tokens", "fi.merge_state", to("s_b", lambda x, a: x[:-1]), ValueError,
-    exact=f"s_b: expected shape [{T}, {H}] (the sizes of v_b, shape [{T}, {H}, {D}]), got [{T - 1}, {H}]", layers=PY)
+    exact=f"s_b: expected shape [{T}, {H}] (the number of tokens of v_a, s_a and v_b), got [{T - 1}, {H}]", layers=PY)
 bad("fi-merge_state-v_b-fewer-tokens", "fi.merge_state", to("v_b", lambda x, a: x[:-1]), ValueError, "s_b", layers=PY)
 for name, shape in (("s_a", (T, H + 1)), ("s_b", (H, T)), ("v_b", (T, H, D + 2)), ("v_a", (T, H * D))):
     bad(f"fi-merge_state-shape-{name}-{'x'.join(map(str, shape))}", "fi.merge_state", shaped(name, shape),
@@ -1026,6 +1121,19 @@ def _all_on(device):
     return change
 
 
+def _float64_on(device):
+    """Every array float64 (host memory), every descriptor saying it lives on `device` (vouched for:
+    the library asks CUDA nothing, so the refusal needs no GPU)."""
+    def change(a):
+        for k, x in list(a.arrays.items()):
+            a.use(k, x.astype(np.float64) if x.dtype == np.float32 else x)
+            a[k].device, a[k].flags = device, c_abi.DEVICE_KNOWN
+    return change
+
+
+bad("c-merge-float64-on-a-gpu", "c.merge", _float64_on(0), ERR_T,
+    exact="o_a: expected dtype float32, float16 or bfloat16 on CUDA device 0 (float64 runs on the CPU path only: host "
+          "arrays), got float64")
 bad("c-merge-head_size-above-the-maximum", "c.merge", _head_size_2_24, ERR_V, "o_b")
 bad("c-merge-span-beyond-2^63-bytes", "c.merge", _span_2_73_bytes, ERR_V, "o_a")
 bad("c-merge-stride-times-size-overflows-int64", "c.merge", field_("lse_b", strides=[2**62, 2**62]), ERR_V, "lse_b")
@@ -1071,7 +1179,10 @@ bad("c-merge-output_scale_ptr-misaligned", "c.merge", both(out_of(FP8), _scale_p
 bad("c-merge-a_tokens-negative", "c.merge", opts(flags=c_abi.A_TOKENS, a_tokens=-1), ERR_V, "a_tokens")
 bad("c-merge-a_tokens-past-o_a", "c.merge", both(opts(flags=c_abi.A_TOKENS, a_tokens=T), field_("o_a", shape=[T - 1])),
     ERR_V, "o_a")
-bad("c-merge-lse-heads-first-without-transpose", "c.merge", opts(flags=c_abi.LSE_HEADS_FIRST), ERR_V, "lse_b")
+# every LSE [tokens, heads] read [heads, tokens]: as many inputs against the O as for them, and the
+# source (o_b) decides: the first LSE is named
+bad("c-merge-lse-heads-first-without-transpose", "c.merge", opts(flags=c_abi.LSE_HEADS_FIRST), ERR_V, "lse_a",
+    exact=f"lse_a: expected shape [{H}, {T}] (the number of tokens of o_a and o_b), got [{T}, {H}]")
 bad("c-merge-out-overlaps-lse_a", "c.merge", _c_lse_a_inside_out, ERR_V, "out")
 bad("c-merge-out_lse-overlaps-o_a", "c.merge", lambda a: setattr(a["out_lse"], "data", a["o_a"].data), ERR_V, "out_lse")
 

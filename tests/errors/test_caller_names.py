@@ -83,23 +83,24 @@ def _case(id, names, build, plain, named):
 C_CASES = [
     _case("dtype", VLLM,
           lambda o: merge(o, o_a=(rand((T, H, D)), dict(dtype=c_abi.INT32))),
-          "o_a: expected dtype float32, float16 or bfloat16, got int32",
-          "prefix_output: expected dtype float32, float16 or bfloat16, got int32"),
+          "o_a: expected dtype float32, float16, bfloat16 or float64, got int32",
+          "prefix_output: expected dtype float32, float16, bfloat16 or float64, got int32"),
     _case("dtype-of-another", VLLM, lambda o: merge(o, o_b=rand((T, H, D), np.float16)),
           "o_b: expected the dtype of o_a (float32), got float16",
           "suffix_output: expected the dtype of prefix_output (float32), got float16"),
     _case("shape", VLLM, lambda o: merge(o, lse_b=rand((T, H + 1))),
-          "lse_b: expected shape [5, 3] (the sizes of o_b, shape [5, 3, 8]), got [5, 4]",
-          "suffix_lse: expected shape [5, 3] (the sizes of suffix_output, shape [5, 3, 8]), got [5, 4]"),
+          "lse_b: expected shape [5, 3] (the number of heads of o_a, lse_a and o_b), got [5, 4]",
+          "suffix_lse: expected shape [5, 3] (the number of heads of prefix_output, prefix_lse and suffix_output), "
+          "got [5, 4]"),
     _case("optional-argument", VLLM, lambda o: merge(o, out_lse=nan((H, T))),
           "out_lse: expected shape [5, 3] (the sizes of o_b, shape [5, 3, 8]), got [3, 5]",
           "output_lse: expected shape [5, 3] (the sizes of suffix_output, shape [5, 3, 8]), got [3, 5]"),
     _case("null-tensor", VLLM, lambda o: merge(o, lse_a=None),
-          "lse_a: expected a tensor, got NULL", "prefix_lse: expected a tensor, got NULL"),
+          "lse_a: expected an array, got NULL", "prefix_lse: expected an array, got NULL"),
     _case("head-size-stride", VLLM, lambda o: merge(o, o_a=rand((T, H, 2 * D))[:, :, ::2]),
           "o_a: expected a unit stride on the head_size axis, got stride 2",
           "prefix_output: expected a unit stride on the head_size axis, got stride 2"),
-    _case("head-size-equation", VLLM, lambda o: merge(o, o_b=rand((T, H, 0))),
+    _case("head-size-equation", VLLM, lambda o: merge(o, o_a=rand((T, H, 0)), o_b=rand((T, H, 0)), out=nan((T, H, 0))),
           "o_b: expected a head_size from 1 to 16776960, got 0",
           "suffix_output: expected a head_size from 1 to 16776960, got 0"),
     _case("output-overlaps-itself", VLLM,
@@ -210,7 +211,7 @@ def test_a_message_that_names_no_argument_is_unchanged():
     names = dict(VLLM, options="opts", flags="f")
     status, message, _ = merge(c_abi.options(flags=1 << 20, arg_names=names))
     assert status == c_abi.ERROR_VALUE
-    assert message == "options.flags: expected flags within 0x1ff for this op, got 0x100000"
+    assert message == "options.flags: expected flags within 0x3ff for this op, got 0x100000"
 
 
 def test_the_first_entry_for_an_argument_is_the_one_used():
@@ -366,9 +367,9 @@ def test_the_binding_words_its_own_messages_from_the_same_table():
     """A dtype the library has no code for is the binding's to refuse: named from the table too."""
     a = pair_args()[1]
     with pytest.raises(TypeError) as info:
-        _C.merge(a["out"], a["out_lse"], rand((T, H, D), np.float64), a["lse_a"], a["o_b"], a["lse_b"],
+        _C.merge(a["out"], a["out_lse"], np.ones((T, H, D), np.int16), a["lse_a"], a["o_b"], a["lse_b"],
                  Options(names=VLLM))
-    assert str(info.value) == "prefix_output: expected dtype float32, float16 or bfloat16, got float64"
+    assert str(info.value) == "prefix_output: expected dtype float32, float16, bfloat16 or float64, got int16"
 
 
 # ---- the compat layers, through their public calls -------------------------------------------------
@@ -397,10 +398,14 @@ def _read_only(x):
 @pytest.mark.parametrize("args,kw,exc,message", [
     pytest.param(vllm_args(suffix_output=rand((VT, VH, VD))), {}, TypeError,
                  "suffix_output: expected the dtype of prefix_output (float16), got float32", id="dtype-of-another"),
+    pytest.param(vllm_args(prefix_output=np.ones((VT, VH, VD), np.int16)), {}, TypeError,
+                 "prefix_output: expected dtype float32, float16, bfloat16 or float64, got int16", id="binding-dtype"),
     pytest.param(vllm_args(prefix_output=rand((VT, VH, VD), np.float64)), {}, TypeError,
-                 "prefix_output: expected dtype float32, float16 or bfloat16, got float64", id="binding-dtype"),
+                 "prefix_output: expected dtype float32, float16 or bfloat16 (a call's O and LSE are float64 all or "
+                 "none, and suffix_output is float16), got float64", id="float64-among-float16"),
     pytest.param(vllm_args(suffix_lse=rand((VH, 5))), {}, ValueError,
-                 "suffix_lse: expected shape [4, 33] (the sizes of suffix_output, shape [33, 4, 128]), got [4, 5]",
+                 "suffix_lse: expected shape [4, 33] (the number of tokens of prefix_output, prefix_lse and "
+                 "suffix_output), got [4, 5]",
                  id="shape-in-vllms-layout"),
     pytest.param(vllm_args(output_lse=nan((VT, VH))), {}, ValueError,
                  "output_lse: expected shape [4, 33] (the sizes of suffix_output, shape [33, 4, 128]), got [33, 4]",
@@ -446,7 +451,7 @@ def test_flashinfer_merge_state_names_v_a_and_v_b():
 def test_flashinfer_merge_state_in_place_names_v_other_for_the_mask():
     v, s = nan((FT, H, D)), nan((FT, H))
     message = _fi(flashinfer.merge_state_in_place, v, s, rand((FT, H, D)), rand((FT, H)), mask=np.ones(4, np.uint8))
-    assert message == "mask: expected shape [6] (the sizes of v_other, shape [6, 3, 8]), got [4]"
+    assert message == "mask: expected shape [6] (the number of tokens of v, s, v_other and s_other), got [4]"
     assert np.isnan(v).all() and np.isnan(s).all()
 
 
@@ -458,7 +463,7 @@ def test_flashinfer_merge_state_in_place_names_a_read_only_v():
 
 def test_flashinfer_merge_states_names_s_and_v():
     assert _fi(flashinfer.merge_states, rand((FT, 2, H, D)), rand((FT, 3, H))) == (
-        "s: expected shape [6, 2, 3] (the sizes of v, shape [6, 2, 3, 8]), got [6, 3, 3]")
+        "v and s: expected the same number of states, got 2 (v, shape [6, 2, 3, 8]) and 3 (s, shape [6, 3, 3])")
 
 
 def test_flashinfer_variable_length_merge_states_names_v_in_the_indptr_message():

@@ -1,10 +1,16 @@
 """ATTNMERGE_NUM_THREADS (the most threads a CPU call takes), read at the first CPU call: a whole
 number from 1 to 1024, or unset.  The library never prints, so any other value is never taken
 silently: every CPU call fails before it writes anything, with a message that names the variable
-and its value (and every layer above passes it on: attnmerge.merge raises it as a ValueError)."""
+and its value (and every layer above passes it on: attnmerge.merge raises it as a ValueError).
+
+It is the one variable the package reads at run time (the library, the binding and the Python
+package); the build's (ATTNMERGE_CUDA_ARCHITECTURES, ATTNMERGE_BUILD_JAX, ...) are read by CMake
+and the build backend.  A variable read at run time joins CHECKED with a test of its bad values."""
 from __future__ import annotations
 
+import glob
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -35,6 +41,30 @@ _CHILD = textwrap.dedent("""
     except ValueError as e:
         print("ValueError", e, sep="|")
 """)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: the environment variables read at run time, each with its bad values' test in this file
+CHECKED = {"ATTNMERGE_NUM_THREADS"}
+
+
+def test_every_variable_read_at_run_time_is_checked_here():
+    """Every read of the environment in the run-time sources (getenv, os.environ, os.getenv) names
+    a variable of CHECKED, and each is read: a new one needs its bad values tested."""
+    sources = [p for d in ("cpp/src", "cpp/include", "python/src", "python/attnmerge")
+               for p in glob.glob(os.path.join(ROOT, d, "**", "*"), recursive=True)
+               if p.endswith((".cpp", ".h", ".cuh", ".cu", ".py"))]
+    if not sources:
+        pytest.skip("not run from a source tree")
+    read = set()
+    for path in sources:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if re.search(r"\bgetenv\b|\benviron\b", line):
+                    names = set(re.findall(r"[\"'](\w+)[\"']", line))
+                    assert names, f"{path}:{n}: an environment read whose variable is not spelled out: {line.strip()}"
+                    read |= names
+    assert read == CHECKED, f"read at run time: {sorted(read)}; with tests of their bad values here: {sorted(CHECKED)}"
 
 
 def run_with(value):

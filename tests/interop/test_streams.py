@@ -37,11 +37,13 @@ class GpuProducer:
 
 def told(like, stream=None):
     """The stream merge(o_a=producer, o_b=like) tells the producer (o_a is read before o_b, which
-    is then never read: the stream is decided before any array is)."""
+    is then never read: the stream is decided before any array is).  The producer's refusal comes
+    back naming o_a, the producer's own exception its cause."""
     producer = GpuProducer()
-    with pytest.raises(Told):
+    with pytest.raises(ValueError, match="^o_a: ") as info:
         attnmerge.merge(producer, np.zeros((2, 1), np.float32), like, np.zeros((2, 1), np.float32),
                         out=np.zeros((2, 1, 4), np.float32), out_lse=np.zeros((2, 1), np.float32), stream=stream)
+    assert isinstance(info.value.__cause__, Told)
     assert len(producer.streams) == 1
     return producer.streams[0]
 

@@ -312,19 +312,18 @@ def test_merge_share_gradient_of_a_bfloat16_state(rng, device):
 
 
 def test_gradcheck_through_the_registered_ops():
-    """torch.autograd.gradcheck of each op against finite differences of itself.  The library
-    computes in float32 (it takes no float64): hence float32 inputs, a large step and tolerances
-    (the float64 gradcheck of the backward kernels themselves is in semantics/test_backward.py)."""
+    """torch.autograd.gradcheck of each op against finite differences of itself, in float64 with
+    gradcheck's own tolerances: the CPU path computes float64 calls in float64."""
     gen = torch.Generator().manual_seed(1)
-    o = torch.randn(3, 4, 2, 8, generator=gen, requires_grad=True)
-    lse = torch.randn(3, 4, 2, generator=gen).requires_grad_()
-    kw = dict(eps=1e-2, atol=2e-3, rtol=2e-2, nondet_tol=0.0)
+    o = torch.randn(3, 4, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    lse = torch.randn(3, 4, 2, generator=gen, dtype=torch.float64).requires_grad_()
+    kw = dict(nondet_tol=0.0)
     assert torch.autograd.gradcheck(lambda a, b: attnmerge.merge_states(a, b), (o, lse), **kw)
     assert torch.autograd.gradcheck(lambda a, b, c, d: attnmerge.merge(a, b, c, d, base=2),
                                     (o[:, 0], lse[:, 0], o[:, 1], lse[:, 1]), **kw)
     indptr = torch.tensor([0, 2, 3])  # (an empty row's LSE is -inf: no finite difference there)
     assert torch.autograd.gradcheck(lambda a, b: attnmerge.merge_varlen(a, b, indptr), (o[:, 0], lse[:, 0]), **kw)
-    sink = torch.randn(2, generator=gen).requires_grad_()
+    sink = torch.randn(2, generator=gen, dtype=torch.float64).requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b, c: attnmerge.merge_states(a, b, sink=c), (o, lse, sink), **kw)
     assert torch.autograd.gradcheck(lambda a, b, c: attnmerge.merge_varlen(a, b, torch.tensor([0, 2, 2, 3]), sink=c),
                                     (o[:, 0], lse[:, 0], sink), **kw)

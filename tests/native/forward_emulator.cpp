@@ -191,7 +191,7 @@ void emulate_plan(int64_t* fields) {
 
 // The name of Variant `v` (plan.h's variant_name), null past the last.
 const char* emulate_variant_name(int v) {
-  return v >= 0 && v <= static_cast<int>(Variant::kShare) ? variant_name(static_cast<Variant>(v)) : nullptr;
+  return v >= 0 && v <= static_cast<int>(Variant::kExchange) ? variant_name(static_cast<Variant>(v)) : nullptr;
 }
 
 // The two-way merge into out (and out_lse, null: none), or, with in_place, the in-place merge of

@@ -9,7 +9,7 @@
 //        between tokens: O's token stride one head longer than its heads), w (the output's heads
 //        twice head_size apart: dense, but its rows step unlike the inputs'), s (a small call: 1
 //        MB moved), q (per-group FP8 outputs, groups of 8 vectors), f (offsets past 32 bits), k (a
-//        sink); then, optionally, the MB the call moves (else 2^40 bytes, or 1 MB with s)
+//        sink), b (batch invariant); then, optionally, the MB the call moves (else 2^40 bytes, or 1 MB with s)
 //   out: variant strategy chunk groups launches index32 vec evict_first tile_shift compiled
 //        access bound  grid.x grid.y grid.z  block.x block.y block.z  smem
 //        lse.grid.x lse.grid.y lse.grid.z  lse.block.x lse.block.y lse.block.z
@@ -84,6 +84,7 @@ int main() {
     if (has('f')) facts.max_offset = std::max<int64_t>(facts.max_offset, int64_t{1} << 31);
     facts.lse_tokens_inner = has('t');
     facts.pdl = has('p');
+    facts.batch_invariant = has('b');
     const MergeShape shape{tokens, heads, head_size, false};
     // [tokens, heads, head_size] O and [tokens, heads] LSEs (or [heads, tokens]: t), dense unless g.
     const bool tokens_inner = facts.lse_tokens_inner;

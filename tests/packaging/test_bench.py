@@ -16,6 +16,13 @@ def test_the_cpu_benchmark_writes_its_figures(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert result["device"] == "cpu"
+    # the table: a header over every column, the ratio's included
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if "GB/s / np.add" in line)
+    columns = [c.split() for c in lines[header].split("|")]
+    assert len(columns) == 4 and columns[-1] == ["GB/s", "/", "np.add"], lines[header]
+    for line in lines[header + 1:header + 1 + len(result["rows"])]:
+        assert line.count("|") == 3 and line.rstrip().endswith("x"), line
     assert sorted({r["tokens"] for r in result["rows"]}) == [1, 64, 2048]
     assert "float32" in {r["dtype"] for r in result["rows"]}
     for r in result["rows"]:
@@ -62,6 +69,18 @@ def test_the_plot_draws_each_implementation_the_same_size_add_and_the_roofline(t
     assert sorted(labels) == sorted(["attnmerge, merge", "attnmerge, merge_states", "torch eager, merge",
                                      "torch eager, merge_states", "torch.add moving the same bytes",
                                      "roofline (torch.add)"])
+
+
+def test_the_cpu_plot_draws_a_line_per_dtype_and_np_add(tmp_path):
+    pytest.importorskip("matplotlib")
+    from attnmerge.bench.plot import plot
+
+    rows = [dict(impl="attnmerge cpu", op="merge", dtype=dtype, bytes=nbytes * size, GBps=gbps,
+                 np_add_bytes=nbytes * 6, np_add_GBps=20.0)
+            for dtype, size, gbps in (("float32", 4, 15.0), ("bfloat16", 2, 8.0)) for nbytes in (1e5, 1e7)]
+    labels = plot({"device": "cpu", "rows": rows}, str(tmp_path / "cpu.png"))
+    assert sorted(labels) == ["attnmerge cpu, merge, bfloat16", "attnmerge cpu, merge, float32",
+                              "np.add on float32 (2 reads, 1 write)"]
 
 
 @pytest.mark.gpu

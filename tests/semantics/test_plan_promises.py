@@ -63,9 +63,9 @@ def vecs(head_size, in_dtype, out_dtype):
 FLAGS = {
     "pair": ("-", "s", "a", "t", "st", "g", "w", "k", "q", "f", "m"),
     "inplace": ("-", "m", "s", "ms", "g", "t", "f", "mf", "w"),
-    "stack": ("-", "s", "q", "f", "k"),
-    "range": ("-", "s", "q", "f", "k"),
-    "share": ("-", "s", "f", "k"),
+    "stack": ("-", "s", "q", "f", "k", "b"),
+    "range": ("-", "s", "q", "f", "k", "b"),
+    "share": ("-", "s", "f", "k", "b"),
 }
 
 
@@ -210,6 +210,22 @@ GOLDEN = [
     (("share", "bfloat16", "bfloat16", 2, 32, 128, 64, 8, 132, "-", 1), dict(variant="share", chunk=8)),
     (("share", "bfloat16", "bfloat16", 2, 32, 128, 3, 8, 132, "-", 1), dict(variant="share", chunk=4)),
 ]
+
+
+def test_a_batch_invariant_plan_is_the_same_for_any_number_of_rows(planned):
+    """ATTNMERGE_BATCH_INVARIANT: the N-way, variable-length and share merges keep the row kernel
+    and one chunk of states whatever the rows and the GPU (a row's bits then follow from the row)."""
+    seen = {}
+    for call, plan in planned:
+        op, in_dtype, out_dtype, tokens, heads, head_size, states, vec, sms, flags = call
+        if "b" not in flags or plan["launches"] == 0:
+            continue
+        assert plan["variant"] != "states", (call, plan)
+        key = (op, in_dtype, out_dtype, head_size, states if op != "range" else None, vec)
+        seen.setdefault(key, set()).add((plan["variant"], plan["chunk"]))
+    assert seen
+    for key, choices in seen.items():
+        assert len(choices) == 1, (key, choices)
 
 
 def test_the_golden_choices(probe):

@@ -11,6 +11,11 @@
  * of zero weight is never read; a NaN LSE makes its row NaN; arithmetic is float32, each output
  * rounded once.  docs/semantics.md has the whole of it (sinks, per-group FP8, the backward).
  *
+ * float64: on host tensors (the CPU path) every O and LSE named float32 or 16-bit below may
+ * instead be float64, all of a call's or none of them, and such a call computes in float64
+ * (gradients checked against finite differences in float64, say).  On a GPU, float64 is refused
+ * (ATTNMERGE_ERROR_TYPE) before anything is written.
+ *
  * Every entry point returns ATTNMERGE_SUCCESS or an error status, after which attnmerge_last_error()
  * names the argument at fault, the expected and the actual value; validates every argument before
  * it writes anything; never allocates device memory, synchronizes the host, throws or prints; runs
@@ -55,7 +60,8 @@ typedef enum attnmerge_status {
   ATTNMERGE_ERROR_VALUE = 1,       /* a bad shape, stride, size, alignment, device or option */
   ATTNMERGE_ERROR_TYPE = 2,        /* a bad dtype, or a null pointer where a tensor is needed */
   ATTNMERGE_ERROR_NO_DEVICE = 3,   /* GPU tensors, but no usable CUDA driver or device */
-  ATTNMERGE_ERROR_CUDA = 4         /* the CUDA runtime failed (possibly an earlier, sticky error) */
+  ATTNMERGE_ERROR_CUDA = 4,        /* the CUDA runtime failed (possibly an earlier, sticky error) */
+  ATTNMERGE_ERROR_TIMEOUT = 5      /* an exchange waited longer than its timeout for a peer's signal */
 } attnmerge_status;
 
 typedef enum attnmerge_dtype {
@@ -66,18 +72,23 @@ typedef enum attnmerge_dtype {
   ATTNMERGE_UINT8 = 4,       /* masks */
   ATTNMERGE_BOOL = 5,        /* masks, one byte each */
   ATTNMERGE_INT32 = 6,       /* indptr */
-  ATTNMERGE_INT64 = 7        /* indptr */
+  ATTNMERGE_INT64 = 7,       /* indptr */
+  ATTNMERGE_FLOAT64 = 8      /* host arrays only (the CPU path, which computes in float64): every O and
+                                LSE of a call float64, or none */
 } attnmerge_dtype;
 
 /* The arguments a dtype may be (attnmerge_dtype_info.roles): ROLE_O_IN an O a merge reads, the
  * in-place merge's O and every O of a backward; ROLE_O_OUT the O a two-way, N-way or variable-length
- * merge writes; ROLE_LSE every LSE, softmax sum and LSE gradient; ROLE_MASK the in-place merge's
- * mask; ROLE_INDPTR the variable-length merges' indptr; options.valid takes the dtypes of both. */
+ * merge writes; ROLE_LSE every LSE, softmax sum and LSE gradient, and the sink; ROLE_MASK the
+ * in-place merge's mask; ROLE_INDPTR the variable-length merges' indptr; ROLE_SCALE the FP8
+ * output's scales (options.group_scales, options.output_scale_ptr); options.valid takes the dtypes
+ * of ROLE_MASK and ROLE_INDPTR. */
 #define ATTNMERGE_ROLE_O_IN 1u
 #define ATTNMERGE_ROLE_O_OUT 2u
 #define ATTNMERGE_ROLE_LSE 4u
 #define ATTNMERGE_ROLE_MASK 8u
 #define ATTNMERGE_ROLE_INDPTR 16u
+#define ATTNMERGE_ROLE_SCALE 32u
 
 /* What a dtype code is called, how large its elements are and which arguments take it: the
  * library's one table of dtypes, for callers that describe arrays by name (the Python binding,
@@ -174,11 +185,20 @@ static inline attnmerge_tensor attnmerge_contiguous_tensor(void* data, int32_t d
 /* Per-group FP8 outputs (options.group_scales): each group's scale rounded up to a power of two
  * (UE8M0, as DeepGEMM's Blackwell kernels take them). */
 #define ATTNMERGE_GROUP_SCALE_UE8M0 256u
+/* Batch invariance: each row's results depend on that row's inputs and the call's options alone,
+ * never on the other rows of the call, the strategy the launch plan would pick for their number or
+ * the GPU's size (a row merged alone gives the same bits).  The forwards take it; the N-way and
+ * variable-length merges then keep one strategy and one chunk of states for every call (without it
+ * a decode-sized call shares each row's states among groups of threads, which sum them in another
+ * order), and the other forwards are invariant already.  The GPU's and the CPU's bits differ (the
+ * GPU takes the hardware's exp2 and log2). */
+#define ATTNMERGE_BATCH_INVARIANT 512u
 
 /* The caller's name for one argument (attnmerge_options.arg_names): `arg` is its name in this
  * header ("o_a", "lse_b", "mask", "grad_out", ...; or "a_tokens" and "output_scale", the options
  * the messages name), `name` what the caller calls it ("prefix_output"), which every message of
- * the call then gives instead. */
+ * the call then gives instead.  The arg "NULL" names a missing tensor in the caller's language
+ * ("None" from Python): "lse_b: expected an array, got None". */
 typedef struct attnmerge_arg_name {
   const char* arg;
   const char* name;
@@ -447,6 +467,156 @@ ATTNMERGE_API attnmerge_status attnmerge_merge_varlen_backward(
     const attnmerge_tensor* o, const attnmerge_tensor* lse, const attnmerge_tensor* indptr,
     const attnmerge_options* options, void* stream);
 
+/* ---- Context parallelism on one node: the exchange fused with the merge ------------------------
+ *
+ * The ranks of a context-parallel group (the GPUs of one NVLink domain, or threads of one process
+ * on host memory) hold the same queries and one shard of the keys each: rank p's partial state is
+ * O_p [tokens, heads, head_size] and LSE_p [tokens, heads], in memory every rank addresses
+ * (symmetric memory: PyTorch's, NVSHMEM's, an NCCL window, CUDA IPC), every rank's laid out alike.
+ * attnmerge_merge_exchange on rank r reads r's slice (a range of tokens or of heads) of every
+ * rank's state where it lies and writes the merge of the states into r's own output: the all-to-all
+ * and the merge in one kernel, with merge_states' semantics.  The ranks meet at signal pads, one
+ * per rank (attnmerge_exchange_pad_bytes each, zeroed before first use), step by step, each step
+ * an epoch (1 first, then each newer than the last; 64-bit, so never reused):
+ *
+ *   publish  attnmerge_exchange_publish(x, e) on rank r, after r's state of step e is written (on
+ *            its stream): stores e, with release semantics at system scope, into the ready slot of
+ *            r in every rank's pad, and keeps e in r's pad as the last epoch r published.
+ *   merge    attnmerge_merge_exchange(..., e, ...) on rank r: every block of it waits (acquire,
+ *            system scope) until every rank's ready slot in r's pad holds e or newer, then reads
+ *            its rows of every rank's state and writes their merge.  A slot holds the newest epoch
+ *            its rank signalled, so that no step's signal satisfies a later step's wait.
+ *   reuse    how a rank knows that its buffer may be written again (attnmerge_exchange.reuse):
+ *            ATTNMERGE_EXCHANGE_WAIT_READERS: once every block of r's merge has read its rows, the
+ *            last of them (a count in r's pad) stores e into the done slot of r in every rank's pad,
+ *            and waits until every rank's done slot in r's pad holds e: when r's merge has ended,
+ *            every rank has read r's state, and r may write it again (the next step's producer,
+ *            after the merge on r's stream).
+ *            ATTNMERGE_EXCHANGE_ALTERNATE: nothing is signalled or waited for after the merge.  Every
+ *            rank keeps two buffers and writes its state of epoch e into buffer e % 2 (the pointers
+ *            of the call are those of that buffer): buffer e % 2 is written again at epoch e + 2,
+ *            when every rank has published e + 1, which it does only after its merge of e (each
+ *            rank enqueues its merge of e before its publish of e + 1): the merge is then its read
+ *            alone, the fastest form.
+ *
+ * Epochs from device memory: epoch 0 takes the epoch from r's pad (a publish the last one + 1, a
+ * merge the last one published), so that a CUDA graph captured once replays step after step.  A
+ * publish of an epoch not newer than the last one r published, and a merge of another epoch than
+ * it, are stale.
+ *
+ * Waiting: every wait gives up after the exchange's timeout_ns nanoseconds (the GPU's
+ * %globaltimer, the host's steady clock), never traps and never hangs, and records why in r's pad:
+ * the rank waited for, the epoch, the value its slot held.  While r's pad records a failure, r's
+ * exchange calls do nothing (they neither wait nor write nor signal), so that the peers of a rank
+ * that failed give up in turn, each naming it.  attnmerge_exchange_status returns the record (a
+ * timeout as ATTNMERGE_ERROR_TIMEOUT, a stale epoch as ATTNMERGE_ERROR_VALUE, with a message naming
+ * the rank and the epoch) and clears it.  On the host a call returns its failure itself, and a
+ * stale epoch is refused before anything is done.  On the GPU the pad is not read by the host
+ * (that would synchronize), so a stale epoch, like a timeout, is found by the kernel: the merge
+ * then writes nothing (after a timeout, some of its rows may have been written).
+ *
+ * Several ranks on one GPU (tests, benchmarks): a waiting merge keeps its blocks on the GPU, so a
+ * publish enqueued after a merge it would satisfy needs an SM to spare; publish the ranks' states
+ * before their merges. */
+
+/* The most ranks an exchange has: every GPU of an NVLink domain. */
+#define ATTNMERGE_EXCHANGE_MAX_WORLD 72
+
+/* How a rank's buffer may be written again (attnmerge_exchange.reuse; see above). */
+typedef enum attnmerge_exchange_reuse {
+  ATTNMERGE_EXCHANGE_WAIT_READERS = 0, /* the merge returns once every rank has read this rank's state */
+  ATTNMERGE_EXCHANGE_ALTERNATE = 1     /* two buffers per rank, the state of epoch e in buffer e % 2 */
+} attnmerge_exchange_reuse;
+
+/* Which rows of the states a rank merges (attnmerge_merge_exchange's slice). */
+typedef enum attnmerge_slice {
+  ATTNMERGE_SLICE_TOKENS = 0, /* a range of tokens, every head */
+  ATTNMERGE_SLICE_HEADS = 1   /* a range of heads, every token */
+} attnmerge_slice;
+
+/* The ranks of an exchange, as one rank addresses them. */
+typedef struct attnmerge_exchange {
+  /* The layout the caller was built against: 0, or sizeof(attnmerge_exchange) of a released
+   * attnmerge.h (this one's: 0.2.0's); another size is refused. */
+  uint32_t struct_size;
+  int32_t rank;       /* this rank: 0 <= rank < world_size */
+  int32_t world_size; /* 1 to ATTNMERGE_EXCHANGE_MAX_WORLD */
+  int32_t reuse;      /* attnmerge_exchange_reuse: the same for every rank */
+  int64_t timeout_ns; /* > 0: the longest any wait of the exchange lasts before it gives up */
+  /* world_size pointers each, entry p rank p's as this rank addresses it (its own, or a peer's
+   * mapped into this rank's address space): its O and LSE, laid out as o_layout and lse_layout
+   * say, and its signal pad.  On a GPU each is memory of this rank's device or of a device it can
+   * access as a peer; on the host, host memory. */
+  const void* const* o;
+  const void* const* lse;
+  void* const* pads;
+  /* The layout every rank's O shares: shape [tokens, heads, head_size], strides, dtype (float32,
+   * float16 or bfloat16), device (this rank's: where its output lives) and flags (with
+   * ATTNMERGE_DEVICE_KNOWN no pointer of the exchange is asked of CUDA); data is not read (each
+   * rank's is o[p]).  lse_layout: every rank's LSE, float32 [tokens, heads], likewise. */
+  attnmerge_tensor o_layout;
+  attnmerge_tensor lse_layout;
+} attnmerge_exchange;
+
+/** The bytes of one rank's signal pad.
+ *
+ * \param[in] world_size  the ranks of the exchange
+ * \return the pad's size, or 0 where world_size is not from 1 to ATTNMERGE_EXCHANGE_MAX_WORLD
+ */
+ATTNMERGE_API int64_t attnmerge_exchange_pad_bytes(int32_t world_size);
+
+/** Publishes this rank's state of an epoch: stores the epoch in the ready slot of this rank in
+ * every rank's pad (release semantics, system scope), once the work before it on `stream` is done.
+ *
+ * \param[in] exchange  the ranks (its pads, rank and world_size are read; o and lse may be NULL)
+ * \param[in] epoch     > 0: the epoch, newer than the last this rank published; 0: that one + 1,
+ *                      read from the pad by the kernel (CUDA graphs)
+ * \param[in] stream    a cudaStream_t (NULL: the legacy default stream); ignored on the host
+ * \return ATTNMERGE_SUCCESS or an error status (attnmerge_last_error() says why)
+ */
+ATTNMERGE_API attnmerge_status attnmerge_exchange_publish(const attnmerge_exchange* exchange, int64_t epoch,
+                                                          void* stream);
+
+/** The exchange fused with the merge: (out, out_lse) = the merge of every rank's rows of this
+ * rank's slice, each read where it lies, once every rank has published the epoch; then, with
+ * ATTNMERGE_EXCHANGE_WAIT_READERS, this rank waits until every rank has read its state.  Row
+ * (t, h) of out is the merge of row (t, h) + the slice's start of every rank's state, in rank
+ * order, and options->sink [heads of out] where given; bit for bit on the host what
+ * attnmerge_merge_states gives over the states gathered.  options.flags: ATTNMERGE_LSE_BASE2,
+ * ATTNMERGE_OUT_LSE_BASE2 / _BASE_E and ATTNMERGE_PDL; an output scale (FP8 out) and a sink; no
+ * group scales.
+ *
+ * \param[out] out          O [tokens of the slice, heads of the slice, head_size]: float32, float16,
+ *                          bfloat16 or FP8 E4M3, on this rank's device, apart from every rank's state
+ * \param[out] out_lse      LSE [tokens of the slice, heads of the slice], float32; NULL: not written
+ * \param[in]  exchange     the ranks, their states and pads
+ * \param[in]  slice        attnmerge_slice: the axis out takes a range of (its other axis is whole)
+ * \param[in]  slice_begin  the range's first token or head: 0 <= slice_begin, and slice_begin + out's
+ *                          size on that axis <= the states' size on it
+ * \param[in]  epoch        > 0: the epoch, the last this rank published; 0: that one, read from the
+ *                          pad by the kernel (CUDA graphs)
+ * \param[in]  options      NULL: the defaults
+ * \param[in]  stream       a cudaStream_t (NULL: the legacy default stream); ignored on the host
+ * \return ATTNMERGE_SUCCESS or an error status (attnmerge_last_error() says why); on the GPU a
+ *         timeout or a stale epoch is found by the kernel, and attnmerge_exchange_status returns it
+ */
+ATTNMERGE_API attnmerge_status attnmerge_merge_exchange(const attnmerge_tensor* out, const attnmerge_tensor* out_lse,
+                                                        const attnmerge_exchange* exchange, int32_t slice,
+                                                        int64_t slice_begin, int64_t epoch,
+                                                        const attnmerge_options* options, void* stream);
+
+/** What this rank's exchange calls recorded when they gave up, and clears it: ATTNMERGE_SUCCESS
+ * where nothing is recorded; ATTNMERGE_ERROR_TIMEOUT (a wait) or ATTNMERGE_ERROR_VALUE (a stale
+ * epoch), with attnmerge_last_error() naming this rank, the rank it waited for and the epoch.  On
+ * the GPU it waits for `stream` (the work before it), reading the pad: the one exchange call
+ * that synchronizes the host.
+ *
+ * \param[in] exchange  the ranks (its pads, rank and world_size are read)
+ * \param[in] stream    a cudaStream_t (NULL: the legacy default stream); ignored on the host
+ * \return the recorded failure's status, ATTNMERGE_SUCCESS, or an error status of the call itself
+ */
+ATTNMERGE_API attnmerge_status attnmerge_exchange_status(const attnmerge_exchange* exchange, void* stream);
+
 /* What the calling thread's last op enqueued on the GPU, for tests, benchmarks and tools that
  * check which kernel a shape gets (the launch plan, cpp/include/attnmerge/plan.h).  Host calls,
  * empty calls and refused calls enqueue nothing: launches = 0. */
@@ -456,6 +626,7 @@ ATTNMERGE_API attnmerge_status attnmerge_merge_varlen_backward(
 #define ATTNMERGE_KERNEL_ROWS_INPLACE 3  /* the same, the merged LSE written over an input's in the same launch */
 #define ATTNMERGE_KERNEL_STATES 4        /* a row's states shared by groups of threads, combined in shared memory */
 #define ATTNMERGE_KERNEL_BACKWARD 5      /* the backward: lanes of a warp per row, the dots summed by shuffles */
+#define ATTNMERGE_KERNEL_EXCHANGE 6      /* the exchange: one thread per pack of a row reads every rank's state */
 typedef struct attnmerge_launch_info {
   int32_t kernel;       /* ATTNMERGE_KERNEL_* of the first launch */
   int32_t launches;     /* kernels enqueued: 0, 1, or 2 (an in-place merge whose rows span blocks) */
@@ -495,10 +666,18 @@ ATTNMERGE_API const char* attnmerge_status_string(attnmerge_status status);
 ATTNMERGE_API int attnmerge_version(void);
 ATTNMERGE_API const char* attnmerge_version_string(void);
 
-/* The GPU architectures compiled in, as "75;80;86;89;90;100;120" (SASS for each, PTX for the last;
- * a CUDA 12 build compiled by clang carries sm_90's PTX instead), and the CUDA toolkit version the
- * library was built with (e.g. 13000; 12090 for the CUDA 12 build, attnmerge-cu12). */
+/* The GPU code compiled in.  attnmerge_cuda_architectures(): the SMs with SASS, as
+ * "75;80;86;89;90;100;120" (the release list; "" for a build of PTX alone).
+ * attnmerge_cuda_ptx_architectures(): the virtual architectures whose PTX is embedded ("120" in the
+ * release list, sm_90's in a CUDA 12 build compiled by clang), which the driver JIT-compiles, once
+ * and into its cache, for a GPU with no SASS of its own: the newest PTX not above the GPU's SM; a GPU
+ * older than every SASS and PTX runs none.  attnmerge_cuda_architectures_choice(): how the build
+ * chose them: "detected" (the GPUs of the build machine), "no-gpu" (none found there: PTX alone),
+ * "release" or "requested" (a list given).  And the CUDA toolkit version the library was built with
+ * (e.g. 13000; 12090 for the CUDA 12 build, attnmerge-cu12). */
 ATTNMERGE_API const char* attnmerge_cuda_architectures(void);
+ATTNMERGE_API const char* attnmerge_cuda_ptx_architectures(void);
+ATTNMERGE_API const char* attnmerge_cuda_architectures_choice(void);
 ATTNMERGE_API int attnmerge_cuda_build_version(void);
 
 /* The installed driver's CUDA version (0 if there is no driver) and the number of usable devices

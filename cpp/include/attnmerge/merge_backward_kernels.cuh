@@ -17,13 +17,14 @@ namespace attnmerge {
 // Registers (sm_90): a chunk of 4 states keeps the chunk's LSEs, 4 packs of O_i and their dots
 // and the lane's packs of dO and O, so the N-way cap is 2 blocks of 256 per SM; two states per
 // chunk fit 3 blocks (N-way) or 4 (two-way) without spills.  ATTNMERGE_BACKWARD_MIN_BLOCKS
-// overrides the N-way cap of 4 states: an A/B knob for the native benchmark.
+// overrides the N-way cap of 4 states: an A/B knob for the native benchmark
+// (benchmarks/NOTES.md#backward-chunk).
 #ifndef ATTNMERGE_BACKWARD_MIN_BLOCKS
 #define ATTNMERGE_BACKWARD_MIN_BLOCKS 2
 #endif
 // How many chunks ahead a lane asks L2 (prefetch_l2) for its packs of the states' O before it
 // uses the current chunk (0: none), and whether the lane of the row's first pack asks for their
-// LSEs too: A/B knobs for the native benchmark.
+// LSEs too: A/B knobs for the native benchmark (benchmarks/NOTES.md#backward-prefetch).
 #ifndef ATTNMERGE_PREFETCH_BACKWARD
 #define ATTNMERGE_PREFETCH_BACKWARD 1
 #endif
@@ -47,7 +48,7 @@ constexpr int backward_min_blocks() {
 // float32 elements); wider rows read their further packs again for each chunk.  An empty part
 // gets zeros, and a part of zero weight is loaded but not used (its O may hold NaN), as in the
 // forward.  The N-way backward at 8192 tokens was measured issue-bound, not memory-bound (ncu,
-// benchmarks/NOTES.md), so instructions per state count: a strided row's addresses are stepped a
+// benchmarks/NOTES.md#backward-instructions), so instructions per state count: a strided row's addresses are stepped a
 // chunk at a time, dO unpacked once, the dots of a chunk of two summed in half the shuffles.
 template <typename Src, typename TIn, typename TOut, int VEC, int kChunk>
 __global__ void __launch_bounds__(kBackwardBlockThreads, backward_min_blocks<Src, kChunk>())

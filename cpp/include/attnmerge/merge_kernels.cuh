@@ -20,7 +20,7 @@ namespace attnmerge {
 // kRows: the widest block and the blocks per SM the compiler must leave room for.  Two-state
 // kernels: about 30 registers, full occupancy, compiled for blocks of up to kPairMaxBlockThreads
 // (the plan's widths, pair_block_threads), no cap.  N-way kernels of 8 states in flight: 3 blocks
-// cap them at 85 registers (faster than uncapped and than 4 states per chunk: benchmarks/NOTES.md);
+// cap them at 85 registers (faster than uncapped and than 4 states per chunk: benchmarks/NOTES.md#nway-chunk);
 // of 4 states: 4 blocks, 64 registers.
 template <typename Source>
 constexpr int max_threads() {
@@ -55,10 +55,21 @@ __device__ __forceinline__ void weigh_row(const float (&l)[kChunk], float (&w)[k
 // take in one round trip.
 constexpr int kPrefetchAhead = kStateChunk;
 
+// A row's ExtrasRow where kTake (a call with StateExtras whose states a kernel takes one at a
+// time), else 0: nothing of the extras in the code.
+template <bool kTake, typename Source, typename I>
+__device__ __forceinline__ auto extras_row_if(const Source& src, I token, I head) {
+  if constexpr (kTake) {
+    return src.extras_row(token, head);
+  } else {
+    return 0;
+  }
+}
+
 // A row's (or a group's) states 0 .. n-1 in one pass: `r` keeps the running max and total weight
 // and `acc` the O packs weighted against that max, both rescaled when a chunk raises the max, so
 // that the LSEs are read once and every memory round trip carries O (a first walk of the LSEs for
-// the max was measured slower on long rows: benchmarks/NOTES.md).  The first chunk is loaded
+// the max was measured slower on long rows: benchmarks/NOTES.md#online-pass).  The first chunk is loaded
 // already (LSEs in `l`, -inf past n, packs in `o`) and weighed against its own max (nothing to
 // rescale yet); each later chunk's LSEs and packs are loaded together before any is used, by
 // predicated loads.  lse_of(s) and o_of(s): where state s's LSE and this thread's pack of its O
@@ -67,11 +78,16 @@ constexpr int kPrefetchAhead = kStateChunk;
 // makes the row NaN.  kSink: the row's sink (LSE `sink`, output 0) is one more state, weighed with
 // the first chunk.  kExtended (the source's StateExtras in this call): each later chunk's LSEs
 // settled, settle(l, s) (states s .. s + kChunk - 1 into l, the states ahead prefetched), before
-// its O loads go out (the first chunk's are the caller's to settle).
-template <int kChunk, bool kSink, bool kExtended, typename TIn, int VEC, typename LseOf, typename OOf, typename Settle>
+// its O loads go out (the first chunk's are the caller's to settle); NoSettle without.
+struct NoSettle {
+  template <int kChunk>
+  __device__ void operator()(float (&)[kChunk], int) const {}
+};
+template <int kChunk, bool kSink = false, bool kExtended = false, typename TIn, int VEC, typename LseOf, typename OOf,
+          typename Settle = NoSettle>
 __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pack<TIn, VEC> (&o)[kChunk], LseOf lse_of,
                                                   OOf o_of, bool evict_first, RowMerge& r, float (&acc)[VEC],
-                                                  Settle settle, float sink = -INFINITY) {
+                                                  float sink = -INFINITY, Settle settle = {}) {
   // A chunk's states weighed against r.m, without a branch: a state past n has LSE -inf, so
   // weight 0, and accumulate clears the words of its pack (never loaded).
   const auto add = [&] {
@@ -116,7 +132,7 @@ __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pac
 }
 
 // Programmatic dependent launch: wait for the kernel before us (a no-op unless launched with it),
-// then let the kernel after us be scheduled into our tail.
+// then let the kernel after us be scheduled into our tail (benchmarks/NOTES.md#pdl).
 __device__ __forceinline__ void pdl_wait_then_release() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -126,7 +142,8 @@ __device__ __forceinline__ void pdl_wait_then_release() {
 
 // Waits for the lanes of this thread's row, the first `packs` of the row's blockDim.x (a power of
 // two, at most 32: each row lies in one warp at aligned lanes, and its lanes past `packs` have
-// left): past it every lane of the row has read the row's LSEs, so one of them may overwrite them.
+// left): past it every lane of the row has read the row's LSEs, so one of them may overwrite them
+// (benchmarks/NOTES.md#inplace-lanes).
 __device__ __forceinline__ void sync_row_lanes(int packs) {
   const unsigned first = ((threadIdx.y * blockDim.x + threadIdx.x) & 31u) - threadIdx.x;
   __syncwarp(packs >= 32 ? 0xffffffffu : ((1u << packs) - 1u) << first);
@@ -262,7 +279,7 @@ __device__ __forceinline__ void merge_body(const MergeShape& shape, const Source
   // block's x axis alone (Variant::kRowsPlainFlat), so that a thread finds its row and pack in two
   // instructions.  At full occupancy every instruction before a thread's loads delays every
   // warp's loads: the launch's start is on its critical path.  A masked source keeps the general
-  // row: measured faster there (benchmarks/NOTES.md).
+  // row: measured faster there (benchmarks/NOTES.md#flat-rows).
   constexpr bool kFlatLaunch = Traits::kRowIndex == RowIndex::kFlat && Traits::kMask == Mask::kNone;
   using P = Pack<TIn, VEC>;
   I row, k;
@@ -310,13 +327,8 @@ __device__ __forceinline__ void merge_body(const MergeShape& shape, const Source
   constexpr bool kFew = Traits::kMaxStates > 0 && Traits::kMaxStates <= kC;  // at most a chunk, always
   // The states first .. first + kC - 1's LSEs as the merge reads them, into lc, with the states a
   // chunk ahead prefetched (the two states of a two-state source: from the LSEs row() read).
-  const auto extras = [&] {
-    if constexpr (kExtended && !kFew) {
-      return src.extras_row(token, head);
-    } else {
-      return 0;  // none: the calls without extras, and a two-state row's (from row()'s LSEs)
-    }
-  }();
+  // None for the calls without extras and for a two-state row (settled from row()'s LSEs).
+  const auto extras = extras_row_if<kExtended && !kFew>(src, token, head);
   const auto settle = [&](float (&lc)[kC], int first) {
     if constexpr (kFew && Traits::kExtras) {
 #pragma unroll
@@ -371,7 +383,7 @@ __device__ __forceinline__ void merge_body(const MergeShape& shape, const Source
   float* lse_dst;
   bool writes_lse;  // this thread stores the row's merged LSE (at lse_dst)
   // A flat two-way merge's output offsets are its inputs' (RowIndex::kFlat); in place, the
-  // output's own views are measured faster (benchmarks/NOTES.md), and its LSE is always written
+  // output's own views are measured faster (benchmarks/NOTES.md#flat-rows), and its LSE is always written
   // (the plan's condition): no null check.
   if constexpr (kFlatLaunch && !kInPlace) {
     dst = static_cast<TOut*>(out.o) + src.offset(row, k * VEC);
@@ -412,7 +424,7 @@ __device__ __forceinline__ void merge_body(const MergeShape& shape, const Source
   } else if constexpr (!kFew) {
     accumulate_online<kC, Traits::kSink, kExtended>(
         n, l, o, [&](int s) { return states.lse_ptr(s); }, [&](int s) { return states.template o_at<TIn>(s); },
-        evict_first, r, acc, settle, sink);
+        evict_first, r, acc, sink, settle);
     r.finish(factor);
     if (writes_lse) *lse_dst = merged_lse();
 #pragma unroll
@@ -481,13 +493,7 @@ __device__ __forceinline__ void merge_states_body(const MergeShape& shape, const
   // The group's j-th state is the row's g + j G.  A call with StateExtras takes the group's states
   // one at a time (kC = 1: merge_body's reason), each settled, the states a chunk ahead prefetched.
   constexpr int kC = kExtended ? 1 : kChunk;
-  const auto extras = [&] {
-    if constexpr (kExtended) {
-      return src.extras_row(token, head);
-    } else {
-      return 0;
-    }
-  }();
+  const auto extras = extras_row_if<kExtended>(src, token, head);
   const auto settle = [&](float (&lc)[kC], int j) {
     if constexpr (kExtended) {
       const int ahead = j + kPrefetchAhead;
@@ -515,7 +521,7 @@ __device__ __forceinline__ void merge_states_body(const MergeShape& shape, const
   }
   RowMerge part(shape.base2);
   float acc[VEC] = {};
-  accumulate_online<kC, false, kExtended>(mine, l, o, lse_of, o_of, true, part, acc, settle);
+  accumulate_online<kC, false, kExtended>(mine, l, o, lse_of, o_of, true, part, acc, -INFINITY, settle);
   // Shared memory: each slot's (row, group) accumulators, [slot][pack][VEC] floats, then its
   // (max, total), then (per-group FP8) each row's groups' amax slots, a pack's worth per row.
   extern __shared__ float4 shared[];
@@ -596,7 +602,7 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
 // total rescaled when a chunk raises the max); the pack is scaled once, by its weight against the
 // final max.  A thread holds one pack and a chunk of floats, so an SM holds as many threads as
 // the two-way merge's, each O load in flight with its LSEs: the N-way merge's kernel, which keeps
-// a pack per state of a chunk, left a share latency-bound (benchmarks/NOTES.md).  The semantics
+// a pack per state of a chunk, left a share latency-bound (benchmarks/NOTES.md#share-kernel).  The semantics
 // are the N-way merge's: a zero-weight share is 0 and its pack cleared unread, a NaN LSE (or
 // sink) makes the row NaN, an all-empty row gives O = 0 and LSE -inf.
 template <bool kExtended, typename TIn, typename TOut, int VEC, typename I, int kChunk>
@@ -614,13 +620,7 @@ __device__ __forceinline__ void merge_share_body(const MergeShape& shape, const 
   // A call with StateExtras takes the LSEs one state at a time (kC = 1: merge_body's reason), each
   // settled, the states a chunk ahead prefetched.
   constexpr int kC = kExtended ? 1 : kChunk;
-  const auto extras = [&] {
-    if constexpr (kExtended) {
-      return src.extras_row(token, head);
-    } else {
-      return 0;
-    }
-  }();
+  const auto extras = extras_row_if<kExtended>(src, token, head);
   if constexpr (kExtended) {
     own_lse = extras.settled(states.own, true, shape.base2);
 #pragma unroll 1
@@ -852,6 +852,8 @@ cudaError_t launch_merge(const LaunchPlan& plan, const Source& src, const OutVie
     case Variant::kShare:
       if constexpr (may_plan<Source>(Variant::kShare, kIn, kOut, kAccess))
         return share<TIn, TOut, VEC>(plan, src, out, stream);
+      break;
+    case Variant::kExchange:  // launch_exchange's (exchange_kernels.cuh), which also takes the protocol's
       break;
   }
   return cudaErrorInvalidValue;  // a plan made for other facts than these

@@ -1,5 +1,6 @@
-// Storage types and float32 conversions, usable from host C++ and CUDA device code alike, so the
-// CPU path and the kernels share one definition of every dtype.
+// Storage types and their conversions to the type a merge computes in (float32; float64 for
+// float64 storage, which the CPU path alone takes), usable from host C++ and CUDA device code
+// alike, so the CPU path and the kernels share one definition of every dtype.
 #pragma once
 
 #include <cstdint>
@@ -124,12 +125,19 @@ inline float host_e4m3_to_float(uint8_t v) {
 
 }  // namespace detail
 
-// load<T>(p) -> float and store<T>(p, float): the only places a storage type is interpreted.
+// load<T>(p) -> float and store<T>(p, float), double for T = double: the only places a storage
+// type is interpreted.
 template <typename T> struct Convert;
 
 template <> struct Convert<float> {
   static ATTNMERGE_HD float load(float v) { return v; }
   static ATTNMERGE_HD float store(float f) { return f; }
+};
+
+// float64 (the CPU path only): computed in float64, so never rounded to float32 on the way.
+template <> struct Convert<double> {
+  static ATTNMERGE_HD double load(double v) { return v; }
+  static ATTNMERGE_HD double store(double f) { return f; }
 };
 
 template <> struct Convert<half_t> {

@@ -36,7 +36,7 @@ namespace attnmerge {
 #endif
 // kRows: the widest block of the N-way kernels (their register cap leaves room for 3 or 4 of them
 // per SM) and of the two-state kernels under 32 MB and in place (wider blocks only measured faster
-// for larger two-way merges: pair_block_threads, benchmarks/NOTES.md).
+// for larger two-way merges: pair_block_threads, benchmarks/NOTES.md#pair-block-width).
 constexpr int kBlockThreads = ATTNMERGE_BLOCK_THREADS;
 constexpr int kPairBlockThreads = ATTNMERGE_PAIR_BLOCK_THREADS;
 // The widest block a two-state kernel is compiled for (its launch bound; at 32 registers it
@@ -44,15 +44,17 @@ constexpr int kPairBlockThreads = ATTNMERGE_PAIR_BLOCK_THREADS;
 constexpr int kPairMaxBlockThreads = 1024;
 // States of the N-way and variable-length merges whose LSE and O loads a thread keeps in flight:
 // 8 moves a row of up to 8 states in one memory round trip; rows of at most kSmallChunk states per
-// thread take a kernel that keeps 4 (fewer registers, more threads per SM).
+// thread take a kernel that keeps 4 (fewer registers, more threads per SM;
+// benchmarks/NOTES.md#nway-chunk).
 constexpr int kStateChunk = ATTNMERGE_STATE_CHUNK;
 constexpr int kSmallChunk = 4;
-// A decode-sized merge spreads over more SMs with narrower blocks, down to this width.
+// A decode-sized merge spreads over more SMs with narrower blocks, down to this width
+// (benchmarks/NOTES.md#min-block-width).
 constexpr int kMinBlockThreads = 128;
 // kStates: the widest block (whole rows, at most one row's packs x groups), the most groups a row
 // has, and the threads an SM holds (the kernel's register cap: 4 blocks of 256).  A thread keeps
 // kSmallChunk states in flight: fewer registers, so more threads and as many bytes in flight as
-// any wider chunk, measured faster at every decode size (benchmarks/NOTES.md).
+// any wider chunk, measured faster at every decode size (benchmarks/NOTES.md#kstates-chunk).
 constexpr int kStateBlockThreads = 256;
 constexpr int kMaxStateGroups = 16;
 constexpr int kStateThreadsPerSM = 1024;
@@ -98,7 +100,9 @@ constexpr bool plain_pair(Dtype in, Dtype out) {
 // whose merged LSE overwrites an input's in the merge's own launch.
 constexpr bool one_dtype(Dtype in, Dtype out) { return in == out && in != Dtype::kUnknown; }
 
-// The GPU a call runs on; 0: not known (blocks of kBlockThreads, no PDL).
+// The GPU a call runs on; 0: not known (blocks of kBlockThreads, no PDL).  major: the compute
+// capability of the code the GPU runs (its own, or lower where the driver JIT-compiles older PTX):
+// PDL only from 9, where the kernels wait for the kernel before them.
 struct DeviceInfo {
   int sms = 0;
   int major = 0;
@@ -115,6 +119,7 @@ struct CallFacts {
   int64_t bytes = 0;              // bytes the call moves, about
   bool lse_tokens_inner = false;  // an LSE has tokens as its faster axis (vLLM's [heads, tokens])
   bool pdl = false;               // the caller allows programmatic dependent launch
+  bool batch_invariant = false;   // ATTNMERGE_BATCH_INVARIANT: one strategy and chunk, whatever the rows
   int groups = 0;                 // N-way and varlen: 0 the plan's strategy; 1 kRows; G > 1 kStates with G
                                   // groups (where 32-bit offsets allow it): for benchmarks that compare them
 };
@@ -141,6 +146,7 @@ enum class Variant : int32_t {
   kInPlacePlainFlat,  // InPlaceSource<PlainPairSource with flat rows>, each row in one warp (32-bit offsets)
   kStates,            // kStates, merge_states_kernel with `groups` groups per row
   kShare,             // a state's share, merge_share_kernel
+  kExchange,          // every rank's state read where it lies, merge_exchange_kernel (exchange_kernels.cuh)
 };
 
 // The variant's name, as the plan's tests and benchmarks print it.
@@ -156,6 +162,7 @@ constexpr const char* variant_name(Variant v) {
     case Variant::kInPlacePlainFlat: return "inplace_plain_flat";
     case Variant::kStates: return "states";
     case Variant::kShare: return "share";
+    case Variant::kExchange: return "exchange";
   }
   return "unknown";
 }
@@ -252,6 +259,7 @@ constexpr bool may_plan(Variant v, Dtype in, Dtype out, int access, Cache cache 
     case Variant::kInPlacePlainFlat: return kPair && one_dtype(in, out) && plain_pair(in, out);
     case Variant::kStates: return takes_states<Source>() && access == 16;
     case Variant::kShare: return std::is_same<Source, ShareSource>::value;
+    case Variant::kExchange: return std::is_same<Source, ExchangeSource>::value;
   }
   return false;
 }
@@ -272,12 +280,10 @@ int64_t states_per_row(const Source& src, const MergeShape& shape) {
   }
 }
 
-// Evict-first O accesses where they were measured faster than plain ones on an H200: two-way
-// merges, in place or not, of rows taken in order (`pair_in_order`) moving under 8 MB (plain
-// accesses measured faster from 9.6 MB, in place at 12.8 MB), other calls under 16 MB (the tiled
-// rows of vLLM's layout slower with plain accesses at 12.8 MB), N-way merges of more states than a
-// chunk under 512 MB (evict-first faster at 69 and 137 MB, cached loads at 1.2 and 4.4 GB),
-// variable-length merges (benchmarks/NOTES.md).
+// Evict-first O accesses where they were measured faster than plain ones: two-way merges, in
+// place or not, of rows taken in order (`pair_in_order`) moving under 8 MB, other calls under
+// 16 MB (the tiled rows of vLLM's layout among them), N-way merges of more states than a chunk
+// under 512 MB, variable-length merges (benchmarks/NOTES.md#evict-first-threshold).
 template <typename Source>
 bool evict_first_o(const Source& src, int64_t bytes, bool pair_in_order) {
   if constexpr (std::is_same<Source, RangeSource>::value) {
@@ -294,9 +300,8 @@ bool evict_first_o(const Source& src, int64_t bytes, bool pair_in_order) {
 
 // The widest block of a two-way merge moving `bytes`: kPairBlockThreads, or wider for calls of
 // 32 MB (512 threads) and 128 MB (1024) or more, where fewer, wider blocks were measured faster;
-// in place 512 at every size (a token's rows per block at 32 x 128: faster from 512 tokens, 1024
-// slower at 204 MB; narrower at decode sizes through row_dims), and masked kPairBlockThreads,
-// measured faster there (benchmarks/NOTES.md).
+// in place 512 at every size (a token's rows per block at 32 x 128; narrower at decode sizes
+// through row_dims), and masked kPairBlockThreads (benchmarks/NOTES.md#pair-block-width).
 inline int pair_block_threads(int64_t bytes, bool in_place = false, bool masked = false) {
   if (in_place) return masked ? kPairBlockThreads : 512;
   return bytes >= (int64_t{128} << 20) ? 1024 : bytes >= (int64_t{32} << 20) ? 512 : kPairBlockThreads;
@@ -306,12 +311,12 @@ inline int pair_block_threads(int64_t bytes, bool in_place = false, bool masked 
 // row has more states than one kRows thread keeps in flight, and one kStates thread per pack
 // (`rows` x `packs`) fits the GPU at once (`sms` x kStateThreadsPerSM), or two where a row has
 // at most twice kStateChunk states (kRows takes those in two chunks, as fast as kStates on a
-// GPU filled twice over: benchmarks/NOTES.md).  Then the fewest groups, from 2, that leave each
+// GPU filled twice over: benchmarks/NOTES.md#kstates-groups).  Then the fewest groups, from 2, that leave each
 // a chunk (kSmallChunk) of states, while the row's threads fit one block and the launch fits the
 // GPU at once, up to kMaxStateGroups: a decode-sized merge fills the GPU with threads of few
 // registers, each with its loads in flight together.  Groups of one chunk that would fill more
 // than half the GPU are halved (two chunks each): fewer partials to combine, measured faster
-// (16 tokens x 64 states, benchmarks/NOTES.md).
+// (benchmarks/NOTES.md#kstates-groups).
 inline int state_groups(int64_t states, int64_t packs, int64_t rows, int sms) {
   const int64_t capacity = int64_t{sms > 0 ? sms : 1} * kStateThreadsPerSM;
   const int64_t threads = rows * packs * (states <= 2 * kStateChunk ? 2 : 1);
@@ -356,7 +361,7 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     // Two 16-byte accesses per thread for a masked in-place merge of 16 MB or more, where every O
     // allows them and a row has an even number: half the threads, so half the masked-out ones,
     // whose launch and mask byte are most of such a call's cost (measured faster there only;
-    // slower for smaller and unmasked calls: benchmarks/NOTES.md).
+    // slower for smaller and unmasked calls: benchmarks/NOTES.md#wide-inplace-accesses).
     if (src.mask != nullptr && lse_in_place && one_dtype(facts.in, facts.out) &&
         !plan_detail::evict_first_o(src, facts.bytes, false) && facts.access_bytes == 16 &&
         shape.head_size % (2 * facts.vec) == 0)
@@ -370,7 +375,7 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
   if constexpr (is_pair_source<Source>()) {
     // LSEs whose tokens are the faster axis (vLLM's [heads, tokens]): rows in tiles of 8 tokens,
     // so that a warp's rows share their LSE sectors (MergeShape::tile); not at decode sizes, where
-    // a tile would mostly be padding.
+    // a tile would mostly be padding (benchmarks/NOTES.md#lse-tiles).
     if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
     s.evict_first = plan_detail::evict_first_o(src, facts.bytes, s.tile_shift < 0);
     const bool plain = !Source::Traits::kSink && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr &&
@@ -385,7 +390,7 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     // there where its rows are flat.  Wider rows in one block: a block barrier before the store
     // (blocks not narrowed below a row).  Rows over several blocks, and an output of another
     // dtype than the inputs' (whose in-place kernels are not compiled: may_plan): the LSEs in a
-    // second launch.
+    // second launch (benchmarks/NOTES.md#inplace-lanes).
     const bool one_launch = one_dtype(facts.in, facts.out);
     if (lse_in_place && one_launch && s.packs <= 32) {
       int64_t lanes = 1;
@@ -412,7 +417,8 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     const int64_t states = plan_detail::states_per_row(src, s);
     // kStates: 32-bit offsets and 16-byte accesses (whole float4s of accumulator per thread).
     int groups = 1;
-    if (takes_states<Source>() && plan.index32 && facts.access_bytes == 16 && facts.vec % 4 == 0) {
+    if (takes_states<Source>() && !facts.batch_invariant && plan.index32 && facts.access_bytes == 16 &&
+        facts.vec % 4 == 0) {
       if (facts.groups > 0) {
         const int64_t most = std::min<int64_t>(kMaxStateGroups, kStateBlockThreads / std::max<int64_t>(s.packs, 1));
         while (2 * groups <= std::min<int64_t>(facts.groups, most)) groups *= 2;
@@ -428,12 +434,33 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
       plan.main = state_dims(s.packs, s.rows, groups, facts.vec, device.sms, out.group > 0);
     } else {
       plan.variant = std::is_same<Source, ShareSource>::value ? Variant::kShare : Variant::kRows;
+      // A variable-length merge's mean states per row is the batch's: invariant calls fix the chunk.
       // A call with StateExtras: kSmallChunk, whose kernels alone take them (takes_extras).
-      plan.chunk = states <= kSmallChunk || src.extras.on ? kSmallChunk : kStateChunk;
+      const bool fixed = facts.batch_invariant && std::is_same<Source, RangeSource>::value;
+      plan.chunk = (!fixed && states <= kSmallChunk) || src.extras.on ? kSmallChunk : kStateChunk;
       plan.main = row_dims(s.packs, s.rows, device.sms);
     }
     return plan;
   }
+}
+
+// The plan of an exchange (attnmerge_merge_exchange: every rank's state read where it lies,
+// exchange_kernels.cuh).  Laid out as kRows, one thread per pack of a row, the ranks' states
+// kStateChunk at a time: an exchange is a decode-sized call whose rows have few states each.
+// 64-bit offsets (the ranks' arrays lie apart, so no one span bounds them), cached accesses (the
+// states were written just before, the output is read by the next layer).  A rank with no rows
+// still launches one block: its peers wait for its signals.
+inline LaunchPlan plan_exchange(const MergeShape& shape, const CallFacts& facts, DeviceInfo device) {
+  LaunchPlan plan(shape);
+  MergeShape& s = plan.shape;
+  plan.vec = facts.vec;
+  s.packs = shape.head_size / plan.vec;
+  s.evict_first = false;
+  plan.pdl = facts.pdl && device.major >= 9;
+  plan.variant = Variant::kExchange;
+  plan.chunk = kStateChunk;
+  plan.main = s.rows > 0 ? row_dims(s.packs, s.rows, device.sms) : row_dims(1, 1, 0);
+  return plan;
 }
 
 // ---- the backward (merge_backward_kernels.cuh) ------------------------------------------------
@@ -476,7 +503,7 @@ struct BackwardFacts {
 };
 
 // Blocks of kBackwardBlockThreads an SM holds of the N-way kernel of 2 states in flight (its
-// register cap: 85, no spills; at 4 blocks it spills).
+// register cap: 85, no spills; at 4 blocks it spills: benchmarks/NOTES.md#backward-chunk).
 constexpr int kBackwardTwoChunkBlocks = 3;
 
 // Whether a call's rows may take the backward kernel of 2 states in flight, which has no second
@@ -487,7 +514,7 @@ inline bool two_states_in_flight(const BackwardFacts& facts) {
 
 // Rows of at most 2 states, and every N-way or variable-length row where the forward's O is
 // given, take the kernel of 2 states in flight: fewer registers, so more threads per SM (measured
-// faster than 4 in flight at every size, benchmarks/NOTES.md); without the forward's O longer
+// faster than 4 in flight at every size, benchmarks/NOTES.md#backward-chunk); without the forward's O longer
 // rows keep kSmallChunk.  With the forward's O a row's states are independent: they are split
 // into groups (a power of two) while each group keeps 2 or more, the row's groups fit a block and
 // the launch still fits the GPU at once, so that a decode-sized backward fills the GPU.

@@ -13,11 +13,26 @@ namespace attnmerge {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// The type a row's math is done in, Real: float, or double for float64 storage (the CPU path
+// only), and its constants; each float one is the very value of a float32 merge, so float32 calls
+// keep every bit.  lowest: the lowest finite value.
+template <typename Real>
+struct RealConstants;
+template <>
+struct RealConstants<float> {
+  static constexpr float log2e = kLog2e, ln2 = kLn2, lowest = -FLT_MAX;
+};
+template <>
+struct RealConstants<double> {
+  static constexpr double log2e = 1.4426950408889634074, ln2 = 0.69314718055994530942, lowest = -DBL_MAX;
+};
+
 // The factor that turns an LSE of one base into the other's (mixed bases: attnmerge.h's
 // ATTNMERGE_LSE_B_* and ATTNMERGE_OUT_LSE_*): exactly 1 where the bases agree, so that a call of
 // one base multiplies by 1 and its results keep every bit.
-ATTNMERGE_HD constexpr float base_change(bool from_base2, bool to_base2) {
-  return from_base2 == to_base2 ? 1.0f : from_base2 ? kLn2 : kLog2e;
+template <typename Real = float>
+ATTNMERGE_HD constexpr Real base_change(bool from_base2, bool to_base2) {
+  return from_base2 == to_base2 ? Real{1} : from_base2 ? RealConstants<Real>::ln2 : RealConstants<Real>::log2e;
 }
 
 // 2^x and log2(x).  On the device, the hardware's approximations (relative error near 2^-22,
@@ -57,6 +72,10 @@ ATTNMERGE_HD float log2_of(float x) {
 }
 
 ATTNMERGE_HD bool is_nan(float x) { return x != x; }
+ATTNMERGE_HD bool is_nan(double x) { return x != x; }
+
+// The larger of two values, the other where one is NaN.
+ATTNMERGE_HD float max_of(float a, float b) { return fmaxf(a, b); }
 
 // 1 / x for x >= 1 (a row's total weight): the hardware's approximation is within an ulp there.
 ATTNMERGE_HD float reciprocal(float x) {
@@ -69,6 +88,13 @@ ATTNMERGE_HD float reciprocal(float x) {
 #endif
 }
 
+// float64 (the CPU path only): the exact functions.
+inline double fast_exp2(double x) { return std::exp2(x); }
+inline double fast_log2(double x) { return std::log2(x); }
+inline double log2_of(double x) { return std::log2(x); }
+inline double reciprocal(double x) { return 1.0 / x; }
+inline double max_of(double a, double b) { return std::fmax(a, b); }
+
 // The weights of a row's states, in three steps, each over the row's LSEs:
 //   see(lse) for every state       the max LSE and whether any is NaN;
 //   total += weight(lse) for each  exp(lse - max), exactly 1 for the max state, so total >= 1;
@@ -76,52 +102,56 @@ ATTNMERGE_HD float reciprocal(float x) {
 // Branch-free apart from the NaN flag: an empty part (LSE -inf, or +inf as FlashAttention-2
 // writes it) gets weight 0 whatever the others are, and a row of only empty parts gets total 0,
 // every scale 0 and LSE -inf.  A NaN LSE makes every scale and the merged LSE NaN.  Shared by
-// the GPU kernels and the CPU path, and by the two-way and N-way merges.
-struct RowMerge {
-  // Max LSE seen, in the input's units; -FLT_MAX rather than -inf while no part has a finite
-  // LSE, so that weight() needs no select: an empty part's -inf - (-FLT_MAX) is still -inf.
-  float m = -FLT_MAX;
-  float total = 0.0f;   // sum of weight(lse) over the states
-  float pre = 0.0f;     // factor, or NaN where a NaN LSE was seen: set by finish()
-  float rinv = 0.0f;    // 1 / total, 0 where total is 0: set by finish()
-  float inv = 0.0f;     // pre * rinv: the multiplier of an accumulation of weighted parts
+// the GPU kernels and the CPU path, and by the two-way and N-way merges; in Real (float, or double
+// for float64 calls on the CPU path: RowMerge is the float one).
+template <typename Real>
+struct BasicRowMerge {
+  // Max LSE seen, in the input's units; the lowest finite value rather than -inf while no part
+  // has a finite LSE, so that weight() needs no select: an empty part's -inf - lowest is still -inf.
+  Real m = RealConstants<Real>::lowest;
+  Real total = 0;   // sum of weight(lse) over the states
+  Real pre = 0;     // factor, or NaN where a NaN LSE was seen: set by finish()
+  Real rinv = 0;    // 1 / total, 0 where total is 0: set by finish()
+  Real inv = 0;     // pre * rinv: the multiplier of an accumulation of weighted parts
   bool nan = false;
-  float to_log2;        // 1 for base-2 LSEs, log2(e) for base e
-  float from_log2;      // its inverse
+  Real to_log2;     // 1 for base-2 LSEs, log2(e) for base e
+  Real from_log2;   // its inverse
 
-  ATTNMERGE_HD explicit RowMerge(bool base2) : to_log2(base2 ? 1.0f : kLog2e), from_log2(base2 ? 1.0f : kLn2) {}
+  ATTNMERGE_HD explicit BasicRowMerge(bool base2)
+      : to_log2(base2 ? Real{1} : RealConstants<Real>::log2e), from_log2(base2 ? Real{1} : RealConstants<Real>::ln2) {}
 
   // An LSE as the merge reads it: +inf (an empty FlashAttention-2 part) counts as -inf.
-  static ATTNMERGE_HD float effective(float lse) { return lse == INFINITY ? -INFINITY : lse; }
+  static ATTNMERGE_HD Real effective(Real lse) { return lse == INFINITY ? -INFINITY : lse; }
 
-  ATTNMERGE_HD void see(float lse) {
-    const float l = effective(lse);
+  ATTNMERGE_HD void see(Real lse) {
+    const Real l = effective(lse);
     nan |= is_nan(l);
-    m = fmaxf(m, l);  // ignores a NaN
+    m = max_of(m, l);  // ignores a NaN
   }
 
   // exp(lse - max) through exp2: 0 for an empty part, or one 2^-126 below the max; NaN for a NaN
   // LSE.  Always >= +0, so a total of weights needs no 0 to start from.
-  ATTNMERGE_HD float weight(float lse) const { return fast_exp2((effective(lse) - m) * to_log2); }
+  ATTNMERGE_HD Real weight(Real lse) const { return fast_exp2((effective(lse) - m) * to_log2); }
 
   // After every weight is in total: scale(w) = w * factor / total (factor: 1 / the output scale).
   // finish() and scale() select rather than branch, and keep the NaN flag and the factor off the
   // chain that starts at the reciprocal: on the GPU they run after the loads, where each dependent
   // instruction adds to a decode-sized merge's latency.
-  ATTNMERGE_HD void finish(float factor) {
-    pre = nan ? NAN : factor;
-    const float r = reciprocal(total);
-    rinv = total > 0.0f ? r : 0.0f;
+  ATTNMERGE_HD void finish(Real factor) {
+    pre = nan ? Real(NAN) : factor;
+    const Real r = reciprocal(total);
+    rinv = total > Real{0} ? r : Real{0};
     inv = pre * rinv;
   }
 
-  ATTNMERGE_HD float scale(float weight) const { return (weight * pre) * rinv; }
+  ATTNMERGE_HD Real scale(Real weight) const { return (weight * pre) * rinv; }
 
   // The merged LSE in the input's base: NaN if any LSE was NaN, -inf when every part is empty.
-  ATTNMERGE_HD float lse() const {
-    const float v = m + fast_log2(total) * from_log2;
-    return nan ? NAN : (total == 0.0f ? -INFINITY : v);
+  ATTNMERGE_HD Real lse() const {
+    const Real v = m + fast_log2(total) * from_log2;
+    return nan ? Real(NAN) : (total == Real{0} ? Real(-INFINITY) : v);
   }
 };
+using RowMerge = BasicRowMerge<float>;
 
 }  // namespace attnmerge

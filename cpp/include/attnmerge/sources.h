@@ -13,18 +13,22 @@
 //   StackSource  S states stacked along a strided axis (the N-way merge);
 //   RangeSource  states [indptr[r], indptr[r+1]) of a flat list (the variable-length merge);
 //   ShareSource  S states' LSEs stacked and one state's O (the share of that state in the merge:
-//                context parallelism's combine by reduce-scatter).
-// SinkPairSource and the last three may add each head's sink to its rows (Traits::kSink: SinkView,
-// sink_lse).  The general sources (all but the plain one) may also take their states' LSEs as
-// softmax statistics and skip the states a mask says are empty (StateExtras, read at run time:
-// Traits::kExtras, settle).  Each source's Traits (SourceTraits) name what its kernels fix when
-// compiled.
+//                context parallelism's combine by reduce-scatter);
+//   ExchangeSource  every rank's state where it lies, one pointer per rank (the exchange fused
+//                with the merge: peer-mapped memory), a slice of its rows.
+// SinkPairSource and the last four may add each head's sink to its rows (Traits::kSink: SinkView,
+// sink_lse).  The general sources (the pair, stack, range and share sources) may also take their
+// states' LSEs as softmax statistics and skip the states a mask says are empty (StateExtras, read
+// at run time: Traits::kExtras, settle).  Each source's Traits (SourceTraits) name what its kernels
+// fix when compiled.  Each source's Real is the type of its LSEs and of its rows' math: float (the
+// names above), or double for float64 calls, which the CPU path alone runs (Basic*Source<double>).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
+#include "attnmerge/exchange.h"
 #include "attnmerge/pack.h"
 #include "attnmerge/row.h"
 #include "attnmerge/views.h"
@@ -61,21 +65,23 @@ struct SourceTraits {
 // Attention sinks (attnmerge_options.sink): each head's sink logit, in the LSE's base, one more
 // state of every row of the head, whose output is 0: it takes a share of the weight and adds
 // nothing to O.  lse null: no sink.
-struct SinkView {
-  const float* lse = nullptr;
+template <typename Real>
+struct BasicSinkView {
+  const Real* lse = nullptr;
   int64_t stride = 0;
 
   // The sink of `head` as a state's LSE: -inf (no weight) where there is none.
   template <typename I>
-  ATTNMERGE_HD float at(I head) const {
-    return lse != nullptr ? lse[head * static_cast<I>(stride)] : -INFINITY;
+  ATTNMERGE_HD Real at(I head) const {
+    return lse != nullptr ? lse[head * static_cast<I>(stride)] : Real(-INFINITY);
   }
 };
+using SinkView = BasicSinkView<float>;
 
 // The sink of `head` for src's rows: -inf for a source that takes none (no kSink, known at
 // compile time, so that its kernels compile as if sinks did not exist).
 template <typename Source, typename I>
-ATTNMERGE_HD float sink_lse(const Source& src, I head) {
+ATTNMERGE_HD typename Source::Real sink_lse(const Source& src, I head) {
   if constexpr (Source::Traits::kSink) {
     return src.sink.at(head);
   } else {
@@ -86,21 +92,28 @@ ATTNMERGE_HD float sink_lse(const Source& src, I head) {
 // Softmax statistics in place of an LSE (attnmerge_options.sum_a, sum_b): the LSE argument holds
 // each row's running max and `p` the sum of exp(score - max) (in the LSE's base) over the part's
 // keys, with strides of its own in the LSE's logical axes: token (or a variable-length merge's
-// state), state (the N-way merge's S) and head.  p null: the argument holds LSEs.
-struct SumView {
-  const float* p = nullptr;
+// state), state (the N-way merge's S) and head, of the LSE's type Real.  p null: the argument holds
+// LSEs.
+template <typename Real>
+struct BasicSumView {
+  const Real* p = nullptr;
   int64_t st = 0, ss = 0, sh = 0;
 
   template <typename I>
-  ATTNMERGE_HD const float* at(I token, I s, I head) const {
+  ATTNMERGE_HD const Real* at(I token, I s, I head) const {
     return p + (token * static_cast<I>(st) + s * static_cast<I>(ss) + head * static_cast<I>(sh));
   }
   // The sum of state (token, s, head) where `take` and the call gives sums, else 1 (nothing read).
   template <typename I>
-  ATTNMERGE_HD float at_or_one(I token, I s, I head, bool take) const {
-    return load_float_if(at(token, s, head), take && p != nullptr, 1.0f);
+  ATTNMERGE_HD Real at_or_one(I token, I s, I head, bool take) const {
+    if constexpr (std::is_same<Real, float>::value) {
+      return load_float_if(at(token, s, head), take && p != nullptr, 1.0f);
+    } else {  // float64: the CPU path
+      return take && p != nullptr ? *at(token, s, head) : Real{1};
+    }
   }
 };
+using SumView = BasicSumView<float>;
 
 // Which states of a row hold keys (attnmerge_options.valid): an entry per (token, state) ([tokens,
 // S], the two-way and in-place merges' S = 2; a variable-length merge's per state of its list, token
@@ -126,11 +139,13 @@ struct ValidView {
 // without them (`on` false) take one uniform branch past it.  sum_a: the sums of the first LSE
 // argument (the two-way merge's a, every state of the N-way and variable-length merges and the
 // share); sum_b: the two-way merge's b.
-struct StateExtras {
-  SumView sum_a, sum_b;
+template <typename Real>
+struct BasicStateExtras {
+  BasicSumView<Real> sum_a, sum_b;
   ValidView valid;
   bool on = false;  // any of them given
 };
+using StateExtras = BasicStateExtras<float>;
 
 // A state's LSE as the merge reads it where the call has StateExtras: -inf (no weight, nothing of
 // it taken) where the state is not `valid` (a state the row lacks, or one the mask says is empty),
@@ -138,9 +153,10 @@ struct StateExtras {
 // max + log(sum) in the inputs' base (`base2`; a state of another base was converted as its max was
 // read: log(sum) in the inputs' base is its own times the same factor), and -inf for a sum of 0,
 // whatever the max holds (the max of no scores).  Selects, no branch.
-ATTNMERGE_HD float settled_lse(float lse, bool valid, float sum, bool has_sum, bool base2) {
-  const float stats = sum == 0.0f ? -INFINITY : lse + log2_of(sum) * (base2 ? 1.0f : kLn2);
-  return valid ? (has_sum ? stats : lse) : -INFINITY;
+template <typename Real>
+ATTNMERGE_HD Real settled_lse(Real lse, bool valid, Real sum, bool has_sum, bool base2) {
+  const Real stats = sum == Real{0} ? Real(-INFINITY) : lse + log2_of(sum) * (base2 ? Real{1} : RealConstants<Real>::ln2);
+  return valid ? (has_sum ? stats : lse) : Real(-INFINITY);
 }
 
 // A row's states as a kernel takes them one at a time where the call has StateExtras: state s's
@@ -194,26 +210,28 @@ ATTNMERGE_HD bool extras_on(const Source& src) {
 
 // Two states.  Rows of tokens >= a_tokens have no state a (it is not read); rows whose mask byte is
 // 0 are skipped whole (the in-place merge leaves them untouched) and read nothing but that byte.
-struct PairSource {
+template <typename R>
+struct BasicPairSource {
   struct Traits : SourceTraits {
     static constexpr int kMaxStates = 2;
     static constexpr Mask kMask = Mask::kByToken;  // where mask is not null
     static constexpr bool kExtras = true;
   };
-  StateView a, b;
+  using Real = R;
+  BasicStateView<Real> a, b;
   int64_t a_tokens;
   const uint8_t* mask;  // may be null
   int64_t mask_stride;
   // b's LSEs into a's base (base_change): 1 but for ATTNMERGE_LSE_B_*, which only this source
   // takes (the plan gives such calls no plain kernel).
-  float b_scale = 1.0f;
-  StateExtras extras;  // sum_a of a, sum_b of b; valid [tokens, 2] (the plan gives no plain kernel)
+  Real b_scale = 1;
+  BasicStateExtras<Real> extras;  // sum_a of a, sum_b of b; valid [tokens, 2] (the plan gives no plain kernel)
 
   struct Row {
     const void* o[2];
-    float l[2];
+    Real l[2];
     ATTNMERGE_HD int count() const { return 2; }
-    ATTNMERGE_HD float lse(int s) const { return l[s]; }
+    ATTNMERGE_HD Real lse(int s) const { return l[s]; }
     template <typename T>
     ATTNMERGE_HD const T* o_at(int s) const { return static_cast<const T*>(o[s]); }
     ATTNMERGE_HD constexpr bool reads_o(int) const { return true; }
@@ -232,33 +250,36 @@ struct PairSource {
     Row r;
     const bool has_a = take && token < static_cast<I>(a_tokens);  // a_tokens <= tokens: fits in I
     const I token_a = has_a ? token : I{0};  // a may have fewer tokens: no offset past its end
-    r.o[1] = b.o_at<T>(token, head, at);
-    r.o[0] = has_a ? a.o_at<T>(token_a, head, at) : r.o[1];  // no a: weight 0, b's row stands in
-    r.l[0] = has_a ? a.lse_at(token_a, head) : -INFINITY;
-    r.l[1] = take ? b.lse_at(token, head) * b_scale : -INFINITY;
+    r.o[1] = b.template o_at<T>(token, head, at);
+    r.o[0] = has_a ? a.template o_at<T>(token_a, head, at) : r.o[1];  // no a: weight 0, b's row stands in
+    r.l[0] = has_a ? a.lse_at(token_a, head) : Real(-INFINITY);
+    r.l[1] = take ? b.lse_at(token, head) * b_scale : Real(-INFINITY);
     return r;
   }
 
   // State s's LSE as the merge reads it (settled_lse), from `l` as row() gave it; `take`: s is one
   // of the row's states (a row without a has none of a's read).  Where extras.on.
   template <typename I>
-  ATTNMERGE_HD float settle(float l, I token, I head, int s, bool take, bool base2) const {
+  ATTNMERGE_HD Real settle(Real l, I token, I head, int s, bool take, bool base2) const {
     take = take && (s == 1 || token < static_cast<I>(a_tokens));
-    const SumView& sum = s == 0 ? extras.sum_a : extras.sum_b;
+    const BasicSumView<Real>& sum = s == 0 ? extras.sum_a : extras.sum_b;
     const bool valid = take && extras.valid.holds(token, static_cast<I>(s), take);
     return settled_lse(l, valid, sum.at_or_one(token, I{0}, head, take), sum.p != nullptr, base2);
   }
 };
+using PairSource = BasicPairSource<float>;
 
 // PairSource with each head's sink, one more state of output 0 in every row (kSink): a type of its
 // own, so that the two-way merge's calls without one, and the in-place merge (which takes none),
 // keep kernels that carry nothing of it.
-struct SinkPairSource : PairSource {
-  struct Traits : PairSource::Traits {
+template <typename Real>
+struct BasicSinkPairSource : BasicPairSource<Real> {
+  struct Traits : BasicPairSource<Real>::Traits {
     static constexpr bool kSink = true;
   };
-  SinkView sink;
+  BasicSinkView<Real> sink;
 };
+using SinkPairSource = BasicSinkPairSource<float>;
 
 // Whether Source is a two-way merge's (PairSource, SinkPairSource), which the plan lays out by the
 // two-way rules.
@@ -270,13 +291,13 @@ ATTNMERGE_HD constexpr bool is_pair_source() {
 // PairSource with every token in a and b and no mask; a launch with it must be untiled and have
 // no output scale pointer (kPlain), and its cache policy is fixed at compile time (kCache), so
 // that no access is compiled twice: the common call does not pay for those options
-// (benchmarks/NOTES.md has the figures).
+// (benchmarks/NOTES.md#plain-pair-kernel).
 // RowIndex::kFlat: every array is [rows, head_size] and [rows] in effect (heads dense within
 // tokens, the plan's `dense`), its views flattened so (flat_rows): a row is (token = row, head =
 // 0), with no division of the row into token and head, and the same row strides in a, b and the
 // output (the plan's condition too): one O offset and one LSE offset per thread for a and b, and
 // for the output of a two-way merge (offset, lse_offset; merge_kernel), each stride read once
-// (separate strides per view measured 3% slower at 512 tokens: benchmarks/NOTES.md).
+// (separate strides per view measured slower: benchmarks/NOTES.md#flat-rows).
 // Mask::kByToken: rows whose token's mask byte is 0 are skipped whole, as PairSource's (the
 // in-place merge with flat rows: the kernel divides the row by the heads for the mask's token alone).
 template <Cache kCacheO, RowIndex kRows = RowIndex::kSplit, Mask kMasked = Mask::kNone>
@@ -288,6 +309,7 @@ struct PlainPairSource {
     static constexpr RowIndex kRowIndex = kRows;
     static constexpr Mask kMask = kMasked;
   };
+  using Real = float;  // the GPU's
   StateView a, b;
   const uint8_t* mask = nullptr;  // Mask::kByToken only
   int64_t mask_stride = 0;
@@ -341,15 +363,15 @@ struct InPlaceSource : Base {
 };
 
 // n states from o0 and l0 on, o_ss and l_ss elements apart.
-template <typename I>
+template <typename I, typename Real = float>
 struct StridedRow {
   const void* o0;
-  const float* l0;
+  const Real* l0;
   I o_ss, l_ss;
   int n;
   ATTNMERGE_HD int count() const { return n; }
-  ATTNMERGE_HD const float* lse_ptr(int s) const { return l0 + s * l_ss; }
-  ATTNMERGE_HD float lse(int s) const { return *lse_ptr(s); }
+  ATTNMERGE_HD const Real* lse_ptr(int s) const { return l0 + s * l_ss; }
+  ATTNMERGE_HD Real lse(int s) const { return *lse_ptr(s); }
   template <typename T>
   ATTNMERGE_HD const T* o_at(int s) const { return static_cast<const T*>(o0) + s * o_ss; }
   ATTNMERGE_HD constexpr bool reads_o(int) const { return true; }
@@ -357,18 +379,20 @@ struct StridedRow {
 
 // S states along a strided axis: O [tokens, S, heads, head_size] and LSE [tokens, S, heads] in
 // logical order, any strides (FlashInfer's [tokens, S, ...] and an all-gather's [S, tokens, ...]).
-struct StackSource {
+template <typename R>
+struct BasicStackSource {
   struct Traits : SourceTraits {
     static constexpr bool kSink = true;
     static constexpr bool kExtras = true;
   };
+  using Real = R;
   const void* o;
   int64_t o_st, o_ss, o_sh;
-  const float* lse;
+  const Real* lse;
   int64_t lse_st, lse_ss, lse_sh;
   int64_t states;
-  SinkView sink;
-  StateExtras extras;  // sum_a [tokens, S, heads]; valid [tokens, S]
+  BasicSinkView<Real> sink;
+  BasicStateExtras<Real> extras;  // sum_a [tokens, S, heads]; valid [tokens, S]
 
   template <typename I>
   ATTNMERGE_HD bool masked_out(I) const { return false; }
@@ -376,7 +400,7 @@ struct StackSource {
   // State s's LSE as the merge reads it (settled_lse), from `l` as loaded; `take`: s < the row's
   // count.  Where extras.on.
   template <typename I>
-  ATTNMERGE_HD float settle(float l, I token, I head, int s, bool take, bool base2) const {
+  ATTNMERGE_HD Real settle(Real l, I token, I head, int s, bool take, bool base2) const {
     const I si = static_cast<I>(s);
     const bool valid = take && extras.valid.holds(token, si, take);
     return settled_lse(l, valid, extras.sum_a.at_or_one(token, si, head, take), extras.sum_a.p != nullptr, base2);
@@ -384,7 +408,7 @@ struct StackSource {
   // Row (token, head)'s states as the kernels take them one at a time where extras.on.
   template <typename I>
   ATTNMERGE_HD ExtrasRow<I> extras_row(I token, I head) const {
-    const SumView& sm = extras.sum_a;
+    const auto& sm = extras.sum_a;
     const ValidView& v = extras.valid;
     return ExtrasRow<I>{lse + (token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
                         sm.p != nullptr ? sm.at(token, I{0}, head) : nullptr,
@@ -396,31 +420,35 @@ struct StackSource {
   }
 
   template <typename T, typename I>
-  ATTNMERGE_HD StridedRow<I> row(I token, I head, I at = I{0}) const {
-    return StridedRow<I>{static_cast<const T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at),
+  ATTNMERGE_HD StridedRow<I, Real> row(I token, I head, I at = I{0}) const {
+    return StridedRow<I, Real>{
+        static_cast<const T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at),
                          lse + (token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
                          static_cast<I>(o_ss), static_cast<I>(lse_ss), static_cast<int>(states)};
   }
 };
+using StackSource = BasicStackSource<float>;
 
 // Row r merges states [indptr[r], indptr[r + 1]) of O [total, heads, head_size], LSE [total, heads].
 // The bounds are clamped to [0, total] and made non-decreasing, so that no indptr can make a read
 // leave the arrays (the C ABI refuses bad indptr on the CPU; on the GPU the clamped rows result).
-struct RangeSource {
+template <typename R>
+struct BasicRangeSource {
   struct Traits : SourceTraits {
     static constexpr bool kSink = true;
     static constexpr bool kExtras = true;
   };
+  using Real = R;
   const void* o;
   int64_t o_st, o_sh;
-  const float* lse;
+  const Real* lse;
   int64_t lse_st, lse_sh;
   const void* indptr;
   int64_t indptr_stride;
   bool indptr64;
   int64_t total;
-  SinkView sink;
-  StateExtras extras;  // sum_a [total, heads]; valid [total] (each state of the list)
+  BasicSinkView<Real> sink;
+  BasicStateExtras<Real> extras;  // sum_a [total, heads]; valid [total] (each state of the list)
 
   template <typename I>
   ATTNMERGE_HD bool masked_out(I) const { return false; }
@@ -433,11 +461,12 @@ struct RangeSource {
   }
 
   template <typename T, typename I>
-  ATTNMERGE_HD StridedRow<I> row(I token, I head, I at = I{0}) const {
+  ATTNMERGE_HD StridedRow<I, Real> row(I token, I head, I at = I{0}) const {
     const I begin = bound(token);
     const I end = bound(token + 1);
     const int64_t n = end > begin ? end - begin : 0;
-    return StridedRow<I>{static_cast<const T*>(o) + (begin * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at),
+    return StridedRow<I, Real>{
+        static_cast<const T*>(o) + (begin * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at),
                          lse + (begin * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
                          static_cast<I>(o_st), static_cast<I>(lse_st), static_cast<int>(n < INT32_MAX ? n : INT32_MAX)};
   }
@@ -445,7 +474,7 @@ struct RangeSource {
   // State s of row `token`'s LSE as the merge reads it (settled_lse), from `l` as loaded; `take`: s
   // < the row's count.  The state is number bound(token) + s of the list.  Where extras.on.
   template <typename I>
-  ATTNMERGE_HD float settle(float l, I token, I head, int s, bool take, bool base2) const {
+  ATTNMERGE_HD Real settle(Real l, I token, I head, int s, bool take, bool base2) const {
     const I state = bound(token) + static_cast<I>(s);
     const bool valid = take && extras.valid.holds(state, I{0}, take);
     return settled_lse(l, valid, extras.sum_a.at_or_one(state, I{0}, head, take), extras.sum_a.p != nullptr,
@@ -456,7 +485,7 @@ struct RangeSource {
   template <typename I>
   ATTNMERGE_HD ExtrasRow<I> extras_row(I token, I head) const {
     const I first = bound(token);
-    const SumView& sm = extras.sum_a;
+    const auto& sm = extras.sum_a;
     const ValidView& v = extras.valid;
     return ExtrasRow<I>{lse + (first * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
                         sm.p != nullptr ? sm.at(first, I{0}, head) : nullptr,
@@ -467,11 +496,12 @@ struct RangeSource {
                         v.bytes};
   }
 };
+using RangeSource = BasicRangeSource<float>;
 
 // A row of ShareSource: a StridedRow whose states' O addresses are all own's (a states stride of
 // 0), read for own alone.
-template <typename I>
-struct ShareRow : StridedRow<I> {
+template <typename I, typename Real = float>
+struct ShareRow : StridedRow<I, Real> {
   int own;
   ATTNMERGE_HD bool reads_o(int s) const { return s == own; }
 };
@@ -480,12 +510,59 @@ struct ShareRow : StridedRow<I> {
 // [tokens, S, heads] (any strides: an all-gather's [S, tokens, heads]) and own's O alone, O
 // [tokens, heads, head_size] (o_ss 0): the output is (w_own / W) O_own and the merged LSE, so that
 // the states' shares summed (a reduce-scatter across context-parallel ranks) are the merge.
-struct ShareSource : StackSource {
+template <typename Real>
+struct BasicShareSource : BasicStackSource<Real> {
   int64_t own;  // 0 <= own < states
 
   template <typename T, typename I>
-  ATTNMERGE_HD ShareRow<I> row(I token, I head, I at = I{0}) const {
-    return ShareRow<I>{StackSource::row<T>(token, head, at), static_cast<int>(own)};
+  ATTNMERGE_HD ShareRow<I, Real> row(I token, I head, I at = I{0}) const {
+    return ShareRow<I, Real>{BasicStackSource<Real>::template row<T>(token, head, at), static_cast<int>(own)};
+  }
+};
+using ShareSource = BasicShareSource<float>;
+
+// A row of ExchangeSource: state s at rank s's pointers, the row's offsets added (the same in every
+// rank's arrays, which share one layout).
+template <typename I>
+struct PeerRow {
+  const void* const* o;
+  const float* const* l;
+  I o_off, l_off;
+  int n;
+  ATTNMERGE_HD int count() const { return n; }
+  ATTNMERGE_HD const float* lse_ptr(int s) const { return l[s] + l_off; }
+  ATTNMERGE_HD float lse(int s) const { return *lse_ptr(s); }
+  template <typename T>
+  ATTNMERGE_HD const T* o_at(int s) const { return static_cast<const T*>(o[s]) + o_off; }
+  ATTNMERGE_HD constexpr bool reads_o(int) const { return true; }
+};
+
+// The states of an exchange's ranks (attnmerge_merge_exchange), read where they lie: state s of
+// row (token, head) is rank s's row (token + token0, head + head0) of O [tokens, heads, head_size]
+// and LSE [tokens, heads], every rank's laid out alike (o_st, o_sh, lse_st, lse_sh), so that a
+// rank's slice of the rows (a range of tokens or of heads) is the output's rows.  The ranks'
+// pointers are held by value (a kernel's parameters, indexed by state), as this rank addresses
+// them; each head's sink is indexed as the output's heads.
+struct ExchangeSource {
+  using Real = float;  // the merge's arithmetic: ranks' states come from the GPU engines' float32 LSEs
+  struct Traits : SourceTraits {
+    static constexpr bool kSink = true;
+  };
+  const void* o[exchange::kMaxWorld];
+  const float* lse[exchange::kMaxWorld];
+  int64_t o_st, o_sh, lse_st, lse_sh;
+  int64_t token0, head0;
+  int world;
+  SinkView sink;
+
+  template <typename I>
+  ATTNMERGE_HD bool masked_out(I) const { return false; }
+
+  template <typename T, typename I>
+  ATTNMERGE_HD PeerRow<I> row(I token, I head, I at = I{0}) const {
+    const I t = token + static_cast<I>(token0), h = head + static_cast<I>(head0);
+    return PeerRow<I>{o, lse, t * static_cast<I>(o_st) + h * static_cast<I>(o_sh) + at,
+                      t * static_cast<I>(lse_st) + h * static_cast<I>(lse_sh), world};
   }
 };
 

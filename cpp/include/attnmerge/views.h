@@ -96,11 +96,13 @@ struct MergeShape {
 };
 
 // Where results go: O at o + token * o_st + head * o_sh, and the merged LSE unless lse is null.
-// O is scaled by 1 / the output scale before its one rounding (FP8 outputs).
-struct OutView {
+// O is scaled by 1 / the output scale before its one rounding (FP8 outputs).  Real: the LSE's type
+// and the one the merge computes in, float (OutView) or, for float64 calls on the CPU path, double.
+template <typename Real>
+struct BasicOutView {
   void* o;
   int64_t o_st, o_sh;
-  float* lse;
+  Real* lse;
   int64_t lse_st, lse_sh;
   float inv_scale;
   const float* scale;  // when set, the scale is read from memory instead (no host round trip)
@@ -110,7 +112,7 @@ struct OutView {
   bool lse_in_place;
   // The merged LSE's base from the inputs' (base_change): 1 but for ATTNMERGE_OUT_LSE_*, which the
   // in-place merge does not take (its LSE stays lse's), nor do the plain kernels (the plan's).
-  float lse_scale = 1.0f;
+  Real lse_scale = 1;
   // Per-group FP8 (group > 0: elements per group, a power of two dividing head_size): the scale of
   // group j of row (token, head) at group_scales + token * gs_st + head * gs_sh + j * gs_sg
   // (group_scale, numeric.h), and the row's O multiplied by its inverse.  Only the general kRows
@@ -134,26 +136,29 @@ struct OutView {
     return group_scales + (token * static_cast<I>(gs_st) + head * static_cast<I>(gs_sh) + j * static_cast<I>(gs_sg));
   }
   template <typename I>
-  ATTNMERGE_HD float* lse_row(I token, I head) const {
+  ATTNMERGE_HD Real* lse_row(I token, I head) const {
     return lse + (token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh));
   }
   template <typename I>
-  ATTNMERGE_HD float* lse_at(I token, I head) const {
+  ATTNMERGE_HD Real* lse_at(I token, I head) const {
     return lse != nullptr ? lse_row(token, head) : nullptr;
   }
   // The merged LSE `v`, in the inputs' base, as the output takes it.
-  ATTNMERGE_HD float lse_value(float v) const { return v * lse_scale; }
+  ATTNMERGE_HD Real lse_value(Real v) const { return v * lse_scale; }
   template <typename I>
-  ATTNMERGE_HD void store_lse(I token, I head, float v) const {
-    if (float* p = lse_at(token, head)) *p = lse_value(v);
+  ATTNMERGE_HD void store_lse(I token, I head, Real v) const {
+    if (Real* p = lse_at(token, head)) *p = lse_value(v);
   }
 };
+using OutView = BasicOutView<float>;
 
-// One state laid out [tokens, heads, head_size]: O at o + token * o_st + head * o_sh, LSE likewise.
-struct StateView {
+// One state laid out [tokens, heads, head_size]: O at o + token * o_st + head * o_sh, LSE likewise
+// (Real as for BasicOutView).
+template <typename Real>
+struct BasicStateView {
   const void* o;
   int64_t o_st, o_sh;
-  const float* lse;
+  const Real* lse;
   int64_t lse_st, lse_sh;
 
   template <typename T, typename I>
@@ -161,10 +166,11 @@ struct StateView {
     return static_cast<const T*>(o) + (token * static_cast<I>(o_st) + head * static_cast<I>(o_sh) + at);
   }
   template <typename I>
-  ATTNMERGE_HD float lse_at(I token, I head) const {
+  ATTNMERGE_HD Real lse_at(I token, I head) const {
     return lse[token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)];
   }
 };
+using StateView = BasicStateView<float>;
 
 // A view whose heads lie dense within its tokens (token stride = heads x head stride, for O and
 // LSE) as one of rows: row r = token * heads + head at r * the head stride.  `heads`: the call's.

@@ -18,15 +18,26 @@ from __future__ import annotations
 import argparse
 import json
 
+def parser():
+    """The benchmark's command line (python -m attnmerge bench)."""
+    p = argparse.ArgumentParser(prog="python -m attnmerge bench", description=__doc__.split("\n")[0])
+    where = p.add_mutually_exclusive_group()  # the N-way family runs on the GPU alone
+    where.add_argument("--cpu", action="store_true", help="the CPU path against NumPy instead of the GPU")
+    where.add_argument("--family", action="store_true",
+                       help="the N-way and variable-length merges instead (GPU; one size, no plot)")
+    p.add_argument("--quick", action="store_true", help="a few shapes only (not with --family)")
+    p.add_argument("--json", help="write every figure here")
+    p.add_argument("--png", help="write a plot of GB/s against bytes moved here (needs matplotlib; not with --family)")
+    return p
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m attnmerge bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--cpu", action="store_true", help="the CPU path against NumPy instead of the GPU")
-    parser.add_argument("--quick", action="store_true", help="a few shapes only")
-    parser.add_argument("--json", help="write every figure here")
-    parser.add_argument("--png", help="write a plot of GB/s against bytes moved here (needs matplotlib)")
-    parser.add_argument("--family", action="store_true", help="the N-way and variable-length merges instead")
-    args = parser.parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     if args.family:
+        for given, name in ((args.quick, "--quick"), (args.png, "--png")):
+            if given:  # refused by name rather than dropped
+                p.error(f"argument {name}: not allowed with argument --family (one size, no plot)")
         from .family import run_family
 
         result = run_family()
@@ -41,7 +52,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    if args.png and not args.family:
+    if args.png:
         from .plot import plot
 
         plot(result, args.png)

@@ -233,6 +233,10 @@ def run_cpu(quick):
     except ImportError:
         pass
     rows = []
+    # A header over every column: the last is the merge's bandwidth over np.add's, pair by pair.
+    columns = "{:>14} {:>8} | {:>10} {:>7} | {:>10} {:>7} | {:>13}"
+    print("cpu merge against np.add on float32 arrays of the shape (2 reads, 1 write), medians", flush=True)
+    print(columns.format("shape", "dtype", "merge us", "GB/s", "np.add us", "GB/s", "GB/s / np.add"), flush=True)
     for t, h, d in shapes:
         a, b = (rng.standard_normal((t, h, d), dtype=np.float32) for _ in range(2))
         la, lb = (3 * rng.standard_normal((t, h), dtype=np.float32) for _ in range(2))
@@ -249,11 +253,11 @@ def run_cpu(quick):
             nbytes = state_bytes(t, h, d, x.itemsize, 2)
             row = dict(op="merge", tokens=t, heads=h, head_size=d, dtype=name, states=2, impl="attnmerge cpu",
                        bytes=nbytes, call_us=merge * 1e6, GBps=nbytes / merge / 1e9,
-                       np_add_GBps=3 * a.nbytes / add / 1e9, np_add_us=add * 1e6)
+                       np_add_bytes=3 * a.nbytes, np_add_GBps=3 * a.nbytes / add / 1e9, np_add_us=add * 1e6)
             # bandwidth over np.add's: (nbytes / merge) / (3 a.nbytes / add), pair by pair
             row["ratio_to_np_add"] = add_over_merge * nbytes / (3 * a.nbytes)
             rows.append(row)
-            print(f"cpu merge {t:>6}x{h}x{d:<4} {name:>8}: {row['call_us']:>9.1f} us {row['GBps']:>6.1f} GB/s | "
-                  f"np.add (float32) {row['np_add_us']:>9.1f} us {row['np_add_GBps']:>6.1f} GB/s | "
-                  f"{row['ratio_to_np_add']:.2f}x", flush=True)
+            print(columns.format(f"{t}x{h}x{d}", name, f"{row['call_us']:.1f}", f"{row['GBps']:.1f}",
+                                 f"{row['np_add_us']:.1f}", f"{row['np_add_GBps']:.1f}",
+                                 f"{row['ratio_to_np_add']:.2f}x"), flush=True)
     return {"device": "cpu", "rows": rows}

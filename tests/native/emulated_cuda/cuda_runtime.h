@@ -1,10 +1,10 @@
 // Just enough of the CUDA runtime for the header-only kernels and their launchers to compile and
 // run as host C++, for the emulators (tests/native/*_emulator.cpp).  A launch runs its grid on the
 // calling thread, one block after another, each block's threads as fibers (ucontext) that change
-// hands only where a thread waits (__syncthreads, __syncwarp, a shuffle) or ends, taken in the
-// order the emulator sets: first to last, last to first, or shuffled.  A result that depends on
-// the order of two threads' accesses between barriers then differs between orders.  What a
-// launch would be refused for on a GPU (a block of more than 1024 threads, grid axes past their
+// hands only where a thread waits (__syncthreads and __syncthreads_or, __syncwarp, a shuffle) or
+// ends, taken in the order the emulator sets: first to last, last to first, or shuffled.  A result
+// that depends on the order of two threads' accesses between barriers then differs between orders.
+// What a launch would be refused for on a GPU (a block of more than 1024 threads, grid axes past their
 // limits, more than 48 KB of dynamic shared memory), a barrier that cannot be met (a lane of the
 // mask gone, or threads that wait at different barriers), a lane outside its own mask and a
 // thread that ends before a __syncthreads the others reach (the kernels keep every thread to
@@ -122,6 +122,7 @@ struct Block {
   ucontext_t scheduler;
   Fiber* current = nullptr;
   std::vector<float> lanes;  // a shuffle's values, one a thread
+  std::vector<char> flags;   // a __syncthreads_or's predicates, one a thread
   std::string error;
 };
 inline thread_local Block* t_block = nullptr;
@@ -194,6 +195,7 @@ inline bool run_block(Block& b, const dim3& block, char* stacks, std::mt19937& r
   const unsigned n = block.x * block.y * block.z;
   b.fibers.assign(n, Fiber{});
   b.lanes.assign(n, 0.0f);
+  b.flags.assign(n, 0);
   for (unsigned i = 0; i < n; ++i) {
     Fiber& f = b.fibers[i];
     f.linear = i;
@@ -295,6 +297,18 @@ cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(
 }
 
 inline void __syncthreads() { emulated::detail::wait(true, 0); }
+
+// A block barrier that also returns whether any thread of the block passed a nonzero predicate:
+// each posts its own, all meet, each reads every one, all meet again before a slot may be reused.
+inline int __syncthreads_or(int predicate) {
+  auto& b = *emulated::detail::t_block;
+  b.flags[b.current->linear] = predicate != 0;
+  __syncthreads();
+  int any = 0;
+  for (const char f : b.flags) any |= f;
+  __syncthreads();
+  return any;
+}
 inline void __syncwarp(unsigned mask = 0xffffffffu) { emulated::detail::wait(false, mask); }
 
 inline int __ffs(int x) { return __builtin_ffs(x); }
