@@ -754,6 +754,10 @@ for op, name, py, c in (("merge", "lse_a", "lse_a[1]", "sum_a"), ("merge", "lse_
             layers=layers)
     bad(f"{op}-{name}-stats-sum-elsewhere", op, stats(name, lambda x, a: OnHost(x)), ValueError, py, "device",
         layers=("cuda",), marks=ELSEWHERE)
+# A call's O and LSE are float64 all or none, the sums with them: a float64 sum beside float32 maxima.
+for layers, word in ((("cpu",), "lse[1]"), (("c",), "sum_a")):
+    bad(f"merge_states-lse-stats-sum-float64-beside-float32{'-c-abi' if layers == ('c',) else ''}", "merge_states",
+        stats("lse", sum_dtype=np.float64), TypeError, word, "float32", "float64", layers=layers)
 bad("merge-lse_a-a-tuple-of-three", "merge", to("lse_a", lambda x, a: (x, x, x)), ValueError, "lse_a", "tuple",
     layers=PY)
 bad("merge_inplace-lse-stats-refused", "merge_inplace", stats("lse"), ValueError, "lse[1]", "none", layers=PY,
