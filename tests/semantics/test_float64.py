@@ -157,6 +157,29 @@ def test_merge_share(rng, device):
 # the backward
 
 
+@pytest.mark.parametrize("axis", (0, 1))
+def test_merge_states_of_softmax_statistics_and_empty_shards(rng, device, axis):
+    """(max, sum) statistics of float64 (the sums' dtype the maxima's) and a valid mask: LSE = max +
+    log(sum) taken in float64, sum 0 and valid 0 empty whatever the state holds."""
+    t, s, h, d = 9, 4, 3, 40
+    shape = (s, t, h) if axis == 0 else (t, s, h)
+    o = o64(rng, shape[:2] + (h, d))
+    m, total = lse64(rng, shape), rng.uniform(1.0, 40.0, shape) + 1e-9 * rng.standard_normal(shape)
+    valid = (rng.random((t, s)) < 0.75).astype(np.uint8)
+    total.reshape(-1)[::7] = 0.0
+    lse = np.where(total == 0, -np.inf, m + np.log(np.where(total == 0, 1.0, total)))
+    lse = np.where((valid.T[:, :, None] if axis == 0 else valid[:, :, None]) == 0, -np.inf, lse)
+    m[total == 0] = np.nan
+    out, out_lse = nan64(device, (t, h, d)), nan64(device, (t, h))
+    got = outcome(device, lambda: attnmerge.merge_states(device.put(o), (device.put(m), device.put(total)),
+                                                         states_axis=axis, valid=device.put(valid), out=out,
+                                                         out_lse=out_lse), (out, out_lse))
+    if got is not None:
+        want = reference_merge_stacked(o, lse, states_axis=axis)
+        close(got[0], want[0], "out")
+        close(got[1], want[1], "out_lse")
+
+
 @pytest.mark.parametrize("states", [2, 5])
 def test_merge_states_backward(rng, device, states):
     t, h, d = 6, 3, 40
