@@ -382,7 +382,8 @@ BasicSumView<Real> sum_view(const View& v) {
 // [total]; absent or empty: none.
 ValidView valid_view(const View& v) {
   if (!v.present() || v.empty) return ValidView{};
-  return ValidView{v.t->data, v.strides[0], v.ndim > 1 ? v.strides[1] : 0, static_cast<int32_t>(dtype_size(v.t->dtype))};
+  return ValidView{v.t->data, v.strides[0], v.ndim > 1 ? v.strides[1] : 0,
+                   static_cast<int32_t>(dtype_size(v.t->dtype))};
 }
 
 // What a call's states carry beside their LSEs: the sums of its first and second LSE arguments

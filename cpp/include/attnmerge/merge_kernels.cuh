@@ -55,6 +55,11 @@ __device__ __forceinline__ void weigh_row(const float (&l)[kChunk], float (&w)[k
 // take in one round trip.
 constexpr int kPrefetchAhead = kStateChunk;
 
+// How a kernel body takes a row's states: kChunked, a chunk's LSEs and O packs in flight at once
+// (the calls without StateExtras); kSettled, one state at a time, each LSE settled (its softmax
+// sum, its valid entry: ExtrasRow::settled) before its O load goes out (the calls with them).
+enum class StateRead : uint8_t { kChunked, kSettled };
+
 // A row's ExtrasRow where kTake (a call with StateExtras whose states a kernel takes one at a
 // time), else 0: nothing of the extras in the code.
 template <bool kTake, typename Source, typename I>
@@ -76,18 +81,19 @@ __device__ __forceinline__ auto extras_row_if(const Source& src, I token, I head
 // lie (computed past n too, never read there).  After it, r.finish(factor) and acc[i] * r.inv give
 // the merged row; a zero-weight part is dropped unread as in the one-chunk path, and a NaN LSE
 // makes the row NaN.  kSink: the row's sink (LSE `sink`, output 0) is one more state, weighed with
-// the first chunk.  kExtended (the source's StateExtras in this call): each later chunk's LSEs
-// settled, settle(l, s) (states s .. s + kChunk - 1 into l, the states ahead prefetched), before
-// its O loads go out (the first chunk's are the caller's to settle); NoSettle without.
+// the first chunk.  kRead kSettled (the source's StateExtras in this call): each later chunk's
+// LSEs settled, settle(l, s) (states s .. s + kChunk - 1 into l, the states ahead prefetched),
+// before its O loads go out (the first chunk's are the caller's to settle); NoSettle without.
 struct NoSettle {
   template <int kChunk>
   __device__ void operator()(float (&)[kChunk], int) const {}
 };
-template <int kChunk, bool kSink = false, bool kExtended = false, typename TIn, int VEC, typename LseOf, typename OOf,
-          typename Settle = NoSettle>
+template <int kChunk, bool kSink = false, StateRead kRead = StateRead::kChunked, typename TIn, int VEC, typename LseOf,
+          typename OOf, typename Settle = NoSettle>
 __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pack<TIn, VEC> (&o)[kChunk], LseOf lse_of,
                                                   OOf o_of, bool evict_first, RowMerge& r, float (&acc)[VEC],
                                                   float sink = -INFINITY, Settle settle = {}) {
+  constexpr bool kSettled = kRead == StateRead::kSettled;
   // A chunk's states weighed against r.m, without a branch: a state past n has LSE -inf, so
   // weight 0, and accumulate clears the words of its pack (never loaded).
   const auto add = [&] {
@@ -106,7 +112,7 @@ __device__ __forceinline__ void accumulate_online(int n, float (&l)[kChunk], Pac
   }
   add();
   for (int s = kChunk; s < n; s += kChunk) {
-    if constexpr (kExtended) {  // settled (and the states ahead prefetched) before the O loads go out
+    if constexpr (kSettled) {  // settled (and the states ahead prefetched) before the O loads go out
       settle(l, s);
 #pragma unroll
       for (int c = 0; c < kChunk; ++c) o[c] = load_pack_if<TIn, VEC>(o_of(s + c), s + c < n, evict_first);
@@ -258,9 +264,9 @@ __device__ __forceinline__ I mask_token(const MergeShape& shape, I row, I token)
 // (accumulate_online), each further chunk one round trip.  The output scale and a NaN LSE are folded into the
 // weights, so the O path is one multiply-add per element and state.  A masked-out row reads its
 // mask byte and nothing else.  A source's sink (Traits::kSink: the N-way and variable-length merges) is one
-// more state whose O is 0: it enters the weights alone.  kExtended (a general source's StateExtras
-// in this call: softmax sums, empty states): a row of more than two states is taken one state at a
-// time, each state's LSE settled (ExtrasRow::settled) before its O load goes out, the states a chunk
+// more state whose O is 0: it enters the weights alone.  kRead kSettled (a general source's
+// StateExtras in this call: softmax sums, empty states): a row of more than two states is taken one
+// state at a time, each state's LSE settled (ExtrasRow::settled) before its O load goes out, the states a chunk
 // ahead prefetched into L1 (kC below).
 //
 // An InPlaceSource writes the merged LSE over an input's.  With LseWrite::kWarp each row lies in
@@ -269,8 +275,9 @@ __device__ __forceinline__ I mask_token(const MergeShape& shape, I row, I token)
 // LseWrite::kBlock every thread reaches one block barrier after it has read its row's LSEs, and
 // only then is the LSE stored, so the launch's rows lie inside blocks (the plan's condition) and
 // no thread leaves before the barrier.
-template <bool kExtended, typename Source, typename TIn, typename TOut, int VEC, typename I, int kChunk>
+template <StateRead kRead, typename Source, typename TIn, typename TOut, int VEC, typename I, int kChunk>
 __device__ __forceinline__ void merge_body(const MergeShape& shape, const Source& src, const OutView& out) {
+  constexpr bool kSettled = kRead == StateRead::kSettled;
   using Traits = typename Source::Traits;
   constexpr bool kLanes = Traits::kLseWrite == LseWrite::kWarp;
   constexpr bool kBarrier = Traits::kLseWrite == LseWrite::kBlock;  // every thread reaches the block barrier
@@ -317,23 +324,23 @@ __device__ __forceinline__ void merge_body(const MergeShape& shape, const Source
   }();
   const int n = kBarrier && !live ? 0 : states.count();
   const bool evict_first = Traits::kCache == Cache::kAsShape ? shape.evict_first : Traits::kCache == Cache::kEvictFirst;
-  // A call with StateExtras takes a row of more than two states in code of its own (kExtended),
+  // A call with StateExtras takes a row of more than two states in code of its own (kSettled),
   // one state at a time (kC = 1), each state's LSE settled (ExtrasRow::settled: its softmax sum, its
   // valid entry) and the states a chunk ahead prefetched into L1: a loop that holds one state's
   // loads and addresses.  The two states of a two-state source are settled together, in the same
   // code as the calls without, once their loads are in flight.
-  static_assert(!kExtended || Traits::kMaxStates != 2, "a two-state source settles its extras in place");
-  constexpr int kC = kExtended ? 1 : kChunk;
+  static_assert(!kSettled || Traits::kMaxStates != 2, "a two-state source settles its extras in place");
+  constexpr int kC = kSettled ? 1 : kChunk;
   constexpr bool kFew = Traits::kMaxStates > 0 && Traits::kMaxStates <= kC;  // at most a chunk, always
   // The states first .. first + kC - 1's LSEs as the merge reads them, into lc, with the states a
   // chunk ahead prefetched (the two states of a two-state source: from the LSEs row() read).
   // None for the calls without extras and for a two-state row (settled from row()'s LSEs).
-  const auto extras = extras_row_if<kExtended && !kFew>(src, token, head);
+  const auto extras = extras_row_if<kSettled && !kFew>(src, token, head);
   const auto settle = [&](float (&lc)[kC], int first) {
     if constexpr (kFew && Traits::kExtras) {
 #pragma unroll
       for (int c = 0; c < kC; ++c) lc[c] = src.settle(lc[c], token, head, first + c, first + c < n, shape.base2);
-    } else if constexpr (kExtended) {
+    } else if constexpr (kSettled) {
       const int ahead = first + kPrefetchAhead;
       extras.prefetch(ahead, ahead < n);
       prefetch_if(states.template o_at<TIn>(ahead), ahead < n);
@@ -350,7 +357,7 @@ __device__ __forceinline__ void merge_body(const MergeShape& shape, const Source
       o[c] = load_pack_if<TIn, VEC>(states.template o_at<TIn>(c), c < n, evict_first);
     }
   };
-  if constexpr (kExtended) {
+  if constexpr (kSettled) {
 #pragma unroll 1
     for (int s = 1; s < kPrefetchAhead; ++s) {  // the states before settle's first prefetch
       extras.prefetch(s, s < n);
@@ -422,7 +429,7 @@ __device__ __forceinline__ void merge_body(const MergeShape& shape, const Source
     for (int c = 0; c < kC; ++c)
       if (c < n) accumulate(acc, o[c], r.scale(w[c]), w[c]);
   } else if constexpr (!kFew) {
-    accumulate_online<kC, Traits::kSink, kExtended>(
+    accumulate_online<kC, Traits::kSink, kRead>(
         n, l, o, [&](int s) { return states.lse_ptr(s); }, [&](int s) { return states.template o_at<TIn>(s); },
         evict_first, r, acc, sink, settle);
     r.finish(factor);
@@ -443,9 +450,9 @@ template <typename Source, typename TIn, typename TOut, int VEC, typename I, int
 __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kChunk>()))
     merge_kernel(const MergeShape shape, const Source src, const OutView out) {
   if constexpr (takes_extras<Source, kChunk>() && Source::Traits::kMaxStates != 2) {
-    if (src.extras.on) return merge_body<true, Source, TIn, TOut, VEC, I, kChunk>(shape, src, out);
+    if (src.extras.on) return merge_body<StateRead::kSettled, Source, TIn, TOut, VEC, I, kChunk>(shape, src, out);
   }
-  merge_body<false, Source, TIn, TOut, VEC, I, kChunk>(shape, src, out);
+  merge_body<StateRead::kChunked, Source, TIn, TOut, VEC, I, kChunk>(shape, src, out);
 }
 
 // kStates.  A block holds whole rows: threadIdx.x the pack, threadIdx.y the group, threadIdx.z
@@ -462,8 +469,9 @@ __global__ void __launch_bounds__(max_threads<Source>(), (min_blocks<Source, kCh
 // issued back to back with evict-first accesses (the plan makes every kStates call's so), and the
 // finishing reads of shared memory all in flight together.  32-bit offsets and VEC a multiple of
 // 4 (the plan's conditions).  Every thread reaches the barrier: none leaves early.
-template <bool kExtended, typename Source, typename TIn, typename TOut, int VEC, int kGroups>
+template <StateRead kRead, typename Source, typename TIn, typename TOut, int VEC, int kGroups>
 __device__ __forceinline__ void merge_states_body(const MergeShape& shape, const Source& src, const OutView& out) {
+  constexpr bool kSettled = kRead == StateRead::kSettled;
   static_assert(VEC % 4 == 0, "kStates stores a pack's accumulators as float4s");
   static_assert(kGroups >= 2 && (kGroups & (kGroups - 1)) == 0, "kStates groups: a power of two");
   using I = int32_t;
@@ -492,10 +500,10 @@ __device__ __forceinline__ void merge_states_body(const MergeShape& shape, const
   const auto o_of = [&](int j) { return orow + (o_first + j * o_step); };
   // The group's j-th state is the row's g + j G.  A call with StateExtras takes the group's states
   // one at a time (kC = 1: merge_body's reason), each settled, the states a chunk ahead prefetched.
-  constexpr int kC = kExtended ? 1 : kChunk;
-  const auto extras = extras_row_if<kExtended>(src, token, head);
+  constexpr int kC = kSettled ? 1 : kChunk;
+  const auto extras = extras_row_if<kSettled>(src, token, head);
   const auto settle = [&](float (&lc)[kC], int j) {
-    if constexpr (kExtended) {
+    if constexpr (kSettled) {
       const int ahead = j + kPrefetchAhead;
       extras.prefetch(g + (ahead << kShift), ahead < mine);
       prefetch_if(o_of(ahead), ahead < mine);
@@ -504,7 +512,7 @@ __device__ __forceinline__ void merge_states_body(const MergeShape& shape, const
   };
   float l[kC];
   Pack<TIn, VEC> o[kC];
-  if constexpr (kExtended) {
+  if constexpr (kSettled) {
 #pragma unroll 1
     for (int j = 1; j < kPrefetchAhead; ++j) {  // the states before settle's first prefetch
       extras.prefetch(g + (j << kShift), j < mine);
@@ -521,7 +529,7 @@ __device__ __forceinline__ void merge_states_body(const MergeShape& shape, const
   }
   RowMerge part(shape.base2);
   float acc[VEC] = {};
-  accumulate_online<kC, false, kExtended>(mine, l, o, lse_of, o_of, true, part, acc, -INFINITY, settle);
+  accumulate_online<kC, false, kRead>(mine, l, o, lse_of, o_of, true, part, acc, -INFINITY, settle);
   // Shared memory: each slot's (row, group) accumulators, [slot][pack][VEC] floats, then its
   // (max, total), then (per-group FP8) each row's groups' amax slots, a pack's worth per row.
   extern __shared__ float4 shared[];
@@ -592,8 +600,8 @@ __device__ __forceinline__ void merge_states_body(const MergeShape& shape, const
 template <typename Source, typename TIn, typename TOut, int VEC, int kGroups>
 __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStateBlockThreads)
     merge_states_kernel(const MergeShape shape, const Source src, const OutView out) {
-  if (src.extras.on) return merge_states_body<true, Source, TIn, TOut, VEC, kGroups>(shape, src, out);
-  merge_states_body<false, Source, TIn, TOut, VEC, kGroups>(shape, src, out);
+  if (src.extras.on) return merge_states_body<StateRead::kSettled, Source, TIn, TOut, VEC, kGroups>(shape, src, out);
+  merge_states_body<StateRead::kChunked, Source, TIn, TOut, VEC, kGroups>(shape, src, out);
 }
 
 // A state's share (ShareSource), laid out as kRows: one thread per pack of a row.  The thread's
@@ -605,8 +613,9 @@ __global__ void __launch_bounds__(kStateBlockThreads, kStateThreadsPerSM / kStat
 // a pack per state of a chunk, left a share latency-bound (benchmarks/NOTES.md#share-kernel).  The semantics
 // are the N-way merge's: a zero-weight share is 0 and its pack cleared unread, a NaN LSE (or
 // sink) makes the row NaN, an all-empty row gives O = 0 and LSE -inf.
-template <bool kExtended, typename TIn, typename TOut, int VEC, typename I, int kChunk>
+template <StateRead kRead, typename TIn, typename TOut, int VEC, typename I, int kChunk>
 __device__ __forceinline__ void merge_share_body(const MergeShape& shape, const ShareSource& src, const OutView& out) {
+  constexpr bool kSettled = kRead == StateRead::kSettled;
   const I row = launch_row<I>();
   const I k = static_cast<I>(blockIdx.y) * static_cast<I>(blockDim.x) + static_cast<I>(threadIdx.x);
   if (row >= static_cast<I>(shape.rows) || k >= static_cast<I>(shape.packs)) return;
@@ -619,9 +628,9 @@ __device__ __forceinline__ void merge_share_body(const MergeShape& shape, const 
   const int n = states.count();
   // A call with StateExtras takes the LSEs one state at a time (kC = 1: merge_body's reason), each
   // settled, the states a chunk ahead prefetched.
-  constexpr int kC = kExtended ? 1 : kChunk;
-  const auto extras = extras_row_if<kExtended>(src, token, head);
-  if constexpr (kExtended) {
+  constexpr int kC = kSettled ? 1 : kChunk;
+  const auto extras = extras_row_if<kSettled>(src, token, head);
+  if constexpr (kSettled) {
     own_lse = extras.settled(states.own, true, shape.base2);
 #pragma unroll 1
     for (int s = 1; s < kPrefetchAhead; ++s) extras.prefetch(s, s < n);
@@ -632,7 +641,7 @@ __device__ __forceinline__ void merge_share_body(const MergeShape& shape, const 
   r.total = r.weight(sink);
   for (int s = 0; s < n; s += kC) {
     float l[kC];
-    if constexpr (kExtended) {
+    if constexpr (kSettled) {
       extras.prefetch(s + kPrefetchAhead, s + kPrefetchAhead < n);
       l[0] = extras.settled(s, s < n, shape.base2);
     } else {
@@ -662,9 +671,9 @@ template <typename TIn, typename TOut, int VEC, typename I, int kChunk>
 __global__ void __launch_bounds__(kBlockThreads) merge_share_kernel(const MergeShape shape, const ShareSource src,
                                                                     const OutView out) {
   if constexpr (takes_extras<ShareSource, kChunk>()) {
-    if (src.extras.on) return merge_share_body<true, TIn, TOut, VEC, I, kChunk>(shape, src, out);
+    if (src.extras.on) return merge_share_body<StateRead::kSettled, TIn, TOut, VEC, I, kChunk>(shape, src, out);
   }
-  merge_share_body<false, TIn, TOut, VEC, I, kChunk>(shape, src, out);
+  merge_share_body<StateRead::kChunked, TIn, TOut, VEC, I, kChunk>(shape, src, out);
 }
 
 // The merged LSEs alone, one thread per row: the second launch of an in-place merge whose rows

@@ -155,7 +155,8 @@ using StateExtras = BasicStateExtras<float>;
 // whatever the max holds (the max of no scores).  Selects, no branch.
 template <typename Real>
 ATTNMERGE_HD Real settled_lse(Real lse, bool valid, Real sum, bool has_sum, bool base2) {
-  const Real stats = sum == Real{0} ? Real(-INFINITY) : lse + log2_of(sum) * (base2 ? Real{1} : RealConstants<Real>::ln2);
+  const Real ln_b = base2 ? Real{1} : RealConstants<Real>::ln2;  // log2 into the inputs' base
+  const Real stats = sum == Real{0} ? Real(-INFINITY) : lse + log2_of(sum) * ln_b;
   return valid ? (has_sum ? stats : lse) : Real(-INFINITY);
 }
 
@@ -187,6 +188,24 @@ struct ExtrasRow {
     prefetch_if(valid + si * valid_ss, take && valid != nullptr);
   }
 };
+
+// Row (`index`, head)'s ExtrasRow from the row's own LSE pointer `lse`: the sums and valid entries
+// of `e` at (index, state 0, head), each next state `lse_step`, `sum_step` and `valid_step` entries
+// on (a stacked source's state strides; a variable-length merge's token strides, its states
+// consecutive entries of the list).
+template <typename I, typename Real>
+ATTNMERGE_HD ExtrasRow<I> extras_row_of(const Real* lse, const BasicStateExtras<Real>& e, I index, I head, I lse_step,
+                                        int64_t sum_step, int64_t valid_step) {
+  const auto& sm = e.sum_a;
+  const ValidView& v = e.valid;
+  return ExtrasRow<I>{lse,
+                      sm.p != nullptr ? sm.at(index, I{0}, head) : nullptr,
+                      v.p != nullptr ? static_cast<const char*>(v.entry(index, I{0})) : nullptr,
+                      lse_step,
+                      static_cast<I>(sum_step),
+                      static_cast<I>(valid_step) * static_cast<I>(v.bytes),
+                      v.bytes};
+}
 
 // Whether src's states carry StateExtras in this call: false, known at compile time, for a source
 // that has none (the plain ones), so that their kernels compile as if extras did not exist.
@@ -408,15 +427,8 @@ struct BasicStackSource {
   // Row (token, head)'s states as the kernels take them one at a time where extras.on.
   template <typename I>
   ATTNMERGE_HD ExtrasRow<I> extras_row(I token, I head) const {
-    const auto& sm = extras.sum_a;
-    const ValidView& v = extras.valid;
-    return ExtrasRow<I>{lse + (token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
-                        sm.p != nullptr ? sm.at(token, I{0}, head) : nullptr,
-                        v.p != nullptr ? static_cast<const char*>(v.entry(token, I{0})) : nullptr,
-                        static_cast<I>(lse_ss),
-                        static_cast<I>(sm.ss),
-                        static_cast<I>(v.ss) * static_cast<I>(v.bytes),
-                        v.bytes};
+    return extras_row_of(lse + (token * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)), extras, token, head,
+                         static_cast<I>(lse_ss), extras.sum_a.ss, extras.valid.ss);
   }
 
   template <typename T, typename I>
@@ -485,15 +497,8 @@ struct BasicRangeSource {
   template <typename I>
   ATTNMERGE_HD ExtrasRow<I> extras_row(I token, I head) const {
     const I first = bound(token);
-    const auto& sm = extras.sum_a;
-    const ValidView& v = extras.valid;
-    return ExtrasRow<I>{lse + (first * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)),
-                        sm.p != nullptr ? sm.at(first, I{0}, head) : nullptr,
-                        v.p != nullptr ? static_cast<const char*>(v.entry(first, I{0})) : nullptr,
-                        static_cast<I>(lse_st),
-                        static_cast<I>(sm.st),
-                        static_cast<I>(v.st) * static_cast<I>(v.bytes),
-                        v.bytes};
+    return extras_row_of(lse + (first * static_cast<I>(lse_st) + head * static_cast<I>(lse_sh)), extras, first, head,
+                         static_cast<I>(lse_st), extras.sum_a.st, extras.valid.st);
   }
 };
 using RangeSource = BasicRangeSource<float>;
