@@ -223,6 +223,9 @@ def samples(rng):
     mask = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.uint8)
     sink = put(random_lse(rng, (4,)))
     new = lambda *shape, dtype=torch.float32: torch.empty(shape, dtype=dtype)  # noqa: E731
+    total = lambda lse: torch.rand(lse.shape, generator=torch.Generator().manual_seed(1)) * 8 + 1  # noqa: E731
+    valid2 = torch.tensor([[1, 1], [0, 1], [1, 0], [0, 0], [1, 1], [2, 3]], dtype=torch.int32)  # [tokens, 2]
+    valid3 = torch.tensor([[1, 0, 1], [0, 0, 0], [1, 1, 1], [0, 1, 0], [1, 1, 0], [1, 0, 0]], dtype=torch.uint8)
     return [
         ("merge.default", (o_a, lse_a, o_b, lse_b), {}),
         ("merge.default", (o_a, lse_a, o_b, lse_b), dict(out_dtype=torch.float32, base="2", a_tokens=4, pdl=True)),
@@ -247,6 +250,15 @@ def samples(rng):
         ("merge.default", (o_a, lse_a, o_b, lse_b, None, sink), dict(a_tokens=3)),
         ("merge.out", (*f,), dict(out=new(6, 4, 32), out_lse=new(6, 4), sink=sink, base="2,e")),
         ("merge_states.default", (v, s, None, sink), dict(out_base="2")),
+        # softmax sums (their LSE argument then holds maxima) and valid states, positional after the sink
+        ("merge.default", (*f, None, None, total(f[1]), total(f[3]), valid2), {}),
+        ("merge.out", (*f,), dict(out=new(6, 4, 32), out_lse=new(6, 4), sum_b=total(f[3]), valid=valid2.bool())),
+        ("merge_inplace.default", (f[0].clone(), f[1].clone(), f[2], f[3], mask, None, total(f[3]), valid2), {}),
+        ("merge_inplace.functional", (*f, None, None, total(f[3]), valid2.long()), {}),
+        ("merge_states.default", (v0, s0, None, sink, total(s0), valid3), dict(states_axis=0)),
+        ("merge_states.out", (v, s), dict(out=new(6, 4, 32), out_lse=new(6, 4), sum_a=total(s), valid=valid3)),
+        ("merge_varlen.default", (f[0], f[1], indptr, None, None, total(f[1]), mask.int()), {}),
+        ("merge_share.default", (f[0], s, None, None, total(s), valid3), dict(index=1)),
     ]
 
 
@@ -259,7 +271,7 @@ def _fp8_out(kwargs):
 _FP8_OUT_CHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
-@pytest.mark.parametrize("i", range(21))
+@pytest.mark.parametrize("i", range(29))
 def test_opcheck(rng, i):
     name, args, kwargs = samples(rng)[i]
     torch.library.opcheck(overload(name), args, kwargs, **(dict(test_utils=_FP8_OUT_CHECKS) if _fp8_out(kwargs) else {}))
