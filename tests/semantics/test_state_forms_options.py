@@ -139,3 +139,49 @@ def test_every_form_with_every_option(rng, device, op, form, option):
         assert_merge_matches(out, np.zeros(want_lse.shape, np.float32), (want_o, np.zeros(want_lse.shape)), "float32")
     else:
         assert_merge_matches(out, out_lse, (want_o, want_lse), "float32")
+
+
+def test_the_c_abi_reads_sums_and_valid_from_its_options(rng):
+    """The C ABI itself (host arrays, no Python layer): options.sum_a / sum_b hold the sums of the
+    op's first / second LSE argument (which then holds maxima), options.valid the states holding
+    keys; every forward op against the oracle, into NaN-poisoned outputs."""
+    import c_abi
+
+    def stats(shape):
+        m, total = random_lse(rng, shape), rng.uniform(1.0, 40.0, shape).astype(np.float32)
+        total[rng.random(shape) < 0.2] = 0.0
+        return m, total, stats_lse(m, total)
+
+    def run(call, out_shape, *arrays, **opts):
+        out, out_lse = np.full(out_shape, np.nan, np.float32), np.full(out_shape[:2], np.nan, np.float32)
+        opt = c_abi.options(**{k: c_abi.tensor_from(v) for k, v in opts.items()})
+        status = call(c_abi.tensor_from(out), c_abi.tensor_from(out_lse), *arrays, opt)
+        assert status == c_abi.SUCCESS, c_abi.last_error()
+        return out, out_lse
+
+    o_a, o_b = random_o(rng, (T, H, D)), random_o(rng, (T, H, D))
+    (m_a, s_a, l_a), (m_b, s_b, l_b) = stats((T, H)), stats((T, H))
+    valid2 = (rng.random((T, 2)) < 0.7).astype(np.uint8)
+    got = run(c_abi.merge, (T, H, D), *map(c_abi.tensor_from, (o_a, m_a, o_b, m_b)), sum_a=s_a, sum_b=s_b,
+              valid=valid2)
+    assert_merge_matches(*got, reference_merge(o_a, valid_lse(l_a, valid2[:, :1]), o_b, valid_lse(l_b, valid2[:, 1:])),
+                         "float32")
+
+    o = random_o(rng, (T, S, H, D))
+    m, total, lse = stats((T, S, H))
+    lengths = rng.integers(0, 3, (T, S)).astype(np.int64)  # key counts: 0 is an empty shard
+    got = run(c_abi.merge_states, (T, H, D), *map(c_abi.tensor_from, (o, m)), sum_a=total, valid=lengths)
+    assert_merge_matches(*got, reference_merge_stacked(o, valid_lse(lse, lengths[:, :, None])), "float32")
+
+    got = run(lambda out, out_lse, *a: c_abi.merge_share(out, out_lse, *a[:2], 2, a[2]), (T, H, D),
+              c_abi.tensor_from(o[:, 2]), c_abi.tensor_from(m), sum_a=total, valid=lengths)
+    assert_merge_matches(*got, reference_merge_share(o[:, 2], valid_lse(lse, lengths[:, :, None]), 2), "float32")
+
+    indptr = np.array([0, 2, 2, 7, 12], np.int64)
+    n = int(indptr[-1])
+    ov = random_o(rng, (n, H, D))
+    mv, sv, lv = stats((n, H))
+    valid1 = np.array([1, 0, 1, 1, 0, 1, 1, 1, 0, 0, 1, 1], bool)
+    got = run(c_abi.merge_varlen, (len(indptr) - 1, H, D), *map(c_abi.tensor_from, (ov, mv, indptr)), sum_a=sv,
+              valid=valid1)
+    assert_merge_matches(*got, reference_merge_varlen(ov, valid_lse(lv, valid1[:, None]), indptr), "float32")
