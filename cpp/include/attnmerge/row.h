@@ -49,22 +49,19 @@ ATTNMERGE_HD float fast_exp2(float x) {
 #endif
 }
 
+// Whether fast_log2 flushes a subnormal input to 0 (kFlush: a row's total weight, 0 or >= 1, has
+// none) or takes it as it is (kKeep: a state's softmax sum, any float32 a caller hands over).
+enum class Subnormal : uint8_t { kFlush, kKeep };
+
+template <Subnormal kInput = Subnormal::kFlush>
 ATTNMERGE_HD float fast_log2(float x) {
 #if defined(__CUDA_ARCH__)
-  float y;  // only ever of a row's total weight, 0 or >= 1: no subnormal inputs to scale first
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return std::log2(x);
-#endif
-}
-
-// log2(x) of a state's softmax sum (settled_lse, sources.h): the hardware's approximation without
-// flushing subnormal inputs to 0 (a sum is any float32 the caller hands over).
-ATTNMERGE_HD float log2_of(float x) {
-#if defined(__CUDA_ARCH__)
   float y;
-  asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  if constexpr (kInput == Subnormal::kFlush) {
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  } else {
+    asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  }
   return y;
 #else
   return std::log2(x);
@@ -90,8 +87,10 @@ ATTNMERGE_HD float reciprocal(float x) {
 
 // float64 (the CPU path only): the exact functions.
 inline double fast_exp2(double x) { return std::exp2(x); }
-inline double fast_log2(double x) { return std::log2(x); }
-inline double log2_of(double x) { return std::log2(x); }
+template <Subnormal = Subnormal::kFlush>
+inline double fast_log2(double x) {
+  return std::log2(x);
+}
 inline double reciprocal(double x) { return 1.0 / x; }
 inline double max_of(double a, double b) { return std::fmax(a, b); }
 

@@ -156,7 +156,7 @@ using StateExtras = BasicStateExtras<float>;
 template <typename Real>
 ATTNMERGE_HD Real settled_lse(Real lse, bool valid, Real sum, bool has_sum, bool base2) {
   const Real ln_b = base2 ? Real{1} : RealConstants<Real>::ln2;  // log2 into the inputs' base
-  const Real stats = sum == Real{0} ? Real(-INFINITY) : lse + log2_of(sum) * ln_b;
+  const Real stats = sum == Real{0} ? Real(-INFINITY) : lse + fast_log2<Subnormal::kKeep>(sum) * ln_b;
   return valid ? (has_sum ? stats : lse) : Real(-INFINITY);
 }
 
