@@ -6,6 +6,7 @@ ROUTINES = {
     "group_fp8": ("group_fp8", "per-group FP8 outputs against bf16 and against bf16 then a quantization"),
     "share": ("share", "merge_share against a two-way merge of the same rows and the floor"),
     "layouts": ("layouts", "merge_states on an exchange's layouts and packed records against the stacked layout"),
+    "state_forms": ("state_forms", "merge_states of (max, sum) statistics and of empty shards (valid) against LSEs"),
     "exchange": ("exchange", "the exchange fused with the merge, ranks on one GPU, against the floor and a gather"),
     "pdl_chain": ("pdl_chain", "a producer kernel then the merge, graph-captured, with and without PDL"),
     "plain_pairs": ("plain_pairs", "the plain two-way kernels against the general one, per dtype pair"),

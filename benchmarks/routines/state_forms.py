@@ -1,0 +1,92 @@
+"""merge_states of an all-gather's [cp, T, H, D] states given as LSEs (the baseline), as (max, sum)
+softmax statistics (TensorRT-LLM's Helix: [cp, T, H, 2] float32 read as two strided views), with a
+valid mask of empty shards (int32 KV lengths [T, cp], vLLM's), and both: bf16 O of cp states,
+[tokens, 32, D] each, merged into one [tokens, 32, D].  The ratio is form / LSEs at the same O;
+the forms read 4 (a sum) or 4 / H (a length) more bytes per row and state, and take each state's
+LSE one at a time (merge_kernels.cuh: StateRead::kSettled).  Each form's result is checked first
+against a float32 merge of the states as the form gives them (the first 256 tokens).  CUDA graph
+replay, input sets rotated past L2, the median of 3 alternations."""
+import statistics
+
+import attnmerge
+from attnmerge.bench.timing import input_sets
+
+HEADS = 32
+FORMS = ("lse", "stats", "valid", "stats_valid")
+CHECKED_TOKENS = 256
+
+
+def ints(text):
+    return tuple(int(x) for x in text.split(","))
+
+
+def add_arguments(p):
+    p.add_argument("--tokens", type=ints, default=(8, 64, 512, 8192), help="tokens (default 8,64,512,8192)")
+    p.add_argument("--cp", type=ints, default=(2, 4, 8), help="states, the context-parallel size (default 2,4,8)")
+    p.add_argument("--head-sizes", type=ints, default=(128, 512), help="head sizes (default 128,512)")
+
+
+def make_set(torch, device, tokens, cp, head_size):
+    """One input set: every form's (lse argument, valid) over the same O, and the outputs.  A
+    quarter of the (token, state) pairs are empty shards (length 0) in the forms with valid."""
+    o = torch.randn(cp, tokens, HEADS, head_size, device=device, dtype=torch.bfloat16)
+    lse = torch.randn(cp, tokens, HEADS, device=device) * 3
+    stats = torch.empty(cp, tokens, HEADS, 2, device=device)
+    stats[..., 1] = torch.rand(cp, tokens, HEADS, device=device) * 30 + 1
+    stats[..., 0] = lse - stats[..., 1].log()  # the same LSEs as statistics
+    lengths = (torch.rand(tokens, cp, device=device) * 100).int() * (torch.rand(tokens, cp, device=device) > 0.25)
+    pair = (stats[..., 0], stats[..., 1])
+    inputs = {"lse": (lse, None), "stats": (pair, None), "valid": (lse, lengths), "stats_valid": (pair, lengths)}
+    outs = {name: (torch.empty(tokens, HEADS, head_size, device=device, dtype=torch.bfloat16),
+                   torch.empty(tokens, HEADS, device=device)) for name in FORMS}
+    return o, inputs, outs, (o, lse, lengths)
+
+
+def merge(o, inputs, outs, name):
+    lse, valid = inputs[name]
+    attnmerge.merge_states(o, lse, out=outs[name][0], out_lse=outs[name][1], states_axis=0, valid=valid)
+
+
+def error(torch, states, name, out, out_lse):
+    """The largest |out - ref| and |out_lse - ref| over the first CHECKED_TOKENS tokens, ref a
+    float32 merge of the states [cp, T, H, D] (the empty shards left out where the form has valid)."""
+    o, lse, lengths = (x[:, :CHECKED_TOKENS] if x.dim() > 2 else x[:CHECKED_TOKENS] for x in states)
+    o, lse = o.float(), lse.clone()
+    if "valid" in name:
+        lse[(lengths == 0).T] = -float("inf")
+    ref_lse = torch.logsumexp(lse, 0)
+    w = torch.nan_to_num((lse - ref_lse).exp(), nan=0.0)
+    ref = (w[..., None] * o).sum(0)
+    n = ref.shape[0]
+    fin = torch.isfinite(ref_lse)
+    return (float((out[:n].float() - ref).abs().max()), float((out_lse[:n] - ref_lse)[fin].abs().max()))
+
+
+def run(args, runner):
+    torch = runner.torch
+    rows, failed = [], 0
+    cases = [(t, cp, d) for d in args.head_sizes for cp in args.cp for t in args.tokens]
+    for tokens, cp, head_size in runner.cases(cases):
+        nbytes = (cp + 1) * tokens * HEADS * (head_size * 2 + 4)  # the states read and the merge written
+        sets = [make_set(torch, runner.device, tokens, cp, head_size)
+                for _ in range(runner.count or input_sets(nbytes * len(FORMS)))]
+        bad = []
+        for name in FORMS:
+            merge(*sets[0][:3], name)
+            o_err, lse_err = error(torch, sets[0][3], name, *sets[0][2][name])
+            if not (o_err <= 3e-2 and lse_err <= 1e-4):  # bf16 rounding of O; LSE in float32
+                bad.append(f"{name} (|O - ref| {o_err:.2g}, |LSE - ref| {lse_err:.2g})")
+        failed += bool(bad)
+        fns = [lambda o, inputs, outs, _, name=name: merge(o, inputs, outs, name) for name in FORMS]
+        times = dict(zip(FORMS, runner.time(fns, sets)))
+        ratios = {name: times[name] / times["lse"] for name in FORMS}
+        rows.append(dict(tokens=tokens, cp=cp, heads=HEADS, head_size=head_size, bytes=nbytes,
+                         **{f"{name}_us": t for name, t in times.items()},
+                         **{f"{name}_ratio": r for name, r in ratios.items() if name != "lse"}, failed=bad))
+        print(f"{tokens} tokens, cp {cp}, D {head_size} ({nbytes / 1e6:.2f} MB): LSEs {times['lse']:.2f} us; "
+              + ", ".join(f"{name} {ratios[name]:.3f}x" for name in FORMS[1:])
+              + ("" if not bad else "; FAILED " + "; ".join(bad)), flush=True)
+    print(f"state_forms: {len(rows)} cases; median ratios "
+          + ", ".join(f"{n} {statistics.median(r[f'{n}_ratio'] for r in rows):.3f}x" for n in FORMS[1:])
+          + f"; {failed} failed")
+    return dict(routine="state_forms", rows=rows, failed=failed)
