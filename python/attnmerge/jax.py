@@ -15,7 +15,8 @@ these functions for a call whose results would be allocated like a JAX array, an
 writes a JAX array (they are immutable).
 
 Options (``base``, ``out_base``, ``out_dtype``, ``a_tokens``, ``states_axis``, merge_share's ``index``, a
-float ``output_scale``, ``group_size``, ``scale_ue8m0``) are static: Python values, fixed when the
+float ``output_scale``, ``group_size``, ``scale_ue8m0``, ``block_format``, ``scale_layout``,
+``scale_rounding``) are static: Python values, fixed when the
 function is traced, so a jitted function passes them itself (as above, or with
 ``functools.partial``), and needs no ``static_argnames``.  A traced option is refused
 with a TypeError.  ``output_scale`` may also be a float32 JAX array of one element (read on the
@@ -47,7 +48,7 @@ import numpy as np
 
 from . import _C
 from ._build import XLA_HOW, XLA_LIB
-from ._call import OPS, Options, base_change, base_flags, index_of, options, states_axis_of
+from ._call import OPS, Options, base_change, base_flags, index_of, options, scales_of, states_axis_of
 from ._grad import share_gradient, sink_gradient
 from ._types import NO_GRADIENT_DTYPES, Base, PairBase
 
@@ -128,15 +129,20 @@ def _key(opt: Options) -> Options:
 def _ffi(op, outs, operands, key: Options, *, sink=None, scale=None, vectorized=True):
     """The FFI call of `op`: `operands`, then the sink (an array, or an unread one: has_sink) and
     the output scale's array (or an unread one: scale_in_buffer), the options as attributes.
-    `outs`: (out, out_lse)'s shapes; with a group size the group scales [rows, heads, head_size //
-    group_size] are a third result (every call has that result: one of no elements, unwritten,
-    without groups)."""
+    `outs`: (out, out_lse)'s shapes; with a group size the group scales (attnmerge._native.scales_of:
+    per-group FP8's or a block format's) are a third result (every call has that result: one of no
+    elements, unwritten, without groups)."""
     group = key.group_size
     # One call over a flattened batch: every operand is broadcast to the batch (the handler folds
-    # leading dimensions into tokens), which per-example a_tokens, indptr, scale or sink would break.
-    method = "broadcast_all" if vectorized and key.a_tokens < 0 and scale is None and sink is None else "sequential"
+    # leading dimensions into tokens), which per-example a_tokens, indptr, scale or sink would break,
+    # and so would swizzled scales (tiles of 128 rows, not of a batch element's).
+    method = "broadcast_all" if vectorized and key.a_tokens < 0 and scale is None and sink is None and \
+        not key.flags & _C.SCALE_SWIZZLED else "sequential"
     rows, heads, head_size = outs[0].shape
-    scales = jax.ShapeDtypeStruct((rows, heads, head_size // group) if group else (0,), jnp.float32)
+    if key.flags & _C.BLOCK_NVFP4:
+        head_size *= 2  # out's bytes
+    shape, dtype = scales_of(rows, heads, head_size, key) if group else ((0,), "float32")
+    scales = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
     call = jax.ffi.ffi_call(f"attnmerge_{op}", (*outs, scales), vmap_method=method)
     unread_sink = jnp.full((1,), -jnp.inf, jnp.float32)
     scale_buffer = jnp.ones((1,), jnp.float32) if scale is None else jnp.reshape(jnp.asarray(scale, jnp.float32), (1,))
@@ -160,7 +166,8 @@ def _out_dtype(opt: Options, like):
 def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *, base: PairBase = "e",
           out_base: Base | None = None, out_dtype: Any = None, a_tokens: int | None = None,
           output_scale: float | jax.Array | None = None, sink: jax.Array | None = None,
-          group_size: int | None = None, scale_ue8m0: bool = False,
+          group_size: int | None = None, scale_ue8m0: bool = False, block_format: str | None = None,
+          scale_layout: str = "row_major", scale_rounding: str = "floor",
           batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """Merge two attention states: ``(out, out_lse) = merge((o_a, lse_a), (o_b, lse_b))``, as an XLA call.
 
@@ -174,8 +181,8 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *,
         needs only a_tokens tokens.
     lse_a, lse_b : jax.Array
         float32 [tokens, heads].
-    base, out_base, a_tokens, group_size, scale_ue8m0, batch_invariant
-        As for :func:`attnmerge.merge`.
+    base, out_base, a_tokens, group_size, scale_ue8m0, block_format, scale_layout, scale_rounding, batch_invariant
+        As for :func:`attnmerge.merge` (NVFP4's out uint8 [tokens, heads, head_size // 2]).
     out_dtype : dtype, optional
         The dtype of out (default o_b's): float32, float16, bfloat16 or float8_e4m3fn.
     output_scale : float or jax.Array, optional
@@ -187,7 +194,8 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *,
     -------
     out, out_lse[, group_scales] : jax.Array
         out [tokens, heads, head_size], out_lse float32 [tokens, heads] in base out_base, and with
-        group_size the group scales [tokens, heads, head_size // group_size].
+        group_size the group scales [tokens, heads, head_size // group_size] (with block_format
+        its scales, in scale_layout).
 
     Raises
     ------
@@ -209,14 +217,16 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *,
     True
     """
     opt = _options(_MERGE, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
-                   a_tokens=a_tokens, group_size=group_size, scale_ue8m0=scale_ue8m0, batch_invariant=batch_invariant)
+                   a_tokens=a_tokens, group_size=group_size, scale_ue8m0=scale_ue8m0, block_format=block_format, scale_layout=scale_layout, scale_rounding=scale_rounding, 
+                   batch_invariant=batch_invariant)
     return run(_MERGE, (o_a, lse_a, o_b, lse_b), opt)
 
 
 def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_base: Base | None = None, out_dtype: Any = None,
                  output_scale: float | jax.Array | None = None, states_axis: int = 1,
                  sink: jax.Array | None = None, group_size: int | None = None,
-                 scale_ue8m0: bool = False, batch_invariant: bool = False) -> tuple[jax.Array, ...]:
+                 scale_ue8m0: bool = False, block_format: str | None = None, scale_layout: str = "row_major",
+                 scale_rounding: str = "floor", batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """Merge S stacked states in one pass, as an XLA call.
 
     The semantics and options of :func:`attnmerge.merge_states` on JAX arrays (static options).
@@ -230,7 +240,8 @@ def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_base: Ba
         float32, laid out as o without head_size.
     states_axis : int, default 1
         The axis of S: 0, 1 or 2 (or -4 to -2).
-    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, batch_invariant
+    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, block_format, scale_layout,
+    scale_rounding, batch_invariant
         As for :func:`merge`.
 
     Returns
@@ -255,13 +266,14 @@ def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_base: Ba
     axis = _static("states_axis", states_axis)
     opt = _options(_STATES, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
                    states_axis=states_axis_of(axis, 4), group_size=group_size,
-                   scale_ue8m0=scale_ue8m0, batch_invariant=batch_invariant)
+                   scale_ue8m0=scale_ue8m0, block_format=block_format, scale_layout=scale_layout, scale_rounding=scale_rounding, batch_invariant=batch_invariant)
     return run(_STATES, (o, lse), opt)
 
 
 def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base = "e", out_base: Base | None = None,
                  out_dtype: Any = None, output_scale: float | jax.Array | None = None, sink: jax.Array | None = None,
-                 group_size: int | None = None, scale_ue8m0: bool = False,
+                 group_size: int | None = None, scale_ue8m0: bool = False, block_format: str | None = None,
+                 scale_layout: str = "row_major", scale_rounding: str = "floor",
                  batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """Merge a variable number of states per row, as an XLA call: row r merges ``indptr[r] .. indptr[r+1]-1``.
 
@@ -275,7 +287,8 @@ def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base 
         float32 [total, heads].
     indptr : jax.Array
         int32 or int64 [rows + 1].
-    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, batch_invariant
+    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, block_format, scale_layout,
+    scale_rounding, batch_invariant
         As for :func:`merge`.
 
     Returns
@@ -299,14 +312,16 @@ def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base 
     True
     """
     opt = _options(_VARLEN, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
-                   group_size=group_size, scale_ue8m0=scale_ue8m0, batch_invariant=batch_invariant)
+                   group_size=group_size, scale_ue8m0=scale_ue8m0, block_format=block_format, scale_layout=scale_layout, scale_rounding=scale_rounding, 
+                   batch_invariant=batch_invariant)
     return run(_VARLEN, (o, lse, indptr), opt)
 
 
 def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", out_base: Base | None = None,
                 out_dtype: Any = None, output_scale: float | jax.Array | None = None, states_axis: int = 1,
                 sink: jax.Array | None = None, group_size: int | None = None,
-                scale_ue8m0: bool = False, batch_invariant: bool = False) -> tuple[jax.Array, ...]:
+                scale_ue8m0: bool = False, block_format: str | None = None, scale_layout: str = "row_major",
+                scale_rounding: str = "floor", batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """State `index`'s share of the merge of S states, as an XLA call (context parallelism's combine).
 
     The semantics and options of :func:`attnmerge.merge_share` on JAX arrays (static options).
@@ -322,7 +337,8 @@ def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", o
         0 <= index < S, static.
     states_axis : int, default 1
         The axis of S in lse: 0, 1 or 2 (or -3 to -1).
-    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, batch_invariant
+    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, block_format, scale_layout,
+    scale_rounding, batch_invariant
         As for :func:`merge_states` (each share quantized on its own).
 
     Returns
@@ -348,7 +364,7 @@ def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", o
     opt = _options(_SHARE, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
                    states_axis=states_axis_of(axis, 3),
                    index=index_of(_static("index", index)), group_size=group_size, scale_ue8m0=scale_ue8m0,
-                   batch_invariant=batch_invariant)
+                   block_format=block_format, scale_layout=scale_layout, scale_rounding=scale_rounding, batch_invariant=batch_invariant)
     return run(_SHARE, (o, lse), opt)
 
 
@@ -453,6 +469,8 @@ def _merged(op, shape, dtype, operands, opt: Options, differentiable, vectorized
     if opt.scale is None and not opt.output_scale and not opt.group_size and dtype.name not in NO_GRADIENT_DTYPES:
         return differentiable()(*operands, *sinks)
     outs = _results(*shape, dtype)
+    if opt.flags & _C.BLOCK_NVFP4:  # two values per byte
+        outs = (jax.ShapeDtypeStruct(shape[:2] + (shape[2] // 2,), jnp.uint8), _results(*shape, jnp.float32)[1])
     n, k = len(operands), len(operands) + len(sinks)
     key = _key(opt)
     scale_array = opt.scale is not None
@@ -464,8 +482,8 @@ def _merged(op, shape, dtype, operands, opt: Options, differentiable, vectorized
     f = jax.custom_vjp(call)
 
     def refuse(*_):
-        raise NotImplementedError(f"attnmerge.jax.{op}: no gradient through an FP8 output, an output_scale or "
-                                  f"group scales")
+        raise NotImplementedError(f"attnmerge.jax.{op}: no gradient through an FP8 output, an output_scale, "
+                                  f"group scales or a block-scaled format")
 
     f.defvjp(lambda *x: (call(*x), None), refuse)
     return f(*operands, *sinks, *((opt.scale,) if scale_array else ()))

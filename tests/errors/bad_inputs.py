@@ -478,6 +478,41 @@ for scale, shown in ((0, "0"), (0.0, "0.0"), (-1.0, "-1"), (float("nan"), "nan")
 bad("merge-output_scale-0.0-is-not-none", "merge", both(_fp8_out, options(output_scale=0.0)), ValueError,
     "output_scale", "None", "0.0", layers=PY)
 
+# block-scaled outputs (block_format=): results allocated; D = 16 is NVFP4's block, half MXFP8's
+_alloc = both(to("out", None), to("out_lse", None))
+_wide = both(to("o_a", lambda x, a: a.o((T, H, 64))), to("o_b", lambda x, a: a.o((T, H, 64))))
+bad("merge-mxfp8-a-head_size-its-block-does-not-divide", "merge", both(_alloc, options(block_format="mxfp8")),
+    ValueError, "o_b", "MXFP8", "32", "16", layers=PY)
+bad("merge-nvfp4-a-head_size-its-block-does-not-divide", "merge",
+    both(_alloc, to("o_a", lambda x, a: a.o((T, H, 24))), to("o_b", lambda x, a: a.o((T, H, 24))),
+         options(block_format="nvfp4")), ValueError, "o_b", "NVFP4", "16", "24", layers=PY)
+for scale, shown in ((-1.0, "-1"), (float("nan"), "nan"), (float("inf"), "inf")):
+    bad(f"merge-nvfp4-global-scale-{shown}", "merge", both(_alloc, options(block_format="nvfp4", output_scale=scale)),
+        ValueError, shown, starts="output_scale: expected ", contains=("a finite scale > 0",), layers=PY)
+bad("merge-mxfp8-takes-no-output_scale", "merge", both(_alloc, _wide, options(block_format="mxfp8", output_scale=2.0)),
+    ValueError, "output_scale", "group_scales", layers=PY)
+bad("merge-swizzled-scales-too-small", "merge",
+    both(_alloc, options(block_format="nvfp4", scale_layout="swizzled", group_scales=poisoned((1, 1, 256), FP8))),
+    ValueError, "group_scales", "512", "256", layers=PY)
+bad("merge-swizzled-scales-misaligned", "merge",
+    both(_alloc, _wide, options(block_format="mxfp8", scale_layout="swizzled",
+                                group_scales=misaligned((1, 2, 512), "uint8", offset=4))),
+    ValueError, "group_scales", contains=("16 bytes",), layers=("cpu",))
+bad("merge-nvfp4-scales-of-float32", "merge",
+    both(_alloc, options(block_format="nvfp4", group_scales=poisoned((T, H, 1)))), TypeError, "group_scales",
+    "float8_e4m3", "float32", layers=PY)
+bad("merge-nvfp4-out-of-float32", "merge", options(block_format="nvfp4"), TypeError, "out", "uint8", "float32",
+    layers=PY)
+bad("merge-block_format-unknown", "merge", both(_alloc, options(block_format="fp4")), ValueError, "block_format",
+    "'fp4'", layers=PY)
+bad("merge-block_format-with-group_size", "merge", both(_alloc, options(block_format="nvfp4", group_size=16)),
+    ValueError, "group_size", "16", layers=PY)
+bad("merge-scale_rounding-rceil-with-nvfp4", "merge",
+    both(_alloc, options(block_format="nvfp4", scale_rounding="rceil")), ValueError, "scale_rounding", "'rceil'",
+    layers=PY)
+bad("merge-scale_layout-without-block_format", "merge", both(_alloc, options(scale_layout="swizzled")), ValueError,
+    "scale_layout", "'swizzled'", layers=PY)
+
 # a framework that fails to export an array: its error, named by the argument (chained as the cause)
 
 
