@@ -26,7 +26,7 @@ bool quantize_groups(float* acc, int64_t len, const OutView& out, const MergeSha
   const int64_t per_head = shape.head_size / out.group;
   for (int64_t g0 = 0; g0 < len; g0 += out.group) {
     uint32_t amax = 0;
-    for (int64_t e = g0; e < g0 + out.group; ++e) amax = std::max(amax, magnitude_bits(acc[e], keep_nan));
+    for (int64_t e = g0; e < g0 + out.group; ++e) amax = max_bits(amax, magnitude_bits(acc[e], keep_nan));
     const OutView::Scale s = out.block_scale(amax);
     const int64_t j = (d0 + g0) / out.group;
     out.store_scale(token, head, j, s);

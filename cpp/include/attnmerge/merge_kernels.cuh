@@ -169,10 +169,10 @@ __device__ __forceinline__ bool quantize_group(float (&acc)[VEC], const OutView&
   const bool keep_nan = out.block != BlockScales::kFloat;
   uint32_t amax = 0;
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) amax = max(amax, magnitude_bits(acc[i], keep_nan));
+  for (int i = 0; i < VEC; ++i) amax = max_bits(amax, magnitude_bits(acc[i], keep_nan));
   const unsigned lane = (threadIdx.y * blockDim.x + threadIdx.x) & 31u;
   const unsigned mask = lanes >= 32 ? 0xffffffffu : ((1u << lanes) - 1u) << (lane & ~static_cast<unsigned>(lanes - 1));
-  for (int d = 1; d < lanes; d <<= 1) amax = max(amax, __shfl_xor_sync(mask, amax, d));
+  for (int d = 1; d < lanes; d <<= 1) amax = max_bits(amax, __shfl_xor_sync(mask, amax, d));
   const I parts = static_cast<I>(lanes);
   return quantize_block<VEC>(acc, amax, out, shape, token, head, k / parts, true, k & (parts - 1), parts,
                              out.o_at<uint8_t>(token, head, k * VEC / 2), evict_first);
@@ -196,7 +196,7 @@ __device__ __forceinline__ bool quantize_group_shared(float (&x)[N], const OutVi
     const bool keep_nan = out.block != BlockScales::kFloat;
     uint32_t amax = 0;
 #pragma unroll
-    for (int e = 0; e < N; ++e) amax = max(amax, magnitude_bits(x[e], keep_nan));
+    for (int e = 0; e < N; ++e) amax = max_bits(amax, magnitude_bits(x[e], keep_nan));
     atomicMax(slot, amax);
   }
   __syncthreads();

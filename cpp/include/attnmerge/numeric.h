@@ -280,6 +280,9 @@ ATTNMERGE_HD uint32_t magnitude_bits(float x, bool keep_nan) {
   return keep_nan || b <= 0x7f800000u ? b : 0u;
 }
 
+// The larger of two magnitudes' bits (one integer max on the GPU, as on the host).
+ATTNMERGE_HD uint32_t max_bits(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
 // MXFP8's UE8M0 scale byte of a block whose largest magnitude has the bits `amax` (a power of two
 // 2^(byte - 127); 255: NaN, the scale of a block holding a NaN or an infinity).
 ATTNMERGE_HD uint32_t mx_scale_byte(uint32_t amax, bool rceil) {
