@@ -61,9 +61,19 @@ def c_options(kw):
     """The C ABI's options of the Python options a row gives (those it has a form for)."""
     if not kw:
         return None
-    flags, a_tokens, scale, ptr, sink = 0, 0, 0.0, None, None
+    flags, a_tokens, scale, ptr, sink, scales, group = 0, 0, 0.0, None, None, None, 0
     for k, v in kw.items():
-        if k == "a_tokens":
+        if k == "block_format":
+            flags |= {"mxfp8": c_abi.BLOCK_MXFP8, "nvfp4": c_abi.BLOCK_NVFP4}[v]
+        elif k == "scale_layout":
+            flags |= {"row_major": 0, "swizzled": c_abi.SCALE_SWIZZLED}[v]
+        elif k == "scale_rounding":
+            flags |= {"floor": 0, "rceil": c_abi.SCALE_RCEIL}[v]
+        elif k == "group_scales":
+            scales = c_abi.tensor_from(v)
+        elif k == "group_size":
+            group = v
+        elif k == "a_tokens":
             flags, a_tokens = flags | c_abi.A_TOKENS, v
         elif k == "sink":
             sink = c_abi.tensor_from(v)
@@ -73,7 +83,8 @@ def c_options(kw):
             scale = float(v)
         else:
             raise AssertionError(f"the option {k}={v!r} has no C ABI form: the row cannot run on the c layer")
-    return c_abi.options(flags=flags, a_tokens=a_tokens, output_scale=scale, output_scale_ptr=ptr, sink=sink)
+    return c_abi.options(flags=flags, a_tokens=a_tokens, output_scale=scale, output_scale_ptr=ptr, sink=sink,
+                         group_scales=scales, group_size=group)
 
 
 def snapshot(arrays):
