@@ -718,7 +718,8 @@ def as_bytes(x) -> np.ndarray:
 def assert_block_close(fmt, rounding, g, out, scales, ref, layout="row_major"):
     """A block-scaled output of a merge against its float64 merge `ref`: each scale the rule's of
     ref's blocks (MXFP8: within one power of two, where ref's float32 rounding crosses one), each
-    value one step of its format from ref over the scale stored; NaN blocks NaN-scaled."""
+    value one step of its format from ref over the scale stored; NaN blocks NaN-scaled; swizzled
+    tiles' padding zeros."""
     ref = np.asarray(ref, np.float64)
     out, scales = as_bytes(out), as_bytes(scales)
     if ref.size == 0:
@@ -728,7 +729,11 @@ def assert_block_close(fmt, rounding, g, out, scales, ref, layout="row_major"):
         per = ref.shape[-1] // (32 if fmt == "mxfp8" else 16)
         cols = ref.shape[1] * per
         flat = scales.reshape(scales.shape[0], scales.shape[1], 32, 4, 4).transpose(0, 3, 2, 1, 4)
-        scales = flat.reshape(scales.shape[0] * 128, scales.shape[1] * 4)[:rows, :cols].reshape(ref.shape[:2] + (per,))
+        flat = flat.reshape(scales.shape[0] * 128, scales.shape[1] * 4)
+        padding = flat.copy()
+        padding[:rows, :cols] = 0
+        assert not padding.any(), ("the tiles' padding is not zeros", np.argwhere(padding)[:5])
+        scales = flat[:rows, :cols].reshape(ref.shape[:2] + (per,))
     x = ref.astype(np.float32)
     nan_block = np.isnan(x.reshape(scales.shape + (-1,))).any(-1)
     if fmt == "mxfp8":

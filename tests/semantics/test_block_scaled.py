@@ -63,6 +63,28 @@ def kwargs_of(fmt, rounding, g, layout="row_major"):
     return kw
 
 
+def poisoned(device, shape, dtype):
+    """A device array of 0xFF bytes: NaN as float32 and FP8 E4M3, for NVFP4 -6 in both nibbles, for
+    UE8M0 the NaN scale."""
+    dt = np.dtype(dtype) if dtype != "float8_e4m3fn" else fp8_dtype()
+    return device.put(np.full(int(np.prod(shape)) * dt.itemsize, 0xFF, np.uint8).view(dt).reshape(shape))
+
+
+def outputs(device, fmt, layout, shape):
+    """out, out_lse and the scales of a call whose merge has `shape` [rows, heads, head_size], given
+    to the call poisoned."""
+    rows, h, d = shape
+    block = 32 if fmt == "mxfp8" else 16
+    if layout == "swizzled":
+        scales = (-(-rows // 128), -(-h * d // block // 4), 512)
+    else:
+        scales = (rows, h, d // block)
+    return dict(out=poisoned(device, (rows, h, d) if fmt == "mxfp8" else (rows, h, d // 2),
+                             "float8_e4m3fn" if fmt == "mxfp8" else "uint8"),
+                out_lse=poisoned(device, (rows, h), "float32"),
+                group_scales=poisoned(device, scales, "uint8" if fmt == "mxfp8" else "float8_e4m3fn"))
+
+
 def edge_values(rng, shape):
     """float32 values of every magnitude, with the rules' edges: all-zero blocks, ties of E2M1 and
     E4M3, blocks whose largest magnitude is a power of two or just past one, saturation."""
@@ -151,8 +173,9 @@ def test_merge(rng, device, fmt, rounding, g, layout):
     o_a[:, :, :64] *= np.asarray(1000.0, o_a.dtype)
     lse_a[5, 2] = np.nan
     lse_a[6, 1] = lse_b[6, 1] = -np.inf
-    out, out_lse, scales = attnmerge.merge(*put(device, o_a, lse_a, o_b, lse_b), **kwargs_of(fmt, rounding, g, layout))
     ref_o, ref_lse = reference_merge(o_a, lse_a, o_b, lse_b)
+    out, out_lse, scales = attnmerge.merge(*put(device, o_a, lse_a, o_b, lse_b), **kwargs_of(fmt, rounding, g, layout),
+                                           **outputs(device, fmt, layout, ref_o.shape))
     assert_block_close(fmt, rounding, g, device.get(out), device.get(scales), ref_o, layout)
     assert_lse_close(device.get(out_lse), ref_lse)
     v, s = as_bytes(device.get(out)), as_bytes(device.get(scales))
@@ -164,37 +187,42 @@ def test_merge(rng, device, fmt, rounding, g, layout):
 
 @pytest.mark.parametrize("fmt, rounding, g", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("states", [1, 3, 40])
-def test_merge_states(rng, device, fmt, rounding, g, states):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_merge_states(rng, device, fmt, rounding, g, states, layout):
     """Decode shapes included (few rows, many states: on the GPU the states kernel, whose finishing
     threads meet in shared memory)."""
     o, lse = random_stacked(rng, 5, states, 8, 128, "bfloat16")
     lse[1, :, 2] = -np.inf
     sink = random_lse(rng, (8,))
-    out, out_lse, scales = attnmerge.merge_states(*put(device, o, lse), sink=device.put(sink),
-                                                  **kwargs_of(fmt, rounding, g, "swizzled"))
     ref_o, ref_lse = reference_merge_stacked(o, lse, sink=sink)
-    assert_block_close(fmt, rounding, g, device.get(out), device.get(scales), ref_o, "swizzled")
+    out, out_lse, scales = attnmerge.merge_states(*put(device, o, lse), sink=device.put(sink),
+                                                  **kwargs_of(fmt, rounding, g, layout),
+                                                  **outputs(device, fmt, layout, ref_o.shape))
+    assert_block_close(fmt, rounding, g, device.get(out), device.get(scales), ref_o, layout)
     assert_lse_close(device.get(out_lse), ref_lse)
 
 
 @pytest.mark.parametrize("fmt, rounding, g", FORMATS, ids=FORMAT_IDS)
-def test_merge_varlen(rng, device, fmt, rounding, g):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_merge_varlen(rng, device, fmt, rounding, g, layout):
     o, lse = random_state(rng, 23, 4, 96, "float16")
     indptr = np.array([0, 3, 3, 10, 23], np.int32)
-    out, out_lse, scales = attnmerge.merge_varlen(*put(device, o, lse, indptr), **kwargs_of(fmt, rounding, g))
     ref_o, ref_lse = reference_merge_varlen(o, lse, indptr)
-    assert tuple(scales.shape) == (4, 4, 96 // (32 if fmt == "mxfp8" else 16))
-    assert_block_close(fmt, rounding, g, device.get(out), device.get(scales), ref_o)
+    out, out_lse, scales = attnmerge.merge_varlen(*put(device, o, lse, indptr), **kwargs_of(fmt, rounding, g, layout),
+                                                  **outputs(device, fmt, layout, ref_o.shape))
+    assert_block_close(fmt, rounding, g, device.get(out), device.get(scales), ref_o, layout)
     assert_lse_close(device.get(out_lse), ref_lse)
 
 
 @pytest.mark.parametrize("fmt, rounding, g", FORMATS, ids=FORMAT_IDS)
-def test_merge_share(rng, device, fmt, rounding, g):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_merge_share(rng, device, fmt, rounding, g, layout):
     o = random_o(rng, (11, 4, 128), "bfloat16")
     lse = random_lse(rng, (11, 6, 4))
-    out, out_lse, scales = attnmerge.merge_share(*put(device, o, lse), 2, **kwargs_of(fmt, rounding, g, "swizzled"))
     ref_o, ref_lse = reference_merge_share(o, lse, 2)
-    assert_block_close(fmt, rounding, g, device.get(out), device.get(scales), ref_o, "swizzled")
+    out, out_lse, scales = attnmerge.merge_share(*put(device, o, lse), 2, **kwargs_of(fmt, rounding, g, layout),
+                                                 **outputs(device, fmt, layout, ref_o.shape))
+    assert_block_close(fmt, rounding, g, device.get(out), device.get(scales), ref_o, layout)
     assert_lse_close(device.get(out_lse), ref_lse)
 
 
