@@ -217,8 +217,8 @@ def merge(o_a: jax.Array, lse_a: jax.Array, o_b: jax.Array, lse_b: jax.Array, *,
     True
     """
     opt = _options(_MERGE, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
-                   a_tokens=a_tokens, group_size=group_size, scale_ue8m0=scale_ue8m0, block_format=block_format, scale_layout=scale_layout, scale_rounding=scale_rounding, 
-                   batch_invariant=batch_invariant)
+                   a_tokens=a_tokens, group_size=group_size, scale_ue8m0=scale_ue8m0, block_format=block_format,
+                   scale_layout=scale_layout, scale_rounding=scale_rounding, batch_invariant=batch_invariant)
     return run(_MERGE, (o_a, lse_a, o_b, lse_b), opt)
 
 
@@ -266,7 +266,8 @@ def merge_states(o: jax.Array, lse: jax.Array, *, base: Base = "e", out_base: Ba
     axis = _static("states_axis", states_axis)
     opt = _options(_STATES, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
                    states_axis=states_axis_of(axis, 4), group_size=group_size,
-                   scale_ue8m0=scale_ue8m0, block_format=block_format, scale_layout=scale_layout, scale_rounding=scale_rounding, batch_invariant=batch_invariant)
+                   scale_ue8m0=scale_ue8m0, block_format=block_format, scale_layout=scale_layout,
+                   scale_rounding=scale_rounding, batch_invariant=batch_invariant)
     return run(_STATES, (o, lse), opt)
 
 
@@ -312,8 +313,8 @@ def merge_varlen(o: jax.Array, lse: jax.Array, indptr: jax.Array, *, base: Base 
     True
     """
     opt = _options(_VARLEN, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
-                   group_size=group_size, scale_ue8m0=scale_ue8m0, block_format=block_format, scale_layout=scale_layout, scale_rounding=scale_rounding, 
-                   batch_invariant=batch_invariant)
+                   group_size=group_size, scale_ue8m0=scale_ue8m0, block_format=block_format,
+                   scale_layout=scale_layout, scale_rounding=scale_rounding, batch_invariant=batch_invariant)
     return run(_VARLEN, (o, lse, indptr), opt)
 
 
@@ -364,7 +365,8 @@ def merge_share(o: jax.Array, lse: jax.Array, index: int, *, base: Base = "e", o
     opt = _options(_SHARE, output_scale=output_scale, sink=sink, base=base, out_base=out_base, out_dtype=out_dtype,
                    states_axis=states_axis_of(axis, 3),
                    index=index_of(_static("index", index)), group_size=group_size, scale_ue8m0=scale_ue8m0,
-                   block_format=block_format, scale_layout=scale_layout, scale_rounding=scale_rounding, batch_invariant=batch_invariant)
+                   block_format=block_format, scale_layout=scale_layout, scale_rounding=scale_rounding,
+                   batch_invariant=batch_invariant)
     return run(_SHARE, (o, lse), opt)
 
 
