@@ -165,6 +165,32 @@ def test_the_reference_quantizers_give_the_same_bits(rng, device, fmt, rounding,
 
 
 @pytest.mark.parametrize("fmt, rounding, g", FORMATS, ids=FORMAT_IDS)
+def test_the_oracle_is_the_reference_quantizers(rng, fmt, rounding, g):
+    """The oracle, written from the formats' rules, against torchao's quantizers on the edges of
+    the rules (ties, powers of two, saturation, all-zero blocks) and its swizzle against to_blocked:
+    the same bits, so that a test that holds the library to the oracle holds it to the references."""
+    torch = pytest.importorskip("torch")
+    mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    nv = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.utils import to_blocked
+
+    x = edge_values(rng, (130, 3, 64)).reshape(130, 3 * 64)
+    want_v, want_s = quantized(x, fmt, rounding, g)
+    flat = torch.from_numpy(x)
+    if fmt == "mxfp8":
+        mode = ScaleCalculationMode.RCEIL if rounding == "rceil" else ScaleCalculationMode.FLOOR
+        ref_s, ref_v = mx.to_mx(flat, torch.float8_e4m3fn, 32, mode)
+    else:
+        ref_s, ref_v = nv.nvfp4_quantize(flat, per_tensor_scale=None if g is None else torch.tensor(g))
+    ref_s = ref_s.view(torch.uint8).reshape(130, -1)
+    assert np.array_equal(want_s, ref_s.numpy()), np.argwhere(want_s != ref_s.numpy())[:5]
+    ref_v = ref_v.view(torch.uint8).numpy()
+    assert np.array_equal(want_v, ref_v), np.argwhere(want_v != ref_v)[:5]
+    assert np.array_equal(swizzle(want_s).reshape(-1), to_blocked(ref_s).numpy().reshape(-1))
+
+
+@pytest.mark.parametrize("fmt, rounding, g", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_merge(rng, device, fmt, rounding, g, layout):
     """Two live states, rows of every magnitude, a NaN row and an all-empty one."""
