@@ -6,7 +6,8 @@
 #
 #   PYTHON                        interpreter to build for (default python3); needs pip, scikit-build-core,
 #                                 pybind11, CMake 3.24+ and ninja (all on the GPU machines' image)
-#   ATTNMERGE_CUDA_ARCHITECTURES  SMs to build (default: the release list, ~25 min on 2 CPUs; 90 for a quick one)
+#   ATTNMERGE_CUDA_ARCHITECTURES  SMs to build (default release, the wheels' list, ~25 min on 2 CPUs; 90 for a
+#                                 quick one; auto for the machine's GPUs, PTX alone without one)
 #   ATTNMERGE_CUDA_CLANG          the clang++ (default: the newest clang++-NN or clang++ on PATH)
 #   ATTNMERGE_BUILD_JAX           build the JAX extension (default 0; needs jaxlib's headers: PYTHON's
 #                                 jaxlib, or ATTNMERGE_XLA_FFI_INCLUDE_DIR, the folder holding xla/ffi/api)
@@ -21,7 +22,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
 WHEELS="${CU12_WHEELS:-build/cu12-wheels}"
 DIST="${DIST:-dist}"
-export ATTNMERGE_CUDA_ARCHITECTURES="${ATTNMERGE_CUDA_ARCHITECTURES-}"
+export ATTNMERGE_CUDA_ARCHITECTURES="${ATTNMERGE_CUDA_ARCHITECTURES:-release}"
 export ATTNMERGE_BUILD_JAX="${ATTNMERGE_BUILD_JAX:-0}"
 if [ -n "${ATTNMERGE_XLA_FFI_INCLUDE_DIR:-}" ]; then  # scikit-build-core passes CMAKE_ARGS on to CMake
   export CMAKE_ARGS="${CMAKE_ARGS:+$CMAKE_ARGS }-DATTNMERGE_XLA_FFI_INCLUDE_DIR=$ATTNMERGE_XLA_FFI_INCLUDE_DIR"
@@ -54,7 +55,7 @@ site="$(mktemp -d)"
 trap 'rm -rf "$site"' EXIT
 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$WHEELS"/*.whl
 
-echo "== building attnmerge-cu12 for SMs ${ATTNMERGE_CUDA_ARCHITECTURES:-of the release list} ($($PY -c 'import sys; print(sys.version.split()[0])'))"
+echo "== building attnmerge-cu12 for SMs $ATTNMERGE_CUDA_ARCHITECTURES ($($PY -c 'import sys; print(sys.version.split()[0])'))"
 start=$SECONDS
 PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" ATTNMERGE_CUDA_FLAVOR=cu12 ATTNMERGE_CUDA_FROM_PYPI=1 \
   "$PY" -m pip wheel -v --no-build-isolation --no-deps --no-index -w "$DIST" . >"$DIST/build-cu12.log" 2>&1 || {

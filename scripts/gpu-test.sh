@@ -4,7 +4,8 @@
 # ml_dtypes, pybind11, scikit-build-core and cmake).  Ends with pytest's summary line; the exit
 # status is pytest's.
 #
-#   ATTNMERGE_CUDA_ARCHITECTURES  GPU architectures to build (default 90, the H200; "" for the release list)
+#   ATTNMERGE_CUDA_ARCHITECTURES  GPU architectures to build (default 90, the H200; release for the wheels'
+#                                 list; "" or auto for the machine's GPUs)
 #   ATTNMERGE_BUILD_JAX           build the JAX extension (default 1: the GPU suite covers attnmerge.jax)
 #   ATTNMERGE_WHEEL               install this wheel instead of building (e.g. the CUDA 12 one that
 #                                 scripts/build-cu12.sh made on a machine with clang)
@@ -31,7 +32,7 @@ echo "== machine"
 nvidia-smi -L 2>/dev/null || echo "nvidia-smi: none"
 echo "nvcc: $(command -v nvcc || echo none) $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || true)"
 echo "python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
-echo "architectures: ${ATTNMERGE_CUDA_ARCHITECTURES:-release list}"
+echo "architectures: ${ATTNMERGE_CUDA_ARCHITECTURES:-auto (the machine's GPUs)}"
 
 # Every build installs the package attnmerge, whatever its distribution's name: one at a time.
 "$PY" -m pip uninstall -y -q attnmerge attnmerge-cu12 attnmerge-cu13 >/dev/null 2>&1 || true

@@ -153,6 +153,8 @@ _SIGNATURES = {
     "attnmerge_version": (c_int, []),
     "attnmerge_version_string": (c_char_p, []),
     "attnmerge_cuda_architectures": (c_char_p, []),
+    "attnmerge_cuda_ptx_architectures": (c_char_p, []),
+    "attnmerge_cuda_architectures_choice": (c_char_p, []),
     "attnmerge_cuda_build_version": (c_int, []),
     "attnmerge_cuda_driver_version": (c_int, []),
     "attnmerge_device_count": (c_int, []),

@@ -5,6 +5,12 @@
 #ifndef ATTNMERGE_CUDA_ARCHS
 #define ATTNMERGE_CUDA_ARCHS "unknown"
 #endif
+#ifndef ATTNMERGE_CUDA_PTX_ARCHS
+#define ATTNMERGE_CUDA_PTX_ARCHS "unknown"
+#endif
+#ifndef ATTNMERGE_CUDA_ARCHS_CHOICE
+#define ATTNMERGE_CUDA_ARCHS_CHOICE "unknown"
+#endif
 
 using namespace attnmerge::detail;
 
@@ -17,6 +23,8 @@ void attnmerge_last_launch(attnmerge_launch_info* info) {
 int attnmerge_version(void) { return ATTNMERGE_VERSION_NUMBER; }
 const char* attnmerge_version_string(void) { return ATTNMERGE_VERSION_STRING; }
 const char* attnmerge_cuda_architectures(void) { return ATTNMERGE_CUDA_ARCHS; }
+const char* attnmerge_cuda_ptx_architectures(void) { return ATTNMERGE_CUDA_PTX_ARCHS; }
+const char* attnmerge_cuda_architectures_choice(void) { return ATTNMERGE_CUDA_ARCHS_CHOICE; }
 int attnmerge_cuda_build_version(void) { return gpu_build_version(); }
 int attnmerge_cuda_driver_version(void) { return gpu_driver_version(); }
 int attnmerge_device_count(void) { return gpu_device_count(); }

@@ -3,6 +3,7 @@
 // instantiated once per source in merge_gpu_{pair,stack,range,share}.cu (compiled in parallel).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include "merge_gpu.cuh"
@@ -15,17 +16,30 @@ attnmerge_status cuda_fail(cudaError_t err, const char* what) {
 }
 
 // Asked once per device (the ordinal's bits beyond kCached are asked every time).
+namespace {
+// A kernel of the library's own fatbinary, asked which code the device runs of it (every unit is
+// compiled for the same architectures).
+__global__ void code_probe() {}
+}  // namespace
+
+// The device's SM count and the compute capability of the code it runs: its own, or lower where the
+// driver JIT-compiles older PTX (a build without SASS for it), whose kernels do not wait for the
+// kernel before them (pdl_wait_then_release is compiled for sm_90 and newer): such code is never
+// launched with programmatic dependent launch.
 DeviceProps device_props(int device) {
   constexpr int kCached = 64;
-  static std::atomic<int> cache[kCached];  // sms | major << 20
+  static std::atomic<int> cache[kCached];  // sms | code major << 20
   int packed = device < kCached ? cache[device].load(std::memory_order_relaxed) : 0;
   if (packed == 0) {
     int sms = 0, major = 0;
+    cudaFuncAttributes code = {};
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaFuncGetAttributes(&code, code_probe) != cudaSuccess) {
       cudaGetLastError();
       return {};  // blocks of the default width and no PDL: still correct
     }
+    major = std::min(major, code.ptxVersion / 10);
     packed = sms | (major << 20);
     if (device < kCached) cache[device].store(packed, std::memory_order_relaxed);
   }

@@ -35,7 +35,8 @@ class DeviceGuard {
   cudaError_t err_;
 };
 
-// The SM count and compute capability of a device, asked once per device.  0: not known.
+// The SM count of a device and the compute capability of the code it runs (device_props, in
+// merge_gpu.cu), asked once per device.  0: not known.
 struct DeviceProps {
   int sms = 0, major = 0;
 };

@@ -3,6 +3,7 @@ reference on the CPU and every visible GPU (--cpu: the CPU alone) over every dty
 takes, with a bandwidth figure for each.  Exit status 1 on any failure.  --cmake-dir / --include-dir
 print where the C package lives; `bench` runs the benchmark (python -m attnmerge bench --help)."""
 import argparse
+import re
 import sys
 
 import numpy as np
@@ -89,6 +90,37 @@ def check(to_device, from_device, timer, label):
     print(f"  {label:<8} bandwidth {nbytes / seconds / 1e9:.1f} GB/s ({tokens}x{heads}x{dim} float32, median)")
     return ok
 
+
+# How the build chose its GPU code (build_info()["cuda_architectures_choice"]), in words.
+_CHOICE = {
+    "detected": "for the GPUs found at build time",
+    "no-gpu": "no GPU found at build time; ATTNMERGE_CUDA_ARCHITECTURES=release builds SASS for every supported GPU",
+    "release": "the release list",
+    "requested": "as requested at build time",
+}
+
+
+def _sm(arch):
+    return int(re.match(r"\d+", arch).group())
+
+
+def gpu_code_lines(info):
+    """The build's GPU code in two lines: the SMs with SASS and the PTX, and what a GPU without SASS
+    of its own gets (the driver's JIT of the newest PTX not above its SM, or nothing runnable)."""
+    sass, ptx = info["cuda_architectures"], sorted(info["cuda_ptx_architectures"], key=_sm)
+    cuda = info["cuda_build_version"]
+    choice = info["cuda_architectures_choice"]
+    code = [f"SASS for {' '.join('sm_' + a for a in sass)}" if sass else "no SASS",
+            f"PTX {' '.join('compute_' + a for a in ptx)}" if ptx else "no PTX"]
+    lines = [f"build: CUDA {cuda // 1000}.{cuda % 1000 // 10}, {', '.join(code)} ({_CHOICE.get(choice, choice)})"]
+    if ptx:
+        lines.append(f"GPUs without SASS here: from sm_{ptx[0]} on, the driver JIT-compiles the newest PTX not above "
+                     f"the GPU's SM at first use (seconds, once: its cache keeps the result); below sm_{ptx[0]}, "
+                     "nothing runs")
+    else:
+        lines.append("GPUs without SASS here: nothing runs (the build has no PTX to JIT-compile); "
+                     "ATTNMERGE_CUDA_ARCHITECTURES=release builds for every supported GPU")
+    return lines
 
 
 def torch_io(torch, device):
@@ -191,10 +223,8 @@ def main(argv=None):
         print(attnmerge.include_dir())
         return 0
     info = attnmerge.build_info()
-    cuda = info["cuda_build_version"]
     print(f"attnmerge {info['version']}  ({info['library']})")
-    print(f"build: CUDA {cuda // 1000}.{cuda % 1000 // 10}, SM {' '.join(info['cuda_architectures'])} "
-          f"(SASS each, PTX for the last)")
+    print("\n".join(gpu_code_lines(info)))
     driver = info["driver_version"]
     print(f"driver: {'CUDA %d.%d' % (driver // 1000, driver % 1000 // 10) if driver else 'none'}")
     print(f"GPUs: {info['device_count'] or 'none visible'}")

@@ -14,6 +14,10 @@ XLA_HOW = ("build attnmerge from source with ATTNMERGE_BUILD_JAX=1 (pip install 
            "3.11 or newer); no wheel with it is published yet")
 
 
+def _archs(text: str) -> list[str]:
+    return [a for a in text.split(";") if a]
+
+
 def build_info() -> dict[str, Any]:
     """What this attnmerge was built with and what it sees.
 
@@ -21,21 +25,30 @@ def build_info() -> dict[str, Any]:
     -------
     dict
         ``version``; ``cuda_build_version`` (the CUDA toolkit, e.g. 13000); ``cuda_architectures``
-        (the SM numbers compiled in: SASS for each, PTX for the last); ``driver_version`` (the
-        driver's CUDA version, 0 without a driver); ``device_count`` (usable GPUs); ``library``
-        (the path of libattnmerge); ``jax_extension`` (whether attnmerge.jax's handlers were built).
+        (the SMs with SASS, ["90"]; [] for a build of PTX alone); ``cuda_ptx_architectures`` (the
+        virtual architectures whose PTX the driver JIT-compiles at first use for a GPU without SASS
+        of its own: the newest not above the GPU's SM; [] for none, and then such a GPU runs
+        nothing); ``cuda_architectures_choice`` (how the build chose them: "detected", the build
+        machine's GPUs; "no-gpu", none there: PTX alone; "release"; "requested");
+        ``driver_version`` (the driver's CUDA version, 0 without a driver); ``device_count``
+        (usable GPUs); ``library`` (the path of libattnmerge); ``jax_extension`` (whether
+        attnmerge.jax's handlers were built).
 
     Examples
     --------
     >>> import attnmerge
     >>> info = attnmerge.build_info()
-    >>> info["version"] == attnmerge.__version__
+    >>> info["cuda_architectures_choice"] in {"detected", "no-gpu", "release", "requested"}
+    True
+    >>> bool(info["cuda_architectures"] or info["cuda_ptx_architectures"])  # some GPU code
     True
     """
     return {
         "version": _C.version_string(),
         "cuda_build_version": _C.cuda_build_version(),
-        "cuda_architectures": _C.cuda_architectures().split(";"),
+        "cuda_architectures": _archs(_C.cuda_architectures()),
+        "cuda_ptx_architectures": _archs(_C.cuda_ptx_architectures()),
+        "cuda_architectures_choice": _C.cuda_architectures_choice(),
         "driver_version": _C.cuda_driver_version(),
         "device_count": _C.device_count(),
         "library": _C.library_path(),

@@ -80,15 +80,17 @@ class Op(NamedTuple):
     inputs: tuple  # the arrays it reads, named as the C ABI names them
     like: int  # the input the results are allocated like; -1: none (the in-place merge writes its inputs)
     takes: frozenset  # the options (Options' fields, and base's pair form: "pair") it takes
+    binding: Any  # its function in attnmerge._C: (outputs, inputs, the Options record)
 
 
 _FORWARD = frozenset({"output_scale", "out_base", "sink", "group_size", "out_dtype", "return_lse", "batch_invariant"})
 OPS = {op.name: op for op in (
-    Op("merge", ("o_a", "lse_a", "o_b", "lse_b"), 2, _FORWARD | {"a_tokens", "pair"}),
-    Op("merge_inplace", ("o", "lse", "o_other", "lse_other", "mask"), -1, frozenset({"pair", "batch_invariant"})),
-    Op("merge_states", ("o", "lse"), 0, _FORWARD | {"states_axis"}),
-    Op("merge_varlen", ("o", "lse", "indptr"), 0, _FORWARD),
-    Op("merge_share", ("o", "lse"), 0, _FORWARD | {"states_axis", "index"}),
+    Op("merge", ("o_a", "lse_a", "o_b", "lse_b"), 2, _FORWARD | {"a_tokens", "pair"}, _C.merge),
+    Op("merge_inplace", ("o", "lse", "o_other", "lse_other", "mask"), -1, frozenset({"pair", "batch_invariant"}),
+       _C.merge_inplace),
+    Op("merge_states", ("o", "lse"), 0, _FORWARD | {"states_axis"}, _C.merge_states),
+    Op("merge_varlen", ("o", "lse", "indptr"), 0, _FORWARD, _C.merge_varlen),
+    Op("merge_share", ("o", "lse"), 0, _FORWARD | {"states_axis", "index"}, _C.merge_share),
 )}
 
 

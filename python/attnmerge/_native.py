@@ -8,8 +8,6 @@ from ._arrays import dtype_name, empty
 from ._call import Op, Options, lse_dtype, named, result_dtype, result_shape, scales_of, shape_of
 from ._types import O_IN_DTYPES
 
-BINDINGS = {"merge": _C.merge, "merge_inplace": _C.merge_inplace, "merge_states": _C.merge_states,
-             "merge_varlen": _C.merge_varlen, "merge_share": _C.merge_share}
 _LIKE_NAMES = {"merge": ("o_b", "o_a"), "merge_states": ("o", "o"), "merge_varlen": ("o", "o"),
                "merge_share": ("o", "o")}  # (the input results are allocated like, the one whose dtype they take)
 
@@ -67,11 +65,11 @@ def _fits(shape, source):
 def run(op: Op, inputs, out, out_lse, opt: Options):
     """The call on the binding: (out, out_lse[, group scales]); the in-place merge's (o, lse)."""
     if op.like < 0:  # the in-place merge
-        _C.merge_inplace(*inputs, opt)
+        op.binding(*inputs, opt)
         return inputs[0], inputs[1]
     if out is None or out_lse is None or opt.out_dtype is not None or opt.group_size:
         out, out_lse, opt = allocate(op, inputs, out, out_lse, opt)
-    BINDINGS[op.name](out, out_lse, *inputs, opt)
+    op.binding(out, out_lse, *inputs, opt)
     return (out, out_lse) if not opt.group_size else (out, out_lse, opt.group_scales)
 
 

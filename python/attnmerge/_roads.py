@@ -56,10 +56,11 @@ def run(op: Op, inputs, out, out_lse, opt: Options):
             _refuse_jax_outputs(op, (out, out_lse), opt)
         if out is None and is_jax(inputs[op.like]):
             return _jax(op, inputs, out_lse, opt)
-    elif _any_jax(out, out_lse):
-        _refuse_jax_outputs(op, (out, out_lse), opt)
+    elif _IS_JAX.get(type(out)) is not False or _IS_JAX.get(type(out_lse)) is not False:  # types seen: no call
+        if _any_jax(out, out_lse):
+            _refuse_jax_outputs(op, (out, out_lse), opt)
     else:  # the per-call case: every result given, straight to the binding
-        _native.BINDINGS[op.name](out, out_lse, *inputs, opt)
+        op.binding(out, out_lse, *inputs, opt)
         return (out, out_lse)
     return _native.run(op, inputs, out, out_lse, opt)
 

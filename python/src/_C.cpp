@@ -538,6 +538,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("version_string", &attnmerge_version_string);
   m.def("version", &attnmerge_version);
   m.def("cuda_architectures", &attnmerge_cuda_architectures);
+  m.def("cuda_ptx_architectures", &attnmerge_cuda_ptx_architectures);
+  m.def("cuda_architectures_choice", &attnmerge_cuda_architectures_choice);
   m.def("cuda_build_version", &attnmerge_cuda_build_version);
   m.def("cuda_driver_version", &attnmerge_cuda_driver_version);
   m.def("device_count", &attnmerge_device_count);

@@ -106,3 +106,46 @@ def test_an_option_a_command_cannot_honour_is_refused_by_name(args, named):
     assert p.returncode == 2, p.stdout + p.stderr
     error = p.stderr.strip().splitlines()[-1]
     assert all(name in error for name in named), error
+
+
+def test_info_says_which_sms_have_sass_and_what_other_gpus_get():
+    from attnmerge.__main__ import gpu_code_lines
+
+    p = run()
+    assert p.returncode == 0, p.stderr
+    lines = gpu_code_lines(attnmerge.build_info())
+    assert lines[0].startswith("build: CUDA ") and lines[1].startswith("GPUs without SASS here: ")
+    for line in lines:
+        assert line in p.stdout.splitlines(), (line, p.stdout)
+
+
+def _info(sass, ptx, choice):
+    return {"cuda_build_version": 13000, "cuda_architectures": sass, "cuda_ptx_architectures": ptx,
+            "cuda_architectures_choice": choice}
+
+
+@pytest.mark.parametrize("info,build,others", [
+    (_info([], ["90", "75"], "no-gpu"),
+     ["build: CUDA 13.0, no SASS, PTX compute_75 compute_90 (no GPU found at build time;",
+      "ATTNMERGE_CUDA_ARCHITECTURES=release"],
+     ["from sm_75 on, the driver JIT-compiles the newest PTX not above the GPU's SM at first use",
+      "below sm_75, nothing runs"]),
+    (_info(["90"], ["90"], "detected"),
+     ["build: CUDA 13.0, SASS for sm_90, PTX compute_90 (for the GPUs found at build time)"],
+     ["from sm_90 on, the driver JIT-compiles", "below sm_90, nothing runs"]),
+    (_info(["80", "86"], [], "detected"),
+     ["build: CUDA 13.0, SASS for sm_80 sm_86, no PTX (for the GPUs found at build time)"],
+     ["GPUs without SASS here: nothing runs (the build has no PTX", "ATTNMERGE_CUDA_ARCHITECTURES=release"]),
+    (_info(["75", "80", "86", "89", "90", "100", "120"], ["120"], "release"),
+     ["SASS for sm_75 sm_80 sm_86 sm_89 sm_90 sm_100 sm_120, PTX compute_120 (the release list)"],
+     ["from sm_120 on, the driver JIT-compiles", "below sm_120, nothing runs"]),
+    (_info(["90"], ["90"], "requested"), ["(as requested at build time)"], ["from sm_90 on"]),
+], ids=["ptx alone", "detected", "detected, no ptx", "release", "requested"])
+def test_the_gpu_code_lines_say_what_a_gpu_without_sass_gets(info, build, others):
+    from attnmerge.__main__ import gpu_code_lines
+
+    lines = gpu_code_lines(info)
+    assert len(lines) == 2, lines
+    for words, line in ((build, lines[0]), (others, lines[1])):
+        for word in words:
+            assert word in line, (word, line)

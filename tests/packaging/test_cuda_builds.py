@@ -3,10 +3,13 @@
   the build's, the driver the build needs and the build that fits (cpp/src/cuda_builds.h, printed
   by tests/native/driver_probe.cpp);
 - that table and the build backend's agree on the distributions and their drivers;
-- the installed library carries the cubins its CUDA version promises: cuobjdump reads each one's
-  ELF ABI (7 for CUDA 12 below sm_100, which drivers from R525 on load; 8 for CUDA 13, R580 on), the
-  toolkit that assembled it and its SM, and the PTX's ISA version;
-- it compiles no more kernels per architecture than the stated budget."""
+- the installed library carries the GPU code build_info() names: a cubin for each SM of its SASS and
+  PTX for each of its virtual architectures (a build of PTX alone, the default where the build machine
+  has no GPU, has no cubin), and the wheels the release list;
+- the cubins are what its CUDA version promises: cuobjdump reads each one's ELF ABI (7 for CUDA 12
+  below sm_100, which drivers from R525 on load; 8 for CUDA 13, R580 on), the toolkit that assembled
+  it and its SM, and the PTX's ISA version;
+- it compiles no more kernels per architecture than the stated budget, in its cubins and its PTX."""
 
 from __future__ import annotations
 
@@ -124,9 +127,19 @@ def _dump(what):
     return run.stdout
 
 
+def _sass():
+    return {int(a) for a in attnmerge.build_info()["cuda_architectures"]}
+
+
+def _ptx():
+    return {int(a) for a in attnmerge.build_info()["cuda_ptx_architectures"]}
+
+
 @pytest.fixture(scope="module")
 def cubins():
-    """(sm, ELF ABI, toolkit "major.minor") of every cubin in libattnmerge."""
+    """(sm, ELF ABI, toolkit "major.minor") of every cubin in libattnmerge; none in a build of PTX alone."""
+    if not _sass():
+        return []
     text = _dump("-elf")
     found = []
     # CUDA 12's cuobjdump prints "64bit elf: type=2, abi=7, sm=90, toolkit=129", CUDA 13's
@@ -145,11 +158,46 @@ def _build_release():
 
 
 def test_every_architecture_of_the_build_has_its_sass(cubins):
-    archs = {int(a) for a in attnmerge.build_info()["cuda_architectures"]}
-    assert {sm for sm, _, _ in cubins} == archs
+    assert {sm for sm, _, _ in cubins} == _sass()
+    if not cubins:  # then the library has no cubin at all
+        assert not re.search(r"64-?bit elf", _dump("-elf"), re.I)
+
+
+def test_every_virtual_architecture_of_the_build_has_its_ptx():
+    targets = {int(t) for t in re.findall(r"^\.target sm_(\d+)", _dump("-ptx"), re.M)}
+    assert targets == _ptx()
+
+
+def test_the_build_has_gpu_code_and_says_why():
+    info = attnmerge.build_info()
+    assert _sass() or _ptx(), info
+    assert info["cuda_architectures_choice"] in {"detected", "no-gpu", "release", "requested"}
+    if info["cuda_architectures_choice"] == "no-gpu":
+        assert not _sass() and min(_ptx()) == 75 and 90 in _ptx()
+
+
+def test_a_build_asked_for_the_release_list_has_it():
+    """The wheels ask for it (pyproject.toml's cibuildwheel environment, also their tests')."""
+    if os.environ.get("ATTNMERGE_CUDA_ARCHITECTURES", "").strip().lower() != "release":
+        pytest.skip("not a release build (ATTNMERGE_CUDA_ARCHITECTURES=release asks for one)")
+    module = os.path.join(ROOT, "cmake", "attnmerge_cuda_architectures.cmake")
+    if not os.path.isfile(module):
+        pytest.skip("not run from a source tree")
+    with open(module) as f:
+        (release,) = re.findall(r'set\(ATTNMERGE_CUDA_RELEASE_ARCHITECTURES "([^"]+)"\)', f.read())
+    info = attnmerge.build_info()
+    assert info["cuda_architectures_choice"] == "release"
+    assert _sass() == {int(a.split("-")[0]) for a in release.split(";") if not a.endswith("-virtual")}
+    assert _ptx()  # the newest SM's PTX, or sm_90's from clang
+
+
+def _no_cubin(cubins):
+    if not cubins:
+        pytest.skip("a build of PTX alone has no cubin")
 
 
 def test_the_cubins_were_assembled_by_the_builds_cuda(cubins):
+    _no_cubin(cubins)
     major, minor = _build_release()
     assert {toolkit for _, _, toolkit in cubins} == {f"{major}.{minor}"}
 
@@ -157,6 +205,7 @@ def test_the_cubins_were_assembled_by_the_builds_cuda(cubins):
 def test_the_cubins_carry_the_elf_abi_of_the_builds_cuda(cubins):
     # CUDA 13 moved every SM to ELF ABI 8, which drivers before R580 do not load; CUDA 12 keeps
     # ABI 7 below sm_100 (sm_100 and newer, on R570 and newer drivers, take 8 from CUDA 12.8 on).
+    _no_cubin(cubins)
     major, _ = _build_release()
     for sm, abi, _ in cubins:
         expected = 8 if major >= 13 or sm >= 100 else 7
@@ -199,8 +248,24 @@ def kernels_per_architecture(text: str) -> dict:
     return counts
 
 
+def ptx_kernels_per_architecture(text: str) -> dict:
+    """{sm: kernels} from `cuobjdump -ptx`: the .entry lines under each PTX's .target."""
+    counts, arch = {}, None
+    for line in text.splitlines():
+        if m := re.match(r"\.target sm_(\d+)", line):
+            arch = int(m.group(1))
+            counts.setdefault(arch, 0)
+        elif arch is not None and re.match(r"\s*(\.visible\s+|\.weak\s+)?\.entry\s", line):
+            counts[arch] += 1
+    return counts
+
+
 def test_kernels_per_architecture_stay_within_the_budget():
-    counts = kernels_per_architecture(_dump("-res-usage"))
-    assert counts, "no cubin in the library"
-    assert set(counts) == {int(a) for a in attnmerge.build_info()["cuda_architectures"]}
+    # Counted in each SM's cubin and in each virtual architecture's PTX, which a build of PTX alone
+    # (no cubin) is held to the budget by.
+    sass = kernels_per_architecture(_dump("-res-usage")) if _sass() else {}
+    ptx = ptx_kernels_per_architecture(_dump("-ptx"))
+    assert set(sass) == _sass() and set(ptx) == _ptx(), (sass, ptx)
+    counts = {**{f"sm_{a}": n for a, n in sass.items()}, **{f"compute_{a}": n for a, n in ptx.items()}}
+    assert counts and all(counts.values()), counts
     assert all(n <= KERNEL_BUDGET for n in counts.values()), counts

@@ -16,13 +16,21 @@ from attnmerge.compat import flashinfer, vllm
 PACKAGE = os.path.dirname(os.path.abspath(attnmerge.__file__))
 
 
+def _params(fn):
+    return [a.arg for a in fn.args.posonlyargs + fn.args.args if a.arg != "self"]
+
+
 def stub():
-    """{function: [parameter names]} and {attribute} declared in _C.pyi."""
+    """{function: [parameter names]} and {attribute} declared in _C.pyi; a class's methods are
+    functions named Class.method (its __init__: Class)."""
     path = os.path.join(PACKAGE, "_C.pyi")
     assert os.path.isfile(path), f"no stub at {path}"
     tree = ast.parse(open(path).read())
-    functions = {n.name: [a.arg for a in n.args.posonlyargs + n.args.args] for n in tree.body
-                 if isinstance(n, ast.FunctionDef)}
+    functions = {n.name: _params(n) for n in tree.body if isinstance(n, ast.FunctionDef)}
+    for c in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        for m in (n for n in c.body if isinstance(n, ast.FunctionDef)
+                  and not any(getattr(d, "id", None) == "property" for d in n.decorator_list)):
+            functions[c.name if m.name == "__init__" else f"{c.name}.{m.name}"] = _params(m)
     attributes = {n.target.id for n in tree.body if isinstance(n, ast.AnnAssign)}
     return functions, attributes
 
@@ -34,6 +42,16 @@ def exported():
         if name.startswith("__"):
             continue
         value = getattr(_C, name)
+        if isinstance(value, type):  # a class: its constructor and methods, from their signatures
+            init = re.search(r"__init__\(self: [\w.]+(?:, )?(.*)\) ->", value.__init__.__doc__ or "")
+            assert init, f"_C.{name} has no pybind11 constructor signature"
+            functions[name] = re.findall(r"(?:^|, )(\w+):", init.group(1))
+            for method in (m for m in vars(value) if not m.startswith("_") and callable(getattr(value, m))):
+                doc = getattr(value, method).__doc__ or ""
+                m = re.match(rf"{method}\(self: [\w.]+(?:, )?(.*)\) ->", doc)
+                assert m, f"_C.{name}.{method} has no pybind11 signature: {doc!r}"
+                functions[f"{name}.{method}"] = re.findall(r"(?:^|, )(\w+):", m.group(1))
+            continue
         if callable(value):
             m = re.match(rf"{name}\((.*)\) ->", value.__doc__ or "")
             assert m, f"_C.{name} has no pybind11 signature: {value.__doc__!r}"

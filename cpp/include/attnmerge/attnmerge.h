@@ -668,10 +668,18 @@ ATTNMERGE_API const char* attnmerge_status_string(attnmerge_status status);
 ATTNMERGE_API int attnmerge_version(void);
 ATTNMERGE_API const char* attnmerge_version_string(void);
 
-/* The GPU architectures compiled in, as "75;80;86;89;90;100;120" (SASS for each, PTX for the last;
- * a CUDA 12 build compiled by clang carries sm_90's PTX instead), and the CUDA toolkit version the
- * library was built with (e.g. 13000; 12090 for the CUDA 12 build, attnmerge-cu12). */
+/* The GPU code compiled in.  attnmerge_cuda_architectures(): the SMs with SASS, as
+ * "75;80;86;89;90;100;120" (the release list; "" for a build of PTX alone).
+ * attnmerge_cuda_ptx_architectures(): the virtual architectures whose PTX is embedded ("120" in the
+ * release list, sm_90's in a CUDA 12 build compiled by clang), which the driver JIT-compiles, once
+ * and into its cache, for a GPU with no SASS of its own: the newest PTX not above the GPU's SM; a GPU
+ * older than every SASS and PTX runs none.  attnmerge_cuda_architectures_choice(): how the build
+ * chose them: "detected" (the GPUs of the build machine), "no-gpu" (none found there: PTX alone),
+ * "release" or "requested" (a list given).  And the CUDA toolkit version the library was built with
+ * (e.g. 13000; 12090 for the CUDA 12 build, attnmerge-cu12). */
 ATTNMERGE_API const char* attnmerge_cuda_architectures(void);
+ATTNMERGE_API const char* attnmerge_cuda_ptx_architectures(void);
+ATTNMERGE_API const char* attnmerge_cuda_architectures_choice(void);
 ATTNMERGE_API int attnmerge_cuda_build_version(void);
 
 /* The installed driver's CUDA version (0 if there is no driver) and the number of usable devices

@@ -100,7 +100,9 @@ constexpr bool plain_pair(Dtype in, Dtype out) {
 // whose merged LSE overwrites an input's in the merge's own launch.
 constexpr bool one_dtype(Dtype in, Dtype out) { return in == out && in != Dtype::kUnknown; }
 
-// The GPU a call runs on; 0: not known (blocks of kBlockThreads, no PDL).
+// The GPU a call runs on; 0: not known (blocks of kBlockThreads, no PDL).  major: the compute
+// capability of the code the GPU runs (its own, or lower where the driver JIT-compiles older PTX):
+// PDL only from 9, where the kernels wait for the kernel before them.
 struct DeviceInfo {
   int sms = 0;
   int major = 0;
