@@ -780,6 +780,25 @@ if __name__ == "__main__":  # test_a_masked_row_reads_its_mask_byte_alone's proc
 # ---- per-group FP8 outputs -----------------------------------------------------------------------
 
 
+def fp8_call(emu, op, shape, fact, groups, ptrs, index=0, indptr=None):
+    """The emulated call of `op` from bfloat16 states [tokens, S, heads, head_size] (merge's two
+    states; merge_varlen's S: all its states, in the rows of indptr) into an FP8 out at ptrs (out,
+    its LSE, the inputs), the scales set beforehand (emulate_group_scales, emulate_block_scales)."""
+    t, s, h, d = shape
+    one, none = ctypes.c_float(1.0), ctypes.c_int64(0)
+    if op == "merge":
+        return lambda: emu.emulate_merge(*head((t, t, h, d), "bfloat16", "float8_e4m3fn", "e", fact), 0, 0, 0, one,
+                                         None, *ptrs, None, none)
+    if op == "merge_varlen":
+        return lambda: emu.emulate_merge_varlen(
+            *head((len(indptr) - 1, s, h, d), "bfloat16", "float8_e4m3fn", "e", fact), groups, one, *ptrs,
+            ctypes.c_void_p(indptr.ctypes.data), ctypes.c_int64(1), 1, None, none)
+    args = head((t, s, h, d), "bfloat16", "float8_e4m3fn", "e", fact)
+    if op == "merge_share":
+        return lambda: emu.emulate_merge_share(*args, groups, one, *ptrs, ctypes.c_int64(index), None, none)
+    return lambda: emu.emulate_merge_states(*args, groups, one, *ptrs, None, none)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_per_group_fp8_outputs(emu, data):
@@ -828,21 +847,11 @@ def test_per_group_fp8_outputs(emu, data):
     fact = facts(data, vec, (2, 1))
     groups = data.draw(st.sampled_from((0, 2, 16)))  # 2 and 16 ask for kStates
     ptrs, _keep = pointers(out, None, *views)
-    head_args = head((t, s, h, d), "bfloat16", "float8_e4m3fn", "e", fact)  # merge_states', merge_share's
-    calls = {  # each called only for its own op, whose variables it reads
-        "merge": lambda: emu.emulate_merge(*head((t, t, h, d), "bfloat16", "float8_e4m3fn", "e", fact), 0, 0, 0,
-                                           ctypes.c_float(1.0), None, *ptrs, None, ctypes.c_int64(0)),
-        "merge_states": lambda: emu.emulate_merge_states(*head_args, groups, ctypes.c_float(1.0), *ptrs, None,
-                                                         ctypes.c_int64(0)),
-        "merge_share": lambda: emu.emulate_merge_share(*head_args, groups, ctypes.c_float(1.0), *ptrs,
-                                                       ctypes.c_int64(index), None, ctypes.c_int64(0)),
-        "merge_varlen": lambda: emu.emulate_merge_varlen(
-            *head((len(indptr) - 1, o.shape[0], h, d), "bfloat16", "float8_e4m3fn", "e", fact), groups,
-            ctypes.c_float(1.0), *ptrs, ctypes.c_void_p(indptr.ctypes.data), ctypes.c_int64(1), 1, None,
-            ctypes.c_int64(0)),
-    }
+    shape = (t, o.shape[0] if op == "merge_varlen" else s, h, d)
     try:
-        run_orders(emu, calls[op], [obuf, sbuf], data.draw(st.integers(0, 1000)))
+        run_orders(emu, fp8_call(emu, op, shape, fact, groups, ptrs, index=index if op == "merge_share" else 0,
+                                 indptr=indptr if op == "merge_varlen" else None),
+                   [obuf, sbuf], data.draw(st.integers(0, 1000)))
     finally:
         emu.emulate_group_scales(None, None, 0, 0)
     if t:
@@ -911,21 +920,11 @@ def test_block_scaled_outputs(emu, data):
     fact = facts(data, vec, (2, 1))
     groups = data.draw(st.sampled_from((0, 2, 16)))
     ptrs, _keep = pointers(out, None, *views)
-    head_args = head((t, s, h, d), "bfloat16", "float8_e4m3fn", "e", fact)
-    calls = {
-        "merge": lambda: emu.emulate_merge(*head((t, t, h, d), "bfloat16", "float8_e4m3fn", "e", fact), 0, 0, 0,
-                                           ctypes.c_float(1.0), None, *ptrs, None, ctypes.c_int64(0)),
-        "merge_states": lambda: emu.emulate_merge_states(*head_args, groups, ctypes.c_float(1.0), *ptrs, None,
-                                                         ctypes.c_int64(0)),
-        "merge_share": lambda: emu.emulate_merge_share(*head_args, groups, ctypes.c_float(1.0), *ptrs,
-                                                       ctypes.c_int64(index), None, ctypes.c_int64(0)),
-        "merge_varlen": lambda: emu.emulate_merge_varlen(
-            *head((len(indptr) - 1, o.shape[0], h, d), "bfloat16", "float8_e4m3fn", "e", fact), groups,
-            ctypes.c_float(1.0), *ptrs, ctypes.c_void_p(indptr.ctypes.data), ctypes.c_int64(1), 1, None,
-            ctypes.c_int64(0)),
-    }
+    shape = (t, o.shape[0] if op == "merge_varlen" else s, h, d)
     try:
-        run_orders(emu, calls[op], [obuf, sbuf], data.draw(st.integers(0, 1000)))
+        run_orders(emu, fp8_call(emu, op, shape, fact, groups, ptrs, index=index if op == "merge_share" else 0,
+                                 indptr=indptr if op == "merge_varlen" else None),
+                   [obuf, sbuf], data.draw(st.integers(0, 1000)))
     finally:
         emu.emulate_group_scales(None, None, 0, 0)
     if t:
