@@ -5,8 +5,9 @@ The rules are the formats' reference quantizers', bit for bit (oracle.mx_referen
 oracle.nvfp4_reference, oracle.swizzle: written from the rules, and held to torchao's quantizers
 where those run): a merge whose second state is empty passes its first through unchanged (weight
 1), so that its quantized output is the quantizer's of those very float32 values, compared bit for
-bit; a merge of live states is compared with the quantizer of its float64 merge, within one
-rounding of the scale and one step of each value.  The LSE is the merge's as ever.  NaN rows get
+bit; a merge of live states is compared with the quantizer of its float64 merge: the same scales
+and NVFP4 codes but where the float64 value lies at a rounding's edge (oracle.assert_block_close),
+MXFP8's values within one E4M3 step.  The LSE is the merge's as ever.  NaN rows get
 NaN scales (MXFP8: 255 and NaN values; NVFP4: 0x7F, values 0x3); an all-empty row is zeros, with
 the least scale (MXFP8: byte 0; NVFP4: 2^-6).
 """
