@@ -780,7 +780,38 @@ if __name__ == "__main__":  # test_a_masked_row_reads_its_mask_byte_alone's proc
 # ---- per-group FP8 outputs -----------------------------------------------------------------------
 
 
-def fp8_call(emu, op, shape, fact, groups, ptrs, index=0, indptr=None):
+def fp8_states(rng, data, op, shape, tail):
+    """Random bfloat16 states of `op` (shape: tokens, S, heads, head_size; some empty), placed in
+    drawn layouts: (the float64 merge, the views the call reads, its O views, the call's shape for
+    fp8_call, merge_share's index, merge_varlen's indptr)."""
+    t, s, h, d = shape
+    index = indptr = None
+    if op == "merge":
+        o, lse = random_o(rng, (2, t, h, d), "bfloat16"), random_lse(rng, (2, t, h))
+        empties(rng, lse, o, data.draw(st.sampled_from((0.0, 0.3))))
+        ref = reference_merge(o[0], lse[0], o[1], lse[1])[0]
+        views = [placed(x, data.draw(layouts(x.ndim, x.ndim == 3)), tail)[0] for x in (o[0], lse[0], o[1], lse[1])]
+        return ref, views, (views[0], views[2]), shape, index, indptr
+    if op == "merge_varlen":
+        indptr = np.sort(rng.integers(0, s * t + 1, t + 1)).astype(np.int64)
+        indptr[0], total = 0, max(int(indptr[-1]), 1)
+        o, lse = random_o(rng, (total, h, d), "bfloat16"), random_lse(rng, (total, h))
+        ref = reference_merge_varlen(o, lse, indptr)[0]
+        views = [placed(o, data.draw(layouts(3, True)), tail)[0], placed(lse, data.draw(layouts(2, False)), tail)[0]]
+        return ref, views, views[:1], (t, total, h, d), index, indptr
+    o, lse = random_o(rng, (t, s, h, d), "bfloat16"), random_lse(rng, (t, s, h))
+    empties(rng, lse, o, data.draw(st.sampled_from((0.0, 0.3))))
+    index = data.draw(st.integers(0, s - 1))
+    if op == "merge_share":
+        o = np.ascontiguousarray(o[:, index])
+        ref = reference_merge_share(o, lse, index)[0]
+    else:
+        ref = reference_merge_stacked(o, lse)[0]
+    views = [placed(o, data.draw(layouts(o.ndim, True)), tail)[0], placed(lse, data.draw(layouts(3, False)), tail)[0]]
+    return ref, views, views[:1], shape, index, indptr
+
+
+def fp8_call(emu, op, shape, fact, groups, ptrs, index, indptr):
     """The emulated call of `op` from bfloat16 states [tokens, S, heads, head_size] (merge's two
     states; merge_varlen's S: all its states, in the rows of indptr) into an FP8 out at ptrs (out,
     its LSE, the inputs), the scales set beforehand (emulate_group_scales, emulate_block_scales)."""
@@ -815,30 +846,8 @@ def test_per_group_fp8_outputs(emu, data):
     fp8_dtype()
     tail = data.draw(st.booleans())
     out, obuf = out_buffers((t, h, d), "float8_e4m3fn", data.draw(layouts(3, True)), tail)
-    if op == "merge":
-        o, lse = random_o(rng, (2, t, h, d), "bfloat16"), random_lse(rng, (2, t, h))
-        empties(rng, lse, o, data.draw(st.sampled_from((0.0, 0.3))))
-        ref = reference_merge(o[0], lse[0], o[1], lse[1])[0]
-        views = [placed(x, data.draw(layouts(x.ndim, x.ndim == 3)), tail)[0] for x in (o[0], lse[0], o[1], lse[1])]
-        vec = widest_vec(d, views[0], views[2], out)
-    elif op == "merge_varlen":
-        indptr = np.sort(rng.integers(0, s * t + 1, t + 1)).astype(np.int64)
-        indptr[0], total = 0, max(int(indptr[-1]), 1)
-        o, lse = random_o(rng, (total, h, d), "bfloat16"), random_lse(rng, (total, h))
-        ref = reference_merge_varlen(o, lse, indptr)[0]
-        views = [placed(o, data.draw(layouts(3, True)), tail)[0], placed(lse, data.draw(layouts(2, False)), tail)[0]]
-        vec = widest_vec(d, views[0], out)
-    else:
-        o, lse = random_o(rng, (t, s, h, d), "bfloat16"), random_lse(rng, (t, s, h))
-        empties(rng, lse, o, data.draw(st.sampled_from((0.0, 0.3))))
-        index = data.draw(st.integers(0, s - 1))
-        if op == "merge_share":
-            o = np.ascontiguousarray(o[:, index])
-            ref = reference_merge_share(o, lse, index)[0]
-        else:
-            ref = reference_merge_stacked(o, lse)[0]
-        views = [placed(o, data.draw(layouts(o.ndim, True)), tail)[0], placed(lse, data.draw(layouts(3, False)), tail)[0]]
-        vec = widest_vec(d, views[0], out)
+    ref, views, o_views, shape, index, indptr = fp8_states(rng, data, op, (t, s, h, d), tail)
+    vec = widest_vec(d, *o_views, out)
     group = data.draw(st.sampled_from([g for g in (8, 16, 32, 64, 128, 256) if d % g == 0 and g <= 32 * vec]))
     ue8m0 = data.draw(st.booleans())
     scales, sbuf = out_buffers((t, h, d // group), "float32", data.draw(layouts(3, False)), tail)
@@ -847,10 +856,8 @@ def test_per_group_fp8_outputs(emu, data):
     fact = facts(data, vec, (2, 1))
     groups = data.draw(st.sampled_from((0, 2, 16)))  # 2 and 16 ask for kStates
     ptrs, _keep = pointers(out, None, *views)
-    shape = (t, o.shape[0] if op == "merge_varlen" else s, h, d)
     try:
-        run_orders(emu, fp8_call(emu, op, shape, fact, groups, ptrs, index=index if op == "merge_share" else 0,
-                                 indptr=indptr if op == "merge_varlen" else None),
+        run_orders(emu, fp8_call(emu, op, shape, fact, groups, ptrs, index, indptr),
                    [obuf, sbuf], data.draw(st.integers(0, 1000)))
     finally:
         emu.emulate_group_scales(None, None, 0, 0)
@@ -886,30 +893,8 @@ def test_block_scaled_outputs(emu, data):
     tail = data.draw(st.booleans())
     out_shape = (t, h, d // 2) if block == 3 else (t, h, d)
     out, obuf = out_buffers(out_shape, fp8, {}, tail)  # bytes, poisoned 0x7f
-    if op == "merge":
-        o, lse = random_o(rng, (2, t, h, d), "bfloat16"), random_lse(rng, (2, t, h))
-        empties(rng, lse, o, data.draw(st.sampled_from((0.0, 0.3))))
-        ref = reference_merge(o[0], lse[0], o[1], lse[1])[0]
-        views = [placed(x, data.draw(layouts(x.ndim, x.ndim == 3)), tail)[0] for x in (o[0], lse[0], o[1], lse[1])]
-        vec = widest_vec(d, views[0], views[2])
-    elif op == "merge_varlen":
-        indptr = np.sort(rng.integers(0, s * t + 1, t + 1)).astype(np.int64)
-        indptr[0], total = 0, max(int(indptr[-1]), 1)
-        o, lse = random_o(rng, (total, h, d), "bfloat16"), random_lse(rng, (total, h))
-        ref = reference_merge_varlen(o, lse, indptr)[0]
-        views = [placed(o, data.draw(layouts(3, True)), tail)[0], placed(lse, data.draw(layouts(2, False)), tail)[0]]
-        vec = widest_vec(d, views[0])
-    else:
-        o, lse = random_o(rng, (t, s, h, d), "bfloat16"), random_lse(rng, (t, s, h))
-        empties(rng, lse, o, data.draw(st.sampled_from((0.0, 0.3))))
-        index = data.draw(st.integers(0, s - 1))
-        if op == "merge_share":
-            o = np.ascontiguousarray(o[:, index])
-            ref = reference_merge_share(o, lse, index)[0]
-        else:
-            ref = reference_merge_stacked(o, lse)[0]
-        views = [placed(o, data.draw(layouts(o.ndim, True)), tail)[0], placed(lse, data.draw(layouts(3, False)), tail)[0]]
-        vec = widest_vec(d, views[0])
+    ref, views, o_views, shape, index, indptr = fp8_states(rng, data, op, (t, s, h, d), tail)
+    vec = widest_vec(d, *o_views)
     if block == 3 and vec < 2:
         return  # refused by the C ABI (NVFP4 stores two values per byte)
     per_head = d // size
@@ -920,10 +905,8 @@ def test_block_scaled_outputs(emu, data):
     fact = facts(data, vec, (2, 1))
     groups = data.draw(st.sampled_from((0, 2, 16)))
     ptrs, _keep = pointers(out, None, *views)
-    shape = (t, o.shape[0] if op == "merge_varlen" else s, h, d)
     try:
-        run_orders(emu, fp8_call(emu, op, shape, fact, groups, ptrs, index=index if op == "merge_share" else 0,
-                                 indptr=indptr if op == "merge_varlen" else None),
+        run_orders(emu, fp8_call(emu, op, shape, fact, groups, ptrs, index, indptr),
                    [obuf, sbuf], data.draw(st.integers(0, 1000)))
     finally:
         emu.emulate_group_scales(None, None, 0, 0)
