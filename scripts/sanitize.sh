@@ -3,10 +3,10 @@
 # machine where attnmerge is already installed (run scripts/gpu-test.sh first).  One line per tool
 # with its error summary; the exit status is 1 if any tool reported an error or failed to finish.
 #
-#   SANITIZE_TESTS    test files (default: the semantic suites of the five ops, FP8 outputs, sinks,
-#                     mixed LSE bases, batch invariance, float64's refusal, softmax statistics and
-#                     empty shards (valid), run on their `cuda`
-#                     device by -m gpu, packed records, torch.func, and the GPU interop, compat and
+#   SANITIZE_TESTS    test files (default: the semantic suites of the five ops, FP8, per-group
+#                     and block-scaled outputs, sinks, mixed LSE bases, batch invariance,
+#                     float64's refusal, softmax statistics and empty shards (valid), run on their
+#                     `cuda` device by -m gpu, packed records, torch.func, and the GPU interop, compat and
 #                     raw tests).  The exchange's tests are not among them: its ranks simulated on one
 #                     GPU wait for each other's kernels, which the tools serialize; run them with
 #                     SANITIZE_TESTS="tests/semantics/test_merge_exchange.py tests/errors/test_exchange_inputs.py"
@@ -24,6 +24,7 @@ PY="${PYTHON:-python3}"
 SEMANTICS="tests/semantics/test_merge.py tests/semantics/test_merge_inplace.py tests/semantics/test_merge_states.py
   tests/semantics/test_merge_varlen.py tests/semantics/test_merge_share.py tests/semantics/test_fp8_outputs.py
   tests/semantics/test_sinks.py tests/semantics/test_lse_bases.py tests/semantics/test_group_fp8.py
+  tests/semantics/test_block_scaled.py
   tests/semantics/test_batch_invariance.py tests/semantics/test_float64.py tests/interop/test_packed_records.py
   tests/interop/test_torch_func.py tests/semantics/test_softmax_stats.py tests/semantics/test_valid_states.py
   tests/semantics/test_state_forms_options.py"

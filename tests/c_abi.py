@@ -30,6 +30,8 @@ READ_ONLY, DEVICE_KNOWN = 1, 2  # attnmerge_tensor.flags
 # attnmerge_options.flags
 LSE_BASE2, LSE_HEADS_FIRST, A_TOKENS, PDL = 1, 2, 4, 8
 LSE_B_BASE2, LSE_B_BASE_E, OUT_LSE_BASE2, OUT_LSE_BASE_E = 16, 32, 64, 128  # mixed bases
+GROUP_SCALE_UE8M0 = 256
+BLOCK_MXFP8, BLOCK_NVFP4, SCALE_RCEIL, SCALE_SWIZZLED = 1024, 2048, 4096, 8192  # block-scaled outputs
 
 
 class Tensor(Structure):

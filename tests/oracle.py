@@ -614,3 +614,201 @@ def reference_merge_states_backward(o, lse, out, out_lse, grad_out, grad_out_lse
         dot = np.sum(grad_out[None] * (np.where(zero, 0.0, o) - out[None]), axis=-1)
         grad_lse = np.where(p == 0.0, 0.0, p * (dlse[None] + ln_b * dot))
     return grad_o, grad_lse
+
+
+# --------------------------------------------------------------------------------------------------
+# block-scaled formats (block_format=): the rules of the OCP MX and NVIDIA NVFP4 formats as their
+# reference quantizers state them, each step a float32 operation rounded once (what makes a
+# quantizer's bits), over float32 values x [..., D] in blocks of D's consecutive elements.
+
+MX_BLOCK, NVFP4_BLOCK = 32, 16
+FP4_MAX = 6.0
+#: NVFP4's least block scale: E4M3's smallest normal, 2^-6
+NVFP4_SCALE_FLOOR = 2.0**-6
+#: the E2M1 values of the codes 0 .. 7 (bit 3 the sign)
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _f32(x):
+    return np.asarray(x, dtype=np.float32)
+
+
+def _blocks(x, block):
+    x = _f32(x)
+    return x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
+
+
+def _block_amax(g):
+    """Each block's largest magnitude, NaN where it holds a NaN (the references' amax)."""
+    with np.errstate(invalid="ignore"):
+        return np.max(np.abs(g), axis=-1)
+
+
+def mx_scale_bytes(x, rounding="floor") -> np.ndarray:
+    """MXFP8's UE8M0 scale bytes of x's blocks of 32 (uint8, the scale 2^(byte - 127)): 'floor',
+    the OCP MX rule, 2^(floor(log2 amax) - 8) from 2^-127 up (8: E4M3's largest power of two);
+    'rceil', amax * (1 / 448) (a float32 product) rounded up to a power of two, a float32
+    subnormal above 2^-127 only past half of it (cuBLAS's and TransformerEngine's).  A block holding
+    a NaN or an infinity: 255 (NaN)."""
+    amax = _block_amax(_blocks(x, MX_BLOCK))
+    if rounding == "floor":
+        e = (amax.view(np.uint32) >> 23).astype(np.int64)
+        byte = np.maximum(e - 8, 0)
+        return np.where(np.isfinite(amax), byte, 255).astype(np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = amax * np.float32(1.0 / FP8_MAX)
+    bits = d.view(np.uint32).astype(np.int64)
+    e, m = bits >> 23, bits & 0x7FFFFF
+    up = np.where(e == 0, m > 0x400000, m != 0)
+    return np.where(np.isfinite(d), e + up, 255).astype(np.uint8)
+
+
+def mx_reference(x, rounding="floor"):
+    """(E4M3 values, UE8M0 scale bytes) of MXFP8: each value x * 2^(127 - byte), exact, rounded to
+    E4M3 saturating (NaN where the scale is)."""
+    byte = mx_scale_bytes(x, rounding)
+    recip = np.where(byte == 255, np.float32(np.nan), np.exp2(127.0 - byte.astype(np.float64))).astype(np.float32)
+    g = _blocks(x, MX_BLOCK)
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = (g * recip[..., None]).astype(np.float64)
+        v = np.where(np.isnan(v), np.nan, np.clip(v, -FP8_MAX, FP8_MAX))
+    return v.reshape(np.shape(x)).astype(fp8_dtype()), byte
+
+
+def e2m1_codes(q) -> np.ndarray:
+    """The E2M1 codes of float32 values q: |q| clamped to 6 and rounded to the nearest of
+    E2M1_VALUES, ties to the even code, the sign bit kept (-0 too); NaN: 0x3."""
+    q = _f32(q)
+    a = np.minimum(np.abs(q).astype(np.float64), FP4_MAX)
+    mid = (E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2  # ties go to the even code: below for odd ones
+    code = np.zeros(a.shape, np.int64)
+    for c, t in enumerate(mid):
+        code += np.where((c % 2 == 0) & (a > t) | (c % 2 == 1) & (a >= t), 1, 0)
+    code |= (q.view(np.uint32) >> 28).astype(np.int64) & 0x8
+    return np.where(np.isnan(q), 0x3, code).astype(np.uint8)
+
+
+def nvfp4_reference(x, global_scale=1.0):
+    """(packed uint8 [..., D // 2], E4M3 scales [..., D // 16]) of NVFP4 with the global scale g:
+    a block's scale amax / 6 / g (each a float32 division), clamped to [2^-6, 448] (NaN kept) and
+    rounded to E4M3; its values x * ((1 / g) / scale) as E2M1 codes, the even element in the low
+    nibble."""
+    g = np.float32(global_scale)
+    blocks = _blocks(x, NVFP4_BLOCK)
+    amax = _block_amax(blocks)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        s = amax / np.float32(FP4_MAX) / g
+        s = np.where(np.isnan(s), s, np.clip(s, np.float32(NVFP4_SCALE_FLOOR), np.float32(FP8_MAX)))
+        scale = s.astype(np.float32).astype(fp8_dtype())
+        mult = (np.float32(1.0) / g) / scale.astype(np.float32)
+        q = (blocks * mult[..., None]).reshape(np.shape(x))
+    codes = e2m1_codes(q)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), scale
+
+
+def swizzle(scales) -> np.ndarray:
+    """Scales [rows, heads, blocks] (or [rows, columns]) in the 128 x 4 tiles of cuBLASLt's and
+    CUTLASS's block-scaled layout: [ceil(rows / 128), ceil(columns / 4), 512] of the scales' dtype,
+    (row, col) at byte (row % 32) * 16 + (row // 32 % 4) * 4 + col % 4 of tile (row // 128, col //
+    4), the padding zeros."""
+    s = np.asarray(scales)
+    s = s.reshape(s.shape[0], -1)
+    rows, cols = s.shape
+    rt, ct = -(-rows // 128), -(-cols // 4)
+    padded = np.zeros((rt * 128, ct * 4), dtype=s.dtype)
+    padded[:rows, :cols] = s
+    tiles = padded.reshape(rt, 4, 32, ct, 4).transpose(0, 3, 2, 1, 4)  # [rt, ct, row % 32, row // 32 % 4, col % 4]
+    return np.ascontiguousarray(tiles).reshape(rt, ct, 512)
+
+
+def e2m1_values(packed, scales, global_scale=1.0, block=NVFP4_BLOCK) -> np.ndarray:
+    """NVFP4 bytes [..., D // 2] and their scales [..., D // 16] decoded to float64 values."""
+    p = np.asarray(packed).astype(np.int64)
+    codes = np.stack([p & 0xF, p >> 4], axis=-1).reshape(p.shape[:-1] + (p.shape[-1] * 2,))
+    v = np.where(codes & 8, -1.0, 1.0) * E2M1_VALUES[codes & 7]
+    s = np.repeat(np.asarray(scales).astype(np.float64), block, axis=-1)
+    return v * s * float(global_scale)
+
+
+def as_bytes(x) -> np.ndarray:
+    """An array's bytes (uint8 of the same shape): FP8 values and scales as their bits."""
+    x = np.asarray(x)
+    return x.view(np.uint8) if x.dtype != np.uint8 else x
+
+
+#: how far (relative) a merge's float32 value may sit from its float64 one: a scale or an E2M1
+#: code other than the reference's only where the float64 value is this near the rounding's edge
+BLOCK_EDGE = 2.0**-16
+#: the E2M1 magnitudes' midpoints, where the rounding to a code changes
+E2M1_EDGES = (E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2
+
+
+def _near(a, edge):
+    with np.errstate(invalid="ignore"):
+        return np.abs(a - edge) <= BLOCK_EDGE * np.abs(edge)
+
+
+def _near_power_of_two(a):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (a > 0) & _near(a, np.exp2(np.round(np.log2(np.where(a > 0, a, 1.0)))))
+
+
+def assert_block_close(fmt, rounding, g, out, scales, ref, layout="row_major"):
+    """A block-scaled output of a merge against its float64 merge `ref`: each scale the rule's of
+    ref's blocks (rounded to float32) but where ref's amax lies at the rule's edge (MXFP8: a power of
+    two; NVFP4: between two E4M3 values), there one step off at most; each NVFP4 code the rule's of
+    its value over the scale stored but at an E2M1 edge, and each MXFP8 value within one E4M3 step;
+    NaN blocks NaN-scaled (NVFP4's codes 0x3); swizzled tiles' padding zeros."""
+    ref = np.asarray(ref, np.float64)
+    out, scales = as_bytes(out), as_bytes(scales)
+    if ref.size == 0:
+        return
+    block = 32 if fmt == "mxfp8" else 16
+    if layout == "swizzled":
+        rows = ref.shape[0]
+        per = ref.shape[-1] // block
+        cols = ref.shape[1] * per
+        flat = scales.reshape(scales.shape[0], scales.shape[1], 32, 4, 4).transpose(0, 3, 2, 1, 4)
+        flat = flat.reshape(scales.shape[0] * 128, scales.shape[1] * 4)
+        padding = flat.copy()
+        padding[:rows, :cols] = 0
+        assert not padding.any(), ("the tiles' padding is not zeros", np.argwhere(padding)[:5])
+        scales = flat[:rows, :cols].reshape(ref.shape[:2] + (per,))
+    x = ref.astype(np.float32)
+    nan_block = np.isnan(x.reshape(scales.shape + (-1,))).any(-1)
+    ok = ~nan_block
+    with np.errstate(invalid="ignore"):
+        amax = np.max(np.abs(ref.reshape(scales.shape + (-1,))), axis=-1)  # float64
+    if fmt == "mxfp8":
+        want = mx_scale_bytes(x, rounding).astype(np.int64)
+        got = scales.astype(np.int64)
+        assert np.array_equal(got == 255, nan_block), "NaN scales"
+        edge = _near_power_of_two(amax if rounding == "floor" else amax / FP8_MAX)
+        off = ok & (got != want)
+        assert np.all(~off | edge & (np.abs(got - want) == 1)), \
+            ("scales off the rule's", np.argwhere(off & ~edge)[:5], got[off & ~edge][:5], want[off & ~edge][:5])
+        per_element = np.repeat(np.exp2(got.astype(np.float64) - 127), 32, axis=-1)
+        assert_fp8_close(out.view(fp8_dtype()), np.where(np.repeat(nan_block, 32, -1), np.nan, ref) / per_element)
+        return
+    gs = np.float32(1.0 if g is None else g)
+    s8 = scales.view(fp8_dtype()).astype(np.float64)
+    _, want_s = nvfp4_reference(x, gs)
+    w8 = want_s.astype(np.float64)
+    assert np.array_equal(np.isnan(s8), nan_block), "NaN scales"
+    off = ok & (s8 != w8)
+    edge = _near(amax / 6 / float(gs), (s8 + w8) / 2) & (np.abs(s8 - w8) <= 2.0**-3 * np.minimum(s8, w8))
+    assert np.all(~off | edge), ("scales off the rule's", np.argwhere(off & ~edge)[:5], s8[off & ~edge][:5],
+                                 w8[off & ~edge][:5])
+    codes = np.stack([out & 0xF, out >> 4], -1).reshape(ref.shape).astype(np.int64)
+    nan_el = np.repeat(nan_block, 16, -1)
+    assert np.all(codes[nan_el] & 7 == 3), "NaN blocks' codes"
+    # each value over the scale stored, as the rule computes it (float32), and in float64
+    stored = np.repeat(np.where(ok, s8, 1.0), 16, -1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = np.where(nan_el, 0, x) * ((np.float32(1) / gs) / stored.astype(np.float32))
+        q64 = np.abs(np.where(nan_el, 0, ref) / float(gs) / stored)
+    want_codes = e2m1_codes(q.astype(np.float32)).astype(np.int64)
+    at_edge = np.any([_near(q64, e) for e in E2M1_EDGES], axis=0) | (q64 <= BLOCK_EDGE)
+    wrong = ~nan_el & (codes != want_codes) & ~at_edge
+    assert not wrong.any(), ("E2M1 codes off the rule's", np.argwhere(wrong)[:5], codes[wrong][:5],
+                             want_codes[wrong][:5], q64[wrong][:5])

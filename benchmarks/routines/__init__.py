@@ -4,6 +4,7 @@ ROUTINES = {
     "sinks": ("sinks", "merge_states with and without a sink"),
     "bases": ("bases", "mixed LSE bases against one base and against converting first"),
     "group_fp8": ("group_fp8", "per-group FP8 outputs against bf16 and against bf16 then a quantization"),
+    "block_scaled": ("block_scaled", "MXFP8 and NVFP4 outputs against bf16 then the format's compiled quantizer"),
     "share": ("share", "merge_share against a two-way merge of the same rows and the floor"),
     "layouts": ("layouts", "merge_states on an exchange's layouts and packed records against the stacked layout"),
     "state_forms": ("state_forms", "merge_states of (max, sum) statistics and of empty shards (valid) against LSEs"),

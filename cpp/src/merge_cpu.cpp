@@ -16,17 +16,29 @@ namespace {
 constexpr int64_t kChunk = 256;  // head_size elements accumulated at a time, on the stack (whole FP8 groups)
 constexpr int kCached = 64;      // the weights of a row's first states, kept rather than recomputed
 
-// Per-group FP8 (OutView::group) of acc, the merged elements d0 .. d0 + len of row (token, head),
-// in place, and each group's scale stored: whole groups, as kChunk is a multiple of every group.
-void quantize_groups(float* acc, int64_t len, const OutView& out, int64_t token, int64_t head, int64_t d0) {
+// Per-group FP8 and the block-scaled formats (OutView::group, OutView::block) of acc, the merged
+// elements d0 .. d0 + len of row (token, head): whole groups, as kChunk is a multiple of every
+// group.  Each group's scale is stored (and its share of the swizzled tiles' padding zeroed), its
+// values scaled in place for FP8, or stored at dst (the row's bytes) for NVFP4: true then.
+bool quantize_groups(float* acc, int64_t len, const OutView& out, const MergeShape& shape, int64_t token,
+                     int64_t head, int64_t d0, uint8_t* dst) {
+  const bool keep_nan = out.block != BlockScales::kFloat;
+  const int64_t per_head = shape.head_size / out.group;
   for (int64_t g0 = 0; g0 < len; g0 += out.group) {
-    float amax = 0.0f;  // fmax leaves NaN elements out
-    for (int64_t e = g0; e < g0 + out.group; ++e) amax = std::fmax(amax, std::fabs(acc[e]));
-    const float scale = group_scale(amax, out.ue8m0);
-    const float inv = 1.0f / scale;
-    for (int64_t e = g0; e < g0 + out.group; ++e) acc[e] *= inv;
-    *out.group_scale_at(token, head, (d0 + g0) / out.group) = scale;
+    uint32_t amax = 0;
+    for (int64_t e = g0; e < g0 + out.group; ++e) amax = max_bits(amax, magnitude_bits(acc[e], keep_nan));
+    const OutView::Scale s = out.block_scale(amax);
+    const int64_t j = (d0 + g0) / out.group;
+    out.store_scale(token, head, j, s);
+    if (out.swizzled) out.zero_padding(token, head * per_head + j, shape.tokens, shape.heads * per_head, int64_t{0},
+                                       int64_t{1});
+    if (out.block == BlockScales::kNvfp4) {
+      for (int64_t e = g0; e < g0 + out.group; e += 2) store_e2m1<2>(dst + (d0 + e) / 2, acc + e, s.multiplier, false);
+    } else {
+      for (int64_t e = g0; e < g0 + out.group; ++e) acc[e] *= s.multiplier;
+    }
   }
+  return out.block == BlockScales::kNvfp4;
 }
 
 template <typename Source, typename TIn, typename TOut>
@@ -90,7 +102,9 @@ ATTNMERGE_CPU_CLONES void merge_rows(const MergeShape& shape, const Source& src,
             for (int64_t d = 0; d < len; ++d) acc[d] += scale * Convert<TIn>::load(o[d]);
           }
           if constexpr (std::is_same<TOut, float8_e4m3_t>::value) {
-            if (out.group > 0) quantize_groups(acc, len, out, token, head, d0);
+            if (out.group > 0 &&
+                quantize_groups(acc, len, out, shape, token, head, d0, out.template o_at<uint8_t>(token, head)))
+              continue;  // NVFP4: stored
           }
 #pragma GCC ivdep
           for (int64_t d = 0; d < len; ++d) dst[d0 + d] = Convert<TOut>::store(acc[d]);

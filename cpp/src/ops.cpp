@@ -90,10 +90,12 @@ constexpr uint32_t kOIn = ATTNMERGE_ROLE_O_IN, kOOut = ATTNMERGE_ROLE_O_OUT, kLs
                    kMask = ATTNMERGE_ROLE_MASK, kIndptr = ATTNMERGE_ROLE_INDPTR, kScale = ATTNMERGE_ROLE_SCALE,
                    kValid = ATTNMERGE_ROLE_MASK | ATTNMERGE_ROLE_INDPTR;  // options.valid: a mask or counts
 // The tables' axes: tokens, heads, head_size, S, the total states and rows of a variable-length
-// merge (R1 = rows + 1), the tokens of a that are read, and a itself (Dim).
+// merge (R1 = rows + 1), the tokens of a that are read, and a itself, an output's last axis (NVFP4's
+// bytes), the group scales' axes (in their layout) (Dim).
 constexpr Dim T = Dim::kTokens, H = Dim::kHeads, D = Dim::kHeadSize, S = Dim::kStates, N = Dim::kTotal, R = Dim::kRows,
-              R1 = Dim::kRowsPlus1, A = Dim::kATokens, AOrMore = Dim::kATokensOrMore, G = Dim::kScaleGroups,
-              P = Dim::kPair, ST = Dim::kSliceTokens, SH = Dim::kSliceHeads;
+              R1 = Dim::kRowsPlus1, A = Dim::kATokens, AOrMore = Dim::kATokensOrMore, DO = Dim::kOutHeadSize,
+              G0 = Dim::kScales0, G1 = Dim::kScales1, G2 = Dim::kScales2, P = Dim::kPair,
+              ST = Dim::kSliceTokens, SH = Dim::kSliceHeads;
 constexpr Use kRead = Use::kRead, kWrite = Use::kWrite, kReadWrite = Use::kReadWrite;
 constexpr Presence kRequired = Presence::kRequired, kOptional = Presence::kOptional;
 constexpr Alias kMayBeOutput = Alias::kMayBeOutput, kNoAlias = Alias::kNone;
@@ -101,7 +103,10 @@ constexpr Alias kMayBeOutput = Alias::kMayBeOutput, kNoAlias = Alias::kNone;
 constexpr uint32_t kBase2 = ATTNMERGE_LSE_BASE2, kHeadsFirst = ATTNMERGE_LSE_HEADS_FIRST, kATokens = ATTNMERGE_A_TOKENS,
                    kPdl = ATTNMERGE_PDL, kBBase = ATTNMERGE_LSE_B_BASE2 | ATTNMERGE_LSE_B_BASE_E,
                    kOutBase = ATTNMERGE_OUT_LSE_BASE2 | ATTNMERGE_OUT_LSE_BASE_E, kUe8m0 = ATTNMERGE_GROUP_SCALE_UE8M0,
-                   kInvariant = ATTNMERGE_BATCH_INVARIANT;
+                   kInvariant = ATTNMERGE_BATCH_INVARIANT,
+                   // the block-scaled formats, with per-group FP8 what the forwards that take group scales take
+                   kGroups = kUe8m0 | ATTNMERGE_BLOCK_MXFP8 | ATTNMERGE_BLOCK_NVFP4 | ATTNMERGE_SCALE_RCEIL |
+                             ATTNMERGE_SCALE_SWIZZLED;
 
 // Each op: its arguments' table, then make_op(table, the options.flags it takes, the argument whose
 // dtype allows an output scale, the state its sizes come from and that state's LSE, its shape
@@ -111,14 +116,14 @@ constexpr uint32_t kBase2 = ATTNMERGE_LSE_BASE2, kHeadsFirst = ATTNMERGE_LSE_HEA
 // o_a or o_b itself, out_lse lse_a or lse_b.
 constexpr ArgSpec kMergeArgs[] = {
     // name      role   shape            use     presence    alias          dtype of
-    {"out",      kOOut, {T, H, D},       kWrite, kRequired},
+    {"out",      kOOut, {T, H, DO},      kWrite, kRequired},
     {"out_lse",  kLse,  {T, H},          kWrite, kOptional},
     {"o_a",      kOIn,  {AOrMore, H, D}, kRead,  kRequired,  kMayBeOutput},
     {"lse_a",    kLse,  {AOrMore, H},    kRead,  kRequired,  kMayBeOutput},
     {"o_b",      kOIn,  {T, H, D},       kRead,  kRequired,  kMayBeOutput,  "o_a"},
     {"lse_b",    kLse,  {T, H},          kRead,  kRequired,  kMayBeOutput},
     {"sink",     kLse,  {H},             kRead,  kOptional},
-    {"group_scales", kScale, {T, H, G},  kWrite, kOptional},
+    {"group_scales", kScale, {G0, G1, G2}, kWrite, kOptional},
     {"sum_a",    kLse,  {AOrMore, H},    kRead,  kOptional},
     {"sum_b",    kLse,  {T, H},          kRead,  kOptional},
     {"valid",    kValid, {T, P},         kRead,  kOptional},
@@ -132,7 +137,7 @@ static_assert(indexed(kMergeArgs, {{MergeArg::kOut, "out"}, {MergeArg::kOutLse, 
                                    {MergeArg::kSumA, "sum_a"}, {MergeArg::kSumB, "sum_b"},
                                    {MergeArg::kValid, "valid"}}),
               "MergeArg indexes kMergeArgs");
-constexpr OpSpec kMerge = make_op(kMergeArgs, kBase2 | kBBase | kOutBase | kHeadsFirst | kATokens | kPdl | kUe8m0 | kInvariant,
+constexpr OpSpec kMerge = make_op(kMergeArgs, kBase2 | kBBase | kOutBase | kHeadsFirst | kATokens | kPdl | kGroups | kInvariant,
                                   "out", "o_b", "lse_b", pair_sizes);
 static_assert(names_resolve(kMerge), "kMerge names its own arguments");
 
@@ -159,12 +164,12 @@ static_assert(names_resolve(kInplace), "kInplace names its own arguments");
 
 // (out, out_lse) = merge of the S states of o, lse, and each head's sink (options.sink) where given.
 constexpr ArgSpec kStatesArgs[] = {
-    {"out",     kOOut, {T, H, D},    kWrite, kRequired},
+    {"out",     kOOut, {T, H, DO},   kWrite, kRequired},
     {"out_lse", kLse,  {T, H},       kWrite, kOptional},
     {"o",       kOIn,  {T, S, H, D}, kRead,  kRequired},
     {"lse",     kLse,  {T, S, H},    kRead,  kRequired},
     {"sink",    kLse,  {H},          kRead,  kOptional},
-    {"group_scales", kScale, {T, H, G}, kWrite, kOptional},
+    {"group_scales", kScale, {G0, G1, G2}, kWrite, kOptional},
     {"sum_a",   kLse,  {T, S, H},    kRead,  kOptional},
     {"valid",   kValid, {T, S},      kRead,  kOptional},
 };
@@ -176,18 +181,18 @@ static_assert(indexed(kStatesArgs, {{StatesArg::kOut, "out"}, {StatesArg::kOutLs
                                     {StatesArg::kGroupScales, "group_scales"}, {StatesArg::kSumA, "sum_a"},
                                     {StatesArg::kValid, "valid"}}),
               "StatesArg indexes kStatesArgs");
-constexpr OpSpec kStates = make_op(kStatesArgs, kBase2 | kOutBase | kPdl | kUe8m0 | kInvariant, "out", "o", "lse", stack_sizes);
+constexpr OpSpec kStates = make_op(kStatesArgs, kBase2 | kOutBase | kPdl | kGroups | kInvariant, "out", "o", "lse", stack_sizes);
 static_assert(names_resolve(kStates), "kStates names its own arguments");
 
 // Row r of (out, out_lse) = merge of states indptr[r] to indptr[r + 1] - 1 of o, lse, and the sink.
 constexpr ArgSpec kVarlenArgs[] = {
-    {"out",     kOOut,   {R, H, D}, kWrite, kRequired},
+    {"out",     kOOut,   {R, H, DO}, kWrite, kRequired},
     {"out_lse", kLse,    {R, H},    kWrite, kOptional},
     {"o",       kOIn,    {N, H, D}, kRead,  kRequired},
     {"lse",     kLse,    {N, H},    kRead,  kRequired},
     {"indptr",  kIndptr, {R1},      kRead,  kRequired},
     {"sink",    kLse,    {H},       kRead,  kOptional},
-    {"group_scales", kScale, {R, H, G}, kWrite, kOptional},
+    {"group_scales", kScale, {G0, G1, G2}, kWrite, kOptional},
     {"sum_a",   kLse,    {N, H},    kRead,  kOptional},
     {"valid",   kValid,  {N},       kRead,  kOptional},
 };
@@ -200,18 +205,18 @@ static_assert(indexed(kVarlenArgs, {{VarlenArg::kOut, "out"}, {VarlenArg::kOutLs
                                     {VarlenArg::kSumA, "sum_a"}, {VarlenArg::kValid, "valid"}}),
               "VarlenArg indexes kVarlenArgs");
 constexpr OpSpec kVarlen =
-    make_op(kVarlenArgs, kBase2 | kOutBase | kPdl | kUe8m0 | kInvariant, "out", "o", "lse", range_sizes);
+    make_op(kVarlenArgs, kBase2 | kOutBase | kPdl | kGroups | kInvariant, "out", "o", "lse", range_sizes);
 static_assert(names_resolve(kVarlen), "kVarlen names its own arguments");
 
 // (out, out_lse) = the share of state `index` (whose O is o) in the merge of the S states of lse
 // and the sink: out may be o itself.
 constexpr ArgSpec kShareArgs[] = {
-    {"out",     kOOut, {T, H, D},    kWrite, kRequired},
+    {"out",     kOOut, {T, H, DO},   kWrite, kRequired},
     {"out_lse", kLse,  {T, H},       kWrite, kOptional},
     {"o",       kOIn,  {T, H, D},    kRead,  kRequired, kMayBeOutput},
     {"lse",     kLse,  {T, S, H},    kRead,  kRequired},
     {"sink",    kLse,  {H},          kRead,  kOptional},
-    {"group_scales", kScale, {T, H, G}, kWrite, kOptional},
+    {"group_scales", kScale, {G0, G1, G2}, kWrite, kOptional},
     {"sum_a",   kLse,  {T, S, H},    kRead,  kOptional},
     {"valid",   kValid, {T, S},      kRead,  kOptional},
 };
@@ -223,7 +228,7 @@ static_assert(indexed(kShareArgs, {{ShareArg::kOut, "out"}, {ShareArg::kOutLse, 
                                    {ShareArg::kGroupScales, "group_scales"}, {ShareArg::kSumA, "sum_a"},
                                    {ShareArg::kValid, "valid"}}),
               "ShareArg indexes kShareArgs");
-constexpr OpSpec kShare = make_op(kShareArgs, kBase2 | kOutBase | kPdl | kUe8m0 | kInvariant, "out", "o", "lse", share_sizes);
+constexpr OpSpec kShare = make_op(kShareArgs, kBase2 | kOutBase | kPdl | kGroups | kInvariant, "out", "o", "lse", share_sizes);
 static_assert(names_resolve(kShare), "kShare names its own arguments");
 
 // (out, out_lse) = the merge of every rank's rows of this rank's slice, and each head's sink: o and
@@ -510,12 +515,32 @@ BasicOutView<Real> out_view(const View& out, const View& out_lse, const View& sc
                        base_change<Real>(inputs_base2(c.opt.flags),
                                          lse_base2(c.opt.flags, ATTNMERGE_OUT_LSE_BASE2, ATTNMERGE_OUT_LSE_BASE_E))};
   if (scales.present() && !scales.empty) {
-    v.group_scales = static_cast<float*>(scales.t->data);
+    const uint32_t flags = c.opt.flags;
+    v.group_scales = scales.t->data;
     v.gs_st = scales.strides[0], v.gs_sh = scales.strides[1], v.gs_sg = scales.strides[2];
     v.group = c.opt.group_size;
-    v.ue8m0 = (c.opt.flags & ATTNMERGE_GROUP_SCALE_UE8M0) != 0;
+    v.ue8m0 = (flags & ATTNMERGE_GROUP_SCALE_UE8M0) != 0;
+    v.block = (flags & ATTNMERGE_BLOCK_NVFP4)   ? BlockScales::kNvfp4
+              : (flags & ATTNMERGE_BLOCK_MXFP8) ? ((flags & ATTNMERGE_SCALE_RCEIL) ? BlockScales::kMxRceil
+                                                                                   : BlockScales::kMxFloor)
+                                                : BlockScales::kFloat;
+    if (v.block != BlockScales::kFloat) v.group = v.block == BlockScales::kNvfp4 ? 16 : 32;  // 0: the format's
+    v.swizzled = (flags & ATTNMERGE_SCALE_SWIZZLED) != 0;
+    v.head_groups = static_cast<int32_t>(c.sizes.head_size / v.group);
+    if (v.block == BlockScales::kNvfp4) {  // the output scale is the global one: no part of the merge's weights
+      v.global = c.opt.output_scale != 0.0f ? c.opt.output_scale : 1.0f;
+      v.global_ptr = c.opt.output_scale_ptr;
+      v.inv_scale = 1;
+      v.scale = nullptr;
+    }
   }
   return v;
+}
+
+// The output storage type a call's kernels (and CPU loop) are instantiated with: out's dtype, or
+// FP8 for NVFP4, a run-time mode of the FP8 kernels (OutView::block).
+int kernel_out_dtype(const View& out, const Checked& c) {
+  return (c.opt.flags & ATTNMERGE_BLOCK_NVFP4) ? ATTNMERGE_FLOAT8_E4M3 : out.t->dtype;
 }
 
 // out_lse is the very LSE of an input it merges (read by every thread of a row, written by one).
@@ -562,10 +587,10 @@ attnmerge_status run_pair(Checked& c, const View& out, const View& out_lse, cons
       return fail(ATTNMERGE_ERROR_VALUE,
                   "%s: expected none where %s is %s (a merge in place takes no sink), got a tensor", sink.name(),
                   out_lse.name(), same_view(out_lse, lse_a) ? lse_a.name() : lse_b.name());
-    return run(c.all(), shape, BasicSinkPairSource<Real>{src, sinks}, dst, o_a.t->dtype, out.t->dtype, stream,
-               c.opt.flags);
+    return run(c.all(), shape, BasicSinkPairSource<Real>{src, sinks}, dst, o_a.t->dtype, kernel_out_dtype(out, c),
+               stream, c.opt.flags);
   }
-  return run(c.all(), shape, src, dst, o_a.t->dtype, out.t->dtype, stream, c.opt.flags);
+  return run(c.all(), shape, src, dst, o_a.t->dtype, kernel_out_dtype(out, c), stream, c.opt.flags);
 }
 
 }  // namespace
@@ -625,6 +650,7 @@ attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnm
   const View &vo = c.views[A::kO], &vl = c.views[A::kLse];
   const Sizes& n = c.sizes;
   const MergeShape shape = merge_shape(n.tokens, n, c);
+  const int out_dtype = kernel_out_dtype(c.views[A::kOut], c);
   return dispatch_real(c.precision, [&](auto real) {
     using Real = decltype(real);
     const BasicOutView<Real> dst = out_view<Real>(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c);
@@ -633,11 +659,11 @@ attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnm
     if (n.states == 2) {  // the two-way merge's kernels
       const BasicPairSource<Real> pair = pair_of(src, o->dtype, vo.empty, vl.empty, n.tokens);
       if (src.sink.lse != nullptr)
-        return run(c.all(), shape, BasicSinkPairSource<Real>{pair, src.sink}, dst, o->dtype, out->dtype, stream,
+        return run(c.all(), shape, BasicSinkPairSource<Real>{pair, src.sink}, dst, o->dtype, out_dtype, stream,
                    c.opt.flags);
-      return run(c.all(), shape, pair, dst, o->dtype, out->dtype, stream, c.opt.flags);
+      return run(c.all(), shape, pair, dst, o->dtype, out_dtype, stream, c.opt.flags);
     }
-    return run(c.all(), shape, src, dst, o->dtype, out->dtype, stream, c.opt.flags);
+    return run(c.all(), shape, src, dst, o->dtype, out_dtype, stream, c.opt.flags);
   });
 }
 
@@ -661,7 +687,7 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
     src.extras = extras_of<Real>(c.views[A::kSumA], View{}, c.views[A::kValid]);
     return run(c.all(), merge_shape(n.rows, n, c), src,
                out_view<Real>(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype,
-               out->dtype, stream, c.opt.flags);
+               kernel_out_dtype(c.views[A::kOut], c), stream, c.opt.flags);
   });
 }
 
@@ -685,7 +711,7 @@ attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnme
     src.extras = extras_of<Real>(c.views[A::kSumA], View{}, c.views[A::kValid]);
     return run(c.all(), merge_shape(n.tokens, n, c), src,
                out_view<Real>(c.views[A::kOut], c.views[A::kOutLse], c.views[A::kGroupScales], c), o->dtype,
-               out->dtype, stream, c.opt.flags);
+               kernel_out_dtype(c.views[A::kOut], c), stream, c.opt.flags);
   });
 }
 

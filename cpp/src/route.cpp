@@ -69,7 +69,7 @@ attnmerge_status locate(Views views, const float* scale, bool no_rows, int& devi
 
 CallFacts call_facts(Views views, int64_t head_size, uint32_t flags) {
   CallFacts facts;
-  facts.vec = choose_vec(views, head_size);
+  facts.vec = choose_vec(views, head_size, (flags & ATTNMERGE_BLOCK_NVFP4) != 0);
   facts.access_bytes = static_cast<int>(facts.vec * widest_o(views));
   facts.pdl = (flags & ATTNMERGE_PDL) != 0;
   facts.batch_invariant = (flags & ATTNMERGE_BATCH_INVARIANT) != 0;

@@ -31,7 +31,8 @@ attnmerge_status run(Views views, const MergeShape& shape, const Source& src,
                      uint32_t flags) {
   int device;
   bool go;
-  attnmerge_status s = locate(views, out.scale, shape.rows == 0, device, go);
+  // The output scale in memory, or NVFP4's global one (out_view keeps it apart from the merge's weights).
+  attnmerge_status s = locate(views, out.scale != nullptr ? out.scale : out.global_ptr, shape.rows == 0, device, go);
   if (s || !go) return s;
   if (device == ATTNMERGE_HOST) {
     if ((s = check_cpu_threads())) return s;

@@ -105,8 +105,11 @@ int64_t size_of(Dim d, const Sizes& n) {
     case Dim::kRowsPlus1: return n.rows + 1;
     case Dim::kATokens:
     case Dim::kATokensOrMore: return n.a_tokens;
-    case Dim::kScaleGroups: return n.scale_groups;
     case Dim::kPair: return 2;
+    case Dim::kOutHeadSize: return n.out_head_size;
+    case Dim::kScales0: return n.scales[0];
+    case Dim::kScales1: return n.scales[1];
+    case Dim::kScales2: return n.scales[2];
     case Dim::kSliceTokens: return n.slice_tokens;
     case Dim::kSliceHeads: return n.slice_heads;
     case Dim::kNone: break;
@@ -123,13 +126,24 @@ LseLayout lse_layout(const attnmerge_options& opt, uint32_t op_flags) {
 }
 
 // One tensor against its spec, into `v` (swapping the two axes of an LSE given [heads, tokens]).
+// The dtypes an argument of `spec` may have in a call of `formats` (the block-scaled format its
+// options ask for, where its op takes one): the block scales a format's (uint8 UE8M0, FP8 E4M3),
+// NVFP4's output uint8 (two values per byte); else its role's (dtypes.h).
+uint32_t dtypes_for(const ArgSpec& spec, uint32_t formats) {
+  const uint32_t bit8 = 1u << ATTNMERGE_UINT8, fp8 = 1u << ATTNMERGE_FLOAT8_E4M3;
+  if (spec.role == ATTNMERGE_ROLE_SCALE && formats == ATTNMERGE_BLOCK_MXFP8) return bit8;
+  if (spec.role == ATTNMERGE_ROLE_SCALE && formats == ATTNMERGE_BLOCK_NVFP4) return fp8;
+  if (spec.role == ATTNMERGE_ROLE_O_OUT && formats == ATTNMERGE_BLOCK_NVFP4) return bit8;
+  return dtypes_of(spec.role);
+}
+
 attnmerge_status describe_one(const attnmerge_tensor* t, const ArgSpec& spec, LseLayout layout, const ArgNames& names,
-                              View& v) {
+                              uint32_t formats, View& v) {
   v = View{};
   v.spec = &spec;
   v.names = &names;
   const int ndim = spec.ndim();
-  const uint32_t dtypes = dtypes_of(spec.role);
+  const uint32_t dtypes = dtypes_for(spec, formats);
   const bool transpose = spec.role == ATTNMERGE_ROLE_LSE && ndim == 2 && layout == LseLayout::kHeadsFirst;
   if (t == nullptr) {
     if (spec.presence == Presence::kOptional) return ATTNMERGE_SUCCESS;
@@ -245,9 +259,9 @@ namespace {
 
 // Step 1: tensors[i] against specs[i], each alone, into views[i], in table order.
 attnmerge_status describe(const ArgSpec* specs, const attnmerge_tensor* const* tensors, int n, LseLayout layout,
-                          const ArgNames& names, View* views) {
+                          const ArgNames& names, uint32_t formats, View* views) {
   for (int i = 0; i < n; ++i)
-    if (attnmerge_status s = describe_one(tensors[i], specs[i], layout, names, views[i])) return s;
+    if (attnmerge_status s = describe_one(tensors[i], specs[i], layout, names, formats, views[i])) return s;
   return ATTNMERGE_SUCCESS;
 }
 
@@ -301,19 +315,41 @@ attnmerge_status read_options(const attnmerge_options& opt, const OpSpec& op, co
     return fail(ATTNMERGE_ERROR_VALUE,
                 "options.flags: expected ATTNMERGE_GROUP_SCALE_UE8M0 only with group_scales, got 0x%x and none",
                 opt.flags);
+  const uint32_t formats = opt.flags & (ATTNMERGE_BLOCK_MXFP8 | ATTNMERGE_BLOCK_NVFP4);
+  if (formats == (ATTNMERGE_BLOCK_MXFP8 | ATTNMERGE_BLOCK_NVFP4))
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "options.flags: expected at most one of ATTNMERGE_BLOCK_MXFP8 and ATTNMERGE_BLOCK_NVFP4, got both (0x%x)",
+                opt.flags);
+  const char* format = formats == ATTNMERGE_BLOCK_NVFP4 ? "NVFP4" : "MXFP8";
+  if (formats != 0 && !groups)
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a tensor for %s's block scales, got none",
+                out.names->of("group_scales"), format);
+  if (formats != 0 && (opt.flags & ATTNMERGE_GROUP_SCALE_UE8M0))
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "options.flags: expected no ATTNMERGE_GROUP_SCALE_UE8M0 (per-group FP8's) with %s, got 0x%x", format,
+                opt.flags);
+  if ((opt.flags & ATTNMERGE_SCALE_RCEIL) && formats != ATTNMERGE_BLOCK_MXFP8)
+    return fail(ATTNMERGE_ERROR_VALUE, "options.flags: expected ATTNMERGE_SCALE_RCEIL only with ATTNMERGE_BLOCK_MXFP8, "
+                "got 0x%x", opt.flags);
+  if ((opt.flags & ATTNMERGE_SCALE_SWIZZLED) && formats == 0)
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "options.flags: expected ATTNMERGE_SCALE_SWIZZLED only with a block-scaled format "
+                "(ATTNMERGE_BLOCK_MXFP8 or ATTNMERGE_BLOCK_NVFP4), got 0x%x",
+                opt.flags);
+  const bool nvfp4 = formats == ATTNMERGE_BLOCK_NVFP4;  // out is uint8 then (describe_one)
   const bool fp8 = out.t->dtype == ATTNMERGE_FLOAT8_E4M3;
-  if (groups && !fp8)
-    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected dtype float8_e4m3 for per-group scales (%s), got %s", out.name(),
-                out.names->of("group_scales"), dtype_name(out.t->dtype));
+  if (groups && !fp8 && !nvfp4)
+    return fail(ATTNMERGE_ERROR_TYPE, "%s: expected dtype float8_e4m3 for %s (%s), got %s", out.name(),
+                formats != 0 ? "MXFP8" : "per-group scales", out.names->of("group_scales"), dtype_name(out.t->dtype));
   const auto name = [&] { return out.names->of("output_scale"); };  // looked up only where a check fails
-  if (groups && (opt.output_scale != 0.0f || opt.output_scale_ptr != nullptr))
-    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected none with %s (each group has its own scale), got a scale",
-                name(), out.names->of("group_scales"));
+  if (groups && !nvfp4 && (opt.output_scale != 0.0f || opt.output_scale_ptr != nullptr))
+    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected none with %s (each %s has its own scale), got a scale",
+                name(), out.names->of("group_scales"), formats != 0 ? "block" : "group");
   const float scale = opt.output_scale;
-  if (scale != 0.0f && scale != 1.0f && !fp8)
+  if (scale != 0.0f && scale != 1.0f && !fp8 && !nvfp4)
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected none (or 1) for a %s output, got %g", name(),
                 dtype_name(out.t->dtype), scale);
-  if (opt.output_scale_ptr != nullptr && !fp8)
+  if (opt.output_scale_ptr != nullptr && !fp8 && !nvfp4)
     return fail(ATTNMERGE_ERROR_VALUE, "%s: expected none for a %s output, got a scale in memory", name(),
                 dtype_name(out.t->dtype));
   if (opt.output_scale_ptr != nullptr && scale != 0.0f)
@@ -423,24 +459,67 @@ attnmerge_status read_a_tokens(const attnmerge_options& opt, const View& source,
 
 namespace {
 
-// Step 4: options.group_size, where group scales are given, against head_size and the vectors of
-// the O arrays (a group's lanes lie in one warp), into sizes.scale_groups.
-attnmerge_status check_group_size(const attnmerge_options& opt, Views views, Sizes& n) {
+// Step 4: options.group_size (or the block format's), where group scales are given, against
+// head_size (read off `source`) and the vectors of the O arrays (a group's lanes lie in one
+// warp), and the scales' shape (Sizes::scales) in their layout, the swizzled tiles' alignment;
+// out's last axis (Sizes::out_head_size).
+attnmerge_status check_group_size(const attnmerge_options& opt, Views views, const View& source, Sizes& n) {
+  const uint32_t formats = opt.flags & (ATTNMERGE_BLOCK_MXFP8 | ATTNMERGE_BLOCK_NVFP4);
+  const bool nvfp4 = formats == ATTNMERGE_BLOCK_NVFP4;
+  n.out_head_size = n.head_size;
   if (opt.group_scales == nullptr) return ATTNMERGE_SUCCESS;
-  const int64_t g = opt.group_size;
+  int64_t g = opt.group_size;
   const char* name = views.names->of("group_size");
-  if (g < 8 || (g & (g - 1)) != 0)
-    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a power of two >= 8, got %" PRId64, name, g);
-  if (n.head_size % g != 0)
-    return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a divisor of head_size (%" PRId64 "), got %" PRId64, name,
-                n.head_size, g);
-  const int vec = choose_vec(views, n.head_size);
+  if (formats != 0) {
+    const char* format = nvfp4 ? "NVFP4" : "MXFP8";
+    const int64_t block = nvfp4 ? 16 : 32;
+    if (g != 0 && g != block)
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected 0 or %" PRId64 " (%s's block), got %" PRId64, name, block, format,
+                  g);
+    g = block;
+    if (n.head_size % g != 0)
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a head_size that %s's block of %" PRId64 " divides, got %" PRId64,
+                  source.name(), format, g, n.head_size);
+  } else {
+    if (g < 8 || (g & (g - 1)) != 0)
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a power of two >= 8, got %" PRId64, name, g);
+    if (n.head_size % g != 0)
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a divisor of head_size (%" PRId64 "), got %" PRId64, name,
+                  n.head_size, g);
+  }
+  const int vec = choose_vec(views, n.head_size, nvfp4);
+  if (nvfp4 && vec < 2)
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "%s: expected O arrays whose pointers and strides allow vectors of 2 elements (NVFP4 stores two "
+                "values per byte), got arrays of single elements",
+                source.name());
   if (g > 32 * vec)
     return fail(ATTNMERGE_ERROR_VALUE,
                 "%s: expected at most %d (a warp's 32 lanes of %d elements each, the vector the O arrays' pointers "
                 "and strides allow), got %" PRId64,
                 name, 32 * vec, vec, g);
-  n.scale_groups = n.head_size / g;
+  if (nvfp4) n.out_head_size = n.head_size / 2;
+  // The output's rows: its first axis (tokens, or a variable-length merge's rows).
+  int64_t rows = 0;
+  const View* scales = nullptr;
+  for (const View& v : views) {
+    if (v.spec->role == ATTNMERGE_ROLE_O_OUT) rows = size_of(v.spec->shape[0], n);
+    if (v.spec->role == ATTNMERGE_ROLE_SCALE) scales = &v;
+  }
+  const int64_t per_head = n.head_size / g;
+  if (!(opt.flags & ATTNMERGE_SCALE_SWIZZLED)) {
+    n.scales[0] = rows, n.scales[1] = n.heads, n.scales[2] = per_head;
+    return ATTNMERGE_SUCCESS;
+  }
+  n.scales[0] = (rows + 127) / 128, n.scales[1] = (n.heads * per_head + 3) / 4, n.scales[2] = 512;
+  if (scales == nullptr || !scales->present() || scales->empty) return ATTNMERGE_SUCCESS;
+  const int64_t* st = scales->strides;
+  if (reinterpret_cast<uintptr_t>(scales->t->data) % 16 != 0 || st[0] % 16 != 0 || st[1] % 16 != 0 ||
+      (st[2] != 1 && scales->shape[2] > 1))
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "%s: expected the 128 x 4 tiles' alignment (a pointer and tile strides of multiples of 16 bytes, a "
+                "unit stride within a tile), got pointer %p, strides [%" PRId64 ", %" PRId64 ", %" PRId64 "]",
+                scales->name(), scales->t->data, st[0], st[1], st[2]);
   return ATTNMERGE_SUCCESS;
 }
 
@@ -461,7 +540,10 @@ Dim voted_dim(const View& v, int axis, bool a_tokens_given, int64_t& size) {
     case Dim::kATokensOrMore: return a_tokens_given ? Dim::kNone : Dim::kTokens;
     case Dim::kRowsPlus1: size -= 1; return Dim::kRows;
     case Dim::kATokens:
-    case Dim::kScaleGroups: return Dim::kNone;  // the options' sizes
+    case Dim::kOutHeadSize:
+    case Dim::kScales0:
+    case Dim::kScales1:
+    case Dim::kScales2: return Dim::kNone;  // the options' sizes
     default: return v.spec->shape[axis];
   }
 }
@@ -635,13 +717,14 @@ attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tenso
   const Views views = call.all();
   attnmerge_status s;
   if ((s = read_layout(options, call.opt, call.names)) ||
-      (s = describe(op.args, tensors, op.count, lse_layout(call.opt, op.flags), call.names, call.views)))
+      (s = describe(op.args, tensors, op.count, lse_layout(call.opt, op.flags), call.names,
+                    call.opt.flags & op.flags & (ATTNMERGE_BLOCK_MXFP8 | ATTNMERGE_BLOCK_NVFP4), call.views)))
     return s;
   const View& source = call.views[op.sizes_from];
   if ((s = read_options(call.opt, op, call.views[op.scale_of], call.inv_scale)) ||
       (s = check_precision(views, call.precision)) || (s = check_dtypes(op, views)))
     return s;
-  if ((s = op.equations(views, source, call.opt, call.sizes)) || (s = check_group_size(call.opt, views, call.sizes)) ||
+  if ((s = op.equations(views, source, call.opt, call.sizes)) || (s = check_group_size(call.opt, views, source, call.sizes)) ||
       (s = check_shapes(views, call.sizes, source, call.views[op.sizes_lse]))) {
     // Inputs at odds with each other fail here, the source's sizes against the others': the vote
     // names the one at odds instead (a call that passes pays for no vote).
@@ -683,14 +766,15 @@ std::size_t widest_o(Views views) {
   return widest;
 }
 
-int choose_vec(Views views, int64_t head_size) {
+int choose_vec(Views views, int64_t head_size, bool packed_out) {
   const std::size_t widest = widest_o(views);
   for (int vec = static_cast<int>(16 / widest); vec > 1; vec /= 2) {
     bool ok = head_size % vec == 0;
     for (const View& v : views) {
       if (!ok || !v.present() || !v.spec->is_o() || v.empty) continue;
-      ok = reinterpret_cast<uintptr_t>(v.t->data) % (vec * dtype_size(v.t->dtype)) == 0;
-      for (int axis = 0; ok && axis < v.ndim - 1; ++axis) ok = v.shape[axis] <= 1 || v.strides[axis] % vec == 0;
+      const int items = packed_out && v.spec->role == ATTNMERGE_ROLE_O_OUT ? vec / 2 : vec;  // a vector's
+      ok = reinterpret_cast<uintptr_t>(v.t->data) % (items * dtype_size(v.t->dtype)) == 0;
+      for (int axis = 0; ok && axis < v.ndim - 1; ++axis) ok = v.shape[axis] <= 1 || v.strides[axis] % items == 0;
     }
     if (ok) return vec;
   }

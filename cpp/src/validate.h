@@ -24,8 +24,11 @@ enum class Dim : uint8_t {
   kRowsPlus1,  // indptr's entries
   kATokens,  // the tokens of a two-way merge's a that are read: options.a_tokens, or tokens
   kATokensOrMore,  // a itself: at least those with ATTNMERGE_A_TOKENS (only they are read), else exactly
-  kScaleGroups,  // the per-group FP8 scales of a row: head_size / options.group_size
   kPair,  // 2: the two states of a two-way or in-place merge (options.valid's)
+  kOutHeadSize,  // an output's last axis: head_size, or head_size / 2 bytes (NVFP4's two values per byte)
+  kScales0,  // options.group_scales' axes (Sizes::scales): [rows, heads, head_size / options.group_size],
+  kScales1,  // or in the 128 x 4 tiles of ATTNMERGE_SCALE_SWIZZLED [ceil(rows / 128),
+  kScales2,  // ceil(heads * head_size / group_size / 4), 512]
   kSliceTokens,  // an exchange's output: the tokens of its slice
   kSliceHeads,  // an exchange's output: the heads of its slice
 };
@@ -105,7 +108,8 @@ struct Views {
 // The sizes of an op's shape equations, which every argument's Dims are read in.
 struct Sizes {
   int64_t tokens = 0, heads = 0, head_size = 0, states = 0, total = 0, rows = 0;
-  int64_t scale_groups = 0;  // kScaleGroups
+  int64_t out_head_size = 0;  // kOutHeadSize
+  int64_t scales[3] = {0, 0, 0};  // kScales0 .. kScales2
   int64_t slice_tokens = 0, slice_heads = 0;  // kSliceTokens, kSliceHeads
   int64_t a_tokens = 0;  // kATokens
   bool a_tokens_given = false;  // ATTNMERGE_A_TOKENS: kATokensOrMore means at least a_tokens
@@ -243,8 +247,9 @@ inline const attnmerge_tensor* valid_of(const attnmerge_options* options) {
 std::size_t widest_o(Views views);
 
 // The widest vector (elements) that the pointer and strides of every O of the call and head_size
-// allow, within 16 bytes per access.
-int choose_vec(Views views, int64_t head_size);
+// allow, within 16 bytes per access; `packed_out`: the outputs hold two elements per byte (NVFP4),
+// a vector of them half as many bytes.
+int choose_vec(Views views, int64_t head_size, bool packed_out = false);
 
 // The options' fields struct_size covers, into `opt` (the others zero), and the caller's names:
 // validate()'s step 0, for an op whose own arguments are checked before its tensors (the exchange).
@@ -260,7 +265,8 @@ attnmerge_status read_layout(const attnmerge_options* options, attnmerge_options
 //      step 1 has described);
 //   3. one precision (Precision) for every O and LSE (softmax sums too): all float64 or none; then
 //      every ArgSpec::dtype_of, where both are given;
-//   4. op.equations, options.group_size against head_size and the arrays' vectors, then every
+//   4. op.equations, options.group_size (or the block format's) against head_size and the arrays'
+//      vectors, the swizzled scales' alignment, then every
 //      given argument's shape against its Dims (op.sizes_lse first, then in table order); where
 //      these fail, the inputs' sizes are put to a vote, and an input at odds with those most
 //      inputs give (or two inputs at odds with each other) is named instead;

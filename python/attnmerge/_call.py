@@ -22,10 +22,10 @@ class Options(NamedTuple):
     order, are what the binding and the XLA handlers read; the last what Python does around the
     call (allocating results, gradients)."""
 
-    flags: int = 0  # the C ABI's attnmerge_options.flags: bases, PDL, UE8M0 scales, [heads, tokens] LSEs
+    flags: int = 0  # the C ABI's attnmerge_options.flags: bases, PDL, scales, block formats, [heads, tokens] LSEs
     a_tokens: int = -1  # the two-way merge's a_tokens; -1: none
     output_scale: float = 0.0  # FP8 outputs store value / output_scale; 0: none (or `scale`)
-    group_size: int = 0  # per-group FP8; 0: none
+    group_size: int = 0  # per-group FP8's group, or the block format's block; 0: none
     index: int = 0  # merge_share's state
     states_axis: int = 1  # the axis of S in o (and lse): 1 is [tokens, S, ...]
     scale: Any = None  # output_scale given as a one-element float32 array, read on the device
@@ -51,6 +51,19 @@ class Options(NamedTuple):
     @property
     def batch_invariant(self) -> bool:
         return bool(self.flags & _C.BATCH_INVARIANT)
+
+    @property
+    def block_format(self) -> str | None:
+        """The block-scaled format ("mxfp8", "nvfp4"), or None."""
+        return "nvfp4" if self.flags & _C.BLOCK_NVFP4 else "mxfp8" if self.flags & _C.BLOCK_MXFP8 else None
+
+    @property
+    def scale_layout(self) -> str:
+        return "swizzled" if self.flags & _C.SCALE_SWIZZLED else "row_major"
+
+    @property
+    def scale_rounding(self) -> str:
+        return "rceil" if self.flags & _C.SCALE_RCEIL else "floor"
 
 
 if Options._fields[:len(_C.OPTION_FIELDS)] != _C.OPTION_FIELDS:  # the binding reads them by position
@@ -225,10 +238,44 @@ def states_axis_of(states_axis, ndim, names=None):
                      f"{-ndim} to {last - ndim - 1}), got {states_axis!r}")
 
 
+# The block-scaled formats: (C ABI flag, block, the dtype of an FP8 out) by name.
+BLOCK_FORMATS = {"mxfp8": (_C.BLOCK_MXFP8, 32, "float8_e4m3fn"), "nvfp4": (_C.BLOCK_NVFP4, 16, None)}
+_LAYOUTS = {"row_major": 0, "swizzled": _C.SCALE_SWIZZLED}
+_ROUNDINGS = {"floor": 0, "rceil": _C.SCALE_RCEIL}
+
+
+def _choice(value, arg, choices, names):
+    if isinstance(value, str) and value in choices:
+        return choices[value]
+    raise ValueError(f"{named(names, arg)}: expected {' or '.join(repr(c) for c in choices)}, got {value!r}")
+
+
+def block_flags(block_format, scale_layout, scale_rounding, group_size, scale_ue8m0, names):
+    """(C ABI flags, block) of a block-scaled format's options, checked; (0, 0) without one (where
+    the layout and rounding must be their defaults)."""
+    if block_format is None:
+        for arg, value, default in (("scale_layout", scale_layout, "row_major"),
+                                    ("scale_rounding", scale_rounding, "floor")):
+            if value != default:
+                raise ValueError(f"{named(names, arg)}: expected {default!r} without block_format, got {value!r}")
+        return 0, 0
+    flag, block, _ = _choice(block_format, "block_format", BLOCK_FORMATS, names)
+    for arg, value, default in (("group_size", group_size, None), ("scale_ue8m0", scale_ue8m0, False)):
+        if value is not default and value != default:
+            raise ValueError(f"{named(names, arg)}: expected {default} with block_format (its block is "
+                             f"{block}, its scales its own), got {value!r}")
+    flags = flag | _choice(scale_layout, "scale_layout", _LAYOUTS, names)
+    rounding = _choice(scale_rounding, "scale_rounding", _ROUNDINGS, names)
+    if rounding and flag != _C.BLOCK_MXFP8:
+        raise ValueError(f"{named(names, 'scale_rounding')}: expected 'floor' (the default) for {block_format} "
+                         f"(MXFP8's scales alone are rounded), got {scale_rounding!r}")
+    return flags | rounding, block
+
+
 def options(op: Op, out=None, return_lse=True, out_dtype=None, output_scale=None, base="e", out_base=None,
             a_tokens=None, sink=None, group_size=None, group_scales=None, scale_ue8m0=False, states_axis=1,
-            index=0, stream=None, pdl=False, names=None, batch_invariant=False, flags=0, sum_a=None, sum_b=None,
-            valid=None) -> Options:
+            index=0, stream=None, pdl=False, names=None, batch_invariant=False, flags=0, block_format=None,
+            scale_layout="row_major", scale_rounding="floor", sum_a=None, sum_b=None, valid=None) -> Options:
     """The one reading of a call's options: every public function, the torch ops' kernels and
     attnmerge.jax make their Options here.  Checks what Python must know before the C ABI does (the
     types of options, bases, what allocation needs); the C ABI checks every value against the
@@ -245,7 +292,16 @@ def options(op: Op, out=None, return_lse=True, out_dtype=None, output_scale=None
     if batch_invariant is not False:
         flags |= _C.BATCH_INVARIANT if _flag(batch_invariant, "batch_invariant", names) else 0
     group = 0
-    if group_size is not None:
+    if block_format is not None or scale_layout != "row_major" or scale_rounding != "floor":
+        block, group = block_flags(block_format, scale_layout, scale_rounding, group_size, scale_ue8m0, names)
+        flags |= block
+        fp8 = BLOCK_FORMATS[block_format][2]
+        if fp8 is None and out_dtype is not None:
+            raise ValueError(f"{named(names, 'out_dtype')}: expected None for {block_format} (out is uint8, two "
+                             f"values per byte), got {out_dtype!r}")
+        if out is None and out_dtype is None and fp8 is not None:
+            out_dtype = fp8
+    elif group_size is not None:
         group = _count(group_size, "group_size", names, least=1, expected="None or a power of two >= 8")
         if out is None and out_dtype is None:
             out_dtype = "float8_e4m3fn"
@@ -320,3 +376,14 @@ def result_shape(op: Op, inputs, opt: Options):
             raise ValueError(f"{named(names, 'indptr')}: expected shape [rows + 1] with rows >= 0, got {list(n)}")
         return (n[0] - 1, o[1], o[2])
     return o
+
+
+def scales_of(rows, heads, head_size, opt: Options):
+    """(shape, dtype name) of a call's group scales: float32 [rows, heads, head_size // group] for
+    per-group FP8; a block format's bytes (MXFP8's UE8M0 as uint8, NVFP4's float8_e4m3fn) in that
+    shape, or swizzled in the 128 x 4 tiles [ceil(rows / 128), ceil(heads * blocks / 4), 512]."""
+    fmt, per_head = opt.block_format, head_size // opt.group_size
+    dtype = "float32" if fmt is None else "uint8" if fmt == "mxfp8" else "float8_e4m3fn"
+    if opt.flags & _C.SCALE_SWIZZLED:
+        return (-(-rows // 128), -(-heads * per_head // 4), 512), dtype
+    return (rows, heads, per_head), dtype

@@ -18,7 +18,8 @@ def merge(o_a: Array, lse_a: Lse, o_b: Array, lse_b: Lse, *, out: Array | None =
           out_lse: Array | None = None, return_lse: bool = True, out_dtype: DType | None = None,
           output_scale: float | Array | None = None, base: PairBase = "e", out_base: Base | None = None,
           a_tokens: int | None = None, sink: Array | None = None, group_size: int | None = None,
-          group_scales: Array | None = None, scale_ue8m0: bool = False, valid: Array | None = None,
+          group_scales: Array | None = None, scale_ue8m0: bool = False, block_format: str | None = None,
+          scale_layout: str = "row_major", scale_rounding: str = "floor", valid: Array | None = None,
           stream: Stream = None, pdl: bool = False, batch_invariant: bool = False,
           _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge two attention states: ``(out, out_lse) = merge((o_a, lse_a), (o_b, lse_b))``.
@@ -73,10 +74,24 @@ def merge(o_a: Array, lse_a: Lse, o_b: Array, lse_b: Lse, *, out: Array | None =
         of a row gets ``scale = max(amax, 1e-10) / 448`` and ``out = value / scale`` in FP8.  A
         power of two >= 8 dividing head_size.  The call then also returns the scales.
     group_scales : array, optional
-        Where the group scales go, float32 [tokens, heads, head_size // group_size], any strides;
-        allocated like out when None.
+        Where the group scales go, float32 [tokens, heads, head_size // group_size], any strides
+        (a block format's: its scales' dtype and layout); allocated like out when None.
     scale_ue8m0 : bool, default False
         Round each group scale up to a power of two (UE8M0, as DeepGEMM takes them).
+    block_format : {"mxfp8", "nvfp4"}, optional
+        A block-scaled output, as the block-scaled GEMMs read it (docs/semantics.md has the rules,
+        the reference quantizers' bit for bit); the call then also returns the scales.  "mxfp8":
+        out float8_e4m3fn, one UE8M0 scale (uint8, 2^(s - 127)) per 32 elements of a row.
+        "nvfp4": out uint8 [tokens, heads, head_size // 2], two E2M1 values per byte (the even
+        element in the low nibble), one float8_e4m3fn scale per 16 elements, `output_scale` the
+        global scale g (default 1): value ~ e2m1 * scale * g.  head_size a multiple of the block.
+    scale_layout : {"row_major", "swizzled"}, default "row_major"
+        The block scales [tokens, heads, head_size // block], or swizzled in the 128 x 4 tiles of
+        cuBLASLt and CUTLASS: [ceil(tokens / 128), ceil(heads * head_size / block / 4), 512]
+        bytes, their padding zeros.
+    scale_rounding : {"floor", "rceil"}, default "floor"
+        MXFP8's scale: 2^(floor(log2 amax) - 8) (the OCP MX rule), or amax / 448 rounded up to a
+        power of two ("rceil", cuBLAS's: no value saturates).
     valid : array, optional
         Which states hold keys, read on the device (never synchronized with the host): [tokens, 2]
         (a's, b's), uint8 or bool, or int32 or int64 (a count of keys, such as per-rank KV
@@ -102,7 +117,7 @@ def merge(o_a: Array, lse_a: Lse, o_b: Array, lse_b: Lse, *, out: Array | None =
     out_lse : array or None
         The merged LSE, None when `return_lse` is False and no `out_lse` was given.
     group_scales : array
-        Only with `group_size`: the per-group scales.
+        Only with `group_size` or `block_format`: the per-group or per-block scales.
 
     Raises
     ------
@@ -124,8 +139,8 @@ def merge(o_a: Array, lse_a: Lse, o_b: Array, lse_b: Lse, *, out: Array | None =
     """
     inputs, sum_a, sum_b, names = softmax_stats(_MERGE, (o_a, lse_a, o_b, lse_b), _names)
     opt = options(_MERGE, out, return_lse, out_dtype, output_scale, base, out_base, a_tokens, sink, group_size,
-                  group_scales, scale_ue8m0, 1, 0, stream, pdl, names, batch_invariant, sum_a=sum_a, sum_b=sum_b,
-                  valid=valid)
+                  group_scales, scale_ue8m0, 1, 0, stream, pdl, names, batch_invariant, 0, block_format,
+                  scale_layout, scale_rounding, sum_a=sum_a, sum_b=sum_b, valid=valid)
     return _roads.run(_MERGE, inputs, out, out_lse, opt)
 
 
@@ -185,6 +200,7 @@ def merge_states(o: Array, lse: Lse, *, out: Array | None = None, out_lse: Array
                  return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
                  base: Base = "e", out_base: Base | None = None, states_axis: int = 1, sink: Array | None = None,
                  group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
+                 block_format: str | None = None, scale_layout: str = "row_major", scale_rounding: str = "floor",
                  valid: Array | None = None, stream: Stream = None, pdl: bool = False,
                  batch_invariant: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge S stacked states in one pass, each input read once.
@@ -206,7 +222,8 @@ def merge_states(o: Array, lse: Lse, *, out: Array | None = None, out_lse: Array
         The axis of S in o and lse: 0, 1 or 2 (or -4 to -2).
     out, out_lse, return_lse, out_dtype, output_scale, base, out_base
         As for :func:`merge` (one base for every state).
-    group_size, group_scales, scale_ue8m0, stream, pdl, batch_invariant
+    group_size, group_scales, scale_ue8m0, block_format, scale_layout, scale_rounding, stream, pdl,
+    batch_invariant
         As for :func:`merge`.
     sink : array, optional
         float32 [heads]: each head's sink logit, one more state of output 0 in every row of its
@@ -238,7 +255,7 @@ def merge_states(o: Array, lse: Lse, *, out: Array | None = None, out_lse: Array
     inputs, sum_a, _, names = softmax_stats(_STATES, (o, lse), _names)
     opt = options(_STATES, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
                   group_scales, scale_ue8m0, states_axis_of(states_axis, 4, _names), 0, stream, pdl, names,
-                  batch_invariant, sum_a=sum_a, valid=valid)
+                  batch_invariant, 0, block_format, scale_layout, scale_rounding, sum_a=sum_a, valid=valid)
     return _roads.run(_STATES, inputs, out, out_lse, opt)
 
 
@@ -246,6 +263,7 @@ def merge_varlen(o: Array, lse: Lse, indptr: Array, *, out: Array | None = None,
                  return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
                  base: Base = "e", out_base: Base | None = None, sink: Array | None = None,
                  group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
+                 block_format: str | None = None, scale_layout: str = "row_major", scale_rounding: str = "floor",
                  valid: Array | None = None, stream: Stream = None, pdl: bool = False,
                  batch_invariant: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge a variable number of states per row: row r merges states ``indptr[r] .. indptr[r+1]-1``.
@@ -267,7 +285,8 @@ def merge_varlen(o: Array, lse: Lse, indptr: Array, *, out: Array | None = None,
         As for :func:`merge_states`; out [rows, heads, head_size].
     valid : array, optional
         [total]: which states of o hold keys, as for :func:`merge`.
-    group_size, group_scales, scale_ue8m0, stream, pdl, batch_invariant
+    group_size, group_scales, scale_ue8m0, block_format, scale_layout, scale_rounding, stream, pdl,
+    batch_invariant
         As for :func:`merge`.
 
     Returns
@@ -293,7 +312,8 @@ def merge_varlen(o: Array, lse: Lse, indptr: Array, *, out: Array | None = None,
     """
     inputs, sum_a, _, names = softmax_stats(_VARLEN, (o, lse, indptr), _names)
     opt = options(_VARLEN, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
-                  group_scales, scale_ue8m0, 1, 0, stream, pdl, names, batch_invariant, sum_a=sum_a, valid=valid)
+                  group_scales, scale_ue8m0, 1, 0, stream, pdl, names, batch_invariant, 0, block_format,
+                  scale_layout, scale_rounding, sum_a=sum_a, valid=valid)
     return _roads.run(_VARLEN, inputs, out, out_lse, opt)
 
 
@@ -301,6 +321,7 @@ def merge_share(o: Array, lse: Lse, index: int, *, out: Array | None = None, out
                 return_lse: bool = True, out_dtype: DType | None = None, output_scale: float | Array | None = None,
                 base: Base = "e", out_base: Base | None = None, states_axis: int = 1, sink: Array | None = None,
                 group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
+                block_format: str | None = None, scale_layout: str = "row_major", scale_rounding: str = "floor",
                 valid: Array | None = None, stream: Stream = None, pdl: bool = False,
                 batch_invariant: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """One state's share of an N-way merge, for context parallelism's combine by reduce-scatter.
@@ -325,7 +346,8 @@ def merge_share(o: Array, lse: Lse, index: int, *, out: Array | None = None, out
     out, out_lse, return_lse, out_dtype, output_scale, base, out_base, sink, valid
         As for :func:`merge_states` (out may be o itself; every rank's share takes the same sink
         and valid states).
-    group_size, group_scales, scale_ue8m0, stream, pdl, batch_invariant
+    group_size, group_scales, scale_ue8m0, block_format, scale_layout, scale_rounding, stream, pdl,
+    batch_invariant
         As for :func:`merge` (each share quantized on its own).
 
     Returns
@@ -351,7 +373,7 @@ def merge_share(o: Array, lse: Lse, index: int, *, out: Array | None = None, out
     inputs, sum_a, _, names = softmax_stats(_SHARE, (o, lse), _names)
     opt = options(_SHARE, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
                   group_scales, scale_ue8m0, states_axis_of(states_axis, 3, _names), index_of(index, _names), stream,
-                  pdl, names, batch_invariant, sum_a=sum_a, valid=valid)
+                  pdl, names, batch_invariant, 0, block_format, scale_layout, scale_rounding, sum_a=sum_a, valid=valid)
     return _roads.run(_SHARE, inputs, out, out_lse, opt)
 
 

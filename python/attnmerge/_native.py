@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from . import _C
 from ._arrays import dtype_name, empty
-from ._call import Op, Options, lse_dtype, named, result_dtype, result_shape, shape_of
+from ._call import Op, Options, lse_dtype, named, result_dtype, result_shape, scales_of, shape_of
 from ._types import O_IN_DTYPES
 
 _LIKE_NAMES = {"merge": ("o_b", "o_a"), "merge_states": ("o", "o"), "merge_varlen": ("o", "o"),
@@ -20,7 +20,7 @@ def results(out, out_lse, opt: Options):
 def allocate(op: Op, inputs, out, out_lse, opt: Options):
     """(out, out_lse, opt): given outputs as they are, missing ones allocated like the op's `like`
     input (or like out, where it is given), and the group scales in opt where group_size asks for
-    them: float32 [tokens, heads, head_size // group_size] like out."""
+    them (scales_of) like out.  NVFP4's out is uint8 [rows, heads, head_size // 2]."""
     names = opt.names
     like_name, src_name = _LIKE_NAMES[op.name]
     if out is not None and opt.out_dtype is not None:
@@ -30,18 +30,20 @@ def allocate(op: Op, inputs, out, out_lse, opt: Options):
             raise ValueError(f"{dtype_arg}: expected None or the dtype of {out_name} ({got}), got {opt.out_dtype}")
     like = inputs[op.like] if out is None else out  # a missing out_lse goes where out is
     like_name = like_name if out is None else "out"
+    nvfp4 = opt.flags & _C.BLOCK_NVFP4
     if out is None or (out_lse is None and opt.return_lse):
         shape = result_shape(op, inputs, opt)
         _fits(shape, named(names, like_name if out is None else "out"))
-        dtype = result_dtype(opt, inputs[0], src_name)
+        dtype = "float32" if nvfp4 else result_dtype(opt, inputs[0], src_name)
         if out is None:
-            out = empty(like, shape, dtype, named(names, like_name))
+            out = empty(like, shape[:2] + (shape[2] // 2,), "uint8", named(names, like_name)) if nvfp4 else \
+                empty(like, shape, dtype, named(names, like_name))
         if out_lse is None and opt.return_lse:
             out_lse = empty(like, shape[:2], lse_dtype(dtype), named(names, like_name))
     if opt.group_size and opt.group_scales is None:
-        shape = shape_of(out, "out", names)
-        scales = empty(out, tuple(shape[:2]) + (shape[2] // opt.group_size,), "float32", named(names, "out"))
-        opt = opt._replace(group_scales=scales)
+        rows, heads, last = shape_of(out, "out", names)
+        shape, dtype = scales_of(rows, heads, last * 2 if nvfp4 else last, opt)
+        opt = opt._replace(group_scales=empty(out, shape, dtype, named(names, "out")))
     return out, out_lse, opt
 
 

@@ -66,7 +66,8 @@ _KEYWORDS = (
     ("pdl", "bool pdl=False", lambda o: o.pdl),
     ("batch_invariant", "bool batch_invariant=False", lambda o: o.batch_invariant),
 )
-_GROUPS = "Tensor(c!)? group_scales=None, int group_size=0, bool scale_ue8m0=False"  # the out= overloads'
+_GROUPS = ("Tensor(c!)? group_scales=None, int group_size=0, bool scale_ue8m0=False, str? block_format=None, "
+           'str scale_layout="row_major", str scale_rounding="floor"')  # the out= overloads'
 
 
 def _keywords(op):
@@ -189,9 +190,11 @@ def _bases(options, pair=False):
 def _out_kernel(op):
     """The out= overload's kernel: the call's Options from its keyword arguments, then the native road."""
     def kernel(*tensors, out, out_lse=None, output_scale=None, sink=None, group_scales=None, group_size=0,
-               scale_ue8m0=False, sum_a=None, sum_b=None, valid=None, **kwargs):
+               scale_ue8m0=False, block_format=None, scale_layout="row_major", scale_rounding="floor", sum_a=None,
+               sum_b=None, valid=None, **kwargs):
         opt = _options(op, kwargs, _NAMES.get(), out=out, output_scale=output_scale, sink=sink,
                        group_scales=group_scales, group_size=group_size or None, scale_ue8m0=scale_ue8m0,
+                       block_format=block_format, scale_layout=scale_layout, scale_rounding=scale_rounding,
                        sum_a=sum_a, sum_b=sum_b, valid=valid)
         _native.run(op, tensors, out, out_lse, opt)
     return kernel
@@ -768,8 +771,11 @@ def run(op, inputs, out, out_lse, opt: Options):
                 res, res_lse = packet.default(*inputs, scale, opt.sink, *states, out_dtype=out_dtype, **kwargs)
             return res, (res_lse if opt.return_lse else None)
         out, out_lse, opt = _native.allocate(op, inputs, out, out_lse, opt)
-        groups = {} if opt.group_scales is None else dict(group_scales=opt.group_scales, group_size=opt.group_size,
-                                                           scale_ue8m0=opt.scale_ue8m0)
+        fmt = opt.block_format
+        groups = {} if opt.group_scales is None else dict(
+            group_scales=opt.group_scales, group_size=0 if fmt else opt.group_size, scale_ue8m0=opt.scale_ue8m0,
+            **({} if fmt is None else dict(block_format=fmt, scale_layout=opt.scale_layout,
+                                           scale_rounding=opt.scale_rounding)))
         packet.out(*inputs, out=out, out_lse=out_lse, output_scale=scale, sink=opt.sink,
                    **dict(zip(_state_tensors(op), states)), **groups, **kwargs)
         return _native.results(out, out_lse, opt)

@@ -15,7 +15,8 @@ these functions for a call whose results would be allocated like a JAX array, an
 writes a JAX array (they are immutable).
 
 Options (``base``, ``out_base``, ``out_dtype``, ``a_tokens``, ``states_axis``, merge_share's ``index``, a
-float ``output_scale``, ``group_size``, ``scale_ue8m0``) are static: Python values, fixed when the
+float ``output_scale``, ``group_size``, ``scale_ue8m0``, ``block_format``, ``scale_layout``,
+``scale_rounding``) are static: Python values, fixed when the
 function is traced, so a jitted function passes them itself (as above, or with
 ``functools.partial``), and needs no ``static_argnames``.  A traced option is refused
 with a TypeError.  ``output_scale`` may also be a float32 JAX array of one element (read on the
@@ -47,7 +48,8 @@ import numpy as np
 
 from . import _C
 from ._build import XLA_HOW, XLA_LIB
-from ._call import OPS, Options, base_change, base_flags, index_of, options, softmax_stats, states_axis_of
+from ._call import (OPS, Options, base_change, base_flags, index_of, options, scales_of, softmax_stats,
+                    states_axis_of)
 from ._grad import share_gradient, sink_gradient, stats_gradient, stats_lse
 from ._types import NO_GRADIENT_DTYPES, Base, PairBase
 
@@ -158,24 +160,30 @@ def _ffi(op, outs, operands, key: Options, extras, *, scale=None, vectorized=Tru
     """The FFI call of `op`: `operands`, then the sink, the output scale's array, the softmax sums
     and valid (`extras`, _unpack's: each an array, or an unread one: has_sink, scale_in_buffer,
     has_sum_a, has_sum_b, has_valid), the options as attributes.  `outs`: (out, out_lse)'s shapes;
-    with a group size the group scales [rows, heads, head_size // group_size] are a third result
-    (every call has that result: one of no elements, unwritten, without groups)."""
+    with a group size the group scales (attnmerge._native.scales_of: per-group FP8's or a block
+    format's) are a third result (every call has that result: one of no elements, unwritten,
+    without groups)."""
     group = key.group_size
     # One call over a flattened batch: every operand is broadcast to the batch (the handler folds
     # leading dimensions into tokens), which per-example a_tokens, indptr, scale or sink would break
-    # (the sums and valid are per token, folded alike).
+    # (the sums and valid are per token, folded alike), and so would swizzled scales (tiles of 128
+    # rows, not of a batch element's).
     sink = extras["sink"]
-    method = "broadcast_all" if vectorized and key.a_tokens < 0 and scale is None and sink is None else "sequential"
+    method = "broadcast_all" if vectorized and key.a_tokens < 0 and scale is None and sink is None and \
+        not key.flags & _C.SCALE_SWIZZLED else "sequential"
     rows, heads, head_size = outs[0].shape
-    scales = jax.ShapeDtypeStruct((rows, heads, head_size // group) if group else (0,), jnp.float32)
+    if key.flags & _C.BLOCK_NVFP4:
+        head_size *= 2  # out's bytes
+    shape, dtype = scales_of(rows, heads, head_size, key) if group else ((0,), "float32")
+    scales = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
     call = jax.ffi.ffi_call(f"attnmerge_{op}", (*outs, scales), vmap_method=method)
     unread = jnp.full((1,), -jnp.inf, jnp.float32)
     scale_buffer = jnp.ones((1,), jnp.float32) if scale is None else jnp.reshape(jnp.asarray(scale, jnp.float32), (1,))
     buffers = [unread if sink is None else sink, scale_buffer]
     buffers += [unread if extras[name] is None else extras[name] for name in ("sum_a", "sum_b")]
     buffers.append(jnp.ones((1,), jnp.uint8) if extras["valid"] is None else extras["valid"])
-    results = call(*operands, *buffers, **_attributes(key), has_sink=sink is not None, scale_in_buffer=scale is not None,
-                   **{f"has_{name}": extras[name] is not None for name in ("sum_a", "sum_b", "valid")})
+    has = {f"has_{name}": extras[name] is not None for name in ("sink", "sum_a", "sum_b", "valid")}
+    results = call(*operands, *buffers, **_attributes(key), scale_in_buffer=scale is not None, **has)
     return tuple(results) if group else tuple(results[:2])
 
 
@@ -194,8 +202,9 @@ def _out_dtype(opt: Options, like):
 def merge(o_a: jax.Array, lse_a: Any, o_b: jax.Array, lse_b: Any, *, base: PairBase = "e",
           out_base: Base | None = None, out_dtype: Any = None, a_tokens: int | None = None,
           output_scale: float | jax.Array | None = None, sink: jax.Array | None = None,
-          group_size: int | None = None, scale_ue8m0: bool = False,
-          valid: jax.Array | None = None, batch_invariant: bool = False) -> tuple[jax.Array, ...]:
+          group_size: int | None = None, scale_ue8m0: bool = False, block_format: str | None = None,
+          scale_layout: str = "row_major", scale_rounding: str = "floor", valid: jax.Array | None = None,
+          batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """Merge two attention states: ``(out, out_lse) = merge((o_a, lse_a), (o_b, lse_b))``, as an XLA call.
 
     The semantics and options of :func:`attnmerge.merge`, on JAX arrays, under ``jax.jit``,
@@ -209,8 +218,8 @@ def merge(o_a: jax.Array, lse_a: Any, o_b: jax.Array, lse_b: Any, *, base: PairB
     lse_a, lse_b : jax.Array or tuple of 2 jax.Array
         float32 [tokens, heads], or softmax statistics, a ``(max, sum)`` tuple of such arrays
         (the LSE is ``max + log(sum)``, ``sum = 0`` an empty part); both differentiable.
-    base, out_base, a_tokens, group_size, scale_ue8m0, batch_invariant
-        As for :func:`attnmerge.merge`.
+    base, out_base, a_tokens, group_size, scale_ue8m0, block_format, scale_layout, scale_rounding, batch_invariant
+        As for :func:`attnmerge.merge` (NVFP4's out uint8 [tokens, heads, head_size // 2]).
     valid : jax.Array, optional
         [tokens, 2], uint8, bool, int32 or int64: 0 where a state (a's, b's) holds no key, as for
         :func:`attnmerge.merge`.
@@ -225,7 +234,8 @@ def merge(o_a: jax.Array, lse_a: Any, o_b: jax.Array, lse_b: Any, *, base: PairB
     -------
     out, out_lse[, group_scales] : jax.Array
         out [tokens, heads, head_size], out_lse float32 [tokens, heads] in base out_base, and with
-        group_size the group scales [tokens, heads, head_size // group_size].
+        group_size the group scales [tokens, heads, head_size // group_size] (with block_format
+        its scales, in scale_layout).
 
     Raises
     ------
@@ -249,14 +259,16 @@ def merge(o_a: jax.Array, lse_a: Any, o_b: jax.Array, lse_b: Any, *, base: PairB
     inputs, sum_a, sum_b, _ = softmax_stats(_MERGE, (o_a, lse_a, o_b, lse_b))
     opt = _options(_MERGE, output_scale=output_scale, sink=sink, sum_a=sum_a, sum_b=sum_b, valid=valid, base=base,
                    out_base=out_base, out_dtype=out_dtype, a_tokens=a_tokens, group_size=group_size,
-                   scale_ue8m0=scale_ue8m0, batch_invariant=batch_invariant)
+                   scale_ue8m0=scale_ue8m0, block_format=block_format, scale_layout=scale_layout,
+                   scale_rounding=scale_rounding, batch_invariant=batch_invariant)
     return run(_MERGE, inputs, opt)
 
 
 def merge_states(o: jax.Array, lse: Any, *, base: Base = "e", out_base: Base | None = None, out_dtype: Any = None,
                  output_scale: float | jax.Array | None = None, states_axis: int = 1,
                  sink: jax.Array | None = None, group_size: int | None = None,
-                 scale_ue8m0: bool = False, valid: jax.Array | None = None,
+                 scale_ue8m0: bool = False, block_format: str | None = None, scale_layout: str = "row_major",
+                 scale_rounding: str = "floor", valid: jax.Array | None = None,
                  batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """Merge S stacked states in one pass, as an XLA call.
 
@@ -271,7 +283,8 @@ def merge_states(o: jax.Array, lse: Any, *, base: Base = "e", out_base: Base | N
         float32, laid out as o without head_size, or a ``(max, sum)`` tuple of such arrays.
     states_axis : int, default 1
         The axis of S: 0, 1 or 2 (or -4 to -2).
-    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, batch_invariant
+    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, block_format, scale_layout,
+    scale_rounding, batch_invariant
         As for :func:`merge`.
     valid : jax.Array, optional
         [tokens, S] whatever `states_axis`: 0 where a state holds no key.
@@ -299,14 +312,16 @@ def merge_states(o: jax.Array, lse: Any, *, base: Base = "e", out_base: Base | N
     inputs, sum_a, _, _ = softmax_stats(_STATES, (o, lse))
     opt = _options(_STATES, output_scale=output_scale, sink=sink, sum_a=sum_a, valid=valid, base=base,
                    out_base=out_base, out_dtype=out_dtype, states_axis=states_axis_of(axis, 4), group_size=group_size,
-                   scale_ue8m0=scale_ue8m0, batch_invariant=batch_invariant)
+                   scale_ue8m0=scale_ue8m0, block_format=block_format, scale_layout=scale_layout,
+                   scale_rounding=scale_rounding, batch_invariant=batch_invariant)
     return run(_STATES, inputs, opt)
 
 
 def merge_varlen(o: jax.Array, lse: Any, indptr: jax.Array, *, base: Base = "e", out_base: Base | None = None,
                  out_dtype: Any = None, output_scale: float | jax.Array | None = None, sink: jax.Array | None = None,
-                 group_size: int | None = None, scale_ue8m0: bool = False,
-                 valid: jax.Array | None = None, batch_invariant: bool = False) -> tuple[jax.Array, ...]:
+                 group_size: int | None = None, scale_ue8m0: bool = False, block_format: str | None = None,
+                 scale_layout: str = "row_major", scale_rounding: str = "floor", valid: jax.Array | None = None,
+                 batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """Merge a variable number of states per row, as an XLA call: row r merges ``indptr[r] .. indptr[r+1]-1``.
 
     The semantics and options of :func:`attnmerge.merge_varlen` on JAX arrays (static options).
@@ -319,7 +334,8 @@ def merge_varlen(o: jax.Array, lse: Any, indptr: jax.Array, *, base: Base = "e",
         float32 [total, heads], or a ``(max, sum)`` tuple of such arrays.
     indptr : jax.Array
         int32 or int64 [rows + 1].
-    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, batch_invariant
+    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, block_format, scale_layout,
+    scale_rounding, batch_invariant
         As for :func:`merge`.
     valid : jax.Array, optional
         [total]: 0 where a state of o holds no key.
@@ -347,6 +363,7 @@ def merge_varlen(o: jax.Array, lse: Any, indptr: jax.Array, *, base: Base = "e",
     inputs, sum_a, _, _ = softmax_stats(_VARLEN, (o, lse, indptr))
     opt = _options(_VARLEN, output_scale=output_scale, sink=sink, sum_a=sum_a, valid=valid, base=base,
                    out_base=out_base, out_dtype=out_dtype, group_size=group_size, scale_ue8m0=scale_ue8m0,
+                   block_format=block_format, scale_layout=scale_layout, scale_rounding=scale_rounding,
                    batch_invariant=batch_invariant)
     return run(_VARLEN, inputs, opt)
 
@@ -354,7 +371,8 @@ def merge_varlen(o: jax.Array, lse: Any, indptr: jax.Array, *, base: Base = "e",
 def merge_share(o: jax.Array, lse: Any, index: int, *, base: Base = "e", out_base: Base | None = None,
                 out_dtype: Any = None, output_scale: float | jax.Array | None = None, states_axis: int = 1,
                 sink: jax.Array | None = None, group_size: int | None = None,
-                scale_ue8m0: bool = False, valid: jax.Array | None = None,
+                scale_ue8m0: bool = False, block_format: str | None = None, scale_layout: str = "row_major",
+                scale_rounding: str = "floor", valid: jax.Array | None = None,
                 batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """State `index`'s share of the merge of S states, as an XLA call (context parallelism's combine).
 
@@ -371,7 +389,8 @@ def merge_share(o: jax.Array, lse: Any, index: int, *, base: Base = "e", out_bas
         0 <= index < S, static.
     states_axis : int, default 1
         The axis of S in lse: 0, 1 or 2 (or -3 to -1).
-    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, valid, batch_invariant
+    base, out_base, out_dtype, output_scale, sink, group_size, scale_ue8m0, block_format, scale_layout,
+    scale_rounding, valid, batch_invariant
         As for :func:`merge_states` (each share quantized on its own).
 
     Returns
@@ -398,6 +417,7 @@ def merge_share(o: jax.Array, lse: Any, index: int, *, base: Base = "e", out_bas
     opt = _options(_SHARE, output_scale=output_scale, sink=sink, sum_a=sum_a, valid=valid, base=base,
                    out_base=out_base, out_dtype=out_dtype, states_axis=states_axis_of(axis, 3),
                    index=index_of(_static("index", index)), group_size=group_size, scale_ue8m0=scale_ue8m0,
+                   block_format=block_format, scale_layout=scale_layout, scale_rounding=scale_rounding,
                    batch_invariant=batch_invariant)
     return run(_SHARE, inputs, opt)
 
@@ -513,6 +533,8 @@ def _merged(op, shape, dtype, operands, opt: Options, differentiable, vectorized
     if opt.scale is None and not opt.output_scale and not opt.group_size and dtype.name not in NO_GRADIENT_DTYPES:
         return differentiable(has)(*operands, *extras)
     outs = _results(*shape, dtype)
+    if opt.flags & _C.BLOCK_NVFP4:  # two values per byte
+        outs = (jax.ShapeDtypeStruct(shape[:2] + (shape[2] // 2,), jnp.uint8), _results(*shape, jnp.float32)[1])
     n, k = len(operands), len(operands) + len(extras)
     key = _key(opt)
     scale_array = opt.scale is not None
@@ -524,8 +546,8 @@ def _merged(op, shape, dtype, operands, opt: Options, differentiable, vectorized
     f = jax.custom_vjp(call)
 
     def refuse(*_):
-        raise NotImplementedError(f"attnmerge.jax.{op}: no gradient through an FP8 output, an output_scale or "
-                                  f"group scales")
+        raise NotImplementedError(f"attnmerge.jax.{op}: no gradient through an FP8 output, an output_scale, "
+                                  f"group scales or a block-scaled format")
 
     f.defvjp(lambda *x: (call(*x), None), refuse)
     return f(*operands, *extras, *((opt.scale,) if scale_array else ()))

@@ -24,6 +24,7 @@ int32_t dtype_of(ffi::DataType t) {
     case ffi::DataType::F16: return ATTNMERGE_FLOAT16;
     case ffi::DataType::BF16: return ATTNMERGE_BFLOAT16;
     case ffi::DataType::F8E4M3FN: return ATTNMERGE_FLOAT8_E4M3;
+    case ffi::DataType::U8: return ATTNMERGE_UINT8;  // NVFP4's out, MXFP8's scales
     case ffi::DataType::F64: return ATTNMERGE_FLOAT64;  // the CPU path's (jax_enable_x64)
     default: return -1;
   }

@@ -492,6 +492,69 @@ for scale, shown in ((0, "0"), (0.0, "0.0"), (-1.0, "-1"), (float("nan"), "nan")
 bad("merge-output_scale-0.0-is-not-none", "merge", both(_fp8_out, options(output_scale=0.0)), ValueError,
     "output_scale", "None", "0.0", layers=PY)
 
+# block-scaled outputs (block_format=): the C ABI refuses the arrays (every layer), the Python layer
+# the options it words itself and the calls whose results it allocates.  D = 16 is NVFP4's block,
+# half MXFP8's; _nvfp4 and _mxfp8 give the valid arrays of each format (MXFP8's over head_size 64).
+_alloc = both(to("out", None), to("out_lse", None))
+_wide = both(to("o_a", lambda x, a: a.o((T, H, 64))), to("o_b", lambda x, a: a.o((T, H, 64))))
+
+
+def _nvfp4(scales=(T, H, D // 16), scales_dtype=FP8, out=(T, H, D // 2), out_dtype="uint8", **kw):
+    return both(to("out", poisoned(out, out_dtype)), to("group_scales", None),
+                options(block_format="nvfp4", group_scales=poisoned(scales, scales_dtype), **kw))
+
+
+def _mxfp8(scales=(T, H, 2), scales_dtype="uint8", **kw):
+    return both(_wide, to("out", poisoned((T, H, 64), FP8)),
+                options(block_format="mxfp8", group_scales=poisoned(scales, scales_dtype), **kw))
+
+
+bad("merge-mxfp8-a-head_size-its-block-does-not-divide", "merge",
+    both(to("out", poisoned((T, H, D), FP8)), options(block_format="mxfp8", group_scales=poisoned((T, H, 1), "uint8"))),
+    ValueError, "o_b", "MXFP8", "32", "16", layers=ANY)
+bad("merge-mxfp8-allocated-a-head_size-its-block-does-not-divide", "merge",
+    both(_alloc, options(block_format="mxfp8")), ValueError, "o_b", "MXFP8", "32", "16", layers=PY)
+bad("merge-nvfp4-a-head_size-its-block-does-not-divide", "merge",
+    both(to("o_a", lambda x, a: a.o((T, H, 24))), to("o_b", lambda x, a: a.o((T, H, 24))), _nvfp4(out=(T, H, 12))),
+    ValueError, "o_b", "NVFP4", "16", "24", layers=ANY)
+for scale, shown in ((-1.0, "-1"), (float("nan"), "nan"), (float("inf"), "inf")):
+    bad(f"merge-nvfp4-global-scale-{shown}", "merge", _nvfp4(output_scale=scale),
+        ValueError, shown, starts="output_scale: expected ", contains=("a finite scale > 0",), layers=ANY)
+bad("merge-mxfp8-takes-no-output_scale", "merge", _mxfp8(output_scale=2.0), ValueError, "output_scale",
+    "group_scales", layers=ANY)
+bad("merge-nvfp4-row-major-scales-of-another-shape", "merge", _nvfp4(scales=(T, H, 2)), ValueError, "group_scales",
+    "1", "2", layers=ANY)
+bad("merge-swizzled-scales-too-small", "merge", _nvfp4(scales=(1, 1, 256), scale_layout="swizzled"),
+    ValueError, "group_scales", "512", "256", layers=ANY)
+bad("merge-swizzled-scales-too-few-tiles", "merge", _mxfp8(scales=(1, 1, 512), scale_layout="swizzled"),
+    ValueError, "group_scales", "2", layers=ANY)
+bad("merge-swizzled-scales-misaligned", "merge",
+    both(_mxfp8(scale_layout="swizzled"), options(group_scales=misaligned((1, 2, 512), "uint8", offset=4))),
+    ValueError, "group_scales", contains=("16 bytes",), layers=HOST)
+bad("merge-nvfp4-scales-of-float32", "merge", _nvfp4(scales_dtype="float32"), TypeError, "group_scales",
+    "float8_e4m3", "float32", layers=ANY)
+bad("merge-mxfp8-scales-of-float8", "merge", _mxfp8(scales_dtype=FP8), TypeError, "group_scales", "uint8", layers=ANY)
+bad("merge-nvfp4-out-of-float32", "merge", _nvfp4(out=(T, H, D), out_dtype="float32"), TypeError, "out", "uint8",
+    "float32", layers=ANY)
+bad("merge-nvfp4-out-of-the-full-head_size", "merge", _nvfp4(out=(T, H, D)), ValueError, "out", D // 2, D,
+    layers=ANY)
+bad("merge-mxfp8-out-of-bfloat16", "merge", both(_mxfp8(), to("out", poisoned((T, H, 64), "bfloat16"))), TypeError,
+    "out", "float8_e4m3", "bfloat16", layers=ANY)
+bad("merge-allocated-nvfp4-out-of-float32", "merge", options(block_format="nvfp4"), TypeError, "out", "uint8",
+    "float32", layers=PY)
+bad("merge-block_format-unknown", "merge", both(_alloc, options(block_format="fp4")), ValueError, "block_format",
+    "'fp4'", layers=PY)
+bad("merge-block_format-with-group_size", "merge", both(_alloc, options(block_format="nvfp4", group_size=16)),
+    ValueError, "group_size", "16", layers=PY)
+bad("merge-scale_rounding-rceil-with-nvfp4", "merge",
+    both(_alloc, options(block_format="nvfp4", scale_rounding="rceil")), ValueError, "scale_rounding", "'rceil'",
+    layers=PY)
+bad("merge-scale_layout-without-block_format", "merge", both(_alloc, options(scale_layout="swizzled")), ValueError,
+    "scale_layout", "'swizzled'", layers=PY)
+for op in ("merge_states", "merge_varlen", "merge_share"):
+    bad(f"{op}-mxfp8-a-head_size-its-block-does-not-divide", op, both(_alloc, options(block_format="mxfp8")), ValueError,
+        "MXFP8", "32", "16", layers=PY)
+
 # a framework that fails to export an array: its error, named by the argument (chained as the cause)
 
 
@@ -1058,6 +1121,20 @@ def _scale_ptr(values, offset=0, **kw):
     return change
 
 
+def _c_scales(shape, dtype):
+    """Block scales (poisoned) kept for the options _c_flags makes."""
+    def change(a):
+        a.arrays["group_scales"] = poisoned(shape, dtype)
+    return change
+
+
+def _c_flags(flags, **kw):
+    """Options of these flags with the scales _c_scales gave."""
+    def change(a):
+        a.options["opts"] = c_abi.options(flags=flags, group_scales=c_abi.tensor_from(a.arrays["group_scales"]), **kw)
+    return change
+
+
 def out_of(dtype):
     def change(a):
         a.use("out", poisoned((T, H, D), dtype))
@@ -1180,6 +1257,19 @@ bad("c-merge-output_scale-value-and-pointer", "c.merge", both(out_of(FP8), _scal
     "output_scale")
 bad("c-merge-output_scale_ptr-misaligned", "c.merge", both(out_of(FP8), _scale_ptr([2.0, 2.0], offset=1)), ERR_V,
     "output_scale")
+_c_nvfp4 = both(_c_scales((T, H, D // 16), FP8), lambda a: a.use("out", poisoned((T, H, D // 2), "uint8")))
+bad("c-merge-both-block-formats", "c.merge", both(out_of(FP8), _c_scales((T, H, 1), "float32"), _c_flags(c_abi.BLOCK_MXFP8 | c_abi.BLOCK_NVFP4)), ERR_V,
+    "options.flags", "ATTNMERGE_BLOCK_MXFP8", "ATTNMERGE_BLOCK_NVFP4")
+bad("c-merge-block-format-without-scales", "c.merge", both(out_of(FP8), opts(flags=c_abi.BLOCK_MXFP8)), ERR_V,
+    "group_scales", "MXFP8")
+bad("c-merge-rceil-with-nvfp4", "c.merge", both(_c_nvfp4, _c_flags(c_abi.BLOCK_NVFP4 | c_abi.SCALE_RCEIL)), ERR_V,
+    "options.flags", "ATTNMERGE_SCALE_RCEIL")
+bad("c-merge-swizzled-without-a-block-format", "c.merge", opts(flags=c_abi.SCALE_SWIZZLED), ERR_V, "options.flags",
+    "ATTNMERGE_SCALE_SWIZZLED")
+bad("c-merge-ue8m0-with-nvfp4", "c.merge", both(_c_nvfp4, _c_flags(c_abi.BLOCK_NVFP4 | c_abi.GROUP_SCALE_UE8M0)), ERR_V,
+    "options.flags", "ATTNMERGE_GROUP_SCALE_UE8M0", "NVFP4")
+bad("c-merge-nvfp4-group_size-32", "c.merge", both(_c_nvfp4, _c_flags(c_abi.BLOCK_NVFP4, group_size=32)), ERR_V,
+    "group_size", "16", "NVFP4", "32")
 bad("c-merge-a_tokens-negative", "c.merge", opts(flags=c_abi.A_TOKENS, a_tokens=-1), ERR_V, "a_tokens")
 bad("c-merge-a_tokens-past-o_a", "c.merge", both(opts(flags=c_abi.A_TOKENS, a_tokens=T), field_("o_a", shape=[T - 1])),
     ERR_V, "o_a")

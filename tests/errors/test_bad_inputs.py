@@ -63,19 +63,28 @@ def c_options(kw, sums=None):
     softmax sums of its LSE arguments given as (max, sum) tuples ({"sum_a": Tensor, ...})."""
     if not kw and not sums:
         return None
-    flags, a_tokens, scale, ptr, tensors = 0, 0, 0.0, None, dict(sums or {})
+    flags, a_tokens, scale, ptr, group, tensors = 0, 0, 0.0, None, 0, dict(sums or {})
     for k, v in kw.items():
-        if k == "a_tokens":
-            flags, a_tokens = flags | c_abi.A_TOKENS, v
-        elif k in ("sink", "valid"):
+        if k == "block_format":
+            flags |= {"mxfp8": c_abi.BLOCK_MXFP8, "nvfp4": c_abi.BLOCK_NVFP4}[v]
+        elif k == "scale_layout":
+            flags |= {"row_major": 0, "swizzled": c_abi.SCALE_SWIZZLED}[v]
+        elif k == "scale_rounding":
+            flags |= {"floor": 0, "rceil": c_abi.SCALE_RCEIL}[v]
+        elif k in ("sink", "valid", "group_scales"):
             tensors[k] = c_abi.tensor_from(v)
+        elif k == "group_size":
+            group = v
+        elif k == "a_tokens":
+            flags, a_tokens = flags | c_abi.A_TOKENS, v
         elif k == "output_scale" and isinstance(v, np.ndarray):
             ptr = v.ctypes.data
         elif k == "output_scale":
             scale = float(v)
         else:
             raise AssertionError(f"the option {k}={v!r} has no C ABI form: the row cannot run on the c layer")
-    return c_abi.options(flags=flags, a_tokens=a_tokens, output_scale=scale, output_scale_ptr=ptr, **tensors)
+    return c_abi.options(flags=flags, a_tokens=a_tokens, output_scale=scale, output_scale_ptr=ptr, group_size=group,
+                         **tensors)
 
 
 def c_arguments(op, a):

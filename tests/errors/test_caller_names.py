@@ -211,7 +211,7 @@ def test_a_message_that_names_no_argument_is_unchanged():
     names = dict(VLLM, options="opts", flags="f")
     status, message, _ = merge(c_abi.options(flags=1 << 20, arg_names=names))
     assert status == c_abi.ERROR_VALUE
-    assert message == "options.flags: expected flags within 0x3ff for this op, got 0x100000"
+    assert message == "options.flags: expected flags within 0x3fff for this op, got 0x100000"
 
 
 def test_the_first_entry_for_an_argument_is_the_one_used():

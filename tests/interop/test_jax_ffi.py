@@ -17,6 +17,7 @@ from oracle import (
     random_lse,
     random_o,
     assert_fp8_close,
+    assert_block_close,
     assert_group_fp8_close,
     assert_lse_close,
     natural,
@@ -233,6 +234,21 @@ def test_per_group_fp8_under_jit(rng, dev, op, ue8m0):
     assert scales.shape == out.shape[:2] + (4,)
     assert_group_fp8_close(np.asarray(out), np.asarray(scales), ref, 32, ue8m0)
     assert out_lse.dtype == np.float32 and out_lse.shape == out.shape[:2]
+
+
+@pytest.mark.parametrize("layout", ["row_major", "swizzled"])
+@pytest.mark.parametrize("fmt, rounding", [("mxfp8", "floor"), ("mxfp8", "rceil"), ("nvfp4", "floor")])
+@pytest.mark.parametrize("op", ["merge", "merge_states", "merge_varlen", "merge_share"])
+def test_block_scaled_outputs_under_jit(rng, dev, op, fmt, rounding, layout):
+    """The scales a third result in their layout; the bytes attnmerge's native call gives."""
+    kwargs = dict(block_format=fmt, scale_rounding=rounding, scale_layout=layout)
+    (out, out_lse, scales), ref = _grouped(op, rng, dev, **kwargs)
+    assert out.dtype == (jnp.uint8 if fmt == "nvfp4" else jnp.float8_e4m3fn)
+    assert out.shape[-1] == (64 if fmt == "nvfp4" else 128)
+    assert_block_close(fmt, rounding, None, np.asarray(out), np.asarray(scales), ref, layout)
+    with pytest.raises(NotImplementedError, match="block-scaled"):
+        jax.grad(lambda a, b: amj.merge_states(a, b, **kwargs)[1].sum())(
+            *[put(x, dev) for x in (random_o(rng, (2, 3, 1, 32)), random_lse(rng, (2, 3, 1)))])
 
 
 def test_per_group_fp8_under_vmap_is_one_call_and_has_no_gradient(rng, dev):

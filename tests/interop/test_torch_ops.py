@@ -247,6 +247,12 @@ def samples(rng):
                                                      group_scales=new(6, 4, 2), group_size=16, scale_ue8m0=True)),
         ("merge_states.out", (v, s), dict(out=new(6, 4, 32, dtype=torch.float8_e4m3fn), group_scales=new(6, 4, 1),
                                           group_size=32)),
+        ("merge.out", (o_a, lse_a, o_b, lse_b), dict(out=new(6, 4, 16, dtype=torch.uint8), out_lse=new(6, 4),
+                                                     group_scales=new(1, 2, 512, dtype=torch.float8_e4m3fn),
+                                                     block_format="nvfp4", scale_layout="swizzled")),
+        ("merge_states.out", (v, s), dict(out=new(6, 4, 32, dtype=torch.float8_e4m3fn),
+                                          group_scales=new(6, 4, 1, dtype=torch.uint8), block_format="mxfp8",
+                                          scale_rounding="rceil")),
         ("merge.default", (o_a, lse_a, o_b, lse_b, None, sink), dict(a_tokens=3)),
         ("merge.out", (*f,), dict(out=new(6, 4, 32), out_lse=new(6, 4), sink=sink, base="2,e")),
         ("merge_states.default", (v, s, None, sink), dict(out_base="2")),
@@ -263,7 +269,8 @@ def samples(rng):
 
 
 def _fp8_out(kwargs):
-    return getattr(kwargs.get("out"), "dtype", None) == torch.float8_e4m3fn
+    dtypes = {getattr(kwargs.get(k), "dtype", None) for k in ("out", "group_scales")}
+    return torch.float8_e4m3fn in dtypes or torch.uint8 in dtypes
 
 
 # opcheck's test_schema compares a mutated float8 tensor by arithmetic that torch has no float8 kernel
@@ -271,7 +278,7 @@ def _fp8_out(kwargs):
 _FP8_OUT_CHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
-@pytest.mark.parametrize("i", range(29))
+@pytest.mark.parametrize("i", range(31))
 def test_opcheck(rng, i):
     name, args, kwargs = samples(rng)[i]
     torch.library.opcheck(overload(name), args, kwargs, **(dict(test_utils=_FP8_OUT_CHECKS) if _fp8_out(kwargs) else {}))
@@ -441,6 +448,25 @@ def test_compiled_per_group_fp8_outputs(rng):
     out, out_lse, scales = f(put(v), put(s))
     assert graphs.ops_called() == {"attnmerge.merge_states.out"}
     assert_group_fp8_close(as_fp8(out), get(scales), reference_merge_stacked(v, s)[0], 128)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_compiled_block_scaled_outputs(rng, fmt):
+    """block_format takes the out= overload, out and the swizzled scales allocated in the graph: the
+    bytes of the eager call."""
+    h = [put(x) for x in pair(rng, head_size=128, dtype="bfloat16")]
+    f, graphs = compiled(lambda a, b, c, d: attnmerge.merge(a, b, c, d, block_format=fmt, scale_layout="swizzled"))
+    out, _, scales = f(*h)
+    assert graphs.ops_called() == {"attnmerge.merge.out"}
+    want, _, want_s = attnmerge.merge(*h, block_format=fmt, scale_layout="swizzled")
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(scales.view(torch.uint8), want_s.view(torch.uint8))
+
+
+def test_no_gradient_through_a_block_scaled_output(rng):
+    h = [put(x).requires_grad_() for x in pair(rng, head_size=64, dtype="float32")]
+    with pytest.raises(NotImplementedError, match="attnmerge::merge.out"):
+        attnmerge.merge(*h, block_format="nvfp4")
 
 
 def test_compiled_merge_share(rng):

@@ -75,10 +75,14 @@ bool inputs_base2(int bases) { return (bases & ATTNMERGE_LSE_BASE2) != 0; }
 // The per-group FP8 scales of the calls that follow (emulate_group_scales): where they go, their
 // strides [tokens, heads, groups], the group size (0: none) and UE8M0.
 struct GroupScales {
-  float* scales = nullptr;
+  void* scales = nullptr;
   int64_t strides[3] = {0, 0, 0};
   int group = 0;
   bool ue8m0 = false;
+  BlockScales block = BlockScales::kFloat;  // emulate_block_scales
+  bool swizzled = false;
+  int head_groups = 0;
+  float global = 1.0f;
 };
 thread_local GroupScales t_groups;
 
@@ -95,6 +99,7 @@ OutView out_view(void* o, const int64_t* os, float* l, const int64_t* ls, float 
   const GroupScales& g = t_groups;
   v.group_scales = g.scales, v.gs_st = g.strides[0], v.gs_sh = g.strides[1], v.gs_sg = g.strides[2];
   v.group = g.group, v.ue8m0 = g.ue8m0;
+  v.block = g.block, v.swizzled = g.swizzled, v.head_groups = g.head_groups, v.global = g.global;
   return v;
 }
 
@@ -128,13 +133,29 @@ extern "C" {
 // The per-group FP8 scales of the calls that follow (OutView::group_scales): `scales` [tokens,
 // heads, head_size / group] with strides `strides` (elements), groups of `group` elements (0:
 // none, as before any call of this), rounded up to powers of two where ue8m0.
-void emulate_group_scales(float* scales, const int64_t* strides, int group, int ue8m0) {
+void emulate_group_scales(void* scales, const int64_t* strides, int group, int ue8m0) {
   t_groups = GroupScales{};
   if (group == 0) return;
   t_groups.scales = scales;
   std::copy(strides, strides + 3, t_groups.strides);
   t_groups.group = group;
   t_groups.ue8m0 = ue8m0 != 0;
+}
+
+// The block-scaled format of the calls that follow, their scale bytes at `scales` with strides
+// `strides` (rows, heads, blocks; swizzled: row tiles, column tiles, 1): `block` a BlockScales
+// (1 MXFP8 floor, 2 MXFP8 RCEIL, 3 NVFP4: blocks of 32 or 16, the output FP8 or bytes of two
+// values), `swizzled` the 128 x 4 tiles of `head_groups` blocks per head, NVFP4's global scale.
+void emulate_block_scales(void* scales, const int64_t* strides, int block, int swizzled, int head_groups,
+                          float global) {
+  t_groups = GroupScales{};
+  t_groups.scales = scales;
+  std::copy(strides, strides + 3, t_groups.strides);
+  t_groups.block = static_cast<BlockScales>(block);
+  t_groups.group = t_groups.block == BlockScales::kNvfp4 ? 16 : 32;
+  t_groups.swizzled = swizzled != 0;
+  t_groups.head_groups = head_groups;
+  t_groups.global = global;
 }
 
 // The sink [heads] of the two-way merges that follow (SinkPairSource), `stride` apart (null: none,

@@ -36,15 +36,15 @@ def routines():
 def test_every_routine_runs_its_cases_and_checks_on_cpu_tensors():
     proc = run_driver("--check-cpu")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines()[-1] == "11 passed, 0 failed"
+    assert proc.stdout.splitlines()[-1] == "12 passed, 0 failed"
 
 
 def test_the_list_names_every_routine():
     proc = run_driver("--list")
     assert proc.returncode == 0, proc.stderr
     assert [line.split()[0] for line in proc.stdout.splitlines()] == [
-        "sinks", "bases", "group_fp8", "share", "layouts", "state_forms", "exchange", "pdl_chain", "plain_pairs",
-        "vs_seed", "vs_flashinfer", "bench", "family"]
+        "sinks", "bases", "group_fp8", "block_scaled", "share", "layouts", "state_forms", "exchange", "pdl_chain",
+        "plain_pairs", "vs_seed", "vs_flashinfer", "bench", "family"]
 
 
 def test_an_unknown_op_is_refused_by_name():

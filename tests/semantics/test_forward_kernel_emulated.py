@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from emulators import CODES, ORDERS, build, check, compiled_types, launches, order, pointers, widest_vec
 from attnmerge._call import base_flags, lse_bases
-from oracle import (assert_fp8_close, assert_group_fp8_close, assert_lse_close, assert_merge_matches, clamp_indptr, fp8_dtype, nan_array,
+from oracle import (assert_block_close, assert_fp8_close, assert_group_fp8_close, assert_lse_close, assert_merge_matches, clamp_indptr, fp8_dtype, nan_array,
                     natural, outside_view_is_nan, random_lse, random_o, rebased, reference_merge,
                     reference_merge_ranges, reference_merge_share, reference_merge_stacked, reference_merge_varlen,
                     stats_lse, strided_view, to_f64, valid_lse)
@@ -872,6 +872,56 @@ if __name__ == "__main__":  # test_a_masked_row_reads_its_mask_byte_alone's proc
 # ---- per-group FP8 outputs -----------------------------------------------------------------------
 
 
+def fp8_states(rng, data, op, shape, tail):
+    """Random bfloat16 states of `op` (shape: tokens, S, heads, head_size; some empty), placed in
+    drawn layouts: (the float64 merge, the views the call reads, its O views, the call's shape for
+    fp8_call, merge_share's index, merge_varlen's indptr)."""
+    t, s, h, d = shape
+    index = indptr = None
+    if op == "merge":
+        o, lse = random_o(rng, (2, t, h, d), "bfloat16"), random_lse(rng, (2, t, h))
+        empties(rng, lse, o, data.draw(st.sampled_from((0.0, 0.3))))
+        ref = reference_merge(o[0], lse[0], o[1], lse[1])[0]
+        views = [placed(x, data.draw(layouts(x.ndim, x.ndim == 3)), tail)[0] for x in (o[0], lse[0], o[1], lse[1])]
+        return ref, views, (views[0], views[2]), shape, index, indptr
+    if op == "merge_varlen":
+        indptr = np.sort(rng.integers(0, s * t + 1, t + 1)).astype(np.int64)
+        indptr[0], total = 0, max(int(indptr[-1]), 1)
+        o, lse = random_o(rng, (total, h, d), "bfloat16"), random_lse(rng, (total, h))
+        ref = reference_merge_varlen(o, lse, indptr)[0]
+        views = [placed(o, data.draw(layouts(3, True)), tail)[0], placed(lse, data.draw(layouts(2, False)), tail)[0]]
+        return ref, views, views[:1], (t, total, h, d), index, indptr
+    o, lse = random_o(rng, (t, s, h, d), "bfloat16"), random_lse(rng, (t, s, h))
+    empties(rng, lse, o, data.draw(st.sampled_from((0.0, 0.3))))
+    index = data.draw(st.integers(0, s - 1))
+    if op == "merge_share":
+        o = np.ascontiguousarray(o[:, index])
+        ref = reference_merge_share(o, lse, index)[0]
+    else:
+        ref = reference_merge_stacked(o, lse)[0]
+    views = [placed(o, data.draw(layouts(o.ndim, True)), tail)[0], placed(lse, data.draw(layouts(3, False)), tail)[0]]
+    return ref, views, views[:1], shape, index, indptr
+
+
+def fp8_call(emu, op, shape, fact, groups, ptrs, index, indptr):
+    """The emulated call of `op` from bfloat16 states [tokens, S, heads, head_size] (merge's two
+    states; merge_varlen's S: all its states, in the rows of indptr) into an FP8 out at ptrs (out,
+    its LSE, the inputs), the scales set beforehand (emulate_group_scales, emulate_block_scales)."""
+    t, s, h, d = shape
+    one, none = ctypes.c_float(1.0), ctypes.c_int64(0)
+    if op == "merge":
+        return lambda: emu.emulate_merge(*head((t, t, h, d), "bfloat16", "float8_e4m3fn", "e", fact), 0, 0, 0, one,
+                                         None, *ptrs, None, none)
+    if op == "merge_varlen":
+        return lambda: emu.emulate_merge_varlen(
+            *head((len(indptr) - 1, s, h, d), "bfloat16", "float8_e4m3fn", "e", fact), groups, one, *ptrs,
+            ctypes.c_void_p(indptr.ctypes.data), ctypes.c_int64(1), 1, None, none)
+    args = head((t, s, h, d), "bfloat16", "float8_e4m3fn", "e", fact)
+    if op == "merge_share":
+        return lambda: emu.emulate_merge_share(*args, groups, one, *ptrs, ctypes.c_int64(index), None, none)
+    return lambda: emu.emulate_merge_states(*args, groups, one, *ptrs, None, none)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_per_group_fp8_outputs(emu, data):
@@ -888,30 +938,8 @@ def test_per_group_fp8_outputs(emu, data):
     fp8_dtype()
     tail = data.draw(st.booleans())
     out, obuf = out_buffers((t, h, d), "float8_e4m3fn", data.draw(layouts(3, True)), tail)
-    if op == "merge":
-        o, lse = random_o(rng, (2, t, h, d), "bfloat16"), random_lse(rng, (2, t, h))
-        empties(rng, lse, o, data.draw(st.sampled_from((0.0, 0.3))))
-        ref = reference_merge(o[0], lse[0], o[1], lse[1])[0]
-        views = [placed(x, data.draw(layouts(x.ndim, x.ndim == 3)), tail)[0] for x in (o[0], lse[0], o[1], lse[1])]
-        vec = widest_vec(d, views[0], views[2], out)
-    elif op == "merge_varlen":
-        indptr = np.sort(rng.integers(0, s * t + 1, t + 1)).astype(np.int64)
-        indptr[0], total = 0, max(int(indptr[-1]), 1)
-        o, lse = random_o(rng, (total, h, d), "bfloat16"), random_lse(rng, (total, h))
-        ref = reference_merge_varlen(o, lse, indptr)[0]
-        views = [placed(o, data.draw(layouts(3, True)), tail)[0], placed(lse, data.draw(layouts(2, False)), tail)[0]]
-        vec = widest_vec(d, views[0], out)
-    else:
-        o, lse = random_o(rng, (t, s, h, d), "bfloat16"), random_lse(rng, (t, s, h))
-        empties(rng, lse, o, data.draw(st.sampled_from((0.0, 0.3))))
-        index = data.draw(st.integers(0, s - 1))
-        if op == "merge_share":
-            o = np.ascontiguousarray(o[:, index])
-            ref = reference_merge_share(o, lse, index)[0]
-        else:
-            ref = reference_merge_stacked(o, lse)[0]
-        views = [placed(o, data.draw(layouts(o.ndim, True)), tail)[0], placed(lse, data.draw(layouts(3, False)), tail)[0]]
-        vec = widest_vec(d, views[0], out)
+    ref, views, o_views, shape, index, indptr = fp8_states(rng, data, op, (t, s, h, d), tail)
+    vec = widest_vec(d, *o_views, out)
     group = data.draw(st.sampled_from([g for g in (8, 16, 32, 64, 128, 256) if d % g == 0 and g <= 32 * vec]))
     ue8m0 = data.draw(st.booleans())
     scales, sbuf = out_buffers((t, h, d // group), "float32", data.draw(layouts(3, False)), tail)
@@ -920,21 +948,9 @@ def test_per_group_fp8_outputs(emu, data):
     fact = facts(data, vec, (2, 1))
     groups = data.draw(st.sampled_from((0, 2, 16)))  # 2 and 16 ask for kStates
     ptrs, _keep = pointers(out, None, *views)
-    head_args = head((t, s, h, d), "bfloat16", "float8_e4m3fn", "e", fact)  # merge_states', merge_share's
-    calls = {  # each called only for its own op, whose variables it reads
-        "merge": lambda: emu.emulate_merge(*head((t, t, h, d), "bfloat16", "float8_e4m3fn", "e", fact), 0, 0, 0,
-                                           ctypes.c_float(1.0), None, *ptrs, None, ctypes.c_int64(0)),
-        "merge_states": lambda: emu.emulate_merge_states(*head_args, groups, ctypes.c_float(1.0), *ptrs, None,
-                                                         ctypes.c_int64(0)),
-        "merge_share": lambda: emu.emulate_merge_share(*head_args, groups, ctypes.c_float(1.0), *ptrs,
-                                                       ctypes.c_int64(index), None, ctypes.c_int64(0)),
-        "merge_varlen": lambda: emu.emulate_merge_varlen(
-            *head((len(indptr) - 1, o.shape[0], h, d), "bfloat16", "float8_e4m3fn", "e", fact), groups,
-            ctypes.c_float(1.0), *ptrs, ctypes.c_void_p(indptr.ctypes.data), ctypes.c_int64(1), 1, None,
-            ctypes.c_int64(0)),
-    }
     try:
-        run_orders(emu, calls[op], [obuf, sbuf], data.draw(st.integers(0, 1000)))
+        run_orders(emu, fp8_call(emu, op, shape, fact, groups, ptrs, index, indptr),
+                   [obuf, sbuf], data.draw(st.integers(0, 1000)))
     finally:
         emu.emulate_group_scales(None, None, 0, 0)
     if t:
@@ -942,4 +958,62 @@ def test_per_group_fp8_outputs(emu, data):
         shared = op in ("merge_states", "merge_varlen") and p["index32"] and vec == 8  # kStates' conditions
         assert p["variant"] not in PLAIN and (groups == 0 or (p["variant"] == "states") == shared), p
     assert_group_fp8_close(out, scales, ref, group, ue8m0)
+    assert outside_view_is_nan(out, obuf) and outside_view_is_nan(scales, sbuf)
+
+
+# ---- block-scaled outputs ------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_block_scaled_outputs(emu, data):
+    """Each op into MXFP8 (floor, RCEIL) or NVFP4, the scales at strides or in the swizzled 128 x 4
+    tiles (OutView::block, swizzled_at): a block's lanes meet at its shuffles (kRows, the share) or
+    its finishing threads in shared memory (kStates, which NVFP4 keeps to two values or more per
+    finisher), the tiles' padding zeroed; every order of the threads gives the same bytes."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    op = data.draw(st.sampled_from(("merge", "merge_states", "merge_share", "merge_varlen")))
+    block = data.draw(st.sampled_from((1, 2, 3)))  # BlockScales: MXFP8 floor, RCEIL, NVFP4
+    fmt, rounding = ("nvfp4", "floor") if block == 3 else ("mxfp8", "rceil" if block == 2 else "floor")
+    size = 16 if block == 3 else 32
+    t, h = data.draw(st.integers(0, 5)), data.draw(st.integers(1, 3))
+    d = data.draw(st.sampled_from([x for x in (32, 64, 96, 128, 256) if x % size == 0]))
+    s = data.draw(st.sampled_from((1, 2, 5, 9, 40)))
+    swizzled = data.draw(st.booleans())
+    g = data.draw(st.sampled_from((1.0, 0.37))) if block == 3 else 1.0
+    fp8 = fp8_dtype()
+    tail = data.draw(st.booleans())
+    out_shape = (t, h, d // 2) if block == 3 else (t, h, d)
+    out, obuf = out_buffers(out_shape, fp8, {}, tail)  # bytes, poisoned 0x7f
+    ref, views, o_views, shape, index, indptr = fp8_states(rng, data, op, (t, s, h, d), tail)
+    vec = widest_vec(d, *o_views)
+    if block == 3 and vec < 2:
+        return  # refused by the C ABI (NVFP4 stores two values per byte)
+    per_head = d // size
+    scale_shape = (-(-t // 128), -(-h * per_head // 4), 512) if swizzled else (t, h, per_head)
+    scales, sbuf = out_buffers(scale_shape, fp8, {} if swizzled else data.draw(layouts(3, False)), tail)
+    (sptr, sstrides), _scales_alive = pointers(scales)
+    emu.emulate_block_scales(sptr, sstrides, block, int(swizzled), per_head, ctypes.c_float(g))
+    fact = facts(data, vec, (2, 1))
+    groups = data.draw(st.sampled_from((0, 2, 16)))
+    ptrs, _keep = pointers(out, None, *views)
+    try:
+        run_orders(emu, fp8_call(emu, op, shape, fact, groups, ptrs, index, indptr),
+                   [obuf, sbuf], data.draw(st.integers(0, 1000)))
+    finally:
+        emu.emulate_group_scales(None, None, 0, 0)
+    if t:
+        p = plan(emu)
+        assert p["variant"] not in PLAIN, p
+        if block == 3 and p["variant"] == "states":
+            assert p["groups"] <= vec // 2, p  # a finisher's values fill whole bytes
+    assert_block_close(fmt, rounding, g if block == 3 else None, out, scales, ref,
+                       "swizzled" if swizzled else "row_major")
+    if swizzled and t:  # every byte of the tiles is written: none left at the poison's 0x7f but a NaN scale's
+        real = np.zeros(scales.shape, bool)
+        for r in range(t):
+            for c in range(h * per_head):
+                real[r // 128, c // 4, (r % 32) * 16 + (r // 32 % 4) * 4 + c % 4] = True
+        b = scales.view(np.uint8)
+        assert not (b[~real] != 0).any(), "a padding byte not zero"
     assert outside_view_is_nan(out, obuf) and outside_view_is_nan(scales, sbuf)

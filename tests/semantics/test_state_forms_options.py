@@ -6,6 +6,7 @@ issue 37 names for every form:
     sink=            each head's sink, one more state (in the inputs' base)
     out_dtype=fp8    an FP8 output with output_scale
     group_size=      per-group FP8 with its scales
+    block_format=    MXFP8 and NVFP4 outputs with their block scales (docs/semantics.md)
     base=2, out_base the inputs' LSEs (the maxima, the sums' exp2) in base 2, the merged LSE in e
     return_lse=False no merged LSE
     batch_invariant  the row's bits independent of the batch
@@ -21,13 +22,13 @@ import numpy as np
 import pytest
 
 import attnmerge
-from oracle import (assert_fp8_close, assert_group_fp8_close, assert_lse_close, assert_merge_matches, natural,
-                    random_lse, random_o, rebased, reference_merge, reference_merge_share, reference_merge_stacked,
-                    reference_merge_varlen, stats_lse, valid_lse)
+from oracle import (assert_block_close, assert_fp8_close, assert_group_fp8_close, assert_lse_close,
+                    assert_merge_matches, natural, random_lse, random_o, rebased, reference_merge, reference_merge_share,
+                    reference_merge_stacked, reference_merge_varlen, stats_lse, valid_lse)
 
 OPS = ("merge", "merge_states", "merge_varlen", "merge_share")
 FORMS = ("stats", "valid", "both")
-OPTIONS = ("sink", "fp8", "group_fp8", "bases", "no_lse", "batch_invariant")
+OPTIONS = ("sink", "fp8", "group_fp8", "mxfp8", "nvfp4", "bases", "no_lse", "batch_invariant")
 T, H, D, S, GROUP = 24, 3, 64, 5, 16
 
 
@@ -118,6 +119,8 @@ def test_every_form_with_every_option(rng, device, op, form, option):
         kw.update(out_dtype="float8_e4m3fn", output_scale=0.5)
     elif option == "group_fp8":
         kw["group_size"] = GROUP
+    elif option in ("mxfp8", "nvfp4"):
+        kw["block_format"] = option
     elif option == "bases":
         kw.update(base=2, out_base="e")
         out_base = "e"
@@ -133,6 +136,9 @@ def test_every_form_with_every_option(rng, device, op, form, option):
         assert_lse_close(out_lse, want_lse)
     elif option == "group_fp8":
         assert_group_fp8_close(out, device.get(res[2]), want_o, GROUP)
+        assert_lse_close(out_lse, want_lse)
+    elif option in ("mxfp8", "nvfp4"):
+        assert_block_close(option, "floor", None, out, device.get(res[2]), want_o)
         assert_lse_close(out_lse, want_lse)
     elif option == "no_lse":
         assert out_lse is None

@@ -81,8 +81,9 @@ typedef enum attnmerge_dtype {
  * in-place merge's O and every O of a backward; ROLE_O_OUT the O a two-way, N-way or variable-length
  * merge writes; ROLE_LSE every LSE, softmax sum and LSE gradient, and the sink; ROLE_MASK the
  * in-place merge's mask; ROLE_INDPTR the variable-length merges' indptr; ROLE_SCALE the FP8
- * output's scales (options.group_scales, options.output_scale_ptr); options.valid takes the dtypes
- * of ROLE_MASK and ROLE_INDPTR. */
+ * output's scales (options.group_scales, options.output_scale_ptr; the block-scaled formats' byte
+ * scales and NVFP4's uint8 out are read by their flags, ATTNMERGE_BLOCK_*); options.valid takes
+ * the dtypes of ROLE_MASK and ROLE_INDPTR. */
 #define ATTNMERGE_ROLE_O_IN 1u
 #define ATTNMERGE_ROLE_O_OUT 2u
 #define ATTNMERGE_ROLE_LSE 4u
@@ -182,9 +183,33 @@ static inline attnmerge_tensor attnmerge_contiguous_tensor(void* data, int32_t d
 #define ATTNMERGE_LSE_B_BASE_E 32u
 #define ATTNMERGE_OUT_LSE_BASE2 64u
 #define ATTNMERGE_OUT_LSE_BASE_E 128u
-/* Per-group FP8 outputs (options.group_scales): each group's scale rounded up to a power of two
- * (UE8M0, as DeepGEMM's Blackwell kernels take them). */
+/* Per-group FP8 outputs (options.group_scales): each group's float32 scale rounded up to a power of
+ * two (UE8M0, as DeepGEMM's Blackwell kernels take them). */
 #define ATTNMERGE_GROUP_SCALE_UE8M0 256u
+/* Block-scaled outputs: the formats the block-scaled GEMMs of Blackwell GPUs read, quantized in the
+ * merge (docs/semantics.md gives the rules, which are the reference quantizers' bit for bit).
+ * options.group_scales receives the blocks' scales and options.group_size is the format's block (0
+ * takes it); the two-way, N-way and variable-length merges and the share take them.
+ *   ATTNMERGE_BLOCK_MXFP8: out FP8 E4M3, one UE8M0 scale (uint8: 2^(byte - 127), 255 NaN) per 32
+ *     elements of a row: 2^(floor(log2 amax) - 8) (the OCP MX rule), or amax / 448 rounded up to a
+ *     power of two with ATTNMERGE_SCALE_RCEIL (cuBLAS's); the values value / scale, saturating.
+ *   ATTNMERGE_BLOCK_NVFP4: out uint8 [..., head_size / 2], two E2M1 values per byte (the even
+ *     element in the low nibble), one FP8 E4M3 scale per 16 elements: amax / 6 in units of the
+ *     global scale g, clamped to [2^-6, 448] and rounded to E4M3; the values value / (g * scale),
+ *     rounded to E2M1, saturating at 6.  g: output_scale or output_scale_ptr (a value > 0 and
+ *     finite; 1 when neither is given), so that value ~ e2m1 * scale * g.
+ * The scales are laid out [rows, heads, head_size / block] (any strides), or with
+ * ATTNMERGE_SCALE_SWIZZLED in the 128 x 4 tiles of cuBLASLt and CUTLASS: a tensor [ceil(rows / 128),
+ * ceil(heads * head_size / block / 4), 512] (rows: out's first axis; the last axis unit-stride,
+ * the pointer and the other strides multiples of 16 bytes), tile (r, c) holding the scales of rows
+ * 128 r .. 128 r + 127 and of the scale columns 4 c .. 4 c + 3 of the matrix [rows, heads *
+ * head_size / block], that of (row, column) at byte (row % 32) * 16 + (row / 32 % 4) * 4 +
+ * column % 4.  The tiles' padding (rows past the last, columns past a row's last) is written
+ * with zeros. */
+#define ATTNMERGE_BLOCK_MXFP8 1024u
+#define ATTNMERGE_BLOCK_NVFP4 2048u
+#define ATTNMERGE_SCALE_RCEIL 4096u
+#define ATTNMERGE_SCALE_SWIZZLED 8192u
 /* Batch invariance: each row's results depend on that row's inputs and the call's options alone,
  * never on the other rows of the call, the strategy the launch plan would pick for their number or
  * the GPU's size (a row merged alone gives the same bits).  The forwards take it; the N-way and
@@ -216,7 +241,8 @@ typedef struct attnmerge_options {
    * a_tokens tokens (vLLM's prefill_tokens_with_context).  0 to tokens. */
   int64_t a_tokens;
   /* FP8 outputs store value / output_scale (vLLM's output_scale), a finite scale > 0; 0 (default):
-   * none.  Other outputs take none (1 is accepted: it changes nothing). */
+   * none; NVFP4 outputs take it as their global scale.  Other outputs take none (1 is accepted: it
+   * changes nothing). */
   float output_scale;
   /* Or the scale as one float32 in the memory of the op's device (host memory for host tensors),
    * read by the kernel itself, so that no host synchronization is needed.  NULL (default): none. */
@@ -240,12 +266,15 @@ typedef struct attnmerge_options {
   const attnmerge_tensor* sink;
   /* Per-group FP8 outputs (DeepSeek-V3's 1 x 128 blocks): a float32 tensor [tokens, heads,
    * head_size / group_size] (any strides >= 0) that receives the scale of each group of group_size
-   * consecutive elements of a row, out being FP8 E4M3 without output_scale.  The two-way, N-way and
-   * variable-length merges and the share take them.  NULL (default): none. */
+   * consecutive elements of a row, out being FP8 E4M3 without output_scale.  With
+   * ATTNMERGE_BLOCK_MXFP8 (NVFP4) the blocks' scales instead, uint8 (float8_e4m3), in either layout
+   * of the block-scaled formats.  The two-way, N-way and variable-length merges and the share take
+   * them.  NULL (default): none. */
   const attnmerge_tensor* group_scales;
   /* The elements of a group: a power of two from 8 up that divides head_size and is at most 32
    * times the elements a vector access takes of every O array (its pointer's and strides'
-   * alignment, within 16 bytes).  0 (default) without group_scales. */
+   * alignment, within 16 bytes); the block-scaled formats': their block, 32 or 16 (0 takes it),
+   * NVFP4's vector access at least two elements.  0 (default) without group_scales. */
   int32_t group_size;
   /* Softmax statistics in place of LSEs (TensorRT-LLM's Helix, a flash-decoding kernel before it
    * takes the log).  Where sum_a (sum_b) is given, the op's first (second) LSE argument holds each

@@ -157,59 +157,87 @@ __device__ __forceinline__ void sync_row_lanes(int packs) {
 
 // Whether a kernel of Source writing TOut may quantize per group (OutView::group): FP8 outputs of
 // the general sources (the plan keeps the plain ones for calls without groups), so that the other
-// kernels carry none of it.
+// kernels carry none of it.  The block-scaled formats are run-time modes of these kernels
+// (OutView::block): NVFP4 calls take the FP8 kernels, whose stores they replace by their own.
 template <typename Source, typename TOut>
 ATTNMERGE_HD constexpr bool takes_groups() {
   return std::is_same<TOut, float8_e4m3_t>::value && !Source::Traits::kPlain;
 }
 
-// Per-group FP8 (OutView::group) of this thread's pack `acc` of the merged row (token, head), pack
-// k: the group's largest magnitude over its lanes by shuffles, its scale (group_scale) stored by
-// its first lane, and the pack multiplied by the scale's inverse.  A group is group / VEC
-// consecutive lanes of one warp, aligned (a power of two, at most 32, dividing the block's x
-// extent or the row's packs: the C ABI's and the plan's conditions), and its lanes are all live or
-// all gone, as a row's threads leave together.
-template <int VEC, typename I>
-__device__ __forceinline__ void quantize_group(float (&acc)[VEC], const OutView& out, I token, I head, I k) {
-  const int lanes = out.group / VEC;
-  float amax = 0.0f;  // fmaxf leaves NaN elements out
+// A block's quantization, its largest magnitude known (bits `amax`, magnitude_bits): this thread's
+// N elements `x` of block j of the merged row (token, head) scaled by the block's scale, in place
+// for FP8 (false: the caller stores them), or stored as E2M1 codes at `packed` (NVFP4: true).  An
+// `owner` thread takes part `part` of the block's `parts` in its scale: part 0 stores it, and each
+// zeroes its share of the swizzled tiles' padding (OutView::zero_padding).
+template <int N, typename I>
+__device__ __forceinline__ bool quantize_block(float (&x)[N], uint32_t amax, const OutView& out,
+                                               const MergeShape& shape, I token, I head, I j, bool owner, I part,
+                                               I parts, uint8_t* packed, bool evict_first) {
+  const OutView::Scale s = out.block_scale(amax);
+  if (owner) {
+    if (part == 0) out.store_scale(token, head, j, s);
+    if (out.swizzled) {
+      const I per_head = static_cast<I>(out.head_groups);
+      out.zero_padding(token, head * per_head + j, static_cast<I>(shape.tokens), static_cast<I>(shape.heads) * per_head,
+                       part, parts);
+    }
+  }
+  if (out.block == BlockScales::kNvfp4) {
+    if constexpr (N % 2 == 0) store_e2m1<N>(packed, x, s.multiplier, evict_first);  // N even: the C ABI's condition
+    return true;
+  }
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) amax = fmaxf(amax, fabsf(acc[i]));
-  const unsigned lane = (threadIdx.y * blockDim.x + threadIdx.x) & 31u;
-  const unsigned mask = lanes >= 32 ? 0xffffffffu : ((1u << lanes) - 1u) << (lane & ~static_cast<unsigned>(lanes - 1));
-  for (int d = 1; d < lanes; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, d));
-  const float scale = group_scale(amax, out.ue8m0);
-  const float inv = 1.0f / scale;
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) acc[i] *= inv;
-  if ((k & static_cast<I>(lanes - 1)) == 0) *out.group_scale_at(token, head, k / static_cast<I>(lanes)) = scale;
+  for (int e = 0; e < N; ++e) x[e] *= s.multiplier;
+  return false;
 }
 
-// Per-group FP8 under kStates, where a group's elements lie with several finishing threads (its
-// packs' finishers, in several warps): their largest magnitudes meet in the row's `slots` (one per
-// group, zeroed before the block's first barrier) by atomicMax of their bits (non-negative
-// floats order as their bits, and a maximum is the same in any order), then each finisher scales
-// its `x`, the elements e0 .. e0 + N - 1 of pack k, and the group's first element's finisher stores
-// its scale.  Every thread of the block comes here (a barrier), finishing or not.
+// Per-group FP8 and the block-scaled formats (OutView::group, OutView::block) of this thread's pack
+// `acc` of the merged row (token, head), pack k: the group's largest magnitude over its lanes by
+// shuffles, then quantize_block (its first lane stores the scale).  A group is group / VEC
+// consecutive lanes of one warp, aligned (a power of two, at most 32, dividing the block's x
+// extent or the row's packs: the C ABI's and the plan's conditions), and its lanes are all live or
+// all gone, as a row's threads leave together.  true: the pack is stored (NVFP4).
+template <int VEC, typename I>
+__device__ __forceinline__ bool quantize_group(float (&acc)[VEC], const OutView& out, const MergeShape& shape,
+                                               I token, I head, I k, bool evict_first) {
+  const int lanes = out.group / VEC;
+  const bool keep_nan = out.block != BlockScales::kFloat;
+  uint32_t amax = 0;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) amax = max_bits(amax, magnitude_bits(acc[i], keep_nan));
+  const unsigned lane = (threadIdx.y * blockDim.x + threadIdx.x) & 31u;
+  const unsigned mask = lanes >= 32 ? 0xffffffffu : ((1u << lanes) - 1u) << (lane & ~static_cast<unsigned>(lanes - 1));
+  for (int d = 1; d < lanes; d <<= 1) amax = max_bits(amax, __shfl_xor_sync(mask, amax, d));
+  const I parts = static_cast<I>(lanes);
+  return quantize_block<VEC>(acc, amax, out, shape, token, head, k / parts, true, k & (parts - 1), parts,
+                             out.o_at<uint8_t>(token, head, k * VEC / 2), evict_first);
+}
+
+// Per-group FP8 and the block formats under kStates, where a group's elements lie with several
+// finishing threads (its packs' finishers, in several warps): their largest magnitudes meet in the
+// row's `slots` (one per group, zeroed before the block's first barrier) by atomicMax of their
+// bits (magnitude_bits: a maximum is the same in any order), then each finisher quantizes its `x`,
+// the elements e0 .. e0 + N - 1 of pack k (quantize_block; the finishers of a group's packs' first
+// elements own its scale).  Every thread of the block comes here (a barrier), finishing or not.
+// true: this thread's elements are stored (NVFP4).
 template <int VEC, int N>
-__device__ __forceinline__ void quantize_group_shared(float (&x)[N], const OutView& out, unsigned* slots,
-                                                      bool finishing, int32_t token, int32_t head, int k, int e0) {
+__device__ __forceinline__ bool quantize_group_shared(float (&x)[N], const OutView& out, const MergeShape& shape,
+                                                      unsigned* slots, bool finishing, int32_t token, int32_t head,
+                                                      int k, int e0) {
   // A group's packs, a power of two (group >= 8 >= VEC, kStates' VEC being 4 or 8): by shifts.
   const int shift = __ffs(out.group / VEC) - 1, j = k >> shift;
   unsigned* const slot = slots + j;
   if (finishing) {
-    float amax = 0.0f;  // fmaxf leaves NaN elements out
+    const bool keep_nan = out.block != BlockScales::kFloat;
+    uint32_t amax = 0;
 #pragma unroll
-    for (int e = 0; e < N; ++e) amax = fmaxf(amax, fabsf(x[e]));
-    atomicMax(slot, detail::float_to_bits(amax));
+    for (int e = 0; e < N; ++e) amax = max_bits(amax, magnitude_bits(x[e], keep_nan));
+    atomicMax(slot, amax);
   }
   __syncthreads();
-  if (!finishing) return;
-  const float scale = group_scale(detail::bits_to_float(*slot), out.ue8m0);
-  const float inv = 1.0f / scale;
-#pragma unroll
-  for (int e = 0; e < N; ++e) x[e] *= inv;
-  if (j << shift == k && e0 == 0) *out.group_scale_at(token, head, j) = scale;
+  if (!finishing) return false;
+  return quantize_block<N, int32_t>(x, *slot, out, shape, token, head, j, e0 == 0, k - (j << shift), 1 << shift,
+                                    out.o_at<uint8_t>(token, head, (k * VEC + e0) / 2), true);
 }
 
 // The row (token, head) of this thread under kRows.  With I = int32_t the grid has no z extent
@@ -438,7 +466,7 @@ __device__ __forceinline__ void merge_body(const MergeShape& shape, const Source
     for (int i = 0; i < VEC; ++i) acc[i] *= r.inv;
   }
   if constexpr (takes_groups<Source, TOut>()) {
-    if (out.group > 0) quantize_group(acc, out, token, head, k);
+    if (out.group > 0 && quantize_group(acc, out, shape, token, head, k, evict_first)) return;
   }
   store_pack<TOut, VEC>(dst, acc, evict_first);
 }
@@ -584,9 +612,13 @@ __device__ __forceinline__ void merge_states_body(const MergeShape& shape, const
   };
   if constexpr (kQuantize) {
     if (finishing) finish();
-    if (out.group > 0)  // the same for every thread of the launch: all meet at its barrier
-      quantize_group_shared<VEC>(sum, out, amax_slots, finishing, token, head, k, g * kEach);
-    if (!finishing) return;
+    // out.group is the same for every thread of the launch: all meet at its barrier
+    const bool stored =
+        out.group > 0 && quantize_group_shared<VEC>(sum, out, shape, amax_slots, finishing, token, head, k, g * kEach);
+    if (!finishing || stored) {
+      if (finishing && k == 0 && g == 0) out.store_lse(token, head, r.lse());
+      return;
+    }
   } else {
     if (!finishing) return;
     finish();
@@ -660,7 +692,10 @@ __device__ __forceinline__ void merge_share_body(const MergeShape& shape, const 
   float acc[VEC] = {};
   accumulate(acc, own, r.scale(w), w);  // a NaN row: the scale is NaN, so is every element
   if constexpr (takes_groups<ShareSource, TOut>()) {
-    if (out.group > 0) quantize_group(acc, out, token, head, k);
+    if (out.group > 0 && quantize_group(acc, out, shape, token, head, k, evict_first)) {
+      if (k == 0) out.store_lse(token, head, r.lse());
+      return;
+    }
   }
   store_pack<TOut, VEC>(out.o_at<TOut>(token, head, k * VEC), acc, evict_first);
   if (k == 0) out.store_lse(token, head, r.lse());

@@ -3,6 +3,7 @@
 // alike, so the CPU path and the kernels share one definition of every dtype.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -254,6 +255,92 @@ ATTNMERGE_HD float group_scale(float amax, bool ue8m0) {
   if (!ue8m0) return scale;
   // A positive normal float (or +inf) up to the next power of two: a carry out of the mantissa.
   return detail::bits_to_float((detail::float_to_bits(scale) + 0x7fffffu) & 0xff800000u);
+}
+
+// ---- block-scaled formats (attnmerge.h's ATTNMERGE_BLOCK_MXFP8, ATTNMERGE_BLOCK_NVFP4) --------
+// The rules of the OCP MX and NVIDIA formats as their reference quantizers define them (torchao's
+// to_mx and nvfp4_quantize, TransformerEngine's cast), each value computed in float32 with one
+// rounding per step, so that the kernels and the CPU path give the references' bits.
+
+// How a quantized output's blocks are scaled (OutView::block): per-group FP8's float32 scales, or
+// a block-scaled format's byte scales.
+enum class BlockScales : uint8_t {
+  kFloat,    // per-group FP8: group_scale
+  kMxFloor,  // MXFP8, the OCP MX rule: 2^(floor(log2 amax) - 8)
+  kMxRceil,  // MXFP8, amax / 448 rounded up to a power of two (cuBLAS's, TransformerEngine's)
+  kNvfp4,    // NVFP4: an E4M3 scale per 16 values, E2M1 values
+};
+
+// A value's magnitude as bits, for a block's largest magnitude taken as the largest bits (a
+// non-negative float orders as its bits): NaN, larger than +inf, wins where `keep_nan` (the block
+// formats, whose references' amax is NaN then), and is left out otherwise (per-group FP8, whose
+// amax skips NaN elements).
+ATTNMERGE_HD uint32_t magnitude_bits(float x, bool keep_nan) {
+  const uint32_t b = detail::float_to_bits(x) & 0x7fffffffu;
+  return keep_nan || b <= 0x7f800000u ? b : 0u;
+}
+
+// The larger of two magnitudes' bits (one integer max on the GPU, as on the host).
+ATTNMERGE_HD uint32_t max_bits(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
+// MXFP8's UE8M0 scale byte of a block whose largest magnitude has the bits `amax` (a power of two
+// 2^(byte - 127); 255: NaN, the scale of a block holding a NaN or an infinity).
+ATTNMERGE_HD uint32_t mx_scale_byte(uint32_t amax, bool rceil) {
+  if (!rceil) {  // floor(log2 amax) - 8 (E4M3's largest power of two, 2^8), from 2^-127 up
+    if (amax >= 0x7f800000u) return 255u;
+    const uint32_t e = amax >> 23;
+    return e < 8u ? 0u : e - 8u;
+  }
+  // amax * (1 / 448) rounded up to a power of two: a carry out of the mantissa; a float32
+  // subnormal is above 2^-127 (byte 0) only past half of it.
+  const uint32_t d = detail::float_to_bits(detail::bits_to_float(amax) * (1.0f / kFp8Max));
+  if (d >= 0x7f800000u) return 255u;
+  const uint32_t e = d >> 23, m = d & 0x7fffffu;
+  return e + ((e == 0u ? m > 0x400000u : m != 0u) ? 1u : 0u);
+}
+
+// 1 / 2^(byte - 127), exactly (2^-127 a float32 subnormal), NaN for 255: what MXFP8's values are
+// multiplied by.
+ATTNMERGE_HD float mx_reciprocal(uint32_t byte) {
+  if (byte == 255u) return detail::bits_to_float(0x7fc00000u);
+  const uint32_t e = 254u - byte;
+  return detail::bits_to_float(e == 0u ? 0x00400000u : e << 23);
+}
+
+// NVFP4: the largest E2M1 value, and the smallest normal E4M3 value, the least a block scale is
+// (the reference's floor: a block of zeros gets 2^-6).
+constexpr float kFp4Max = 6.0f;
+constexpr float kNvfp4ScaleFloor = 0.015625f;
+
+// A block's E4M3 scale (`bits`) and what its values are multiplied by, for a block whose largest
+// magnitude is `amax` and the global scale g (`inv_g` = 1 / g, rounded): the scale amax / 6 / g
+// (two roundings), clamped to [2^-6, 448] (NaN kept) and rounded to E4M3; the multiplier
+// (1 / g) / that scale.  Dequantized, value ~ e2m1 * scale * g.
+struct Nvfp4Scale {
+  uint32_t bits;
+  float multiplier;
+};
+ATTNMERGE_HD Nvfp4Scale nvfp4_scale(float amax, float g, float inv_g) {
+  const float s = amax / kFp4Max / g;
+  const float clamped = s != s ? s : s < kNvfp4ScaleFloor ? kNvfp4ScaleFloor : s > kFp8Max ? kFp8Max : s;
+  const float8_e4m3_t e = Convert<float8_e4m3_t>::store(clamped);
+  return Nvfp4Scale{e.bits, inv_g / Convert<float8_e4m3_t>::load(e)};
+}
+
+// The E2M1 code (4 bits: sign, 2 of exponent, 1 of mantissa) of a scaled value q: |q| clamped to
+// 6 and rounded to nearest even (0, 0.5, 1, 1.5, 2, 3, 4, 6), the sign kept (-0 too).  E2M1 has
+// no NaN: a NaN is 0x3 (+1.5, what the reference gives a quiet NaN), in a block whose NaN scale
+// says so.
+ATTNMERGE_HD uint32_t e2m1_code(float q) {
+  const uint32_t bits = detail::float_to_bits(q);
+  const float a = fminf(fabsf(q), kFp4Max);
+  const uint32_t ab = detail::float_to_bits(a);
+  // Below 1: the float adder rounds a to halves at 2^22 (0, 1 or 2: 1.0's code).  From 1 on: the
+  // exponent rebased and one mantissa bit kept, rounded to nearest even.
+  const uint32_t sub = detail::float_to_bits(a + 4194304.0f) - 0x4a800000u;
+  const uint32_t normal = (ab - 0x3f000000u + 0x1fffffu + ((ab >> 22) & 1u)) >> 22;
+  const uint32_t code = a < 1.0f ? sub : normal;
+  return q != q ? 0x3u : code | ((bits >> 28) & 0x8u);
 }
 
 }  // namespace attnmerge

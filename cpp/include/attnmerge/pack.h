@@ -298,4 +298,26 @@ ATTNMERGE_HD void store_pack(T* dst, const float (&acc)[N], bool evict_first) {
 #endif
 }
 
+// N values, each multiplied by `multiplier`, as E2M1 codes (NVFP4, e2m1_code): two per byte, the
+// even element in the low nibble, stored as one access of N / 2 bytes.
+template <int N>
+ATTNMERGE_HD void store_e2m1(uint8_t* dst, const float* x, float multiplier, bool evict_first) {
+  static_assert(N % 2 == 0 && N <= 8, "whole bytes, at most a word");
+  uint32_t w = 0;
+  ATTNMERGE_UNROLL
+  for (int i = 0; i < N; ++i) w |= e2m1_code(x[i] * multiplier) << (4 * i);
+#if defined(__CUDA_ARCH__)
+  if constexpr (N == 8) {
+    store_bits(reinterpret_cast<unsigned int*>(dst), w, evict_first);
+  } else if constexpr (N == 4) {
+    store_bits(reinterpret_cast<unsigned short*>(dst), static_cast<unsigned short>(w), evict_first);
+  } else {
+    store_bits(reinterpret_cast<unsigned char*>(dst), static_cast<unsigned char>(w), evict_first);
+  }
+#else
+  (void)evict_first;
+  for (int b = 0; b < N / 2; ++b) dst[b] = static_cast<uint8_t>(w >> (8 * b));
+#endif
+}
+
 }  // namespace attnmerge

@@ -426,6 +426,10 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
         groups = state_groups(states, s.packs, s.rows, device.sms);
       }
     }
+    // NVFP4 stores two values per byte: each kStates finishing thread takes two or more of its pack
+    // (at most vec / 2 groups), as no two finishers of a pack share a warp to pair theirs in.
+    if (out.group > 0 && out.block == BlockScales::kNvfp4)
+      while (groups > 1 && groups > facts.vec / 2) groups /= 2;
     if (groups > 1) {
       plan.variant = Variant::kStates;
       plan.groups = groups;

@@ -116,11 +116,21 @@ struct BasicOutView {
   // Per-group FP8 (group > 0: elements per group, a power of two dividing head_size): the scale of
   // group j of row (token, head) at group_scales + token * gs_st + head * gs_sh + j * gs_sg
   // (group_scale, numeric.h), and the row's O multiplied by its inverse.  Only the general kRows
-  // kernels and the share's take it (the plan's condition), each group in one warp's lanes.
-  float* group_scales = nullptr;
+  // kernels, kStates and the share's take it (the plan's condition), each group in one warp's lanes.
+  // The block-scaled formats (`block`, numeric.h) are run-time modes of the same kernels, which
+  // are compiled for FP8 outputs: MXFP8 writes FP8 and a scale byte per block, NVFP4 a byte per
+  // two values (o then holds bytes, o_st and o_sh counting them) and an E4M3 scale byte per block,
+  // g = *global_ptr or global its global scale.  Byte scales lie at the same strides, or
+  // (swizzled) in the 128 x 4 tiles the block-scaled GEMMs read (swizzled_at).
+  void* group_scales = nullptr;
   int64_t gs_st = 0, gs_sh = 0, gs_sg = 0;
   int32_t group = 0;
   bool ue8m0 = false;
+  BlockScales block = BlockScales::kFloat;
+  bool swizzled = false;
+  int32_t head_groups = 0;  // swizzled: a row's scales per head (head_size / group)
+  float global = 1.0f;
+  const float* global_ptr = nullptr;
 
   ATTNMERGE_HD float inverse_scale() const { return scale != nullptr ? 1.0f / *scale : inv_scale; }
 
@@ -133,7 +143,78 @@ struct BasicOutView {
   // to have one (lse set), without the check (lse_row).
   template <typename I>
   ATTNMERGE_HD float* group_scale_at(I token, I head, I j) const {
-    return group_scales + (token * static_cast<I>(gs_st) + head * static_cast<I>(gs_sh) + j * static_cast<I>(gs_sg));
+    return static_cast<float*>(group_scales) +
+           (token * static_cast<I>(gs_st) + head * static_cast<I>(gs_sh) + j * static_cast<I>(gs_sg));
+  }
+  // A block format's scale byte of block j of row (token, head): at the strides, or swizzled.
+  template <typename I>
+  ATTNMERGE_HD uint8_t* scale_byte_at(I token, I head, I j) const {
+    if (swizzled) return swizzled_at(token, head * static_cast<I>(head_groups) + j);
+    return static_cast<uint8_t*>(group_scales) +
+           (token * static_cast<I>(gs_st) + head * static_cast<I>(gs_sh) + j * static_cast<I>(gs_sg));
+  }
+  // The 128 x 4 tiles (cuBLASLt's and CUTLASS's block-scaled layout) of a matrix of scales whose
+  // row is a token (an output row) and whose column a block of it (head * head_groups + j): tile
+  // (row / 128, col / 4) at gs_st * (row / 128) + gs_sh * (col / 4), 512 bytes, in which the
+  // scale of (row, col) is byte (row % 32) * 16 + (row / 32 % 4) * 4 + col % 4.
+  template <typename I>
+  ATTNMERGE_HD uint8_t* swizzled_at(I row, I col) const {
+    return static_cast<uint8_t*>(group_scales) + ((row >> 7) * static_cast<I>(gs_st) + (col >> 2) * static_cast<I>(gs_sh) +
+                                                  ((row & 31) << 4) + (((row >> 5) & 3) << 2) + (col & 3));
+  }
+  // Zeroes the share `lane` of `lanes` that the scale of (row, col) owns of the swizzled tiles'
+  // padding, for a matrix of `rows` x `cols` scales: the last column's scale the bytes past it in
+  // its row, and the last row's scales their column (and the last one every column past the
+  // matrix's) in each row past `rows` up to the last tile's end.  Every padding byte is so written
+  // once, by the writers of the matrix's last row and column.
+  template <typename I>
+  ATTNMERGE_HD void zero_padding(I row, I col, I rows, I cols, I lane, I lanes) const {
+    const I cols_end = (cols + 3) & ~I{3};
+    const bool last_col = col == cols - 1;
+    if (last_col && lane == 0)
+      for (I c = cols; c < cols_end; ++c) *swizzled_at(row, c) = 0;
+    if (row != rows - 1) return;
+    for (I r = rows + lane; r < ((rows + 127) & ~I{127}); r += lanes) {
+      *swizzled_at(r, col) = 0;
+      if (last_col)
+        for (I c = cols; c < cols_end; ++c) *swizzled_at(r, c) = 0;
+    }
+  }
+  // NVFP4's global scale.
+  ATTNMERGE_HD float global_scale() const { return global_ptr != nullptr ? *global_ptr : global; }
+
+  // The scale of a block whose largest magnitude has the bits `amax` (magnitude_bits), as this
+  // output stores it (a float32, or a byte), and what its values are multiplied by.
+  struct Scale {
+    float value;
+    uint32_t byte;
+    float multiplier;
+  };
+  ATTNMERGE_HD Scale block_scale(uint32_t amax) const {
+    switch (block) {
+      case BlockScales::kFloat: {
+        const float scale = group_scale(detail::bits_to_float(amax), ue8m0);
+        return Scale{scale, 0u, 1.0f / scale};
+      }
+      case BlockScales::kNvfp4: {
+        const float g = global_scale();
+        const Nvfp4Scale s = nvfp4_scale(detail::bits_to_float(amax), g, 1.0f / g);
+        return Scale{0.0f, s.bits, s.multiplier};
+      }
+      default: {
+        const uint32_t byte = mx_scale_byte(amax, block == BlockScales::kMxRceil);
+        return Scale{0.0f, byte, mx_reciprocal(byte)};
+      }
+    }
+  }
+  // Stores the scale of block j of row (token, head).
+  template <typename I>
+  ATTNMERGE_HD void store_scale(I token, I head, I j, const Scale& s) const {
+    if (block == BlockScales::kFloat) {
+      *group_scale_at(token, head, j) = s.value;
+    } else {
+      *scale_byte_at(token, head, j) = static_cast<uint8_t>(s.byte);
+    }
   }
   template <typename I>
   ATTNMERGE_HD Real* lse_row(I token, I head) const {

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
@@ -331,4 +332,12 @@ inline float __shfl_xor_sync(unsigned mask, float v, int offset) {
   const float other = b.lanes[partner];
   __syncwarp(mask);
   return other;
+}
+// The same of an unsigned value (CUDA's overload), its bits carried through the float slots.
+inline unsigned __shfl_xor_sync(unsigned mask, unsigned v, int offset) {
+  float f;
+  std::memcpy(&f, &v, sizeof f);
+  f = __shfl_xor_sync(mask, f, offset);
+  std::memcpy(&v, &f, sizeof v);
+  return v;
 }
