@@ -11,19 +11,11 @@ import statistics
 import attnmerge
 from attnmerge.bench.timing import input_sets
 
+from .layouts import add_arguments  # noqa: F401  (the same cases: --tokens, --cp, --head-sizes)
+
 HEADS = 32
 FORMS = ("lse", "stats", "valid", "stats_valid")
 CHECKED_TOKENS = 256
-
-
-def ints(text):
-    return tuple(int(x) for x in text.split(","))
-
-
-def add_arguments(p):
-    p.add_argument("--tokens", type=ints, default=(8, 64, 512, 8192), help="tokens (default 8,64,512,8192)")
-    p.add_argument("--cp", type=ints, default=(2, 4, 8), help="states, the context-parallel size (default 2,4,8)")
-    p.add_argument("--head-sizes", type=ints, default=(128, 512), help="head sizes (default 128,512)")
 
 
 def make_set(torch, device, tokens, cp, head_size):
