@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import importlib.metadata
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -129,7 +130,7 @@ def test_the_library_has_a_versioned_soname_and_the_package_loads_it_by_it():
     from attnmerge import _C
 
     assert f"Shared library: [{name}]" in dynamic_section(_C.__file__)
-    targets = "".join(open(f).read() for f in glob.glob(os.path.join(attnmerge.cmake_dir(), "attnmergeTargets*.cmake")))
+    targets = "".join(pathlib.Path(f).read_text() for f in glob.glob(os.path.join(attnmerge.cmake_dir(), "attnmergeTargets*.cmake")))
     assert name in targets
 
 

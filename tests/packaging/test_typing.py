@@ -25,7 +25,8 @@ def stub():
     functions named Class.method (its __init__: Class)."""
     path = os.path.join(PACKAGE, "_C.pyi")
     assert os.path.isfile(path), f"no stub at {path}"
-    tree = ast.parse(open(path).read())
+    with open(path) as f:
+        tree = ast.parse(f.read())
     functions = {n.name: _params(n) for n in tree.body if isinstance(n, ast.FunctionDef)}
     for c in (n for n in tree.body if isinstance(n, ast.ClassDef)):
         for m in (n for n in c.body if isinstance(n, ast.FunctionDef)
