@@ -32,7 +32,7 @@ echo "== machine"
 nvidia-smi -L 2>/dev/null || echo "nvidia-smi: none"
 echo "nvcc: $(command -v nvcc || echo none) $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || true)"
 echo "python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
-echo "architectures: ${ATTNMERGE_CUDA_ARCHITECTURES:-auto (the machine's GPUs)}"
+echo "architectures: ${ATTNMERGE_CUDA_ARCHITECTURES:-auto, the GPUs of this machine}"
 
 # Every build installs the package attnmerge, whatever its distribution's name: one at a time.
 "$PY" -m pip uninstall -y -q attnmerge attnmerge-cu12 attnmerge-cu13 >/dev/null 2>&1 || true
