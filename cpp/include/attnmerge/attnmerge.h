@@ -585,6 +585,12 @@ typedef struct attnmerge_exchange {
    * rank's is o[p]).  lse_layout: every rank's LSE, float32 [tokens, heads], likewise. */
   attnmerge_tensor o_layout;
   attnmerge_tensor lse_layout;
+  /* Softmax statistics in place of LSEs (as attnmerge_options.sum_a for the merges): NULL (default),
+   * the ranks' lse hold LSEs; else world_size pointers, entry p rank p's sums (float32, laid out as
+   * lse_layout says, addressed as lse[p] is), each rank's lse[p] then holding its running maxima:
+   * rank p's state's LSE is lse + log(sum) (log2 with ATTNMERGE_LSE_BASE2), and a sum of 0 an
+   * empty part, whatever the maximum holds. */
+  const void* const* sum;
 } attnmerge_exchange;
 
 /** The bytes of one rank's signal pad.
@@ -611,9 +617,11 @@ ATTNMERGE_API attnmerge_status attnmerge_exchange_publish(const attnmerge_exchan
  * ATTNMERGE_EXCHANGE_WAIT_READERS, this rank waits until every rank has read its state.  Row
  * (t, h) of out is the merge of row (t, h) + the slice's start of every rank's state, in rank
  * order, and options->sink [heads of out] where given; bit for bit on the host what
- * attnmerge_merge_states gives over the states gathered.  options.flags: ATTNMERGE_LSE_BASE2,
- * ATTNMERGE_OUT_LSE_BASE2 / _BASE_E and ATTNMERGE_PDL; an output scale (FP8 out) and a sink; no
- * group scales.
+ * attnmerge_merge_states gives over the states gathered (with the same sums and valid).
+ * options.flags: ATTNMERGE_LSE_BASE2, ATTNMERGE_OUT_LSE_BASE2 / _BASE_E and ATTNMERGE_PDL; an
+ * output scale (FP8 out), a sink and options.valid [tokens of out, world_size] (on this rank's
+ * device: which ranks hold keys for each token of the slice, as the N-way merge's [tokens, S]); no
+ * group scales, and the ranks' softmax sums in exchange->sum, not options.sum_a.
  *
  * \param[out] out          O [tokens of the slice, heads of the slice, head_size]: float32, float16,
  *                          bfloat16 or FP8 E4M3, on this rank's device, apart from every rank's state
