@@ -284,9 +284,10 @@ typedef struct attnmerge_options {
    * (log2 with base 2), taken in float32 as the merge reads it, and s = 0 is an empty part
    * whatever m holds (the max of no scores); then the LSE's rules apply (+inf or -inf: empty; NaN:
    * the row NaN).  sum_a: of lse_a (two-way merge), of lse (N-way and variable-length merges,
-   * share); sum_b: of lse_b (two-way merge), of lse_other (in-place merge).  The in-place merge
-   * refuses sum_a (its merged LSE is written over lse), and an out_lse that is the LSE argument of
-   * a sum is refused (the merged LSE would overwrite the maxima).  The merged LSE is an LSE (m = LSE,
+   * share; the exchange's ranks' are attnmerge_exchange.sum); sum_b: of lse_b (two-way merge), of
+   * lse_other (in-place merge).  The in-place merge refuses sum_a (its merged LSE is written over
+   * lse), and an out_lse that is the LSE argument of a sum is refused (the merged LSE would
+   * overwrite the maxima).  The merged LSE is an LSE (m = LSE,
    * s = 1 as statistics).  The backwards take none: their LSEs are m + log(s), whose gradients are
    * dm = dlse and ds = dlse / (s ln b).  NULL (default): LSEs. */
   const attnmerge_tensor* sum_a;
@@ -297,7 +298,8 @@ typedef struct attnmerge_options {
    * int32 or int64 (a count of keys, such as per-rank KV lengths), any strides >= 0, 0 where the
    * state holds no key for the token: [tokens, S] for the N-way merge and the share, [tokens, 2]
    * for the two-way merge (a, b) and the in-place merge (o's state, o_other's), [total] for the
-   * variable-length merge (each state of o).  A state whose entry is 0 weighs nothing, whatever its
+   * variable-length merge (each state of o), [tokens of out, world_size] for the exchange's merge
+   * (each rank's state of the slice's tokens).  A state whose entry is 0 weighs nothing, whatever its
    * O and LSE hold (NaN or garbage never reach the result); a row with no state left gets O = 0 and
    * LSE = -inf (the sink's LSE, with one).  The backwards take none.  NULL (default): every state
    * holds keys. */

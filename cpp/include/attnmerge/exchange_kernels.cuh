@@ -46,9 +46,12 @@ __device__ __forceinline__ void merge_exchange_row(const MergeShape& shape, cons
   const auto extras = extras_row_if<kSettled>(src, token, head);
   const auto settle = [&](float (&lc)[kC], int first) {
     if constexpr (kSettled) {
-      const int ahead = first + kPrefetchAhead;
-      extras.prefetch(ahead, ahead < n);
-      prefetch_if(states.template o_at<TIn>(ahead), ahead < n);
+      // The rank a chunk ahead, or `first` past the last: the ranks' pointers are kMaxWorld
+      // entries, and no index past them is formed.
+      const bool go = first + kPrefetchAhead < n;
+      const int ahead = go ? first + kPrefetchAhead : first;
+      extras.prefetch(ahead, go);
+      prefetch_if(states.template o_at<TIn>(ahead), go);
       lc[0] = extras.settled(first, first < n, shape.base2);
     }
   };
