@@ -130,6 +130,7 @@ class Exchange(Structure):
         ("pads", POINTER(c_void_p)),
         ("o_layout", Tensor),
         ("lse_layout", Tensor),
+        ("sum", POINTER(c_void_p)),
     ]
 
 
@@ -322,16 +323,17 @@ def merge_varlen_backward(grad_o, grad_lse, grad_out, grad_out_lse, out, out_lse
     return load().attnmerge_merge_varlen_backward(*(ref(a) for a in args), ref(opts), stream)
 
 
-def exchange(rank, o, lse, pads, o_layout, lse_layout, *, timeout_ns=10**9, reuse=WAIT_READERS, struct_size=None):
-    """An Exchange of rank `rank`: o, lse and pads one address each (int) per rank, o_layout and lse_layout
-    Tensors (their data unread)."""
+def exchange(rank, o, lse, pads, o_layout, lse_layout, *, timeout_ns=10**9, reuse=WAIT_READERS, struct_size=None,
+             sum=None):
+    """An Exchange of rank `rank`: o, lse, pads and sum (None: NULL, LSEs) one address each (int) per
+    rank, o_layout and lse_layout Tensors (their data unread)."""
     x = Exchange()
     x.struct_size = ctypes.sizeof(Exchange) if struct_size is None else struct_size
     x.rank = rank
     x.world_size = len(pads)
     x.reuse = reuse
     x.timeout_ns = timeout_ns
-    for field, entries in (("o", o), ("lse", lse), ("pads", pads)):
+    for field, entries in (("o", o), ("lse", lse), ("pads", pads), ("sum", sum)):
         if entries is None:
             continue
         array = (c_void_p * max(1, len(entries)))(*entries)

@@ -33,7 +33,7 @@ class Ranks:
     """`world` ranks, each with `buffers` states (ATTNMERGE_EXCHANGE_ALTERNATE: two) and a zeroed pad."""
 
     def __init__(self, dev, o_states, lse_states, *, reuse=c_abi.WAIT_READERS, timeout_ns=LONG_NS, buffers=1,
-                 known=False):
+                 known=False, sums=None):
         self.dev = dev
         self.flags = c_abi.DEVICE_KNOWN if known else 0  # every descriptor's: the pointers asked of CUDA, or not
         self.world = len(o_states)
@@ -43,6 +43,8 @@ class Ranks:
         self.reuse, self.timeout_ns = reuse, timeout_ns
         self.o = [[dev.put(x) for x in o_states] for _ in range(buffers)]
         self.lse = [[dev.put(x) for x in lse_states] for _ in range(buffers)]
+        # softmax sums (exchange.sum: lse then holds the maxima), laid out as the LSEs; None: LSEs
+        self.sums = None if sums is None else [[dev.put(x) for x in sums] for _ in range(buffers)]
         words = c_abi.load().attnmerge_exchange_pad_bytes(self.world) // 8
         self.pads = [dev.put(np.zeros(words, np.int64)) for _ in range(self.world)]
         self.streams = [self.torch.cuda.Stream() for _ in range(self.world)] if self.on_gpu else None
@@ -51,6 +53,8 @@ class Ranks:
         """Rank `rank`'s attnmerge_exchange over buffer `buffer`; `fields` override its own."""
         o, lse = self.o[buffer], self.lse[buffer]
         args = dict(timeout_ns=self.timeout_ns, reuse=self.reuse)
+        if self.sums is not None:
+            args["sum"] = [pointer(x) for x in self.sums[buffer]]
         args.update(fields)
         return c_abi.exchange(rank, [pointer(x) for x in o], [pointer(x) for x in lse], [pointer(p) for p in self.pads],
                               descriptor(o[0], self.device_id, self.flags), descriptor(lse[0], self.device_id, self.flags),

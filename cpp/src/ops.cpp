@@ -73,7 +73,7 @@ attnmerge_status range_sizes(Views views, const View& o, const attnmerge_options
 
 // An exchange's merge: the states' sizes from o (the ranks' layout), its slice's from out (the
 // first argument of the table, whose tokens and heads are the slice's: check_slice holds them to
-// the states').
+// the states'); its states (the world size) are the caller's, set before validate().
 attnmerge_status exchange_sizes(Views views, const View& o, const attnmerge_options&, Sizes& n) {
   n.tokens = o.shape[0];
   n.heads = o.shape[1];
@@ -234,19 +234,23 @@ static_assert(names_resolve(kShare), "kShare names its own arguments");
 // (out, out_lse) = the merge of every rank's rows of this rank's slice, and each head's sink: o and
 // lse are the layout every rank's state shares (attnmerge_exchange's o_layout, lse_layout), at this
 // rank's own pointers; every rank's are checked against it (check_exchange_pointers,
-// check_apart_from_ranks), and out's first axes are the slice's (check_slice).
+// check_apart_from_ranks), and out's first axes are the slice's (check_slice).  valid: per token of
+// the slice and rank (S, the world size, set before the table is read).  The ranks' sums share
+// lse's layout: checked as the ranks' pointers are.
 constexpr ArgSpec kExchangeArgs[] = {
     {"out",     kOOut, {ST, SH, D}, kWrite, kRequired},
     {"out_lse", kLse,  {ST, SH},    kWrite, kOptional},
     {"o",       kOIn,  {T, H, D},   kRead,  kRequired},
     {"lse",     kLse,  {T, H},      kRead,  kRequired},
     {"sink",    kLse,  {SH},        kRead,  kOptional},
+    {"valid",   kValid, {ST, S},    kRead,  kOptional},
 };
 struct ExchangeArg {
-  enum : int { kOut, kOutLse, kO, kLse, kSink };
+  enum : int { kOut, kOutLse, kO, kLse, kSink, kValid };
 };
 static_assert(indexed(kExchangeArgs, {{ExchangeArg::kOut, "out"}, {ExchangeArg::kOutLse, "out_lse"},
-                                      {ExchangeArg::kO, "o"}, {ExchangeArg::kLse, "lse"}, {ExchangeArg::kSink, "sink"}}),
+                                      {ExchangeArg::kO, "o"}, {ExchangeArg::kLse, "lse"}, {ExchangeArg::kSink, "sink"},
+                                      {ExchangeArg::kValid, "valid"}}),
               "ExchangeArg indexes kExchangeArgs");
 constexpr OpSpec kExchange = make_op(kExchangeArgs, kBase2 | kOutBase | kPdl, "out", "o", "lse", exchange_sizes);
 static_assert(names_resolve(kExchange), "kExchange names its own arguments");
@@ -448,16 +452,21 @@ BasicShareSource<Real> share_of(const View& o, const View& lse, int64_t states, 
 }
 
 // Every rank's states of an exchange as this rank reads them: o and lse its layouts' views, the
-// slice's first token or head `begin`, and the sink.  The pointers past world_size repeat rank 0's,
-// so that every address a kernel computes is one of a rank's rows.
+// slice's first token or head `begin`, the sink, and valid [tokens of the slice, world].  The
+// pointers past world_size repeat rank 0's, so that every address a kernel computes is one of a
+// rank's rows; without sums the sums' are the LSEs' (never read).
 ExchangeSource exchange_of(const attnmerge_exchange& x, const View& o, const View& lse, int32_t slice, int64_t begin,
-                           const View* sink) {
+                           const View* sink, const View& valid) {
   ExchangeSource src{};
   for (int p = 0; p < exchange::kMaxWorld; ++p) {
     const int from = p < x.world_size ? p : 0;
     src.o[p] = x.o[from];
     src.lse[p] = static_cast<const float*>(x.lse[from]);
+    src.sum[p] = static_cast<const float*>(x.sum != nullptr ? x.sum[from] : x.lse[from]);
   }
+  src.extras.sums = x.sum != nullptr;
+  src.extras.valid = valid_view(valid);
+  src.extras.on = src.extras.sums || src.extras.valid.p != nullptr;
   src.o_st = o.strides[0], src.o_sh = o.strides[1], src.lse_st = lse.strides[0], src.lse_sh = lse.strides[1];
   src.token0 = slice == ATTNMERGE_SLICE_TOKENS ? begin : 0;
   src.head0 = slice == ATTNMERGE_SLICE_HEADS ? begin : 0;
@@ -743,7 +752,7 @@ attnmerge_status attnmerge_merge_exchange(const attnmerge_tensor* out, const att
   attnmerge_tensor o = exchange->o_layout, lse = exchange->lse_layout;
   o.data = const_cast<void*>(exchange->o[exchange->rank]);
   lse.data = const_cast<void*>(exchange->lse[exchange->rank]);
-  const attnmerge_tensor* const args[] = {out, out_lse, &o, &lse, sink_of(options)};
+  const attnmerge_tensor* const args[] = {out, out_lse, &o, &lse, sink_of(options), valid_of(options)};
   // The ranks' states come from GPU engines: float64, the CPU path's alone, has no exchange (asked
   // first: a float64 layout over the ranks' buffers would be taken for an overlap).
   const char* const arg_names[] = {"out", "out_lse", "o", "lse"};
@@ -751,6 +760,7 @@ attnmerge_status attnmerge_merge_exchange(const attnmerge_tensor* out, const att
     if (args[i] != nullptr && args[i]->dtype == ATTNMERGE_FLOAT64)
       return fail(ATTNMERGE_ERROR_TYPE, "%s: expected a dtype other than float64 (the exchange merges the 16- and "
                   "32-bit states of GPU engines), got float64", c.names.of(arg_names[i]));
+  c.sizes.states = exchange->world_size;  // valid's second axis (exchange_sizes leaves it)
   if ((s = validate(kExchange, args, options, c))) return s;
   using A = ExchangeArg;
   const View* v = c.views;
@@ -759,7 +769,7 @@ attnmerge_status attnmerge_merge_exchange(const attnmerge_tensor* out, const att
     return s;
   const Sizes& n = c.sizes;
   const MergeShape shape{n.slice_tokens, n.slice_heads, n.head_size, inputs_base2(c.opt.flags)};
-  const ExchangeSource src = exchange_of(*exchange, v[A::kO], v[A::kLse], slice, slice_begin, &v[A::kSink]);
+  const ExchangeSource src = exchange_of(*exchange, v[A::kO], v[A::kLse], slice, slice_begin, &v[A::kSink], v[A::kValid]);
   const OutView dst = out_view<float>(v[A::kOut], v[A::kOutLse], View{}, c);
   return run_exchange(c.all(), shape, src, dst, sync_of(*exchange, epoch), exchange, o.dtype, out->dtype, stream,
                       c.opt.flags);

@@ -132,6 +132,9 @@ attnmerge_status locate_exchange(Views views, const float* scale, const attnmerg
     if (!o_known && (s = check_rank_pointer(x->o[p], device, name, "o", p))) return s;
     if (!(x->lse_layout.flags & ATTNMERGE_DEVICE_KNOWN) && (s = check_rank_pointer(x->lse[p], device, name, "lse", p)))
       return s;
+    if (x->sum != nullptr && !(x->lse_layout.flags & ATTNMERGE_DEVICE_KNOWN) &&
+        (s = check_rank_pointer(x->sum[p], device, name, "sum", p)))
+      return s;
   }
   return ATTNMERGE_SUCCESS;
 }

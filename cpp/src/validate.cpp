@@ -294,9 +294,10 @@ attnmerge_status read_options(const attnmerge_options& opt, const OpSpec& op, co
   } only_some[] = {
       {opt.sum_a, op.sum_a, "sum_a",
        "the sums of lse_a, or of lse of the N-way and variable-length merges and the share; the in-place merge "
-       "writes its merged LSE over lse, and the exchange and the backwards take LSEs"},
+       "writes its merged LSE over lse, the exchange takes its ranks' sums in exchange.sum, and the backwards take "
+       "LSEs"},
       {opt.sum_b, op.sum_b, "sum_b", "the sums of lse_b of the two-way merge or lse_other of the in-place merge"},
-      {opt.valid, op.valid, "valid", "the forward merges and the share take it, the exchange and the backwards do not"},
+      {opt.valid, op.valid, "valid", "the forward merges, the share and the exchange take it, the backwards do not"},
   };
   for (const auto& x : only_some)
     if (x.given != nullptr && x.arg < 0)
@@ -793,24 +794,28 @@ namespace {
 // The released layouts of attnmerge_exchange (as attnmerge_options', read_layout): 0.2.0's is the
 // baseline, which 0 also names.
 constexpr uint32_t kExchangeBaselineSize = sizeof(attnmerge_exchange);
-static_assert(sizeof(void*) != 8 || kExchangeBaselineSize == 224,
-              "attnmerge_exchange grew: until 0.2.0 is released the baseline grows with it (update 224), after "
+static_assert(sizeof(void*) != 8 || kExchangeBaselineSize == 232,
+              "attnmerge_exchange grew: until 0.2.0 is released the baseline grows with it (update 232), after "
               "that a new field makes a new layout, accepted by a size of its own");
 static_assert(ATTNMERGE_EXCHANGE_MAX_WORLD == exchange::kMaxWorld, "exchange.h's kMaxWorld is the header's");
 
-// The arrays of pointers an op reads of the exchange: the pads, and (the merge) o and lse.
+// The arrays of pointers an op reads of the exchange: the pads, and (the merge) o, lse and the
+// sums where given (NULL: LSEs).
 struct RankArray {
   const char* field;
   const void* const* entries;
   std::size_t align;  // bytes each entry is aligned to
 };
+constexpr int kRankArrays = 4;
 
-int rank_arrays(const attnmerge_exchange* x, ExchangeUse use, RankArray (&arrays)[3]) {
+int rank_arrays(const attnmerge_exchange* x, ExchangeUse use, RankArray (&arrays)[kRankArrays]) {
   arrays[0] = RankArray{"pads", const_cast<const void* const*>(x->pads), sizeof(uint64_t)};
   if (use == ExchangeUse::kPads) return 1;
   arrays[1] = RankArray{"o", x->o, dtype_size(x->o_layout.dtype)};
   arrays[2] = RankArray{"lse", x->lse, sizeof(float)};
-  return 3;
+  if (x->sum == nullptr) return 3;
+  arrays[3] = RankArray{"sum", x->sum, sizeof(float)};
+  return 4;
 }
 
 }  // namespace
@@ -835,7 +840,7 @@ attnmerge_status check_exchange(const attnmerge_exchange* x, ExchangeUse use, co
   if (x->timeout_ns <= 0)
     return fail(ATTNMERGE_ERROR_VALUE, "%s.timeout_ns: expected nanoseconds > 0 (a wait that can end), got %" PRId64,
                 name, x->timeout_ns);
-  RankArray arrays[3];
+  RankArray arrays[kRankArrays];
   for (int a = 0, n = rank_arrays(x, use, arrays); a < n; ++a)
     if (arrays[a].entries == nullptr)
       return fail(ATTNMERGE_ERROR_VALUE, "%s.%s: expected %d pointers (one per rank), got NULL", name, arrays[a].field,
@@ -845,7 +850,7 @@ attnmerge_status check_exchange(const attnmerge_exchange* x, ExchangeUse use, co
 
 attnmerge_status check_exchange_pointers(const attnmerge_exchange* x, ExchangeUse use, const ArgNames& names) {
   const char* name = names.of("exchange");
-  RankArray arrays[3];
+  RankArray arrays[kRankArrays];
   for (int a = 0, n = rank_arrays(x, use, arrays); a < n; ++a)
     for (int p = 0; p < x->world_size; ++p) {
       const void* ptr = arrays[a].entries[p];
@@ -882,20 +887,27 @@ attnmerge_status check_slice(int32_t slice, int64_t begin, const View& out, cons
 attnmerge_status check_apart_from_ranks(const attnmerge_exchange* x, Views views, const View& o, const View& lse) {
   for (const View& w : views) {
     if (!w.spec->is_output() || !w.present() || w.empty) continue;
-    for (int p = 0; p < x->world_size; ++p)
-      for (const View* in : {&o, &lse}) {
-        if (in->empty) continue;
-        attnmerge_tensor t = *in->t;
-        t.data = const_cast<void*>((in == &o ? x->o : x->lse)[p]);
-        View rank_view = *in;
+    for (int p = 0; p < x->world_size; ++p) {
+      // Each rank's O, LSE and sums (laid out as its LSE), where given.
+      const struct {
+        const View& layout;
+        const void* const* ranks;
+        const char* field;
+      } arrays[] = {{o, x->o, "o"}, {lse, x->lse, "lse"}, {lse, x->sum, "sum"}};
+      for (const auto& a : arrays) {
+        if (a.layout.empty || a.ranks == nullptr) continue;
+        attnmerge_tensor t = *a.layout.t;
+        t.data = const_cast<void*>(a.ranks[p]);
+        View rank_view = a.layout;
         rank_view.t = &t;
         uintptr_t lo1, hi1, lo2, hi2;
         w.byte_range(lo1, hi1);
         rank_view.byte_range(lo2, hi2);
         if (lo1 < hi2 && lo2 < hi1)
           return fail(ATTNMERGE_ERROR_VALUE, "%s: expected memory apart from every rank's state, got a range "
-                      "overlapping %s.%s[%d]", w.name(), w.names->of("exchange"), in == &o ? "o" : "lse", p);
+                      "overlapping %s.%s[%d]", w.name(), w.names->of("exchange"), a.field, p);
       }
+    }
   }
   return ATTNMERGE_SUCCESS;
 }

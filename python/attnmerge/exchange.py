@@ -63,6 +63,26 @@ def _pointer(x, arg):
     raise TypeError(f"{arg}: expected an array or an int pointer, got {type(x).__qualname__}")
 
 
+def _softmax_stats(lse, peers_lse):
+    """(lse, peers' lse, sum, peers' sums): this rank's and every rank's LSEs as given, or their
+    maxima and sums apart where `lse` is a (max, sum) tuple (sum None, peers' sums empty: LSEs)."""
+    if not isinstance(lse, tuple):
+        for p, x in enumerate(peers_lse):
+            if isinstance(x, tuple):
+                raise TypeError(f"peers_lse[{p}]: expected an array or an int pointer as lse is (an LSE array), "
+                                f"got a tuple")
+        return lse, peers_lse, None, []
+    if len(lse) != 2:
+        raise ValueError(f"lse: expected an array or a (max, sum) tuple of float32 arrays, got a tuple of {len(lse)}")
+    maxima, sums = [], []
+    for p, x in enumerate(peers_lse):
+        if not isinstance(x, tuple) or len(x) != 2:
+            raise TypeError(f"peers_lse[{p}]: expected a (max, sum) tuple as lse is, got {type(x).__qualname__}")
+        maxima.append(x[0])
+        sums.append(x[1])
+    return lse[0], maxima, lse[1], sums
+
+
 class Exchange:
     """One rank of an exchange: every rank's state and pad as this rank addresses them.
 
@@ -71,9 +91,13 @@ class Exchange:
     o, lse : array
         This rank's own state: O [tokens, heads, head_size] (float32, float16 or bfloat16) and
         LSE float32 [tokens, heads], in the layout every rank's shares; its device is this rank's.
+        Or softmax statistics, a ``(max, sum)`` tuple of float32 arrays laid out alike, where an
+        LSE goes (as :func:`attnmerge.merge_states` takes them: the state's LSE is
+        ``max + log(sum)``, ``sum = 0`` an empty part); then every rank's are.
     peers_o, peers_lse, pads : sequence of arrays or int pointers
-        Entry p: rank p's O, LSE and signal pad as this rank addresses them (its own, or a peer's
-        mapped into this rank's address space); one entry per rank.
+        Entry p: rank p's O, LSE (a ``(max, sum)`` tuple where `lse` is one) and signal pad as this
+        rank addresses them (its own, or a peer's mapped into this rank's address space); one entry
+        per rank.
     rank : int
         This rank, 0 <= rank < len(pads).
     reuse : {"wait_readers", "alternate"}, default "wait_readers"
@@ -96,6 +120,15 @@ class Exchange:
     >>> out, out_lse = x.merge()
     >>> bool(np.array_equal(out, o))
     True
+
+    Softmax statistics, and a rank that holds no keys for token 3 (`valid`, per token and rank):
+
+    >>> m, s = np.zeros((4, 2), np.float32), np.ones((4, 2), np.float32)
+    >>> x = attnmerge.Exchange(o, (m, s), [o], [(m, s)], [np.zeros_like(pad)], rank=0)
+    >>> x.publish()
+    >>> out, out_lse = x.merge(valid=np.array([[1], [1], [1], [0]], np.uint8))
+    >>> bool(np.array_equal(out[:3], o[:3])), float(np.abs(out[3]).max()), float(out_lse[3, 0])
+    (True, 0.0, -inf)
     """
 
     def __init__(self, o: Array, lse: Array, peers_o: Sequence, peers_lse: Sequence, pads: Sequence, rank: int, *,
@@ -109,8 +142,10 @@ class Exchange:
         self.rank = rank
         self._shape = tuple(o.shape)
         self._like = o
-        self._x = _C.Exchange(o, lse, [_pointer(x, "peers_o") for x in peers_o],
-                              [_pointer(x, "peers_lse") for x in peers_lse], [_pointer(x, "pads") for x in pads],
+        lse, peer_lse, sum_, peer_sums = _softmax_stats(lse, self._arrays[3])
+        self._x = _C.Exchange(o, lse, sum_, [_pointer(x, "peers_o") for x in peers_o],
+                              [_pointer(x, "peers_lse") for x in peer_lse],
+                              [_pointer(x, "peers_lse") for x in peer_sums], [_pointer(x, "pads") for x in pads],
                               rank, _REUSE[reuse], max(1, int(timeout * 1e9)))
 
     def publish(self, epoch: int = 0, stream: Stream = None) -> None:
@@ -122,7 +157,7 @@ class Exchange:
     def merge(self, *, out: Array | None = None, out_lse: Array | None = None, return_lse: bool = True,
               slice: str = "heads", slice_begin: int | None = None, epoch: int = 0, out_dtype: DType | None = None,
               output_scale: float | Array | None = None, base: Base = "e", out_base: Base | None = None,
-              sink: Array | None = None, stream: Stream = None, pdl: bool = False,
+              sink: Array | None = None, valid: Array | None = None, stream: Stream = None, pdl: bool = False,
               _names: dict | None = None) -> tuple[Array, Array | None]:
         """Merge this rank's slice of every rank's state of `epoch`, once each has published it.
 
@@ -139,6 +174,12 @@ class Exchange:
             The range's first head or token; None: rank x the share.
         epoch : int, default 0
             The epoch, the last this rank published; 0: that one, read from the pad.
+        valid : array, optional
+            Which ranks hold keys for each token of out, ``[tokens of out, world_size]`` on this
+            rank's device: a uint8 or bool mask, or int32 or int64 key counts (each rank's KV
+            length), as :func:`attnmerge.merge_states` takes ``[tokens, S]``: a rank whose entry is 0
+            weighs nothing, whatever its O and LSE hold; read by the kernel (no host
+            synchronization).  None: every rank holds keys.
         out_dtype, output_scale, base, out_base, sink, stream, pdl
             As for :func:`attnmerge.merge_states` (sink: [heads of out]).
 
@@ -161,7 +202,7 @@ class Exchange:
         if slice_begin is None:
             slice_begin = self.rank * share
         opt = options(_STATES, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, None, None, False,
-                      1, 0, stream, pdl, _names)
+                      1, 0, stream, pdl, _names, valid=valid)
         if out is None or (out_lse is None and opt.return_lse):
             rows = (tokens, share) if axis == 1 else (share, heads)
             dtype = opt.out_dtype or _native.o_dtype(self._like, "o")
@@ -188,7 +229,8 @@ class SymmetricExchange:
     (``torch.distributed._symmetric_memory``), exchanges handles with ``rendezvous`` and builds the
     rank's Exchange over every rank's buffers as this rank maps them.  The attention kernel writes
     :attr:`o` and :attr:`lse` (with ``reuse="alternate"``: :meth:`buffers` of the epoch); then
-    ``publish()`` and ``merge()``, or call the object to do both.
+    ``publish()`` and ``merge()``, or call the object to do both (``merge`` takes ``valid=`` as
+    :meth:`Exchange.merge` does).
 
     Parameters
     ----------
@@ -197,12 +239,16 @@ class SymmetricExchange:
     tokens, heads, head_size : int
         The states' shape.
     dtype : torch.dtype, default torch.bfloat16
+    softmax_stats : bool, default False
+        Whether the states come as softmax statistics: :attr:`lse` then receives the running
+        maxima and :attr:`sum` the sums (float32 [tokens, heads] each), merged as the ``(max,
+        sum)`` tuples :class:`Exchange` takes.
     reuse, timeout
         As for :class:`Exchange`.
     """
 
     def __init__(self, group: Any, tokens: int, heads: int, head_size: int, dtype: Any = None, *,
-                 reuse: str = "wait_readers", timeout: float = 10.0):
+                 softmax_stats: bool = False, reuse: str = "wait_readers", timeout: float = 10.0):
         import torch
         import torch.distributed as dist
         from torch.distributed import _symmetric_memory as symm
@@ -214,7 +260,10 @@ class SymmetricExchange:
         n_buffers = 2 if reuse == "alternate" else 1
         o_bytes = tokens * heads * head_size * dtype.itemsize
         lse_bytes = tokens * heads * 4
-        step = -(-(o_bytes + lse_bytes) // 256) * 256  # 256-byte aligned buffers
+        if not isinstance(softmax_stats, bool):
+            raise TypeError(f"softmax_stats: expected a bool, got {softmax_stats!r}")
+        n_lse = 2 if softmax_stats else 1  # the maxima, then the sums
+        step = -(-(o_bytes + n_lse * lse_bytes) // 256) * 256  # 256-byte aligned buffers
         self._state = symm.empty(n_buffers * step, dtype=torch.uint8, device=device)
         self._pads = symm.empty(exchange_pad_bytes(world) // 8, dtype=torch.int64, device=device).zero_()
         self._handles = (symm.rendezvous(self._state, group_name), symm.rendezvous(self._pads, group_name))
@@ -228,6 +277,9 @@ class SymmetricExchange:
         for b in range(n_buffers):
             os_ = [view(p, b, 0, (tokens, heads, head_size), dtype) for p in range(world)]
             lses = [view(p, b, o_bytes, (tokens, heads), torch.float32) for p in range(world)]
+            if softmax_stats:
+                lses = [(m, view(p, b, o_bytes + lse_bytes, (tokens, heads), torch.float32))
+                        for p, m in enumerate(lses)]
             pad_views = [pads.get_buffer(p, self._pads.shape, torch.int64) for p in range(world)]
             self._buffers.append((os_[rank], lses[rank]))
             self._exchanges.append(Exchange(os_[rank], lses[rank], os_, lses, pad_views, rank, reuse=reuse,
@@ -241,11 +293,18 @@ class SymmetricExchange:
 
     @property
     def lse(self):
-        """This rank's LSE buffer (the first)."""
-        return self._buffers[0][1]
+        """This rank's LSE buffer (the first); with softmax_stats its maxima."""
+        lse = self._buffers[0][1]
+        return lse[0] if isinstance(lse, tuple) else lse
+
+    @property
+    def sum(self):
+        """This rank's softmax sums buffer (the first), with softmax_stats; else None."""
+        lse = self._buffers[0][1]
+        return lse[1] if isinstance(lse, tuple) else None
 
     def buffers(self, epoch: int):
-        """(O, LSE) this rank writes its state of `epoch` into."""
+        """(O, LSE) this rank writes its state of `epoch` into; with softmax_stats (O, (max, sum))."""
         return self._buffers[epoch % len(self._buffers)]
 
     def publish(self, epoch: int, stream: Stream = None) -> None:

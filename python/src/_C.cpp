@@ -2,6 +2,8 @@
 // (array_view.h), calls the C ABI without the GIL and turns its status into an exception; the raw
 // layer builds descriptors from integer pointers.  It checks nothing the C ABI checks.
 #include <dlfcn.h>
+
+#include <algorithm>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -397,17 +399,26 @@ void merge_raw(int64_t tokens, int64_t heads, int64_t head_size, py::handle out,
 
 // ---- the exchange fused with the merge ---------------------------------------------------------
 
-// One rank of an exchange, its C descriptor built once: every rank's O, LSE and pad pointers (as
-// this rank addresses them) and the layout they share, read off this rank's own O and LSE arrays
-// (kept alive by the Python object that holds this one).
+// One rank of an exchange, its C descriptor built once: every rank's O, LSE, softmax sum (none:
+// LSEs) and pad pointers (as this rank addresses them) and the layout they share, read off this
+// rank's own O and LSE arrays, its sums laid out as its LSE (kept alive by the Python object that
+// holds this one).
 class Exchange {
  public:
-  Exchange(py::handle o, py::handle lse, std::vector<uintptr_t> o_ptrs, std::vector<uintptr_t> lse_ptrs,
-           std::vector<uintptr_t> pad_ptrs, int32_t rank, int32_t reuse, int64_t timeout_ns)
+  Exchange(py::handle o, py::handle lse, py::handle sum, std::vector<uintptr_t> o_ptrs,
+           std::vector<uintptr_t> lse_ptrs, std::vector<uintptr_t> sum_ptrs, std::vector<uintptr_t> pad_ptrs,
+           int32_t rank, int32_t reuse, int64_t timeout_ns)
       : layout_(py::reinterpret_borrow<py::object>(o)), o_(begin_ptrs(o_ptrs)), lse_(begin_ptrs(lse_ptrs)),
-        pads_(pad_ptrs.size()) {
+        sum_(begin_ptrs(sum_ptrs)), pads_(pad_ptrs.size()) {
     for (std::size_t i = 0; i < pad_ptrs.size(); ++i) pads_[i] = reinterpret_cast<void*>(pad_ptrs[i]);
-    CallArrays<2> c({{o, "o", kO}, {lse, "lse", kLse}}, py::none(), 0);
+    CallArrays<3> c({{o, "o", kO}, {lse, "lse", kLse}, {sum, "lse[1]", kLse}}, py::none(), 0);
+    if (c.t[2] != nullptr) {  // the sums share the LSE's layout: the C ABI takes one for both
+      const attnmerge_tensor &m = *c.t[1], &t = *c.t[2];
+      if (t.ndim != m.ndim || !std::equal(t.shape, t.shape + t.ndim, m.shape) ||
+          !std::equal(t.strides, t.strides + t.ndim, m.strides) || t.device != m.device)
+        value_error("lse[1]", "expected the layout of lse[0] (the same shape, strides and device: the ranks' sums "
+                              "are laid out as their maxima), got another");
+    }
     x_.struct_size = 0;
     x_.rank = rank;
     x_.world_size = static_cast<int32_t>(pad_ptrs.size());
@@ -416,12 +427,16 @@ class Exchange {
     x_.o = o_.data();
     x_.lse = lse_.data();
     x_.pads = pads_.data();
+    x_.sum = c.t[2] != nullptr ? sum_.data() : nullptr;
     x_.o_layout = *c.t[0];
     x_.lse_layout = *c.t[1];
     x_.o_layout.data = x_.lse_layout.data = nullptr;  // each rank's is o[p], lse[p]
     if (o_.size() != pads_.size() || lse_.size() != pads_.size())
       value_error("o, lse, pads", "expected one entry per rank each, got " + std::to_string(o_.size()) + ", " +
                                       std::to_string(lse_.size()) + " and " + std::to_string(pads_.size()));
+    if (c.t[2] != nullptr && sum_.size() != pads_.size())
+      value_error("sum", "expected one entry per rank, got " + std::to_string(sum_.size()) + " for " +
+                             std::to_string(pads_.size()) + " ranks");
   }
 
   void publish(int64_t epoch, py::handle stream) {
@@ -458,7 +473,7 @@ class Exchange {
   void* stream_of(py::handle stream) { return CallArrays<1>({{layout_, "o", kO}}, stream, 0).stream(); }
 
   py::object layout_;  // this rank's O, whose framework says what stream=None means
-  std::vector<const void*> o_, lse_;
+  std::vector<const void*> o_, lse_, sum_;
   std::vector<void*> pads_;
   attnmerge_exchange x_ = {};
 };
@@ -528,10 +543,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("flag_reader", &attnmerge_py::flag_reader, py::arg("type"), py::arg("name"), py::arg("gate"),
         py::arg("tracing") = py::none());
   py::class_<Exchange>(m, "Exchange")
-      .def(py::init<py::handle, py::handle, std::vector<uintptr_t>, std::vector<uintptr_t>, std::vector<uintptr_t>,
-                    int32_t, int32_t, int64_t>(),
-           py::arg("o"), py::arg("lse"), py::arg("o_ptrs"), py::arg("lse_ptrs"), py::arg("pad_ptrs"), py::arg("rank"),
-           py::arg("reuse"), py::arg("timeout_ns"))
+      .def(py::init<py::handle, py::handle, py::handle, std::vector<uintptr_t>, std::vector<uintptr_t>,
+                    std::vector<uintptr_t>, std::vector<uintptr_t>, int32_t, int32_t, int64_t>(),
+           py::arg("o"), py::arg("lse"), py::arg("sum"), py::arg("o_ptrs"), py::arg("lse_ptrs"), py::arg("sum_ptrs"),
+           py::arg("pad_ptrs"), py::arg("rank"), py::arg("reuse"), py::arg("timeout_ns"))
       .def("publish", &Exchange::publish, py::arg("epoch"), py::arg("stream"))
       .def("merge", &Exchange::merge, py::arg("out"), py::arg("out_lse"), py::arg("slice"), py::arg("slice_begin"),
            py::arg("epoch"), py::arg("options"))

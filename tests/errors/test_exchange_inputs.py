@@ -1,7 +1,8 @@
 """What the exchange's entry points refuse (attnmerge_merge_exchange, attnmerge_exchange_publish,
 attnmerge_exchange_status), each before anything is launched or written, by name with the expected
 and the actual value: the exchange's own fields, every rank's pointers (NULL, misaligned, on the wrong
-device), sizes that disagree, the slice, outputs over a rank's state, an epoch below 0.  Stale epochs
+device; its sums' too), sizes that disagree, valid's shape and dtype, the slice, outputs over a rank's
+state, an epoch below 0.  Stale epochs
 and timeouts are the protocol's (tests/semantics/test_exchange_protocol.py)."""
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ def ranks(rng, device):
     o = [random_o(rng, (T, H, D), "bfloat16") for _ in range(WORLD)]
     lse = [random_lse(rng, (T, H)) for _ in range(WORLD)]
     return Ranks(device, o, lse)
+
+
+@pytest.fixture
+def stats_ranks(rng, device):
+    """The ranks' states as softmax statistics: lse their maxima, exchange.sum their sums."""
+    o = [random_o(rng, (T, H, D), "bfloat16") for _ in range(WORLD)]
+    m = [random_lse(rng, (T, H)) for _ in range(WORLD)]
+    sums = [rng.uniform(0.5, 2.0, (T, H)).astype(np.float32) for _ in range(WORLD)]
+    return Ranks(device, o, m, sums=sums)
 
 
 def outputs(ranks, heads=2, tokens=T, head_size=D):
@@ -114,6 +124,68 @@ def test_every_ranks_state_pointers(ranks, name):
         assert c_abi.exchange_status(bad(ranks.exchange(0)), ranks.stream(0)) == c_abi.SUCCESS
 
 
+SUM_FIELDS = {
+    "a NULL sum": (lambda x: with_entry(x, "sum", 1, None), "exchange.sum[1]: expected rank 1's pointer, got NULL"),
+    "a sum misaligned": (lambda x: with_entry(x, "sum", 2, x.sum[2] + 2),
+                         re.compile(r"exchange\.sum\[2\]: expected a pointer aligned to 4 bytes, got 0x[0-9a-f]+")),
+}
+
+
+@pytest.mark.parametrize("name", list(SUM_FIELDS))
+def test_every_ranks_sum_pointers(stats_ranks, name):
+    """exchange.sum where given (NULL: LSEs): one pointer per rank, checked as lse's are."""
+    bad, message = SUM_FIELDS[name]
+    out, out_lse = outputs(stats_ranks)
+    refused(stats_ranks, merge(stats_ranks, bad(stats_ranks.exchange(0)), out, out_lse), message, out)
+
+
+def test_sums_through_the_options_refused(ranks):
+    """The ranks' sums are exchange.sum, one pointer per rank: options.sum_a (one tensor) is refused."""
+    out, out_lse = outputs(ranks)
+    sums = ranks.dev.put(np.ones((T, H), np.float32))
+    opts = c_abi.options(sum_a=descriptor(sums, ranks.device_id))
+    refused(ranks, merge(ranks, ranks.exchange(0), out, out_lse, opts=opts),
+            "sum_a: expected none for this op (the sums of lse_a, or of lse of the N-way and variable-length merges "
+            "and the share; the in-place merge writes its merged LSE over lse, the exchange takes its ranks' sums in "
+            "exchange.sum, and the backwards take LSEs), got a tensor", out)
+
+
+def test_an_output_over_a_ranks_sums(stats_ranks):
+    out, _ = outputs(stats_ranks)
+    out_lse = stats_ranks.sums[0][1][:, :2]  # in rank 1's sums
+    refused(stats_ranks, merge(stats_ranks, stats_ranks.exchange(0), out, out_lse),
+            "out_lse: expected memory apart from every rank's state, got a range overlapping exchange.sum[1]", out)
+
+
+VALID = {
+    "one rank too many": ((T, WORLD + 1), np.uint8, c_abi.ERROR_VALUE,
+                          f"valid: expected shape [{T}, {WORLD}] (the sizes of o, shape [{T}, {H}, {D}]), "
+                          f"got [{T}, {WORLD + 1}]"),
+    "every token, sliced by tokens": ((T, WORLD), np.uint8, c_abi.ERROR_VALUE,
+                                      f"valid: expected shape [2, {WORLD}] (the sizes of o, shape [{T}, {H}, {D}]), "
+                                      f"got [{T}, {WORLD}]"),
+    "float32": ((T, WORLD), np.float32, c_abi.ERROR_TYPE, None),
+}
+
+
+@pytest.mark.parametrize("name", list(VALID))
+def test_valid_per_token_of_out_and_rank(ranks, name):
+    """options.valid [tokens of out, world_size]: its shape and dtype (a mask or counts), checked as the
+    merges' are."""
+    shape, dtype, code, message = VALID[name]
+    by_tokens = name == "every token, sliced by tokens"
+    out, out_lse = outputs(ranks, heads=H, tokens=2) if by_tokens else outputs(ranks)
+    valid = ranks.dev.put(np.ones(shape, dtype))
+    opts = c_abi.options(valid=descriptor(valid, ranks.device_id))
+    status = merge(ranks, ranks.exchange(0), out, out_lse, slice=c_abi.SLICE_TOKENS if by_tokens else c_abi.SLICE_HEADS,
+                   opts=opts)
+    if message is None:
+        assert status == code and c_abi.last_error().startswith("valid: expected dtype"), c_abi.last_error()
+        assert "float32" in c_abi.last_error()
+        return
+    refused(ranks, status, message, out, code=code)
+
+
 # --------------------------------------------------------------------------------------------------
 # sizes and the slice
 
@@ -200,11 +272,12 @@ def test_device_memory_on_the_host_path(ranks):
 
 
 @pytest.mark.parametrize("device", CUDA_ONLY, indirect=True)
-@pytest.mark.parametrize("field", ("o", "lse", "pads"))
-def test_host_memory_on_a_gpu(ranks, device, field):
+@pytest.mark.parametrize("field", ("o", "lse", "pads", "sum"))
+def test_host_memory_on_a_gpu(stats_ranks, device, field):
     """A rank's pointer into host memory (pageable or pinned), handed to a GPU exchange."""
     device.gpu_only()
     torch = device.torch
+    ranks = stats_ranks
     for host in (np.zeros(T * H * D, np.float32), torch.zeros(T * H * D, pin_memory=True)):
         x = with_entry(ranks.exchange(0), field, 1, pointer(host))
         out, out_lse = outputs(ranks)

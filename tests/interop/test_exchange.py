@@ -1,8 +1,9 @@
 """attnmerge.Exchange, the exchange fused with the merge, from Python: ranks simulated in one process
 (threads on the host, one CUDA stream each on one GPU), each merging its slice of every rank's
 state; the slices together are merge_states of the gathered states bit for bit, step after step;
-a rank that never publishes makes its peers' waits give up as TimeoutError, naming it; bad
-arguments are refused by name."""
+states as softmax statistics and ranks with no keys (valid) as merge_states takes them; a rank that
+never publishes makes its peers' waits give up as TimeoutError, naming it; bad arguments are refused
+by name."""
 from __future__ import annotations
 
 import threading
@@ -59,6 +60,45 @@ def test_the_slices_together_are_merge_states_of_the_gathered_states(rng, world,
         axis = 1 if slice == "heads" else 0
         assert np.array_equal(np.concatenate([o for o, _ in results], axis), want_o)
         assert np.array_equal(np.concatenate([lse for _, lse in results], axis), want_lse)
+
+
+@pytest.mark.parametrize("slice", ["heads", "tokens"])
+def test_softmax_statistics_and_valid_as_merge_states_takes_them(rng, slice):
+    """Every rank's (max, sum) where its LSE goes, and valid [tokens of out, world] (KV lengths, 0
+    for a rank with no keys for the token): the slices together are merge_states of the gathered
+    statistics with the same valid, bit for bit."""
+    world = 2
+    os_ = [random_o(rng, (T, H, D)) for _ in range(world)]
+    stats = [(random_lse(rng, (T, H)), rng.uniform(0.5, 3.0, (T, H)).astype(np.float32)) for _ in range(world)]
+    stats[1][1][4] = 0.0  # an empty part whatever its max
+    lengths = rng.integers(0, 3, (T, world)).astype(np.int32)
+    lengths[0] = 0  # no rank holds keys for token 0
+    for p in range(world):
+        os_[p][lengths[:, p] == 0] = np.nan
+    pads = [np.zeros(attnmerge.exchange_pad_bytes(world) // 8, np.int64) for _ in range(world)]
+    xs = [attnmerge.Exchange(os_[r], stats[r], os_, stats, pads, r) for r in range(world)]
+    share = (H if slice == "heads" else T) // world
+    mine = [lengths if slice == "heads" else lengths[r * share:(r + 1) * share] for r in range(world)]
+    results, errors = on_threads(world, lambda r: (xs[r].publish(1),
+                                                   xs[r].merge(epoch=1, slice=slice, valid=mine[r]))[1])
+    assert not errors, errors
+    gathered = (np.stack([m for m, _ in stats], 1), np.stack([s for _, s in stats], 1))
+    want_o, want_lse = attnmerge.merge_states(np.stack(os_, 1), gathered, valid=lengths)
+    axis = 1 if slice == "heads" else 0
+    assert np.array_equal(np.concatenate([o for o, _ in results], axis), want_o)
+    assert np.array_equal(np.concatenate([lse for _, lse in results], axis), want_lse)
+    assert (want_o[0] == 0).all() and (want_lse[0] == -np.inf).all()
+
+
+def test_statistics_refused_unless_every_rank_gives_them(rng):
+    o, m, s = random_o(rng, (T, H, D)), random_lse(rng, (T, H)), np.ones((T, H), np.float32)
+    pads = [np.zeros(attnmerge.exchange_pad_bytes(2) // 8, np.int64) for _ in range(2)]
+    with pytest.raises(TypeError, match=r"^peers_lse\[1\]: expected a \(max, sum\) tuple as lse is, got ndarray"):
+        attnmerge.Exchange(o, (m, s), [o, o], [(m, s), m], pads, 0)
+    with pytest.raises(TypeError, match=r"^peers_lse\[0\]: expected an array or an int pointer as lse is"):
+        attnmerge.Exchange(o, m, [o, o], [(m, s), m], pads, 0)
+    with pytest.raises(ValueError, match=r"^lse\[1\]: expected the layout of lse\[0\]"):
+        attnmerge.Exchange(o, (m, np.ones((T, H + 1), np.float32)[:, :H]), [o, o], [(m, s), (m, s)], pads, 0)
 
 
 def test_alternate_buffers_and_epochs_from_the_pad(rng):

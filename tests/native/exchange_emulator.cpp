@@ -51,19 +51,26 @@ int emulate_exchange_publish(uint64_t** pads, int rank, int world, uint64_t epoc
 // out_lse [tokens, heads] (null: none), from every rank's O o[p] and LSE lse[p] (one layout: os,
 // ls), its rows offset by token0 and head0 (its slice); the sink [heads] (null: none); `bases` the
 // C ABI's base flags; FP8 outputs scaled by inv_scale or *scale; `vec` elements per access (16
-// bytes of the input's, or 1), `sms` the GPU's SMs (0: unknown), which the plan lays out blocks by.
+// bytes of the input's, or 1), `sms` the GPU's SMs (0: unknown), which the plan lays out blocks by;
+// sums[p] rank p's softmax sums laid out as its LSE (sums null: LSEs), valid [tokens of out, world]
+// (strides vs, valid_bytes an entry; null: none).
 int emulate_merge_exchange(int64_t tokens, int64_t heads, int64_t head_size, int in_dtype, int out_dtype, int vec,
                            int sms, int bases, float inv_scale, const float* scale, void* out, const int64_t* out_s,
                            float* out_lse, const int64_t* ol_s, const void** o, const int64_t* os, const float** lse,
                            const int64_t* ls, int world, int rank, int64_t token0, int64_t head0, const float* sink,
-                           int64_t sink_stride, uint64_t** pads, uint64_t epoch, uint64_t timeout_ns, int reuse) {
+                           int64_t sink_stride, uint64_t** pads, uint64_t epoch, uint64_t timeout_ns, int reuse,
+                           const float** sums, const void* valid, const int64_t* vs, int valid_bytes) {
   const bool base2 = (bases & ATTNMERGE_LSE_BASE2) != 0;
   const bool out_base2 = (bases & ATTNMERGE_OUT_LSE_BASE2) ? true : (bases & ATTNMERGE_OUT_LSE_BASE_E) ? false : base2;
   ExchangeSource src{};
   for (int p = 0; p < exchange::kMaxWorld; ++p) {
     src.o[p] = o[p < world ? p : 0];
     src.lse[p] = lse[p < world ? p : 0];
+    src.sum[p] = (sums != nullptr ? sums : lse)[p < world ? p : 0];
   }
+  src.extras.sums = sums != nullptr;
+  if (valid != nullptr) src.extras.valid = ValidView{valid, vs[0], vs[1], valid_bytes};
+  src.extras.on = src.extras.sums || valid != nullptr;
   src.o_st = os[0], src.o_sh = os[1], src.lse_st = ls[0], src.lse_sh = ls[1];
   src.token0 = token0, src.head0 = head0, src.world = world;
   src.sink = SinkView{sink, sink_stride};

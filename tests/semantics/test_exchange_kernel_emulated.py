@@ -24,7 +24,7 @@ import c_abi
 from emulators import CODES, ORDERS, build, check, order
 from exchange_ranks import descriptor
 from oracle import (assert_fp8_close, assert_merge_matches, fp8_dtype, nan_array, random_lse, random_o,
-                    reference_merge_states, sink_state)
+                    reference_merge_states, sink_state, stats_lse, valid_lse)
 
 I64P = ctypes.POINTER(ctypes.c_int64)
 LONG_NS = 30 * 10**9
@@ -37,7 +37,8 @@ def emu(tmp_path_factory):
     lib.emulate_merge_exchange.argtypes = (
         [ctypes.c_int64] * 3 + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_void_p] + [ctypes.c_void_p, I64P] * 2 +
         [ctypes.c_void_p, I64P, ctypes.c_void_p, I64P] + [ctypes.c_int] * 2 + [ctypes.c_int64] * 2 +
-        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int])
+        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int] +
+        [ctypes.c_void_p, ctypes.c_void_p, I64P, ctypes.c_int])
     lib.emulate_exchange_publish.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_uint64]
     return lib
 
@@ -49,22 +50,24 @@ def strides(x):
 class Group:
     """`world` ranks' states (NumPy, one layout) and zeroed pads, on the host."""
 
-    def __init__(self, o, lse):
-        self.o, self.lse = o, lse
+    def __init__(self, o, lse, sums=None):
+        self.o, self.lse, self.sums = o, lse, sums  # sums: softmax sums (lse the maxima); None: LSEs
         self.world = len(o)
         words = c_abi.load().attnmerge_exchange_pad_bytes(self.world) // 8
         self.pads = [np.zeros(words, np.uint64) for _ in range(self.world)]
         self.pad_ptrs = (ctypes.c_void_p * self.world)(*(p.ctypes.data for p in self.pads))
         self.o_ptrs = (ctypes.c_void_p * self.world)(*(x.ctypes.data for x in o))
         self.lse_ptrs = (ctypes.c_void_p * self.world)(*(x.ctypes.data for x in lse))
+        self.sum_ptrs = None if sums is None else (ctypes.c_void_p * self.world)(*(x.ctypes.data for x in sums))
         self.plans = {}  # rank: (vec, blocks, threads per block) of its last merge
 
     def publish(self, emu, rank, epoch=0):
         check(emu, emu.emulate_exchange_publish(self.pad_ptrs, rank, self.world, epoch))
 
     def merge(self, emu, rank, out, out_lse, token0=0, head0=0, *, vec=None, sms=0, bases=0, inv_scale=1.0,
-              scale=None, sink=None, epoch=0, timeout_ns=LONG_NS, reuse=c_abi.WAIT_READERS, how=0):
-        """Rank `rank`'s merge into out (its rows offset by token0, head0); its cudaError_t."""
+              scale=None, sink=None, epoch=0, timeout_ns=LONG_NS, reuse=c_abi.WAIT_READERS, how=0, valid=None):
+        """Rank `rank`'s merge into out (its rows offset by token0, head0), valid [tokens of out, world]
+        where given; its cudaError_t."""
         order(emu, how, rank)
         in_size = self.o[0].itemsize
         vec = (16 // in_size) if vec is None else vec
@@ -74,7 +77,9 @@ class Group:
             None if scale is None else scale.ctypes.data, out.ctypes.data, keep[0],
             None if out_lse is None else out_lse.ctypes.data, keep[3] if out_lse is not None else None,
             self.o_ptrs, keep[1], self.lse_ptrs, keep[2], self.world, rank, token0, head0,
-            None if sink is None else sink.ctypes.data, 1, self.pad_ptrs, epoch, timeout_ns, reuse)
+            None if sink is None else sink.ctypes.data, 1, self.pad_ptrs, epoch, timeout_ns, reuse, self.sum_ptrs,
+            None if valid is None else valid.ctypes.data, None if valid is None else strides(valid),
+            0 if valid is None else valid.itemsize)
         fields = (ctypes.c_int64 * 3)()
         emu.emulate_exchange_plan(fields)  # this thread's
         self.plans[rank] = tuple(fields)
@@ -218,6 +223,58 @@ def test_slices_of_tokens(emu, rng):
         check(emu, statuses[r])
         ref = reference_merge_states([x[3 * r:3 * r + 3] for x in g.o], [x[3 * r:3 * r + 3] for x in g.lse])
         assert_merge_matches(outs[r], lses[r], ref, "float16")
+
+
+@pytest.mark.parametrize("world, vec, slice", ((3, None, "heads"), (10, None, "heads"), (10, 1, "tokens"),
+                                               (4, 1, "heads")),
+                         ids=("one chunk", "two chunks", "two chunks by tokens, one element", "one element"))
+def test_softmax_statistics_and_valid_ranks_the_same_in_every_order(emu, rng, world, vec, slice):
+    """Every rank's (max, sum) (a sum of 0: empty whatever the max holds) and valid [tokens of out,
+    world] (0: the rank holds no keys for the token, its O and max garbage): each rank taken one at a
+    time, its LSE settled before its O is read, the same bits in every order of a block's threads."""
+    tokens, heads, d = (6, world, 32) if slice == "heads" else (2 * world, 3, 32)  # two rows of the axis a rank
+    o = [random_o(rng, (tokens, heads, d), "bfloat16") for _ in range(world)]
+    m = [random_lse(rng, (tokens, heads)) for _ in range(world)]
+    sums = [rng.uniform(0.25, 4.0, (tokens, heads)).astype(np.float32) for _ in range(world)]
+    sums[1][0] = 0.0
+    m[1][0] = np.nan  # the max of no scores
+    m[world - 1][:] += 30.0  # the last chunk raises the max
+    valid = (rng.random((tokens, world)) < 0.7).astype(np.uint8)
+    valid[2] = 0  # no rank holds keys: O = 0, LSE = -inf
+    for p in range(world):
+        bad = valid[:, p] == 0
+        o[p][bad] = np.nan
+        m[p][bad] = np.nan
+    g = Group(o, m, sums)
+    lse = [valid_lse(stats_lse(m[p], sums[p]), valid[:, p, None]) for p in range(world)]
+    share = (heads if slice == "heads" else tokens) // world
+    slices = [(r * share, share) for r in range(world)]
+    first = None
+    for how in ORDERS:
+        for pad in g.pads:
+            pad[:] = 0
+        if slice == "heads":
+            result = exchange(emu, g, slices, how=how, vec=vec, valid=valid)
+        else:
+            outs = [nan_array((share, heads, d), "bfloat16") for _ in range(world)]
+            lses = [nan_array((share, heads)) for _ in range(world)]
+            for r in range(world):
+                g.publish(emu, r)
+            statuses = together([lambda r=r: g.merge(emu, r, outs[r], lses[r], r * share, 0, vec=vec, how=how,
+                                                     valid=valid[r * share:(r + 1) * share]) for r in range(world)])
+            for status in statuses:
+                check(emu, status)
+            result = list(zip(outs, lses))
+        for (begin, extent), (out, out_lse) in zip(slices, result):
+            cut = (lambda x: x[:, begin:begin + extent]) if slice == "heads" else (lambda x: x[begin:begin + extent])
+            assert_merge_matches(out, out_lse, reference_merge_states([cut(x) for x in o], [cut(x) for x in lse]),
+                                 "bfloat16")
+            if begin <= 2 < begin + extent or slice == "heads":  # the token no rank holds keys for
+                row = 2 if slice == "heads" else 2 - begin
+                assert (out[row] == 0).all() and (out_lse[row] == -np.inf).all()
+        bits = [(x.tobytes(), y.tobytes()) for x, y in result]
+        assert first is None or bits == first, f"order {how}: other bits"
+        first = bits
 
 
 def test_sinks_bases_and_an_output_without_lse(emu, rng):

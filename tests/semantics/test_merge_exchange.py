@@ -21,7 +21,7 @@ import devices
 from devices import pointer
 from exchange_ranks import Ranks, descriptor
 from oracle import (DTYPES, assert_fp8_close, assert_lse_close, assert_merge_matches, fp8_dtype, nan_array, random_lse,
-                    random_o, reference_merge_states, sink_state)
+                    random_o, reference_merge_states, sink_state, stats_lse, valid_lse)
 
 
 def states(rng, world, tokens, heads, head_size, dtype="float32"):
@@ -66,14 +66,20 @@ def reference(o, lse, slice, begin, extent, base="e", sink=None):
     return reference_merge_states(os, ls, base=base)
 
 
-def gathered(o, lse, slice, begin, extent, out_dtype=None, opts=None):
+def gathered(o, lse, slice, begin, extent, out_dtype=None, opts=None, sums=None, valid=None):
     """attnmerge_merge_states (the C ABI, on the host) over the states gathered, [S, tokens, heads, ...]
-    passed as its permutation: what the exchange's rows are bit for bit on the host."""
+    passed as its permutation, with the ranks' sums gathered alike (options.sum_a) and valid [tokens of
+    the slice, S] where given: what the exchange's rows are bit for bit on the host."""
     go = np.stack([sliced(x, slice, begin, extent) for x in o])
     gl = np.stack([sliced(x, slice, begin, extent) for x in lse])
     out = nan_array(go.shape[1:], out_dtype or go.dtype)
     out_lse = nan_array(gl.shape[1:])
     t = c_abi.tensor_from
+    if sums is not None or valid is not None:
+        gs = None if sums is None else np.stack([sliced(x, slice, begin, extent) for x in sums])
+        opts.sum_a = None if gs is None else c_abi.ctypes.pointer(t(gs.transpose(1, 0, 2)))
+        opts.valid = None if valid is None else c_abi.ctypes.pointer(t(valid))
+        opts._kept = (gs, valid)
     status = c_abi.merge_states(t(out), t(out_lse), t(go.transpose(1, 0, 2, 3)), t(gl.transpose(1, 0, 2)), opts)
     assert status == c_abi.SUCCESS, c_abi.last_error()
     return out, out_lse
@@ -220,6 +226,78 @@ def test_fp8_outputs_with_a_static_scale(rng, device, in_memory):
 
 
 # --------------------------------------------------------------------------------------------------
+# states as the engines leave them: softmax statistics, ranks with no keys
+
+
+def softmax_states(rng, world, tokens, heads, head_size, dtype="float32"):
+    """Every rank's O, running max and softmax sum (a few sums 0: empty parts, their max NaN)."""
+    o, m = states(rng, world, tokens, heads, head_size, dtype)
+    sums = [rng.uniform(0.25, 4.0, (tokens, heads)).astype(np.float32) for _ in range(world)]
+    sums[0][1, :2] = 0.0
+    m[0][1, :2] = np.nan  # the max of no scores
+    return o, m, sums
+
+
+def ranks_with_no_keys(rng, o, lse, tokens, world, kind):
+    """valid [tokens, world] as `kind` (a uint8 mask, bool, or int32 / int64 KV lengths), some
+    entries 0 (one token's every one), and the states those name poisoned with NaN."""
+    held = rng.random((tokens, world)) < 0.7
+    held[3] = False
+    held[0, 0] = True
+    lengths = np.where(held, rng.integers(1, 50, (tokens, world)), 0)
+    valid = lengths.astype(kind) if kind != np.bool_ else held
+    for p in range(world):
+        o[p][~held[:, p]] = np.nan
+        lse[p][~held[:, p]] = np.nan
+    return valid
+
+
+@pytest.mark.parametrize("slice", (c_abi.SLICE_HEADS, c_abi.SLICE_TOKENS), ids=("heads", "tokens"))
+@pytest.mark.parametrize("world", (3, 10))
+def test_softmax_statistics_of_every_rank(rng, device, world, slice):
+    """exchange.sum: every rank's lse holds its running maxima, sum[p] its sums (laid out as the LSE):
+    the state's LSE is max + log(sum), a sum of 0 an empty part whatever the max holds."""
+    o, m, sums = softmax_states(rng, world, 10, 10, 32, "bfloat16")
+    lse = [stats_lse(m[p], sums[p]) for p in range(world)]
+    for begin, extent, out, out_lse in run(device, o, m, slice, sums=sums):
+        assert_merge_matches(out, out_lse, reference(o, lse, slice, begin, extent), "bfloat16")
+
+
+@pytest.mark.parametrize("kind", (np.uint8, np.bool_, np.int32, np.int64), ids=("mask", "bool", "int32", "int64"))
+@pytest.mark.parametrize("slice", (c_abi.SLICE_HEADS, c_abi.SLICE_TOKENS), ids=("heads", "tokens"))
+def test_ranks_with_no_keys_for_a_token(rng, device, slice, kind):
+    """options.valid [tokens of out, world]: a rank whose entry is 0 weighs nothing, whatever its O
+    and LSE hold; a token no rank holds keys for gets O = 0, LSE = -inf.  Each rank passes the
+    entries of its own tokens (by heads: every token's)."""
+    world, tokens, heads = 4, 8, 8
+    o, lse = states(rng, world, tokens, heads, 32)
+    valid = ranks_with_no_keys(rng, o, lse, tokens, world, kind)
+    slices = even_slices(heads if slice == c_abi.SLICE_HEADS else tokens, world)
+    mine = [valid if slice == c_abi.SLICE_HEADS else valid[b:b + n] for b, n in slices]
+    puts = [device.put(np.ascontiguousarray(v)) for v in mine]
+    opts = [c_abi.options(valid=descriptor(v, device_id(device))) for v in puts]
+    want = [valid_lse(lse[p], valid[:, p, None]) for p in range(world)]
+    for begin, extent, out, out_lse in run(device, o, lse, slice, opts=opts, slices=slices):
+        assert_merge_matches(out, out_lse, reference(o, want, slice, begin, extent), "float32")
+        if slice == c_abi.SLICE_HEADS:
+            assert (out[3] == 0).all() and (out_lse[3] == -np.inf).all()
+
+
+def test_statistics_valid_ranks_and_a_sink_together(rng, device):
+    o, m, sums = softmax_states(rng, 3, 6, 6, 32, "float16")
+    valid = ranks_with_no_keys(rng, o, m, 6, 3, np.int32)
+    sink = random_lse(rng, (6,))
+    slices = even_slices(6, 3)
+    puts = [(device.put(sink[b:b + n]), device.put(valid)) for b, n in slices]
+    opts = [c_abi.options(sink=descriptor(s, device_id(device)), valid=descriptor(v, device_id(device)))
+            for s, v in puts]
+    lse = [valid_lse(stats_lse(m[p], sums[p]), valid[:, p, None]) for p in range(3)]
+    for begin, extent, out, out_lse in run(device, o, m, c_abi.SLICE_HEADS, opts=opts, slices=slices, sums=sums):
+        ref = reference(o, lse, c_abi.SLICE_HEADS, begin, extent, sink=sink[begin:begin + extent])
+        assert_merge_matches(out, out_lse, ref, "float16")
+
+
+# --------------------------------------------------------------------------------------------------
 # on the host: merge_states' rows, bit for bit
 
 
@@ -230,6 +308,11 @@ HOST_CASES = {
                                           c_abi.LSE_BASE2 | c_abi.OUT_LSE_BASE_E, {}),
     "f16 into fp8, scaled": ("float16", "float8_e4m3fn", c_abi.SLICE_TOKENS, 0, dict(output_scale=0.5)),
     "bf16 with a sink": ("bfloat16", None, c_abi.SLICE_HEADS, 0, dict(sink=True)),  # by heads: each slice its sinks
+    "bf16 statistics by heads": ("bfloat16", None, c_abi.SLICE_HEADS, 0, dict(sums=True)),
+    "f32 statistics, base 2, by tokens": ("float32", None, c_abi.SLICE_TOKENS, c_abi.LSE_BASE2, dict(sums=True)),
+    "f16 valid by tokens": ("float16", None, c_abi.SLICE_TOKENS, 0, dict(valid=np.int32)),
+    "bf16 statistics, valid and a sink": ("bfloat16", None, c_abi.SLICE_HEADS, 0,
+                                          dict(sums=True, valid=np.uint8, sink=True)),
 }
 
 
@@ -243,12 +326,20 @@ def test_on_the_host_bit_for_bit_merge_states_over_the_gathered_states(rng, name
     lse[1][4] = np.inf
     o[1][4] = np.nan
     sink = random_lse(rng, (10,)) if extra.get("sink") else None
+    sums = None
+    if extra.get("sums"):
+        sums = [rng.uniform(0.25, 4.0, (11, 10)).astype(np.float32) for _ in range(world)]
+        sums[1][2] = 0.0  # empty whatever the max holds
+        lse[1][2] = np.nan
+    valid = None if "valid" not in extra else ranks_with_no_keys(rng, o, lse, 11, world, extra["valid"])
     slices = even_slices(10 if slice == c_abi.SLICE_HEADS else 11, world)
+    mine = [None if valid is None else valid if slice == c_abi.SLICE_HEADS else valid[b:b + n] for b, n in slices]
     opts = [c_abi.options(flags, output_scale=extra.get("output_scale", 0.0),
-                          sink=None if sink is None else c_abi.tensor_from(sink[b:b + n])) for b, n in slices]
-    result = run(devices.get("cpu"), o, lse, slice, out_dtype=out_dtype, opts=opts, slices=slices)
-    for (begin, extent, out, out_lse), rank_opts in zip(result, opts):
-        want_o, want_lse = gathered(o, lse, slice, begin, extent, out_dtype, rank_opts)
+                          sink=None if sink is None else c_abi.tensor_from(sink[b:b + n]),
+                          valid=None if v is None else c_abi.tensor_from(v)) for (b, n), v in zip(slices, mine)]
+    result = run(devices.get("cpu"), o, lse, slice, out_dtype=out_dtype, opts=opts, slices=slices, sums=sums)
+    for (begin, extent, out, out_lse), rank_opts, v in zip(result, opts, mine):
+        want_o, want_lse = gathered(o, lse, slice, begin, extent, out_dtype, rank_opts, sums, v)
         assert_bits_equal(out, want_o)
         assert_bits_equal(out_lse, want_lse)
 

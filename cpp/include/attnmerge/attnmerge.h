@@ -284,9 +284,10 @@ typedef struct attnmerge_options {
    * (log2 with base 2), taken in float32 as the merge reads it, and s = 0 is an empty part
    * whatever m holds (the max of no scores); then the LSE's rules apply (+inf or -inf: empty; NaN:
    * the row NaN).  sum_a: of lse_a (two-way merge), of lse (N-way and variable-length merges,
-   * share); sum_b: of lse_b (two-way merge), of lse_other (in-place merge).  The in-place merge
-   * refuses sum_a (its merged LSE is written over lse), and an out_lse that is the LSE argument of
-   * a sum is refused (the merged LSE would overwrite the maxima).  The merged LSE is an LSE (m = LSE,
+   * share; the exchange's ranks' are attnmerge_exchange.sum); sum_b: of lse_b (two-way merge), of
+   * lse_other (in-place merge).  The in-place merge refuses sum_a (its merged LSE is written over
+   * lse), and an out_lse that is the LSE argument of a sum is refused (the merged LSE would
+   * overwrite the maxima).  The merged LSE is an LSE (m = LSE,
    * s = 1 as statistics).  The backwards take none: their LSEs are m + log(s), whose gradients are
    * dm = dlse and ds = dlse / (s ln b).  NULL (default): LSEs. */
   const attnmerge_tensor* sum_a;
@@ -297,7 +298,8 @@ typedef struct attnmerge_options {
    * int32 or int64 (a count of keys, such as per-rank KV lengths), any strides >= 0, 0 where the
    * state holds no key for the token: [tokens, S] for the N-way merge and the share, [tokens, 2]
    * for the two-way merge (a, b) and the in-place merge (o's state, o_other's), [total] for the
-   * variable-length merge (each state of o).  A state whose entry is 0 weighs nothing, whatever its
+   * variable-length merge (each state of o), [tokens of out, world_size] for the exchange's merge
+   * (each rank's state of the slice's tokens).  A state whose entry is 0 weighs nothing, whatever its
    * O and LSE hold (NaN or garbage never reach the result); a row with no state left gets O = 0 and
    * LSE = -inf (the sink's LSE, with one).  The backwards take none.  NULL (default): every state
    * holds keys. */
@@ -585,6 +587,12 @@ typedef struct attnmerge_exchange {
    * rank's is o[p]).  lse_layout: every rank's LSE, float32 [tokens, heads], likewise. */
   attnmerge_tensor o_layout;
   attnmerge_tensor lse_layout;
+  /* Softmax statistics in place of LSEs (as attnmerge_options.sum_a for the merges): NULL (default),
+   * the ranks' lse hold LSEs; else world_size pointers, entry p rank p's sums (float32, laid out as
+   * lse_layout says, addressed as lse[p] is), each rank's lse[p] then holding its running maxima:
+   * rank p's state's LSE is lse + log(sum) (log2 with ATTNMERGE_LSE_BASE2), and a sum of 0 an
+   * empty part, whatever the maximum holds. */
+  const void* const* sum;
 } attnmerge_exchange;
 
 /** The bytes of one rank's signal pad.
@@ -611,9 +619,11 @@ ATTNMERGE_API attnmerge_status attnmerge_exchange_publish(const attnmerge_exchan
  * ATTNMERGE_EXCHANGE_WAIT_READERS, this rank waits until every rank has read its state.  Row
  * (t, h) of out is the merge of row (t, h) + the slice's start of every rank's state, in rank
  * order, and options->sink [heads of out] where given; bit for bit on the host what
- * attnmerge_merge_states gives over the states gathered.  options.flags: ATTNMERGE_LSE_BASE2,
- * ATTNMERGE_OUT_LSE_BASE2 / _BASE_E and ATTNMERGE_PDL; an output scale (FP8 out) and a sink; no
- * group scales.
+ * attnmerge_merge_states gives over the states gathered (with the same sums and valid).
+ * options.flags: ATTNMERGE_LSE_BASE2, ATTNMERGE_OUT_LSE_BASE2 / _BASE_E and ATTNMERGE_PDL; an
+ * output scale (FP8 out), a sink and options.valid [tokens of out, world_size] (on this rank's
+ * device: which ranks hold keys for each token of the slice, as the N-way merge's [tokens, S]); no
+ * group scales, and the ranks' softmax sums in exchange->sum, not options.sum_a.
  *
  * \param[out] out          O [tokens of the slice, heads of the slice, head_size]: float32, float16,
  *                          bfloat16 or FP8 E4M3, on this rank's device, apart from every rank's state

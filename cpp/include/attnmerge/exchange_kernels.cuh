@@ -29,14 +29,81 @@ __device__ __forceinline__ void store_as(Dtype dtype, const OutView& out, I toke
   }
 }
 
+// A thread's pack of its row (`mine`), merged from every rank's state and stored, once every rank
+// has published (merge_exchange_kernel's step 2): the ranks' LSEs and packs a chunk at a time, every
+// load of a chunk in flight at once (kChunked), as merge_kernel's rows (the same semantics: an empty
+// part is not read, a NaN LSE makes the row NaN, an all-empty row gives O = 0 and LSE = -inf); or,
+// where the call has PeerExtras (kSettled), one rank at a time, each LSE settled (its softmax sum,
+// its valid entry: PeerExtrasRow::settled) before its O load goes out, the ranks a chunk ahead
+// prefetched into L1, as merge_body's rows with StateExtras.
+template <StateRead kRead, typename TIn, int VEC, typename I, typename States>
+__device__ __forceinline__ void merge_exchange_row(const MergeShape& shape, const ExchangeSource& src,
+                                                   const OutView& out, Dtype out_dtype, I token, I head, I k,
+                                                   const States& states) {
+  constexpr bool kSettled = kRead == StateRead::kSettled;
+  constexpr int kC = kSettled ? 1 : kStateChunk;
+  const int n = states.count();
+  const auto extras = extras_row_if<kSettled>(src, token, head);
+  const auto settle = [&](float (&lc)[kC], int first) {
+    if constexpr (kSettled) {
+      // The rank a chunk ahead, or `first` past the last: the ranks' pointers are kMaxWorld
+      // entries, and no index past them is formed.
+      const bool go = first + kPrefetchAhead < n;
+      const int ahead = go ? first + kPrefetchAhead : first;
+      extras.prefetch(ahead, go);
+      prefetch_if(states.template o_at<TIn>(ahead), go);
+      lc[0] = extras.settled(first, first < n, shape.base2);
+    }
+  };
+  float l[kC];
+  Pack<TIn, VEC> o[kC];
+  if constexpr (kSettled) {
+#pragma unroll 1
+    for (int s = 1; s < kPrefetchAhead; ++s) {  // the ranks before settle's first prefetch
+      extras.prefetch(s, s < n);
+      prefetch_if(states.template o_at<TIn>(s), s < n);
+    }
+    settle(l, 0);
+    o[0] = load_pack_if<TIn, VEC>(states.template o_at<TIn>(0), 0 < n, false);
+  } else {
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      l[c] = load_lse_if(states.lse_ptr(c), c < n);
+      o[c] = load_pack_if<TIn, VEC>(states.template o_at<TIn>(c), c < n, false);
+    }
+  }
+  const float sink = src.sink.at(head);  // -inf without one
+  RowMerge r(shape.base2);
+  float acc[VEC];
+  if (n <= kC) {  // one round trip, the weights from the row's own max
+    float w[kC];
+    weigh_row<kC, true>(l, w, out.inverse_scale(), r, sink);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] = r.nan ? NAN : 0.0f;  // a NaN sink has no O to carry it
+#pragma unroll
+    for (int c = 0; c < kC; ++c)
+      if (c < n) accumulate(acc, o[c], r.scale(w[c]), w[c]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
+    accumulate_online<kC, true, kRead>(
+        n, l, o, [&](int s) { return states.lse_ptr(s); }, [&](int s) { return states.template o_at<TIn>(s); },
+        false, r, acc, sink, settle);
+    r.finish(out.inverse_scale());
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] *= r.inv;
+  }
+  store_as<VEC>(out_dtype, out, token, head, k * VEC, acc);
+  if (k == 0) out.store_lse(token, head, r.lse());
+}
+
 // The merge of an exchange, laid out as kRows (plan_exchange): one thread per pack of a row.
 //   1. Every block waits until every rank has published its state of the epoch (exchange.h's
 //      await_states: thread p of the block waits for rank p), the block's verdict met at one
 //      barrier, its rows' first lines prefetched into L2 meanwhile; a block that gives up (a failure
 //      recorded: a timeout, a stale epoch, or an earlier call's) reads and writes nothing.
-//   2. Each thread merges its pack of its row: the ranks' LSEs and packs a chunk at a time, every
-//      load of a chunk in flight at once, as merge_kernel's rows (the same semantics: an empty part
-//      is not read, a NaN LSE makes the row NaN, an all-empty row gives O = 0 and LSE = -inf).
+//   2. Each thread merges its pack of its row (merge_exchange_row): the ranks' states as LSEs, or
+//      with their softmax sums and valid entries (PeerExtras), one uniform branch between the two.
 //   3. Reuse::kWaitReaders: each block counts itself in this rank's pad once its rows are read;
 //      the last one resets the count, tells every rank that its state has been read and waits
 //      until every rank has read this one's (signal_read, await_readers).
@@ -46,7 +113,6 @@ __global__ void __launch_bounds__(kBlockThreads)
     merge_exchange_kernel(const MergeShape shape, const ExchangeSource src, const OutView out,
                           const exchange::Sync sync, const Dtype out_dtype) {
   using I = int64_t;
-  constexpr int kChunk = kStateChunk;
   const I row = launch_row<I>();  // after the kernel before this one, under PDL
   const I k = static_cast<I>(blockIdx.y) * static_cast<I>(blockDim.x) + static_cast<I>(threadIdx.x);
   const int lane = static_cast<int>(threadIdx.y * blockDim.x + threadIdx.x);
@@ -61,7 +127,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   // loads after the wait find what the ranks published, one round trip sooner.
   if (mine) {
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c) {
+    for (int c = 0; c < kStateChunk; ++c) {
       if (c < n) prefetch_l2(states.template o_at<TIn>(c));
       if (c < n && k == 0) prefetch_l2(states.lse_ptr(c));
     }
@@ -70,36 +136,11 @@ __global__ void __launch_bounds__(kBlockThreads)
   const bool gave_up = !exchange::await_states(sync, lane, lanes, exchange::clock_ns(), epoch);
   const bool ready = __syncthreads_or(gave_up) == 0;
   if (ready && mine) {
-    float l[kChunk];
-    Pack<TIn, VEC> o[kChunk];
-#pragma unroll
-    for (int c = 0; c < kChunk; ++c) {
-      l[c] = load_lse_if(states.lse_ptr(c), c < n);
-      o[c] = load_pack_if<TIn, VEC>(states.template o_at<TIn>(c), c < n, false);
-    }
-    const float sink = src.sink.at(head);  // -inf without one
-    RowMerge r(shape.base2);
-    float acc[VEC];
-    if (n <= kChunk) {  // one round trip, the weights from the row's own max
-      float w[kChunk];
-      weigh_row<kChunk, true>(l, w, out.inverse_scale(), r, sink);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] = r.nan ? NAN : 0.0f;  // a NaN sink has no O to carry it
-#pragma unroll
-      for (int c = 0; c < kChunk; ++c)
-        if (c < n) accumulate(acc, o[c], r.scale(w[c]), w[c]);
+    if (src.extras.on) {
+      merge_exchange_row<StateRead::kSettled, TIn, VEC>(shape, src, out, out_dtype, token, head, k, states);
     } else {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
-      accumulate_online<kChunk, true>(
-          n, l, o, [&](int s) { return states.lse_ptr(s); }, [&](int s) { return states.template o_at<TIn>(s); },
-          false, r, acc, sink);
-      r.finish(out.inverse_scale());
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] *= r.inv;
+      merge_exchange_row<StateRead::kChunked, TIn, VEC>(shape, src, out, out_dtype, token, head, k, states);
     }
-    store_as<VEC>(out_dtype, out, token, head, k * VEC, acc);
-    if (k == 0) out.store_lse(token, head, r.lse());
   }
   if (sync.reuse == exchange::Reuse::kWaitReaders) {
     __syncthreads();  // every row of the block has been read: its stores used them

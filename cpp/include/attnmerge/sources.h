@@ -17,9 +17,9 @@
 //   ExchangeSource  every rank's state where it lies, one pointer per rank (the exchange fused
 //                with the merge: peer-mapped memory), a slice of its rows.
 // SinkPairSource and the last four may add each head's sink to its rows (Traits::kSink: SinkView,
-// sink_lse).  The general sources (the pair, stack, range and share sources) may also take their
-// states' LSEs as softmax statistics and skip the states a mask says are empty (StateExtras, read
-// at run time: Traits::kExtras, settle).  Each source's Traits (SourceTraits) name what its kernels
+// sink_lse).  The general sources (the pair, stack, range, share and exchange sources) may also take
+// their states' LSEs as softmax statistics and skip the states a mask says are empty (StateExtras,
+// the exchange's PeerExtras, read at run time: Traits::kExtras, settle).  Each source's Traits (SourceTraits) name what its kernels
 // fix when compiled.  Each source's Real is the type of its LSEs and of its rows' math: float (the
 // names above), or double for float64 calls, which the CPU path alone runs (Basic*Source<double>).
 #pragma once
@@ -160,6 +160,17 @@ ATTNMERGE_HD Real settled_lse(Real lse, bool valid, Real sum, bool has_sum, bool
   return valid ? (has_sum ? stats : lse) : Real(-INFINITY);
 }
 
+// A state's LSE as the merge reads it (settled_lse), loaded where `take` (else -inf): its LSE at
+// `lse`, its sum at `sum` where `has_sum`, its valid entry (`bytes` wide) at `valid` where
+// `has_valid`: a kernel's one reading of a state with extras, whichever source holds it.
+ATTNMERGE_HD float load_settled(const float* lse, const float* sum, bool has_sum, const char* valid, bool has_valid,
+                                int32_t bytes, bool take, bool base2) {
+  const float l = load_lse_if(lse, take);
+  const bool ok = take && load_nonzero_if(valid, bytes, take && has_valid);
+  const float total = load_float_if(sum, take && has_sum, 1.0f);
+  return settled_lse(l, ok, total, has_sum, base2);
+}
+
 // A row's states as a kernel takes them one at a time where the call has StateExtras: state s's
 // LSE at lse + s * lse_ss, its sum at sum + s * sum_ss (sum null: none), its valid entry at valid + s
 // * valid_ss bytes (valid null: none), offsets from the row's own pointers (Source::extras_row), so
@@ -175,10 +186,8 @@ struct ExtrasRow {
   // State s's LSE as the merge reads it (settled_lse), read where `take` (else -inf).
   ATTNMERGE_HD float settled(int s, bool take, bool base2) const {
     const I si = static_cast<I>(s);
-    const float l = load_lse_if(lse + si * lse_ss, take);
-    const bool ok = take && load_nonzero_if(valid + si * valid_ss, bytes, take && valid != nullptr);
-    const float total = load_float_if(sum + si * sum_ss, take && sum != nullptr, 1.0f);
-    return settled_lse(l, ok, total, sum != nullptr, base2);
+    return load_settled(lse + si * lse_ss, sum + si * sum_ss, sum != nullptr, valid + si * valid_ss,
+                        valid != nullptr, bytes, take, base2);
   }
   // The prefetch into L1 of what settled(s) reads, where `take`.
   ATTNMERGE_HD void prefetch(int s, bool take) const {
@@ -542,32 +551,94 @@ struct PeerRow {
   ATTNMERGE_HD constexpr bool reads_o(int) const { return true; }
 };
 
+// What the ranks' states of an exchange carry beside their LSEs, read at run time: softmax sums
+// (ExchangeSource::sum, every rank's laid out as its LSE) and which ranks hold keys for a token
+// (valid [tokens of the slice, world], as the N-way merge's [tokens, S]).
+struct PeerExtras {
+  bool sums = false;  // ExchangeSource::sum holds every rank's sums
+  ValidView valid;
+  bool on = false;  // any of them given
+};
+
+// Row (token, head)'s states with their extras as a kernel takes them one at a time: ExtrasRow's
+// settled and prefetch over the ranks' pointers.
+template <typename I>
+struct PeerExtrasRow {
+  const float* const* lse;
+  const float* const* sum;
+  I l_off;
+  const char* valid;  // the row's token's entry of rank 0; null: none
+  I valid_ss;
+  int32_t bytes;
+  bool sums;
+
+  ATTNMERGE_HD float settled(int s, bool take, bool base2) const {
+    return load_settled(lse[s] + l_off, sum[s] + l_off, sums, valid + static_cast<I>(s) * valid_ss, valid != nullptr,
+                        bytes, take, base2);
+  }
+  ATTNMERGE_HD void prefetch(int s, bool take) const {
+    prefetch_if(lse[s] + l_off, take);
+    prefetch_if(sum[s] + l_off, take && sums);
+    prefetch_if(valid + static_cast<I>(s) * valid_ss, take && valid != nullptr);
+  }
+};
+
 // The states of an exchange's ranks (attnmerge_merge_exchange), read where they lie: state s of
 // row (token, head) is rank s's row (token + token0, head + head0) of O [tokens, heads, head_size]
 // and LSE [tokens, heads], every rank's laid out alike (o_st, o_sh, lse_st, lse_sh), so that a
 // rank's slice of the rows (a range of tokens or of heads) is the output's rows.  The ranks'
 // pointers are held by value (a kernel's parameters, indexed by state), as this rank addresses
-// them; each head's sink is indexed as the output's heads.
+// them; each head's sink is indexed as the output's heads, and the extras' valid as the output's
+// tokens.  Where extras.sums, rank s's LSE holds its running maxima and sum[s] its softmax sums.
 struct ExchangeSource {
   using Real = float;  // the merge's arithmetic: ranks' states come from the GPU engines' float32 LSEs
   struct Traits : SourceTraits {
     static constexpr bool kSink = true;
+    static constexpr bool kExtras = true;
   };
   const void* o[exchange::kMaxWorld];
   const float* lse[exchange::kMaxWorld];
+  const float* sum[exchange::kMaxWorld];  // the LSEs' where there are no sums (never read then)
   int64_t o_st, o_sh, lse_st, lse_sh;
   int64_t token0, head0;
   int world;
   SinkView sink;
+  PeerExtras extras;
 
   template <typename I>
   ATTNMERGE_HD bool masked_out(I) const { return false; }
 
+  template <typename I>
+  ATTNMERGE_HD I lse_offset(I token, I head) const {
+    return (token + static_cast<I>(token0)) * static_cast<I>(lse_st) + (head + static_cast<I>(head0)) * static_cast<I>(lse_sh);
+  }
+
   template <typename T, typename I>
   ATTNMERGE_HD PeerRow<I> row(I token, I head, I at = I{0}) const {
     const I t = token + static_cast<I>(token0), h = head + static_cast<I>(head0);
-    return PeerRow<I>{o, lse, t * static_cast<I>(o_st) + h * static_cast<I>(o_sh) + at,
-                      t * static_cast<I>(lse_st) + h * static_cast<I>(lse_sh), world};
+    return PeerRow<I>{o, lse, t * static_cast<I>(o_st) + h * static_cast<I>(o_sh) + at, lse_offset(token, head),
+                      world};
+  }
+
+  // State s's LSE as the merge reads it (settled_lse), from `l` as loaded; `take`: s < world.
+  // Where extras.on (the CPU loop's reading).
+  template <typename I>
+  ATTNMERGE_HD float settle(float l, I token, I head, int s, bool take, bool base2) const {
+    const bool valid = take && extras.valid.holds(token, static_cast<I>(s), take);
+    const float total = take && extras.sums ? sum[s][lse_offset(token, head)] : 1.0f;
+    return settled_lse(l, valid, total, extras.sums, base2);
+  }
+  // Row (token, head)'s states as the kernels take them one at a time where extras.on.
+  template <typename I>
+  ATTNMERGE_HD PeerExtrasRow<I> extras_row(I token, I head) const {
+    const ValidView& v = extras.valid;
+    return PeerExtrasRow<I>{lse,
+                            sum,
+                            lse_offset(token, head),
+                            v.p != nullptr ? static_cast<const char*>(v.entry(token, I{0})) : nullptr,
+                            static_cast<I>(v.ss) * static_cast<I>(v.bytes),
+                            v.bytes,
+                            extras.sums};
   }
 };
 
