@@ -750,6 +750,9 @@ def run(op, inputs, out, out_lse, opt: Options):
     given (the one autograd attaches to), else the out= overload, any missing output allocated as
     the native road allocates it; the caller's names reach the kernels."""
     _no_stream(opt.stream)
+    if opt.num_tokens is not None:
+        raise ValueError("num_tokens: expected None where torch.compile, torch.export, torch.func or autograd "
+                         "takes the call (torch.ops.attnmerge takes no live count), got a tensor")
     if opt.flags & _C.LSE_HEADS_FIRST:
         inputs, out_lse, opt = _heads_first(inputs, out_lse, opt)
     kwargs = {name: value(opt) for name, _, value in _keywords(op)}

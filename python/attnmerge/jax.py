@@ -152,8 +152,8 @@ def _attributes(opt: Options):
 def _key(opt: Options) -> Options:
     """The static part of a call's options (its arrays and names dropped): a cache key of the
     differentiable functions, hashable."""
-    return opt._replace(scale=None, sink=None, group_scales=None, sum_a=None, sum_b=None, valid=None, names=None,
-                        stream=None)
+    return opt._replace(scale=None, sink=None, group_scales=None, sum_a=None, sum_b=None, valid=None,
+                        num_tokens=None, names=None, stream=None)
 
 
 def _ffi(op, outs, operands, key: Options, extras, *, scale=None, vectorized=True):
@@ -425,6 +425,9 @@ def merge_share(o: jax.Array, lse: Any, index: int, *, base: Base = "e", out_bas
 def run(op, inputs, opt: Options):
     """The call of `op` (attnmerge._call.OPS) on JAX arrays with its Options: attnmerge.jax's
     functions, and the native functions' road for calls whose results would be JAX arrays."""
+    if opt.num_tokens is not None:
+        raise ValueError(f"num_tokens: expected None for JAX arrays (attnmerge.jax takes no live count), got "
+                         f"{type(opt.num_tokens).__qualname__}")
     return _RUNS[op.name](inputs, opt)
 
 

@@ -41,11 +41,29 @@ struct MergeShape {
   // index math.
   uint32_t magic;
   int shift;
+  // The live tokens (num_tokens): null, every token; else one int32 (int64 where live_wide) in the
+  // call's memory, read by the kernels themselves, so that a launch sized for `tokens` (a captured
+  // graph's capacity) serves any count without a host round trip.  A row of a token at or past
+  // the count reads nothing and writes nothing.
+  const void* live_tokens = nullptr;
+  bool live_wide = false;
 
   ATTNMERGE_HD MergeShape(int64_t tokens_, int64_t heads_, int64_t head_size_, bool base2_)
       : tokens(tokens_), heads(heads_), head_size(head_size_), rows(tokens_ * heads_), packs(head_size_), evict_first(false), base2(base2_),
         tile_shift(-1), magic(0), shift(0) {
     set_divisor(heads);
+  }
+
+  // The tokens whose rows run: the count live_tokens holds, clamped to [0, tokens] (tokens without one).
+  ATTNMERGE_HD int64_t live() const {
+    if (live_tokens == nullptr) return tokens;
+    const int64_t n = live_wide ? *static_cast<const int64_t*>(live_tokens) : *static_cast<const int32_t*>(live_tokens);
+    return n < 0 ? 0 : n > tokens ? tokens : n;
+  }
+  // Whether the row of `token` (< tokens) lies at or past the live count: it exits unread.
+  template <typename I>
+  ATTNMERGE_HD bool past_live(I token) const {
+    return live_tokens != nullptr && static_cast<int64_t>(token) >= live();
   }
 
   // Tiles of 2^tile_shift_ tokens (see tile_shift); rows rounded up to whole tiles.
