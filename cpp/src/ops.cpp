@@ -640,7 +640,7 @@ attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnme
                                          const attnmerge_tensor* mask, const attnmerge_options* options, void* stream) {
   begin_call();
   Checked c;
-  const attnmerge_tensor* const args[] = {o,         lse, o_other, lse_other, mask, sum_b_of(options), valid_of(options),
+  const attnmerge_tensor* const args[] = {o, lse, o_other, lse_other, mask, sum_b_of(options), valid_of(options),
                                           num_tokens_of(options)};
   if (attnmerge_status s = validate(kInplace, args, options, c)) return s;
   using A = InplaceArg;

@@ -19,7 +19,8 @@ def merge(o_a: Array, lse_a: Lse, o_b: Array, lse_b: Lse, *, out: Array | None =
           output_scale: float | Array | None = None, base: PairBase = "e", out_base: Base | None = None,
           a_tokens: int | None = None, sink: Array | None = None, group_size: int | None = None,
           group_scales: Array | None = None, scale_ue8m0: bool = False, block_format: str | None = None,
-          scale_layout: str = "row_major", scale_rounding: str = "floor", valid: Array | None = None, num_tokens: Array | None = None,
+          scale_layout: str = "row_major", scale_rounding: str = "floor", valid: Array | None = None,
+          num_tokens: Array | None = None,
           stream: Stream = None, pdl: bool = False, batch_invariant: bool = False,
           _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge two attention states: ``(out, out_lse) = merge((o_a, lse_a), (o_b, lse_b))``.
@@ -156,7 +157,8 @@ def merge(o_a: Array, lse_a: Lse, o_b: Array, lse_b: Lse, *, out: Array | None =
 
 
 def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Lse, *, mask: Array | None = None,
-                  base: PairBase = "e", valid: Array | None = None, num_tokens: Array | None = None, stream: Stream = None, pdl: bool = False,
+                  base: PairBase = "e", valid: Array | None = None,
+                  num_tokens: Array | None = None, stream: Stream = None, pdl: bool = False,
                   batch_invariant: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, Array]:
     """Merge a state into another in place: ``(o, lse) <- merge((o, lse), (o_other, lse_other))``.
 
@@ -270,7 +272,8 @@ def merge_states(o: Array, lse: Lse, *, out: Array | None = None, out_lse: Array
     inputs, sum_a, _, names = softmax_stats(_STATES, (o, lse), _names)
     opt = options(_STATES, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
                   group_scales, scale_ue8m0, states_axis_of(states_axis, 4, _names), 0, stream, pdl, names,
-                  batch_invariant, 0, block_format, scale_layout, scale_rounding, sum_a=sum_a, valid=valid, num_tokens=num_tokens)
+                  batch_invariant, 0, block_format, scale_layout, scale_rounding, sum_a=sum_a, valid=valid,
+                  num_tokens=num_tokens)
     return _roads.run(_STATES, inputs, out, out_lse, opt)
 
 
@@ -391,7 +394,8 @@ def merge_share(o: Array, lse: Lse, index: int, *, out: Array | None = None, out
     inputs, sum_a, _, names = softmax_stats(_SHARE, (o, lse), _names)
     opt = options(_SHARE, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
                   group_scales, scale_ue8m0, states_axis_of(states_axis, 3, _names), index_of(index, _names), stream,
-                  pdl, names, batch_invariant, 0, block_format, scale_layout, scale_rounding, sum_a=sum_a, valid=valid, num_tokens=num_tokens)
+                  pdl, names, batch_invariant, 0, block_format, scale_layout, scale_rounding, sum_a=sum_a,
+                  valid=valid, num_tokens=num_tokens)
     return _roads.run(_SHARE, inputs, out, out_lse, opt)
 
 

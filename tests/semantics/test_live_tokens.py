@@ -149,4 +149,5 @@ def test_a_live_count_changes_nothing_for_a_full_batch(rng, device):
     plain = attnmerge.merge(o_a, lse_a, o_b, lse_b)
     counted = attnmerge.merge(o_a, lse_a, o_b, lse_b, num_tokens=count_array(device, t, "int64"))
     for x, y in zip(plain, counted):
-        np.testing.assert_array_equal(np.asarray(device.get(x)).view(np.uint8), np.asarray(device.get(y)).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(device.get(x)).view(np.uint8),
+            np.asarray(device.get(y)).view(np.uint8))
