@@ -128,15 +128,17 @@ constexpr ArgSpec kMergeArgs[] = {
     {"sum_b",    kLse,  {T, H},          kRead,  kOptional},
     {"valid",    kValid, {T, P},         kRead,  kOptional},
     {"num_tokens", kIndptr, {One},       kRead,  kOptional},
+    {"a_tokens", kIndptr,  {One},        kRead,  kOptional},
 };
 struct MergeArg {
-  enum : int { kOut, kOutLse, kOA, kLseA, kOB, kLseB, kSink, kGroupScales, kSumA, kSumB, kValid, kNumTokens };
+  enum : int { kOut, kOutLse, kOA, kLseA, kOB, kLseB, kSink, kGroupScales, kSumA, kSumB, kValid, kNumTokens, kACount };
 };
 static_assert(indexed(kMergeArgs, {{MergeArg::kOut, "out"}, {MergeArg::kOutLse, "out_lse"}, {MergeArg::kOA, "o_a"},
                                    {MergeArg::kLseA, "lse_a"}, {MergeArg::kOB, "o_b"}, {MergeArg::kLseB, "lse_b"},
                                    {MergeArg::kSink, "sink"}, {MergeArg::kGroupScales, "group_scales"},
                                    {MergeArg::kSumA, "sum_a"}, {MergeArg::kSumB, "sum_b"},
-                                   {MergeArg::kValid, "valid"}, {MergeArg::kNumTokens, "num_tokens"}}),
+                                   {MergeArg::kValid, "valid"}, {MergeArg::kNumTokens, "num_tokens"},
+                                   {MergeArg::kACount, "a_tokens"}}),
               "MergeArg indexes kMergeArgs");
 constexpr OpSpec kMerge = make_op(kMergeArgs, kBase2 | kBBase | kOutBase | kHeadsFirst | kATokens | kPdl | kGroups | kInvariant,
                                   "out", "o_b", "lse_b", pair_sizes);
@@ -570,12 +572,17 @@ MergeShape merge_shape(int64_t tokens, const Sizes& n, const Checked& c) {
 
 // The two-way and in-place merges' common end: a = (o_a, lse_a), b = (o_b, lse_b).
 // `scales`: the group scales and `sink` the sink (absent: none; the in-place merge has neither);
-// `sum_a`, `sum_b`: the LSEs' softmax sums and `valid` the states holding keys (absent: none).
+// `sum_a`, `sum_b`: the LSEs' softmax sums and `valid` the states holding keys, `a_count` a_tokens
+// read on the device (absent: none).
 template <typename Real>
 attnmerge_status run_pair(Checked& c, const View& out, const View& out_lse, const View& o_a, const View& lse_a,
                           const View& o_b, const View& lse_b, const View& scales, const View& sink, const View* mask,
-                          const View& sum_a, const View& sum_b, const View& valid, void* stream) {
+                          const View& sum_a, const View& sum_b, const View& valid, const View& a_count, void* stream) {
   BasicPairSource<Real> src{state_of<Real>(o_a, lse_a), state_of<Real>(o_b, lse_b), c.sizes.a_tokens, nullptr, 0};
+  if (a_count.present()) {
+    src.a_tokens_at = a_count.t->data;
+    src.a_tokens_wide = a_count.t->dtype == ATTNMERGE_INT64;
+  }
   src.b_scale = base_change<Real>(lse_base2(c.opt.flags, ATTNMERGE_LSE_B_BASE2, ATTNMERGE_LSE_B_BASE_E),
                                   inputs_base2(c.opt.flags));
   src.extras = extras_of<Real>(sum_a, sum_b, valid);
@@ -624,14 +631,14 @@ attnmerge_status attnmerge_merge(const attnmerge_tensor* out, const attnmerge_te
   Checked c;
   const attnmerge_tensor* const args[] = {out, out_lse, o_a, lse_a, o_b, lse_b, sink_of(options),
                                           group_scales_of(options), sum_a_of(options), sum_b_of(options),
-                                          valid_of(options), num_tokens_of(options)};
+                                          valid_of(options), num_tokens_of(options), a_tokens_of(options)};
   if (attnmerge_status s = validate(kMerge, args, options, c)) return s;
   using A = MergeArg;
   const View* v = c.views;
   return dispatch_real(c.precision, [&](auto real) {
     return run_pair<decltype(real)>(c, v[A::kOut], v[A::kOutLse], v[A::kOA], v[A::kLseA], v[A::kOB], v[A::kLseB],
                                     v[A::kGroupScales], v[A::kSink], nullptr, v[A::kSumA], v[A::kSumB],
-                                    v[A::kValid], stream);
+                                    v[A::kValid], v[A::kACount], stream);
   });
 }
 
@@ -649,7 +656,7 @@ attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnme
   // (o, lse) is both a and the output.
   return dispatch_real(c.precision, [&](auto real) {
     return run_pair<decltype(real)>(c, v[A::kO], v[A::kLse], v[A::kO], v[A::kLse], v[A::kOOther], v[A::kLseOther],
-                                    none, none, &v[A::kMask], none, v[A::kSumB], v[A::kValid], stream);
+                                    none, none, &v[A::kMask], none, v[A::kSumB], v[A::kValid], none, stream);
   });
 }
 

@@ -127,8 +127,8 @@ attnmerge_status read_a_tokens(const attnmerge_options& opt, const View& source,
 // with the checks on them that no single argument's shape states (head_size, the states' count).
 using Equations = attnmerge_status (*)(Views views, const View& source, const attnmerge_options& opt, Sizes& sizes);
 
-// The largest number of arguments of an op (the two-way merge's backward).
-constexpr int kMaxArgs = 12;
+// The largest number of arguments of an op (the two-way merge).
+constexpr int kMaxArgs = 13;
 
 // An op's contract: its arguments' table and what validate() needs beside it, the names of the
 // table resolved to indices (-1: none) when the OpSpec is built (make_op).
@@ -144,8 +144,9 @@ struct OpSpec {
   int sizes_from, sizes_lse;
   int sink;  // the argument "sink" (options.sink), or -1: the op refuses one
   int group_scales;  // the argument "group_scales" (options.group_scales), or -1: the op refuses them
-  // The arguments "sum_a", "sum_b", "valid" and "num_tokens" (options.sum_a, ...), or -1: refused.
-  int sum_a, sum_b, valid, num_tokens;
+  // The arguments "sum_a", "sum_b", "valid", "num_tokens" and "a_tokens" (options.sum_a, ...,
+  // a_tokens_tensor), or -1: refused.
+  int sum_a, sum_b, valid, num_tokens, a_tokens_tensor;
   int dtype_of[kMaxArgs];  // ArgSpec::dtype_of
   Equations equations;
 };
@@ -178,6 +179,7 @@ constexpr OpSpec make_op(const ArgSpec (&args)[K], uint32_t flags, const char* s
             index_of(args, count, "sum_b"),
             index_of(args, count, "valid"),
             index_of(args, count, "num_tokens"),
+            index_of(args, count, "a_tokens"),
             {},
             equations};
   for (int i = 0; i < kMaxArgs; ++i) op.dtype_of[i] = i < count ? index_of(args, count, args[i].dtype_of) : -1;
@@ -247,6 +249,9 @@ inline const attnmerge_tensor* valid_of(const attnmerge_options* options) {
 }
 inline const attnmerge_tensor* num_tokens_of(const attnmerge_options* options) {
   return option_tensor(options, &attnmerge_options::num_tokens);
+}
+inline const attnmerge_tensor* a_tokens_of(const attnmerge_options* options) {
+  return option_tensor(options, &attnmerge_options::a_tokens_tensor);
 }
 
 // The size of the widest O dtype among the call's arrays.

@@ -35,6 +35,7 @@ class Options(NamedTuple):
     sum_b: Any = None  # of the second (the two-way merge's lse_b, the in-place merge's lse_other)
     valid: Any = None  # which states hold keys: uint8, bool, int32 or int64, 0 where one holds none
     num_tokens: Any = None  # the live tokens: a one-element int32 or int64 array read on the device
+    a_tokens_tensor: Any = None  # a_tokens given as such an array (a_tokens then -1)
     names: Mapping[str, str] | None = None  # {argument: the caller's name}, for every message
     stream: Any = None
     bases: tuple = ("e", "e", "e")  # a's (every input's), b's, the merged LSE's: "e" or 2
@@ -313,8 +314,12 @@ def options(op: Op, out=None, return_lse=True, out_dtype=None, output_scale=None
     elif scale_ue8m0 is not False:
         raise ValueError(f"{named(names, 'scale_ue8m0')}: expected False without group_size, got {scale_ue8m0!r}")
     number, scale = (0.0, None) if output_scale is None else output_scale_of(output_scale, names)
-    if a_tokens is not None:
-        a_tokens = _count(a_tokens, "a_tokens", names)
+    a_tokens_tensor = None
+    if a_tokens is not None and getattr(a_tokens, "ndim", 0) >= 1:  # an array: read on the device
+        a_tokens_tensor, a_tokens = a_tokens, None
+    elif a_tokens is not None:
+        a_tokens = _count(a_tokens, "a_tokens", names,
+                          expected="None, an int >= 0 or a one-element int32 or int64 array")
     if out_dtype is not None:
         out_dtype = dtype_name(out_dtype, named(names, "out_dtype"))
     if return_lse is not True:
@@ -323,8 +328,8 @@ def options(op: Op, out=None, return_lse=True, out_dtype=None, output_scale=None
         raise TypeError(f"{named(names, 'num_tokens')}: expected None or a one-element int32 or int64 array on the "
                         f"arrays' device, got {num_tokens!r} (a count known on the host is a slice of the arrays)")
     return _NEW(Options, (flags, -1 if a_tokens is None else a_tokens, number, group, index, states_axis, scale,
-                          sink, group_scales, sum_a, sum_b, valid, num_tokens, names, stream, bases, out_dtype,
-                          return_lse))
+                          sink, group_scales, sum_a, sum_b, valid, num_tokens, a_tokens_tensor, names, stream, bases,
+                          out_dtype, return_lse))
 
 
 def index_of(index, names=None):

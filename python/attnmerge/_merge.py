@@ -64,9 +64,12 @@ def merge(o_a: Array, lse_a: Lse, o_b: Array, lse_b: Lse, *, out: Array | None =
         lse_b's), converted in float32 as they are read.
     out_base : {"e", 2}, optional
         The merged LSE's base (default: lse_a's).
-    a_tokens : int, optional
+    a_tokens : int or array, optional
         Only rows of the first a_tokens tokens merge a with b; later rows take b alone (vLLM's
-        ``prefill_tokens_with_context``).
+        ``prefill_tokens_with_context``).  Or a one-element int32 or int64 array on the arrays'
+        device, read by the kernel (a captured CUDA graph takes a new one at each replay): o_a and
+        lse_a then have every token, the rows past the count never read them, and a count above
+        the tokens is the tokens, one below 0 is 0.
     sink : array, optional
         Attention sinks (gpt-oss): float32 [heads], each head's sink logit in lse_a's base, one
         more state of output 0 in every row of its head.
@@ -459,6 +462,8 @@ def merge_backward(grad_out: Array, grad_out_lse: Array | None, out: Array | Non
     """
     lse_a, lse_b = lse_only(lse_a, "lse_a"), lse_only(lse_b, "lse_b")
     opt = options(_MERGE, base=base, a_tokens=a_tokens, stream=stream, pdl=pdl)
+    if opt.a_tokens_tensor is not None:
+        raise TypeError("a_tokens: expected None or an int (the backward takes a_tokens from the host), got an array")
     needs = _native.needs_of(needs_grad, 4)
     shape = shape_of(o_b, "o_b")
     a_shape = shape if a_tokens is None else (opt.a_tokens,) + tuple(shape[1:])

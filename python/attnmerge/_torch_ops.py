@@ -774,6 +774,9 @@ def run(op, inputs, out, out_lse, opt: Options):
     given (the one autograd attaches to), else the out= overload, any missing output allocated as
     the native road allocates it; the caller's names reach the kernels."""
     _no_stream(opt.stream)
+    if opt.a_tokens_tensor is not None:
+        raise ValueError("a_tokens: expected None or an int where torch.compile, torch.export, torch.func or "
+                         "autograd takes the call (torch.ops.attnmerge takes a_tokens as an int), got a tensor")
     if opt.flags & _C.LSE_HEADS_FIRST:
         inputs, out_lse, opt = _heads_first(inputs, out_lse, opt)
     kwargs = {name: value(opt) for name, _, value in _keywords(op)}

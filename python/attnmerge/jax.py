@@ -153,7 +153,7 @@ def _key(opt: Options) -> Options:
     """The static part of a call's options (its arrays and names dropped): a cache key of the
     differentiable functions, hashable."""
     return opt._replace(scale=None, sink=None, group_scales=None, sum_a=None, sum_b=None, valid=None,
-                        num_tokens=None, names=None, stream=None)
+                        num_tokens=None, a_tokens_tensor=None, names=None, stream=None)
 
 
 def _ffi(op, outs, operands, key: Options, extras, *, scale=None, vectorized=True):
@@ -444,6 +444,9 @@ def merge_share(o: jax.Array, lse: Any, index: int, *, base: Base = "e", out_bas
 def run(op, inputs, opt: Options):
     """The call of `op` (attnmerge._call.OPS) on JAX arrays with its Options: attnmerge.jax's
     functions, and the native functions' road for calls whose results would be JAX arrays."""
+    if opt.a_tokens_tensor is not None:
+        raise ValueError("a_tokens: expected None or an int for JAX arrays (attnmerge.jax takes a_tokens as a "
+                         "static int), got an array")
     return _RUNS[op.name](inputs, opt)
 
 

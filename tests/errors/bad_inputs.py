@@ -1392,3 +1392,40 @@ bad("c-states-backward-heads-first-flag-not-allowed", "c.merge_states_backward",
 bad("c-stream_synchronize-device-0-without-gpu", "c.stream_synchronize", lambda a: a.options.update(device=0), ERR_V,
     "device", marks=(pytest.mark.skipif(not NO_GPU, reason="a GPU is present"),))
 bad("c-stream_synchronize-negative-device", "c.stream_synchronize", lambda a: a.options.update(device=-1), ERR_V, "device")
+
+# ================================================================================================
+# a_tokens as a one-element int32 or int64 array (the two-way merge's, read on the device)
+
+
+def a_tokens_array(value, dtype=np.int32):
+    def change(a):
+        a.options["a_tokens"] = np.asarray(value, dtype)
+    return change
+
+
+bad("merge-a_tokens-array-two-elements", "merge", a_tokens_array([3, 4]), ValueError, "a_tokens", 1, 2, layers=ANY)
+bad("merge-a_tokens-array-float32", "merge", a_tokens_array([3], np.float32), TypeError, "a_tokens", "float32",
+    layers=ANY, contains=("int32", "int64"))
+bad("merge-a_tokens-array-elsewhere", "merge",
+    lambda a: a.options.update(a_tokens=OnHost(np.array([3], np.int32))), ValueError, "a_tokens", "device",
+    layers=("cuda",), marks=ELSEWHERE)
+
+
+def _both_a_tokens(a):
+    given = np.array([3], np.int32)
+    a.extra.append(given)
+    a.options["opts"] = c_abi.options(flags=c_abi.A_TOKENS, a_tokens=3, a_tokens_tensor=c_abi.tensor_from(given))
+
+
+bad("c-merge-a_tokens-int-and-tensor", "c.merge", _both_a_tokens, ERR_V, "a_tokens", "both",
+    starts="a_tokens: expected options.a_tokens")
+
+
+def _a_tokens_tensor_refused(a):
+    given = np.array([3], np.int32)
+    a.extra.append(given)
+    a.options["opts"] = c_abi.options(a_tokens_tensor=c_abi.tensor_from(given))
+
+
+bad("c-merge_states-a_tokens-tensor-refused", "c.merge_states", _a_tokens_tensor_refused, ERR_V, "a_tokens", "none",
+    starts="a_tokens: expected none")

@@ -75,6 +75,8 @@ def c_options(kw, sums=None):
             tensors[k] = c_abi.tensor_from(v)
         elif k == "group_size":
             group = v
+        elif k == "a_tokens" and isinstance(v, np.ndarray):  # read on the device
+            tensors["a_tokens_tensor"] = c_abi.tensor_from(v)
         elif k == "a_tokens":
             flags, a_tokens = flags | c_abi.A_TOKENS, v
         elif k == "output_scale" and isinstance(v, np.ndarray):

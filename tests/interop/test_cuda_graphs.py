@@ -233,3 +233,26 @@ def test_a_graph_captured_at_a_capacity_replays_at_the_live_count(rng, device, t
                                                torch.full_like(written[1], float("nan")))):
             np.testing.assert_array_equal(_bits(torch, x[n:]), _bits(torch, before[n:]),
                                           err_msg=f"{op}: a row past {n} live tokens was written")
+
+
+@pytest.mark.parametrize("count_dtype", ("int32", "int64"))
+def test_a_graph_takes_a_tokens_from_memory_at_each_replay(rng, device, torch, count_dtype):
+    """The two-way merge captured once with a_tokens in device memory: each replay merges a into
+    the rows of the tokens below the count written before it, bit for bit the eager merge with that
+    int, and reads nothing of a past it (NaN there)."""
+    o_a, lse_a, o_b, lse_b = random_pair(rng, CAPACITY, 8, 128, "bfloat16")
+    x = [device.put(v) for v in (o_a, lse_a, o_b, lse_b)]
+    out, out_lse = device.nan((CAPACITY, 8, 128), "bfloat16"), device.nan((CAPACITY, 8))
+    count = device.put(np.array([CAPACITY], count_dtype))
+    g = _capture(torch, lambda: attnmerge.merge(*x, out=out, out_lse=out_lse, a_tokens=count))
+    for k in (0, 17, CAPACITY):
+        count.fill_(k)
+        x[0].copy_(device.put(o_a))
+        x[1].copy_(device.put(lse_a))
+        x[0][k:] = float("nan")
+        x[1][k:] = float("nan")
+        g.replay()
+        torch.cuda.synchronize()
+        eager = attnmerge.merge(x[0][:k], x[1][:k], x[2], x[3], a_tokens=k)
+        for got, want in zip((out, out_lse), eager):
+            np.testing.assert_array_equal(_bits(torch, got), _bits(torch, want), err_msg=f"a_tokens {k}")

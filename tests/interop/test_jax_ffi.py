@@ -679,3 +679,11 @@ def test_the_native_functions_take_a_live_count_on_jax_arrays(rng, dev):
     out, out_lse = attnmerge.merge(*(put(v, dev) for v in h_), num_tokens=put(np.array([2], np.int64), dev))
     ref = reference_merge(*h_)
     assert_merge_matches(np.asarray(out)[:2], np.asarray(out_lse)[:2], (ref[0][:2], ref[1][:2]), "float32")
+
+
+def test_a_tokens_as_an_array_is_refused_by_name(rng, dev):
+    t, h, d = 5, 2, 16
+    x = [put(v, dev) for v in (random_o(rng, (t, h, d)), random_lse(rng, (t, h)), random_o(rng, (t, h, d)),
+                               random_lse(rng, (t, h)))]
+    with pytest.raises(ValueError, match="a_tokens: expected None or an int"):
+        amj.merge(*x, a_tokens=put(np.array([3], np.int32), dev))

@@ -783,3 +783,12 @@ def test_no_gradient_with_a_live_count(rng):
     a.requires_grad_(True)
     with pytest.raises(NotImplementedError, match="num_tokens"):
         attnmerge.merge(a, b, c, d, num_tokens=_count(4))
+
+
+def test_a_tokens_as_a_tensor_is_refused_where_the_ops_take_the_call(rng):
+    """The ops take a_tokens as an int: a tensor of it (the native road's, read on the device) is
+    refused by name where torch.compile or autograd takes the call, never dropped."""
+    a, b, c, d = [put(x) for x in pair(rng)]
+    f, _ = compiled(lambda a, b, c, d, k: attnmerge.merge(a, b, c, d, a_tokens=k), "aot_eager")
+    with pytest.raises(Exception, match="a_tokens: expected None or an int"):
+        f(a, b, c, d, _count(4))

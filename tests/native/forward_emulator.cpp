@@ -9,7 +9,7 @@
 // source, called through ctypes (tests/semantics/test_forward_kernel_emulated.py); each returns
 // the launch's cudaError_t (emulate_error: why) and leaves its plan for emulate_plan.  Softmax sums
 // and valid states (emulate_extras), the two-way merge's sink (emulate_pair_sink) and the live count
-// (emulate_num_tokens) are set for the calls that follow.
+// (emulate_num_tokens) and a_tokens in memory (emulate_a_tokens) are set for the calls that follow.
 //
 // The call's facts (plan.h's CallFacts) are the test's to give, as the C ABI would read them off
 // its tensors or otherwise: a plan for any facts must merge right.
@@ -95,6 +95,10 @@ thread_local StateExtras t_extras;
 // The live count of the calls that follow (emulate_num_tokens; null: every token).
 thread_local const void* t_live = nullptr;
 thread_local bool t_live_wide = false;
+
+// The two-way merges' a_tokens in memory of the calls that follow (emulate_a_tokens; null: the int).
+thread_local const void* t_a_tokens = nullptr;
+thread_local bool t_a_tokens_wide = false;
 
 // The shape of a call as the C ABI makes it: `tokens` its capacity, the live count as set.
 MergeShape shape_of(int64_t tokens, int64_t heads, int64_t head_size, int bases) {
@@ -194,6 +198,13 @@ void emulate_num_tokens(const void* count, int wide) {
   t_live_wide = wide != 0;
 }
 
+// The two-way merges' a_tokens of the calls that follow read from memory (PairSource::a_tokens_at):
+// one int32 (int64 where `wide`) at `count`; null: their a_tokens argument, as before any call of this.
+void emulate_a_tokens(const void* count, int wide) {
+  t_a_tokens = count;
+  t_a_tokens_wide = wide != 0;
+}
+
 // The (input, output) storage types compiled, as dtype codes at codes[2 i], codes[2 i + 1]; how many.
 int emulate_types(int* codes, int most) { return emu::codes_of(Compiled{}, codes, most); }
 
@@ -247,6 +258,8 @@ int emulate_merge(int64_t tokens, int64_t a_tokens, int64_t heads, int64_t head_
   PairSource src{state(o_a, oa_s, lse_a, la_s), state(o_b, ob_s, lse_b, lb_s), a_tokens, mask, mask_stride};
   src.b_scale = base_change(base2_of(bases, ATTNMERGE_LSE_B_BASE2, ATTNMERGE_LSE_B_BASE_E), inputs_base2(bases));
   src.extras = t_extras;
+  src.a_tokens_at = t_a_tokens;
+  src.a_tokens_wide = t_a_tokens_wide;
   OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, scale, bases);
   dst.lse_in_place = in_place != 0;
   const CallFacts f = facts(in_dtype, out_dtype, vec, access_bytes, max_offset, bytes, tokens_inner, pdl, 0);

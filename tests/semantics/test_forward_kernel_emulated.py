@@ -1030,3 +1030,40 @@ def test_block_scaled_outputs(emu, data):
         b = scales.view(np.uint8)
         assert not (b[~real] != 0).any(), "a padding byte not zero"
     assert outside_view_is_nan(out, obuf) and outside_view_is_nan(scales, sbuf)
+
+
+# ---- a_tokens read from memory --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wide", (False, True), ids=("int32", "int64"))
+@pytest.mark.parametrize("fenced_tail", (True, False))
+@pytest.mark.parametrize("layout", ("dense", "tiled"))
+def test_a_tokens_from_memory(emu, rng, fenced_tail, wide, layout):
+    """The two-way merge's a_tokens read by the kernel (the C ABI's a_tokens_tensor): the general
+    kernel (a plain one would read every token of a), rows of tokens past the count take b alone
+    and never read a, whose rows there are NaN; in every order of the threads."""
+    t, h, d, k = (9, 3, 64, 4) if layout == "dense" else (70, 2, 16, 33)
+    o_a, o_b = random_o(rng, (t, h, d), "float16"), random_o(rng, (t, h, d), "float16")
+    lse_a, lse_b = random_lse(rng, (t, h)), random_lse(rng, (t, h))
+    ref = reference_merge(o_a, lse_a, o_b, lse_b, a_tokens=k)
+    o_a[k:], lse_a[k:] = np.nan, np.nan
+    va, _ = placed(o_a, {}, fenced_tail)
+    vla, _ = placed(lse_a, {}, fenced_tail)
+    vb, _ = placed(o_b, {}, fenced_tail)
+    vlb, _ = placed(lse_b, {}, fenced_tail)
+    out, out_lse = out_buffers((t, h, d), "float16", {}, fenced_tail)[0], nan_array((t, h))
+    ptrs, strides = pointers(out, out_lse, va, vla, vb, vlb)
+    count = np.array([k], np.int64 if wide else np.int32)
+    fact = fact_args(widest_vec(d, va, vb, out), 2, 132, 1000, LARGE if layout == "tiled" else 1 << 20)
+
+    def call():
+        return emu.emulate_merge(*head((t, t, h, d), "float16", "float16", "e", fact), int(layout == "tiled"), 1, 0,
+                                 ctypes.c_float(1.0), None, *ptrs, None, ctypes.c_int64(1))
+    emu.emulate_a_tokens(ctypes.c_void_p(count.ctypes.data), int(wide))
+    try:
+        run_orders(emu, call, [out, out_lse], seed=k)
+    finally:
+        emu.emulate_a_tokens(None, 0)
+    got = plan(emu)
+    assert got["variant"] == "rows" and got["tile_shift"] == (3 if layout == "tiled" else -1), got
+    assert_merge_matches(out, out_lse, ref, "float16")

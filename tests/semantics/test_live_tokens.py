@@ -1,6 +1,6 @@
-"""The live number of tokens from device memory: every forward op takes `num_tokens`, a one-element
-int32 or int64 array on the arrays' device, with the arrays sized for a capacity (a CUDA graph
-captured once at that capacity serves every batch up to it).
+"""Sizes from device memory.  The live number of tokens: every forward op takes `num_tokens`, a
+one-element int32 or int64 array on the arrays' device, with the arrays sized for a capacity (a
+CUDA graph captured once at that capacity serves every batch up to it).
 
     merge(..., num_tokens=n), merge_inplace(..., num_tokens=n), merge_states(..., num_tokens=n),
     merge_varlen(..., num_tokens=n)  (its rows), merge_share(..., num_tokens=n)
@@ -10,6 +10,10 @@ every output there keeps what it held, bit for bit (here the NaN poison; the in-
 lse their inputs).  A count above the capacity is taken as the capacity, one below 0 as 0.  Outputs
 the call allocates have the capacity's tokens.  The kernels' paths with a live count:
 test_forward_kernel_emulated.py; a captured graph replayed at other counts: interop/test_cuda_graphs.py.
+
+The two-way merge's a_tokens: a one-element int32 or int64 array where the int goes, read by the
+kernel (rows of tokens past it take b alone and never read a, which has every token), clamped to
+[0, tokens]; the same bits as the int form.
 """
 
 from __future__ import annotations
@@ -151,3 +155,44 @@ def test_a_live_count_changes_nothing_for_a_full_batch(rng, device):
     for x, y in zip(plain, counted):
         np.testing.assert_array_equal(np.asarray(device.get(x)).view(np.uint8),
             np.asarray(device.get(y)).view(np.uint8))
+
+
+# --------------------------------------------------------------------------------------------------
+# the two-way merge's a_tokens from device memory
+
+
+@pytest.mark.parametrize("count_dtype", ("int32", "int64"))
+@pytest.mark.parametrize("count,k", COUNTS, ids=COUNT_IDS)
+def test_merge_takes_a_tokens_from_memory(rng, device, count, k, count_dtype):
+    """a_tokens as a one-element array: rows of the first k tokens merge a with b, the others are
+    b's alone and never read a (its rows there are NaN, which would poison them); o_a and lse_a
+    have every token.  The count is clamped to [0, tokens]."""
+    t, h, d = CAPACITY, 3, 40
+    o_a, lse_a, o_b, lse_b = random_pair(rng, t, h, d)
+    ref = reference_merge(o_a, lse_a, o_b, lse_b, a_tokens=k)
+    o_a[k:], lse_a[k:] = np.nan, np.nan
+    out, out_lse = attnmerge.merge(*(device.put(x) for x in (o_a, lse_a, o_b, lse_b)),
+                                   a_tokens=count_array(device, count, count_dtype))
+    assert_merge_matches(device.get(out), device.get(out_lse), ref, "float32")
+
+
+def test_a_tokens_from_memory_with_a_live_count(rng, device):
+    t, h, d, k, n = CAPACITY, 2, 32, 4, 7
+    o_a, lse_a, o_b, lse_b = random_pair(rng, t, h, d, "bfloat16")
+    ref = reference_merge(o_a, lse_a, o_b, lse_b, a_tokens=k)
+    out, out_lse = device.nan((t, h, d), "bfloat16"), device.nan((t, h))
+    attnmerge.merge(*(device.put(x) for x in (o_a, lse_a, o_b, lse_b)), out=out, out_lse=out_lse,
+                    a_tokens=count_array(device, k, "int32"), num_tokens=count_array(device, n, "int64"))
+    got, got_lse = device.get(out), device.get(out_lse)
+    assert_merge_matches(got[:n], got_lse[:n], (ref[0][:n], ref[1][:n]), "bfloat16")
+    assert np.isnan(got_lse[n:]).all() and np.isnan(got[n:].astype(np.float32)).all()
+
+
+def test_a_tokens_from_memory_is_the_int_forms_bits(rng, device):
+    t, h, d, k = CAPACITY, 3, 64, 5
+    x = [device.put(v) for v in random_pair(rng, t, h, d, "float16")]
+    by_int = attnmerge.merge(*x, a_tokens=k)
+    by_array = attnmerge.merge(*x, a_tokens=count_array(device, k, "int64"))
+    for p, q in zip(by_int, by_array):
+        np.testing.assert_array_equal(np.asarray(device.get(p)).view(np.uint8),
+                                      np.asarray(device.get(q)).view(np.uint8))

@@ -21,6 +21,13 @@ ATTNMERGE_HD uint32_t mul_hi(uint32_t a, uint32_t b) {
 #endif
 }
 
+// A count read by the kernels from the call's memory (num_tokens, a device a_tokens): one int32,
+// or int64 where `wide`, at `at`, clamped to [0, most].
+ATTNMERGE_HD int64_t read_count(const void* at, bool wide, int64_t most) {
+  const int64_t n = wide ? *static_cast<const int64_t*>(at) : *static_cast<const int32_t*>(at);
+  return n < 0 ? 0 : n > most ? most : n;
+}
+
 // Whether a launch's rows may be in tiles (MergeShape::tile), or are known to be untiled.
 enum class Tiles : int8_t { kMaybe, kNone };
 
@@ -56,9 +63,7 @@ struct MergeShape {
 
   // The tokens whose rows run: the count live_tokens holds, clamped to [0, tokens] (tokens without one).
   ATTNMERGE_HD int64_t live() const {
-    if (live_tokens == nullptr) return tokens;
-    const int64_t n = live_wide ? *static_cast<const int64_t*>(live_tokens) : *static_cast<const int32_t*>(live_tokens);
-    return n < 0 ? 0 : n > tokens ? tokens : n;
+    return live_tokens == nullptr ? tokens : read_count(live_tokens, live_wide, tokens);
   }
   // Whether the row of `token` (< tokens) lies at or past the live count: it exits unread.
   template <typename I>
