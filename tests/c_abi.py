@@ -77,6 +77,8 @@ class Options(Structure):
         ("sum_a", POINTER(Tensor)),
         ("sum_b", POINTER(Tensor)),
         ("valid", POINTER(Tensor)),
+        ("num_tokens", POINTER(Tensor)),
+        ("a_tokens_tensor", POINTER(Tensor)),
     ]
 
 
@@ -260,10 +262,11 @@ def ref(t):
 
 
 def options(flags=0, a_tokens=0, output_scale=0.0, output_scale_ptr=None, arg_names=None, sink=None,
-            group_scales=None, group_size=0, sum_a=None, sum_b=None, valid=None) -> Options:
+            group_scales=None, group_size=0, sum_a=None, sum_b=None, valid=None, num_tokens=None,
+            a_tokens_tensor=None) -> Options:
     """Options, struct_size this layout's size (as a C caller fills it; 0 names the same layout);
     arg_names: {arg: name} or (arg, name) pairs (None for a NULL string), sink, group_scales, sum_a,
-    sum_b and valid: Tensors."""
+    sum_b, valid, num_tokens and a_tokens_tensor: Tensors."""
     o = Options()
     o.struct_size = ctypes.sizeof(Options)
     o.flags = flags
@@ -278,7 +281,7 @@ def options(flags=0, a_tokens=0, output_scale=0.0, output_scale_ptr=None, arg_na
         o.arg_names = ctypes.cast(o._entries, POINTER(ArgName))
         o.num_arg_names = len(pairs)
     for name, given in (("sink", sink), ("group_scales", group_scales), ("sum_a", sum_a), ("sum_b", sum_b),
-                        ("valid", valid)):
+                        ("valid", valid), ("num_tokens", num_tokens), ("a_tokens_tensor", a_tokens_tensor)):
         if given is not None:
             setattr(o, f"_{name}", given)  # alive with o
             setattr(o, name, ctypes.pointer(given))

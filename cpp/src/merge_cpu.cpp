@@ -135,7 +135,8 @@ template <typename Source>
 attnmerge_status cpu_merge(const MergeShape& shape, const Source& src, const BasicOutView<typename Source::Real>& out,
                            int in_dtype, int out_dtype) {
   using Real = typename Source::Real;
-  const int64_t rows = shape.tokens * shape.heads;
+  // Rows are token-major: those of the live tokens come first, and the rest are left alone.
+  const int64_t rows = shape.live() * shape.heads;
   const int64_t accesses = rows * shape.head_size * (states_per_row(src) + 1);
   return dispatch_cpu_in_dtype<Real>(in_dtype, [&](auto in_tag) {
     return dispatch_cpu_out_dtype<Real>(out_dtype, [&](auto out_tag) {

@@ -64,7 +64,7 @@ attnmerge_status range_sizes(Views views, const View& o, const attnmerge_options
   n.head_size = o.shape[2];
   if (attnmerge_status s = check_head_size(o, n.head_size)) return s;
   for (const View& v : views)
-    if (v.spec->role == ATTNMERGE_ROLE_INDPTR) {
+    if (v.spec->shape[0] == Dim::kRowsPlus1) {  // indptr (num_tokens shares its dtypes, not its shape)
       if (v.shape[0] < 1) return fail(ATTNMERGE_ERROR_VALUE, "%s: expected rows + 1 >= 1 entries, got 0", v.name());
       n.rows = v.shape[0] - 1;
     }
@@ -94,7 +94,7 @@ constexpr uint32_t kOIn = ATTNMERGE_ROLE_O_IN, kOOut = ATTNMERGE_ROLE_O_OUT, kLs
 // bytes), the group scales' axes (in their layout) (Dim).
 constexpr Dim T = Dim::kTokens, H = Dim::kHeads, D = Dim::kHeadSize, S = Dim::kStates, N = Dim::kTotal, R = Dim::kRows,
               R1 = Dim::kRowsPlus1, A = Dim::kATokens, AOrMore = Dim::kATokensOrMore, DO = Dim::kOutHeadSize,
-              G0 = Dim::kScales0, G1 = Dim::kScales1, G2 = Dim::kScales2, P = Dim::kPair,
+              G0 = Dim::kScales0, G1 = Dim::kScales1, G2 = Dim::kScales2, P = Dim::kPair, One = Dim::kOne,
               ST = Dim::kSliceTokens, SH = Dim::kSliceHeads;
 constexpr Use kRead = Use::kRead, kWrite = Use::kWrite, kReadWrite = Use::kReadWrite;
 constexpr Presence kRequired = Presence::kRequired, kOptional = Presence::kOptional;
@@ -127,15 +127,18 @@ constexpr ArgSpec kMergeArgs[] = {
     {"sum_a",    kLse,  {AOrMore, H},    kRead,  kOptional},
     {"sum_b",    kLse,  {T, H},          kRead,  kOptional},
     {"valid",    kValid, {T, P},         kRead,  kOptional},
+    {"num_tokens", kIndptr, {One},       kRead,  kOptional},
+    {"a_tokens", kIndptr,  {One},        kRead,  kOptional},
 };
 struct MergeArg {
-  enum : int { kOut, kOutLse, kOA, kLseA, kOB, kLseB, kSink, kGroupScales, kSumA, kSumB, kValid };
+  enum : int { kOut, kOutLse, kOA, kLseA, kOB, kLseB, kSink, kGroupScales, kSumA, kSumB, kValid, kNumTokens, kACount };
 };
 static_assert(indexed(kMergeArgs, {{MergeArg::kOut, "out"}, {MergeArg::kOutLse, "out_lse"}, {MergeArg::kOA, "o_a"},
                                    {MergeArg::kLseA, "lse_a"}, {MergeArg::kOB, "o_b"}, {MergeArg::kLseB, "lse_b"},
                                    {MergeArg::kSink, "sink"}, {MergeArg::kGroupScales, "group_scales"},
                                    {MergeArg::kSumA, "sum_a"}, {MergeArg::kSumB, "sum_b"},
-                                   {MergeArg::kValid, "valid"}}),
+                                   {MergeArg::kValid, "valid"}, {MergeArg::kNumTokens, "num_tokens"},
+                                   {MergeArg::kACount, "a_tokens"}}),
               "MergeArg indexes kMergeArgs");
 constexpr OpSpec kMerge = make_op(kMergeArgs, kBase2 | kBBase | kOutBase | kHeadsFirst | kATokens | kPdl | kGroups | kInvariant,
                                   "out", "o_b", "lse_b", pair_sizes);
@@ -150,13 +153,15 @@ constexpr ArgSpec kInplaceArgs[] = {
     {"mask",      kMask, {T},       kRead,      kOptional},
     {"sum_b",     kLse,  {T, H},    kRead,      kOptional},
     {"valid",     kValid, {T, P},   kRead,      kOptional},
+    {"num_tokens", kIndptr, {One},  kRead,      kOptional},
 };
 struct InplaceArg {
-  enum : int { kO, kLse, kOOther, kLseOther, kMask, kSumB, kValid };
+  enum : int { kO, kLse, kOOther, kLseOther, kMask, kSumB, kValid, kNumTokens };
 };
 static_assert(indexed(kInplaceArgs, {{InplaceArg::kO, "o"}, {InplaceArg::kLse, "lse"}, {InplaceArg::kOOther, "o_other"},
                                      {InplaceArg::kLseOther, "lse_other"}, {InplaceArg::kMask, "mask"},
-                                     {InplaceArg::kSumB, "sum_b"}, {InplaceArg::kValid, "valid"}}),
+                                     {InplaceArg::kSumB, "sum_b"}, {InplaceArg::kValid, "valid"},
+                                     {InplaceArg::kNumTokens, "num_tokens"}}),
               "InplaceArg indexes kInplaceArgs");
 constexpr OpSpec kInplace =
     make_op(kInplaceArgs, kBase2 | kBBase | kHeadsFirst | kPdl | kInvariant, "o", "o_other", "lse_other", pair_sizes);
@@ -172,14 +177,15 @@ constexpr ArgSpec kStatesArgs[] = {
     {"group_scales", kScale, {G0, G1, G2}, kWrite, kOptional},
     {"sum_a",   kLse,  {T, S, H},    kRead,  kOptional},
     {"valid",   kValid, {T, S},      kRead,  kOptional},
+    {"num_tokens", kIndptr, {One},   kRead,  kOptional},
 };
 struct StatesArg {
-  enum : int { kOut, kOutLse, kO, kLse, kSink, kGroupScales, kSumA, kValid };
+  enum : int { kOut, kOutLse, kO, kLse, kSink, kGroupScales, kSumA, kValid, kNumTokens };
 };
 static_assert(indexed(kStatesArgs, {{StatesArg::kOut, "out"}, {StatesArg::kOutLse, "out_lse"}, {StatesArg::kO, "o"},
                                     {StatesArg::kLse, "lse"}, {StatesArg::kSink, "sink"},
                                     {StatesArg::kGroupScales, "group_scales"}, {StatesArg::kSumA, "sum_a"},
-                                    {StatesArg::kValid, "valid"}}),
+                                    {StatesArg::kValid, "valid"}, {StatesArg::kNumTokens, "num_tokens"}}),
               "StatesArg indexes kStatesArgs");
 constexpr OpSpec kStates = make_op(kStatesArgs, kBase2 | kOutBase | kPdl | kGroups | kInvariant, "out", "o", "lse", stack_sizes);
 static_assert(names_resolve(kStates), "kStates names its own arguments");
@@ -195,14 +201,16 @@ constexpr ArgSpec kVarlenArgs[] = {
     {"group_scales", kScale, {G0, G1, G2}, kWrite, kOptional},
     {"sum_a",   kLse,    {N, H},    kRead,  kOptional},
     {"valid",   kValid,  {N},       kRead,  kOptional},
+    {"num_tokens", kIndptr, {One},  kRead,  kOptional},
 };
 struct VarlenArg {
-  enum : int { kOut, kOutLse, kO, kLse, kIndptr, kSink, kGroupScales, kSumA, kValid };
+  enum : int { kOut, kOutLse, kO, kLse, kIndptr, kSink, kGroupScales, kSumA, kValid, kNumTokens };
 };
 static_assert(indexed(kVarlenArgs, {{VarlenArg::kOut, "out"}, {VarlenArg::kOutLse, "out_lse"}, {VarlenArg::kO, "o"},
                                     {VarlenArg::kLse, "lse"}, {VarlenArg::kIndptr, "indptr"},
                                     {VarlenArg::kSink, "sink"}, {VarlenArg::kGroupScales, "group_scales"},
-                                    {VarlenArg::kSumA, "sum_a"}, {VarlenArg::kValid, "valid"}}),
+                                    {VarlenArg::kSumA, "sum_a"}, {VarlenArg::kValid, "valid"},
+                                    {VarlenArg::kNumTokens, "num_tokens"}}),
               "VarlenArg indexes kVarlenArgs");
 constexpr OpSpec kVarlen =
     make_op(kVarlenArgs, kBase2 | kOutBase | kPdl | kGroups | kInvariant, "out", "o", "lse", range_sizes);
@@ -219,14 +227,15 @@ constexpr ArgSpec kShareArgs[] = {
     {"group_scales", kScale, {G0, G1, G2}, kWrite, kOptional},
     {"sum_a",   kLse,  {T, S, H},    kRead,  kOptional},
     {"valid",   kValid, {T, S},      kRead,  kOptional},
+    {"num_tokens", kIndptr, {One},   kRead,  kOptional},
 };
 struct ShareArg {
-  enum : int { kOut, kOutLse, kO, kLse, kSink, kGroupScales, kSumA, kValid };
+  enum : int { kOut, kOutLse, kO, kLse, kSink, kGroupScales, kSumA, kValid, kNumTokens };
 };
 static_assert(indexed(kShareArgs, {{ShareArg::kOut, "out"}, {ShareArg::kOutLse, "out_lse"}, {ShareArg::kO, "o"},
                                    {ShareArg::kLse, "lse"}, {ShareArg::kSink, "sink"},
                                    {ShareArg::kGroupScales, "group_scales"}, {ShareArg::kSumA, "sum_a"},
-                                   {ShareArg::kValid, "valid"}}),
+                                   {ShareArg::kValid, "valid"}, {ShareArg::kNumTokens, "num_tokens"}}),
               "ShareArg indexes kShareArgs");
 constexpr OpSpec kShare = make_op(kShareArgs, kBase2 | kOutBase | kPdl | kGroups | kInvariant, "out", "o", "lse", share_sizes);
 static_assert(names_resolve(kShare), "kShare names its own arguments");
@@ -558,19 +567,31 @@ bool lse_in_place(const View& out_lse, const View& lse_a, const View& lse_b) {
   return (lse_a.present() && !lse_a.empty && same_view(out_lse, lse_a)) || (!lse_b.empty && same_view(out_lse, lse_b));
 }
 
-// `tokens`: the output's first axis (a variable-length merge's rows).
+// `tokens`: the output's first axis (a variable-length merge's rows), the launch's capacity; the
+// live count read from options.num_tokens where given.
 MergeShape merge_shape(int64_t tokens, const Sizes& n, const Checked& c) {
-  return MergeShape{tokens, n.heads, n.head_size, inputs_base2(c.opt.flags)};
+  MergeShape shape{tokens, n.heads, n.head_size, inputs_base2(c.opt.flags)};
+  if (c.num_tokens >= 0) {
+    const View& live = c.views[c.num_tokens];
+    shape.live_tokens = live.t->data;
+    shape.live_wide = live.t->dtype == ATTNMERGE_INT64;
+  }
+  return shape;
 }
 
 // The two-way and in-place merges' common end: a = (o_a, lse_a), b = (o_b, lse_b).
 // `scales`: the group scales and `sink` the sink (absent: none; the in-place merge has neither);
-// `sum_a`, `sum_b`: the LSEs' softmax sums and `valid` the states holding keys (absent: none).
+// `sum_a`, `sum_b`: the LSEs' softmax sums and `valid` the states holding keys, `a_count` a_tokens
+// read on the device (absent: none).
 template <typename Real>
 attnmerge_status run_pair(Checked& c, const View& out, const View& out_lse, const View& o_a, const View& lse_a,
                           const View& o_b, const View& lse_b, const View& scales, const View& sink, const View* mask,
-                          const View& sum_a, const View& sum_b, const View& valid, void* stream) {
+                          const View& sum_a, const View& sum_b, const View& valid, const View& a_count, void* stream) {
   BasicPairSource<Real> src{state_of<Real>(o_a, lse_a), state_of<Real>(o_b, lse_b), c.sizes.a_tokens, nullptr, 0};
+  if (a_count.present()) {
+    src.a_tokens_at = a_count.t->data;
+    src.a_tokens_wide = a_count.t->dtype == ATTNMERGE_INT64;
+  }
   src.b_scale = base_change<Real>(lse_base2(c.opt.flags, ATTNMERGE_LSE_B_BASE2, ATTNMERGE_LSE_B_BASE_E),
                                   inputs_base2(c.opt.flags));
   src.extras = extras_of<Real>(sum_a, sum_b, valid);
@@ -619,14 +640,14 @@ attnmerge_status attnmerge_merge(const attnmerge_tensor* out, const attnmerge_te
   Checked c;
   const attnmerge_tensor* const args[] = {out, out_lse, o_a, lse_a, o_b, lse_b, sink_of(options),
                                           group_scales_of(options), sum_a_of(options), sum_b_of(options),
-                                          valid_of(options)};
+                                          valid_of(options), num_tokens_of(options), a_tokens_of(options)};
   if (attnmerge_status s = validate(kMerge, args, options, c)) return s;
   using A = MergeArg;
   const View* v = c.views;
   return dispatch_real(c.precision, [&](auto real) {
     return run_pair<decltype(real)>(c, v[A::kOut], v[A::kOutLse], v[A::kOA], v[A::kLseA], v[A::kOB], v[A::kLseB],
                                     v[A::kGroupScales], v[A::kSink], nullptr, v[A::kSumA], v[A::kSumB],
-                                    v[A::kValid], stream);
+                                    v[A::kValid], v[A::kACount], stream);
   });
 }
 
@@ -635,7 +656,8 @@ attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnme
                                          const attnmerge_tensor* mask, const attnmerge_options* options, void* stream) {
   begin_call();
   Checked c;
-  const attnmerge_tensor* const args[] = {o, lse, o_other, lse_other, mask, sum_b_of(options), valid_of(options)};
+  const attnmerge_tensor* const args[] = {o, lse, o_other, lse_other, mask, sum_b_of(options), valid_of(options),
+                                          num_tokens_of(options)};
   if (attnmerge_status s = validate(kInplace, args, options, c)) return s;
   using A = InplaceArg;
   const View* v = c.views;
@@ -643,7 +665,7 @@ attnmerge_status attnmerge_merge_inplace(const attnmerge_tensor* o, const attnme
   // (o, lse) is both a and the output.
   return dispatch_real(c.precision, [&](auto real) {
     return run_pair<decltype(real)>(c, v[A::kO], v[A::kLse], v[A::kO], v[A::kLse], v[A::kOOther], v[A::kLseOther],
-                                    none, none, &v[A::kMask], none, v[A::kSumB], v[A::kValid], stream);
+                                    none, none, &v[A::kMask], none, v[A::kSumB], v[A::kValid], none, stream);
   });
 }
 
@@ -653,7 +675,7 @@ attnmerge_status attnmerge_merge_states(const attnmerge_tensor* out, const attnm
   begin_call();
   Checked c;
   const attnmerge_tensor* const args[] = {out, out_lse, o, lse, sink_of(options), group_scales_of(options),
-                                          sum_a_of(options), valid_of(options)};
+                                          sum_a_of(options), valid_of(options), num_tokens_of(options)};
   if (attnmerge_status s = validate(kStates, args, options, c)) return s;
   using A = StatesArg;
   const View &vo = c.views[A::kO], &vl = c.views[A::kLse];
@@ -683,7 +705,7 @@ attnmerge_status attnmerge_merge_varlen(const attnmerge_tensor* out, const attnm
   begin_call();
   Checked c;
   const attnmerge_tensor* const args[] = {out, out_lse, o, lse, indptr, sink_of(options), group_scales_of(options),
-                                          sum_a_of(options), valid_of(options)};
+                                          sum_a_of(options), valid_of(options), num_tokens_of(options)};
   attnmerge_status s;
   if ((s = validate(kVarlen, args, options, c))) return s;
   using A = VarlenArg;
@@ -706,7 +728,7 @@ attnmerge_status attnmerge_merge_share(const attnmerge_tensor* out, const attnme
   begin_call();
   Checked c;
   const attnmerge_tensor* const args[] = {out, out_lse, o, lse, sink_of(options), group_scales_of(options),
-                                          sum_a_of(options), valid_of(options)};
+                                          sum_a_of(options), valid_of(options), num_tokens_of(options)};
   if (attnmerge_status s = validate(kShare, args, options, c)) return s;
   using A = ShareArg;
   const View& vl = c.views[A::kLse];

@@ -106,6 +106,7 @@ int64_t size_of(Dim d, const Sizes& n) {
     case Dim::kATokens:
     case Dim::kATokensOrMore: return n.a_tokens;
     case Dim::kPair: return 2;
+    case Dim::kOne: return 1;
     case Dim::kOutHeadSize: return n.out_head_size;
     case Dim::kScales0: return n.scales[0];
     case Dim::kScales1: return n.scales[1];
@@ -204,8 +205,8 @@ attnmerge_status describe_one(const attnmerge_tensor* t, const ArgSpec& spec, Ls
 // this header's.  A release that adds fields at the end adds its layout's size here, and
 // read_layout reads those fields only where struct_size is that size (or a later one).
 constexpr uint32_t kBaselineSize = sizeof(attnmerge_options);
-static_assert(sizeof(void*) != 8 || kBaselineSize == 104,
-              "attnmerge_options grew: until 0.2.0 is released the baseline grows with it (update 104), after "
+static_assert(sizeof(void*) != 8 || kBaselineSize == 120,
+              "attnmerge_options grew: until 0.2.0 is released the baseline grows with it (update 120), after "
               "that a new field makes a new layout, accepted by a size of its own (kBaselineSize stays 0.2.0's)");
 
 bool known_layout(uint32_t size) { return size == 0 || size == kBaselineSize; }
@@ -240,6 +241,8 @@ attnmerge_status read_layout(const attnmerge_options* options, attnmerge_options
   opt.sum_a = options->sum_a;
   opt.sum_b = options->sum_b;
   opt.valid = options->valid;
+  opt.num_tokens = options->num_tokens;
+  opt.a_tokens_tensor = options->a_tokens_tensor;
   opt.arg_names = options->arg_names;
   opt.num_arg_names = options->num_arg_names;
   if (opt.num_arg_names < 0)
@@ -298,11 +301,20 @@ attnmerge_status read_options(const attnmerge_options& opt, const OpSpec& op, co
        "LSEs"},
       {opt.sum_b, op.sum_b, "sum_b", "the sums of lse_b of the two-way merge or lse_other of the in-place merge"},
       {opt.valid, op.valid, "valid", "the forward merges, the share and the exchange take it, the backwards do not"},
+      {opt.num_tokens, op.num_tokens, "num_tokens",
+       "the forward merges and the share take it, the exchange and the backwards do not"},
+      {opt.a_tokens_tensor, op.a_tokens_tensor, "a_tokens",
+       "a tensor of a_tokens: the two-way merge takes one, its backward takes options.a_tokens"},
   };
   for (const auto& x : only_some)
     if (x.given != nullptr && x.arg < 0)
       return fail(ATTNMERGE_ERROR_VALUE, "%s: expected none for this op (%s), got a tensor", out.names->of(x.name),
                   x.who);
+  if (opt.a_tokens_tensor != nullptr && (opt.flags & ATTNMERGE_A_TOKENS))
+    return fail(ATTNMERGE_ERROR_VALUE,
+                "%s: expected options.a_tokens (with ATTNMERGE_A_TOKENS) or a tensor of it "
+                "(options.a_tokens_tensor), got both",
+                out.names->of("a_tokens"));
   const bool groups = opt.group_scales != nullptr;
   if (groups && !takes_groups)
     return fail(ATTNMERGE_ERROR_VALUE,
@@ -733,6 +745,7 @@ attnmerge_status validate(const OpSpec& op, const attnmerge_tensor* const* tenso
         check_agreement(views, source, (call.opt.flags & op.flags & ATTNMERGE_A_TOKENS) != 0);
     return odd != ATTNMERGE_SUCCESS ? odd : s;
   }
+  call.num_tokens = op.num_tokens >= 0 && call.views[op.num_tokens].present() ? op.num_tokens : -1;
   return check_outputs(views);
 }
 

@@ -25,6 +25,7 @@ enum class Dim : uint8_t {
   kATokens,  // the tokens of a two-way merge's a that are read: options.a_tokens, or tokens
   kATokensOrMore,  // a itself: at least those with ATTNMERGE_A_TOKENS (only they are read), else exactly
   kPair,  // 2: the two states of a two-way or in-place merge (options.valid's)
+  kOne,  // 1: options.num_tokens' one element
   kOutHeadSize,  // an output's last axis: head_size, or head_size / 2 bytes (NVFP4's two values per byte)
   kScales0,  // options.group_scales' axes (Sizes::scales): [rows, heads, head_size / options.group_size],
   kScales1,  // or in the 128 x 4 tiles of ATTNMERGE_SCALE_SWIZZLED [ceil(rows / 128),
@@ -126,8 +127,8 @@ attnmerge_status read_a_tokens(const attnmerge_options& opt, const View& source,
 // with the checks on them that no single argument's shape states (head_size, the states' count).
 using Equations = attnmerge_status (*)(Views views, const View& source, const attnmerge_options& opt, Sizes& sizes);
 
-// The largest number of arguments of an op (the two-way merge's backward).
-constexpr int kMaxArgs = 12;
+// The largest number of arguments of an op (the two-way merge).
+constexpr int kMaxArgs = 13;
 
 // An op's contract: its arguments' table and what validate() needs beside it, the names of the
 // table resolved to indices (-1: none) when the OpSpec is built (make_op).
@@ -143,8 +144,9 @@ struct OpSpec {
   int sizes_from, sizes_lse;
   int sink;  // the argument "sink" (options.sink), or -1: the op refuses one
   int group_scales;  // the argument "group_scales" (options.group_scales), or -1: the op refuses them
-  // The arguments "sum_a", "sum_b" and "valid" (options.sum_a, sum_b, valid), or -1: refused.
-  int sum_a, sum_b, valid;
+  // The arguments "sum_a", "sum_b", "valid", "num_tokens" and "a_tokens" (options.sum_a, ...,
+  // a_tokens_tensor), or -1: refused.
+  int sum_a, sum_b, valid, num_tokens, a_tokens_tensor;
   int dtype_of[kMaxArgs];  // ArgSpec::dtype_of
   Equations equations;
 };
@@ -176,6 +178,8 @@ constexpr OpSpec make_op(const ArgSpec (&args)[K], uint32_t flags, const char* s
             index_of(args, count, "sum_a"),
             index_of(args, count, "sum_b"),
             index_of(args, count, "valid"),
+            index_of(args, count, "num_tokens"),
+            index_of(args, count, "a_tokens"),
             {},
             equations};
   for (int i = 0; i < kMaxArgs; ++i) op.dtype_of[i] = i < count ? index_of(args, count, args[i].dtype_of) : -1;
@@ -219,10 +223,11 @@ struct Checked {
   float inv_scale = 1.0f;
   Precision precision = Precision::kFloat32;
   Sizes sizes;
+  int num_tokens = -1;  // the view of options.num_tokens where given, else -1: every token
   Views all() { return Views{views, count, &names}; }
 };
 
-// A tensor of the options, options->*field (sink, group_scales, sum_a, sum_b, valid), where
+// A tensor of the options, options->*field (sink, group_scales, sum_a, sum_b, valid, num_tokens), where
 // struct_size names a layout the library reads, else NULL (validate() then refuses the size): what
 // an op whose table has that argument passes validate() for it.
 const attnmerge_tensor* option_tensor(const attnmerge_options* options,
@@ -241,6 +246,12 @@ inline const attnmerge_tensor* sum_b_of(const attnmerge_options* options) {
 }
 inline const attnmerge_tensor* valid_of(const attnmerge_options* options) {
   return option_tensor(options, &attnmerge_options::valid);
+}
+inline const attnmerge_tensor* num_tokens_of(const attnmerge_options* options) {
+  return option_tensor(options, &attnmerge_options::num_tokens);
+}
+inline const attnmerge_tensor* a_tokens_of(const attnmerge_options* options) {
+  return option_tensor(options, &attnmerge_options::a_tokens_tensor);
 }
 
 // The size of the widest O dtype among the call's arrays.

@@ -34,6 +34,8 @@ class Options(NamedTuple):
     sum_a: Any = None  # the softmax sums of the first LSE argument (which then holds maxima)
     sum_b: Any = None  # of the second (the two-way merge's lse_b, the in-place merge's lse_other)
     valid: Any = None  # which states hold keys: uint8, bool, int32 or int64, 0 where one holds none
+    num_tokens: Any = None  # the live tokens: a one-element int32 or int64 array read on the device
+    a_tokens_tensor: Any = None  # a_tokens given as such an array (a_tokens then -1)
     names: Mapping[str, str] | None = None  # {argument: the caller's name}, for every message
     stream: Any = None
     bases: tuple = ("e", "e", "e")  # a's (every input's), b's, the merged LSE's: "e" or 2
@@ -90,11 +92,11 @@ class Op(NamedTuple):
 
 
 _FORWARD = frozenset({"output_scale", "out_base", "sink", "group_size", "out_dtype", "return_lse", "batch_invariant",
-                      "valid"})
+                      "valid", "num_tokens"})
 OPS = {op.name: op for op in (
     Op("merge", ("o_a", "lse_a", "o_b", "lse_b"), 2, _FORWARD | {"a_tokens", "pair"}, (1, 3), _C.merge),
     Op("merge_inplace", ("o", "lse", "o_other", "lse_other", "mask"), -1,
-       frozenset({"pair", "batch_invariant", "valid"}), (1, 3), _C.merge_inplace),
+       frozenset({"pair", "batch_invariant", "valid", "num_tokens"}), (1, 3), _C.merge_inplace),
     Op("merge_states", ("o", "lse"), 0, _FORWARD | {"states_axis"}, (1,), _C.merge_states),
     Op("merge_varlen", ("o", "lse", "indptr"), 0, _FORWARD, (1,), _C.merge_varlen),
     Op("merge_share", ("o", "lse"), 0, _FORWARD | {"states_axis", "index"}, (1,), _C.merge_share),
@@ -275,13 +277,16 @@ def block_flags(block_format, scale_layout, scale_rounding, group_size, scale_ue
 def options(op: Op, out=None, return_lse=True, out_dtype=None, output_scale=None, base="e", out_base=None,
             a_tokens=None, sink=None, group_size=None, group_scales=None, scale_ue8m0=False, states_axis=1,
             index=0, stream=None, pdl=False, names=None, batch_invariant=False, flags=0, block_format=None,
-            scale_layout="row_major", scale_rounding="floor", sum_a=None, sum_b=None, valid=None) -> Options:
+            scale_layout="row_major", scale_rounding="floor", sum_a=None, sum_b=None, valid=None,
+            num_tokens=None) -> Options:
     """The one reading of a call's options: every public function, the torch ops' kernels and
     attnmerge.jax make their Options here.  Checks what Python must know before the C ABI does (the
     types of options, bases, what allocation needs); the C ABI checks every value against the
     arrays.  `flags`: C ABI flags a layer adds of its own (the vLLM layer's [heads, tokens] LSEs).
     The public functions pass every option positionally, in this order (the per-call path); sum_a
-    and sum_b (softmax_stats' sums) and valid by keyword."""
+    and sum_b (softmax_stats' sums), valid and num_tokens by keyword.  num_tokens: a one-element
+    int32 or int64 array on the arrays' device, the live tokens (an int is refused: a count known
+    on the host is a slice of the arrays)."""
     if base == "e" and out_base is None:
         bases = _E3
     else:
@@ -309,14 +314,22 @@ def options(op: Op, out=None, return_lse=True, out_dtype=None, output_scale=None
     elif scale_ue8m0 is not False:
         raise ValueError(f"{named(names, 'scale_ue8m0')}: expected False without group_size, got {scale_ue8m0!r}")
     number, scale = (0.0, None) if output_scale is None else output_scale_of(output_scale, names)
-    if a_tokens is not None:
-        a_tokens = _count(a_tokens, "a_tokens", names)
+    a_tokens_tensor = None
+    if a_tokens is not None and getattr(a_tokens, "ndim", 0) >= 1:  # an array: read on the device
+        a_tokens_tensor, a_tokens = a_tokens, None
+    elif a_tokens is not None:
+        a_tokens = _count(a_tokens, "a_tokens", names,
+                          expected="None, an int >= 0 or a one-element int32 or int64 array")
     if out_dtype is not None:
         out_dtype = dtype_name(out_dtype, named(names, "out_dtype"))
     if return_lse is not True:
         return_lse = _flag(return_lse, "return_lse", names)
+    if num_tokens is not None and (isinstance(num_tokens, (bool, int)) or type(num_tokens).__module__ == "builtins"):
+        raise TypeError(f"{named(names, 'num_tokens')}: expected None or a one-element int32 or int64 array on the "
+                        f"arrays' device, got {num_tokens!r} (a count known on the host is a slice of the arrays)")
     return _NEW(Options, (flags, -1 if a_tokens is None else a_tokens, number, group, index, states_axis, scale,
-                          sink, group_scales, sum_a, sum_b, valid, names, stream, bases, out_dtype, return_lse))
+                          sink, group_scales, sum_a, sum_b, valid, num_tokens, a_tokens_tensor, names, stream, bases,
+                          out_dtype, return_lse))
 
 
 def index_of(index, names=None):

@@ -20,6 +20,7 @@ def merge(o_a: Array, lse_a: Lse, o_b: Array, lse_b: Lse, *, out: Array | None =
           a_tokens: int | None = None, sink: Array | None = None, group_size: int | None = None,
           group_scales: Array | None = None, scale_ue8m0: bool = False, block_format: str | None = None,
           scale_layout: str = "row_major", scale_rounding: str = "floor", valid: Array | None = None,
+          num_tokens: Array | None = None,
           stream: Stream = None, pdl: bool = False, batch_invariant: bool = False,
           _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge two attention states: ``(out, out_lse) = merge((o_a, lse_a), (o_b, lse_b))``.
@@ -63,9 +64,12 @@ def merge(o_a: Array, lse_a: Lse, o_b: Array, lse_b: Lse, *, out: Array | None =
         lse_b's), converted in float32 as they are read.
     out_base : {"e", 2}, optional
         The merged LSE's base (default: lse_a's).
-    a_tokens : int, optional
+    a_tokens : int or array, optional
         Only rows of the first a_tokens tokens merge a with b; later rows take b alone (vLLM's
-        ``prefill_tokens_with_context``).
+        ``prefill_tokens_with_context``).  Or a one-element int32 or int64 array on the arrays'
+        device, read by the kernel (a captured CUDA graph takes a new one at each replay): o_a and
+        lse_a then have every token, the rows past the count never read them, and a count above
+        the tokens is the tokens, one below 0 is 0.
     sink : array, optional
         Attention sinks (gpt-oss): float32 [heads], each head's sink logit in lse_a's base, one
         more state of output 0 in every row of its head.
@@ -97,6 +101,13 @@ def merge(o_a: Array, lse_a: Lse, o_b: Array, lse_b: Lse, *, out: Array | None =
         (a's, b's), uint8 or bool, or int32 or int64 (a count of keys, such as per-rank KV
         lengths); a state whose entry is 0 weighs nothing whatever its O and LSE hold (vLLM's
         empty context-parallel shards).
+    num_tokens : array, optional
+        The live tokens, read on the device (never synchronized with the host): a one-element
+        int32 or int64 array on the arrays' device (NumPy on the CPU), the arrays sized for a
+        capacity (a CUDA graph captured once serves every batch up to it).  Rows of tokens at or
+        past the count read nothing and write nothing: every output there keeps what it held
+        (an allocated one is uninitialised there).  A count above the tokens is taken as the
+        tokens, one below 0 as 0.
     stream : int or object, optional
         None: the current stream of the arrays' framework (else the legacy default stream); an
         int cudaStream_t, or an object with ``.cuda_stream`` or ``.ptr``.  Ignored on the CPU.
@@ -136,16 +147,21 @@ def merge(o_a: Array, lse_a: Lse, o_b: Array, lse_b: Lse, *, out: Array | None =
     >>> out, out_lse = attnmerge.merge(o_a, lse_a, o_b, lse_b)
     >>> bool(np.allclose(out_lse, np.logaddexp(lse_a, lse_b)))
     True
+    >>> held, held_lse = np.full_like(o_a, np.nan), np.full_like(lse_a, np.nan)  # a live count of 2 of 4
+    >>> _ = attnmerge.merge(o_a, lse_a, o_b, lse_b, out=held, out_lse=held_lse, num_tokens=np.array([2], np.int32))
+    >>> bool(np.allclose(held_lse[:2], out_lse[:2]) and np.isnan(held_lse[2:]).all())
+    True
     """
     inputs, sum_a, sum_b, names = softmax_stats(_MERGE, (o_a, lse_a, o_b, lse_b), _names)
     opt = options(_MERGE, out, return_lse, out_dtype, output_scale, base, out_base, a_tokens, sink, group_size,
                   group_scales, scale_ue8m0, 1, 0, stream, pdl, names, batch_invariant, 0, block_format,
-                  scale_layout, scale_rounding, sum_a=sum_a, sum_b=sum_b, valid=valid)
+                  scale_layout, scale_rounding, sum_a=sum_a, sum_b=sum_b, valid=valid, num_tokens=num_tokens)
     return _roads.run(_MERGE, inputs, out, out_lse, opt)
 
 
 def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Lse, *, mask: Array | None = None,
-                  base: PairBase = "e", valid: Array | None = None, stream: Stream = None, pdl: bool = False,
+                  base: PairBase = "e", valid: Array | None = None,
+                  num_tokens: Array | None = None, stream: Stream = None, pdl: bool = False,
                   batch_invariant: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, Array]:
     """Merge a state into another in place: ``(o, lse) <- merge((o, lse), (o_other, lse_other))``.
 
@@ -164,6 +180,8 @@ def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Lse, *, mask:
         As for :func:`merge`: one base for both, or (lse's, lse_other's).
     valid : array, optional
         [tokens, 2] (o's state, o_other's), as for :func:`merge`.
+    num_tokens : array, optional
+        The live tokens, as for :func:`merge`: rows past the count keep o and lse as they were.
     stream, pdl, batch_invariant
         As for :func:`merge`.
 
@@ -192,7 +210,7 @@ def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Lse, *, mask:
     """
     inputs, sum_a, sum_b, names = softmax_stats(_INPLACE, (o, lse, o_other, lse_other, mask), _names)
     opt = options(_INPLACE, base=base, stream=stream, pdl=pdl, names=names, batch_invariant=batch_invariant,
-                  sum_a=sum_a, sum_b=sum_b, valid=valid)
+                  sum_a=sum_a, sum_b=sum_b, valid=valid, num_tokens=num_tokens)
     return _roads.run(_INPLACE, inputs, None, None, opt)
 
 
@@ -201,7 +219,7 @@ def merge_states(o: Array, lse: Lse, *, out: Array | None = None, out_lse: Array
                  base: Base = "e", out_base: Base | None = None, states_axis: int = 1, sink: Array | None = None,
                  group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
                  block_format: str | None = None, scale_layout: str = "row_major", scale_rounding: str = "floor",
-                 valid: Array | None = None, stream: Stream = None, pdl: bool = False,
+                 valid: Array | None = None, num_tokens: Array | None = None, stream: Stream = None, pdl: bool = False,
                  batch_invariant: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge S stacked states in one pass, each input read once.
 
@@ -231,6 +249,8 @@ def merge_states(o: Array, lse: Lse, *, out: Array | None = None, out_lse: Array
     valid : array, optional
         Which states hold keys, [tokens, S] whatever `states_axis` (vLLM's per-rank KV lengths
         [tokens, cp] as they are), as for :func:`merge`.
+    num_tokens : array, optional
+        The live tokens, as for :func:`merge`.
 
     Returns
     -------
@@ -255,7 +275,8 @@ def merge_states(o: Array, lse: Lse, *, out: Array | None = None, out_lse: Array
     inputs, sum_a, _, names = softmax_stats(_STATES, (o, lse), _names)
     opt = options(_STATES, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
                   group_scales, scale_ue8m0, states_axis_of(states_axis, 4, _names), 0, stream, pdl, names,
-                  batch_invariant, 0, block_format, scale_layout, scale_rounding, sum_a=sum_a, valid=valid)
+                  batch_invariant, 0, block_format, scale_layout, scale_rounding, sum_a=sum_a, valid=valid,
+                  num_tokens=num_tokens)
     return _roads.run(_STATES, inputs, out, out_lse, opt)
 
 
@@ -264,7 +285,7 @@ def merge_varlen(o: Array, lse: Lse, indptr: Array, *, out: Array | None = None,
                  base: Base = "e", out_base: Base | None = None, sink: Array | None = None,
                  group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
                  block_format: str | None = None, scale_layout: str = "row_major", scale_rounding: str = "floor",
-                 valid: Array | None = None, stream: Stream = None, pdl: bool = False,
+                 valid: Array | None = None, num_tokens: Array | None = None, stream: Stream = None, pdl: bool = False,
                  batch_invariant: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """Merge a variable number of states per row: row r merges states ``indptr[r] .. indptr[r+1]-1``.
 
@@ -285,6 +306,9 @@ def merge_varlen(o: Array, lse: Lse, indptr: Array, *, out: Array | None = None,
         As for :func:`merge_states`; out [rows, heads, head_size].
     valid : array, optional
         [total]: which states of o hold keys, as for :func:`merge`.
+    num_tokens : array, optional
+        The live rows, as for :func:`merge`'s tokens: rows at or past the count read nothing of
+        indptr and write nothing.
     group_size, group_scales, scale_ue8m0, block_format, scale_layout, scale_rounding, stream, pdl,
     batch_invariant
         As for :func:`merge`.
@@ -313,7 +337,7 @@ def merge_varlen(o: Array, lse: Lse, indptr: Array, *, out: Array | None = None,
     inputs, sum_a, _, names = softmax_stats(_VARLEN, (o, lse, indptr), _names)
     opt = options(_VARLEN, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
                   group_scales, scale_ue8m0, 1, 0, stream, pdl, names, batch_invariant, 0, block_format,
-                  scale_layout, scale_rounding, sum_a=sum_a, valid=valid)
+                  scale_layout, scale_rounding, sum_a=sum_a, valid=valid, num_tokens=num_tokens)
     return _roads.run(_VARLEN, inputs, out, out_lse, opt)
 
 
@@ -322,7 +346,7 @@ def merge_share(o: Array, lse: Lse, index: int, *, out: Array | None = None, out
                 base: Base = "e", out_base: Base | None = None, states_axis: int = 1, sink: Array | None = None,
                 group_size: int | None = None, group_scales: Array | None = None, scale_ue8m0: bool = False,
                 block_format: str | None = None, scale_layout: str = "row_major", scale_rounding: str = "floor",
-                valid: Array | None = None, stream: Stream = None, pdl: bool = False,
+                valid: Array | None = None, num_tokens: Array | None = None, stream: Stream = None, pdl: bool = False,
                 batch_invariant: bool = False, _names: Mapping[str, str] | None = None) -> tuple[Array, ...]:
     """One state's share of an N-way merge, for context parallelism's combine by reduce-scatter.
 
@@ -343,7 +367,7 @@ def merge_share(o: Array, lse: Lse, index: int, *, out: Array | None = None, out
         The state whose share this is, 0 <= index < S.
     states_axis : int, default 1
         The axis of S in lse: 0, 1 or 2 (or -3 to -1).
-    out, out_lse, return_lse, out_dtype, output_scale, base, out_base, sink, valid
+    out, out_lse, return_lse, out_dtype, output_scale, base, out_base, sink, valid, num_tokens
         As for :func:`merge_states` (out may be o itself; every rank's share takes the same sink
         and valid states).
     group_size, group_scales, scale_ue8m0, block_format, scale_layout, scale_rounding, stream, pdl,
@@ -373,7 +397,8 @@ def merge_share(o: Array, lse: Lse, index: int, *, out: Array | None = None, out
     inputs, sum_a, _, names = softmax_stats(_SHARE, (o, lse), _names)
     opt = options(_SHARE, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
                   group_scales, scale_ue8m0, states_axis_of(states_axis, 3, _names), index_of(index, _names), stream,
-                  pdl, names, batch_invariant, 0, block_format, scale_layout, scale_rounding, sum_a=sum_a, valid=valid)
+                  pdl, names, batch_invariant, 0, block_format, scale_layout, scale_rounding, sum_a=sum_a,
+                  valid=valid, num_tokens=num_tokens)
     return _roads.run(_SHARE, inputs, out, out_lse, opt)
 
 
@@ -437,6 +462,8 @@ def merge_backward(grad_out: Array, grad_out_lse: Array | None, out: Array | Non
     """
     lse_a, lse_b = lse_only(lse_a, "lse_a"), lse_only(lse_b, "lse_b")
     opt = options(_MERGE, base=base, a_tokens=a_tokens, stream=stream, pdl=pdl)
+    if opt.a_tokens_tensor is not None:
+        raise TypeError("a_tokens: expected None or an int (the backward takes a_tokens from the host), got an array")
     needs = _native.needs_of(needs_grad, 4)
     shape = shape_of(o_b, "o_b")
     a_shape = shape if a_tokens is None else (opt.a_tokens,) + tuple(shape[1:])

@@ -76,8 +76,9 @@ def _keywords(op):
 
 def _state_tensors(op):
     """The optional tensors of op's states after output_scale and sink: the softmax sums of its LSE
-    arguments (attnmerge._call.SUMS) and the states holding keys, in the schemas' order."""
-    return SUMS[:len(op.lses)] + ("valid",)
+    arguments (attnmerge._call.SUMS), the states holding keys and the live tokens, in the schemas'
+    order."""
+    return SUMS[:len(op.lses)] + ("valid", "num_tokens")
 
 
 def _schemas(op):
@@ -191,23 +192,26 @@ def _out_kernel(op):
     """The out= overload's kernel: the call's Options from its keyword arguments, then the native road."""
     def kernel(*tensors, out, out_lse=None, output_scale=None, sink=None, group_scales=None, group_size=0,
                scale_ue8m0=False, block_format=None, scale_layout="row_major", scale_rounding="floor", sum_a=None,
-               sum_b=None, valid=None, **kwargs):
+               sum_b=None, valid=None, num_tokens=None, **kwargs):
         opt = _options(op, kwargs, _NAMES.get(), out=out, output_scale=output_scale, sink=sink,
                        group_scales=group_scales, group_size=group_size or None, scale_ue8m0=scale_ue8m0,
                        block_format=block_format, scale_layout=scale_layout, scale_rounding=scale_rounding,
-                       sum_a=sum_a, sum_b=sum_b, valid=valid)
+                       sum_a=sum_a, sum_b=sum_b, valid=valid, num_tokens=num_tokens)
         _native.run(op, tensors, out, out_lse, opt)
     return kernel
 
 
-def _merge_inplace(o, lse, o_other, lse_other, mask=None, sum_a=None, sum_b=None, valid=None, **kwargs):
+def _merge_inplace(o, lse, o_other, lse_other, mask=None, sum_a=None, sum_b=None, valid=None, num_tokens=None,
+                   **kwargs):
     _native.run(OPS["merge_inplace"], (o, lse, o_other, lse_other, mask), None, None,
-                _options(OPS["merge_inplace"], kwargs, _NAMES.get(), sum_a=sum_a, sum_b=sum_b, valid=valid))
+                _options(OPS["merge_inplace"], kwargs, _NAMES.get(), sum_a=sum_a, sum_b=sum_b, valid=valid,
+                         num_tokens=num_tokens))
 
 
-def _merge_inplace_functional(o, lse, o_other, lse_other, mask=None, sum_a=None, sum_b=None, valid=None, **kwargs):
-    o, lse = o.clone(), lse.clone()  # the same strides as _RESULTS' empty_like
-    _merge_inplace(o, lse, o_other, lse_other, mask, sum_a, sum_b, valid, **kwargs)
+def _merge_inplace_functional(o, lse, o_other, lse_other, mask=None, sum_a=None, sum_b=None, valid=None,
+                              num_tokens=None, **kwargs):
+    o, lse = o.clone(), lse.clone()  # the same strides as _RESULTS' empty_like: rows past the count keep o's
+    _merge_inplace(o, lse, o_other, lse_other, mask, sum_a, sum_b, valid, num_tokens, **kwargs)
     return o, lse
 
 
@@ -351,16 +355,26 @@ def _per_example(op, info, in_dims, args, kwargs):
     return tuple(torch.stack(r) for r in zip(*results)), (0,) * len(results[0])
 
 
+def _live_position(op):
+    """The position of an overload's positional num_tokens, or None where it has none."""
+    names = [a.name for a in op._schema.arguments if not a.kwarg_only]
+    return names.index("num_tokens") if "num_tokens" in names else None
+
+
 def _vmap_rule(name, tokens_major, states=None):
     """The vmap rule of overload `name`: `tokens_major` the positional arguments laid out [tokens,
     ...] per example (flattened with the batch), every other tensor argument to be unbatched for one
     call; `states` (o's and lse's positions) where the op reads S at states_axis (moved to 1)."""
     op = _overload(name)
 
+    # A live count applies to each example's tokens, not to the batch's flattened together.
+    live = _live_position(op)
+
     def rule(info, in_dims, *args, **kwargs):
         size = info.batch_size
         others = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and i not in tokens_major]
-        if any(in_dims[i] is not None for i in others) or kwargs.get("a_tokens") is not None:
+        counted = live is not None and live < len(args) and args[live] is not None
+        if any(in_dims[i] is not None for i in others) or kwargs.get("a_tokens") is not None or counted:
             return _per_example(op, info, in_dims, args, kwargs)
         args = list(args)
         axis = _call.states_axis_of(kwargs.get("states_axis", 1), 3 if name == "merge_share" else 4) if states else 1
@@ -439,9 +453,9 @@ def _no_fp8_gradient(name, inputs, scale, out):
 
 def _setup(name, n_tensors):
     """Saves the op's `n_tensors` tensor inputs, its results and, after them, its sink, softmax sums
-    and valid states (None where not given; output_scale, the sink, the sums and valid follow the
-    tensor inputs)."""
-    extras = 1 + len(_state_tensors(OPS[name]))  # the sink, the sums, valid
+    and valid states (None where not given; output_scale, the sink, the sums, valid and num_tokens
+    follow the tensor inputs)."""
+    extras = len(_state_tensors(OPS[name]))  # the sink, the sums, valid (num_tokens: no gradient with one)
 
     def setup_context(ctx, inputs, keyword_only_inputs, output):
         out, out_lse = output
@@ -449,6 +463,11 @@ def _setup(name, n_tensors):
         given = tuple(inputs[n_tensors + 1:n_tensors + 1 + extras])
         given += (None,) * (extras - len(given))
         _no_fp8_gradient(name, (*inputs[:n_tensors], *given), scale, out)
+        live = inputs[n_tensors + 1 + extras] if len(inputs) > n_tensors + 1 + extras else None
+        if live is not None and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                    for x in (*inputs[:n_tensors], *given)):
+            raise NotImplementedError(f"{_NS}::{name}: no gradient with num_tokens (the rows past the count hold "
+                                      f"no result); call it under torch.no_grad() or on detached tensors")
         ctx.save_for_backward(*inputs[:n_tensors], out, out_lse, *given)
         ctx.options = keyword_only_inputs
     return setup_context
@@ -588,11 +607,16 @@ def _merge_share_grad(ctx, grad_out, grad_out_lse):
             grad_sum, None)
 
 
+def _no_live_grad(grad):
+    """A functional merge's gradients, and none for num_tokens (its last input)."""
+    return lambda ctx, *grads: (*grad(ctx, *grads), None)
+
+
 _AUTOGRAD = {
-    "merge": (_setup("merge", 4), _merge_grad),
-    "merge_states": (_setup("merge_states", 2), _merge_states_grad),
-    "merge_varlen": (_setup("merge_varlen", 3), _merge_varlen_grad),
-    "merge_share": (_setup("merge_share", 2), _merge_share_grad),
+    "merge": (_setup("merge", 4), _no_live_grad(_merge_grad)),
+    "merge_states": (_setup("merge_states", 2), _no_live_grad(_merge_states_grad)),
+    "merge_varlen": (_setup("merge_varlen", 3), _no_live_grad(_merge_varlen_grad)),
+    "merge_share": (_setup("merge_share", 2), _no_live_grad(_merge_share_grad)),
 }
 
 
@@ -750,6 +774,9 @@ def run(op, inputs, out, out_lse, opt: Options):
     given (the one autograd attaches to), else the out= overload, any missing output allocated as
     the native road allocates it; the caller's names reach the kernels."""
     _no_stream(opt.stream)
+    if opt.a_tokens_tensor is not None:
+        raise ValueError("a_tokens: expected None or an int where torch.compile, torch.export, torch.func or "
+                         "autograd takes the call (torch.ops.attnmerge takes a_tokens as an int), got a tensor")
     if opt.flags & _C.LSE_HEADS_FIRST:
         inputs, out_lse, opt = _heads_first(inputs, out_lse, opt)
     kwargs = {name: value(opt) for name, _, value in _keywords(op)}

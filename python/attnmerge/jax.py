@@ -86,7 +86,7 @@ def _static(name, value):
     return value
 
 
-def _options(op, output_scale=None, sink=None, sum_a=None, sum_b=None, valid=None, **static):
+def _options(op, output_scale=None, sink=None, sum_a=None, sum_b=None, valid=None, num_tokens=None, **static):
     """The call's Options (attnmerge._call.options, the one reading), its static options refused
     when traced; output_scale may be an array (traced like any input), or a static number."""
     if output_scale is not None and isinstance(output_scale, (int, float, np.number, jax.core.Tracer)) and \
@@ -95,12 +95,12 @@ def _options(op, output_scale=None, sink=None, sum_a=None, sum_b=None, valid=Non
     if isinstance(output_scale, np.number):
         output_scale = float(output_scale)
     return options(op, output_scale=output_scale, sink=sink, sum_a=sum_a, sum_b=sum_b, valid=valid,
-                   **{k: _static(k, v) for k, v in static.items()})
+                   num_tokens=num_tokens, **{k: _static(k, v) for k, v in static.items()})
 
 
 # The optional arrays of a forward after its operands, in the FFI call's order (the output scale's
 # buffer sits between the sink and the sums): each read where its has_* attribute says.
-_EXTRAS = ("sink", "sum_a", "sum_b", "valid")
+_EXTRAS = ("sink", "sum_a", "sum_b", "valid", "num_tokens")
 
 
 def _given(opt: Options):
@@ -152,8 +152,8 @@ def _attributes(opt: Options):
 def _key(opt: Options) -> Options:
     """The static part of a call's options (its arrays and names dropped): a cache key of the
     differentiable functions, hashable."""
-    return opt._replace(scale=None, sink=None, group_scales=None, sum_a=None, sum_b=None, valid=None, names=None,
-                        stream=None)
+    return opt._replace(scale=None, sink=None, group_scales=None, sum_a=None, sum_b=None, valid=None,
+                        num_tokens=None, a_tokens_tensor=None, names=None, stream=None)
 
 
 def _ffi(op, outs, operands, key: Options, extras, *, scale=None, vectorized=True):
@@ -167,10 +167,10 @@ def _ffi(op, outs, operands, key: Options, extras, *, scale=None, vectorized=Tru
     # One call over a flattened batch: every operand is broadcast to the batch (the handler folds
     # leading dimensions into tokens), which per-example a_tokens, indptr, scale or sink would break
     # (the sums and valid are per token, folded alike), and so would swizzled scales (tiles of 128
-    # rows, not of a batch element's).
+    # rows, not of a batch element's), and a live count (of each element's tokens).
     sink = extras["sink"]
     method = "broadcast_all" if vectorized and key.a_tokens < 0 and scale is None and sink is None and \
-        not key.flags & _C.SCALE_SWIZZLED else "sequential"
+        extras["num_tokens"] is None and not key.flags & _C.SCALE_SWIZZLED else "sequential"
     rows, heads, head_size = outs[0].shape
     if key.flags & _C.BLOCK_NVFP4:
         head_size *= 2  # out's bytes
@@ -182,7 +182,8 @@ def _ffi(op, outs, operands, key: Options, extras, *, scale=None, vectorized=Tru
     buffers = [unread if sink is None else sink, scale_buffer]
     buffers += [unread if extras[name] is None else extras[name] for name in ("sum_a", "sum_b")]
     buffers.append(jnp.ones((1,), jnp.uint8) if extras["valid"] is None else extras["valid"])
-    has = {f"has_{name}": extras[name] is not None for name in ("sink", "sum_a", "sum_b", "valid")}
+    buffers.append(jnp.zeros((1,), jnp.int32) if extras["num_tokens"] is None else extras["num_tokens"])
+    has = {f"has_{name}": extras[name] is not None for name in ("sink", "sum_a", "sum_b", "valid", "num_tokens")}
     results = call(*operands, *buffers, **_attributes(key), scale_in_buffer=scale is not None, **has)
     return tuple(results) if group else tuple(results[:2])
 
@@ -204,6 +205,7 @@ def merge(o_a: jax.Array, lse_a: Any, o_b: jax.Array, lse_b: Any, *, base: PairB
           output_scale: float | jax.Array | None = None, sink: jax.Array | None = None,
           group_size: int | None = None, scale_ue8m0: bool = False, block_format: str | None = None,
           scale_layout: str = "row_major", scale_rounding: str = "floor", valid: jax.Array | None = None,
+          num_tokens: jax.Array | None = None,
           batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """Merge two attention states: ``(out, out_lse) = merge((o_a, lse_a), (o_b, lse_b))``, as an XLA call.
 
@@ -223,6 +225,10 @@ def merge(o_a: jax.Array, lse_a: Any, o_b: jax.Array, lse_b: Any, *, base: PairB
     valid : jax.Array, optional
         [tokens, 2], uint8, bool, int32 or int64: 0 where a state (a's, b's) holds no key, as for
         :func:`attnmerge.merge`.
+    num_tokens : jax.Array, optional
+        The live tokens (rows of the variable-length merge): a one-element int32 or int64 array,
+        read on the device, as for :func:`attnmerge.merge`; out and out_lse are new arrays, so
+        their rows past the count are unspecified.  No gradient with one.
     out_dtype : dtype, optional
         The dtype of out (default o_b's): float32, float16, bfloat16 or float8_e4m3fn.
     output_scale : float or jax.Array, optional
@@ -257,7 +263,8 @@ def merge(o_a: jax.Array, lse_a: Any, o_b: jax.Array, lse_b: Any, *, base: PairB
     True
     """
     inputs, sum_a, sum_b, _ = softmax_stats(_MERGE, (o_a, lse_a, o_b, lse_b))
-    opt = _options(_MERGE, output_scale=output_scale, sink=sink, sum_a=sum_a, sum_b=sum_b, valid=valid, base=base,
+    opt = _options(_MERGE, output_scale=output_scale, sink=sink, sum_a=sum_a, sum_b=sum_b, valid=valid,
+                   num_tokens=num_tokens, base=base,
                    out_base=out_base, out_dtype=out_dtype, a_tokens=a_tokens, group_size=group_size,
                    scale_ue8m0=scale_ue8m0, block_format=block_format, scale_layout=scale_layout,
                    scale_rounding=scale_rounding, batch_invariant=batch_invariant)
@@ -268,7 +275,7 @@ def merge_states(o: jax.Array, lse: Any, *, base: Base = "e", out_base: Base | N
                  output_scale: float | jax.Array | None = None, states_axis: int = 1,
                  sink: jax.Array | None = None, group_size: int | None = None,
                  scale_ue8m0: bool = False, block_format: str | None = None, scale_layout: str = "row_major",
-                 scale_rounding: str = "floor", valid: jax.Array | None = None,
+                 scale_rounding: str = "floor", valid: jax.Array | None = None, num_tokens: jax.Array | None = None,
                  batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """Merge S stacked states in one pass, as an XLA call.
 
@@ -288,6 +295,10 @@ def merge_states(o: jax.Array, lse: Any, *, base: Base = "e", out_base: Base | N
         As for :func:`merge`.
     valid : jax.Array, optional
         [tokens, S] whatever `states_axis`: 0 where a state holds no key.
+    num_tokens : jax.Array, optional
+        The live tokens (rows of the variable-length merge): a one-element int32 or int64 array,
+        read on the device, as for :func:`attnmerge.merge`; out and out_lse are new arrays, so
+        their rows past the count are unspecified.  No gradient with one.
 
     Returns
     -------
@@ -310,7 +321,8 @@ def merge_states(o: jax.Array, lse: Any, *, base: Base = "e", out_base: Base | N
     """
     axis = _static("states_axis", states_axis)
     inputs, sum_a, _, _ = softmax_stats(_STATES, (o, lse))
-    opt = _options(_STATES, output_scale=output_scale, sink=sink, sum_a=sum_a, valid=valid, base=base,
+    opt = _options(_STATES, output_scale=output_scale, sink=sink, sum_a=sum_a, valid=valid,
+                   num_tokens=num_tokens, base=base,
                    out_base=out_base, out_dtype=out_dtype, states_axis=states_axis_of(axis, 4), group_size=group_size,
                    scale_ue8m0=scale_ue8m0, block_format=block_format, scale_layout=scale_layout,
                    scale_rounding=scale_rounding, batch_invariant=batch_invariant)
@@ -321,6 +333,7 @@ def merge_varlen(o: jax.Array, lse: Any, indptr: jax.Array, *, base: Base = "e",
                  out_dtype: Any = None, output_scale: float | jax.Array | None = None, sink: jax.Array | None = None,
                  group_size: int | None = None, scale_ue8m0: bool = False, block_format: str | None = None,
                  scale_layout: str = "row_major", scale_rounding: str = "floor", valid: jax.Array | None = None,
+                 num_tokens: jax.Array | None = None,
                  batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """Merge a variable number of states per row, as an XLA call: row r merges ``indptr[r] .. indptr[r+1]-1``.
 
@@ -339,6 +352,10 @@ def merge_varlen(o: jax.Array, lse: Any, indptr: jax.Array, *, base: Base = "e",
         As for :func:`merge`.
     valid : jax.Array, optional
         [total]: 0 where a state of o holds no key.
+    num_tokens : jax.Array, optional
+        The live tokens (rows of the variable-length merge): a one-element int32 or int64 array,
+        read on the device, as for :func:`attnmerge.merge`; out and out_lse are new arrays, so
+        their rows past the count are unspecified.  No gradient with one.
 
     Returns
     -------
@@ -361,7 +378,8 @@ def merge_varlen(o: jax.Array, lse: Any, indptr: jax.Array, *, base: Base = "e",
     True
     """
     inputs, sum_a, _, _ = softmax_stats(_VARLEN, (o, lse, indptr))
-    opt = _options(_VARLEN, output_scale=output_scale, sink=sink, sum_a=sum_a, valid=valid, base=base,
+    opt = _options(_VARLEN, output_scale=output_scale, sink=sink, sum_a=sum_a, valid=valid,
+                   num_tokens=num_tokens, base=base,
                    out_base=out_base, out_dtype=out_dtype, group_size=group_size, scale_ue8m0=scale_ue8m0,
                    block_format=block_format, scale_layout=scale_layout, scale_rounding=scale_rounding,
                    batch_invariant=batch_invariant)
@@ -372,7 +390,7 @@ def merge_share(o: jax.Array, lse: Any, index: int, *, base: Base = "e", out_bas
                 out_dtype: Any = None, output_scale: float | jax.Array | None = None, states_axis: int = 1,
                 sink: jax.Array | None = None, group_size: int | None = None,
                 scale_ue8m0: bool = False, block_format: str | None = None, scale_layout: str = "row_major",
-                scale_rounding: str = "floor", valid: jax.Array | None = None,
+                scale_rounding: str = "floor", valid: jax.Array | None = None, num_tokens: jax.Array | None = None,
                 batch_invariant: bool = False) -> tuple[jax.Array, ...]:
     """State `index`'s share of the merge of S states, as an XLA call (context parallelism's combine).
 
@@ -414,7 +432,8 @@ def merge_share(o: jax.Array, lse: Any, index: int, *, base: Base = "e", out_bas
     """
     axis = _static("states_axis", states_axis)
     inputs, sum_a, _, _ = softmax_stats(_SHARE, (o, lse))
-    opt = _options(_SHARE, output_scale=output_scale, sink=sink, sum_a=sum_a, valid=valid, base=base,
+    opt = _options(_SHARE, output_scale=output_scale, sink=sink, sum_a=sum_a, valid=valid,
+                   num_tokens=num_tokens, base=base,
                    out_base=out_base, out_dtype=out_dtype, states_axis=states_axis_of(axis, 3),
                    index=index_of(_static("index", index)), group_size=group_size, scale_ue8m0=scale_ue8m0,
                    block_format=block_format, scale_layout=scale_layout, scale_rounding=scale_rounding,
@@ -425,6 +444,9 @@ def merge_share(o: jax.Array, lse: Any, index: int, *, base: Base = "e", out_bas
 def run(op, inputs, opt: Options):
     """The call of `op` (attnmerge._call.OPS) on JAX arrays with its Options: attnmerge.jax's
     functions, and the native functions' road for calls whose results would be JAX arrays."""
+    if opt.a_tokens_tensor is not None:
+        raise ValueError("a_tokens: expected None or an int for JAX arrays (attnmerge.jax takes a_tokens as a "
+                         "static int), got an array")
     return _RUNS[op.name](inputs, opt)
 
 
@@ -530,7 +552,8 @@ def _merged(op, shape, dtype, operands, opt: Options, differentiable, vectorized
     whose backward refuses by name (JAX would otherwise name only its ffi_call), with an array
     output_scale among its arguments."""
     has, extras = _given(opt)
-    if opt.scale is None and not opt.output_scale and not opt.group_size and dtype.name not in NO_GRADIENT_DTYPES:
+    if opt.scale is None and not opt.output_scale and not opt.group_size and dtype.name not in NO_GRADIENT_DTYPES \
+            and opt.num_tokens is None:
         return differentiable(has)(*operands, *extras)
     outs = _results(*shape, dtype)
     if opt.flags & _C.BLOCK_NVFP4:  # two values per byte
@@ -547,7 +570,8 @@ def _merged(op, shape, dtype, operands, opt: Options, differentiable, vectorized
 
     def refuse(*_):
         raise NotImplementedError(f"attnmerge.jax.{op}: no gradient through an FP8 output, an output_scale, "
-                                  f"group scales or a block-scaled format")
+                                  f"group scales, a block-scaled format or num_tokens (the rows past the count "
+                                  f"hold no result)")
 
     f.defvjp(lambda *x: (call(*x), None), refuse)
     return f(*operands, *extras, *((opt.scale,) if scale_array else ()))

@@ -78,7 +78,7 @@ constexpr int kNamesField = kOptionCount, kStreamField = kOptionCount + 1;
 // is the package's own bug, still reported by name rather than trusted.
 struct Record {
   CallOptions c;
-  py::handle scale, sink, group_scales, sum_a, sum_b, valid, names, stream;
+  py::handle scale, sink, group_scales, sum_a, sum_b, valid, num_tokens, a_tokens_tensor, names, stream;
 
   explicit Record(py::handle record) {
     if (!PyTuple_Check(record.ptr()) || PyTuple_GET_SIZE(record.ptr()) < kStreamField + 1)
@@ -138,20 +138,22 @@ void states_at(ArrayView& v, int64_t axis) {
 }
 
 // One forward call: the op's own arrays (`N`, as the C ABI takes them), then the record's arrays
-// (output scale, sinks, group scales, softmax sums, valid states), read for the call's stream;
+// (output scale, sinks, group scales, softmax sums, valid states, live tokens, a_tokens), read for the
+// call's stream;
 // `like` (the array outputs are allocated like, which says what stream=None means) and `outputs`
 // (the first arrays, read last) as CallArrays takes them.  options() is the C ABI's
 // attnmerge_options of the call, names passed down.
 template <int N>
 class Forward {
  public:
-  static constexpr int kArrays = N + 6;
+  static constexpr int kArrays = N + 8;
   static constexpr int kSumA = N + 3;  // the sums of the first LSE argument (laid out as it)
   Forward(const Record& r, const CallerNames& n, const Param (&own)[N], int like, int outputs)
       : r_(r), c(read(r, n, own, like, outputs, std::make_index_sequence<N>{})) {}
 
   attnmerge_options options(const CallerNames& n) const {
-    attnmerge_options opt = options_of(r_.c, {c.t[N + 1], c.t[N + 2], c.t[N + 3], c.t[N + 4], c.t[N + 5]},
+    attnmerge_options opt = options_of(r_.c, {c.t[N + 1], c.t[N + 2], c.t[N + 3], c.t[N + 4], c.t[N + 5], c.t[N + 6],
+                                                  c.t[N + 7]},
                                        scale_pointer(c.t[N], n("output_scale")));
     n.pass_to(opt);
     return opt;
@@ -169,7 +171,9 @@ class Forward {
                                    {r.group_scales, n("group_scales"), kScale},
                                    {r.sum_a, n("sum_a"), kLse},
                                    {r.sum_b, n("sum_b"), kLse},
-                                   {r.valid, n("valid"), kValidDtypes}};
+                                   {r.valid, n("valid"), kValidDtypes},
+                                   {r.num_tokens, n("num_tokens"), kIndexDtypes},
+                                   {r.a_tokens_tensor, n("a_tokens"), kIndexDtypes}};
     return CallArrays<kArrays>(params, r.stream, like, outputs);
   }
 

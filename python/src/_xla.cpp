@@ -84,12 +84,13 @@ ffi::Error result(attnmerge_status status) {
 }
 
 // A call's attributes: the options record's fields by their names (call_options.h; attnmerge.jax
-// passes every one), and, for a forward, whether its sink, output-scale, softmax-sum and valid
-// buffers are read (has_sink, scale_in_buffer, has_sum_a, has_sum_b, has_valid: XLA hands every
-// operand over, given or not).
+// passes every one), and, for a forward, whether its sink, output-scale, softmax-sum, valid and
+// live-count buffers are read (has_sink, scale_in_buffer, has_sum_a, has_sum_b, has_valid,
+// has_num_tokens: XLA hands every operand over, given or not).
 struct Attributes {
   CallOptions c;
-  bool has_sink = false, scale_in_buffer = false, has_sum_a = false, has_sum_b = false, has_valid = false;
+  bool has_sink = false, scale_in_buffer = false, has_sum_a = false, has_sum_b = false, has_valid = false,
+       has_num_tokens = false;
 };
 
 ffi::ErrorOr<Attributes> read(const ffi::Dictionary& attrs, bool forward) {
@@ -105,7 +106,7 @@ ffi::ErrorOr<Attributes> read(const ffi::Dictionary& attrs, bool forward) {
   if (forward) {
     for (auto [name, field] : {std::pair{"has_sink", &a.has_sink}, std::pair{"scale_in_buffer", &a.scale_in_buffer},
                                std::pair{"has_sum_a", &a.has_sum_a}, std::pair{"has_sum_b", &a.has_sum_b},
-                               std::pair{"has_valid", &a.has_valid}}) {
+                               std::pair{"has_valid", &a.has_valid}, std::pair{"has_num_tokens", &a.has_num_tokens}}) {
       auto v = attrs.get<bool>(name);
       if (!v.has_value()) return ffi::Unexpected(v.error());
       *field = *v;
@@ -115,15 +116,18 @@ ffi::ErrorOr<Attributes> read(const ffi::Dictionary& attrs, bool forward) {
 }
 
 // A forward's option buffers as tensors: the sink [heads], the softmax sums of the first and second
-// LSE arguments (of `sum_rank` dimensions: the first LSE's), the states holding keys (`valid_rank`).
+// LSE arguments (of `sum_rank` dimensions: the first LSE's), the states holding keys (`valid_rank`),
+// the live number of tokens (one int32 or int64).
 struct ForwardOptions {
-  attnmerge_tensor sink, sum_a, sum_b, valid;
+  attnmerge_tensor sink, sum_a, sum_b, valid, num_tokens;
   ForwardOptions(int32_t device, const ffi::AnyBuffer& sink_, const ffi::AnyBuffer& sum_a_,
-                 const ffi::AnyBuffer& sum_b_, const ffi::AnyBuffer& valid_, int sum_rank, int valid_rank)
+                 const ffi::AnyBuffer& sum_b_, const ffi::AnyBuffer& valid_, const ffi::AnyBuffer& num_tokens_,
+                 int sum_rank, int valid_rank)
       : sink(tensor(sink_, device, 1)),
         sum_a(tensor(sum_a_, device, sum_rank)),
         sum_b(tensor(sum_b_, device, 2)),
-        valid(valid_tensor(valid_, device, valid_rank)) {}
+        valid(valid_tensor(valid_, device, valid_rank)),
+        num_tokens(index_tensor(num_tokens_, device)) {}
 };
 
 // A forward's C ABI options: the attributes', the sink, sums and valid states where has_*, the
@@ -134,7 +138,7 @@ attnmerge_options forward_options(const Attributes& a, const ForwardOptions& t, 
   return options_of(a.c,
                     {a.has_sink ? &t.sink : nullptr, a.c.group_size > 0 ? &group_scales : nullptr,
                      a.has_sum_a ? &t.sum_a : nullptr, a.has_sum_b ? &t.sum_b : nullptr,
-                     a.has_valid ? &t.valid : nullptr},
+                     a.has_valid ? &t.valid : nullptr, a.has_num_tokens ? &t.num_tokens : nullptr},
                     a.scale_in_buffer ? static_cast<const float*>(scale.untyped_data()) : nullptr);
 }
 
@@ -149,7 +153,7 @@ ffi::Error with(const ffi::Dictionary& attrs, bool forward, F&& f) {
 
 ffi::Error merge(void* stream, int32_t device, ffi::AnyBuffer o_a, ffi::AnyBuffer lse_a, ffi::AnyBuffer o_b,
                  ffi::AnyBuffer lse_b, ffi::AnyBuffer sink, ffi::AnyBuffer scale, ffi::AnyBuffer sum_a,
-                 ffi::AnyBuffer sum_b, ffi::AnyBuffer valid, ffi::Result<ffi::AnyBuffer> out,
+                 ffi::AnyBuffer sum_b, ffi::AnyBuffer valid, ffi::AnyBuffer num_tokens, ffi::Result<ffi::AnyBuffer> out,
                  ffi::Result<ffi::AnyBuffer> out_lse, ffi::Result<ffi::AnyBuffer> group_scales,
                  ffi::Dictionary attrs) {
   return with(attrs, true, [&](const Attributes& a) {
@@ -157,7 +161,7 @@ ffi::Error merge(void* stream, int32_t device, ffi::AnyBuffer o_a, ffi::AnyBuffe
     const attnmerge_tensor t_oa = tensor(o_a, device, 3), t_la = tensor(lse_a, device, 2);
     const attnmerge_tensor t_ob = tensor(o_b, device, 3), t_lb = tensor(lse_b, device, 2);
     const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
-    const ForwardOptions t(device, sink, sum_a, sum_b, valid, 2, 2);
+    const ForwardOptions t(device, sink, sum_a, sum_b, valid, num_tokens, 2, 2);
     const attnmerge_options opt = forward_options(a, t, scale, t_gs);
     return result(attnmerge_merge(&t_out, &t_out_lse, &t_oa, &t_la, &t_ob, &t_lb, &opt, stream));
   });
@@ -165,13 +169,13 @@ ffi::Error merge(void* stream, int32_t device, ffi::AnyBuffer o_a, ffi::AnyBuffe
 
 ffi::Error merge_states(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink,
                         ffi::AnyBuffer scale, ffi::AnyBuffer sum_a, ffi::AnyBuffer sum_b, ffi::AnyBuffer valid,
-                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
+                        ffi::AnyBuffer num_tokens, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
                         ffi::Result<ffi::AnyBuffer> group_scales, ffi::Dictionary attrs) {
   return with(attrs, true, [&](const Attributes& a) {
     const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
     const attnmerge_tensor t_o = tensor(o, device, 4), t_l = tensor(lse, device, 3);
     const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
-    const ForwardOptions t(device, sink, sum_a, sum_b, valid, 3, 2);
+    const ForwardOptions t(device, sink, sum_a, sum_b, valid, num_tokens, 3, 2);
     const attnmerge_options opt = forward_options(a, t, scale, t_gs);
     return result(attnmerge_merge_states(&t_out, &t_out_lse, &t_o, &t_l, &opt, stream));
   });
@@ -179,14 +183,14 @@ ffi::Error merge_states(void* stream, int32_t device, ffi::AnyBuffer o, ffi::Any
 
 ffi::Error merge_varlen(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer indptr,
                         ffi::AnyBuffer sink, ffi::AnyBuffer scale, ffi::AnyBuffer sum_a, ffi::AnyBuffer sum_b,
-                        ffi::AnyBuffer valid, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
+                        ffi::AnyBuffer valid, ffi::AnyBuffer num_tokens, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
                         ffi::Result<ffi::AnyBuffer> group_scales, ffi::Dictionary attrs) {
   return with(attrs, true, [&](const Attributes& a) {
     const attnmerge_tensor t_indptr = index_tensor(indptr, device);
     const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
     const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 2);
     const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
-    const ForwardOptions t(device, sink, sum_a, sum_b, valid, 2, 1);
+    const ForwardOptions t(device, sink, sum_a, sum_b, valid, num_tokens, 2, 1);
     const attnmerge_options opt = forward_options(a, t, scale, t_gs);
     return result(attnmerge_merge_varlen(&t_out, &t_out_lse, &t_o, &t_l, &t_indptr, &opt, stream));
   });
@@ -194,13 +198,13 @@ ffi::Error merge_varlen(void* stream, int32_t device, ffi::AnyBuffer o, ffi::Any
 
 ffi::Error merge_share(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer sink,
                        ffi::AnyBuffer scale, ffi::AnyBuffer sum_a, ffi::AnyBuffer sum_b, ffi::AnyBuffer valid,
-                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
+                       ffi::AnyBuffer num_tokens, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
                        ffi::Result<ffi::AnyBuffer> group_scales, ffi::Dictionary attrs) {
   return with(attrs, true, [&](const Attributes& a) {
     const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
     const attnmerge_tensor t_o = tensor(o, device, 3), t_l = tensor(lse, device, 3);
     const attnmerge_tensor t_gs = tensor(*group_scales, device, 3);
-    const ForwardOptions t(device, sink, sum_a, sum_b, valid, 3, 2);
+    const ForwardOptions t(device, sink, sum_a, sum_b, valid, num_tokens, 3, 2);
     const attnmerge_options opt = forward_options(a, t, scale, t_gs);
     return result(attnmerge_merge_share(&t_out, &t_out_lse, &t_o, &t_l, a.c.index, &opt, stream));
   });
@@ -268,7 +272,7 @@ struct OnHost<Handler> {
 };
 
 // The bindings: CUDA handlers take XLA's stream and device ordinal first; then the input buffers
-// (a forward's: the op's, then `sink`, `scale`, `sum_a`, `sum_b`, `valid`), the results (a forward's: out, out_lse,
+// (a forward's: the op's, then `sink`, `scale`, `sum_a`, `sum_b`, `valid`, `num_tokens`), the results (a forward's: out, out_lse,
 // group_scales; a backward's: the gradients), then every attribute, as one dictionary.
 auto on_cuda() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<void*>>().Ctx<ffi::DeviceOrdinal>(); }
 
@@ -293,10 +297,10 @@ auto with_buffers(Binding binding) {
   XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_##op##_cuda, op, (with_buffers<inputs, results>(on_cuda()))); \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(attnmerge_xla_##op##_host, OnHost<op>::call,                               \
                                 (with_buffers<inputs, results>(on_host())));
-ATTNMERGE_XLA_OP(merge, 9, 3)
-ATTNMERGE_XLA_OP(merge_states, 7, 3)
-ATTNMERGE_XLA_OP(merge_varlen, 8, 3)
-ATTNMERGE_XLA_OP(merge_share, 7, 3)
+ATTNMERGE_XLA_OP(merge, 10, 3)
+ATTNMERGE_XLA_OP(merge_states, 8, 3)
+ATTNMERGE_XLA_OP(merge_varlen, 9, 3)
+ATTNMERGE_XLA_OP(merge_share, 8, 3)
 ATTNMERGE_XLA_OP(merge_backward, 8, 4)
 ATTNMERGE_XLA_OP(merge_states_backward, 6, 2)
 ATTNMERGE_XLA_OP(merge_varlen_backward, 7, 2)

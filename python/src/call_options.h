@@ -27,7 +27,9 @@
 
 // The record's arrays after them, in this order (None: not given): the output scale as a
 // one-element float32 array read by the kernel, the sinks, the per-group FP8 scales, the softmax
-// sums of the first and second LSE arguments, the states holding keys.  Then the caller's names
+// sums of the first and second LSE arguments, the states holding keys, the live number of tokens
+// and the two-way merge's a_tokens (each a one-element int32 or int64 array read by the kernel).
+// Then the caller's names
 // and the stream (the pybind11 module's alone: XLA names no argument and gives the stream).
 #define ATTNMERGE_CALL_ARRAYS(X) \
   X(scale)                       \
@@ -35,7 +37,9 @@
   X(group_scales)                \
   X(sum_a)                       \
   X(sum_b)                       \
-  X(valid)
+  X(valid)                       \
+  X(num_tokens)                  \
+  X(a_tokens_tensor)
 
 namespace attnmerge_py {
 
@@ -60,7 +64,7 @@ inline constexpr int kOptionCount = sizeof(kOptionFields) / sizeof(kOptionFields
 // The option tensors of a call (null: none), in the record's order after the output scale.
 struct OptionTensors {
   const attnmerge_tensor *sink = nullptr, *group_scales = nullptr, *sum_a = nullptr, *sum_b = nullptr,
-                         *valid = nullptr;
+                         *valid = nullptr, *num_tokens = nullptr, *a_tokens_tensor = nullptr;
 };
 
 // The C ABI's options of a call: its scalars and option tensors (null: none).  The library checks
@@ -77,6 +81,8 @@ inline attnmerge_options options_of(const CallOptions& c, const OptionTensors& t
   o.sum_a = tensors.sum_a;
   o.sum_b = tensors.sum_b;
   o.valid = tensors.valid;
+  o.num_tokens = tensors.num_tokens;
+  o.a_tokens_tensor = tensors.a_tokens_tensor;
   o.group_size = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(c.group_size, INT32_MIN), INT32_MAX));
   return o;
 }

@@ -883,6 +883,38 @@ def _valid_option(a):
 bad("c-merge_states_backward-valid-refused", "c.merge_states_backward", _valid_option, ERR_V, "valid", "none",
     starts="valid: expected none")
 
+# ================================================================================================
+# num_tokens: the live tokens (rows of the variable-length merge), one int32 or int64 on the call's device
+
+
+def num_tokens(value, dtype=np.int32):
+    def change(a):
+        a.options["num_tokens"] = np.asarray(value, dtype)
+    return change
+
+
+for op in ("merge", "merge_inplace", "merge_states", "merge_share", "merge_varlen"):
+    prefix = f"{op}-num_tokens"
+    bad(f"{prefix}-two-elements", op, num_tokens([3, 4]), ValueError, "num_tokens", 1, 2, layers=ANY)
+    bad(f"{prefix}-no-element", op, num_tokens(np.zeros(0)), ValueError, "num_tokens", 1, 0, layers=ANY)
+    bad(f"{prefix}-float32", op, num_tokens([3], np.float32), TypeError, "num_tokens", "float32", layers=ANY,
+        contains=("int32", "int64"))
+    bad(f"{prefix}-uint8", op, num_tokens([3], np.uint8), TypeError, "num_tokens", "uint8", layers=ANY)
+    bad(f"{prefix}-elsewhere", op, lambda a: a.options.update(num_tokens=OnHost(np.array([3], np.int32))),
+        ValueError, "num_tokens", "device", layers=("cuda",), marks=ELSEWHERE)
+bad("merge-num_tokens-an-int", "merge", lambda a: a.options.update(num_tokens=3), TypeError, "num_tokens", "int32",
+    "3", layers=PY)
+
+
+def _num_tokens_option(a):
+    given = np.array([3], np.int32)
+    a.extra.append(given)
+    a.options["opts"] = c_abi.options(num_tokens=c_abi.tensor_from(given))
+
+
+bad("c-merge_states_backward-num_tokens-refused", "c.merge_states_backward", _num_tokens_option, ERR_V, "num_tokens",
+    "none", starts="num_tokens: expected none")
+
 
 # ================================================================================================
 # merge_states_backward (the gradients grad_o, grad_lse are its outputs)
@@ -1360,3 +1392,40 @@ bad("c-states-backward-heads-first-flag-not-allowed", "c.merge_states_backward",
 bad("c-stream_synchronize-device-0-without-gpu", "c.stream_synchronize", lambda a: a.options.update(device=0), ERR_V,
     "device", marks=(pytest.mark.skipif(not NO_GPU, reason="a GPU is present"),))
 bad("c-stream_synchronize-negative-device", "c.stream_synchronize", lambda a: a.options.update(device=-1), ERR_V, "device")
+
+# ================================================================================================
+# a_tokens as a one-element int32 or int64 array (the two-way merge's, read on the device)
+
+
+def a_tokens_array(value, dtype=np.int32):
+    def change(a):
+        a.options["a_tokens"] = np.asarray(value, dtype)
+    return change
+
+
+bad("merge-a_tokens-array-two-elements", "merge", a_tokens_array([3, 4]), ValueError, "a_tokens", 1, 2, layers=ANY)
+bad("merge-a_tokens-array-float32", "merge", a_tokens_array([3], np.float32), TypeError, "a_tokens", "float32",
+    layers=ANY, contains=("int32", "int64"))
+bad("merge-a_tokens-array-elsewhere", "merge",
+    lambda a: a.options.update(a_tokens=OnHost(np.array([3], np.int32))), ValueError, "a_tokens", "device",
+    layers=("cuda",), marks=ELSEWHERE)
+
+
+def _both_a_tokens(a):
+    given = np.array([3], np.int32)
+    a.extra.append(given)
+    a.options["opts"] = c_abi.options(flags=c_abi.A_TOKENS, a_tokens=3, a_tokens_tensor=c_abi.tensor_from(given))
+
+
+bad("c-merge-a_tokens-int-and-tensor", "c.merge", _both_a_tokens, ERR_V, "a_tokens", "both",
+    starts="a_tokens: expected options.a_tokens")
+
+
+def _a_tokens_tensor_refused(a):
+    given = np.array([3], np.int32)
+    a.extra.append(given)
+    a.options["opts"] = c_abi.options(a_tokens_tensor=c_abi.tensor_from(given))
+
+
+bad("c-merge_states-a_tokens-tensor-refused", "c.merge_states", _a_tokens_tensor_refused, ERR_V, "a_tokens", "none",
+    starts="a_tokens: expected none")

@@ -71,10 +71,12 @@ def c_options(kw, sums=None):
             flags |= {"row_major": 0, "swizzled": c_abi.SCALE_SWIZZLED}[v]
         elif k == "scale_rounding":
             flags |= {"floor": 0, "rceil": c_abi.SCALE_RCEIL}[v]
-        elif k in ("sink", "valid", "group_scales"):
+        elif k in ("sink", "valid", "group_scales", "num_tokens"):
             tensors[k] = c_abi.tensor_from(v)
         elif k == "group_size":
             group = v
+        elif k == "a_tokens" and isinstance(v, np.ndarray):  # read on the device
+            tensors["a_tokens_tensor"] = c_abi.tensor_from(v)
         elif k == "a_tokens":
             flags, a_tokens = flags | c_abi.A_TOKENS, v
         elif k == "output_scale" and isinstance(v, np.ndarray):

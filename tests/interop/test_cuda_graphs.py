@@ -1,5 +1,5 @@
 """CUDA graphs: every GPU op is captured by torch.cuda.graph and its replays read the inputs (and an
-FP8 scale) as they are at replay, giving the oracle's results.
+FP8 scale, and the live number of tokens) as they are at replay, giving the oracle's results.
 
 GPU-only: each test takes the `cuda` device of the device fixture (tests/devices.py; marked `gpu`)
 and skips under ATTNMERGE_TEST_CUDA_AS=cpu.  (torch.ops' graphs: interop/test_torch_ops.py; PDL
@@ -139,3 +139,120 @@ def test_cuda_graph_capture_of_varlen_and_inplace(rng, device, torch):
     ref = reference_merge(acc0, acc_lse0, o0, lse0)
     assert_o_close(device.get(acc)[on], ref[0][on], "float32", "o")
     assert np.array_equal(device.get(acc)[~on], acc0[~on])
+
+
+# ---- a graph captured at a capacity, replayed at the live count (num_tokens) ---------------------
+
+CAPACITY = 256
+
+
+def _bits(torch, x):
+    return x.contiguous().view(torch.uint8).cpu().numpy()
+
+
+def _live_case(rng, device, op):
+    """(the graph's inputs and written arrays, run(n, count): the op on the capacity's arrays with
+    the live count `count`, or count None: the eager op on the first n tokens alone, returning its
+    results).  merge_states and merge_varlen batch-invariant: a decode-sized eager call may take the
+    state-parallel kernel, whose bits the rows kernel of the capacity does not promise."""
+    h, d = 8, 128
+    if op in ("merge", "merge_inplace"):
+        o_a, lse_a, o_b, lse_b = (device.put(x) for x in random_pair(rng, CAPACITY, h, d, "bfloat16"))
+        if op == "merge":
+            out, out_lse = device.nan((CAPACITY, h, d), "bfloat16"), device.nan((CAPACITY, h))
+
+            def run(n, count):
+                if count is None:
+                    return attnmerge.merge(o_a[:n], lse_a[:n], o_b[:n], lse_b[:n])
+                return attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse, num_tokens=count)
+            return (out, out_lse), run
+        held = (o_a.clone(), lse_a.clone())
+
+        def run(n, count):
+            if count is None:
+                o, lse = held[0][:n].clone(), held[1][:n].clone()
+                return attnmerge.merge_inplace(o, lse, o_b[:n], lse_b[:n])
+            return attnmerge.merge_inplace(o_a, lse_a, o_b, lse_b, num_tokens=count)
+        return (o_a, lse_a), run, held
+    if op == "merge_varlen":
+        counts = rng.integers(0, 7, CAPACITY)
+        indptr_h = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        o, lse = (device.put(x) for x in random_state(rng, int(indptr_h[-1]), h, d))
+        indptr = device.put(indptr_h)
+        out, out_lse = device.nan((CAPACITY, h, d)), device.nan((CAPACITY, h))
+
+        def run(n, count):
+            if count is None:
+                return attnmerge.merge_varlen(o, lse, indptr[:n + 1], batch_invariant=True)
+            return attnmerge.merge_varlen(o, lse, indptr, out=out, out_lse=out_lse, num_tokens=count,
+                                          batch_invariant=True)
+        return (out, out_lse), run
+    s = 16
+    out, out_lse = device.nan((CAPACITY, h, d)), device.nan((CAPACITY, h))
+    if op == "merge_states":
+        o, lse = (device.put(x) for x in random_stacked(rng, CAPACITY, s, h, d))
+
+        def run(n, count):
+            if count is None:
+                return attnmerge.merge_states(o[:n], lse[:n], batch_invariant=True)
+            return attnmerge.merge_states(o, lse, out=out, out_lse=out_lse, num_tokens=count, batch_invariant=True)
+        return (out, out_lse), run
+    o, lse = device.put(random_state(rng, CAPACITY, h, d)[0]), device.put(random_stacked(rng, CAPACITY, s, h, 1)[1])
+
+    def run(n, count):
+        if count is None:
+            return attnmerge.merge_share(o[:n], lse[:n], 3)
+        return attnmerge.merge_share(o, lse, 3, out=out, out_lse=out_lse, num_tokens=count)
+    return (out, out_lse), run
+
+
+@pytest.mark.parametrize("count_dtype", ("int32", "int64"))
+@pytest.mark.parametrize("op", ("merge", "merge_inplace", "merge_states", "merge_varlen", "merge_share"))
+def test_a_graph_captured_at_a_capacity_replays_at_the_live_count(rng, device, torch, op, count_dtype):
+    """Captured once at 256 tokens with num_tokens on the device, replayed with 1, 17 and 256 live
+    tokens written into it: the live rows are the eager call's at that size bit for bit, and every
+    row past the count is untouched (the NaN poison; the in-place merge's inputs)."""
+    case = _live_case(rng, device, op)
+    written, run = case[0], case[1]
+    held = case[2] if op == "merge_inplace" else None
+    count = device.put(np.array([CAPACITY], count_dtype))
+    g = _capture(torch, lambda: run(CAPACITY, count))
+    for n in (1, 17, CAPACITY):
+        count.fill_(n)
+        for x, before in zip(written, held or (None, None)):
+            if before is None:
+                x.fill_(float("nan"))
+            else:
+                x.copy_(before)
+        g.replay()
+        torch.cuda.synchronize()
+        eager = run(n, None)
+        for x, e in zip(written, eager):
+            np.testing.assert_array_equal(_bits(torch, x[:n]), _bits(torch, e), err_msg=f"{op} at {n} live tokens")
+        for x, before in zip(written, held or (torch.full_like(written[0], float("nan")),
+                                               torch.full_like(written[1], float("nan")))):
+            np.testing.assert_array_equal(_bits(torch, x[n:]), _bits(torch, before[n:]),
+                                          err_msg=f"{op}: a row past {n} live tokens was written")
+
+
+@pytest.mark.parametrize("count_dtype", ("int32", "int64"))
+def test_a_graph_takes_a_tokens_from_memory_at_each_replay(rng, device, torch, count_dtype):
+    """The two-way merge captured once with a_tokens in device memory: each replay merges a into
+    the rows of the tokens below the count written before it, bit for bit the eager merge with that
+    int, and reads nothing of a past it (NaN there)."""
+    o_a, lse_a, o_b, lse_b = random_pair(rng, CAPACITY, 8, 128, "bfloat16")
+    x = [device.put(v) for v in (o_a, lse_a, o_b, lse_b)]
+    out, out_lse = device.nan((CAPACITY, 8, 128), "bfloat16"), device.nan((CAPACITY, 8))
+    count = device.put(np.array([CAPACITY], count_dtype))
+    g = _capture(torch, lambda: attnmerge.merge(*x, out=out, out_lse=out_lse, a_tokens=count))
+    for k in (0, 17, CAPACITY):
+        count.fill_(k)
+        x[0].copy_(device.put(o_a))
+        x[1].copy_(device.put(lse_a))
+        x[0][k:] = float("nan")
+        x[1][k:] = float("nan")
+        g.replay()
+        torch.cuda.synchronize()
+        eager = attnmerge.merge(x[0][:k], x[1][:k], x[2], x[3], a_tokens=k)
+        for got, want in zip((out, out_lse), eager):
+            np.testing.assert_array_equal(_bits(torch, got), _bits(torch, want), err_msg=f"a_tokens {k}")

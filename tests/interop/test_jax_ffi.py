@@ -16,6 +16,7 @@ from oracle import (
     np_dtype,
     random_lse,
     random_o,
+    random_stacked,
     assert_fp8_close,
     assert_block_close,
     assert_group_fp8_close,
@@ -623,3 +624,66 @@ def test_softmax_statistics_of_another_shape_are_refused_when_traced(rng):
         amj.merge_states(o, (m, total[:, :2]))
     with pytest.raises(ValueError, match=r"valid: expected shape \[4, 3\]"):
         amj.merge_states(o, m, valid=np.ones((3, 4), np.uint8))
+
+
+# ---- the live number of tokens (num_tokens): an operand read on the device -------------------------
+
+
+@pytest.mark.parametrize("count_dtype", (np.int32, np.int64))
+def test_a_live_count_merges_the_live_tokens_under_jit(rng, dev, count_dtype):
+    """num_tokens an operand of the FFI call: the same compiled function serves every count, the live
+    rows the oracle's (the rows past it, of new arrays, are unspecified)."""
+    t, h, d = 9, 3, 32
+    h_ = [random_o(rng, (t, h, d)), random_lse(rng, (t, h)), random_o(rng, (t, h, d)), random_lse(rng, (t, h))]
+    ref = reference_merge(*h_)
+    f = jax.jit(lambda a, b, c, e, n: amj.merge(a, b, c, e, num_tokens=n))
+    x = [put(v, dev) for v in h_]
+    for n in (0, 1, 4, t, t + 5):
+        out, out_lse = f(*x, put(np.array([n], count_dtype), dev))
+        live = min(n, t)
+        assert_merge_matches(np.asarray(out)[:live], np.asarray(out_lse)[:live], (ref[0][:live], ref[1][:live]),
+                             "float32")
+    v, s = random_stacked(rng, t, 5, h, d)
+    states = jax.jit(lambda v, s, n: amj.merge_states(v, s, num_tokens=n))(put(v, dev), put(s, dev),
+                                                                        put(np.array([3], count_dtype), dev))
+    ref = reference_merge_stacked(v, s)
+    assert_merge_matches(np.asarray(states[0])[:3], np.asarray(states[1])[:3], (ref[0][:3], ref[1][:3]), "float32")
+
+
+def test_a_live_count_under_vmap_counts_each_examples_tokens(rng, dev):
+    """Under vmap the count is each example's (one call per example, never a count over the batch
+    folded into tokens)."""
+    b, t, h, d = 3, 6, 2, 16
+    o_a, o_b = random_o(rng, (b, t, h, d)), random_o(rng, (b, t, h, d))
+    lse_a, lse_b = random_lse(rng, (b, t, h)), random_lse(rng, (b, t, h))
+    counts = np.array([[1], [4], [6]], np.int32)
+    out, out_lse = jax.vmap(lambda a, x, c, y, n: amj.merge(a, x, c, y, num_tokens=n))(
+        *(put(v, dev) for v in (o_a, lse_a, o_b, lse_b, counts)))
+    for i, n in enumerate(counts[:, 0]):
+        ref = reference_merge(o_a[i], lse_a[i], o_b[i], lse_b[i])
+        assert_merge_matches(np.asarray(out[i])[:n], np.asarray(out_lse[i])[:n], (ref[0][:n], ref[1][:n]), "float32")
+
+
+def test_no_gradient_with_a_live_count(rng, dev):
+    t, h, d = 5, 2, 16
+    x = [put(v, dev) for v in (random_o(rng, (t, h, d)), random_lse(rng, (t, h)), random_o(rng, (t, h, d)),
+                               random_lse(rng, (t, h)))]
+    n = put(np.array([3], np.int32), dev)
+    with pytest.raises(NotImplementedError, match="num_tokens"):
+        jax.grad(lambda o: amj.merge(o, x[1], x[2], x[3], num_tokens=n)[0].sum())(x[0])
+
+
+def test_the_native_functions_take_a_live_count_on_jax_arrays(rng, dev):
+    t, h, d = 7, 2, 16
+    h_ = [random_o(rng, (t, h, d)), random_lse(rng, (t, h)), random_o(rng, (t, h, d)), random_lse(rng, (t, h))]
+    out, out_lse = attnmerge.merge(*(put(v, dev) for v in h_), num_tokens=put(np.array([2], np.int64), dev))
+    ref = reference_merge(*h_)
+    assert_merge_matches(np.asarray(out)[:2], np.asarray(out_lse)[:2], (ref[0][:2], ref[1][:2]), "float32")
+
+
+def test_a_tokens_as_an_array_is_refused_by_name(rng, dev):
+    t, h, d = 5, 2, 16
+    x = [put(v, dev) for v in (random_o(rng, (t, h, d)), random_lse(rng, (t, h)), random_o(rng, (t, h, d)),
+                               random_lse(rng, (t, h)))]
+    with pytest.raises(ValueError, match="a_tokens: expected None or an int"):
+        amj.merge(*x, a_tokens=put(np.array([3], np.int32), dev))

@@ -696,3 +696,99 @@ def test_cuda_compiled_public_functions(rng, mode):
     for _ in range(3):
         out, out_lse = g(put(v, "cuda"), put(s, "cuda"))
     assert_merge_matches(get(out), get(out_lse), reference_merge_stacked(v, s, base=2), "float16")
+
+
+# --------------------------------------------------------------------------------------------------
+# the live number of tokens (num_tokens): an optional tensor of every forward overload
+
+
+def _count(n, dtype=torch.int32):
+    return torch.tensor([n], dtype=dtype)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_merge_with_a_live_count_writes_the_live_rows_alone(rng, backend):
+    """One compiled graph, the count a tensor input: rows below it are the oracle's, rows past it
+    keep what they held (the NaN poison), whatever the count."""
+    h = pair(rng)
+    f, graphs = compiled(lambda a, b, c, d, out, out_lse, n: attnmerge.merge(a, b, c, d, out=out, out_lse=out_lse,
+                                                                              num_tokens=n), backend)
+    ref = reference_merge(*h)
+    for n in (0, 5, 13):
+        out, out_lse = poisoned((13, 4, 64)), poisoned((13, 4))
+        f(*[put(x) for x in h], out, out_lse, _count(n, torch.int64))
+        assert_merge_matches(get(out)[:n], get(out_lse)[:n], (ref[0][:n], ref[1][:n]), "float32")
+        assert torch.isnan(out[n:]).all() and torch.isnan(out_lse[n:]).all()
+    assert graphs.ops_called() == {"attnmerge.merge.out"}
+
+
+def test_compiled_functional_merges_with_a_live_count(rng):
+    """The functional overloads take the count positionally (after valid); their results have the
+    capacity's tokens."""
+    v, s = random_stacked(rng, 7, 4, 4, 64, "bfloat16")
+    f, graphs = compiled(lambda v, s, n: attnmerge.merge_states(v, s, num_tokens=n))
+    out, out_lse = f(put(v), put(s), _count(3))
+    assert out.shape == (7, 4, 64)
+    ref = reference_merge_stacked(v, s)
+    assert_merge_matches(get(out)[:3], get(out_lse)[:3], (ref[0][:3], ref[1][:3]), "bfloat16")
+    assert graphs.ops_called() == {"attnmerge.merge_states.default"}
+    o, lse, o_other, lse_other = [put(x) for x in pair(rng, tokens=8)]
+    held_o, held_lse = o.clone(), lse.clone()
+    g, graphs = compiled(lambda o, lse, p, q, n: attnmerge.merge_inplace(o, lse, p, q, num_tokens=n))
+    g(o, lse, o_other, lse_other, _count(5))
+    assert torch.equal(o[5:], held_o[5:]) and torch.equal(lse[5:], held_lse[5:])
+    ref = reference_merge(get(held_o), get(held_lse), get(o_other), get(lse_other))
+    assert_merge_matches(get(o)[:5], get(lse)[:5], (ref[0][:5], ref[1][:5]), "float32")
+
+
+def _live_samples(rng):
+    """The forward overloads with num_tokens at the capacity (every row written: opcheck compares
+    results), as tensors of both integer dtypes."""
+    f = [put(x) for x in pair(rng, tokens=6, head_size=32)]
+    v, s = (put(x) for x in random_stacked(rng, 6, 3, 4, 32))
+    indptr = torch.tensor([0, 2, 2, 5, 6, 6, 8])
+    o8, l8 = (put(x) for x in random_state(rng, 8, 4, 32))
+    n32, n64 = _count(6), _count(6, torch.int64)
+    new = lambda *shape: torch.empty(shape)  # noqa: E731
+    return [
+        ("merge.default", (*f, None, None, None, None, None, n32), {}),
+        ("merge.out", (*f,), dict(out=new(6, 4, 32), out_lse=new(6, 4), num_tokens=n64)),
+        ("merge_inplace.default", (f[0].clone(), f[1].clone(), f[2], f[3], None, None, None, None, n32), {}),
+        ("merge_inplace.functional", (*f, None, None, None, None, n64), {}),
+        ("merge_states.default", (v, s, None, None, None, None, n32), {}),
+        ("merge_varlen.default", (o8, l8, indptr, None, None, None, None, n64), {}),
+        ("merge_share.default", (f[0], s, None, None, None, None, n32), dict(index=1)),
+    ]
+
+
+@pytest.mark.parametrize("i", range(7))
+def test_opcheck_with_a_live_count(rng, i):
+    name, args, kwargs = _live_samples(rng)[i]
+    torch.library.opcheck(overload(name), args, kwargs)
+
+
+def test_a_live_count_under_vmap_counts_each_examples_tokens(rng):
+    o_a, o_b = random_o(rng, (3, 6, 2, 16)), random_o(rng, (3, 6, 2, 16))
+    lse_a, lse_b = random_lse(rng, (3, 6, 2)), random_lse(rng, (3, 6, 2))
+    counts = torch.tensor([[1], [4], [6]], dtype=torch.int32)
+    out, out_lse = torch.func.vmap(lambda a, x, c, y, n: attnmerge.merge(a, x, c, y, num_tokens=n))(
+        put(o_a), put(lse_a), put(o_b), put(lse_b), counts)
+    for i, n in enumerate(counts[:, 0].tolist()):
+        ref = reference_merge(o_a[i], lse_a[i], o_b[i], lse_b[i])
+        assert_merge_matches(get(out[i])[:n], get(out_lse[i])[:n], (ref[0][:n], ref[1][:n]), "float32")
+
+
+def test_no_gradient_with_a_live_count(rng):
+    a, b, c, d = [put(x) for x in pair(rng)]
+    a.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="num_tokens"):
+        attnmerge.merge(a, b, c, d, num_tokens=_count(4))
+
+
+def test_a_tokens_as_a_tensor_is_refused_where_the_ops_take_the_call(rng):
+    """The ops take a_tokens as an int: a tensor of it (the native road's, read on the device) is
+    refused by name where torch.compile or autograd takes the call, never dropped."""
+    a, b, c, d = [put(x) for x in pair(rng)]
+    f, _ = compiled(lambda a, b, c, d, k: attnmerge.merge(a, b, c, d, a_tokens=k), "aot_eager")
+    with pytest.raises(Exception, match="a_tokens: expected None or an int"):
+        f(a, b, c, d, _count(4))

@@ -8,8 +8,8 @@
 // count, the two-launch in-place merge), not the device's instructions.  One C function per
 // source, called through ctypes (tests/semantics/test_forward_kernel_emulated.py); each returns
 // the launch's cudaError_t (emulate_error: why) and leaves its plan for emulate_plan.  Softmax sums
-// and valid states (emulate_extras) and the two-way merge's sink (emulate_pair_sink) are set for the
-// calls that follow.
+// and valid states (emulate_extras), the two-way merge's sink (emulate_pair_sink) and the live count
+// (emulate_num_tokens) and a_tokens in memory (emulate_a_tokens) are set for the calls that follow.
 //
 // The call's facts (plan.h's CallFacts) are the test's to give, as the C ABI would read them off
 // its tensors or otherwise: a plan for any facts must merge right.
@@ -91,6 +91,22 @@ thread_local SinkView t_pair_sink;
 
 // The softmax sums and valid states of the calls that follow (emulate_extras; on false: none).
 thread_local StateExtras t_extras;
+
+// The live count of the calls that follow (emulate_num_tokens; null: every token).
+thread_local const void* t_live = nullptr;
+thread_local bool t_live_wide = false;
+
+// The two-way merges' a_tokens in memory of the calls that follow (emulate_a_tokens; null: the int).
+thread_local const void* t_a_tokens = nullptr;
+thread_local bool t_a_tokens_wide = false;
+
+// The shape of a call as the C ABI makes it: `tokens` its capacity, the live count as set.
+MergeShape shape_of(int64_t tokens, int64_t heads, int64_t head_size, int bases) {
+  MergeShape shape(tokens, heads, head_size, inputs_base2(bases));
+  shape.live_tokens = t_live;
+  shape.live_wide = t_live_wide;
+  return shape;
+}
 
 OutView out_view(void* o, const int64_t* os, float* l, const int64_t* ls, float inv_scale, const float* scale,
                  int bases) {
@@ -175,6 +191,20 @@ void emulate_extras(const float* sum_a, const int64_t* sa, const float* sum_b, c
   t_extras.on = sum_a != nullptr || sum_b != nullptr || valid != nullptr;
 }
 
+// The live count of the calls that follow (MergeShape::live_tokens): one int32 (int64 where
+// `wide`) at `count`; null: every token, as before any call of this.
+void emulate_num_tokens(const void* count, int wide) {
+  t_live = count;
+  t_live_wide = wide != 0;
+}
+
+// The two-way merges' a_tokens of the calls that follow read from memory (PairSource::a_tokens_at):
+// one int32 (int64 where `wide`) at `count`; null: their a_tokens argument, as before any call of this.
+void emulate_a_tokens(const void* count, int wide) {
+  t_a_tokens = count;
+  t_a_tokens_wide = wide != 0;
+}
+
 // The (input, output) storage types compiled, as dtype codes at codes[2 i], codes[2 i + 1]; how many.
 int emulate_types(int* codes, int most) { return emu::codes_of(Compiled{}, codes, most); }
 
@@ -224,10 +254,12 @@ int emulate_merge(int64_t tokens, int64_t a_tokens, int64_t heads, int64_t head_
                   float* out_lse, const int64_t* ol_s, const void* o_a, const int64_t* oa_s, const float* lse_a,
                   const int64_t* la_s, const void* o_b, const int64_t* ob_s, const float* lse_b, const int64_t* lb_s,
                   const uint8_t* mask, int64_t mask_stride) {
-  const MergeShape shape(tokens, heads, head_size, inputs_base2(bases));
+  const MergeShape shape = shape_of(tokens, heads, head_size, bases);
   PairSource src{state(o_a, oa_s, lse_a, la_s), state(o_b, ob_s, lse_b, lb_s), a_tokens, mask, mask_stride};
   src.b_scale = base_change(base2_of(bases, ATTNMERGE_LSE_B_BASE2, ATTNMERGE_LSE_B_BASE_E), inputs_base2(bases));
   src.extras = t_extras;
+  src.a_tokens_at = t_a_tokens;
+  src.a_tokens_wide = t_a_tokens_wide;
   OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, scale, bases);
   dst.lse_in_place = in_place != 0;
   const CallFacts f = facts(in_dtype, out_dtype, vec, access_bytes, max_offset, bytes, tokens_inner, pdl, 0);
@@ -246,7 +278,7 @@ int emulate_merge_states(int64_t tokens, int64_t states, int64_t heads, int64_t 
                          float inv_scale, void* out, const int64_t* out_s, float* out_lse, const int64_t* ol_s,
                          const void* o, const int64_t* o_s, const float* lse, const int64_t* l_s, const float* sink,
                          int64_t sink_stride) {
-  const MergeShape shape(tokens, heads, head_size, inputs_base2(bases));
+  const MergeShape shape = shape_of(tokens, heads, head_size, bases);
   const StackSource src{o,      o_s[0], o_s[1], o_s[2], lse, l_s[0], l_s[1], l_s[2],
                         states, SinkView{sink, sink_stride}, t_extras};
   const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr, bases);
@@ -261,7 +293,7 @@ int emulate_merge_share(int64_t tokens, int64_t states, int64_t heads, int64_t h
                         float inv_scale, void* out, const int64_t* out_s, float* out_lse, const int64_t* ol_s,
                         const void* o, const int64_t* o_s, const float* lse, const int64_t* l_s, int64_t index,
                         const float* sink, int64_t sink_stride) {
-  const MergeShape shape(tokens, heads, head_size, inputs_base2(bases));
+  const MergeShape shape = shape_of(tokens, heads, head_size, bases);
   const ShareSource src{
       {o, o_s[0], 0, o_s[1], lse, l_s[0], l_s[1], l_s[2], states, SinkView{sink, sink_stride}, t_extras}, index};
   const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr, bases);
@@ -277,7 +309,7 @@ int emulate_merge_varlen(int64_t rows, int64_t total, int64_t heads, int64_t hea
                          float inv_scale, void* out, const int64_t* out_s, float* out_lse, const int64_t* ol_s,
                          const void* o, const int64_t* o_s, const float* lse, const int64_t* l_s, const void* indptr,
                          int64_t indptr_stride, int indptr64, const float* sink, int64_t sink_stride) {
-  const MergeShape shape(rows, heads, head_size, inputs_base2(bases));
+  const MergeShape shape = shape_of(rows, heads, head_size, bases);
   const RangeSource src{o,     o_s[0], o_s[1], lse, l_s[0], l_s[1], indptr, indptr_stride, indptr64 != 0,
                         total, SinkView{sink, sink_stride}, t_extras};
   const OutView dst = out_view(out, out_s, out_lse, ol_s, inv_scale, nullptr, bases);

@@ -599,13 +599,17 @@ class Extras:
                            0 if v is None else v.itemsize)
 
 
+@pytest.mark.parametrize("live", (False, True), ids=("every_token", "live_count"))
 @pytest.mark.parametrize("extras", (False, True), ids=("lses", "stats_and_valid"))
 @pytest.mark.parametrize("fenced_tail", (True, False))  # arrays end at an unreadable page, or start after one
 @pytest.mark.parametrize("name", list(PATHS))
-def test_every_path_of_the_plan(emu, rng, name, fenced_tail, extras):
+def test_every_path_of_the_plan(emu, rng, name, fenced_tail, extras, live):
     """Each path as planned, and with StateExtras (softmax statistics and valid states: the same
-    path, a plain one taking its general kernel), merging right in every order of the threads."""
+    path, a plain one taking its general kernel), merging right in every order of the threads.
+    With a live count (num_tokens: half the tokens, int32 or int64) the same plan and launch, the
+    live rows merged right and every row past the count left as it was, bit for bit."""
     op, t, s, h, d, dtype, f, want = PATHS[name]
+    count = np.array([t // 2], np.int64 if len(name) % 2 else np.int32) if live else None
     layout = f.get("layout", "dense")
     far = FAR if f.get("far") else 1000
     ex = Extras(extras, rng, fenced_tail)
@@ -714,14 +718,23 @@ def test_every_path_of_the_plan(emu, rng, name, fenced_tail, extras):
                                             f.get("groups", 0), ctypes.c_float(1.0), *ptrs,
                                             ctypes.c_void_p(vi.ctypes.data), ctypes.c_int64(1), 1, *sink_ptr)
     ex.set(emu, op)
+    emu.emulate_num_tokens(None if count is None else ctypes.c_void_p(count.ctypes.data), count is not None and
+                           count.dtype == np.int64)
     try:
         run_orders(emu, call, [out, out_lse], seed=len(name))
     finally:
         Extras(False, rng, fenced_tail).set(emu, op)
+        emu.emulate_num_tokens(None, 0)
     got = plan(emu)
     assert {k: got[k] for k in want} == want, f"{name}: planned {got}"
     assert len(launches(emu)) == got["launches"]
-    assert_merge_matches(out, out_lse, (ref_o, ref_lse), dtype)
+    n = t if count is None else int(count[0])
+    assert_merge_matches(out[:n], out_lse[:n], (ref_o[:n], ref_lse[:n]), dtype)
+    if count is not None:  # the rows past the count hold what they held: the NaN poison, or in place the inputs
+        held = inputs if op == "inplace" else [np.full_like(out, np.nan), np.full_like(out_lse, np.nan)]
+        for x, before in zip((out, out_lse), held):
+            np.testing.assert_array_equal(np.asarray(x)[n:].view(np.uint8), before[n:].view(np.uint8),
+                                          err_msg="a row past the live count was written")
 
 
 def test_the_paths_reach_every_variant(emu):
@@ -1017,3 +1030,40 @@ def test_block_scaled_outputs(emu, data):
         b = scales.view(np.uint8)
         assert not (b[~real] != 0).any(), "a padding byte not zero"
     assert outside_view_is_nan(out, obuf) and outside_view_is_nan(scales, sbuf)
+
+
+# ---- a_tokens read from memory --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wide", (False, True), ids=("int32", "int64"))
+@pytest.mark.parametrize("fenced_tail", (True, False))
+@pytest.mark.parametrize("layout", ("dense", "tiled"))
+def test_a_tokens_from_memory(emu, rng, fenced_tail, wide, layout):
+    """The two-way merge's a_tokens read by the kernel (the C ABI's a_tokens_tensor): the general
+    kernel (a plain one would read every token of a), rows of tokens past the count take b alone
+    and never read a, whose rows there are NaN; in every order of the threads."""
+    t, h, d, k = (9, 3, 64, 4) if layout == "dense" else (70, 2, 16, 33)
+    o_a, o_b = random_o(rng, (t, h, d), "float16"), random_o(rng, (t, h, d), "float16")
+    lse_a, lse_b = random_lse(rng, (t, h)), random_lse(rng, (t, h))
+    ref = reference_merge(o_a, lse_a, o_b, lse_b, a_tokens=k)
+    o_a[k:], lse_a[k:] = np.nan, np.nan
+    va, _ = placed(o_a, {}, fenced_tail)
+    vla, _ = placed(lse_a, {}, fenced_tail)
+    vb, _ = placed(o_b, {}, fenced_tail)
+    vlb, _ = placed(lse_b, {}, fenced_tail)
+    out, out_lse = out_buffers((t, h, d), "float16", {}, fenced_tail)[0], nan_array((t, h))
+    ptrs, strides = pointers(out, out_lse, va, vla, vb, vlb)
+    count = np.array([k], np.int64 if wide else np.int32)
+    fact = fact_args(widest_vec(d, va, vb, out), 2, 132, 1000, LARGE if layout == "tiled" else 1 << 20)
+
+    def call():
+        return emu.emulate_merge(*head((t, t, h, d), "float16", "float16", "e", fact), int(layout == "tiled"), 1, 0,
+                                 ctypes.c_float(1.0), None, *ptrs, None, ctypes.c_int64(1))
+    emu.emulate_a_tokens(ctypes.c_void_p(count.ctypes.data), int(wide))
+    try:
+        run_orders(emu, call, [out, out_lse], seed=k)
+    finally:
+        emu.emulate_a_tokens(None, 0)
+    got = plan(emu)
+    assert got["variant"] == "rows" and got["tile_shift"] == (3 if layout == "tiled" else -1), got
+    assert_merge_matches(out, out_lse, ref, "float16")

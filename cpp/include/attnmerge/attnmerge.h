@@ -248,7 +248,7 @@ typedef struct attnmerge_options {
    * read by the kernel itself, so that no host synchronization is needed.  NULL (default): none. */
   const float* output_scale_ptr;
   /* The layout the caller was built against: 0, or sizeof(attnmerge_options) of a released
-   * attnmerge.h; any other size is refused.  This layout, 0.2.0's (104 bytes on 64-bit platforms),
+   * attnmerge.h; any other size is refused.  This layout, 0.2.0's (120 bytes on 64-bit platforms),
    * is the baseline: 0 names it, so that zero-initialized options are the defaults.  A later
    * release adds fields at the end only, and reads them only where struct_size is the size of a
    * layout that has them: a caller built against an older attnmerge.h keeps working. */
@@ -304,6 +304,21 @@ typedef struct attnmerge_options {
    * LSE = -inf (the sink's LSE, with one).  The backwards take none.  NULL (default): every state
    * holds keys. */
   const attnmerge_tensor* valid;
+  /* The live number of tokens (rows of the variable-length merge), read by the kernel from the
+   * op's device: an int32 or int64 tensor of one element (host memory for host tensors), so that a
+   * CUDA graph captured at a capacity serves every batch up to it without a host round trip.  The
+   * arrays are sized for the capacity (their tokens), and the launch too; the rows of tokens at or
+   * past the count read nothing and write nothing (every output there keeps what it held).  A
+   * count above the capacity is taken as the capacity, one below 0 as 0.  The forward merges and
+   * the share take it.  NULL (default): every token. */
+  const attnmerge_tensor* num_tokens;
+  /* The two-way merge's a_tokens read by the kernel from the op's device instead (an int32 or int64
+   * tensor of one element; host memory for host tensors), so that a captured CUDA graph takes a
+   * new one at each replay: the rows of the first a_tokens tokens merge a with b, the others take b
+   * alone and never read a.  o_a and lse_a then have every token (the count is not known on the
+   * host); a count above the tokens is taken as the tokens, one below 0 as 0.  Not with
+   * ATTNMERGE_A_TOKENS.  NULL (default): options.a_tokens. */
+  const attnmerge_tensor* a_tokens_tensor;
 } attnmerge_options;
 
 /** Two-way merge: (out, out_lse) = merge((o_a, lse_a), (o_b, lse_b)), and options->sink where given.

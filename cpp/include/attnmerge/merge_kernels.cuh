@@ -266,11 +266,11 @@ __device__ __forceinline__ bool locate_row(const MergeShape& shape, I row, I& to
   }
 }
 
-// The token whose mask byte rules `row` (`token`, as located): a flat row's own token for a masked
-// plain source, whose rows are located as (row, 0).
+// The token of `row` (`token`, as located): a flat row's own token for a plain source, whose rows
+// are located as (row, 0).  Its mask byte and the live count (MergeShape::live_tokens) rule the row.
 template <typename Source, typename I>
-__device__ __forceinline__ I mask_token(const MergeShape& shape, I row, I token) {
-  if constexpr (Source::Traits::kRowIndex == RowIndex::kFlat && Source::Traits::kMask == Mask::kByToken) {
+__device__ __forceinline__ I row_token(const MergeShape& shape, I row, I token) {
+  if constexpr (Source::Traits::kRowIndex == RowIndex::kFlat) {
     I t, h;
     shape.split_row<Tiles::kNone>(row, t, h);
     return t;
@@ -337,7 +337,9 @@ __device__ __forceinline__ void merge_body(const MergeShape& shape, const Source
   if constexpr (!kBarrier) {
     if (!live) return;
   }
-  if (live && src.masked_out(mask_token<Source>(shape, row, token))) live = false;
+  if (live && src.masked_out(row_token<Source>(shape, row, token))) live = false;
+  // A row past the live count: the one place each kRows kernel learns it, before any read of its own.
+  if (live && shape.live_tokens != nullptr && shape.past_live(row_token<Source>(shape, row, token))) live = false;
   if constexpr (!kBarrier) {
     if (!live) return;
   }
@@ -512,9 +514,10 @@ __device__ __forceinline__ void merge_states_body(const MergeShape& shape, const
   const int k = static_cast<int>(threadIdx.x), g = static_cast<int>(threadIdx.y);
   const int packs = static_cast<int>(blockDim.x);
   const I row = static_cast<I>(blockIdx.x) * static_cast<I>(blockDim.z) + static_cast<I>(threadIdx.z);
-  const bool live = row < static_cast<I>(shape.rows);
+  bool live = row < static_cast<I>(shape.rows);
   I token = 0, head = 0;
   if (live) shape.split_row<Tiles::kNone>(row, token, head);
+  if (live && shape.past_live(token)) live = false, token = 0, head = 0;  // past the live count: reads nothing
   const auto states = src.template row<TIn>(token, head);
   const int n = live ? states.count() : 0;
   const int mine = n > g ? ((n - g - 1) >> kShift) + 1 : 0;  // this group's states
@@ -652,7 +655,7 @@ __device__ __forceinline__ void merge_share_body(const MergeShape& shape, const 
   const I k = static_cast<I>(blockIdx.y) * static_cast<I>(blockDim.x) + static_cast<I>(threadIdx.x);
   if (row >= static_cast<I>(shape.rows) || k >= static_cast<I>(shape.packs)) return;
   I token, head;
-  if (!locate_row<ShareSource>(shape, row, token, head)) return;
+  if (!locate_row<ShareSource>(shape, row, token, head) || shape.past_live(token)) return;
   const auto states = src.template row<TIn>(token, head, k * VEC);
   const bool evict_first = shape.evict_first;
   const Pack<TIn, VEC> own = load_pack<TIn, VEC>(states.template o_at<TIn>(states.own), evict_first);
@@ -722,7 +725,8 @@ __global__ void __launch_bounds__(max_threads<Source>())
   if (row >= static_cast<I>(shape.rows)) return;
   I token, head;
   if (!locate_row<Source>(shape, row, token, head)) return;
-  if (src.masked_out(token)) return;
+  if (src.masked_out(row_token<Source>(shape, row, token)) || shape.past_live(row_token<Source>(shape, row, token)))
+    return;
   const auto states = src.template row<float>(token, head);
   const int n = states.count();
   float l[kChunk], w[kChunk];

@@ -378,7 +378,8 @@ LaunchPlan plan_merge(const MergeShape& shape, const Source& src, const OutView&
     // a tile would mostly be padding (benchmarks/NOTES.md#lse-tiles).
     if (facts.lse_tokens_inner && s.tokens >= 64) s.tile(3);
     s.evict_first = plan_detail::evict_first_o(src, facts.bytes, s.tile_shift < 0);
-    const bool plain = !Source::Traits::kSink && src.a_tokens >= s.tokens && s.tile_shift < 0 && out.scale == nullptr &&
+    const bool plain = !Source::Traits::kSink && src.a_tokens >= s.tokens && src.a_tokens_at == nullptr &&
+                       s.tile_shift < 0 && out.scale == nullptr &&
                        src.b_scale == 1.0f && out.lse_scale == 1.0f && out.group == 0 && !src.extras.on &&
                        plain_pair(facts.in, facts.out);  // PlainPairSource: one base, no groups, sink or extras
     // Flat rows: dense heads and the same row strides in every view (PlainPairSource's kFlatRows).

@@ -238,6 +238,8 @@ ATTNMERGE_HD bool extras_on(const Source& src) {
 
 // Two states.  Rows of tokens >= a_tokens have no state a (it is not read); rows whose mask byte is
 // 0 are skipped whole (the in-place merge leaves them untouched) and read nothing but that byte.
+// a_tokens_at: a_tokens read from the call's memory instead (one int32, int64 where
+// a_tokens_wide), clamped to [0, a_tokens], so that a captured graph takes a new one each replay.
 template <typename R>
 struct BasicPairSource {
   struct Traits : SourceTraits {
@@ -250,6 +252,8 @@ struct BasicPairSource {
   int64_t a_tokens;
   const uint8_t* mask;  // may be null
   int64_t mask_stride;
+  const void* a_tokens_at = nullptr;
+  bool a_tokens_wide = false;
   // b's LSEs into a's base (base_change): 1 but for ATTNMERGE_LSE_B_*, which only this source
   // takes (the plan gives such calls no plain kernel).
   Real b_scale = 1;
@@ -271,12 +275,17 @@ struct BasicPairSource {
     return mask != nullptr && mask[token * static_cast<I>(mask_stride)] == 0;
   }
 
+  // The tokens whose rows merge a with b.
+  ATTNMERGE_HD int64_t a_count() const {
+    return a_tokens_at == nullptr ? a_tokens : read_count(a_tokens_at, a_tokens_wide, a_tokens);
+  }
+
   // take false: the row's LSEs are -inf and nothing of it is read (a thread off the rows, or of a
   // masked-out row, that must still reach a barrier).
   template <typename T, typename I>
   ATTNMERGE_HD Row row(I token, I head, I at = I{0}, bool take = true) const {
     Row r;
-    const bool has_a = take && token < static_cast<I>(a_tokens);  // a_tokens <= tokens: fits in I
+    const bool has_a = take && token < static_cast<I>(a_count());  // a_tokens <= tokens: fits in I
     const I token_a = has_a ? token : I{0};  // a may have fewer tokens: no offset past its end
     r.o[1] = b.template o_at<T>(token, head, at);
     r.o[0] = has_a ? a.template o_at<T>(token_a, head, at) : r.o[1];  // no a: weight 0, b's row stands in
@@ -289,7 +298,7 @@ struct BasicPairSource {
   // of the row's states (a row without a has none of a's read).  Where extras.on.
   template <typename I>
   ATTNMERGE_HD Real settle(Real l, I token, I head, int s, bool take, bool base2) const {
-    take = take && (s == 1 || token < static_cast<I>(a_tokens));
+    take = take && (s == 1 || token < static_cast<I>(a_count()));
     const BasicSumView<Real>& sum = s == 0 ? extras.sum_a : extras.sum_b;
     const bool valid = take && extras.valid.holds(token, static_cast<I>(s), take);
     return settled_lse(l, valid, sum.at_or_one(token, I{0}, head, take), sum.p != nullptr, base2);

@@ -21,6 +21,13 @@ ATTNMERGE_HD uint32_t mul_hi(uint32_t a, uint32_t b) {
 #endif
 }
 
+// A count read by the kernels from the call's memory (num_tokens, a device a_tokens): one int32,
+// or int64 where `wide`, at `at`, clamped to [0, most].
+ATTNMERGE_HD int64_t read_count(const void* at, bool wide, int64_t most) {
+  const int64_t n = wide ? *static_cast<const int64_t*>(at) : *static_cast<const int32_t*>(at);
+  return n < 0 ? 0 : n > most ? most : n;
+}
+
 // Whether a launch's rows may be in tiles (MergeShape::tile), or are known to be untiled.
 enum class Tiles : int8_t { kMaybe, kNone };
 
@@ -41,11 +48,27 @@ struct MergeShape {
   // index math.
   uint32_t magic;
   int shift;
+  // The live tokens (num_tokens): null, every token; else one int32 (int64 where live_wide) in the
+  // call's memory, read by the kernels themselves, so that a launch sized for `tokens` (a captured
+  // graph's capacity) serves any count without a host round trip.  A row of a token at or past
+  // the count reads nothing and writes nothing.
+  const void* live_tokens = nullptr;
+  bool live_wide = false;
 
   ATTNMERGE_HD MergeShape(int64_t tokens_, int64_t heads_, int64_t head_size_, bool base2_)
       : tokens(tokens_), heads(heads_), head_size(head_size_), rows(tokens_ * heads_), packs(head_size_), evict_first(false), base2(base2_),
         tile_shift(-1), magic(0), shift(0) {
     set_divisor(heads);
+  }
+
+  // The tokens whose rows run: the count live_tokens holds, clamped to [0, tokens] (tokens without one).
+  ATTNMERGE_HD int64_t live() const {
+    return live_tokens == nullptr ? tokens : read_count(live_tokens, live_wide, tokens);
+  }
+  // Whether the row of `token` (< tokens) lies at or past the live count: it exits unread.
+  template <typename I>
+  ATTNMERGE_HD bool past_live(I token) const {
+    return live_tokens != nullptr && static_cast<int64_t>(token) >= live();
   }
 
   // Tiles of 2^tile_shift_ tokens (see tile_shift); rows rounded up to whole tiles.
