@@ -5,9 +5,9 @@
 #
 #   SANITIZE_TESTS    test files (default: the semantic suites of the five ops, FP8, per-group
 #                     and block-scaled outputs, sinks, mixed LSE bases, batch invariance,
-#                     float64's refusal, softmax statistics and empty shards (valid), run on their
-#                     `cuda` device by -m gpu, packed records, torch.func, and the GPU interop, compat and
-#                     raw tests).  The exchange's tests are not among them: its ranks simulated on one
+#                     float64's refusal, softmax statistics and empty shards (valid), device-side
+#                     token counts, run on their `cuda` device by -m gpu, packed records,
+#                     torch.func, and the GPU interop, compat and raw tests).  The exchange's tests are not among them: its ranks simulated on one
 #                     GPU wait for each other's kernels, which the tools serialize; run them with
 #                     SANITIZE_TESTS="tests/semantics/test_merge_exchange.py tests/errors/test_exchange_inputs.py"
 #                     SANITIZE_K="alternate or launch_record or inputs" (the cases whose launches
@@ -27,7 +27,7 @@ SEMANTICS="tests/semantics/test_merge.py tests/semantics/test_merge_inplace.py t
   tests/semantics/test_block_scaled.py
   tests/semantics/test_batch_invariance.py tests/semantics/test_float64.py tests/interop/test_packed_records.py
   tests/interop/test_torch_func.py tests/semantics/test_softmax_stats.py tests/semantics/test_valid_states.py
-  tests/semantics/test_state_forms_options.py"
+  tests/semantics/test_state_forms_options.py tests/semantics/test_live_tokens.py"
 INTEROP="tests/interop/test_gpu_arrays.py tests/interop/test_cuda_graphs.py tests/interop/test_streams.py
   tests/interop/test_devices.py tests/compat tests/abi/test_raw_pointers.py"
 TESTS="${SANITIZE_TESTS:-$SEMANTICS $INTEROP}"
