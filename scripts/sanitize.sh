@@ -7,8 +7,9 @@
 #                     and block-scaled outputs, sinks, mixed LSE bases, batch invariance,
 #                     float64's refusal, softmax statistics and empty shards (valid), device-side
 #                     token counts, run on their `cuda` device by -m gpu, packed records,
-#                     torch.func, and the GPU interop, compat and raw tests).  The exchange's tests are not among them: its ranks simulated on one
-#                     GPU wait for each other's kernels, which the tools serialize; run them with
+#                     torch.func, and the GPU interop, compat and raw tests).  The exchange's tests
+#                     are not among them: its ranks simulated on one GPU wait for each other's
+#                     kernels, which the tools serialize; run them with
 #                     SANITIZE_TESTS="tests/semantics/test_merge_exchange.py tests/errors/test_exchange_inputs.py"
 #                     SANITIZE_K="alternate or launch_record or inputs" (the cases whose launches
 #                     wait on none)
