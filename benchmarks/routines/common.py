@@ -46,6 +46,37 @@ def alternated_graph_us(torch, fns, sets, rounds=3, **graph_options):
     return [statistics.median(t) for t in times]
 
 
+def forms_against_first(runner, cases, heads, names, make, call, check):
+    """The routines that time forms of one merge against its first form (layouts, state_forms):
+    per (tokens, cp, head_size) case, input sets from make(tokens, cp, head_size), as many as
+    their bytes ask (bf16 O of cp states and the merge, float32 LSEs); each form called once on
+    the first set (call(set, name)) and checked (check(set, name): the largest |O - ref| and
+    |LSE - ref|, within bf16's rounding of O and float32's of the LSE), then every form timed in
+    turn.  (rows, failed cases): a row per case with each form's us and its ratio to the first
+    form's, and the forms that failed their check, each case printed as it ends."""
+    rows, failed, first = [], 0, names[0]
+    for tokens, cp, head_size in runner.cases(cases):
+        nbytes = (cp + 1) * tokens * heads * (head_size * 2 + 4)  # the states read and the merge written
+        sets = [make(tokens, cp, head_size) for _ in range(runner.count or input_sets(nbytes * len(names)))]
+        bad = []
+        for name in names:
+            call(sets[0], name)
+            o_err, lse_err = check(sets[0], name)
+            if not (o_err <= 3e-2 and lse_err <= 1e-4):  # bf16 rounding of O; LSE in float32
+                bad.append(f"{name} (|O - ref| {o_err:.2g}, |LSE - ref| {lse_err:.2g})")
+        failed += bool(bad)
+        fns = [lambda *inputs, name=name: call(inputs, name) for name in names]
+        times = dict(zip(names, runner.time(fns, sets)))
+        ratios = {name: times[name] / times[first] for name in names}
+        rows.append(dict(tokens=tokens, cp=cp, heads=heads, head_size=head_size, bytes=nbytes,
+                         **{f"{name}_us": t for name, t in times.items()},
+                         **{f"{name}_ratio": r for name, r in ratios.items() if name != first}, failed=bad))
+        print(f"{tokens} tokens, cp {cp}, D {head_size} ({nbytes / 1e6:.2f} MB): {first} {times[first]:.2f} us; "
+              + ", ".join(f"{name} {ratios[name]:.3f}x" for name in names[1:])
+              + ("" if not bad else "; FAILED " + "; ".join(bad)), flush=True)
+    return rows, failed
+
+
 class Runner:
     """Where a routine's calls run.  On the GPU (the default): input sets on "cuda", as many as each
     routine's set maker gives, every case, and `time` alternates the calls' graph timings.  With

@@ -17,7 +17,8 @@ replay, input sets rotated past L2, the median of 3 alternations."""
 import statistics
 
 import attnmerge
-from attnmerge.bench.timing import input_sets
+
+from .common import forms_against_first
 
 HEADS = 32
 TARGET = 1.03  # a layout's time over the stacked layout's, at most (records_d2 aside)
@@ -81,30 +82,11 @@ def error(torch, states, out, out_lse):
 
 def run(args, runner):
     torch = runner.torch
-    rows, failed = [], 0
     cases = [(t, cp, d) for d in args.head_sizes for cp in args.cp for t in args.tokens]
-    for tokens, cp, head_size in runner.cases(cases):
-        nbytes = (cp + 1) * tokens * HEADS * (head_size * 2 + 4)  # the states read and the merge written
-        sets = [make_set(torch, runner.device, tokens, cp, head_size)
-                for _ in range(runner.count or input_sets(nbytes * len(LAYOUTS)))]
-        bad = []
-        for name in LAYOUTS:
-            merge(*sets[0][:2], name)
-            o_err, lse_err = error(torch, sets[0][2], *sets[0][1][name])
-            if not (o_err <= 3e-2 and lse_err <= 1e-4):  # bf16 rounding of O; LSE in float32
-                bad.append(f"{name} (|O - ref| {o_err:.2g}, |LSE - ref| {lse_err:.2g})")
-        failed += bool(bad)
-        fns = [lambda inputs, outs, _, name=name: merge(inputs, outs, name) for name in LAYOUTS]
-        times = dict(zip(LAYOUTS, runner.time(fns, sets)))
-        ratios = {name: times[name] / times["stacked"] for name in LAYOUTS}
-        row = dict(tokens=tokens, cp=cp, heads=HEADS, head_size=head_size, bytes=nbytes,
-                   **{f"{name}_us": t for name, t in times.items()},
-                   **{f"{name}_ratio": r for name, r in ratios.items() if name != "stacked"},
-                   failed=bad)
-        rows.append(row)
-        print(f"{tokens} tokens, cp {cp}, D {head_size} ({nbytes / 1e6:.2f} MB): stacked {times['stacked']:.2f} us; "
-              + ", ".join(f"{name} {ratios[name]:.3f}x" for name in LAYOUTS[1:])
-              + ("" if not bad else "; FAILED " + "; ".join(bad)), flush=True)
+    rows, failed = forms_against_first(
+        runner, cases, HEADS, LAYOUTS, lambda t, cp, d: make_set(torch, runner.device, t, cp, d),
+        lambda inputs, name: merge(*inputs[:2], name),
+        lambda inputs, name: error(torch, inputs[2], *inputs[1][name]))
     over = [(r["tokens"], r["cp"], r["head_size"], name) for r in rows for name in LAYOUTS[1:-1]
             if r[f"{name}_ratio"] > TARGET]
     print(f"layouts: {len(rows)} cases, {len(over)} layout timings past {TARGET}x the stacked one"

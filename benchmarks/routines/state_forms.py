@@ -9,8 +9,7 @@ replay, input sets rotated past L2, the median of 3 alternations."""
 import statistics
 
 import attnmerge
-from attnmerge.bench.timing import input_sets
-
+from .common import forms_against_first
 from .layouts import add_arguments  # noqa: F401  (the same cases: --tokens, --cp, --head-sizes)
 
 HEADS = 32
@@ -56,28 +55,11 @@ def error(torch, states, name, out, out_lse):
 
 def run(args, runner):
     torch = runner.torch
-    rows, failed = [], 0
     cases = [(t, cp, d) for d in args.head_sizes for cp in args.cp for t in args.tokens]
-    for tokens, cp, head_size in runner.cases(cases):
-        nbytes = (cp + 1) * tokens * HEADS * (head_size * 2 + 4)  # the states read and the merge written
-        sets = [make_set(torch, runner.device, tokens, cp, head_size)
-                for _ in range(runner.count or input_sets(nbytes * len(FORMS)))]
-        bad = []
-        for name in FORMS:
-            merge(*sets[0][:3], name)
-            o_err, lse_err = error(torch, sets[0][3], name, *sets[0][2][name])
-            if not (o_err <= 3e-2 and lse_err <= 1e-4):  # bf16 rounding of O; LSE in float32
-                bad.append(f"{name} (|O - ref| {o_err:.2g}, |LSE - ref| {lse_err:.2g})")
-        failed += bool(bad)
-        fns = [lambda o, inputs, outs, _, name=name: merge(o, inputs, outs, name) for name in FORMS]
-        times = dict(zip(FORMS, runner.time(fns, sets)))
-        ratios = {name: times[name] / times["lse"] for name in FORMS}
-        rows.append(dict(tokens=tokens, cp=cp, heads=HEADS, head_size=head_size, bytes=nbytes,
-                         **{f"{name}_us": t for name, t in times.items()},
-                         **{f"{name}_ratio": r for name, r in ratios.items() if name != "lse"}, failed=bad))
-        print(f"{tokens} tokens, cp {cp}, D {head_size} ({nbytes / 1e6:.2f} MB): LSEs {times['lse']:.2f} us; "
-              + ", ".join(f"{name} {ratios[name]:.3f}x" for name in FORMS[1:])
-              + ("" if not bad else "; FAILED " + "; ".join(bad)), flush=True)
+    rows, failed = forms_against_first(
+        runner, cases, HEADS, FORMS, lambda t, cp, d: make_set(torch, runner.device, t, cp, d),
+        lambda inputs, name: merge(*inputs[:3], name),
+        lambda inputs, name: error(torch, inputs[3], name, *inputs[2][name]))
     print(f"state_forms: {len(rows)} cases; median ratios "
           + ", ".join(f"{n} {statistics.median(r[f'{n}_ratio'] for r in rows):.3f}x" for n in FORMS[1:])
           + f"; {failed} failed")
