@@ -20,6 +20,7 @@ does (a clamped bad indptr, CUDA graphs, launch records) is skipped there by `de
     dev.dtype(name)            the library's dtype object of a dtype name
     dev.raw_device             the raw layer's `device=` for this device's arrays
 
+put_lse(dev, x): an LSE argument on the device: an array, or a (max, sum) tuple of them.
 raw_o(x), raw_lse(x): the raw layer's descriptors (attnmerge.raw) of a NumPy array or a torch tensor.
 """
 
@@ -56,6 +57,11 @@ def element_strides(x) -> tuple:
 
 def pointer(x) -> int:
     return x.ctypes.data if isinstance(x, np.ndarray) else x.data_ptr()
+
+
+def put_lse(device, x):
+    """An LSE argument on `device`: a NumPy array, or softmax statistics as a (max, sum) tuple of them."""
+    return tuple(device.put(y) for y in x) if isinstance(x, tuple) else device.put(x)
 
 
 def raw_o(x):

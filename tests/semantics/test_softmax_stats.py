@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import attnmerge
+from devices import put_lse
 from oracle import (DTYPES, assert_merge_matches, random_lse, random_o, random_stacked, reference_merge,
                     reference_merge_share, reference_merge_stacked, reference_merge_states, reference_merge_varlen,
                     stats_lse, strided_view)
@@ -40,9 +41,9 @@ def put_stats(device, m, total):
 def merge_call(device, o_a, lse_a, o_b, lse_b, out_dtype=None, **kw):
     """merge on the device, an LSE argument given as an array or a (max, sum) tuple, into
     NaN-poisoned outputs; (out, out_lse) read back."""
-    place = (lambda x: tuple(device.put(y) for y in x) if isinstance(x, tuple) else device.put(x))
     out, out_lse = device.nan(o_b.shape, out_dtype or o_b.dtype), device.nan(o_b.shape[:2])
-    res = attnmerge.merge(device.put(o_a), place(lse_a), device.put(o_b), place(lse_b), out=out, out_lse=out_lse, **kw)
+    res = attnmerge.merge(device.put(o_a), put_lse(device, lse_a), device.put(o_b), put_lse(device, lse_b),
+                          out=out, out_lse=out_lse, **kw)
     assert res[0] is out and res[1] is out_lse
     return device.get(out), device.get(out_lse)
 

@@ -187,8 +187,8 @@ def test_merge_skips_the_states_without_keys(rng, device, option, dtype):
     for x, lse, col in ((o_a, lse_a, 0), (o_b, lse_b, 1)):
         x[valid[:, col] == 0] = np.nan
         lse[valid[:, col] == 0] = np.nan
-    place = (lambda x: tuple(device.put(y) for y in x) if isinstance(x, tuple) else device.put(x))
-    out, out_lse = attnmerge.merge(device.put(o_a), place(args_a), device.put(o_b), place(args_b),
+    out, out_lse = attnmerge.merge(device.put(o_a), devices.put_lse(device, args_a), device.put(o_b),
+                                   devices.put_lse(device, args_b),
                                    valid=device.put(valid), **kw)
     assert_merge_matches(device.get(out), device.get(out_lse), ref, dtype)
 
