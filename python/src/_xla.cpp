@@ -183,8 +183,9 @@ ffi::Error merge_states(void* stream, int32_t device, ffi::AnyBuffer o, ffi::Any
 
 ffi::Error merge_varlen(void* stream, int32_t device, ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer indptr,
                         ffi::AnyBuffer sink, ffi::AnyBuffer scale, ffi::AnyBuffer sum_a, ffi::AnyBuffer sum_b,
-                        ffi::AnyBuffer valid, ffi::AnyBuffer num_tokens, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_lse,
-                        ffi::Result<ffi::AnyBuffer> group_scales, ffi::Dictionary attrs) {
+                        ffi::AnyBuffer valid, ffi::AnyBuffer num_tokens, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer> out_lse, ffi::Result<ffi::AnyBuffer> group_scales,
+                        ffi::Dictionary attrs) {
   return with(attrs, true, [&](const Attributes& a) {
     const attnmerge_tensor t_indptr = index_tensor(indptr, device);
     const attnmerge_tensor t_out = tensor(*out, device, 3), t_out_lse = tensor(*out_lse, device, 2);
