@@ -140,7 +140,7 @@ uint32_t dtypes_for(const ArgSpec& spec, uint32_t formats) {
 
 attnmerge_status describe_one(const attnmerge_tensor* t, const ArgSpec& spec, LseLayout layout, const ArgNames& names,
                               uint32_t formats, View& v) {
-  v = View{};
+  // `v` is as Checked made it (View's defaults): absent, its sizes 0; a given tensor sets the rest.
   v.spec = &spec;
   v.names = &names;
   const int ndim = spec.ndim();
@@ -260,7 +260,7 @@ attnmerge_status read_layout(const attnmerge_options* options, attnmerge_options
 
 namespace {
 
-// Step 1: tensors[i] against specs[i], each alone, into views[i], in table order.
+// Step 1: tensors[i] against specs[i], each alone, into views[i] (a fresh Checked's), in table order.
 attnmerge_status describe(const ArgSpec* specs, const attnmerge_tensor* const* tensors, int n, LseLayout layout,
                           const ArgNames& names, uint32_t formats, View* views) {
   for (int i = 0; i < n; ++i)
@@ -695,25 +695,27 @@ attnmerge_status check_shapes(Views views, const Sizes& sizes, const View& sourc
   return ATTNMERGE_SUCCESS;
 }
 
-// Step 5: the outputs, against themselves, the outputs before them and every input.
+// Step 5: the outputs, against themselves, the outputs before them and every input (the given
+// views alone, gathered first: an op's table lists every option tensor, most of them absent).
 attnmerge_status check_outputs(Views views) {
-  for (const View& w : views)
-    if (w.spec->is_output() && w.present() && (w.t->flags & ATTNMERGE_READ_ONLY))
-      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a writable tensor, got a read-only one", w.name());
+  const View *outs[kMaxArgs], *ins[kMaxArgs];
+  int n_out = 0, n_in = 0;
+  for (const View& v : views)
+    if (v.present()) (v.spec->is_output() ? outs[n_out++] : ins[n_in++]) = &v;
+  for (int i = 0; i < n_out; ++i)
+    if (outs[i]->t->flags & ATTNMERGE_READ_ONLY)
+      return fail(ATTNMERGE_ERROR_VALUE, "%s: expected a writable tensor, got a read-only one", outs[i]->name());
   attnmerge_status s;
-  for (const View& w : views)
-    if (w.spec->is_output() && (s = check_no_self_overlap(w))) return s;
-  for (const View* w = views.begin(); w != views.end(); ++w)
-    for (const View* u = views.begin(); u != w; ++u)
-      if (w->spec->is_output() && u->spec->is_output() && (s = check_disjoint(*w, *u, Alias::kNone))) return s;
-  for (const View& in : views) {
-    if (in.spec->is_output()) continue;
-    for (const View& w : views) {
-      if (!w.spec->is_output()) continue;
-      const bool same_kind = in.spec->is_o() == w.spec->is_o();
-      if ((s = check_disjoint(w, in, same_kind ? in.spec->alias : Alias::kNone))) return s;
+  for (int i = 0; i < n_out; ++i)
+    if ((s = check_no_self_overlap(*outs[i]))) return s;
+  for (int i = 0; i < n_out; ++i)
+    for (int j = 0; j < i; ++j)
+      if ((s = check_disjoint(*outs[i], *outs[j], Alias::kNone))) return s;
+  for (int k = 0; k < n_in; ++k)
+    for (int i = 0; i < n_out; ++i) {
+      const bool same_kind = ins[k]->spec->is_o() == outs[i]->spec->is_o();
+      if ((s = check_disjoint(*outs[i], *ins[k], same_kind ? ins[k]->spec->alias : Alias::kNone))) return s;
     }
-  }
   return ATTNMERGE_SUCCESS;
 }
 
