@@ -26,8 +26,8 @@ def test_the_cpu_benchmark_builds_and_runs_without_a_cuda_toolkit(tmp_path):
                                check=True).stdout.strip()
     build = tmp_path / "native"
     configure = subprocess.run([exe, "-S", os.path.join(ROOT, "benchmarks", "native"), "-B", str(build),
-                                f"-Dattnmerge_DIR={cmake_dir}", "-DCMAKE_BUILD_TYPE=Release", "-DATTNMERGE_BENCH_CUDA=OFF"],
-                               capture_output=True, text=True, timeout=300)
+                                f"-Dattnmerge_DIR={cmake_dir}", "-DCMAKE_BUILD_TYPE=Release",
+                                "-DATTNMERGE_BENCH_CUDA=OFF"], capture_output=True, text=True, timeout=300)
     assert configure.returncode == 0, configure.stdout + configure.stderr
     assert "no CUDA benchmarks: host_cpu_abi alone" in configure.stdout
     built = subprocess.run([exe, "--build", str(build)], capture_output=True, text=True, timeout=300)
