@@ -13,6 +13,8 @@
 #                  outputs' reference tests); none by default
 #   ROUTINES       the routines of benchmarks/run.py, in order (default below); vs_seed and
 #                  vs_flashinfer need `python benchmarks/peers/fetch.py` run where PyPI is reachable
+#   SUITE          0: no suite and no sanitizers, the routines alone (a second call on the same
+#                  wheel); default 1
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -34,22 +36,27 @@ else
     || { say "the wheel did not build: $W/gpu/wheel.log"; tar czf "$OUT/suite.tgz" -C "$W" gpu; exit 2; }
   WHL=$(ls "$W"/*.whl); say "wheel in $((SECONDS - T0)) s: $(basename "$WHL")"
 fi
-ATTNMERGE_WHEEL="$WHL" OUT="$W/gpu" PYTEST_ARGS="${PYTEST_ARGS:--n 12}" \
-  timeout $((SUITE_END - (SECONDS - T0))) bash scripts/gpu-test.sh > "$W/gpu/run.log" 2>&1 &
-suite=$!
-while [ ! -s "$W/gpu/info.txt" ] && kill -0 $suite 2>/dev/null; do sleep 2; done  # installed
-for tool in memcheck racecheck initcheck synccheck; do
-  SANITIZE_TOOLS=$tool OUT="$W/san" SANITIZE_TIMEOUT=$((SUITE_END - (SECONDS - T0))) \
-    bash scripts/sanitize.sh > "$W/san/$tool.summary" 2>&1 &
-done
-SANITIZE_TOOLS=memcheck OUT="$W/sanx" SANITIZE_TIMEOUT=$((SUITE_END - (SECONDS - T0))) \
-  SANITIZE_TESTS="tests/semantics/test_merge_exchange.py tests/errors/test_exchange_inputs.py" \
-  SANITIZE_K="alternate or launch_record or inputs" bash scripts/sanitize.sh > "$W/sanx/memcheck.summary" 2>&1 &
-wait $suite; say "gpu-test rc=$? at $((SECONDS - T0)) s: $(grep -E 'passed|failed' "$W/gpu/run.log" | tail -1)"
-grep -E "^(FAILED|ERROR)" "$W/gpu/pytest.log" 2>/dev/null | head -40 | tee -a "$S"
-tar czf "$OUT/suite.tgz" -C "$W" gpu
-wait; say "sanitizers done at $((SECONDS - T0)) s"; cat "$W"/san/*.summary "$W/sanx/memcheck.summary" | tee -a "$S"
-tar czf "$OUT/san.tgz" -C "$W" san sanx
+if [ "${SUITE:-1}" = 0 ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$W/am" "$WHL" \
+    && export PYTHONPATH="$W/am${PYTHONPATH:+:$PYTHONPATH}" && say "routines alone, on $(basename "$WHL")"
+else
+  ATTNMERGE_WHEEL="$WHL" OUT="$W/gpu" PYTEST_ARGS="${PYTEST_ARGS:--n 12}" \
+    timeout $((SUITE_END - (SECONDS - T0))) bash scripts/gpu-test.sh > "$W/gpu/run.log" 2>&1 &
+  suite=$!
+  while [ ! -s "$W/gpu/info.txt" ] && kill -0 $suite 2>/dev/null; do sleep 2; done  # installed
+  for tool in memcheck racecheck initcheck synccheck; do
+    SANITIZE_TOOLS=$tool OUT="$W/san" SANITIZE_TIMEOUT=$((SUITE_END - (SECONDS - T0))) \
+      bash scripts/sanitize.sh > "$W/san/$tool.summary" 2>&1 &
+  done
+  SANITIZE_TOOLS=memcheck OUT="$W/sanx" SANITIZE_TIMEOUT=$((SUITE_END - (SECONDS - T0))) \
+    SANITIZE_TESTS="tests/semantics/test_merge_exchange.py tests/errors/test_exchange_inputs.py" \
+    SANITIZE_K="alternate or launch_record or inputs" bash scripts/sanitize.sh > "$W/sanx/memcheck.summary" 2>&1 &
+  wait $suite; say "gpu-test rc=$? at $((SECONDS - T0)) s: $(grep -E 'passed|failed' "$W/gpu/run.log" | tail -1)"
+  grep -E "^(FAILED|ERROR)" "$W/gpu/pytest.log" 2>/dev/null | head -40 | tee -a "$S"
+  tar czf "$OUT/suite.tgz" -C "$W" gpu
+  wait; say "sanitizers done at $((SECONDS - T0)) s"; cat "$W"/san/*.summary "$W/sanx/memcheck.summary" | tee -a "$S"
+  tar czf "$OUT/san.tgz" -C "$W" san sanx
+fi
 for spec in ${ROUTINES:-pdl_chain block_scaled vs_flashinfer vs_seed layouts exchange state_forms}; do
   left=$((LIMIT - (SECONDS - T0) - 10))
   [ $left -lt 20 ] && { say "$spec: no time left"; continue; }
