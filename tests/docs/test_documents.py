@@ -61,3 +61,27 @@ def test_every_cited_decision_has_its_anchor_in_the_notes():
     assert cited, "no citation found: the walk is wrong"
     missing = {a: where for a, where in cited.items() if a not in anchors}
     assert not missing, f"citations of anchors benchmarks/NOTES.md does not have: {missing}"
+
+
+# A file of the repository a document names in code, and a routine of the benchmarks' driver.
+NAMED_FILE = re.compile(r"(?<![\w/.-])((?:benchmarks|scripts|examples|tests)/[\w./-]+\.(?:py|sh|cu|cpp|json|txt|png))")
+ROUTINE = re.compile(r"python benchmarks/run\.py ([a-z0-9_]+)")
+
+
+@pytest.mark.parametrize("document", DOCUMENTS + ["CONTRIBUTING.md", "benchmarks/NOTES.md"])
+def test_every_script_and_routine_a_document_names_exists(document):
+    """A command a document gives runs: each script, program or result it names is a file of the
+    repository (a script renamed or folded into a routine takes its mentions along) and each
+    `python benchmarks/run.py ROUTINE` names a routine of the driver."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from routines import ROUTINES
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    text = read(document)
+    missing = sorted({path for path in NAMED_FILE.findall(text) if not os.path.exists(os.path.join(ROOT, path))})
+    assert not missing, f"{document} names files the repository does not have: {missing}"
+    unknown = sorted(set(ROUTINE.findall(text)) - set(ROUTINES))
+    assert not unknown, f"{document} runs routines benchmarks/run.py does not have: {unknown}"
