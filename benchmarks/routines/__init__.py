@@ -9,6 +9,7 @@ ROUTINES = {
     "layouts": ("layouts", "merge_states on an exchange's layouts and packed records against the stacked layout"),
     "state_forms": ("state_forms", "merge_states of (max, sum) statistics and of empty shards (valid) against LSEs"),
     "exchange": ("exchange", "the exchange fused with the merge, ranks on one GPU, against the floor and a gather"),
+    "cp_step": ("cp_step", "context parallelism across W GPUs: each form's exchange, merge and both, checked"),
     "pdl_chain": ("pdl_chain", "a producer kernel then the merge, graph-captured, with and without PDL"),
     "plain_pairs": ("plain_pairs", "the plain two-way kernels against the general one, per dtype pair"),
     "vs_seed": ("vs_seed", "the two-way merge against vLLM's kernel this project started from"),

@@ -36,14 +36,15 @@ def routines():
 def test_every_routine_runs_its_cases_and_checks_on_cpu_tensors():
     proc = run_driver("--check-cpu")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines()[-1] == "12 passed, 0 failed"
+    assert proc.stdout.splitlines()[-1] == "13 passed, 0 failed"
 
 
 def test_the_list_names_every_routine():
     proc = run_driver("--list")
     assert proc.returncode == 0, proc.stderr
     assert [line.split()[0] for line in proc.stdout.splitlines()] == [
-        "sinks", "bases", "group_fp8", "block_scaled", "share", "layouts", "state_forms", "exchange", "pdl_chain",
+        "sinks", "bases", "group_fp8", "block_scaled", "share", "layouts", "state_forms", "exchange", "cp_step",
+        "pdl_chain",
         "plain_pairs", "vs_seed", "vs_flashinfer", "bench", "family"]
 
 
@@ -167,3 +168,9 @@ def test_the_fetched_folders_are_ignored_by_git():
     if proc.returncode == 128:
         pytest.skip("not a git checkout")
     assert proc.stdout.split() == paths
+
+
+def test_cp_step_refuses_an_unknown_form_by_name():
+    proc = run_driver("cp_step", "--check-cpu", "--forms", "gather,bogus")
+    assert proc.returncode == 2
+    assert "--forms: bogus is not one of gather,share,all_to_all,packed,fused,ring" in proc.stderr
