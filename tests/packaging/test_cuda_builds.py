@@ -14,12 +14,11 @@
 from __future__ import annotations
 
 import ast
-import glob
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 
@@ -103,17 +102,13 @@ def test_the_library_and_the_build_backend_name_the_same_builds():
 
 
 def _cuobjdump():
-    """cuobjdump: on PATH, in a CUDA toolkit, or PyPI's nvidia-cuda-cuobjdump (the test extra)."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    candidates = [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump")]
-    for entry in sys.path:
-        candidates += glob.glob(os.path.join(entry or ".", "nvidia", "cu1*", "bin", "cuobjdump"))
-    for c in candidates:
-        if os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    return None
+    """cuobjdump: on PATH, in a CUDA toolkit, or PyPI's nvidia-cuda-cuobjdump (the test extra), where
+    scripts/sass-diff.py finds the CUDA tools."""
+    spec = importlib.util.spec_from_file_location(
+        "sass_diff", os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "scripts", "sass-diff.py"))
+    sass_diff = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass_diff)
+    return sass_diff.tool("cuobjdump")
 
 
 def _dump(what):
