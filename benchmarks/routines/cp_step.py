@@ -19,7 +19,8 @@ and float32 states at decode (8 to 128 tokens) and prefill (8192) sizes, head si
                 (the exchange and the merge are one kernel: "both" alone)
     ring        checked, not timed: its step interleaves attention with the exchange
 
-"both" runs the exchange then the merge, as a step does.  Each phase's calls run back to back after
+"both" runs the exchange then the merge, as a step does (the share: the merge between its two
+collectives).  Each phase's calls run back to back after
 a barrier, timed by CUDA events (`--graph`: captured in a CUDA graph first, where the form's
 collectives allow it, replayed; "eager" in the row where they do not), `--iters` calls a repetition,
 the median of 5 repetitions, the slowest rank's.  The states are the same buffers in every call (a
@@ -100,17 +101,27 @@ class Phases:
             self.mine = o.new_empty(mine, tokens, d)
             self.out, self.out_lse = self.mine.transpose(0, 1), self.shares_lse[:, self.heads[0]:self.heads[1]]
 
+            def gather():
+                (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(self.lse_all.view(-1, heads),
+                                                                                         lse)
+
+            def scatter():
+                (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(self.mine, self.shares)
+
             def exchange():
-                gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-                gather(self.lse_all.view(-1, heads), lse)
-                scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-                scatter(self.mine, self.shares)
+                gather()
+                scatter()
 
             def merge():
                 import attnmerge
 
                 attnmerge.merge_share(o, self.lse_all, rank, states_axis=0, out=self.shares.transpose(0, 1),
                                       out_lse=self.shares_lse)
+
+            def both():  # the shares are summed once written: the merge between the two collectives
+                gather()
+                merge()
+                scatter()
         elif form in ("all_to_all", "packed"):
             send_o = o.view(tokens, self.world, mine, d).transpose(0, 1).contiguous()
             send_lse = lse.view(tokens, self.world, mine).transpose(0, 1).contiguous()
@@ -162,12 +173,20 @@ class Phases:
         else:
             raise ValueError(f"form: expected one of gather, share, all_to_all, packed, fused, got {form!r}")
         self.exchange, self.merge = exchange, merge
-
-        def both():
-            exchange()
-            merge()
+        if form != "share":
+            def both():
+                exchange()
+                merge()
 
         self.both = both
+
+    def poison(self):
+        """NaN in every buffer the form writes (the receive buffers, the shares, the results), so
+        that a check after both() sees what that call wrote alone."""
+        for name in ("o_all", "lse_all", "shares", "shares_lse", "mine", "recv_o", "recv_lse", "out", "out_lse"):
+            buffer = getattr(self, name, None)
+            if buffer is not None and buffer.is_floating_point():
+                buffer.fill_(float("nan"))
 
     def phases(self):
         return [(name, fn) for name, fn in (("exchange", self.exchange), ("merge", self.merge), ("both", self.both))
@@ -280,6 +299,7 @@ def _worker(rank, world, init, cfg, result_path):
                                 slowest = torch.tensor([us], device=device)
                                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                                 row[f"{phase}_us"], row[f"{phase}_mode"] = float(slowest), mode
+                            ph.poison()
                             ph.both()
                             out, out_lse, heads = ph.out, ph.out_lse, ph.heads
                         if on_gpu:
