@@ -10,6 +10,7 @@ ROUTINES = {
     "state_forms": ("state_forms", "merge_states of (max, sum) statistics and of empty shards (valid) against LSEs"),
     "exchange": ("exchange", "the exchange fused with the merge, ranks on one GPU, against the floor and a gather"),
     "cp_step": ("cp_step", "context parallelism across W GPUs: each form's exchange, merge and both, checked"),
+    "live_tokens": ("live_tokens", "a call at a capacity reading the live count on the device, against a sized one"),
     "pdl_chain": ("pdl_chain", "a producer kernel then the merge, graph-captured, with and without PDL"),
     "plain_pairs": ("plain_pairs", "the plain two-way kernels against the general one, per dtype pair"),
     "vs_seed": ("vs_seed", "the two-way merge against vLLM's kernel this project started from"),

@@ -167,6 +167,8 @@ def add_arguments(parser):
     parser.add_argument("--no-flush", action="store_true", help="do not flush L2 before each replay")
     parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch: attnmerge pdl=True, "
                         "and VariableLengthMergeStates enable_pdl (FlashInfer's only launcher with it)")
+    parser.add_argument("--batch-invariant", action="store_true", help="attnmerge batch_invariant=True (a row's "
+                        "bits independent of its batch: the N-way merges keep one kernel)")
     parser.add_argument("--attnmerge-only", action="store_true", help="time attnmerge alone (no FlashInfer build)")
 
 
@@ -202,24 +204,25 @@ def make_set(case, device):
     return (*states(int(indptr[-1])), indptr, *outputs(n))
 
 
-def calls(case, fi, pdl):
-    """{implementation: fn(*set)} for the case: attnmerge's native API with its outputs given, and
-    FlashInfer's launcher where it has one."""
+def calls(case, fi, pdl, batch_invariant=False):
+    """{implementation: fn(*set)} for the case: attnmerge's native API with its outputs given (its
+    pdl and batch_invariant options), and FlashInfer's launcher where it has one."""
+    opts = dict(pdl=pdl, batch_invariant=batch_invariant)
     if case.op == "merge":
         def am(v_a, s_a, v_b, s_b, o, lse):
-            attnmerge.merge(v_a, s_a, v_b, s_b, out=o, out_lse=lse, base=2, pdl=pdl)
+            attnmerge.merge(v_a, s_a, v_b, s_b, out=o, out_lse=lse, base=2, **opts)
         peer = fi and fi.merge_state
     elif case.op == "merge_inplace":
         def am(v, s, v_other, s_other, mask):
-            attnmerge.merge_inplace(v, s, v_other, s_other, mask=mask, base=2, pdl=pdl)
+            attnmerge.merge_inplace(v, s, v_other, s_other, mask=mask, base=2, **opts)
         peer = fi and fi.merge_state_in_place
     elif case.op == "merge_states":
         def am(v, s, o, lse):
-            attnmerge.merge_states(v, s, out=o, out_lse=lse, base=2, pdl=pdl)
+            attnmerge.merge_states(v, s, out=o, out_lse=lse, base=2, **opts)
         peer = fi and fi.merge_states
     else:
         def am(v, s, indptr, o, lse):
-            attnmerge.merge_varlen(v, s, indptr, out=o, out_lse=lse, base=2, pdl=pdl)
+            attnmerge.merge_varlen(v, s, indptr, out=o, out_lse=lse, base=2, **opts)
 
         def peer(v, s, indptr, o, lse):
             fi.variable_length_merge_states(v, s, indptr, o, lse, enable_pdl=pdl)
@@ -360,8 +363,10 @@ def run(args, runner):
                 flashinfer=None if fi is None else builds.fetch.source_line(builds.fetch.FLASHINFER),
                 flashinfer_flags=builds.FLASHINFER_FLAGS + [f"-arch=sm_{builds.arch(torch)}"],
                 roofline_GBps=roof, floor=dict(us=FLOOR_US, TBps=FLOOR_TBPS), pdl=args.pdl,
+                batch_invariant=args.batch_invariant,
                 l2_flush=flush is not None, calls=args.calls, rounds=args.rounds, set_mb=args.set_mb)
     print(f"{meta['device']}  attnmerge {meta['attnmerge']}  FlashInfer {meta['flashinfer']}  pdl={args.pdl}  "
+          f"batch_invariant={args.batch_invariant}  "
           f"L2 flush={flush is not None}; roofline (torch.add bf16) {roof:.0f} GB/s; "
           f"floor {FLOOR_US} us + bytes / {FLOOR_TBPS} TB/s")
     head = (f"{'op':<13} {'case':<32} {'MB':>8} | {'am us':>8} {'FI us':>8} {'FI/am':>6} | {'am%rf':>5} {'FI%rf':>5} | "
@@ -372,7 +377,7 @@ def run(args, runner):
         nbytes, set_bytes = case.moved()
         torch.manual_seed(7)
         sets = [make_set(case, runner.device) for _ in range(nsets(args, set_bytes))]
-        fns = calls(case, fi, args.pdl)
+        fns = calls(case, fi, args.pdl, args.batch_invariant)
         row = dict(op=case.op, case=case.label(), params=asdict(case), bytes=nbytes, set_bytes=set_bytes,
                    nsets=len(sets), floor_us=floor_us(nbytes), impls={}, ratio={}, check=check(case, fns, sets[0]))
         if fi is not None and case.flashinfer_skip():

@@ -36,7 +36,7 @@ def routines():
 def test_every_routine_runs_its_cases_and_checks_on_cpu_tensors():
     proc = run_driver("--check-cpu")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines()[-1] == "13 passed, 0 failed"
+    assert proc.stdout.splitlines()[-1] == "14 passed, 0 failed"
 
 
 def test_the_list_names_every_routine():
@@ -44,7 +44,7 @@ def test_the_list_names_every_routine():
     assert proc.returncode == 0, proc.stderr
     assert [line.split()[0] for line in proc.stdout.splitlines()] == [
         "sinks", "bases", "group_fp8", "block_scaled", "share", "layouts", "state_forms", "exchange", "cp_step",
-        "pdl_chain",
+        "live_tokens", "pdl_chain",
         "plain_pairs", "vs_seed", "vs_flashinfer", "bench", "family"]
 
 
@@ -174,3 +174,15 @@ def test_cp_step_refuses_an_unknown_form_by_name():
     proc = run_driver("cp_step", "--check-cpu", "--forms", "gather,bogus")
     assert proc.returncode == 2
     assert "--forms: bogus is not one of gather,share,all_to_all,packed,fused,ring" in proc.stderr
+
+
+@pytest.mark.parametrize("op", ("merge", "merge_inplace", "merge_states", "merge_varlen", "merge_share"))
+def test_live_tokens_checks_the_capacity_call_against_the_sized_one(routines, op):
+    """live_tokens' check, on CPU tensors: the capacity's call reading the count holds the sized
+    call's bits in its live rows, and a count one short fails it."""
+    live_tokens = importlib.import_module("routines.live_tokens")
+    for live in (1, 17, 256):
+        count = torch.tensor([live], dtype=torch.int32)
+        assert live_tokens.agree(torch, op, *live_tokens.make(torch, op, "cpu"), live, count)
+    short = torch.tensor([16], dtype=torch.int32)
+    assert not live_tokens.agree(torch, op, *live_tokens.make(torch, op, "cpu"), 17, short)

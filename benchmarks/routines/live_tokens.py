@@ -1,0 +1,104 @@
+"""Serving at a capacity: a call sized for CAPACITY tokens that reads the live count from device
+memory (num_tokens=, what a CUDA graph captured once replays at every batch), against the call
+sized for the live tokens alone, per op, at 1, 17 and 256 live tokens of a capacity of 256: bf16
+states of 32 heads x 128; merge_states and merge_share over 16 states, merge_varlen 16 a row.
+The target (issue 38): the capacity's call at most the sized call + 0.3 us.  Each pair is checked
+first: the capacity call's live rows are the sized call's bits.  CUDA graph replay (the count
+written before the timing, read at every replay), input sets rotated past L2, the median of 3
+alternations."""
+import attnmerge
+from attnmerge.bench.timing import input_sets
+
+HEADS, HEAD_SIZE, CAPACITY, STATES = 32, 128, 256, 16
+LIVE = (1, 17, 256)
+OPS = ("merge", "merge_inplace", "merge_states", "merge_varlen", "merge_share")
+TARGET_US = 0.3
+
+
+def make(torch, op, device):
+    """(inputs at the capacity, outputs at the capacity) of op: bf16 O, float32 LSEs."""
+    t, h, d = CAPACITY, HEADS, HEAD_SIZE
+
+    def o(*shape):
+        return torch.randn(*shape, h, d, device=device, dtype=torch.bfloat16)
+
+    def lse(*shape):
+        return torch.randn(*shape, h, device=device)
+
+    outputs = (torch.empty(t, h, d, device=device, dtype=torch.bfloat16), torch.empty(t, h, device=device))
+    if op in ("merge", "merge_inplace"):
+        return (o(t), lse(t), o(t), lse(t)), outputs
+    if op == "merge_states":
+        return (o(t, STATES), lse(t, STATES)), outputs
+    if op == "merge_varlen":
+        indptr = torch.arange(0, (t + 1) * STATES, STATES, device=device, dtype=torch.int32)
+        return (o(t * STATES), lse(t * STATES), indptr), outputs
+    return (o(t), lse(t, STATES)), outputs  # merge_share: this rank's O, every rank's LSE
+
+
+def call(op, inputs, outputs, live, count=None):
+    """op on the capacity's arrays with the live count read from `count`, or (count None) on the
+    live tokens' slices; into outputs (their live rows)."""
+    if op == "merge_inplace":  # writes its first state: no outputs
+        attnmerge.merge_inplace(*(inputs if count is not None else (x[:live] for x in inputs)),
+                                **({} if count is None else dict(num_tokens=count)))
+        return
+    out, out_lse = outputs if count is not None else (outputs[0][:live], outputs[1][:live])
+    if count is None and op == "merge_varlen":  # the first live rows: their offsets, every state kept
+        inputs = (inputs[0], inputs[1], inputs[2][:live + 1])
+    elif count is None:
+        inputs = tuple(x[:live] for x in inputs)
+    kw = {} if count is None else dict(num_tokens=count)
+    if op == "merge":
+        attnmerge.merge(*inputs, out=out, out_lse=out_lse, **kw)
+    elif op == "merge_states":
+        attnmerge.merge_states(*inputs, out=out, out_lse=out_lse, **kw)
+    elif op == "merge_varlen":
+        attnmerge.merge_varlen(*inputs, out=out, out_lse=out_lse, **kw)
+    else:
+        attnmerge.merge_share(*inputs, 3, out=out, out_lse=out_lse, **kw)
+
+
+def agree(torch, op, inputs, outputs, live, count):
+    """Whether the capacity call's live rows are the sized call's bits (the in-place merge: on
+    copies of its state, each merged once)."""
+    def fresh():
+        if op == "merge_inplace":
+            return tuple(x.clone() for x in inputs), None
+        return inputs, tuple(torch.full_like(x, float("nan")) for x in outputs)
+
+    a_in, a_out = fresh()
+    call(op, a_in, a_out, live, count)
+    b_in, b_out = fresh()
+    call(op, b_in, b_out, live)
+    got = (a_in[0][:live], a_in[1][:live]) if op == "merge_inplace" else (a_out[0][:live], a_out[1][:live])
+    want = (b_in[0][:live], b_in[1][:live]) if op == "merge_inplace" else (b_out[0][:live], b_out[1][:live])
+    return all(torch.equal(g.view(torch.int16) if g.dtype == torch.bfloat16 else g.view(torch.int32),
+                           w.view(torch.int16) if w.dtype == torch.bfloat16 else w.view(torch.int32))
+               for g, w in zip(got, want))
+
+
+def run(args, runner):
+    torch = runner.torch
+    rows, failed = [], 0
+    for op, live in runner.cases([(op, live) for op in OPS for live in LIVE]):
+        count = torch.tensor([live], dtype=torch.int32, device=runner.device)
+        first = make(torch, op, runner.device)
+        nbytes = sum(x.numel() * x.element_size() for x in (*first[0], *first[1]))
+        sets = [first] + [make(torch, op, runner.device) for _ in range((runner.count or input_sets(nbytes)) - 1)]
+        ok = agree(torch, op, *sets[0], live, count)
+        failed += not ok
+
+        def capacity(inputs, outputs):
+            call(op, inputs, outputs, live, count)
+
+        def sized(inputs, outputs):
+            call(op, inputs, outputs, live)
+
+        cap_us, sized_us = runner.time((capacity, sized), sets)
+        rows.append(dict(op=op, capacity=CAPACITY, live=live, heads=HEADS, head_size=HEAD_SIZE, capacity_us=cap_us,
+                         sized_us=sized_us, over_us=cap_us - sized_us, within_target=cap_us - sized_us <= TARGET_US,
+                         bits_agree=ok))
+        print(f"{op:<13} {live:>3} of {CAPACITY} live: capacity {cap_us:.2f} us, sized {sized_us:.2f} us, "
+              f"+{cap_us - sized_us:.2f} us (target +{TARGET_US}){'' if ok else '; the live rows DIFFER'}", flush=True)
+    return dict(routine="live_tokens", rows=rows, failed=failed)
