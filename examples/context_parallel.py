@@ -90,12 +90,16 @@ def partial_attention(q, k, v, scale, o_dtype=None):
 # ---- the forms: each takes this rank's state and returns its part of the merge -----------------
 
 
+# The single-tensor collectives, by their newer names where this torch has them.
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather(local, group=None):
     """[P, *local.shape]: every rank's tensor, in one buffer."""
     world = dist.get_world_size(group)
     flat = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # its newer name
-    gather(flat, local.contiguous(), group=group)
+    all_gather_into(flat, local.contiguous(), group=group)
     return flat.view(world, *local.shape)
 
 
@@ -112,8 +116,7 @@ def combine_share(o, lse, group=None):
     shares = torch.empty(heads, tokens, d, dtype=o.dtype, device=o.device)  # chunk p: rank p's heads
     _, out_lse = attnmerge.merge_share(o, all_gather(lse, group), rank, states_axis=0, out=shares.transpose(0, 1))
     mine = torch.empty(heads // world, tokens, d, dtype=o.dtype, device=o.device)
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # its newer name
-    reduce_scatter(mine, shares, group=group)  # the sum of the shares: the merge
+    reduce_scatter_into(mine, shares, group=group)  # the sum of the shares: the merge
     return mine.transpose(0, 1), out_lse[:, rank * (heads // world):(rank + 1) * (heads // world)]
 
 

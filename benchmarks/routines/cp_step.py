@@ -36,6 +36,8 @@ import sys
 import tempfile
 import time
 
+import attnmerge
+
 HEADS = 32
 REPEATS = 5
 # The largest |out - attention| allowed, by the states' dtype (the merge is float32 inside).
@@ -86,13 +88,10 @@ class Phases:
             self.out, self.out_lse = torch.empty_like(o), torch.empty_like(lse)
 
             def exchange():
-                gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-                gather(self.o_all.view(-1, heads, d), o)
-                gather(self.lse_all.view(-1, heads), lse)
+                cp.all_gather_into(self.o_all.view(-1, heads, d), o)
+                cp.all_gather_into(self.lse_all.view(-1, heads), lse)
 
             def merge():
-                import attnmerge
-
                 attnmerge.merge_states(self.o_all, self.lse_all, states_axis=0, out=self.out, out_lse=self.out_lse)
         elif form == "share":
             self.lse_all = lse.new_empty(self.world, tokens, heads)
@@ -102,19 +101,16 @@ class Phases:
             self.out, self.out_lse = self.mine.transpose(0, 1), self.shares_lse[:, self.heads[0]:self.heads[1]]
 
             def gather():
-                (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(self.lse_all.view(-1, heads),
-                                                                                         lse)
+                cp.all_gather_into(self.lse_all.view(-1, heads), lse)
 
             def scatter():
-                (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(self.mine, self.shares)
+                cp.reduce_scatter_into(self.mine, self.shares)
 
             def exchange():
                 gather()
                 scatter()
 
             def merge():
-                import attnmerge
-
                 attnmerge.merge_share(o, self.lse_all, rank, states_axis=0, out=self.shares.transpose(0, 1),
                                       out_lse=self.shares_lse)
 
@@ -141,12 +137,8 @@ class Phases:
                     dist.all_to_all_single(self.recv_lse, send_lse)
 
             def merge():
-                import attnmerge
-
                 attnmerge.merge_states(self.recv_o, self.recv_lse, states_axis=0, out=self.out, out_lse=self.out_lse)
         elif form == "fused":
-            import attnmerge
-
             self.out, self.out_lse = o.new_empty(tokens, mine, d), lse.new_empty(tokens, mine)
             if o.is_cuda:
                 self.x = attnmerge.SymmetricExchange(dist.group.WORLD, tokens, heads, d, dtype=o.dtype)
