@@ -39,18 +39,16 @@ def make(torch, op, device):
 def call(op, inputs, outputs, live, count=None):
     """op on the capacity's arrays with the live count read from `count`, or (count None) on the
     live tokens' slices; into outputs (their live rows)."""
-    if op == "merge_inplace":  # writes its first state: no outputs
-        attnmerge.merge_inplace(*(inputs if count is not None else (x[:live] for x in inputs)),
-                                **({} if count is None else dict(num_tokens=count)))
-        return
-    out, out_lse = outputs if count is not None else (outputs[0][:live], outputs[1][:live])
-    if count is None and op == "merge_varlen":  # the first live rows: their offsets, every state kept
-        inputs = (inputs[0], inputs[1], inputs[2][:live + 1])
-    elif count is None:
-        inputs = tuple(x[:live] for x in inputs)
-    kw = {} if count is None else dict(num_tokens=count)
+    if count is not None:
+        out, out_lse, kw = *outputs, dict(num_tokens=count)
+    else:
+        out, out_lse, kw = outputs[0][:live], outputs[1][:live], {}
+        # the first live rows: the variable-length merge's offsets (every state kept), else every array's
+        inputs = (*inputs[:2], inputs[2][:live + 1]) if op == "merge_varlen" else tuple(x[:live] for x in inputs)
     if op == "merge":
         attnmerge.merge(*inputs, out=out, out_lse=out_lse, **kw)
+    elif op == "merge_inplace":  # writes its first state: no outputs
+        attnmerge.merge_inplace(*inputs, **kw)
     elif op == "merge_states":
         attnmerge.merge_states(*inputs, out=out, out_lse=out_lse, **kw)
     elif op == "merge_varlen":
@@ -62,20 +60,18 @@ def call(op, inputs, outputs, live, count=None):
 def agree(torch, op, inputs, outputs, live, count):
     """Whether the capacity call's live rows are the sized call's bits (the in-place merge: on
     copies of its state, each merged once)."""
-    def fresh():
-        if op == "merge_inplace":
-            return tuple(x.clone() for x in inputs), None
-        return inputs, tuple(torch.full_like(x, float("nan")) for x in outputs)
+    def written(count):
+        """The live rows of what one call wrote, on fresh copies (its state, for the in-place merge;
+        else outputs poisoned with NaN)."""
+        ins = tuple(x.clone() for x in inputs) if op == "merge_inplace" else inputs
+        outs = tuple(torch.full_like(x, float("nan")) for x in outputs)
+        call(op, ins, outs, live, count)
+        return tuple(x[:live] for x in (ins[:2] if op == "merge_inplace" else outs))
 
-    a_in, a_out = fresh()
-    call(op, a_in, a_out, live, count)
-    b_in, b_out = fresh()
-    call(op, b_in, b_out, live)
-    got = (a_in[0][:live], a_in[1][:live]) if op == "merge_inplace" else (a_out[0][:live], a_out[1][:live])
-    want = (b_in[0][:live], b_in[1][:live]) if op == "merge_inplace" else (b_out[0][:live], b_out[1][:live])
-    return all(torch.equal(g.view(torch.int16) if g.dtype == torch.bfloat16 else g.view(torch.int32),
-                           w.view(torch.int16) if w.dtype == torch.bfloat16 else w.view(torch.int32))
-               for g, w in zip(got, want))
+    def bits(x):
+        return x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
+
+    return all(torch.equal(bits(g), bits(w)) for g, w in zip(written(count), written(None)))
 
 
 def run(args, runner):
