@@ -127,8 +127,17 @@ def all_to_all(send, layout=0, group=None):
     recv = torch.empty(shape, dtype=send.dtype, device=send.device)
     if layout == 0:
         dist.all_to_all_single(recv, send.contiguous(), group=group)
-    else:  # into strided views of the buffer (gloo writes them; NCCL takes contiguous ones only)
-        dist.all_to_all(list(recv.unbind(layout)), list(send.unbind(0)), group=group)
+        return recv
+    views = list(recv.unbind(layout))
+    try:  # into strided views of the buffer (gloo writes them; NCCL takes contiguous ones only)
+        dist.all_to_all(views, list(send.unbind(0)), group=group)
+    except RuntimeError as e:  # a gloo without the list form (older torch): refused on every rank alike
+        if "does not support alltoall" not in str(e):
+            raise
+        landed = torch.empty_like(send)
+        dist.all_to_all_single(landed, send.contiguous(), group=group)
+        for view, chunk in zip(views, landed):
+            view.copy_(chunk)
     return recv
 
 

@@ -187,8 +187,9 @@ def test_the_fused_form_over_tensors_in_shared_memory(tmp_path):
     for rank in range(world):
         begin, end = cp.shard_bounds(PROBLEM["keys"], world, rank)
         o, lse = cp.partial_attention(q, k[begin:end], v[begin:end], PROBLEM["head_size"] ** -0.5)
-        torch.testing.assert_close(buffers[0][rank], o)  # (the parent computes with threads of its own)
-        torch.testing.assert_close(buffers[1][rank], lse)
+        # the parent computes with threads of its own: another summation order, within float32's rounding
+        torch.testing.assert_close(buffers[0][rank], o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(buffers[1][rank], lse, rtol=1e-5, atol=1e-5)
 
 
 def test_the_processes_keep_nvlink_multicast_off(tmp_path, monkeypatch):

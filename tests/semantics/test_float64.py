@@ -289,9 +289,10 @@ def test_attnmerge_jax_takes_float64_under_x64_with_float64_gradients(rng):
     from jax.test_util import check_grads
     enable_x64 = jax.enable_x64 if hasattr(jax, "enable_x64") else __import__("jax.experimental").experimental.enable_x64
     o_a, o_b, lse_a, lse_b = o64(rng, (5, 2, 8)), o64(rng, (5, 2, 8)), lse64(rng, (5, 2)), lse64(rng, (5, 2))
-    with enable_x64(True):
+    cpu = jax.devices("cpu")[0]
+    with enable_x64(True), jax.default_device(cpu):  # check_grads' perturbed arguments stay on the CPU too
         jnp = jax.numpy
-        args = [jax.device_put(jnp.asarray(x), jax.devices("cpu")[0]) for x in (o_a, lse_a, o_b, lse_b)]
+        args = [jax.device_put(jnp.asarray(x), cpu) for x in (o_a, lse_a, o_b, lse_b)]
         out, out_lse = amj.merge(*args)
         assert out.dtype == jnp.float64 and out_lse.dtype == jnp.float64
         ref_o, ref_lse = reference_merge(o_a, lse_a, o_b, lse_b)

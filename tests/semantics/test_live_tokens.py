@@ -142,8 +142,10 @@ def test_allocated_outputs_have_the_capacity(rng, device):
     ref = reference_merge_stacked(o, lse)
     out, out_lse = attnmerge.merge_states(device.put(o), device.put(lse), num_tokens=count_array(device, 5, "int32"))
     assert tuple(out.shape) == (t, h, d) and tuple(out_lse.shape) == (t, h)
-    got, got_lse = device.get(out), device.get(out_lse)
-    assert_merge_matches(got[:5], got_lse[:5], (ref[0][:5], ref[1][:5]), "float32")
+    # the live rows alone: the rows past the count are uninitialised memory (compute-sanitizer's
+    # initcheck reports a copy that reads them)
+    got, got_lse = device.get(out[:5]), device.get(out_lse[:5])
+    assert_merge_matches(got, got_lse, (ref[0][:5], ref[1][:5]), "float32")
 
 
 def test_a_live_count_changes_nothing_for_a_full_batch(rng, device):
