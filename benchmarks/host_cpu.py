@@ -52,14 +52,14 @@ def main():
 
     print(f"attnmerge {attnmerge.__version__} ({attnmerge.__file__}), torch {torch.__version__}, "
           f"{args.device} {str(dtype).removeprefix('torch.')}")
-    road = _roads._torch
+    road = _roads.torch_road()
     times = {mode: ([], []) for mode in MODES}  # (routed, without) per mode, alternated
     for _ in range(args.repeats):
         for mode, context in MODES.items():
             with context():
-                _roads._torch = None
+                _roads.use_torch(None, None, None)
                 times[mode][1].append(per_call_us(merge))
-                _roads._torch = road
+                _roads.use_torch(*road)
                 times[mode][0].append(per_call_us(merge))
     for mode, (routed, without) in times.items():
         deltas = sorted(r - w for r, w in zip(routed, without))

@@ -7,6 +7,7 @@ is a field here and its uses, not a parameter of every layer.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 from collections.abc import Mapping
@@ -89,6 +90,7 @@ class Op(NamedTuple):
     takes: frozenset  # the options (Options' fields, and base's pair form: "pair") it takes
     lses: tuple  # the positions in `inputs` of its LSE arguments: the first's sums are sum_a, the second's sum_b
     binding: Any  # its function in attnmerge._C: (outputs, inputs, the Options record)
+    axis_ndim: int = 0  # states_axis_of's ndim for its states_axis: o's 4 (merge_states), a share's lse's 3
 
 
 _FORWARD = frozenset({"output_scale", "out_base", "sink", "group_size", "out_dtype", "return_lse", "batch_invariant",
@@ -97,9 +99,9 @@ OPS = {op.name: op for op in (
     Op("merge", ("o_a", "lse_a", "o_b", "lse_b"), 2, _FORWARD | {"a_tokens", "pair"}, (1, 3), _C.merge),
     Op("merge_inplace", ("o", "lse", "o_other", "lse_other", "mask"), -1,
        frozenset({"pair", "batch_invariant", "valid", "num_tokens"}), (1, 3), _C.merge_inplace),
-    Op("merge_states", ("o", "lse"), 0, _FORWARD | {"states_axis"}, (1,), _C.merge_states),
+    Op("merge_states", ("o", "lse"), 0, _FORWARD | {"states_axis"}, (1,), _C.merge_states, 4),
     Op("merge_varlen", ("o", "lse", "indptr"), 0, _FORWARD, (1,), _C.merge_varlen),
-    Op("merge_share", ("o", "lse"), 0, _FORWARD | {"states_axis", "index"}, (1,), _C.merge_share),
+    Op("merge_share", ("o", "lse"), 0, _FORWARD | {"states_axis", "index"}, (1,), _C.merge_share, 3),
 )}
 SUMS = ("sum_a", "sum_b")  # the record's sums of an op's LSE arguments (Op.lses), in order
 
@@ -188,9 +190,14 @@ def base_change(from_base, to_base) -> float:
     return 1.0 if from_base == to_base else math.log(2.0) if from_base == 2 else 1.0 / math.log(2.0)
 
 
+def _numpy_bool(value):
+    """Whether value is NumPy's bool scalar: numpy.bool (NumPy 2) or numpy.bool_ (NumPy 1)."""
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+
+
 def _flag(value, arg, names):
     """A boolean option: True or False (numpy's too), nothing else (a "yes" is no flag)."""
-    if value is True or value is False or type(value).__name__ == "bool_":
+    if value is True or value is False or _numpy_bool(value):
         return bool(value)
     raise TypeError(f"{named(names, arg)}: expected True or False, got {value!r}")
 
@@ -232,9 +239,14 @@ def states_axis_of(states_axis, ndim, names=None):
     if type(states_axis) is int and states_axis == 1:  # the C ABI's own layout: the per-call case
         return 1
     last = ndim - 1 if ndim == 4 else ndim  # o's head_size is no states axis; a share's lse has none
-    if not isinstance(states_axis, bool) and isinstance(states_axis, int) and -ndim <= states_axis < ndim:
-        if states_axis % ndim < last:
-            return states_axis % ndim
+    axis = None
+    if not isinstance(states_axis, bool) and not _numpy_bool(states_axis):
+        try:
+            axis = operator.index(states_axis)  # any integer, NumPy's too
+        except TypeError:
+            pass
+    if axis is not None and -ndim <= axis < ndim and axis % ndim < last:
+        return axis % ndim
     axes = ", ".join(str(i) for i in range(last))
     raise ValueError(f"{named(names, 'states_axis')}: expected one of {axes} (or from the end, "
                      f"{-ndim} to {last - ndim - 1}), got {states_axis!r}")
@@ -330,6 +342,65 @@ def options(op: Op, out=None, return_lse=True, out_dtype=None, output_scale=None
     return _NEW(Options, (flags, -1 if a_tokens is None else a_tokens, number, group, index, states_axis, scale,
                           sink, group_scales, sum_a, sum_b, valid, num_tokens, a_tokens_tensor, names, stream, bases,
                           out_dtype, return_lse))
+
+
+def read_call(op: Op, params):
+    """(inputs, out, out_lse, Options) of a public call of `op`, its parameters {name: value} by
+    its signature's names: softmax statistics split off (softmax_stats), then every option read
+    (states_axis_of, index_of, options).  The public functions' per-call path (`public_call`)
+    comes here for any call whose options are not all their defaults."""
+    names = params.pop("_names")
+    inputs, sum_a, sum_b, stats_names = softmax_stats(op, tuple(params.pop(arg) for arg in op.inputs), names)
+    out, out_lse = params.pop("out", None), params.pop("out_lse", None)
+    if "states_axis" in params:
+        params["states_axis"] = states_axis_of(params["states_axis"], op.axis_ndim, names)
+    if "index" in params:
+        params["index"] = index_of(params["index"], names)
+    return inputs, out, out_lse, options(op, out, names=stats_names, sum_a=sum_a, sum_b=sum_b, **params)
+
+
+# How attnmerge._C.caller takes each parameter of a public function (road.h): an input, out,
+# out_lse, a record field as it is, a record field where it is an int, or an option that must be
+# its default for the per-call path.
+_INPUT, _OUT, _OUT_LSE, _FIELD, _INT_FIELD, _DEFAULT = range(6)
+_FIELDS = {"stream": (_FIELD, "stream"), "_names": (_FIELD, "names"), "index": (_INT_FIELD, "index")}
+
+
+def public_call(op: Op, function):
+    """`function`'s per-call path, `call(*params)` with its parameters in its signature's order:
+    a call whose options are all their defaults (outputs, stream and names aside; merge_share's
+    index an int) has the record options() would read, DEFAULT with those fields (made in C, no
+    Python frame); any other is read by read_call.  Then the call's road (attnmerge._C.road)."""
+    slots, defaults = [], []
+    params = tuple(inspect.signature(function).parameters.values())
+    for p in params:
+        if p.name in op.inputs:
+            slot = (_INPUT, op.inputs.index(p.name))
+        elif p.name in ("out", "out_lse"):
+            slot = (_OUT if p.name == "out" else _OUT_LSE, 0)
+        elif p.name in _FIELDS:
+            kind, field = _FIELDS[p.name]
+            slot = (kind, Options._fields.index(field))
+        elif p.default is inspect.Parameter.empty:
+            raise TypeError(f"{function.__name__}: its option {p.name} has no default")
+        else:
+            slot = (_DEFAULT, 0)
+        slots.append(slot)
+        defaults.append(None if p.default is inspect.Parameter.empty else p.default)
+    arg_names = tuple(p.name for p in params)
+    lses = tuple(arg_names.index(op.inputs[i]) for i in op.lses)
+
+    def read(op, args):
+        return read_call(op, dict(zip(arg_names, args)))
+
+    call = _C.caller(op, tuple(slots), tuple(defaults), lses, DEFAULT, read)
+    CALLERS.append((call, op, read))
+    return call
+
+
+# Every public function's per-call path, (call, op, read): what a tracer that cannot enter C
+# (torch.compile's Dynamo) runs instead, in Python (attnmerge._torch_ops).
+CALLERS: list = []
 
 
 def index_of(index, names=None):

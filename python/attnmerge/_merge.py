@@ -1,13 +1,14 @@
 """The public functions: merge, merge_inplace, merge_states, merge_varlen, merge_share and the
-backwards of the first three.  Each normalises its options once into the call's record
-(attnmerge._call.options) and hands the call to its road (attnmerge._roads: the binding, the torch
-ops or attnmerge.jax)."""
+backwards of the first three.  Each hands its parameters, in its signature's order, to its
+per-call path (attnmerge._call.public_call): the call's record, read once (attnmerge._call.options;
+all defaults made in C), then its road (attnmerge._roads: the binding, the torch ops or
+attnmerge.jax)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 from . import _native, _roads
-from ._call import OPS, index_of, lse_dtype, lse_only, options, shape_of, softmax_stats, states_axis_of
+from ._call import OPS, lse_dtype, lse_only, options, public_call, shape_of, states_axis_of
 from ._types import Array, Base, DType, Lse, PairBase, Stream
 
 _MERGE, _INPLACE, _STATES, _VARLEN, _SHARE = (OPS[name] for name in (
@@ -152,11 +153,9 @@ def merge(o_a: Array, lse_a: Lse, o_b: Array, lse_b: Lse, *, out: Array | None =
     >>> bool(np.allclose(held_lse[:2], out_lse[:2]) and np.isnan(held_lse[2:]).all())
     True
     """
-    inputs, sum_a, sum_b, names = softmax_stats(_MERGE, (o_a, lse_a, o_b, lse_b), _names)
-    opt = options(_MERGE, out, return_lse, out_dtype, output_scale, base, out_base, a_tokens, sink, group_size,
-                  group_scales, scale_ue8m0, 1, 0, stream, pdl, names, batch_invariant, 0, block_format,
-                  scale_layout, scale_rounding, sum_a=sum_a, sum_b=sum_b, valid=valid, num_tokens=num_tokens)
-    return _roads.run(_MERGE, inputs, out, out_lse, opt)
+    return _merge_call(o_a, lse_a, o_b, lse_b, out, out_lse, return_lse, out_dtype, output_scale, base, out_base,
+                       a_tokens, sink, group_size, group_scales, scale_ue8m0, block_format, scale_layout,
+                       scale_rounding, valid, num_tokens, stream, pdl, batch_invariant, _names)
 
 
 def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Lse, *, mask: Array | None = None,
@@ -208,10 +207,8 @@ def merge_inplace(o: Array, lse: Array, o_other: Array, lse_other: Lse, *, mask:
     >>> bool(np.allclose(lse, want))
     True
     """
-    inputs, sum_a, sum_b, names = softmax_stats(_INPLACE, (o, lse, o_other, lse_other, mask), _names)
-    opt = options(_INPLACE, base=base, stream=stream, pdl=pdl, names=names, batch_invariant=batch_invariant,
-                  sum_a=sum_a, sum_b=sum_b, valid=valid, num_tokens=num_tokens)
-    return _roads.run(_INPLACE, inputs, None, None, opt)
+    return _merge_inplace_call(o, lse, o_other, lse_other, mask, base, valid, num_tokens, stream, pdl,
+                               batch_invariant, _names)
 
 
 def merge_states(o: Array, lse: Lse, *, out: Array | None = None, out_lse: Array | None = None,
@@ -272,12 +269,9 @@ def merge_states(o: Array, lse: Lse, *, out: Array | None = None, out_lse: Array
     >>> bool(np.allclose(out_lse, np.logaddexp.reduce(lse, axis=1)))
     True
     """
-    inputs, sum_a, _, names = softmax_stats(_STATES, (o, lse), _names)
-    opt = options(_STATES, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
-                  group_scales, scale_ue8m0, states_axis_of(states_axis, 4, _names), 0, stream, pdl, names,
-                  batch_invariant, 0, block_format, scale_layout, scale_rounding, sum_a=sum_a, valid=valid,
-                  num_tokens=num_tokens)
-    return _roads.run(_STATES, inputs, out, out_lse, opt)
+    return _merge_states_call(o, lse, out, out_lse, return_lse, out_dtype, output_scale, base, out_base, states_axis,
+                              sink, group_size, group_scales, scale_ue8m0, block_format, scale_layout, scale_rounding,
+                              valid, num_tokens, stream, pdl, batch_invariant, _names)
 
 
 def merge_varlen(o: Array, lse: Lse, indptr: Array, *, out: Array | None = None, out_lse: Array | None = None,
@@ -334,11 +328,9 @@ def merge_varlen(o: Array, lse: Lse, indptr: Array, *, out: Array | None = None,
     >>> bool(np.allclose(out_lse[1], np.logaddexp.reduce(lse[1:], axis=0)))
     True
     """
-    inputs, sum_a, _, names = softmax_stats(_VARLEN, (o, lse, indptr), _names)
-    opt = options(_VARLEN, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
-                  group_scales, scale_ue8m0, 1, 0, stream, pdl, names, batch_invariant, 0, block_format,
-                  scale_layout, scale_rounding, sum_a=sum_a, valid=valid, num_tokens=num_tokens)
-    return _roads.run(_VARLEN, inputs, out, out_lse, opt)
+    return _merge_varlen_call(o, lse, indptr, out, out_lse, return_lse, out_dtype, output_scale, base, out_base, sink,
+                              group_size, group_scales, scale_ue8m0, block_format, scale_layout, scale_rounding,
+                              valid, num_tokens, stream, pdl, batch_invariant, _names)
 
 
 def merge_share(o: Array, lse: Lse, index: int, *, out: Array | None = None, out_lse: Array | None = None,
@@ -394,12 +386,16 @@ def merge_share(o: Array, lse: Lse, index: int, *, out: Array | None = None, out
     >>> bool(np.allclose(sum(shares), attnmerge.merge_states(o, lse)[0], atol=1e-5))
     True
     """
-    inputs, sum_a, _, names = softmax_stats(_SHARE, (o, lse), _names)
-    opt = options(_SHARE, out, return_lse, out_dtype, output_scale, base, out_base, None, sink, group_size,
-                  group_scales, scale_ue8m0, states_axis_of(states_axis, 3, _names), index_of(index, _names), stream,
-                  pdl, names, batch_invariant, 0, block_format, scale_layout, scale_rounding, sum_a=sum_a,
-                  valid=valid, num_tokens=num_tokens)
-    return _roads.run(_SHARE, inputs, out, out_lse, opt)
+    return _merge_share_call(o, lse, index, out, out_lse, return_lse, out_dtype, output_scale, base, out_base,
+                             states_axis, sink, group_size, group_scales, scale_ue8m0, block_format, scale_layout,
+                             scale_rounding, valid, num_tokens, stream, pdl, batch_invariant, _names)
+
+
+# Each public function's per-call path, built from its signature (attnmerge._call.public_call).
+_merge_call, _merge_inplace_call, _merge_states_call, _merge_varlen_call, _merge_share_call = (
+    public_call(op, function) for op, function in ((_MERGE, merge), (_INPLACE, merge_inplace),
+                                                   (_STATES, merge_states), (_VARLEN, merge_varlen),
+                                                   (_SHARE, merge_share)))
 
 
 # ---- the backward: the gradients of a merge's inputs from those of its outputs ----------------

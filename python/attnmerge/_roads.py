@@ -1,24 +1,29 @@
 """Which road a call takes, decided once per call: torch.ops.attnmerge while torch.compile or
 torch.export traces it or autograd would record it; attnmerge.jax where its results would be
 allocated like a JAX array (JAX arrays are immutable: never written); else the native road (the
-binding).  torch registers its road once torch.ops.attnmerge exists (attnmerge._torch_hook)."""
+binding).  The decision is asked in C (attnmerge._C.road, python/src/road.cpp: an eager call's
+host time), from what this module registers: the cache of JAX types, the refusals and the roads
+other than the binding.  torch registers its road once torch.ops.attnmerge exists
+(attnmerge._torch_hook)."""
 from __future__ import annotations
 
-from . import _native
+from . import _C, _native
 from ._arrays import family
 from ._call import Op, Options, named
 
-# (takes, run, transforming) of the torch road once registered: takes(*arrays) says whether a call
-# of those arrays (None allowed) goes through torch.ops.attnmerge (traced, or recorded by
-# autograd), transforming() whether a torch.func transform (vmap, grad, ...) is active, whose
-# wrapped tensors only the ops can take; run(op, inputs, out, out_lse, opt) runs the call.
-_torch = None
-
 
 def use_torch(takes, run, transforming):
-    """Registers the torch road (attnmerge._torch_hook, once torch.ops.attnmerge is registered)."""
-    global _torch
-    _torch = (takes, run, transforming)
+    """Registers the torch road (attnmerge._torch_hook, once torch.ops.attnmerge is registered):
+    takes(*arrays) says whether a call of those arrays (None allowed) goes through
+    torch.ops.attnmerge (traced, or recorded by autograd), transforming() whether a torch.func
+    transform (vmap, grad, ...) is active, whose wrapped tensors only the ops can take; run(op,
+    inputs, out, out_lse, opt) runs the call.  Three None: no torch road."""
+    _C.use_torch(takes, run, transforming)
+
+
+def torch_road():
+    """The registered torch road, (takes, run, transforming), or None."""
+    return _C.torch_road()
 
 
 _IS_JAX: dict[type, bool] = {}  # type -> whether it is JAX's (an array or a tracer), looked up every call
@@ -35,34 +40,11 @@ def is_jax(x):
         return jax
 
 
-def _any_jax(a, b):
-    """is_jax(a) or is_jax(b), in one call where both types were seen before (the per-call case)."""
-    try:
-        return _IS_JAX[type(a)] or _IS_JAX[type(b)]
-    except KeyError:
-        return is_jax(a) or is_jax(b)
-
-
-def run(op: Op, inputs, out, out_lse, opt: Options):
-    """One call of `op` on its road: the public functions' (and the compat layers') one way down."""
-    torch = _torch
-    if torch is not None and (torch[0](*inputs, opt.sink, opt.sum_a, opt.sum_b, out, out_lse) or torch[2]()):
-        return torch[1](op, inputs, out, out_lse, opt)
-    if op.like < 0:  # the in-place merge writes its first state
-        if _any_jax(inputs[0], inputs[1]):
-            _refuse_jax_outputs(op, inputs[:2], opt)
-    elif out is None or out_lse is None or opt.out_dtype is not None or opt.group_size:  # results to allocate
-        if (out is not None or out_lse is not None) and _any_jax(out, out_lse):
-            _refuse_jax_outputs(op, (out, out_lse), opt)
-        if out is None and is_jax(inputs[op.like]):
-            return _jax(op, inputs, out_lse, opt)
-    elif _IS_JAX.get(type(out)) is not False or _IS_JAX.get(type(out_lse)) is not False:  # types seen: no call
-        if _any_jax(out, out_lse):
-            _refuse_jax_outputs(op, (out, out_lse), opt)
-    else:  # the per-call case: every result given, straight to the binding
-        op.binding(out, out_lse, *inputs, opt)
-        return (out, out_lse)
-    return _native.run(op, inputs, out, out_lse, opt)
+# run(op, inputs, out, out_lse, opt): one call of `op` on its road, the public functions' (and the
+# compat layers') one way down.  Every result given, none JAX's and no torch road taken: the
+# binding; results to allocate: attnmerge.jax where they would be allocated like a JAX array, else
+# _native.run; a JAX array handed over to be written: refused (_refuse_jax_outputs).
+run = _C.road
 
 
 def _refuse_jax_outputs(op, written, opt):
@@ -96,3 +78,7 @@ def _jax(op, inputs, out_lse, opt: Options):
         raise ImportError(f"attnmerge.{op.name} on JAX arrays runs attnmerge.jax, which is not available: {e}") from e
     results = attnmerge_jax.run(op, inputs, opt)
     return (results[0], results[1] if opt.return_lse else None, *results[2:])
+
+
+_C.use_roads(_IS_JAX, is_jax, _refuse_jax_outputs, _jax, _native.run, {f: i for i, f in enumerate(Op._fields)},
+             {f: i for i, f in enumerate(Options._fields)})

@@ -723,6 +723,20 @@ def _c_takes():
     return check
 
 
+def _traceable_roads():
+    """Dynamo cannot trace a C function: while it traces, the public functions' per-call paths and
+    the road (attnmerge._C.caller's and attnmerge._C.road) are their Python readings, then the ops
+    (the road a traced call takes).  Without substitute_in_graph (torch before 2.5) Dynamo breaks
+    the graph at them and runs them eagerly."""
+    substitute = getattr(torch.compiler, "substitute_in_graph", None)
+    if substitute is None:
+        return
+    for call, op, read in _call.CALLERS:
+        substitute(call, skip_signature_check=True)(lambda *args, op=op, read=read: run(op, *read(op, args)))
+    substitute(_C.road, skip_signature_check=True)(lambda op, inputs, out, out_lse, opt:
+                                                   run(op, inputs, out, out_lse, opt))
+
+
 # takes(a, b, c, d): whether a public call goes through torch.ops.attnmerge: while torch.compile or
 # torch.export traces it, and when autograd would record it (any of the arrays a..d, None allowed,
 # requires grad): the op then differentiates it, or refuses it by name.  Eager torch tensors, the
@@ -806,3 +820,6 @@ def run(op, inputs, out, out_lse, opt: Options):
         packet.out(*inputs, out=out, out_lse=out_lse, output_scale=scale, sink=opt.sink,
                    **dict(zip(_state_tensors(op), states)), **groups, **kwargs)
         return _native.results(out, out_lse, opt)
+
+
+_traceable_roads()

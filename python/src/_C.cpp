@@ -15,6 +15,7 @@
 #include "array_view.h"
 #include "call_options.h"
 #include "flag_reader.h"
+#include "road.h"
 #include "attnmerge/attnmerge.h"
 
 namespace py = pybind11;
@@ -482,6 +483,51 @@ class Exchange {
   attnmerge_exchange x_ = {};
 };
 
+// The forward ops as METH_FASTCALL functions: the public functions' per-call path calls them on
+// every eager call, where pybind11's dispatcher (an argument tuple, the overload search) was a
+// share of the host time (benchmarks/NOTES.md#routing-check).  Errors as pybind11 would raise them.
+template <auto F, std::size_t... I>
+void call_with(PyObject* const* args, std::index_sequence<I...>) {
+  F(py::handle(args[I])...);
+}
+
+template <auto F, std::size_t N>
+PyObject* fastcall(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != static_cast<Py_ssize_t>(N)) {
+    PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", static_cast<Py_ssize_t>(N), n);
+    return nullptr;
+  }
+  try {
+    call_with<F>(args, std::make_index_sequence<N>{});
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
+  } catch (const py::builtin_exception& e) {
+    e.set_error();
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+#define ATTNMERGE_FASTCALL(f, n, params)                                                                \
+  PyMethodDef{#f, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastcall<&f, n>)), METH_FASTCALL, \
+              #f "(" params ") -> None"}
+PyMethodDef kForward[] = {
+    ATTNMERGE_FASTCALL(merge, 7,
+                       "out: object, out_lse: object, o_a: object, lse_a: object, o_b: object, lse_b: object, "
+                       "options: object"),
+    ATTNMERGE_FASTCALL(merge_inplace, 6,
+                       "o: object, lse: object, o_other: object, lse_other: object, mask: object, options: object"),
+    ATTNMERGE_FASTCALL(merge_states, 5, "out: object, out_lse: object, o: object, lse: object, options: object"),
+    ATTNMERGE_FASTCALL(merge_varlen, 6,
+                       "out: object, out_lse: object, o: object, lse: object, indptr: object, options: object"),
+    ATTNMERGE_FASTCALL(merge_share, 5, "out: object, out_lse: object, o: object, lse: object, options: object"),
+};
+#undef ATTNMERGE_FASTCALL
+
 std::string library_path() {
   Dl_info info;
   if (dladdr(reinterpret_cast<void*>(&attnmerge_version), &info) && info.dli_fname) return info.dli_fname;
@@ -493,16 +539,8 @@ std::string library_path() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "attnmerge's binding of libattnmerge (internal; use the attnmerge package)";
   // Each op: its arrays as the C ABI takes them, then the call's options record (attnmerge._call.Options).
-  m.def("merge", &merge, py::arg("out"), py::arg("out_lse"), py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"),
-        py::arg("lse_b"), py::arg("options"));
-  m.def("merge_inplace", &merge_inplace, py::arg("o"), py::arg("lse"), py::arg("o_other"), py::arg("lse_other"),
-        py::arg("mask"), py::arg("options"));
-  m.def("merge_states", &merge_states, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
-        py::arg("options"));
-  m.def("merge_varlen", &merge_varlen, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
-        py::arg("indptr"), py::arg("options"));
-  m.def("merge_share", &merge_share, py::arg("out"), py::arg("out_lse"), py::arg("o"), py::arg("lse"),
-        py::arg("options"));
+  for (PyMethodDef& def : kForward)
+    m.attr(def.ml_name) = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, nullptr));
   m.def("merge_backward", &merge_backward, py::arg("grad_o_a"), py::arg("grad_lse_a"), py::arg("grad_o_b"),
         py::arg("grad_lse_b"), py::arg("grad_out"), py::arg("grad_out_lse"), py::arg("out"), py::arg("out_lse"),
         py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"), py::arg("lse_b"), py::arg("options"));
@@ -544,6 +582,15 @@ PYBIND11_MODULE(_C, m) {
     d["block"] = py::make_tuple(info.block[0], info.block[1], info.block[2]);
     return d;
   });
+  // The public functions' per-call path and their road (road.h), registered by attnmerge._roads and
+  // attnmerge._call.
+  m.def("use_roads", &attnmerge_py::use_roads, py::arg("jax_types"), py::arg("is_jax"), py::arg("refuse"),
+        py::arg("jax"), py::arg("native"), py::arg("op_fields"), py::arg("record_fields"));
+  m.def("use_torch", &attnmerge_py::use_torch, py::arg("takes"), py::arg("run"), py::arg("transforming"));
+  m.def("torch_road", &attnmerge_py::torch_road);
+  m.attr("road") = attnmerge_py::road_function();
+  m.def("caller", &attnmerge_py::caller, py::arg("op"), py::arg("slots"), py::arg("defaults"), py::arg("lses"),
+        py::arg("record"), py::arg("general"));
   m.def("flag_reader", &attnmerge_py::flag_reader, py::arg("type"), py::arg("name"), py::arg("gate"),
         py::arg("tracing") = py::none());
   py::class_<Exchange>(m, "Exchange")
