@@ -2,8 +2,10 @@
 memory (num_tokens=, what a CUDA graph captured once replays at every batch), against the call
 sized for the live tokens alone, per op, at 1, 17 and 256 live tokens of a capacity of 256: bf16
 states of 32 heads x 128; merge_states and merge_share over 16 states, merge_varlen 16 a row.
-The target (issue 38): the capacity's call at most the sized call + 0.3 us.  Each pair is checked
-first: the capacity call's live rows are the sized call's bits.  CUDA graph replay (the count
+The target (issue 38): the capacity's call at most the sized call + 0.3 us.  Each op runs plain and
+with batch_invariant=True, and each pair is checked first: the capacity call's live rows are the
+sized call's bits, which batch_invariant promises for every op (a failure), and a plain call only
+where the plan's kernel for the live size is the capacity's (a difference reported).  CUDA graph replay (the count
 written before the timing, read at every replay), input sets rotated past L2, the median of 3
 alternations."""
 import attnmerge
@@ -36,13 +38,13 @@ def make(torch, op, device):
     return (o(t), lse(t, STATES)), outputs  # merge_share: this rank's O, every rank's LSE
 
 
-def call(op, inputs, outputs, live, count=None):
+def call(op, inputs, outputs, live, count=None, invariant=False):
     """op on the capacity's arrays with the live count read from `count`, or (count None) on the
-    live tokens' slices; into outputs (their live rows)."""
+    live tokens' slices; into outputs (their live rows); batch_invariant=invariant."""
     if count is not None:
-        out, out_lse, kw = *outputs, dict(num_tokens=count)
+        out, out_lse, kw = *outputs, dict(num_tokens=count, batch_invariant=invariant)
     else:
-        out, out_lse, kw = outputs[0][:live], outputs[1][:live], {}
+        out, out_lse, kw = outputs[0][:live], outputs[1][:live], dict(batch_invariant=invariant)
         # the first live rows: the variable-length merge's offsets (every state kept), else every array's
         inputs = (*inputs[:2], inputs[2][:live + 1]) if op == "merge_varlen" else tuple(x[:live] for x in inputs)
     if op == "merge":
@@ -57,7 +59,7 @@ def call(op, inputs, outputs, live, count=None):
         attnmerge.merge_share(*inputs, 3, out=out, out_lse=out_lse, **kw)
 
 
-def agree(torch, op, inputs, outputs, live, count):
+def agree(torch, op, inputs, outputs, live, count, invariant):
     """Whether the capacity call's live rows are the sized call's bits (the in-place merge: on
     copies of its state, each merged once)."""
     def written(count):
@@ -65,7 +67,7 @@ def agree(torch, op, inputs, outputs, live, count):
         else outputs poisoned with NaN)."""
         ins = tuple(x.clone() for x in inputs) if op == "merge_inplace" else inputs
         outs = tuple(torch.full_like(x, float("nan")) for x in outputs)
-        call(op, ins, outs, live, count)
+        call(op, ins, outs, live, count, invariant)
         return tuple(x[:live] for x in (ins[:2] if op == "merge_inplace" else outs))
 
     def bits(x):
@@ -77,24 +79,25 @@ def agree(torch, op, inputs, outputs, live, count):
 def run(args, runner):
     torch = runner.torch
     rows, failed = [], 0
-    for op, live in runner.cases([(op, live) for op in OPS for live in LIVE]):
+    for op, invariant, live in runner.cases([(op, inv, live) for op in OPS for inv in (False, True) for live in LIVE]):
         count = torch.tensor([live], dtype=torch.int32, device=runner.device)
         first = make(torch, op, runner.device)
         nbytes = sum(x.numel() * x.element_size() for x in (*first[0], *first[1]))
         sets = [first] + [make(torch, op, runner.device) for _ in range((runner.count or input_sets(nbytes)) - 1)]
-        ok = agree(torch, op, *sets[0], live, count)
-        failed += not ok
+        ok = agree(torch, op, *sets[0], live, count, invariant)
+        failed += invariant and not ok
 
         def capacity(inputs, outputs):
-            call(op, inputs, outputs, live, count)
+            call(op, inputs, outputs, live, count, invariant)
 
         def sized(inputs, outputs):
-            call(op, inputs, outputs, live)
+            call(op, inputs, outputs, live, None, invariant)
 
         cap_us, sized_us = runner.time((capacity, sized), sets)
-        rows.append(dict(op=op, capacity=CAPACITY, live=live, heads=HEADS, head_size=HEAD_SIZE, capacity_us=cap_us,
+        rows.append(dict(op=op, batch_invariant=invariant, capacity=CAPACITY, live=live, heads=HEADS, head_size=HEAD_SIZE, capacity_us=cap_us,
                          sized_us=sized_us, over_us=cap_us - sized_us, within_target=cap_us - sized_us <= TARGET_US,
                          bits_agree=ok))
-        print(f"{op:<13} {live:>3} of {CAPACITY} live: capacity {cap_us:.2f} us, sized {sized_us:.2f} us, "
-              f"+{cap_us - sized_us:.2f} us (target +{TARGET_US}){'' if ok else '; the live rows DIFFER'}", flush=True)
+        differ = "" if ok else "; the live rows DIFFER" if invariant else "; the live rows differ (another kernel)"
+        print(f"{op + (' invariant' if invariant else ''):<23} {live:>3} of {CAPACITY} live: capacity {cap_us:.2f} us, "
+              f"sized {sized_us:.2f} us, +{cap_us - sized_us:.2f} us (target +{TARGET_US}){differ}", flush=True)
     return dict(routine="live_tokens", rows=rows, failed=failed)

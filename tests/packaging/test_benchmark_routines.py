@@ -176,13 +176,14 @@ def test_cp_step_refuses_an_unknown_form_by_name():
     assert "--forms: bogus is not one of gather,share,all_to_all,packed,fused,ring" in proc.stderr
 
 
+@pytest.mark.parametrize("invariant", (False, True), ids=("plain", "batch_invariant"))
 @pytest.mark.parametrize("op", ("merge", "merge_inplace", "merge_states", "merge_varlen", "merge_share"))
-def test_live_tokens_checks_the_capacity_call_against_the_sized_one(routines, op):
-    """live_tokens' check, on CPU tensors: the capacity's call reading the count holds the sized
-    call's bits in its live rows, and a count one short fails it."""
+def test_live_tokens_checks_the_capacity_call_against_the_sized_one(routines, op, invariant):
+    """live_tokens' check, on CPU tensors (one kernel whatever the size): the capacity's call
+    reading the count holds the sized call's bits in its live rows, and a count one short fails it."""
     live_tokens = importlib.import_module("routines.live_tokens")
     for live in (1, 17, 256):
         count = torch.tensor([live], dtype=torch.int32)
-        assert live_tokens.agree(torch, op, *live_tokens.make(torch, op, "cpu"), live, count)
+        assert live_tokens.agree(torch, op, *live_tokens.make(torch, op, "cpu"), live, count, invariant)
     short = torch.tensor([16], dtype=torch.int32)
-    assert not live_tokens.agree(torch, op, *live_tokens.make(torch, op, "cpu"), 17, short)
+    assert not live_tokens.agree(torch, op, *live_tokens.make(torch, op, "cpu"), 17, short, invariant)
