@@ -43,14 +43,18 @@ int any_jax(PyObject* a, PyObject* b) {
   return first != 0 ? first : is_jax(b);
 }
 
-// _roads' refusal of JAX arrays handed over to be written (it raises).
-PyObject* refuse(PyObject* op, PyObject* a, PyObject* b, PyObject* opt) {
+// _roads' refusal of JAX arrays handed over to be written: false, its exception raised (it always
+// raises; a refusal that returned is the package's bug, reported as such).
+bool refuse(PyObject* op, PyObject* a, PyObject* b, PyObject* opt) {
   PyObject* written = PyTuple_Pack(2, a, b);
-  if (written == nullptr) return nullptr;
+  if (written == nullptr) return false;
   PyObject* args[] = {op, written, opt};
   PyObject* r = PyObject_Vectorcall(g.refuse, args, 3, nullptr);
   Py_DECREF(written);
-  return r;
+  if (r == nullptr) return false;
+  Py_DECREF(r);
+  PyErr_SetString(PyExc_RuntimeError, "attnmerge._roads: the refusal of JAX outputs returned");
+  return false;
 }
 
 // Whether the type of x is known not to be JAX's (without asking): the per-call case.
@@ -91,12 +95,12 @@ PyObject* run_road(PyObject* op, PyObject* inputs, PyObject* out, PyObject* out_
   if (grouped < 0) return nullptr;
   if (like < 0) {  // the in-place merge writes its first state
     const int jax = any_jax(in[0], in[1]);
-    if (jax < 0 || (jax && refuse(op, in[0], in[1], opt) == nullptr)) return nullptr;
+    if (jax < 0 || (jax && !refuse(op, in[0], in[1], opt))) return nullptr;
   } else if (out == Py_None || out_lse == Py_None || PyTuple_GET_ITEM(opt, g.out_dtype) != Py_None || grouped) {
     // results to allocate
     if (out != Py_None || out_lse != Py_None) {
       const int jax = any_jax(out, out_lse);
-      if (jax < 0 || (jax && refuse(op, out, out_lse, opt) == nullptr)) return nullptr;
+      if (jax < 0 || (jax && !refuse(op, out, out_lse, opt))) return nullptr;
     }
     if (like >= n) return fail(PyExc_TypeError, "op: its `like` input is past its inputs");
     if (out == Py_None) {
@@ -109,7 +113,7 @@ PyObject* run_road(PyObject* op, PyObject* inputs, PyObject* out, PyObject* out_
     }
   } else if (!known_not_jax(out) || !known_not_jax(out_lse)) {
     const int jax = any_jax(out, out_lse);
-    if (jax < 0 || (jax && refuse(op, out, out_lse, opt) == nullptr)) return nullptr;
+    if (jax < 0 || (jax && !refuse(op, out, out_lse, opt))) return nullptr;
   } else {  // the per-call case: every result given, straight to the binding
     PyObject* args[12] = {out, out_lse};
     for (Py_ssize_t i = 0; i < n; ++i) args[2 + i] = in[i];
