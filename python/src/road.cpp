@@ -62,6 +62,23 @@ bool known_not_jax(PyObject* x) {
   return PyDict_GetItem(g.jax_types, reinterpret_cast<PyObject*>(Py_TYPE(x))) == Py_False;
 }
 
+// The torch road as registered when a call began, referenced until it ends.
+struct Held {
+  PyObject *takes = g.takes, *transforming = g.transforming, *run = g.torch_run;
+  Held() {
+    Py_XINCREF(takes);
+    Py_XINCREF(transforming);
+    Py_XINCREF(run);
+  }
+  ~Held() {
+    Py_XDECREF(takes);
+    Py_XDECREF(transforming);
+    Py_XDECREF(run);
+  }
+  Held(const Held&) = delete;
+  Held& operator=(const Held&) = delete;
+};
+
 PyObject* run_road(PyObject* op, PyObject* inputs, PyObject* out, PyObject* out_lse, PyObject* opt) {
   if (g.native == nullptr) return fail(PyExc_RuntimeError, "attnmerge._C.road: no roads registered (attnmerge._roads)");
   if (!PyTuple_Check(op) || PyTuple_GET_SIZE(op) <= std::max(g.like, g.binding))
@@ -74,6 +91,7 @@ PyObject* run_road(PyObject* op, PyObject* inputs, PyObject* out, PyObject* out_
   const Py_ssize_t n = PyTuple_GET_SIZE(inputs);
   PyObject* const* in = &PyTuple_GET_ITEM(inputs, 0);
   if (g.takes != nullptr) {  // torch.ops.attnmerge while traced or recorded by autograd
+    const Held torch_road;  // held through the calls: a callback may register another road
     PyObject* arrays[13];
     for (Py_ssize_t i = 0; i < n; ++i) arrays[i] = in[i];
     arrays[n] = PyTuple_GET_ITEM(opt, g.sink);
@@ -81,12 +99,12 @@ PyObject* run_road(PyObject* op, PyObject* inputs, PyObject* out, PyObject* out_
     arrays[n + 2] = PyTuple_GET_ITEM(opt, g.sum_b);
     arrays[n + 3] = out;
     arrays[n + 4] = out_lse;
-    int take = truth_of(PyObject_Vectorcall(g.takes, arrays, n + 5, nullptr));
-    if (take == 0) take = truth_of(PyObject_CallNoArgs(g.transforming));
+    int take = truth_of(PyObject_Vectorcall(torch_road.takes, arrays, n + 5, nullptr));
+    if (take == 0) take = truth_of(PyObject_CallNoArgs(torch_road.transforming));
     if (take < 0) return nullptr;
     if (take) {
       PyObject* args[] = {op, inputs, out, out_lse, opt};
-      return PyObject_Vectorcall(g.torch_run, args, 5, nullptr);
+      return PyObject_Vectorcall(torch_road.run, args, 5, nullptr);
     }
   }
   const Py_ssize_t like = PyLong_AsSsize_t(PyTuple_GET_ITEM(op, g.like));
