@@ -61,6 +61,7 @@ def pointer_device(ptr: int) -> int: ...
 
 # The C ABI's dtype table: (code, name, array_name, size, roles) a row; attnmerge._types reads it.
 OPTION_FIELDS: tuple[str, ...]
+CALLER_SLOTS: tuple[str, ...]
 DTYPES: tuple[tuple[int, str, str, int, int], ...]
 ROLE_O_IN: int
 ROLE_O_OUT: int

@@ -359,10 +359,11 @@ def read_call(op: Op, params):
     return inputs, out, out_lse, options(op, out, names=stats_names, sum_a=sum_a, sum_b=sum_b, **params)
 
 
-# How attnmerge._C.caller takes each parameter of a public function (road.h): an input, out,
-# out_lse, a record field as it is, a record field where it is an int, or an option that must be
-# its default for the per-call path.
-_INPUT, _OUT, _OUT_LSE, _FIELD, _INT_FIELD, _DEFAULT = range(6)
+# How attnmerge._C.caller takes each parameter of a public function (road.h's Slot, numbered by
+# the binding): an input, out, out_lse, a record field as it is, a record field where it is an
+# int, or an option that must be its default for the per-call path.
+_INPUT, _OUT, _OUT_LSE, _FIELD, _INT_FIELD, _DEFAULT = (
+    _C.CALLER_SLOTS.index(kind) for kind in ("input", "out", "out_lse", "field", "int_field", "default"))
 _FIELDS = {"stream": (_FIELD, "stream"), "_names": (_FIELD, "names"), "index": (_INT_FIELD, "index")}
 
 

@@ -590,6 +590,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("use_torch", &attnmerge_py::use_torch, py::arg("takes"), py::arg("run"), py::arg("transforming"));
   m.def("torch_road", &attnmerge_py::torch_road);
   m.attr("road") = attnmerge_py::road_function();
+  py::tuple slots(attnmerge_py::kSlotKinds);
+  for (int i = 0; i < attnmerge_py::kSlotKinds; ++i) slots[i] = attnmerge_py::kSlotNames[i];
+  m.attr("CALLER_SLOTS") = slots;
   m.def("caller", &attnmerge_py::caller, py::arg("op"), py::arg("slots"), py::arg("defaults"), py::arg("lses"),
         py::arg("record"), py::arg("general"));
   m.def("flag_reader", &attnmerge_py::flag_reader, py::arg("type"), py::arg("name"), py::arg("gate"),

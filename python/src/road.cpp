@@ -159,7 +159,6 @@ PyMethodDef road_def = {"road", reinterpret_cast<PyCFunction>(reinterpret_cast<v
 
 constexpr const char* kCapsule = "attnmerge.caller";
 
-enum class Slot : int { kInput = 0, kOut = 1, kOutLse = 2, kField = 3, kIntField = 4, kDefault = 5 };
 
 struct Caller {
   PyObject *op, *defaults, *record, *general;  // owned
@@ -321,7 +320,8 @@ py::object caller(py::handle op, py::tuple slots, py::tuple defaults, py::tuple 
   for (const py::handle s : slots) {
     const auto pair = s.cast<std::pair<int, Py_ssize_t>>();
     const Slot kind = static_cast<Slot>(pair.first);
-    if (pair.first < 0 || pair.first > 5) throw py::value_error("caller: a slot's kind is 0 to 5");
+    if (pair.first < 0 || pair.first >= kSlotKinds)
+      throw py::value_error("caller: a slot's kind is a position in CALLER_SLOTS");
     if ((kind == Slot::kField || kind == Slot::kIntField) && (pair.second < 0 || pair.second >= fields))
       throw py::value_error("caller: a record field past the record");
     if (kind == Slot::kInput) c->inputs = std::max(c->inputs, pair.second + 1);

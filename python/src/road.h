@@ -28,11 +28,16 @@ py::object torch_road();
 // run(op, inputs, out, out_lse, opt): the call of `op` on its road (attnmerge._roads.run).
 py::object road_function();
 
+// How the per-call path takes a parameter (the module exports the names in this order as
+// CALLER_SLOTS): an input (its position in op.inputs), out, out_lse, a record field taken as it is
+// (its position in the record), a record field taken where it is exactly an int (merge_share's
+// index), an option that must be its default (`defaults`, the parameter's position).
+enum class Slot : int { kInput, kOut, kOutLse, kField, kIntField, kDefault };
+inline constexpr const char* kSlotNames[] = {"input", "out", "out_lse", "field", "int_field", "default"};
+inline constexpr int kSlotKinds = sizeof(kSlotNames) / sizeof(kSlotNames[0]);
+
 // A public function's per-call path: caller(*params) with the function's parameters in its
-// signature's order.  `slots` says, per parameter, (kind, position): kind 0 an input (its position
-// in op.inputs), 1 out, 2 out_lse, 3 a record field taken as it is (its position in the record),
-// 4 a record field taken where it is exactly an int (merge_share's index), 5 an option that must
-// be its default (`defaults`, the same position) for the per-call path.  `lses`: the parameters
+// signature's order.  `slots` says, per parameter, (kind, position): its Slot and where it goes.  `lses`: the parameters
 // that may be softmax statistics (a tuple: the general path).  The call is road(op, inputs, out,
 // out_lse, record) with `record` (the default record) and its fields set; any other call's
 // (inputs, out, out_lse, record) are general(op, args), the parameters as a tuple (the Python
