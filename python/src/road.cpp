@@ -14,6 +14,7 @@ struct Roads {
   PyObject *jax_types = nullptr, *is_jax = nullptr, *refuse = nullptr, *jax = nullptr, *native = nullptr;
   PyObject *takes = nullptr, *torch_run = nullptr, *transforming = nullptr;
   Py_ssize_t like = -1, binding = -1, sink = -1, sum_a = -1, sum_b = -1, out_dtype = -1, group_size = -1;
+  Py_ssize_t op_size = 0, record_size = 0;  // the least sizes an Op and a record may have (past those fields)
 };
 Roads g;
 
@@ -81,12 +82,11 @@ struct Held {
 
 PyObject* run_road(PyObject* op, PyObject* inputs, PyObject* out, PyObject* out_lse, PyObject* opt) {
   if (g.native == nullptr) return fail(PyExc_RuntimeError, "attnmerge._C.road: no roads registered (attnmerge._roads)");
-  if (!PyTuple_Check(op) || PyTuple_GET_SIZE(op) <= std::max(g.like, g.binding))
+  if (!PyTuple_Check(op) || PyTuple_GET_SIZE(op) < g.op_size)
     return fail(PyExc_TypeError, "op: expected an attnmerge._call.Op");
   if (!PyTuple_Check(inputs) || PyTuple_GET_SIZE(inputs) < 2 || PyTuple_GET_SIZE(inputs) > 8)
     return fail(PyExc_TypeError, "inputs: expected a tuple of 2 to 8 arrays");
-  if (!PyTuple_Check(opt) ||
-      PyTuple_GET_SIZE(opt) <= std::max({g.sink, g.sum_a, g.sum_b, g.out_dtype, g.group_size}))
+  if (!PyTuple_Check(opt) || PyTuple_GET_SIZE(opt) < g.record_size)
     return fail(PyExc_TypeError, "opt: expected an attnmerge._call.Options record");
   const Py_ssize_t n = PyTuple_GET_SIZE(inputs);
   PyObject* const* in = &PyTuple_GET_ITEM(inputs, 0);
@@ -283,6 +283,8 @@ void use_roads(py::dict jax_types, py::handle is_jax, py::handle refuse, py::han
   g.sum_b = position(record_fields, "sum_b", "Options");
   g.out_dtype = position(record_fields, "out_dtype", "Options");
   g.group_size = position(record_fields, "group_size", "Options");
+  g.op_size = std::max(g.like, g.binding) + 1;
+  g.record_size = std::max({g.sink, g.sum_a, g.sum_b, g.out_dtype, g.group_size}) + 1;
   hold(g.jax_types, jax_types);
   hold(g.is_jax, is_jax);
   hold(g.refuse, refuse);
