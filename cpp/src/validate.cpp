@@ -390,6 +390,10 @@ bool takes_precision(const View& v) {
 // side with fewer of them is named (the float64 one where the two are as many: float64 is the
 // rarer choice); where they agree, the outputs that do not.
 attnmerge_status check_precision(Views views, Precision& precision) {
+  precision = Precision::kFloat32;
+  bool wide_seen = false;  // the common call has no float64 at all: nothing to sort or name
+  for (const View& v : views) wide_seen = wide_seen || (takes_precision(v) && v.t->dtype == ATTNMERGE_FLOAT64);
+  if (!wide_seen) return ATTNMERGE_SUCCESS;
   const View* side[2][kMaxArgs];  // [0] not float64, [1] float64
   int count[2] = {0, 0};
   for (const View& v : views)
