@@ -7,6 +7,7 @@ for scale: the bench's host timer (attnmerge.bench.timing.host_us, median of 15 
 
     python benchmarks/host_cpu.py                  # float32 CPU tensors (a CPU merge of 4096 elements)
     python benchmarks/host_cpu.py --device cuda    # bfloat16 CUDA tensors, as the bench's host section
+    python benchmarks/host_cpu.py --device numpy   # float32 NumPy arrays, torch imported beside
 
 To compare two builds, install each in its own environment (or `pip install --target` folder) and
 run each tree's own copy of this script alternately under both; the timer is the same in both.
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import torch
 
 import attnmerge
@@ -46,7 +48,8 @@ MODES = {"autograd on": torch.enable_grad, "torch.no_grad": torch.no_grad, "torc
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda", "numpy"), default="cpu",
+                        help="CPU tensors, CUDA tensors, or NumPy arrays in a process that imported torch")
     parser.add_argument("--repeats", type=int, default=5, help="alternations of with and without (default 5)")
     parser.add_argument("--instructions", action="store_true", help="count instructions per call (valgrind)")
     parser.add_argument("--calls", type=int, default=2000, help="calls counted with --instructions (%(default)s)")
@@ -82,17 +85,23 @@ def main():
         print(f"attnmerge.merge, {mode:<22} {statistics.median(routed):6.3f} us per call, "
               f"{statistics.median(without):6.3f} without the torch road: {statistics.median(deltas):+.3f} "
               f"(median of {len(deltas)} alternations, {deltas[0]:+.3f} to {deltas[-1]:+.3f})")
-    print(f"torch.add (for scale)                  {per_call_us(lambda: torch.add(o_a, o_b, out=out)):6.3f} us")
+    add = np.add if args.device == "numpy" else torch.add
+    print(f"{add.__module__.split('.')[0]}.add (for scale)                  "
+          f"{per_call_us(lambda: add(o_a, o_b, out=out)):6.3f} us")
 
 
 def merge_call(device):
     """The timed call: attnmerge.merge of 1 x 32 x 128 states, outputs given (`.arrays`: o_a, o_b
-    and out, for torch.add)."""
+    and out, for the scale's add)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     t, h, d = 1, 32, 128
-    o_a, o_b = (torch.randn(t, h, d, device=device).to(dtype) for _ in range(2))
-    lse_a, lse_b = (torch.randn(t, h, device=device) for _ in range(2))
-    out, out_lse = torch.empty_like(o_a), torch.empty_like(lse_a)
+    where = "cpu" if device == "numpy" else device
+    o_a, o_b = (torch.randn(t, h, d, device=where).to(dtype) for _ in range(2))
+    lse_a, lse_b = (torch.randn(t, h, device=where) for _ in range(2))
+    if device == "numpy":
+        o_a, o_b, lse_a, lse_b = (x.numpy() for x in (o_a, o_b, lse_a, lse_b))
+    empty_like = np.empty_like if device == "numpy" else torch.empty_like
+    out, out_lse = empty_like(o_a), empty_like(lse_a)
 
     def merge():
         attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse)
@@ -123,19 +132,20 @@ _GROUPS = (("attnmerge (C ABI, CPU merge)", r"libattnmerge\."), ("attnmerge._C (
 
 
 def instructions(args):
-    if args.device != "cpu":
+    if args.device == "cuda":
         sys.exit("--instructions: host arrays only (valgrind does not run CUDA)")
     missing = [tool for tool in ("valgrind", "callgrind_control", "callgrind_annotate") if shutil.which(tool) is None]
     if missing:
         sys.exit(f"--instructions needs valgrind's tools on PATH: {', '.join(missing)} not found")
+    arrays = "NumPy arrays" if args.device == "numpy" else "torch tensors"
     print(f"attnmerge {attnmerge.__version__} ({attnmerge.__file__}), torch {torch.__version__}: instructions per "
-          f"call of attnmerge.merge (1 x 32 x 128 float32, outputs given), {args.calls} calls counted")
+          f"call of attnmerge.merge (1 x 32 x 128 float32 {arrays}, outputs given), {args.calls} calls counted")
     with tempfile.TemporaryDirectory() as tmp:
         for mode in MODES:
             profile = os.path.join(tmp, "callgrind.out")
             run = subprocess.run(
                 ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={profile}",
-                 sys.executable, __file__, "--counted", mode, "--calls", str(args.calls)],
+                 sys.executable, __file__, "--counted", mode, "--calls", str(args.calls), "--device", args.device],
                 env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, text=True)
             if run.returncode != 0:
                 sys.exit(f"valgrind failed ({run.returncode}): {run.stderr[-2000:]}")

@@ -15,8 +15,9 @@ from ._call import Op, Options, named
 def use_torch(takes, run, transforming):
     """Registers the torch road (attnmerge._torch_hook, once torch.ops.attnmerge is registered):
     takes(*arrays) says whether a call of those arrays (None allowed) goes through
-    torch.ops.attnmerge (traced, or recorded by autograd), transforming() whether a torch.func
-    transform (vmap, grad, ...) is active, whose wrapped tensors only the ops can take; run(op,
+    torch.ops.attnmerge (traced, or recorded by autograd), None where none of them is a torch
+    tensor; transforming() whether a torch.func transform (vmap, grad, ...) is active, whose
+    wrapped tensors only the ops can take (asked where takes answered False); run(op,
     inputs, out, out_lse, opt) runs the call.  Three None: no torch road."""
     _C.use_torch(takes, run, transforming)
 

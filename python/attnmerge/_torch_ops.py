@@ -698,17 +698,24 @@ def _flag_reader(name, gate):
 _autograd_records = _flag_reader("requires_grad", torch.is_grad_enabled)
 
 
-def _python_takes(a, b, *rest):
-    if (type(a) is _Tensor and type(b) is _Tensor and not _dynamo_compiling()) or not _compiling():
-        return _autograd_records(a, b, *rest)
-    return True
+def _python_takes(*arrays):
+    if _dynamo_compiling():  # as _c_takes' stand-in answers while Dynamo traces
+        return True
+    if not (len(arrays) >= 2 and type(arrays[0]) is _Tensor and type(arrays[1]) is _Tensor):
+        tensors = [x for x in arrays if isinstance(x, _Tensor)]
+        if not tensors:
+            return None  # no torch tensor: nothing to record or trace, and none a transform holds
+        if any(type(x) is not _Tensor for x in tensors) and _compiling():
+            return True
+    return _autograd_records(*(x for x in arrays if isinstance(x, _Tensor)))
 
 
 def _c_takes():
     """_python_takes as one C call (_C.flag_reader with torch.compiler.is_compiling as `tracing`:
-    asked only for arrays other than exact torch.Tensor), registered with Dynamo with a Python
-    stand-in that answers True while it traces (as is_dynamo_compiling() folds to there; Dynamo
-    cannot trace a C function); None where torch.Tensor's flag or this torch does not allow it."""
+    asked where an array is a torch.Tensor subclass's and the first two are not exact tensors),
+    registered with Dynamo with a Python stand-in that answers True while it traces (as
+    is_dynamo_compiling() folds to there; Dynamo cannot trace a C function); None where
+    torch.Tensor's flag or this torch does not allow it."""
     substitute = getattr(torch.compiler, "substitute_in_graph", None)
     if substitute is None:
         return None
@@ -737,11 +744,13 @@ def _traceable_roads():
                                                    run(op, inputs, out, out_lse, opt))
 
 
-# takes(a, b, c, d): whether a public call goes through torch.ops.attnmerge: while torch.compile or
-# torch.export traces it, and when autograd would record it (any of the arrays a..d, None allowed,
-# requires grad): the op then differentiates it, or refuses it by name.  Eager torch tensors, the
-# per-call case, first and cheapest; other arrays ask torch.compiler.is_compiling() (torch.export's
-# non-strict tracing passes FakeTensors, a subclass).  One C call where this torch allows it.
+# takes(*arrays): whether a public call goes through torch.ops.attnmerge: while torch.compile or
+# torch.export traces it, and when autograd would record it (any of the arrays, None allowed,
+# requires grad): the op then differentiates it, or refuses it by name; None where no array is a
+# torch tensor (NumPy's, CuPy's, JAX's: nothing is asked of them, and the road then does not ask
+# `transforming` either).  Exact torch tensors, the per-call case, first and cheapest; a subclass
+# asks torch.compiler.is_compiling() (torch.export's non-strict tracing passes FakeTensors).  One
+# C call where this torch allows it.
 takes = _c_takes() or _python_takes
 # Whether a torch.func transform is active (its wrapped tensors export no data: only the ops, with
 # their vmap rules and autograd, take them).

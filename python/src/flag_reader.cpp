@@ -38,7 +38,8 @@ int asks_true(PyObject* f) {
   return yes;
 }
 
-// 1 set, 0 not, -1 an error raised (an AttributeError is "not set", as getattr's default).
+// 1 set, 0 not, -1 an error raised (an AttributeError is "not set", as getattr's default).  `obj`
+// is an instance of the type or of a subclass, which may define the attribute its own way.
 int is_set(const Reader& r, PyObject* obj) {
   PyObject* value;
   if (reinterpret_cast<PyObject*>(Py_TYPE(obj)) == r.type) {
@@ -58,10 +59,21 @@ int is_set(const Reader& r, PyObject* obj) {
 
 PyObject* any_set(PyObject* capsule, PyObject* const* args, Py_ssize_t n) {
   const auto* r = static_cast<const Reader*>(PyCapsule_GetPointer(capsule, kCapsule));
-  if (r->tracing != nullptr) {
-    const bool exact = n >= 2 && reinterpret_cast<PyObject*>(Py_TYPE(args[0])) == r->type &&
-                       reinterpret_cast<PyObject*>(Py_TYPE(args[1])) == r->type;
-    if (!exact) {
+  auto* const type = reinterpret_cast<PyTypeObject*>(r->type);
+  // An eager call of torch tensors: its first two arrays exactly the type's, nothing else to learn.
+  // Otherwise which objects are the type's: no other has the flag, so none is read (a getattr that
+  // raises AttributeError costs a microsecond: a NumPy array's call, torch imported, paid it per array).
+  if (n < 2 || Py_TYPE(args[0]) != type || Py_TYPE(args[1]) != type) {
+    bool instances = false, subclassed = false;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (Py_TYPE(args[i]) == type) {
+        instances = true;
+      } else if (args[i] != Py_None && PyObject_TypeCheck(args[i], type)) {
+        instances = subclassed = true;
+      }
+    }
+    if (!instances) Py_RETURN_NONE;
+    if (r->tracing != nullptr && subclassed) {
       const int tracing = asks_true(r->tracing);
       if (tracing < 0) return nullptr;
       if (tracing) Py_RETURN_TRUE;
@@ -71,7 +83,7 @@ PyObject* any_set(PyObject* capsule, PyObject* const* args, Py_ssize_t n) {
   if (open < 0) return nullptr;
   if (!open) Py_RETURN_FALSE;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (args[i] == Py_None) continue;
+    if (args[i] == Py_None || !PyObject_TypeCheck(args[i], type)) continue;
     const int set = is_set(*r, args[i]);
     if (set < 0) return nullptr;
     if (set) Py_RETURN_TRUE;
@@ -80,7 +92,7 @@ PyObject* any_set(PyObject* capsule, PyObject* const* args, Py_ssize_t n) {
 }
 
 PyMethodDef any_set_def = {"flag_reader", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(any_set)),
-                           METH_FASTCALL, "reader(*objects) -> bool: whether some object has the flag set"};
+                           METH_FASTCALL, "reader(*objects) -> bool | None: whether some object has the flag set; None: none is the type's"};
 
 }  // namespace
 

@@ -11,13 +11,15 @@ namespace attnmerge_py {
 
 namespace py = pybind11;
 
-// A callable `reader(*objects) -> bool`: True when gate() is True and some object other than None
-// has `name` set (is True), as `getattr(obj, name, False) is True` would say.  Instances of exactly
-// `type` are read through the getter of type's `name` (a getset descriptor, else a TypeError);
-// other objects by the attribute protocol.  gate is asked first: one call less from Python.
-// `tracing` (None or a callable): unless the first two objects are both exactly `type`, tracing()
-// is asked before anything else, and its True answers True (the whole routing check of an eager
-// call in one C call, no Python frame).
+// A callable `reader(*objects) -> bool | None`: None when no object is an instance of `type` (or
+// of a subclass): nothing is asked then.  Else True when gate() is True and some instance has
+// `name` set (is True), as `getattr(obj, name, False) is True` would say; objects of other types
+// are not read.  Instances of exactly `type` are read through the getter of type's `name` (a
+// getset descriptor, else a TypeError); a subclass's by the attribute protocol.  gate is asked
+// first: one call less from Python.  `tracing` (None or a callable): unless the first two objects
+// are both exactly `type` (an eager call's inputs), where some object is an instance of a
+// subclass of `type` (torch.export's FakeTensor), tracing() is asked before the gate, and its
+// True answers True (the whole routing check of an eager call in one C call, no Python frame).
 py::object flag_reader(py::handle type, py::str name, py::handle gate, py::handle tracing);
 
 }  // namespace attnmerge_py

@@ -99,8 +99,11 @@ PyObject* run_road(PyObject* op, PyObject* inputs, PyObject* out, PyObject* out_
     arrays[n + 2] = PyTuple_GET_ITEM(opt, g.sum_b);
     arrays[n + 3] = out;
     arrays[n + 4] = out_lse;
-    int take = truth_of(PyObject_Vectorcall(torch_road.takes, arrays, n + 5, nullptr));
-    if (take == 0) take = truth_of(PyObject_CallNoArgs(torch_road.transforming));
+    PyObject* answer = PyObject_Vectorcall(torch_road.takes, arrays, n + 5, nullptr);
+    // None: no torch tensor among the arrays, so none a torch.func transform holds either.
+    const bool torch_arrays = answer != Py_None;
+    int take = truth_of(answer);
+    if (take == 0 && torch_arrays) take = truth_of(PyObject_CallNoArgs(torch_road.transforming));
     if (take < 0) return nullptr;
     if (take) {
       PyObject* args[] = {op, inputs, out, out_lse, opt};

@@ -470,31 +470,39 @@ def test_autograd_records_a_call_exactly_when_grad_is_on_and_an_input_requires_i
     assert attnmerge.merge(*frozen)[0].grad_fn is None
 
 
-def test_the_routing_reads_requires_grad_as_getattr_would():
+def test_the_routing_reads_requires_grad_of_torch_tensors_alone():
     """The eager routing's reader of requires_grad (attnmerge._C.flag_reader over torch.Tensor,
-    gated by the grad mode): True only where the gate is open and some argument's flag is True;
-    None and arrays without the attribute are not set; an attribute that raises lets the error
+    gated by the grad mode): None where no argument is a torch tensor (nothing asked, not even the
+    gate); else True only where the gate is open and some tensor's flag is True.  Other objects are
+    never read, whatever attribute they carry; a subclass's attribute that raises lets the error
     through, and is not read with the gate closed."""
     from attnmerge import _C
 
-    reader = _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled)
+    gates = []
+
+    def gate():
+        gates.append(True)
+        return torch.is_grad_enabled()
+
+    reader = _C.flag_reader(torch.Tensor, "requires_grad", gate)
     plain, needs = torch.ones(2), torch.ones(2, requires_grad=True)
-    assert reader() is False and reader(None, plain, np.ones(2)) is False
-    assert reader(plain, None, needs) is True and reader(torch.nn.Parameter(torch.ones(2))) is True
 
     class Truthy:
-        requires_grad = 1  # truthy, not True: as `getattr(x, "requires_grad", False) is True`
+        requires_grad = True  # set, but not a tensor's: autograd records no such object
 
-    class Broken:
+    class Broken(torch.Tensor):
         @property
         def requires_grad(self):
             raise RuntimeError("unreadable")
 
-    assert reader(Truthy()) is False
+    assert reader() is None and reader(None, np.ones(2), Truthy()) is None and gates == []
+    assert reader(None, plain, np.ones(2)) is False and reader(plain, Truthy()) is False
+    assert reader(plain, None, needs) is True and reader(torch.nn.Parameter(torch.ones(2))) is True
+    broken = torch.ones(2).as_subclass(Broken)
     with pytest.raises(RuntimeError, match="unreadable"):
-        reader(plain, Broken())
+        reader(plain, broken)
     with torch.no_grad():
-        assert reader(needs, Broken()) is False
+        assert reader(needs, broken) is False
     assert _C.flag_reader(torch.Tensor, "requires_grad", lambda: 1)(needs) is False  # the gate's True only
     with pytest.raises(ZeroDivisionError):
         _C.flag_reader(torch.Tensor, "requires_grad", lambda: 1 / 0)(needs)
@@ -506,11 +514,12 @@ def test_the_routing_reads_requires_grad_as_getattr_would():
         _C.flag_reader(torch.Tensor, "requires_grad", None)
 
 
-def test_the_routing_asks_whether_torch_traces_only_for_arrays_other_than_exact_tensors():
+def test_the_routing_asks_whether_torch_traces_only_for_tensor_subclasses():
     """The whole routing check as one C call (attnmerge._C.flag_reader with `tracing`): where the
-    first two arrays are exactly torch.Tensor (the eager call) tracing() is never asked; otherwise
-    it is asked first and its True answers True whatever the flags; its False leaves the flags to
-    decide, and its errors come through."""
+    first two arrays are exactly torch.Tensor (the eager call), or no array is a tensor, tracing()
+    is never asked; otherwise where one is a subclass's (torch.export's FakeTensor) it is asked
+    first and its True answers True whatever the flags; its False leaves the flags to decide, and
+    its errors come through."""
     from attnmerge import _C
 
     asked = []
@@ -528,11 +537,15 @@ def test_the_routing_asks_whether_torch_traces_only_for_arrays_other_than_exact_
 
     sub = plain.as_subclass(Sub)
     assert _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, tracing(True))(plain, plain) is False
+    assert _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, tracing(True))(None, None) is None
+    assert _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, tracing(True))(np.ones(2)) is None
+    assert _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, tracing(True))(plain, plain, sub) is False
+    assert _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, tracing(True))(plain, np.ones(2)) is False
     assert asked == []
     assert _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, tracing(True))(sub, plain) is True
-    assert _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, tracing(True))(plain) is True
+    assert _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, tracing(True))(plain, None, sub) is True
     with torch.no_grad():  # tracing answers before the grad mode is asked
-        assert _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, tracing(True))(None, None) is True
+        assert _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, tracing(True))(sub) is True
     assert asked == [True, True, True]
     reader = _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, tracing(False))
     assert reader(sub, plain) is False and reader(sub, needs) is True and reader(np.ones(2), None, needs) is True
@@ -540,6 +553,60 @@ def test_the_routing_asks_whether_torch_traces_only_for_arrays_other_than_exact_
         _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, lambda: 1 / 0)(sub, plain)
     with pytest.raises(TypeError, match="tracing: expected None or a callable"):
         _C.flag_reader(torch.Tensor, "requires_grad", torch.is_grad_enabled, 1)
+
+
+def test_the_python_check_answers_as_the_c_one():
+    """_torch_ops._python_takes (the check where this torch cannot register the C one with Dynamo)
+    gives the C check's answers, None included, with autograd on and off, outside tracing."""
+    from attnmerge import _torch_ops
+
+    plain, needs = torch.ones(2), torch.ones(2, requires_grad=True)
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = plain.as_subclass(Sub)
+    arrays = np.ones(2)
+    cases = [(plain, plain), (plain, needs), (arrays, arrays), (None, None), (arrays, needs), (plain, None, needs),
+             (sub, plain), (sub, needs), (plain, plain, None, needs), (arrays, None, plain)]
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            for case in cases:
+                assert _torch_ops._python_takes(*case) is _torch_ops.takes(*case), (grad, case)
+
+
+def test_arrays_of_other_libraries_ask_torch_nothing():
+    """A call whose arrays are none of them torch tensors (NumPy's here) takes the native road
+    without asking whether a torch.func transform is active (nor the grad mode or whether torch
+    traces: the reader's tests above); a call of torch tensors asks the transform question where
+    autograd would not record it.  The results are the merge's either way."""
+    from attnmerge import _roads
+
+    takes, run, transforming = _roads.torch_road()
+    asked = []
+
+    def counting():
+        asked.append(True)
+        return transforming()
+
+    rng = np.random.default_rng(7)
+    o_a, o_b = (rng.standard_normal((3, 2, 8), dtype=np.float32) for _ in range(2))
+    lse_a, lse_b = (rng.standard_normal((3, 2), dtype=np.float32) for _ in range(2))
+    try:
+        _roads.use_torch(takes, run, counting)
+        out, out_lse = attnmerge.merge(o_a, lse_a, o_b, lse_b)
+        assert asked == []
+        with torch.no_grad():
+            t_out, t_lse = attnmerge.merge(*(torch.from_numpy(x) for x in (o_a, lse_a, o_b, lse_b)))
+        assert asked == [True]
+    finally:
+        _roads.use_torch(takes, run, transforming)
+    assert type(out) is np.ndarray and np.array_equal(out, t_out.numpy()) and np.array_equal(out_lse, t_lse.numpy())
+    m = np.maximum(lse_a, lse_b).astype(np.float64)
+    wa, wb = np.exp(lse_a - m), np.exp(lse_b - m)
+    expected = (wa[..., None] * o_a + wb[..., None] * o_b) / (wa + wb)[..., None]
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out_lse, m + np.log(wa + wb), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("which", ["out", "out_lse"])
