@@ -61,8 +61,8 @@ PyObject* any_set(PyObject* capsule, PyObject* const* args, Py_ssize_t n) {
   const auto* r = static_cast<const Reader*>(PyCapsule_GetPointer(capsule, kCapsule));
   auto* const type = reinterpret_cast<PyTypeObject*>(r->type);
   // An eager call of torch tensors: its first two arrays exactly the type's, nothing else to learn.
-  // Otherwise which objects are the type's: no other has the flag, so none is read (a getattr that
-  // raises AttributeError costs a microsecond: a NumPy array's call, torch imported, paid it per array).
+  // Otherwise which objects are the type's: no other has the flag, so none is read (a getattr
+  // raising AttributeError costs a microsecond: a NumPy call, torch imported, paid it per array).
   if (n < 2 || Py_TYPE(args[0]) != type || Py_TYPE(args[1]) != type) {
     bool instances = false, subclassed = false;
     for (Py_ssize_t i = 0; i < n; ++i) {
@@ -92,7 +92,9 @@ PyObject* any_set(PyObject* capsule, PyObject* const* args, Py_ssize_t n) {
 }
 
 PyMethodDef any_set_def = {"flag_reader", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(any_set)),
-                           METH_FASTCALL, "reader(*objects) -> bool | None: whether some object has the flag set; None: none is the type's"};
+                           METH_FASTCALL,
+                           "reader(*objects) -> bool | None: whether some object has the flag set (None: no "
+                           "object is the type's)"};
 
 }  // namespace
 
