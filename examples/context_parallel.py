@@ -134,7 +134,7 @@ def all_to_all(send, layout=0, group=None):
     except RuntimeError as e:  # a gloo without the list form (older torch): refused on every rank alike
         if "does not support alltoall" not in str(e):
             raise
-        landed = torch.empty_like(send)
+        landed = torch.empty(send.shape, dtype=send.dtype, device=send.device)  # contiguous, as send is sent
         dist.all_to_all_single(landed, send.contiguous(), group=group)
         for view, chunk in zip(views, landed):
             view.copy_(chunk)

@@ -192,6 +192,42 @@ def test_the_fused_form_over_tensors_in_shared_memory(tmp_path):
         torch.testing.assert_close(buffers[1][rank], lse, rtol=1e-5, atol=1e-5)
 
 
+def _listless_worker(rank, world, init_method, folder, problem):
+    """torch.multiprocessing target: the example's run() of every form where gloo has no list
+    all_to_all (torch 2.11's refuses it, as here), its result saved for the test."""
+    sys.path.insert(0, os.path.dirname(EXAMPLE))
+    import context_parallel
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("Backend gloo does not support alltoall")
+
+    context_parallel.dist.all_to_all = refused
+    torch.set_num_threads(1)
+    results = context_parallel.run(rank, world, init_method, backend="gloo", device="cpu", combine="all", **problem)
+    torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
+
+
+def test_the_all_to_all_layouts_where_gloo_has_no_list_form(tmp_path):
+    """Where gloo refuses the list all_to_all (older torch), the strided receive layouts take one
+    contiguous all_to_all_single and move its chunks into the views: every rank's part is still the
+    attention over all the keys, and the all-gather's rows bit for bit."""
+    import torch.multiprocessing as mp
+
+    world = 2
+    mp.spawn(_listless_worker, args=(world, f"file://{tmp_path / 'rendezvous'}", str(tmp_path), PROBLEM),
+             nprocs=world, join=True)
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+    for label in LABELS:
+        if label.startswith("all_to_all"):
+            check(results, label)
+    for by_label in results:
+        everything = by_label["gather"]
+        for label in (x for x in LABELS if x.startswith("all_to_all")):
+            out, out_lse, (begin, end) = by_label[label]
+            assert torch.equal(out, everything[0][:, begin:end]), label
+            assert torch.equal(out_lse, everything[1][:, begin:end]), label
+
+
 def test_the_processes_keep_nvlink_multicast_off(tmp_path, monkeypatch):
     """run() sets NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 where they are unset
     (a one-process group here)."""
