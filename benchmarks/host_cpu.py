@@ -8,6 +8,7 @@ for scale: the bench's host timer (attnmerge.bench.timing.host_us, median of 15 
     python benchmarks/host_cpu.py                  # float32 CPU tensors (a CPU merge of 4096 elements)
     python benchmarks/host_cpu.py --device cuda    # bfloat16 CUDA tensors, as the bench's host section
     python benchmarks/host_cpu.py --device numpy   # float32 NumPy arrays, torch imported beside
+    python benchmarks/host_cpu.py --allocated      # the results allocated by the call (no out=)
 
 To compare two builds, install each in its own environment (or `pip install --target` folder) and
 run each tree's own copy of this script alternately under both; the timer is the same in both.
@@ -51,12 +52,13 @@ def main():
     parser.add_argument("--device", choices=("cpu", "cuda", "numpy"), default="cpu",
                         help="CPU tensors, CUDA tensors, or NumPy arrays in a process that imported torch")
     parser.add_argument("--repeats", type=int, default=5, help="alternations of with and without (default 5)")
+    parser.add_argument("--allocated", action="store_true", help="no out= or out_lse=: the call allocates them")
     parser.add_argument("--instructions", action="store_true", help="count instructions per call (valgrind)")
     parser.add_argument("--calls", type=int, default=2000, help="calls counted with --instructions (%(default)s)")
     parser.add_argument("--counted", choices=tuple(MODES), help=argparse.SUPPRESS)  # the process valgrind runs
     args = parser.parse_args()
     torch.set_num_threads(1)
-    merge = merge_call(args.device)
+    merge = merge_call(args.device, args.allocated)
     if args.counted:
         return counted(merge, args.counted, args.calls)
     if args.instructions:
@@ -69,8 +71,9 @@ def main():
     from attnmerge import _roads  # the timing's alone: --instructions counts builds from before it too
 
     o_a, o_b, out = merge.arrays
+    outputs = "allocated" if args.allocated else "given"
     print(f"attnmerge {attnmerge.__version__} ({attnmerge.__file__}), torch {torch.__version__}, "
-          f"{args.device} {str(o_a.dtype).removeprefix('torch.')}")
+          f"{args.device} {str(o_a.dtype).removeprefix('torch.')}, outputs {outputs}")
     road = _roads.torch_road()
     times = {mode: ([], []) for mode in MODES}  # (routed, without) per mode, alternated
     for _ in range(args.repeats):
@@ -90,9 +93,9 @@ def main():
           f"{per_call_us(lambda: add(o_a, o_b, out=out)):6.3f} us")
 
 
-def merge_call(device):
-    """The timed call: attnmerge.merge of 1 x 32 x 128 states, outputs given (`.arrays`: o_a, o_b
-    and out, for the scale's add)."""
+def merge_call(device, allocated=False):
+    """The timed call: attnmerge.merge of 1 x 32 x 128 states, outputs given unless `allocated`
+    (`.arrays`: o_a, o_b and an out, for the scale's add)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     t, h, d = 1, 32, 128
     where = "cpu" if device == "numpy" else device
@@ -105,6 +108,10 @@ def merge_call(device):
 
     def merge():
         attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse)
+
+    if allocated:
+        def merge():
+            attnmerge.merge(o_a, lse_a, o_b, lse_b)
 
     merge.arrays = (o_a, o_b, out)
     return merge
@@ -138,14 +145,16 @@ def instructions(args):
     if missing:
         sys.exit(f"--instructions needs valgrind's tools on PATH: {', '.join(missing)} not found")
     arrays = "NumPy arrays" if args.device == "numpy" else "torch tensors"
+    outputs = "allocated" if args.allocated else "given"
     print(f"attnmerge {attnmerge.__version__} ({attnmerge.__file__}), torch {torch.__version__}: instructions per "
-          f"call of attnmerge.merge (1 x 32 x 128 float32 {arrays}, outputs given), {args.calls} calls counted")
+          f"call of attnmerge.merge (1 x 32 x 128 float32 {arrays}, outputs {outputs}), {args.calls} calls counted")
     with tempfile.TemporaryDirectory() as tmp:
         for mode in MODES:
             profile = os.path.join(tmp, "callgrind.out")
             run = subprocess.run(
                 ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={profile}",
-                 sys.executable, __file__, "--counted", mode, "--calls", str(args.calls), "--device", args.device],
+                 sys.executable, __file__, "--counted", mode, "--calls", str(args.calls), "--device", args.device,
+                 *(["--allocated"] if args.allocated else [])],
                 env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, text=True)
             if run.returncode != 0:
                 sys.exit(f"valgrind failed ({run.returncode}): {run.stderr[-2000:]}")

