@@ -106,12 +106,12 @@ def merge_call(device, allocated=False):
     empty_like = np.empty_like if device == "numpy" else torch.empty_like
     out, out_lse = empty_like(o_a), empty_like(lse_a)
 
-    def merge():
-        attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse)
-
     if allocated:
         def merge():
             attnmerge.merge(o_a, lse_a, o_b, lse_b)
+    else:
+        def merge():
+            attnmerge.merge(o_a, lse_a, o_b, lse_b, out=out, out_lse=out_lse)
 
     merge.arrays = (o_a, o_b, out)
     return merge

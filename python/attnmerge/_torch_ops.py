@@ -701,13 +701,13 @@ _autograd_records = _flag_reader("requires_grad", torch.is_grad_enabled)
 def _python_takes(*arrays):
     if _dynamo_compiling():  # as _c_takes' stand-in answers while Dynamo traces
         return True
-    if not (len(arrays) >= 2 and type(arrays[0]) is _Tensor and type(arrays[1]) is _Tensor):
-        tensors = [x for x in arrays if isinstance(x, _Tensor)]
-        if not tensors:
-            return None  # no torch tensor: nothing to record or trace, and none a transform holds
-        if any(type(x) is not _Tensor for x in tensors) and _compiling():
-            return True
-    return _autograd_records(*(x for x in arrays if isinstance(x, _Tensor)))
+    tensors = [x for x in arrays if isinstance(x, _Tensor)]
+    if not tensors:
+        return None  # no torch tensor: nothing to record or trace, and none a transform holds
+    eager = len(arrays) >= 2 and type(arrays[0]) is _Tensor and type(arrays[1]) is _Tensor
+    if not eager and any(type(x) is not _Tensor for x in tensors) and _compiling():
+        return True
+    return _autograd_records(*tensors)
 
 
 def _c_takes():

@@ -58,6 +58,13 @@ bool refuse(PyObject* op, PyObject* a, PyObject* b, PyObject* opt) {
   return false;
 }
 
+// Whether a and b, handed over to be written, may be: true, or false with the error raised (a
+// JAX array is refused; asking may fail).
+bool writable(PyObject* op, PyObject* a, PyObject* b, PyObject* opt) {
+  const int jax = any_jax(a, b);
+  return jax == 0 || (jax > 0 && refuse(op, a, b, opt));
+}
+
 // Whether the type of x is known not to be JAX's (without asking): the per-call case.
 bool known_not_jax(PyObject* x) {
   return PyDict_GetItem(g.jax_types, reinterpret_cast<PyObject*>(Py_TYPE(x))) == Py_False;
@@ -115,14 +122,10 @@ PyObject* run_road(PyObject* op, PyObject* inputs, PyObject* out, PyObject* out_
   const int grouped = PyObject_IsTrue(PyTuple_GET_ITEM(opt, g.group_size));
   if (grouped < 0) return nullptr;
   if (like < 0) {  // the in-place merge writes its first state
-    const int jax = any_jax(in[0], in[1]);
-    if (jax < 0 || (jax && !refuse(op, in[0], in[1], opt))) return nullptr;
+    if (!writable(op, in[0], in[1], opt)) return nullptr;
   } else if (out == Py_None || out_lse == Py_None || PyTuple_GET_ITEM(opt, g.out_dtype) != Py_None || grouped) {
     // results to allocate
-    if (out != Py_None || out_lse != Py_None) {
-      const int jax = any_jax(out, out_lse);
-      if (jax < 0 || (jax && !refuse(op, out, out_lse, opt))) return nullptr;
-    }
+    if ((out != Py_None || out_lse != Py_None) && !writable(op, out, out_lse, opt)) return nullptr;
     if (like >= n) return fail(PyExc_TypeError, "op: its `like` input is past its inputs");
     if (out == Py_None) {
       const int jax = is_jax(in[like]);
@@ -133,8 +136,7 @@ PyObject* run_road(PyObject* op, PyObject* inputs, PyObject* out, PyObject* out_
       }
     }
   } else if (!known_not_jax(out) || !known_not_jax(out_lse)) {
-    const int jax = any_jax(out, out_lse);
-    if (jax < 0 || (jax && !refuse(op, out, out_lse, opt))) return nullptr;
+    if (!writable(op, out, out_lse, opt)) return nullptr;
   } else {  // the per-call case: every result given, straight to the binding
     PyObject* args[12] = {out, out_lse};
     for (Py_ssize_t i = 0; i < n; ++i) args[2 + i] = in[i];
@@ -161,7 +163,6 @@ PyMethodDef road_def = {"road", reinterpret_cast<PyCFunction>(reinterpret_cast<v
 // ---- a public function's per-call path --------------------------------------------------------
 
 constexpr const char* kCapsule = "attnmerge.caller";
-
 
 struct Caller {
   PyObject *op, *defaults, *record, *general;  // owned
